@@ -1,0 +1,107 @@
+"""The one module that probes CUDA: which device, how much memory is free, streams.
+
+Everything else in gpuload asks here instead of calling ``torch.cuda`` directly, so that a
+machine without a GPU takes one code path and tests can pretend any card size.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DeviceError",
+    "MemoryInfo",
+    "cuda_available",
+    "resolve_device",
+    "device_memory",
+    "host_memory",
+    "new_side_stream",
+]
+
+
+class DeviceError(ValueError):
+    """A requested device does not exist or cannot be used."""
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Free and total bytes of one memory pool (a GPU, or host RAM)."""
+
+    free: int
+    total: int
+
+
+def cuda_available() -> bool:
+    """True when torch sees at least one usable CUDA device."""
+    return torch.cuda.is_available()
+
+
+def resolve_device(device: str | int | torch.device | None) -> torch.device:
+    """Turn the user's ``device=`` into a concrete ``torch.device``, or raise a clear error.
+
+    ``None`` means the current CUDA device when there is one, else the CPU. A CUDA device that
+    this machine does not have raises :class:`DeviceError` saying what exists.
+    """
+    if device is None:
+        if cuda_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    resolved = torch.device(device) if not isinstance(device, torch.device) else device
+    if resolved.type == "cuda":
+        if not cuda_available():
+            raise DeviceError(
+                f"device={str(device)!r} was requested but CUDA is not available on this machine "
+                f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
+                "pass device='cpu' or leave device unset to use the CPU"
+            )
+        count = torch.cuda.device_count()
+        index = torch.cuda.current_device() if resolved.index is None else resolved.index
+        if not 0 <= index < count:
+            raise DeviceError(
+                f"device={str(device)!r} does not exist: this machine has {count} CUDA "
+                f"device(s), cuda:0 to cuda:{count - 1}"
+            )
+        return torch.device("cuda", index)
+    if resolved.type != "cpu":
+        raise DeviceError(
+            f"device={str(device)!r} is not supported: gpuload runs on 'cuda' or 'cpu'"
+        )
+    return resolved
+
+
+def device_memory(device: torch.device) -> MemoryInfo:
+    """Free and total memory of a CUDA device as the driver reports it (other processes count).
+
+    Memory that torch's caching allocator holds but does not use counts as free, since this
+    process can reuse it.
+    """
+    if device.type != "cuda":
+        raise DeviceError(f"{device} has no device memory of its own; ask host_memory()")
+    free, total = torch.cuda.mem_get_info(device)
+    reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return MemoryInfo(free=int(free + reusable), total=int(total))
+
+
+def host_memory() -> MemoryInfo:
+    """Available and total host RAM, from /proc/meminfo where it exists."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            fields = {
+                line.split(":")[0]: int(line.split()[1]) * 1024 for line in meminfo if ":" in line
+            }
+        return MemoryInfo(free=fields["MemAvailable"], total=fields["MemTotal"])
+    except (OSError, KeyError, ValueError, IndexError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return MemoryInfo(
+            free=page * os.sysconf("SC_AVPHYS_PAGES"), total=page * os.sysconf("SC_PHYS_PAGES")
+        )
+
+
+def new_side_stream(device: torch.device) -> "torch.cuda.Stream | None":
+    """A new CUDA stream on ``device`` for copies, or None on the CPU (no streams there)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.Stream(device=device)

@@ -1,0 +1,155 @@
+"""Array datasets served by gathering: the data sits in one place, each batch is one index_select.
+
+``find_resident_columns`` recognises datasets whose samples are rows of arrays
+(``TensorDataset``, ``gpuload.ArrayDataset``, a bare tensor or numpy array) and proves, on
+sample 0, that a gather reproduces torch's fetch + collate exactly. ``ArrayColumns.place`` then
+puts the arrays on the device (or keeps them on the host when they do not fit or the cache is
+off) and ``ResidentColumns.gather`` builds batches.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils.data import TensorDataset
+
+from gpuload.datasets.arrays import ArrayDataset
+from gpuload.device import device_memory
+
+__all__ = ["ArrayColumns", "ResidentColumns", "find_resident_columns"]
+
+# Device memory left free when deciding whether a dataset fits: room for the model's
+# activations and for allocator fragmentation.
+_DEVICE_HEADROOM_FRACTION = 0.10
+_DEVICE_HEADROOM_MIN_BYTES = 1 << 30
+
+
+def _raw_columns(dataset: Any) -> list[torch.Tensor] | None:
+    if isinstance(dataset, TensorDataset) and type(dataset).__getitem__ is TensorDataset.__getitem__:
+        return list(dataset.tensors)
+    if isinstance(dataset, ArrayDataset) and type(dataset).__getitem__ is ArrayDataset.__getitem__:
+        return list(dataset.columns.values())
+    if type(dataset) is torch.Tensor:
+        return [dataset]
+    if type(dataset) is np.ndarray and dataset.dtype.kind in "biuf" and dataset.ndim > 0:
+        try:
+            return [torch.from_numpy(dataset)]
+        except (ValueError, TypeError):  # negative strides, unsupported dtypes
+            return None
+    return None
+
+
+def find_resident_columns(
+    dataset: Any, collate_fn: Callable[[Any], Any], batched: bool
+) -> ArrayColumns | None:
+    """The dataset's arrays and the batch structure, when gathering equals torch's collation.
+
+    Returns None (use torch's path) unless the dataset is plain rows of strided arrays and
+    collating sample 0 gives exactly those arrays' first rows, with the same dtypes and shapes.
+    """
+    columns = _raw_columns(dataset)
+    if not columns or any(c.layout != torch.strided or c.dim() == 0 for c in columns):
+        return None
+    if columns[0].shape[0] == 0:
+        return None
+    sample = dataset[0]
+    template = collate_fn([sample]) if batched else collate_fn(sample)
+    leaves, spec = tree_flatten(template)
+    if len(leaves) != len(columns):
+        return None
+    for leaf, column in zip(leaves, columns):
+        expected = column[0:1] if batched else column[0]
+        if not isinstance(leaf, torch.Tensor) or leaf.dtype != column.dtype:
+            return None
+        if leaf.shape != expected.shape or not torch.equal(leaf, expected):
+            return None
+    return ArrayColumns(columns, spec, columns[0].shape[0])
+
+
+@dataclass
+class ArrayColumns:
+    """Host arrays with one row per sample, and the tree structure a batch of them takes."""
+
+    columns: list[torch.Tensor]
+    spec: TreeSpec
+    num_samples: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.columns)
+
+    def place(self, device: torch.device, keep_on_host: bool = False) -> ResidentColumns:
+        """Copy the arrays to ``device`` once when they fit, else keep them on the host."""
+        if device.type == "cpu":
+            return ResidentColumns(self, self.columns, device, "device-gather", 0)
+        if not keep_on_host:
+            memory = device_memory(device)
+            headroom = max(_DEVICE_HEADROOM_MIN_BYTES, int(memory.total * _DEVICE_HEADROOM_FRACTION))
+            if self.nbytes <= memory.free - headroom:
+                try:
+                    placed = [c.to(device) for c in self.columns]
+                    return ResidentColumns(self, placed, device, "device-gather", self.nbytes)
+                except torch.cuda.OutOfMemoryError:
+                    pass
+            warnings.warn(
+                f"gpuload: the dataset ({self.nbytes / 2**30:.2f} GiB) does not fit in the free "
+                f"memory of {device} ({memory.free / 2**30:.2f} GiB free, "
+                f"{headroom / 2**30:.2f} GiB kept for the model); batches are gathered on the "
+                "host and copied each step instead",
+                stacklevel=3,
+            )
+        return ResidentColumns(self, self.columns, device, "host-gather", 0)
+
+
+class ResidentColumns:
+    """Arrays in their serving place (device, or host for host-gather) that batches gather from."""
+
+    def __init__(
+        self,
+        source: ArrayColumns,
+        columns: list[torch.Tensor],
+        device: torch.device,
+        path: str,
+        placed_bytes: int,
+    ) -> None:
+        self.source = source
+        self.columns = columns
+        self.device = device
+        self.path = path
+        self.placed_bytes = placed_bytes
+        self._where = columns[0].device
+        self._copies_batches = self._where != device
+
+    def gather(self, indices: Any, batched: bool) -> tuple[Any, int, int]:
+        """One batch for ``indices``: (batch on the device, sample count, host-to-device bytes)."""
+        index = torch.as_tensor(indices, dtype=torch.long)
+        if batched and index.dim() == 0:
+            index = index.view(1)
+        flat = index.view(-1)
+        if flat.numel() == 0:
+            # torch collates an empty list of samples, which fails the same way.
+            raise IndexError("list index out of range")
+        low, high = (int(v) for v in torch.aminmax(flat))
+        size = self.source.num_samples
+        if low < -size or high >= size:
+            bad = low if low < -size else high
+            raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {size}")
+        if low < 0:
+            flat = flat.remainder(size)
+        moved_bytes = 0
+        if not self._copies_batches and self._where != flat.device:
+            flat = flat.to(self._where, non_blocking=True)
+            moved_bytes += flat.numel() * flat.element_size()
+        leaves = [column.index_select(0, flat) for column in self.columns]
+        if not batched:
+            leaves = [leaf.squeeze(0) for leaf in leaves]
+        if self._copies_batches:
+            moved_bytes += sum(leaf.numel() * leaf.element_size() for leaf in leaves)
+            leaves = [leaf.pin_memory().to(self.device, non_blocking=True) for leaf in leaves]
+        return tree_unflatten(leaves, self.source.spec), flat.numel(), moved_bytes

@@ -1,0 +1,152 @@
+"""Index plans: which sample indices each batch takes, drawn with torch's own samplers.
+
+For the device-gather path the per-batch Python of ``BatchSampler`` (lists of ints, then a
+tensor per batch) costs more than the gather itself. When the batch sampler is torch's own
+``BatchSampler`` over one of torch's samplers, the epoch's index sequence is drawn as tensors
+and cut into batches as views: the same indices in the same order, from the same random
+stream, and each random draw happens at the same batch as with torch, so an epoch abandoned
+early leaves the generator exactly where torch's would.
+
+``RandomSampler`` draws several times per epoch (a permutation per pass over the data, plus a
+tail draw; chunks of 32 with replacement). Its draws are replayed with tensor ops; the replay is
+checked once per sampler against the real iterator on a copy of the random state, and the real
+iterator is used instead if they ever disagree (a different torch release, say).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from weakref import WeakKeyDictionary
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+from torch.utils.data.distributed import DistributedSampler
+
+__all__ = ["can_draw_whole_epoch", "epoch_batches"]
+
+# torch samplers that draw everything at their first index (or draw nothing): draining them
+# into one tensor at the first batch is exactly what BatchSampler's first pull does.
+_SINGLE_DRAW_SAMPLERS = (
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+    DistributedSampler,
+)
+
+# (start position, draw): ``draw`` runs when BatchSampler would pull index ``start``.
+Part = tuple[int, Callable[[], torch.Tensor]]
+
+_replay_matches: WeakKeyDictionary[RandomSampler, bool] = WeakKeyDictionary()
+
+
+def can_draw_whole_epoch(batch_sampler: object) -> bool:
+    """True when ``batch_sampler`` is torch's BatchSampler over one of torch's own samplers."""
+    return type(batch_sampler) is BatchSampler and type(batch_sampler.sampler) in (
+        *_SINGLE_DRAW_SAMPLERS,
+        RandomSampler,
+    )
+
+
+def epoch_batches(batch_sampler: BatchSampler) -> Iterator[torch.Tensor]:
+    """Yield the epoch's batches as int64 tensors, as ``iter(batch_sampler)`` would yield lists.
+
+    Draws happen when torch's BatchSampler would make them: a draw for sampler position ``p``
+    runs while producing the batch that pulls ``p`` (a batch pulls its ``batch_size`` positions,
+    and the one that finds the end pulls position ``len(sampler)``).
+    """
+    sampler = batch_sampler.sampler
+    total = len(sampler)
+    size = batch_sampler.batch_size
+    parts = list(_parts(sampler))
+    pending: list[torch.Tensor] = []
+    buffered = torch.empty(0, dtype=torch.int64)
+    start = 0
+    while True:
+        last_pulled = min(start + size - 1, total)
+        while parts and parts[0][0] <= last_pulled:
+            pending.append(parts.pop(0)[1]())
+        if pending:
+            buffered = torch.cat([buffered, *pending])
+            pending.clear()
+        remaining = total - start
+        if remaining <= 0 or (remaining < size and batch_sampler.drop_last):
+            return
+        batch, buffered = buffered[:size], buffered[size:]
+        start += size
+        yield batch
+
+
+def _parts(sampler: object) -> Iterator[Part]:
+    if type(sampler) is SequentialSampler:
+        yield 0, lambda: torch.arange(len(sampler.data_source), dtype=torch.int64)
+    elif type(sampler) is RandomSampler and _replay_is_exact(sampler):
+        yield from _random_sampler_parts(sampler)
+    else:
+        yield 0, lambda: torch.tensor(list(iter(sampler)), dtype=torch.int64)
+
+
+def _random_sampler_parts(sampler: RandomSampler) -> list[Part]:
+    """torch's ``RandomSampler.__iter__``, one Part per random draw it makes."""
+    n = len(sampler.data_source)
+    num_samples = sampler.num_samples
+    state: dict[str, torch.Generator] = {}
+
+    def generator() -> torch.Generator:
+        if "g" not in state:
+            if sampler.generator is None:
+                seed = int(torch.empty((), dtype=torch.int64).random_().item())
+                state["g"] = torch.Generator()
+                state["g"].manual_seed(seed)
+            else:
+                state["g"] = sampler.generator
+        return state["g"]
+
+    def randint(count: int) -> Callable[[], torch.Tensor]:
+        return lambda: torch.randint(high=n, size=(count,), dtype=torch.int64, generator=generator())
+
+    def randperm(keep: int | None) -> Callable[[], torch.Tensor]:
+        return lambda: torch.randperm(n, generator=generator())[:keep]
+
+    if sampler.replacement:
+        chunks = num_samples // 32
+        parts = [(32 * i, randint(32)) for i in range(chunks)]
+        return parts + [(32 * chunks, randint(num_samples % 32))]
+    passes = num_samples // n
+    parts = [(n * i, randperm(None)) for i in range(passes)]
+    return parts + [(n * passes, randperm(num_samples % n))]
+
+
+def _replay_is_exact(sampler: RandomSampler) -> bool:
+    """Check once, on a copy of the random state, that the replay equals torch's iterator."""
+    if sampler not in _replay_matches:
+        global_state = torch.get_rng_state()
+        own_state = None if sampler.generator is None else sampler.generator.get_state()
+
+        def run(replay: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            torch.set_rng_state(global_state)
+            generator = None
+            if own_state is not None:
+                generator = torch.Generator()
+                generator.set_state(own_state)
+            shadow = RandomSampler(
+                sampler.data_source, sampler.replacement, sampler.num_samples, generator
+            )
+            if replay:
+                order = torch.cat([draw() for _, draw in _random_sampler_parts(shadow)])
+            else:
+                order = torch.tensor(list(iter(shadow)), dtype=torch.int64)
+            after = torch.get_rng_state() if generator is None else generator.get_state()
+            return order, after
+
+        try:
+            real, replayed = run(replay=False), run(replay=True)
+            _replay_matches[sampler] = all(torch.equal(a, b) for a, b in zip(real, replayed))
+        finally:
+            torch.set_rng_state(global_state)
+    return _replay_matches[sampler]
