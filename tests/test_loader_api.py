@@ -1,0 +1,237 @@
+"""The constructor, errors, attributes, stats and lifecycle of gpuload.DataLoader."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader as TorchDataLoader
+
+import gpuload
+from gpuload.device import DeviceError
+from equivalence import assert_same_epochs
+
+
+def dataset(n: int = 20) -> TensorDataset:
+    return TensorDataset(torch.arange(n * 3, dtype=torch.uint8).view(n, 3), torch.arange(n))
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        yield from range(5)
+
+
+def test_signature_is_torchs_then_gpuload_keyword_options() -> None:
+    ours = list(inspect.signature(gpuload.DataLoader.__init__).parameters.values())
+    theirs = list(inspect.signature(TorchDataLoader.__init__).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [
+        (p.name, p.kind, p.default) for p in theirs
+    ]
+    extra = ours[len(theirs) :]
+    assert [p.name for p in extra] == ["device", "transforms", "cache", "cache_size"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra)
+
+
+INVALID = [
+    dict(num_workers=-1),
+    dict(timeout=-1),
+    dict(batch_sampler=[[0, 1]], batch_size=2),
+    dict(batch_sampler=[[0, 1]], shuffle=True),
+    dict(batch_sampler=[[0, 1]], drop_last=True),
+    dict(batch_sampler=[[0, 1]], sampler=[0, 1]),
+    dict(sampler=[0, 1], shuffle=True),
+    dict(batch_size=None, drop_last=True),
+    dict(prefetch_factor=2),
+    dict(persistent_workers=True),
+    dict(multiprocessing_context="spawn"),
+    dict(num_workers=1, multiprocessing_context="no-such-method"),
+    dict(num_workers=1, multiprocessing_context=3),
+    dict(num_workers=1, prefetch_factor=-1),
+]
+
+
+@pytest.mark.parametrize("kwargs", INVALID, ids=str)
+def test_invalid_combinations_raise_like_torch(kwargs: dict) -> None:
+    with pytest.raises(Exception) as theirs:
+        TorchDataLoader(dataset(), **kwargs)
+    with pytest.raises(type(theirs.value)) as ours:
+        gpuload.DataLoader(dataset(), device="cpu", **kwargs)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_iterable_dataset_invalid_options_raise_like_torch() -> None:
+    for kwargs in (dict(shuffle=True), dict(sampler=[0]), dict(batch_sampler=[[0]])):
+        with pytest.raises(ValueError) as theirs:
+            TorchDataLoader(Stream(), **kwargs)
+        with pytest.raises(ValueError) as ours:
+            gpuload.DataLoader(Stream(), device="cpu", **kwargs)
+        assert str(ours.value) == str(theirs.value)
+
+
+def test_public_attributes_and_len_match_torch() -> None:
+    g = torch.Generator()
+    kwargs = dict(batch_size=6, shuffle=True, drop_last=True, generator=g)
+    ours, theirs = gpuload.DataLoader(dataset(), device="cpu", **kwargs), TorchDataLoader(dataset(), **kwargs)
+    for name in ("batch_size", "drop_last", "num_workers", "pin_memory", "timeout", "prefetch_factor",
+                 "persistent_workers", "pin_memory_device", "in_order", "worker_init_fn",
+                 "multiprocessing_context", "collate_fn"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.generator is g
+    assert type(ours.sampler) is type(theirs.sampler) and type(ours.batch_sampler) is type(theirs.batch_sampler)
+    assert len(ours) == len(theirs) == 3
+    assert isinstance(ours, TorchDataLoader)
+    with pytest.raises(ValueError, match="batch_size attribute should not be set"):
+        ours.batch_size = 3
+
+
+def test_rebuilding_from_constructor_arguments_like_lightning() -> None:
+    """Lightning and Accelerate rebuild a loader from attributes named like its arguments."""
+    original = gpuload.DataLoader(dataset(), batch_size=4, shuffle=True, device="cpu", cache="off")
+    params = inspect.signature(type(original).__init__).parameters
+    kwargs = {
+        name: getattr(original, name)
+        for name in params
+        if name not in ("self", "sampler", "batch_sampler", "shuffle") and hasattr(original, name)
+    }
+    sampler = torch.utils.data.distributed.DistributedSampler(original.dataset, num_replicas=2, rank=1, shuffle=False)
+    rebuilt = type(original)(sampler=sampler, **kwargs)
+    assert rebuilt.device == original.device and rebuilt.cache == "off"
+    assert [b[1].tolist() for b in rebuilt] == [[1, 3, 5, 7], [9, 11, 13, 15], [17, 19]]
+
+
+def test_stats_count_batches_samples_and_wait_time() -> None:
+    for data in (dataset(), torch.utils.data.Subset(dataset(), range(20))):
+        loader = gpuload.DataLoader(data, batch_size=6, device="cpu")
+        for _ in range(2):
+            for _ in loader:
+                pass
+        stats = loader.stats
+        assert (stats.epochs, stats.batches, stats.samples) == (2, 8, 40)
+        assert stats.wait_time_s > 0
+        assert stats.bytes_h2d == 0  # nothing crosses PCIe on the CPU
+        assert stats.as_dict()["samples"] == 40 and "samples" in str(stats)
+    unbatched = gpuload.DataLoader(dataset(), batch_size=None, device="cpu")
+    list(unbatched)
+    assert unbatched.stats.samples == unbatched.stats.batches == 20
+
+
+def test_default_device_is_cpu_without_cuda() -> None:
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert gpuload.DataLoader(dataset()).device.type == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_device_without_cuda_says_what_to_do() -> None:
+    with pytest.raises(DeviceError, match="CUDA is not available.*device='cpu'"):
+        gpuload.DataLoader(dataset(), device="cuda")
+
+
+def test_unknown_device_and_cache_mode_are_clear_errors() -> None:
+    with pytest.raises(DeviceError, match="not supported"):
+        gpuload.DataLoader(dataset(), device="meta")
+    with pytest.raises(RuntimeError):
+        gpuload.DataLoader(dataset(), device="warp-drive")
+    with pytest.raises(ValueError, match="cache='sometimes' is not a cache mode"):
+        gpuload.DataLoader(dataset(), device="cpu", cache="sometimes")
+
+
+def test_empty_dataset_behaves_like_torch() -> None:
+    empty = TensorDataset(torch.empty(0, 3), torch.empty(0))
+    assert list(gpuload.DataLoader(empty, batch_size=4, device="cpu")) == list(TorchDataLoader(empty, batch_size=4)) == []
+    with pytest.raises(ValueError) as theirs:
+        TorchDataLoader(empty, shuffle=True)
+    with pytest.raises(ValueError) as ours:
+        gpuload.DataLoader(empty, shuffle=True, device="cpu")
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_batch_larger_than_dataset() -> None:
+    for drop_last in (False, True):
+        ours = gpuload.DataLoader(dataset(5), batch_size=8, drop_last=drop_last, shuffle=True,
+                                  generator=torch.Generator().manual_seed(0), device="cpu")
+        theirs = TorchDataLoader(dataset(5), batch_size=8, drop_last=drop_last, shuffle=True,
+                                 generator=torch.Generator().manual_seed(0))
+        assert len(ours) == len(theirs) == (0 if drop_last else 1)
+        assert_same_epochs(ours, theirs)
+
+
+def test_out_of_range_indices_raise_index_error_like_torch() -> None:
+    for sampler in ([0, 25], [-21]):
+        with pytest.raises(IndexError) as theirs:
+            list(TorchDataLoader(dataset(), batch_size=2, sampler=sampler))
+        with pytest.raises(IndexError) as ours:
+            list(gpuload.DataLoader(dataset(), batch_size=2, sampler=sampler, device="cpu"))
+        assert str(ours.value) == str(theirs.value)
+    ours = gpuload.DataLoader(dataset(), batch_size=2, sampler=[-1, -20], device="cpu")
+    assert next(iter(ours))[1].tolist() == [19, 0]
+
+
+def test_array_dataset_checks_its_columns() -> None:
+    with pytest.raises(ValueError, match="same number of samples.*image: 4, label: 3"):
+        gpuload.ArrayDataset(image=np.zeros((4, 2)), label=np.zeros(3))
+    with pytest.raises(TypeError, match="numpy dtype <U1"):
+        gpuload.ArrayDataset(np.array(["a", "b"]))
+    with pytest.raises(ValueError, match="0-dimensional"):
+        gpuload.ArrayDataset(torch.tensor(3))
+    with pytest.raises(ValueError, match="not both"):
+        gpuload.ArrayDataset(np.zeros(2), label=np.zeros(2))
+    with pytest.raises(TypeError, match="pass torch tensors or numpy arrays"):
+        gpuload.ArrayDataset([1, 2, 3])
+    assert "image=(4, 2):float64" in repr(gpuload.ArrayDataset(image=np.zeros((4, 2))))
+
+
+def test_mismatched_tensor_dataset_is_torchs_error() -> None:
+    with pytest.raises(AssertionError, match="Size mismatch"):
+        TensorDataset(torch.zeros(3), torch.zeros(4))
+
+
+def test_early_break_and_close_leave_no_threads_or_workers() -> None:
+    baseline = threading.active_count()
+    loader = gpuload.DataLoader(torch.utils.data.Subset(dataset(), range(20)), batch_size=2,
+                                num_workers=2, persistent_workers=True, device="cpu")
+    for epoch in range(3):
+        for i, _ in enumerate(loader):
+            if i == 2:
+                break
+    loader.close()
+    loader.close()
+    assert loader._iterator is None
+    assert threading.active_count() == baseline
+    with gpuload.DataLoader(dataset(), batch_size=4, device="cpu") as fast:
+        next(iter(fast))
+    assert fast._resident is None
+
+
+def test_cache_off_serves_identical_batches() -> None:
+    data = dataset(33)
+    on = gpuload.DataLoader(data, batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(1), device="cpu")
+    off = gpuload.DataLoader(data, batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(1), device="cpu", cache="off")
+    assert_same_epochs(on, off)
+
+
+def test_unbatched_samples_are_copies_not_views_of_the_resident_data() -> None:
+    data = dataset(4)
+    loader = gpuload.DataLoader(data, batch_size=None, device="cpu")
+    x, _ = next(iter(loader))
+    x.zero_()
+    assert data.tensors[0][0].sum() > 0
+
+
+class NotDeterministicShapes(Dataset):
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, i: int):
+        return torch.zeros(i + 1)
+
+
+def test_inconsistent_shapes_in_generic_path_are_torchs_error() -> None:
+    with pytest.raises(RuntimeError) as theirs:
+        list(TorchDataLoader(NotDeterministicShapes(), batch_size=3))
+    with pytest.raises(RuntimeError) as ours:
+        list(gpuload.DataLoader(NotDeterministicShapes(), batch_size=3, device="cpu"))
+    assert str(ours.value) == str(theirs.value)
