@@ -1,5 +1,4 @@
-"""The ``gpuload`` command: ``gpuload bench`` measures loaders side by side; ``gpuload plan``
-prints where a dataset's bytes would live."""
+"""The ``gpuload`` command: ``gpuload bench`` measures loaders side by side."""
 
 from __future__ import annotations
 
@@ -11,39 +10,67 @@ from pathlib import Path
 __all__ = ["main"]
 
 
+def _progress_bar():
+    from tqdm import tqdm
+
+    bars: dict[str, tqdm] = {}
+
+    def progress(name: str, done: int, total: int) -> None:
+        if name not in bars:
+            bars[name] = tqdm(total=total, desc=f"{name:<40}", unit="epoch", leave=True, file=sys.stderr)
+        bars[name].update(done - bars[name].n)
+        if done == total:
+            bars.pop(name).close()
+
+    return progress
+
+
 def _bench(args: argparse.Namespace) -> int:
-    from gpuload.bench.inmemory import InMemoryConfig, environment, run_inmemory
-    from gpuload.bench.report import format_table, write_json
+    from gpuload.bench.ceilings import measure_ceilings
+    from gpuload.bench.report import add_ratios, format_table, write_chart, write_json
+    from gpuload.bench.run import environment, run_loaders
+    from gpuload.bench.scenarios import BenchConfig, inmemory_loaders, load_arrays
+    from gpuload.bench.steps import make_step
     from gpuload.device import resolve_device
 
     device = resolve_device(args.device)
-    config = InMemoryConfig(
+    config = BenchConfig(
         num_samples=args.samples or (10_000 if args.quick else 50_000),
         batch_size=args.batch_size,
         epochs=args.epochs or (2 if args.quick else 5),
+        torch_workers=tuple(args.torch_workers),
+        step=args.step,
+        step_ms=args.step_ms,
         seed=args.seed,
     )
+    dataset = load_arrays(args.data) if args.data else None
+    dataset, specs = inmemory_loaders(config, device, dataset)
+    shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in dataset.tensors)
     print(
-        f"gpuload bench: in-memory, {config.num_samples} x {'x'.join(map(str, config.image_shape))} "
-        f"uint8 + int64 labels, batch {config.batch_size}, shuffle, {config.epochs} epochs "
-        f"(+1 warm-up) each, on {device}",
+        f"gpuload bench: in-memory arrays [{shapes}], batch {config.batch_size}, shuffled, "
+        f"{config.epochs} timed epochs after 1 warm-up, step={config.step}"
+        f"{f' ({config.step_ms} ms)' if config.step == 'sleep' else ''}, on {device}",
         flush=True,
     )
-    results = run_inmemory(config, device, progress=lambda name: print(f"  running {name} ...", flush=True))
-    baseline, ideal = results[0].name, results[-1].name
+    ceilings = measure_ceilings(device)
+    step = make_step(config.step, device, config.step_ms)
+    results = run_loaders(specs, device, config.epochs, step, _progress_bar())
+    add_ratios(results)
     print()
-    print(format_table(results, baseline=baseline, ideal=ideal))
-    if args.json:
-        write_json(
-            Path(args.json),
-            {
-                "scenario": "inmemory",
-                "config": dataclasses.asdict(config),
-                "environment": environment(device),
-                "results": [r.as_dict() for r in results],
-            },
-        )
-        print(f"\nwrote {args.json}")
+    print(format_table(results))
+    if ceilings:
+        print("machine ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()))
+    out = Path(args.out)
+    document = {
+        "scenario": "inmemory" if not args.data else f"arrays:{args.data}",
+        "config": dataclasses.asdict(config),
+        "environment": environment(device),
+        "ceilings_gbps": ceilings,
+        "results": results,
+    }
+    write_json(out / "bench.json", document)
+    write_chart(out / "bench.png", results, f"gpuload bench: in-memory, batch {config.batch_size}, {device}")
+    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
     return 0
 
 
@@ -51,14 +78,19 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuload", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    bench = commands.add_parser("bench", help="time gpuload against torch's DataLoader")
-    bench.add_argument("--quick", action="store_true", help="a smaller run, well under a minute")
+    bench = commands.add_parser("bench", help="time gpuload against torch's DataLoader, side by side")
+    bench.add_argument("--quick", action="store_true", help="a smaller run, well under a minute on 2 cores")
+    bench.add_argument("--data", default=None, metavar="PATH", help="your own .npy or .npz (rows = samples)")
     bench.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
-    bench.add_argument("--samples", type=int, default=None, help="dataset size (default 50000)")
+    bench.add_argument("--samples", type=int, default=None, help="synthetic dataset size (default 50000)")
     bench.add_argument("--batch-size", type=int, default=512)
-    bench.add_argument("--epochs", type=int, default=None, help="timed epochs after the warm-up")
+    bench.add_argument("--epochs", type=int, default=None, help="timed epochs after the warm-up (default 5)")
+    bench.add_argument("--torch-workers", type=int, nargs="+", default=[0, 2], help="num_workers to try for torch")
+    bench.add_argument("--step", choices=["none", "sleep", "cnn"], default="none",
+                       help="training step per batch: none, a synthetic one of --step-ms, or a small CNN")
+    bench.add_argument("--step-ms", type=float, default=5.0)
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--json", default=None, metavar="PATH", help="also write all numbers as JSON")
+    bench.add_argument("--out", default="bench-results", metavar="DIR", help="where bench.json and bench.png go")
     bench.set_defaults(run=_bench)
     return parser
 

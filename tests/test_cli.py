@@ -11,17 +11,32 @@ from gpuload.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_quick_prints_table_and_writes_json(tmp_path: Path, capsys) -> None:
-    out = tmp_path / "bench.json"
-    assert main(["bench", "--quick", "--samples", "2048", "--epochs", "1", "--device", "cpu", "--json", str(out)]) == 0
+def test_bench_quick_prints_table_and_writes_json_and_chart(tmp_path: Path, capsys) -> None:
+    args = ["bench", "--quick", "--samples", "2048", "--epochs", "1", "--device", "cpu", "--out", str(tmp_path)]
+    assert main([*args, "--step", "sleep", "--step-ms", "1"]) == 0
     printed = capsys.readouterr().out
     assert "torch DataLoader (num_workers=0)" in printed and "% of ideal" in printed
-    document = json.loads(out.read_text())
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    document = json.loads((tmp_path / "bench.json").read_text())
     names = [r["name"] for r in document["results"]]
     assert names[0].startswith("torch DataLoader") and names[-1].startswith("ideal")
     assert any(name.startswith("gpuload DataLoader") for name in names)
     assert all(r["samples_per_s"] > 0 for r in document["results"])
     assert document["config"]["num_samples"] == 2048 and document["environment"]["device"] == "cpu"
+    for r in document["results"]:
+        assert r["batches_per_epoch"] == 4 and 0 <= r["wait_share"] <= 1
+        assert r["h2d_bytes_per_epoch"] == 0  # nothing crosses PCIe on the CPU
+
+
+def test_bench_on_user_npz(tmp_path: Path, capsys) -> None:
+    import numpy as np
+
+    path = tmp_path / "data.npz"
+    np.savez(path, x=np.zeros((300, 8), dtype=np.float32), y=np.arange(300))
+    assert main(["bench", "--data", str(path), "--epochs", "1", "--batch-size", "64", "--torch-workers", "0",
+                 "--device", "cpu", "--out", str(tmp_path)]) == 0
+    document = json.loads((tmp_path / "bench.json").read_text())
+    assert document["scenario"].startswith("arrays:") and document["results"][0]["batches_per_epoch"] == 5
 
 
 def test_ci_runs_the_readme_test_command() -> None:

@@ -1,4 +1,4 @@
-"""Timing primitives for the benchmark: epochs timed with the device synchronised, medians."""
+"""Measuring a loader: epoch times, time spent waiting for data vs stepping, memory peaks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["EpochTimes", "time_epochs", "synchronize"]
+__all__ = ["EpochTimes", "time_epochs", "time_step", "synchronize", "count_samples", "HostPeak"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -19,35 +19,53 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def count_samples(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, dict):
+        return count_samples(next(iter(batch.values())))
+    return count_samples(batch[0])
+
+
 @dataclass
 class EpochTimes:
-    """Wall-clock seconds per epoch; the first (warm-up) epoch is kept apart."""
+    """Per-epoch wall time and batch count; epoch 0 is the warm-up, kept apart."""
 
-    first_s: float
-    steady_s: list[float] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+    batches: int = 0
     samples_per_epoch: int = 0
 
     @property
+    def first_s(self) -> float:
+        return self.wall_s[0]
+
+    @property
+    def steady_s(self) -> list[float]:
+        return self.wall_s[1:] or self.wall_s[:1]
+
+    @property
     def median_s(self) -> float:
-        return statistics.median(self.steady_s) if self.steady_s else self.first_s
+        return statistics.median(self.steady_s)
 
     @property
     def spread_s(self) -> float:
         """Half the range of the steady epochs: the +- shown beside the median."""
-        return (max(self.steady_s) - min(self.steady_s)) / 2 if len(self.steady_s) > 1 else 0.0
+        steady = self.steady_s
+        return (max(steady) - min(steady)) / 2
 
     @property
     def samples_per_s(self) -> float:
         return self.samples_per_epoch / self.median_s if self.median_s > 0 else float("inf")
 
+    def wait_share(self, step_s: float) -> float:
+        """Share of a steady epoch not spent in training steps: the loop waiting for data.
 
-def _touch(batch: Any) -> int:
-    """Count a batch's samples; forces nothing beyond what the loader already produced."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, dict):
-        return _touch(next(iter(batch.values())))
-    return _touch(batch[0])
+        ``step_s`` is the step's own duration, measured on a batch already on the device, so
+        asynchronous GPU work is attributed correctly without synchronising every batch.
+        """
+        busy = self.batches * step_s
+        return min(1.0, max(0.0, 1.0 - busy / self.median_s)) if self.median_s > 0 else 0.0
 
 
 def time_epochs(
@@ -55,18 +73,55 @@ def time_epochs(
     device: torch.device,
     epochs: int,
     step: Callable[[Any], None] | None = None,
+    on_epoch: Callable[[int], None] = lambda _: None,
 ) -> EpochTimes:
-    """Run ``epochs + 1`` epochs (one warm-up) and time each from first request to last batch."""
-    times: list[float] = []
-    samples = 0
-    for _ in range(epochs + 1):
+    """Run one warm-up epoch plus ``epochs`` timed ones, each timed with the device synchronised."""
+    times = EpochTimes()
+    for epoch in range(epochs + 1):
         synchronize(device)
         started = time.perf_counter()
-        samples = 0
+        samples = batches = 0
         for batch in make_epoch():
-            samples += _touch(batch)
+            samples += count_samples(batch)
+            batches += 1
             if step is not None:
                 step(batch)
         synchronize(device)
-        times.append(time.perf_counter() - started)
-    return EpochTimes(first_s=times[0], steady_s=times[1:], samples_per_epoch=samples)
+        times.wall_s.append(time.perf_counter() - started)
+        times.samples_per_epoch, times.batches = samples, batches
+        on_epoch(epoch)
+    return times
+
+
+def time_step(step: Callable[[Any], None], batch: Any, device: torch.device, repeats: int = 5) -> float:
+    """Median seconds of one training step on a batch that is already where it will be used."""
+    step(batch)
+    durations = []
+    for _ in range(repeats):
+        synchronize(device)
+        started = time.perf_counter()
+        step(batch)
+        synchronize(device)
+        durations.append(time.perf_counter() - started)
+    return statistics.median(durations)
+
+
+class HostPeak:
+    """Peak resident host memory of this process between ``reset()`` and ``read()`` (Linux)."""
+
+    def reset(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+                refs.write("5")  # resets VmHWM to the current RSS
+        except OSError:
+            pass
+
+    def read(self) -> int | None:
+        try:
+            with open("/proc/self/status", encoding="ascii") as status:
+                for line in status:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None

@@ -1,4 +1,4 @@
-"""Turning benchmark results into a table for people and a JSON document for machines."""
+"""Benchmark output: a table for people, a JSON document and a PNG chart for later."""
 
 from __future__ import annotations
 
@@ -6,33 +6,41 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gpuload.bench.inmemory import LoaderResult
-
-__all__ = ["format_table", "write_json"]
+__all__ = ["format_table", "write_json", "write_chart", "add_ratios"]
 
 
-def _mib(nbytes: int | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / 2**20:.1f}"
+def add_ratios(results: list[dict[str, Any]]) -> None:
+    """Add ``x_baseline`` (vs torch, num_workers=0) and ``of_ideal`` (vs the first ideal)."""
+    baseline = next((r for r in results if r["kind"] == "baseline"), results[0])
+    ideal = next((r for r in results if r["kind"] == "ideal"), results[-1])
+    for r in results:
+        r["x_baseline"] = r["samples_per_s"] / baseline["samples_per_s"]
+        r["of_ideal"] = r["samples_per_s"] / ideal["samples_per_s"]
+    for r in results:
+        r["baseline_name"], r["ideal_name"] = baseline["name"], ideal["name"]
 
 
-def format_table(results: list[LoaderResult], baseline: str, ideal: str) -> str:
-    """A fixed-width table: throughput, epoch times, bytes moved, ratios to torch and ideal."""
-    by_name = {r.name: r for r in results}
-    base = by_name[baseline].times.samples_per_s
-    best = by_name[ideal].times.samples_per_s
+def _cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    """A fixed-width table: throughput, epoch times, waiting, bytes moved, ratios."""
     header = (
-        f"{'loader':<40} {'samples/s':>11} {'epoch s (median ± spread)':>26} "
-        f"{'1st epoch s':>11} {'H2D MiB/epoch':>13} {'x torch(nw=0)':>13} {'% of ideal':>10}"
+        f"{'loader':<40} {'samples/s':>11} {'epoch s (median ± spread)':>26} {'1st epoch s':>11} "
+        f"{'wait %':>7} {'H2D MiB/epoch':>13} {'H2D GB/s':>8} {'x torch(nw=0)':>13} {'% of ideal':>10}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
-        rate = r.times.samples_per_s
+        wait = None if r["wait_share"] is None else 100 * r["wait_share"]
+        epoch = f"{r['median_epoch_s']:.4f} ± {r['spread_s']:.4f}"
         lines.append(
-            f"{r.name:<40} {rate:>11,.0f} "
-            f"{f'{r.times.median_s:.4f} ± {r.times.spread_s:.4f}':>26} "
-            f"{r.times.first_s:>11.4f} {_mib(r.bytes_h2d_per_epoch):>13} "
-            f"{rate / base:>13.2f} {100 * rate / best:>9.1f}%"
+            f"{r['name']:<40} {r['samples_per_s']:>11,.0f} "
+            f"{epoch:>26} {r['first_epoch_s']:>11.4f} "
+            f"{_cell(wait, '.1f'):>7} {r['h2d_bytes_per_epoch'] / 2**20:>13.1f} {r['h2d_gbps']:>8.2f} "
+            f"{r['x_baseline']:>13.2f} {100 * r['of_ideal']:>9.1f}%"
         )
+    lines.append(f"x torch: against {results[0]['baseline_name']}; % of ideal: against {results[0]['ideal_name']}")
     return "\n".join(lines)
 
 
@@ -40,3 +48,30 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
     """Write the full result document (configuration, environment, per-loader numbers)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def write_chart(path: Path, results: list[dict[str, Any]], title: str) -> None:
+    """A PNG bar chart of samples/s per loader, with the spread and the ratio to torch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["name"] for r in results]
+    rates = [r["samples_per_s"] for r in results]
+    errors = [
+        r["samples_per_s"] * r["spread_s"] / r["median_epoch_s"] if r["median_epoch_s"] else 0 for r in results
+    ]
+    colors = {"baseline": "#888888", "loader": "#4c72b0", "ideal": "#55a868"}
+    figure, axis = plt.subplots(figsize=(10, 0.6 * len(results) + 1.5))
+    bars = axis.barh(names, rates, xerr=errors, color=[colors.get(r["kind"], "#4c72b0") for r in results])
+    for bar, r, error in zip(bars, results, errors):
+        axis.text(bar.get_width() + error, bar.get_y() + bar.get_height() / 2, f"  {r['x_baseline']:.1f}x",
+                  va="center", fontsize=9)
+    axis.invert_yaxis()
+    axis.set_xlabel("samples/s (median of steady epochs; bars show the spread)")
+    axis.set_title(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

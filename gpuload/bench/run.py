@@ -1,0 +1,98 @@
+"""Running a scenario's loaders one after another and collecting every metric per loader."""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import gpuload
+from gpuload.bench.measure import HostPeak, time_epochs, time_step
+from gpuload.bench.scenarios import LoaderSpec
+
+__all__ = ["run_loaders", "environment"]
+
+
+def _device_allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def run_loaders(
+    specs: list[LoaderSpec],
+    device: torch.device,
+    epochs: int,
+    step: Callable[[Any], None] | None,
+    progress: Callable[[str, int, int], None] = lambda name, done, total: None,
+) -> list[dict[str, Any]]:
+    """Time each loader for a warm-up plus ``epochs`` epochs; one result dict per loader."""
+    results = []
+    step_s: float | None = None
+    host_peak = HostPeak()
+    for spec in specs:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        before_device = _device_allocated(device)
+        host_peak.reset()
+        make_epoch, bytes_h2d, close = spec.open()
+        try:
+            if step is not None and step_s is None:
+                step_s = time_step(step, next(iter(make_epoch())), device)
+            bytes_at_start = bytes_h2d()
+            first_epoch_bytes: list[int] = []
+
+            def on_epoch(epoch: int) -> None:
+                if epoch == 0:
+                    first_epoch_bytes.append(bytes_h2d() - bytes_at_start)
+                progress(spec.name, epoch + 1, epochs + 1)
+
+            times = time_epochs(make_epoch, device, epochs, step, on_epoch)
+            steady_bytes = (bytes_h2d() - bytes_at_start - first_epoch_bytes[0]) / max(epochs, 1)
+        finally:
+            loader_device_peak = (
+                torch.cuda.max_memory_allocated(device) - before_device if device.type == "cuda" else None
+            )
+            close()
+        results.append(
+            {
+                "name": spec.name,
+                "kind": spec.kind,
+                "first_epoch_s": times.first_s,
+                "steady_epoch_s": times.steady_s,
+                "median_epoch_s": times.median_s,
+                "spread_s": times.spread_s,
+                "samples_per_s": times.samples_per_s,
+                "batches_per_epoch": times.batches,
+                "wait_share": times.wait_share(step_s) if step_s is not None else None,
+                "step_s": step_s,
+                "h2d_bytes_first_epoch": first_epoch_bytes[0],
+                "h2d_bytes_per_epoch": steady_bytes,
+                "h2d_gbps": steady_bytes / times.median_s / 1e9 if times.median_s > 0 else 0.0,
+                "device_peak_bytes": loader_device_peak,
+                "host_peak_bytes": host_peak.read(),
+                **spec.notes,
+            }
+        )
+    return results
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Versions and machine facts stored beside the numbers."""
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "gpuload": gpuload.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        info.update(device_name=properties.name, device_memory_bytes=properties.total_memory)
+    return info

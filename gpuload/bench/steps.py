@@ -1,0 +1,67 @@
+"""Training steps for the benchmark: a synthetic step of fixed duration, or a small real CNN."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpuload.bench.measure import synchronize
+
+__all__ = ["make_step"]
+
+
+def _images(batch: Any) -> torch.Tensor:
+    return batch["image"] if isinstance(batch, dict) else batch[0]
+
+
+def _gpu_sleep(device: torch.device, seconds: float) -> Callable[[Any], None]:
+    """A kernel that spins for ``seconds``: GPU work that leaves the host and PCIe free."""
+    probe_cycles = 10_000_000
+    synchronize(device)
+    started = time.perf_counter()
+    torch.cuda._sleep(probe_cycles)
+    synchronize(device)
+    cycles_per_s = probe_cycles / (time.perf_counter() - started)
+    cycles = int(cycles_per_s * seconds)
+    return lambda batch: torch.cuda._sleep(cycles)
+
+
+def _small_cnn(device: torch.device) -> Callable[[Any], None]:
+    """Forward and backward of a small CNN on the batch, converted to float on the device."""
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(64, 10),
+    ).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(batch: Any) -> None:
+        images = _images(batch)
+        x = images.float().div_(255) if images.dtype == torch.uint8 else images.float()
+        loss = model(x).square().mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def make_step(kind: str, device: torch.device, step_ms: float) -> Callable[[Any], None] | None:
+    """``"none"``: no step; ``"sleep"``: ``step_ms`` of GPU (or, on CPU, idle) time; ``"cnn"``.
+
+    On a CPU device the synthetic step sleeps, modelling a GPU step during which the host is
+    free to load data; the CNN step really computes, on whichever device is used.
+    """
+    if kind == "none":
+        return None
+    if kind == "cnn":
+        return _small_cnn(device)
+    if kind != "sleep":
+        raise ValueError(f"unknown step {kind!r}; use none, sleep or cnn")
+    if device.type == "cuda":
+        return _gpu_sleep(device, step_ms / 1000)
+    return lambda batch: time.sleep(step_ms / 1000)
