@@ -122,8 +122,14 @@ class DataLoader(tud.DataLoader):
         return _DeviceTailIterator(self, super().__iter__())
 
     def close(self) -> None:
-        """Give back the device copy of the dataset and stop persistent workers; idempotent."""
-        self._resident = None
+        """Give back the device copy of the dataset and stop persistent workers; idempotent.
+
+        Iterators still open on this loader stop working; iterating the loader again places
+        the dataset again.
+        """
+        if self._resident is not None:
+            self._resident.release()
+            self._resident = None
         iterator = self._iterator
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()

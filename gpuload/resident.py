@@ -126,8 +126,14 @@ class ResidentColumns:
         self._where = columns[0].device
         self._copies_batches = self._where != device
 
+    def release(self) -> None:
+        """Drop the device copy now, even while an abandoned iterator still refers to this."""
+        self.columns = []
+
     def gather(self, indices: Any, batched: bool) -> tuple[Any, int, int]:
         """One batch for ``indices``: (batch on the device, sample count, host-to-device bytes)."""
+        if not self.columns:
+            raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
         index = torch.as_tensor(indices, dtype=torch.long)
         if batched and index.dim() == 0:
             index = index.view(1)

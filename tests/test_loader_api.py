@@ -206,8 +206,12 @@ def test_early_break_and_close_leave_no_threads_or_workers() -> None:
         time.sleep(0.05)
     assert threading.active_count() == baseline, [t.name for t in threading.enumerate()]
     with gpuload.DataLoader(dataset(), batch_size=4, device="cpu") as fast:
-        next(iter(fast))
+        still_open = iter(fast)
+        next(still_open)
     assert fast._resident is None
+    with pytest.raises(RuntimeError, match="was closed"):
+        next(still_open)
+    assert len(list(fast)) == 5  # iterating again places the data again
 
 
 def test_cache_off_serves_identical_batches() -> None:
