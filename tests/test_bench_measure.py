@@ -1,0 +1,100 @@
+"""The benchmark's measuring code: epoch timing, wait share, byte counters, ratios, table."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from gpuload.bench.measure import EpochTimes, HostPeak, count_samples, time_epochs, time_step
+from gpuload.bench.report import add_ratios, format_table
+from gpuload.bench.run import run_loaders
+from gpuload.bench.scenarios import BenchConfig, LoaderSpec, inmemory_loaders
+
+CPU = torch.device("cpu")
+
+
+def slow_epoch(batches: int, seconds: float):
+    def epoch():
+        for _ in range(batches):
+            time.sleep(seconds)
+            yield torch.zeros(4, 2), torch.zeros(4)
+
+    return epoch
+
+
+def test_time_epochs_separates_warm_up_and_counts() -> None:
+    seen = []
+    times = time_epochs(slow_epoch(3, 0.01), CPU, epochs=2, on_epoch=seen.append)
+    assert seen == [0, 1, 2]
+    assert len(times.wall_s) == 3 and len(times.steady_s) == 2
+    assert times.batches == 3 and times.samples_per_epoch == 12
+    assert all(t >= 0.03 for t in times.wall_s)
+    assert times.samples_per_s == pytest.approx(12 / times.median_s)
+
+
+def test_wait_share_is_the_time_not_spent_stepping() -> None:
+    times = EpochTimes(wall_s=[9.0, 1.0, 1.0, 1.0], batches=10)
+    assert times.wait_share(step_s=0.06) == pytest.approx(0.4)
+    assert times.wait_share(step_s=0.2) == 0.0  # never negative
+    assert times.median_s == 1.0 and times.spread_s == 0.0 and times.first_s == 9.0
+
+
+def test_wait_share_measured_with_a_real_step() -> None:
+    step = lambda batch: time.sleep(0.01)  # noqa: E731
+    step_s = time_step(step, None, CPU)
+    assert 0.009 < step_s < 0.05
+    data_bound = time_epochs(slow_epoch(4, 0.03), CPU, epochs=1, step=step)
+    assert data_bound.wait_share(step_s) > 0.5
+
+
+def test_count_samples_reads_the_leading_dimension() -> None:
+    assert count_samples(torch.zeros(7, 3)) == 7
+    assert count_samples({"image": torch.zeros(5, 1)}) == 5
+    assert count_samples([torch.zeros(2), torch.zeros(2)]) == 2
+
+
+def test_host_peak_reads_a_number_on_linux() -> None:
+    peak = HostPeak()
+    peak.reset()
+    before = peak.read()
+    block = bytearray(64 * 2**20)
+    block[::4096] = b"x" * len(block[::4096])
+    after = peak.read()
+    assert before is None or after >= before + 32 * 2**20
+
+
+def test_run_loaders_counts_bytes_per_epoch_and_ratios() -> None:
+    counter = {"bytes": 0}
+
+    def open_spec(per_batch: int):
+        def open_():
+            def epoch():
+                for _ in range(2):
+                    counter["bytes"] += per_batch
+                    yield torch.zeros(3, 1)
+            return epoch, lambda: counter["bytes"], lambda: None
+        return open_
+
+    specs = [LoaderSpec("base", open_spec(10), "baseline"), LoaderSpec("ideal", open_spec(0), "ideal")]
+    results = run_loaders(specs, CPU, epochs=2, step=None)
+    assert results[0]["h2d_bytes_per_epoch"] == 20 and results[0]["h2d_bytes_first_epoch"] == 20
+    assert results[1]["h2d_bytes_per_epoch"] == 0
+    add_ratios(results)
+    assert results[0]["x_baseline"] == 1.0 and results[1]["of_ideal"] == 1.0
+    table = format_table(results)
+    assert "base" in table and "% of ideal" in table
+
+
+def test_inmemory_scenario_lists_every_loader_and_ideal() -> None:
+    config = BenchConfig(num_samples=64, batch_size=16, epochs=1, torch_workers=(0,))
+    dataset, specs = inmemory_loaders(config, CPU)
+    assert len(dataset) == 64
+    kinds = [s.kind for s in specs]
+    assert kinds[0] == "baseline" and kinds[-2:] == ["ideal", "ideal"]
+    for spec in specs:
+        make_epoch, bytes_h2d, close = spec.open()
+        batches = list(make_epoch())
+        assert len(batches) == 4 and bytes_h2d() == 0
+        close()
