@@ -17,12 +17,17 @@ import torch
 import torch.utils.data as tud
 
 from gpuload.device import resolve_device
+from gpuload.prefetch import Prefetcher, default_depth
 from gpuload.sampling import can_draw_whole_epoch, epoch_batches
 from gpuload.resident import ResidentColumns, find_resident_columns
 from gpuload.stats import LoaderStats
-from gpuload.transfer import batch_length, batch_nbytes, move_to_device
+from gpuload.transfer import batch_length
 
 __all__ = ["DataLoader"]
+
+# Batches in flight for torch-collated batches, whose size is unknown until the first arrives:
+# double buffering, one copying while the next is collated.
+_GENERIC_PREFETCH_DEPTH = 2
 
 
 class DataLoader(tud.DataLoader):
@@ -64,6 +69,7 @@ class DataLoader(tud.DataLoader):
         transforms: Sequence[Any] | None = None,
         cache: str | None = "auto",
         cache_size: int | float | str | None = None,
+        prefetch_depth: int | None = None,
     ) -> None:
         super().__init__(
             dataset,
@@ -89,6 +95,13 @@ class DataLoader(tud.DataLoader):
                 "transforms= is not available in this version of gpuload; apply transforms in "
                 "the Dataset or in the training loop for now"
             )
+        if prefetch_depth is not None and (
+            isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1
+        ):
+            raise ValueError(
+                f"prefetch_depth={prefetch_depth!r} must be an int >= 1 (batches in flight), or None "
+                "to choose from the batch size"
+            )
         if cache not in ("auto", "device", "host", "off", None):
             raise ValueError(
                 f"cache={cache!r} is not a cache mode; use 'auto', 'device', 'host' or 'off'"
@@ -98,6 +111,8 @@ class DataLoader(tud.DataLoader):
         self.transforms = transforms
         self.cache = cache
         self.cache_size = cache_size
+        self.prefetch_depth = prefetch_depth
+        self._prefetcher: Prefetcher | None = None
         self._stats = LoaderStats(device=str(self.device))
         self._columns = self._detect_array_data()
         self._resident: ResidentColumns | None = None
@@ -117,9 +132,39 @@ class DataLoader(tud.DataLoader):
                 self._resident = self._columns.place(self.device, keep_on_host=self.cache == "off")
                 self._stats.bytes_h2d += self._resident.placed_bytes
                 self._stats.path = self._resident.path
-            return _GatherIterator(self, self._resident)
+            indices = self._start_epoch_like_torch()
+            if self._auto_collation and can_draw_whole_epoch(self.batch_sampler):
+                indices = epoch_batches(self.batch_sampler)
+            if not self._resident.copies_batches:
+                return _GatherIterator(self, self._resident, indices)
+            resident, batched = self._resident, self._auto_collation
+            fills = (resident.fill(index, batched) for index in indices)
+            sample_bytes = self._columns.nbytes // max(self._columns.num_samples, 1)
+            return _PrefetchedIterator(self, self._prefetch(fills, sample_bytes * (self.batch_size or 1)))
         self._stats.path = "torch"
-        return _DeviceTailIterator(self, super().__iter__())
+        if self.device.type == "cpu" and self.prefetch_depth is None:
+            return _TorchIterator(self, super().__iter__())
+        return _PrefetchedIterator(self, self._prefetch(super().__iter__(), None))
+
+    def _count_prefetched_bytes(self) -> None:
+        """Add what the prefetcher's thread copied since the last look (it runs ahead).
+
+        On a CPU device the staging is a host copy, not a transfer, and is not counted.
+        """
+        copied = self._prefetcher.stats.bytes_copied
+        if self.device.type != "cpu":
+            self._stats.bytes_h2d += copied - self._prefetched_bytes_seen
+        self._prefetched_bytes_seen = copied
+
+    def _prefetch(self, source: Iterator[Any], batch_bytes: int | None) -> Iterator[Any]:
+        """One epoch of ``source`` through this loader's prefetcher (one side stream per loader)."""
+        if self._prefetcher is None:
+            depth = self.prefetch_depth
+            if depth is None:
+                depth = default_depth(batch_bytes) if batch_bytes is not None else _GENERIC_PREFETCH_DEPTH
+            self._prefetcher = Prefetcher(None, self.device, depth, timeout=self.timeout or None)
+            self._prefetched_bytes_seen = 0
+        return self._prefetcher.epoch(source)
 
     def close(self) -> None:
         """Give back the device copy of the dataset and stop persistent workers; idempotent.
@@ -130,6 +175,10 @@ class DataLoader(tud.DataLoader):
         if self._resident is not None:
             self._resident.release()
             self._resident = None
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._count_prefetched_bytes()
+            self._prefetcher = None
         iterator = self._iterator
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
@@ -202,14 +251,12 @@ class _TimedIterator:
 
 
 class _GatherIterator(_TimedIterator):
-    """Batches from device-resident arrays: one ``index_select`` per array per batch."""
+    """Batches gathered where the arrays live (the device, or the CPU when that is the device)."""
 
-    def __init__(self, loader: DataLoader, resident: ResidentColumns) -> None:
+    def __init__(self, loader: DataLoader, resident: ResidentColumns, indices: Iterator[Any]) -> None:
         super().__init__(loader)
         self._resident = resident
-        self._sampler_iter = loader._start_epoch_like_torch()
-        if self._auto_collation and can_draw_whole_epoch(loader.batch_sampler):
-            self._sampler_iter = epoch_batches(loader.batch_sampler)
+        self._sampler_iter = indices
 
     def __len__(self) -> int:
         return len(self._loader._index_sampler)
@@ -221,22 +268,34 @@ class _GatherIterator(_TimedIterator):
         return batch, count
 
 
-class _DeviceTailIterator(_TimedIterator):
-    """torch's own iterator (fetch, collate, workers), with each batch moved to the device."""
+class _TorchIterator(_TimedIterator):
+    """torch's own iterator (fetch, collate, workers) when batches are already where they go."""
 
     def __init__(self, loader: DataLoader, inner: Iterator[Any]) -> None:
         super().__init__(loader)
         self._inner = inner
-        self._device = loader.device
-        self._copies = loader.device.type != "cpu"
 
     def __len__(self) -> int:
         return len(self._inner)
 
     def _produce(self) -> tuple[Any, int]:
         batch = next(self._inner)
-        count = batch_length(batch) if self._auto_collation else 1
-        if self._copies:
-            self._stats.bytes_h2d += batch_nbytes(batch)
-            batch = move_to_device(batch, self._device, non_blocking=True)
-        return batch, count
+        return batch, batch_length(batch) if self._auto_collation else 1
+
+
+class _PrefetchedIterator(_TimedIterator):
+    """Host batches (torch's, or gathered into pinned slots) delivered by the prefetcher."""
+
+    def __init__(self, loader: DataLoader, epoch: Iterator[Any]) -> None:
+        super().__init__(loader)
+        self._epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self._loader._index_sampler)
+
+    def _produce(self) -> tuple[Any, int]:
+        try:
+            batch = next(self._epoch)
+        finally:
+            self._loader._count_prefetched_bytes()
+        return batch, batch_length(batch) if self._auto_collation else 1

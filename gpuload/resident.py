@@ -21,6 +21,7 @@ from torch.utils.data import TensorDataset
 
 from gpuload.datasets.arrays import ArrayDataset
 from gpuload.device import device_memory
+from gpuload.prefetch import Fill, TensorSpec
 
 __all__ = ["ArrayColumns", "ResidentColumns", "find_resident_columns"]
 
@@ -85,26 +86,32 @@ class ArrayColumns:
         return sum(c.numel() * c.element_size() for c in self.columns)
 
     def place(self, device: torch.device, keep_on_host: bool = False) -> ResidentColumns:
-        """Copy the arrays to ``device`` once when they fit, else keep them on the host."""
+        """Copy the arrays to ``device`` once when they fit, else keep them on the host.
+
+        Kept on the host (``keep_on_host``, or too big for the device), every batch is gathered
+        into a pinned slot and copied by the prefetcher; on a CPU device the same staging runs
+        in the prefetcher's thread, so the loop overlaps with the gather.
+        """
+        if keep_on_host:
+            return ResidentColumns(self, self.columns, device, "host-gather", 0, copies_batches=True)
         if device.type == "cpu":
-            return ResidentColumns(self, self.columns, device, "device-gather", 0)
-        if not keep_on_host:
-            memory = device_memory(device)
-            headroom = max(_DEVICE_HEADROOM_MIN_BYTES, int(memory.total * _DEVICE_HEADROOM_FRACTION))
-            if self.nbytes <= memory.free - headroom:
-                try:
-                    placed = [c.to(device) for c in self.columns]
-                    return ResidentColumns(self, placed, device, "device-gather", self.nbytes)
-                except torch.cuda.OutOfMemoryError:
-                    pass
-            warnings.warn(
-                f"gpuload: the dataset ({self.nbytes / 2**30:.2f} GiB) does not fit in the free "
-                f"memory of {device} ({memory.free / 2**30:.2f} GiB free, "
-                f"{headroom / 2**30:.2f} GiB kept for the model); batches are gathered on the "
-                "host and copied each step instead",
-                stacklevel=3,
-            )
-        return ResidentColumns(self, self.columns, device, "host-gather", 0)
+            return ResidentColumns(self, self.columns, device, "device-gather", 0, copies_batches=False)
+        memory = device_memory(device)
+        headroom = max(_DEVICE_HEADROOM_MIN_BYTES, int(memory.total * _DEVICE_HEADROOM_FRACTION))
+        if self.nbytes <= memory.free - headroom:
+            try:
+                placed = [c.to(device) for c in self.columns]
+                return ResidentColumns(self, placed, device, "device-gather", self.nbytes, copies_batches=False)
+            except torch.cuda.OutOfMemoryError:
+                pass
+        warnings.warn(
+            f"gpuload: the dataset ({self.nbytes / 2**30:.2f} GiB) does not fit in the free "
+            f"memory of {device} ({memory.free / 2**30:.2f} GiB free, "
+            f"{headroom / 2**30:.2f} GiB kept for the model); batches are gathered on the "
+            "host and copied each step instead",
+            stacklevel=3,
+        )
+        return ResidentColumns(self, self.columns, device, "host-gather", 0, copies_batches=True)
 
 
 class ResidentColumns:
@@ -117,6 +124,7 @@ class ResidentColumns:
         device: torch.device,
         path: str,
         placed_bytes: int,
+        copies_batches: bool,
     ) -> None:
         self.source = source
         self.columns = columns
@@ -124,19 +132,22 @@ class ResidentColumns:
         self.path = path
         self.placed_bytes = placed_bytes
         self._where = columns[0].device
-        self._copies_batches = self._where != device
+        self._copies_batches = copies_batches
 
     def release(self) -> None:
         """Drop the device copy now, even while an abandoned iterator still refers to this."""
         self.columns = []
 
-    def gather(self, indices: Any, batched: bool) -> tuple[Any, int, int]:
-        """One batch for ``indices``: (batch on the device, sample count, host-to-device bytes)."""
+    @property
+    def copies_batches(self) -> bool:
+        """True when the arrays stay on the host and every batch is copied to the device."""
+        return self._copies_batches
+
+    def _checked_index(self, indices: Any, batched: bool) -> torch.Tensor:
+        """``indices`` as a flat int64 tensor in range, failing the way torch's fetch fails."""
         if not self.columns:
             raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
         index = torch.as_tensor(indices, dtype=torch.long)
-        if batched and index.dim() == 0:
-            index = index.view(1)
         flat = index.view(-1)
         if flat.numel() == 0:
             # torch collates an empty list of samples, which fails the same way.
@@ -146,16 +157,30 @@ class ResidentColumns:
         if low < -size or high >= size:
             bad = low if low < -size else high
             raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {size}")
-        if low < 0:
-            flat = flat.remainder(size)
+        return flat.remainder(size) if low < 0 else flat
+
+    def gather(self, indices: Any, batched: bool) -> tuple[Any, int, int]:
+        """One batch for ``indices`` where the arrays live: (batch, sample count, index bytes)."""
+        flat = self._checked_index(indices, batched)
         moved_bytes = 0
-        if not self._copies_batches and self._where != flat.device:
+        if self._where != flat.device:
             flat = flat.to(self._where, non_blocking=True)
-            moved_bytes += flat.numel() * flat.element_size()
+            moved_bytes = flat.numel() * flat.element_size()
         leaves = [column.index_select(0, flat) for column in self.columns]
         if not batched:
             leaves = [leaf.squeeze(0) for leaf in leaves]
-        if self._copies_batches:
-            moved_bytes += sum(leaf.numel() * leaf.element_size() for leaf in leaves)
-            leaves = [leaf.pin_memory().to(self.device, non_blocking=True) for leaf in leaves]
         return tree_unflatten(leaves, self.source.spec), flat.numel(), moved_bytes
+
+    def fill(self, indices: Any, batched: bool) -> Fill:
+        """A batch for the prefetcher, gathered on the host straight into its pinned slot."""
+        flat = self._checked_index(indices, batched)
+        shapes = [(flat.numel(), *c.shape[1:]) if batched else tuple(c.shape[1:]) for c in self.columns]
+        layout = tree_unflatten([TensorSpec(shape, c.dtype) for shape, c in zip(shapes, self.columns)], self.source.spec)
+        columns = self.columns
+
+        def gather_into(slot: Any) -> None:
+            targets, _ = tree_flatten(slot)
+            for column, target in zip(columns, targets):
+                torch.index_select(column, 0, flat, out=target.view(-1, *column.shape[1:]))
+
+        return Fill(layout, gather_into)

@@ -4,45 +4,50 @@ from __future__ import annotations
 
 import collections.abc
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["move_to_device", "batch_nbytes", "batch_length"]
+__all__ = ["map_leaves", "move_to_device", "batch_nbytes", "batch_length"]
 
 
-def move_to_device(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Return ``data`` with every tensor on ``device``; containers keep their types.
+def map_leaves(data: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    """``data`` with ``fn`` applied to every tensor (or ``is_leaf`` object); containers keep types.
 
-    Mirrors how torch's ``pin_memory`` walks a batch (mappings, namedtuples, sequences), except
-    that tuples stay tuples: the batch differs from torch's only in where its tensors live.
-    Non-tensor leaves (strings, numbers, None) pass through unchanged.
+    Walks a batch the way torch's ``pin_memory`` does (mappings, namedtuples, sequences), except
+    that tuples stay tuples. Other leaves (strings, numbers, None) pass through unchanged.
     """
-    if isinstance(data, torch.Tensor):
-        return data.to(device, non_blocking=non_blocking)
+    if isinstance(data, torch.Tensor) or (is_leaf is not None and is_leaf(data)):
+        return fn(data)
     if isinstance(data, (str, bytes)):
         return data
     if isinstance(data, collections.abc.Mapping):
-        moved = {key: move_to_device(value, device, non_blocking) for key, value in data.items()}
+        mapped = {key: map_leaves(value, fn, is_leaf) for key, value in data.items()}
         if isinstance(data, collections.abc.MutableMapping):
             clone = copy.copy(data)
-            clone.update(moved)
+            clone.update(mapped)
             return clone
         try:
-            return type(data)(moved)
+            return type(data)(mapped)
         except TypeError:
-            return moved
+            return mapped
     if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(move_to_device(value, device, non_blocking) for value in data))
+        return type(data)(*(map_leaves(value, fn, is_leaf) for value in data))
     if isinstance(data, tuple):
-        return tuple(move_to_device(value, device, non_blocking) for value in data)
+        return tuple(map_leaves(value, fn, is_leaf) for value in data)
     if isinstance(data, collections.abc.Sequence):
-        moved_items = [move_to_device(value, device, non_blocking) for value in data]
+        items = [map_leaves(value, fn, is_leaf) for value in data]
         try:
-            return type(data)(moved_items)
+            return type(data)(items)
         except TypeError:
-            return moved_items
+            return items
     return data
+
+
+def move_to_device(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Return ``data`` with every tensor on ``device``: the batch differs only in where it lives."""
+    return map_leaves(data, lambda tensor: tensor.to(device, non_blocking=non_blocking))
 
 
 def _tensors(data: Any):

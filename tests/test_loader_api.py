@@ -33,7 +33,7 @@ def test_signature_is_torchs_then_gpuload_keyword_options() -> None:
         (p.name, p.kind, p.default) for p in theirs
     ]
     extra = ours[len(theirs) :]
-    assert [p.name for p in extra] == ["device", "transforms", "cache", "cache_size"]
+    assert [p.name for p in extra] == ["device", "transforms", "cache", "cache_size", "prefetch_depth"]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra)
 
 
@@ -252,3 +252,40 @@ def test_import_is_light_and_leaves_dali_and_cupy_unloaded() -> None:
     code = "import sys, gpuload; print(sorted(m for m in sys.modules if m.split('.')[0] in ('nvidia', 'cupy')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_prefetched_paths_raise_torchs_error_type_and_leave_no_threads() -> None:
+    baseline = threading.active_count()
+    for kwargs in (dict(cache="off"), dict(prefetch_depth=3)):
+        data = dataset() if "cache" in kwargs else torch.utils.data.Subset(dataset(), range(20))
+        loader = gpuload.DataLoader(data, batch_size=2, sampler=[0, 1, 2, 3, 99], device="cpu", **kwargs)
+        batches = []
+        with pytest.raises(IndexError, match="batch 2.*index"):
+            for batch in loader:
+                batches.append(batch)
+        assert len(batches) == 2  # the batches before the failing one arrive first
+        for _ in range(50):  # many epochs, each abandoned early
+            for i, _ in enumerate(gpuload.DataLoader(data, batch_size=2, device="cpu", **kwargs)):
+                if i == 1:
+                    break
+        loader.close()
+    deadline = time.monotonic() + 10
+    while threading.active_count() > baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() == baseline, [t.name for t in threading.enumerate()]
+
+
+def test_prefetch_depth_is_validated() -> None:
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="prefetch_depth"):
+            gpuload.DataLoader(dataset(), prefetch_depth=bad, device="cpu")
+
+
+def test_stats_count_staged_bytes_on_the_prefetched_path() -> None:
+    loader = gpuload.DataLoader(dataset(), batch_size=6, device="cpu", cache="off")
+    list(loader)
+    assert loader.stats.path == "host-gather"
+    assert loader.stats.samples == 20
+    staged = loader._prefetcher.stats.bytes_copied
+    assert staged == 20 * 3 + 20 * 8  # every uint8 image row and int64 label, once
+    assert loader.stats.bytes_h2d == 0  # staging on a CPU device is no host-to-device transfer

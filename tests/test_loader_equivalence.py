@@ -124,24 +124,31 @@ def resolve_kwargs(kwargs: dict, n: int, seed: int) -> dict:
     return kwargs
 
 
+@pytest.mark.parametrize("cache", ["auto", "off"])
 @pytest.mark.parametrize("kwargs", LOADER_KWARGS, ids=str)
 @pytest.mark.parametrize("name", list(array_datasets(1)))
-def test_array_datasets_match_torch(name: str, kwargs: dict) -> None:
+def test_array_datasets_match_torch(name: str, kwargs: dict, cache: str) -> None:
+    """cache="off" stages every batch through the prefetcher's ring, even on the CPU."""
     n = 37
     dataset = array_datasets(n)[name]
-    ours = gpuload.DataLoader(dataset, generator=torch.Generator().manual_seed(5), device="cpu", **resolve_kwargs(kwargs, n, 5))
+    ours = gpuload.DataLoader(dataset, generator=torch.Generator().manual_seed(5), device="cpu", cache=cache,
+                              **resolve_kwargs(kwargs, n, 5))
     theirs = TorchDataLoader(dataset, generator=torch.Generator().manual_seed(5), **resolve_kwargs(kwargs, n, 5))
     assert len(ours) == len(theirs)
     assert_same_epochs(ours, theirs, epochs=3)
-    assert ours.stats.path == "device-gather"
+    assert ours.stats.path == ("device-gather" if cache == "auto" else "host-gather")
+    ours.close()
 
 
+@pytest.mark.parametrize("prefetch_depth", [None, 2])
 @pytest.mark.parametrize("kwargs", LOADER_KWARGS[:8], ids=str)
 @pytest.mark.parametrize("kind", ["tuple", "dict", "namedtuple", "nested", "numpy"])
-def test_generic_datasets_match_torch(kind: str, kwargs: dict) -> None:
+def test_generic_datasets_match_torch(kind: str, kwargs: dict, prefetch_depth: int | None) -> None:
+    """prefetch_depth on the CPU runs torch's fetching in the prefetcher's thread."""
     n = 23
     dataset = RichDataset(n, kind)
-    ours = gpuload.DataLoader(dataset, generator=torch.Generator().manual_seed(2), device="cpu", **resolve_kwargs(kwargs, n, 2))
+    ours = gpuload.DataLoader(dataset, generator=torch.Generator().manual_seed(2), device="cpu",
+                              prefetch_depth=prefetch_depth, **resolve_kwargs(kwargs, n, 2))
     theirs = TorchDataLoader(dataset, generator=torch.Generator().manual_seed(2), **resolve_kwargs(kwargs, n, 2))
     assert_same_epochs(ours, theirs, epochs=2)
     assert ours.stats.path == "torch"

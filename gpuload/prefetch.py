@@ -1,0 +1,581 @@
+"""Delivery to the device: a ring of pinned host slots, one side stream, an event per slot.
+
+A :class:`Prefetcher` pulls host batches from a source in a background thread, packs the
+tensors of each batch into one reusable host slot (pinned when the device is CUDA), and copies
+the slot to the device with one non-blocking copy on the prefetcher's own side stream. The
+training loop gets device tensors that are safe on its current stream, while the next batches
+are already being assembled and copied. Tensors keep their stored dtype (uint8 crosses PCIe as
+uint8) and come out contiguous.
+
+Two ways to put a batch into a slot:
+
+- yield a host batch (the usual case, e.g. torch's collated batches): every CPU tensor is
+  copied once into the slot;
+- yield a :class:`Fill`: a layout of :class:`TensorSpec` leaves and a callback that writes the
+  batch straight into the slot's tensors (e.g. ``torch.index_select(cache, 0, idx, out=slot)``),
+  so a host cache gather lands in pinned memory with no intermediate copy.
+
+Without CUDA the same ring, threads and hand-offs run on plain host slots, and each batch is
+delivered as a fresh copy of its slot, so CPU tests exercise the same control flow.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpuload.device import host_memory, new_side_stream, resolve_device
+from gpuload.transfer import map_leaves
+
+__all__ = [
+    "Prefetcher",
+    "PrefetchStats",
+    "PrefetchError",
+    "TensorSpec",
+    "Fill",
+    "default_depth",
+]
+
+_ALIGN = 256  # bytes between packed leaves: every dtype's view stays aligned, DMA-friendly
+_POLL_S = 0.1  # how often blocked threads look at the stop flag
+_MiB = 2**20
+
+
+@dataclass
+class PrefetchStats:
+    """Running totals of one prefetcher, over all its epochs.
+
+    ``bytes_copied``: bytes staged into slots and copied to the device; ``copy_time_s``: time the
+    background thread spent staging batches and issuing their copies (host time; the DMA itself
+    runs asynchronously); ``wait_time_s``: time the consuming loop spent inside ``next()``;
+    ``slot_allocations``: host slot (re)allocations, ``depth`` of them in a steady state.
+    """
+
+    batches: int = 0
+    bytes_copied: int = 0
+    copy_time_s: float = 0.0
+    wait_time_s: float = 0.0
+    slot_allocations: int = 0
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a tensor that a :class:`Fill` callback writes into a slot."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        if any(n < 0 for n in self.shape):
+            raise ValueError(f"TensorSpec shape {self.shape} has a negative size")
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Fill:
+    """A batch assembled straight into a host slot.
+
+    ``layout`` is the batch's structure with :class:`TensorSpec` leaves where tensors will be
+    (other leaves, including host tensors, are treated as in a normal batch). ``fill`` is called
+    in the prefetcher's thread with the same structure, each spec replaced by a host tensor of
+    that shape and dtype living in the slot (pinned on CUDA); it writes the data in place.
+    """
+
+    layout: Any
+    fill: Callable[[Any], object]
+
+
+class PrefetchError(RuntimeError):
+    """A failure in the prefetcher's thread whose exception type could not be re-created."""
+
+
+def default_depth(
+    batch_bytes: int, host_limit_bytes: int | None = None, max_depth: int = 4
+) -> int:
+    """Slots in the ring for batches of ``batch_bytes`` bytes.
+
+    Small batches get more slots (4 up to 8 MiB, 3 up to 64 MiB, else 2): their per-batch costs
+    (Python collation, thread hand-offs) jitter, and extra slack hides that cheaply; large
+    batches need only double buffering, one slot copying while the next is filled. The ring is
+    capped at ``host_limit_bytes`` of host memory (default: 1/16 of the RAM available now),
+    but never fewer than one slot.
+    """
+    if not isinstance(batch_bytes, int) or batch_bytes < 0:
+        raise ValueError(f"batch_bytes={batch_bytes!r} must be a non-negative int (bytes)")
+    if max_depth < 1:
+        raise ValueError(f"max_depth={max_depth!r} must be at least 1")
+    if host_limit_bytes is None:
+        host_limit_bytes = host_memory().free // 16
+    if host_limit_bytes < 0:
+        raise ValueError(f"host_limit_bytes={host_limit_bytes!r} must be non-negative")
+    wanted = 4 if batch_bytes <= 8 * _MiB else 3 if batch_bytes <= 64 * _MiB else 2
+    fits = host_limit_bytes // batch_bytes if batch_bytes else wanted
+    return max(1, min(wanted, max_depth, fits))
+
+
+# ---------------------------------------------------------------------- nested batches
+
+
+def _map_leaves(data: Any, fn: Callable[[Any], Any]) -> Any:
+    """``data`` with ``fn`` applied to every tensor and TensorSpec; containers keep their types."""
+    return map_leaves(data, fn, is_leaf=lambda leaf: isinstance(leaf, TensorSpec))
+
+
+def _byte_view(
+    buffer: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """A contiguous tensor of ``shape``/``dtype`` over ``buffer`` (uint8) from ``offset``."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return buffer[offset : offset + nbytes].view(dtype).view(shape)
+
+
+# ---------------------------------------------------------------------- the ring
+
+
+class _StageFailure(Exception):
+    """Carries an exception raised by a Fill callback, so it is reported as the producer's."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
+
+
+@dataclass
+class _Delivery:
+    index: int
+    batch: Any
+    event: Any  # torch.cuda.Event or None
+    device_buffers: list[torch.Tensor]  # allocations to record on the consumer's stream
+
+
+class _Slot:
+    __slots__ = ("buffer", "event")
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.event: Any = None
+
+
+class _Ring:
+    """``depth`` host slots, allocated on first use and grown only when a batch does not fit."""
+
+    def __init__(self, depth: int, device: torch.device, stream: Any, stats: PrefetchStats):
+        self.slots = [_Slot() for _ in range(depth)]
+        self.device = device
+        self.stream = stream
+        self.stats = stats
+        self.cuda = device.type == "cuda"
+
+    def _reserve(self, slot: _Slot, nbytes: int) -> torch.Tensor:
+        if slot.event is not None:
+            slot.event.synchronize()  # the slot's previous copy must finish before reuse
+        if slot.buffer is None or slot.buffer.numel() < nbytes:
+            slot.buffer = None  # give the old buffer back before taking a bigger one
+            slot.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+            self.stats.slot_allocations += 1
+        return slot.buffer
+
+    def transfer(self, index: int, item: Any) -> _Delivery:
+        """Stage batch ``index`` into its slot and start its copy to the device."""
+        started = time.perf_counter()
+        layout, fill = (item.layout, item.fill) if isinstance(item, Fill) else (item, None)
+        offsets: dict[int, int] = {}  # leaf position -> byte offset in the slot
+        leaves: list[Any] = []
+        total = staged_bytes = 0
+
+        def plan(leaf: Any) -> Any:
+            nonlocal total, staged_bytes
+            if isinstance(leaf, TensorSpec) or leaf.device.type == "cpu":
+                nbytes = _nbytes(leaf)
+                offsets[len(leaves)] = total
+                total += -(-nbytes // _ALIGN) * _ALIGN
+                staged_bytes += nbytes
+            leaves.append(leaf)
+            return leaf
+
+        _map_leaves(layout, plan)
+        slot = self.slots[index % len(self.slots)]
+        buffer = (
+            self._reserve(slot, total) if total else torch.empty(0, dtype=torch.uint8)
+        )
+
+        staged: list[Any] = []
+        for position, leaf in enumerate(leaves):
+            if position not in offsets:
+                staged.append(leaf)
+                continue
+            view = _byte_view(buffer, offsets[position], tuple(leaf.shape), leaf.dtype)
+            if isinstance(leaf, torch.Tensor):
+                view.copy_(leaf.detach())
+            staged.append(view)
+        if fill is not None:
+            views = iter(staged)
+            try:
+                fill(_map_leaves(layout, lambda leaf: next(views)))
+            except BaseException as exc:
+                raise _StageFailure(exc) from exc
+
+        device_buffers: list[torch.Tensor] = []
+        event = None
+        target = torch.empty(0, dtype=torch.uint8, device=self.device)
+        if total:
+            if self.cuda:
+                with torch.cuda.stream(self.stream):
+                    target = torch.empty(total, dtype=torch.uint8, device=self.device)
+                    target.copy_(buffer[:total], non_blocking=True)
+                    if slot.event is None:
+                        slot.event = torch.cuda.Event()
+                    slot.event.record(self.stream)
+                event = slot.event
+                device_buffers.append(target)
+            else:
+                target = buffer[:total].clone()  # fresh memory: the slot is reused next round
+            self.stats.bytes_copied += staged_bytes
+        outputs = iter(
+            _byte_view(target, offsets[position], tuple(leaf.shape), leaf.dtype)
+            if position in offsets
+            else self._move(leaf)
+            for position, leaf in enumerate(leaves)
+        )
+        batch = _map_leaves(layout, lambda leaf: next(outputs))
+        self.stats.copy_time_s += time.perf_counter() - started
+        return _Delivery(index, batch, event, device_buffers)
+
+    def _move(self, leaf: torch.Tensor) -> torch.Tensor:
+        """A tensor already on a device: kept when it is the target device, else copied there."""
+        return leaf if leaf.device == self.device else leaf.to(self.device)
+
+
+def _nbytes(leaf: torch.Tensor | TensorSpec) -> int:
+    return leaf.nbytes if isinstance(leaf, TensorSpec) else leaf.numel() * leaf.element_size()
+
+
+# ---------------------------------------------------------------------- the background thread
+
+
+_END = object()
+
+
+@dataclass
+class _Failure:
+    index: int
+    stage: str  # "source", "fill" or "copy"
+    exc: BaseException
+
+    def exception(self) -> BaseException:
+        """The exception to raise in the loop: the original type, message naming the batch."""
+        sample = getattr(self.exc, "sample_index", None)
+        where = f"batch {self.index}" + (f" (sample {sample})" if sample is not None else "")
+        filename = getattr(self.exc, "filename", None)
+        if filename:
+            where += f" (file {filename})"
+        message = (
+            f"{where} failed in the prefetcher's {self.stage} stage: "
+            f"{type(self.exc).__name__}: {self.exc}"
+        )
+        try:
+            raised = type(self.exc)(message)
+            if not isinstance(raised, BaseException) or raised.args != (message,):
+                raise TypeError
+        except Exception:
+            raised = PrefetchError(message)
+        raised.batch_index = self.index
+        raised.sample_index = sample
+        raised.stage = self.stage
+        return raised
+
+
+def _put(out: queue.Queue, item: Any, stop: threading.Event) -> None:
+    while True:
+        try:
+            out.put(item, timeout=_POLL_S)
+            return
+        except queue.Full:
+            if stop.is_set():
+                return
+
+
+def _work(
+    source: Iterator[Any],
+    ring: _Ring,
+    out: queue.Queue,
+    tokens: threading.Semaphore,
+    stop: threading.Event,
+) -> None:
+    """Pull, stage and copy batches until the source ends, fails, or the consumer stops.
+
+    Holds no reference to the consuming iterator, so dropping that iterator stops this thread.
+    A token is taken before each pull: the thread is never more than ``depth`` batches ahead.
+    """
+    outcome: Any = _END
+    index = 0
+    try:
+        if ring.cuda:
+            torch.cuda.set_device(ring.device)
+        while not stop.is_set():
+            if not tokens.acquire(timeout=_POLL_S):
+                continue
+            if stop.is_set():
+                break
+            try:
+                item = next(source)
+            except StopIteration:
+                break
+            except BaseException as exc:
+                outcome = _Failure(index, "source", exc)
+                break
+            if stop.is_set():
+                break
+            try:
+                delivery = ring.transfer(index, item)
+            except _StageFailure as failure:
+                outcome = _Failure(index, "fill", failure.exc)
+                break
+            except BaseException as exc:
+                outcome = _Failure(index, "copy", exc)
+                break
+            del item
+            _put(out, delivery, stop)
+            del delivery
+            index += 1
+    except BaseException as exc:  # e.g. set_device failing: still tell the consumer
+        outcome = _Failure(index, "copy", exc)
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            try:
+                close()  # runs a generator's cleanup in the thread that ran it
+            except BaseException as exc:
+                if outcome is _END:
+                    outcome = _Failure(index, "source", exc)
+        del source
+        _put(out, outcome, stop)
+
+
+class _Epoch(Iterator[Any]):
+    """One pass over a source: the consuming side of the hand-off."""
+
+    def __init__(self, owner: Prefetcher, source: Iterator[Any], ring: _Ring) -> None:
+        self._owner = owner  # keeps the prefetcher (its stream, its ring) alive while iterating
+        self._device = owner.device
+        self._stats = owner.stats
+        self._timeout = owner.timeout
+        self._join_timeout = owner.join_timeout
+        self._depth = owner.depth
+        self._queue: queue.Queue = queue.Queue(maxsize=owner.depth + 1)
+        self._tokens = threading.Semaphore(owner.depth)
+        self._stop = threading.Event()
+        self._finished = False
+        self._stopped_by: str | None = None
+        self._next_index = 0
+        self._thread = threading.Thread(
+            target=_work,
+            args=(source, ring, self._queue, self._tokens, self._stop),
+            name="gpuload-prefetch",
+            daemon=True,
+        )
+        self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def __iter__(self) -> _Epoch:
+        return self
+
+    def __next__(self) -> Any:
+        if self._stopped_by is not None:
+            raise RuntimeError(
+                f"this prefetch iterator was stopped by {self._stopped_by}; start a new epoch "
+                "with iter(prefetcher), one epoch at a time"
+            )
+        if self._finished:
+            raise StopIteration
+        started = time.perf_counter()
+        try:
+            item = self._get()
+            if item is _END:
+                self.close()
+                raise StopIteration
+            if isinstance(item, _Failure):
+                self.close()
+                raise item.exception() from item.exc
+            if item.event is not None:
+                stream = torch.cuda.current_stream(self._device)
+                stream.wait_event(item.event)
+                for buffer in item.device_buffers:
+                    buffer.record_stream(stream)  # the allocator must not reuse it early
+            self._tokens.release()  # only after wait_event: the slot's event is re-recorded next
+        finally:
+            self._stats.wait_time_s += time.perf_counter() - started
+        self._stats.batches += 1
+        self._next_index += 1
+        return item.batch
+
+    def _get(self) -> Any:
+        waited = 0.0
+        while True:
+            try:
+                return self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                waited += _POLL_S
+            if not self._thread.is_alive() and self._queue.empty():
+                self.close()
+                raise PrefetchError(
+                    f"the prefetch thread ended without delivering batch {self._next_index}"
+                )
+            if self._timeout is not None and waited >= self._timeout:
+                self.close()
+                raise TimeoutError(
+                    f"batch {self._next_index} did not arrive within timeout={self._timeout} s; "
+                    "the source is slower than that (raise timeout=, or None to wait forever)"
+                )
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def close(self) -> None:
+        """Stop the background thread and drop undelivered batches; idempotent."""
+        if self._finished and not self._thread.is_alive():
+            self._drain()
+            return
+        self._finished = True
+        self._stop.set()
+        for _ in range(self._depth + 1):
+            self._tokens.release()  # wake the thread if it waits for a free slot
+        self._drain()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(self._join_timeout)
+        self._drain()
+        if self._thread.is_alive():
+            warnings.warn(
+                f"the prefetch thread did not stop within {self._join_timeout} s (its source "
+                "is still producing a batch); it will exit when that batch is done",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _stop_by(self, reason: str) -> None:
+        if not self._finished:
+            self._stopped_by = reason
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Prefetcher:
+    """Iterate ``source`` with its batches' tensors delivered on ``device``, ``depth`` ahead.
+
+    Each ``iter()`` is one epoch: ``iter(source)`` is called in the caller's thread, then a
+    background thread pulls batches, packs each into one of ``depth`` reusable host slots
+    (pinned on CUDA), and copies it to the device on the prefetcher's side stream. Batches keep
+    their structure (tensors in tuples, lists, namedtuples, dicts; other leaves pass through),
+    order and dtypes; tensors arrive contiguous. Device tensors are safe to use on the stream
+    that is current when ``next()`` returns them, and stay valid however long they are kept.
+
+    An exception in the source, a :class:`Fill` callback or the copy is raised from ``next()``
+    after the batches before it, with the same type where possible (else :class:`PrefetchError`),
+    a message naming the batch (and the sample, if the exception has ``sample_index``), the
+    attributes ``batch_index``, ``sample_index``, ``stage``, and the original as ``__cause__``.
+
+    ``timeout`` (seconds, or None) bounds the wait for one batch; ``join_timeout`` bounds how
+    long ``close()`` waits for a source that is in the middle of producing a batch.
+    Starting a new epoch stops the previous one. ``close()`` (or leaving a ``with`` block, or
+    dropping the object) stops the thread and frees the slots; a later epoch allocates them again.
+    """
+
+    def __init__(
+        self,
+        source: Iterable[Any] | None = None,
+        device: str | int | torch.device | None = None,
+        depth: int = 2,
+        stats: PrefetchStats | None = None,
+        *,
+        timeout: float | None = None,
+        join_timeout: float = 5.0,
+    ) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(
+                f"depth={depth!r} must be an int >= 1 (the number of batches staged ahead); "
+                "see gpuload.prefetch.default_depth"
+            )
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout={timeout!r} must be positive seconds, or None")
+        self.source = source
+        self.device = resolve_device(device)
+        self.depth = depth
+        self.stats = stats if stats is not None else PrefetchStats()
+        self.timeout = timeout
+        self.join_timeout = join_timeout
+        self._stream = new_side_stream(self.device)
+        self._ring: _Ring | None = None
+        self._ring_thread: threading.Thread | None = None
+        self._active: weakref.ref[_Epoch] | None = None
+
+    @property
+    def stream(self) -> Any:
+        """The side CUDA stream the copies run on (None on the CPU)."""
+        return self._stream
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.source is None:
+            raise TypeError(
+                "this Prefetcher was made without a source; call prefetcher.epoch(source)"
+            )
+        return self.epoch(self.source)
+
+    def epoch(self, source: Iterable[Any]) -> Iterator[Any]:
+        """One pass over ``source`` (for callers that make a new source iterator each epoch)."""
+        self._stop_active("a newer epoch on the same Prefetcher")
+        if self._ring is None or (self._ring_thread is not None and self._ring_thread.is_alive()):
+            # A thread that would not stop may still write its slots: never share them.
+            self._ring = _Ring(self.depth, self.device, self._stream, self.stats)
+        iterator = iter(source)
+        current = _Epoch(self, iterator, self._ring)
+        self._ring_thread = current.thread
+        self._active = weakref.ref(current)
+        return current
+
+    def _stop_active(self, reason: str) -> None:
+        active = self._active() if self._active is not None else None
+        if active is not None:
+            active._stop_by(reason)
+        self._active = None
+
+    def close(self) -> None:
+        """Stop the running epoch, if any, and free the host slots; idempotent."""
+        self._stop_active("Prefetcher.close()")
+        self._ring = None
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

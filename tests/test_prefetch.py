@@ -1,0 +1,417 @@
+"""gpuload.prefetch: order, structure, errors, cleanup, depth, data safety; overlap on GPU."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import threading
+import time
+
+import pytest
+import torch
+
+from gpuload.prefetch import (
+    Fill,
+    PrefetchError,
+    Prefetcher,
+    PrefetchStats,
+    TensorSpec,
+    default_depth,
+)
+
+Pair = collections.namedtuple("Pair", ["image", "label"])
+
+
+def batches(n: int, size: int = 4) -> list[torch.Tensor]:
+    return [torch.full((size, 3), i, dtype=torch.int64) for i in range(n)]
+
+
+def wait_threads(baseline: int, deadline_s: float = 5.0) -> int:
+    end = time.monotonic() + deadline_s
+    while threading.active_count() > baseline and time.monotonic() < end:
+        time.sleep(0.01)
+    return threading.active_count()
+
+
+class RecordingSource:
+    """Yields batch i on the i-th pull and records how many pulls have started."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pulled = 0
+
+    def __iter__(self):
+        for i in range(self.n):
+            self.pulled += 1
+            yield torch.full((2,), i)
+
+
+# ---------------------------------------------------------------------- order and structure
+
+
+@pytest.mark.parametrize("depth", [1, 2, 5])
+def test_order_and_values_preserved(depth):
+    source = batches(23)
+    out = list(Prefetcher(source, "cpu", depth=depth))
+    assert len(out) == 23
+    for got, want in zip(out, source):
+        assert torch.equal(got, want)
+
+
+def test_nested_structures_dtypes_and_non_tensor_leaves_pass_through():
+    image = torch.randint(0, 255, (2, 3, 4, 5), dtype=torch.uint8)
+    batch = {
+        "pair": Pair(image, torch.tensor([1, 2])),
+        "list": [torch.tensor([True, False]), torch.tensor(3.5, dtype=torch.float16)],
+        "tuple": (torch.empty(0, 7), "name", None, 7),
+        "strided": torch.arange(12.0).view(3, 4).t(),
+        "bf16": torch.randn(3, dtype=torch.bfloat16),
+    }
+    (got,) = list(Prefetcher([batch], "cpu"))
+    assert isinstance(got["pair"], Pair) and isinstance(got["list"], list)
+    assert isinstance(got["tuple"], tuple) and got["tuple"][1:] == ("name", None, 7)
+    assert got["pair"].image.dtype == torch.uint8  # stored dtype, never widened
+    for key in ("strided", "bf16"):
+        assert torch.equal(got[key], batch[key]) and got[key].dtype == batch[key].dtype
+    assert torch.equal(got["pair"].image, image)
+    assert torch.equal(got["pair"].label, batch["pair"].label)
+    assert torch.equal(got["list"][0], batch["list"][0]) and got["list"][1].shape == ()
+    assert got["list"][1].item() == 3.5 and got["tuple"][0].shape == (0, 7)
+    assert got["strided"].is_contiguous()
+
+
+def test_stats_count_batches_and_bytes():
+    stats = PrefetchStats()
+    source = [(torch.zeros(10, dtype=torch.uint8), torch.zeros(3, dtype=torch.float32))] * 5
+    list(Prefetcher(source, "cpu", depth=2, stats=stats))
+    assert stats.batches == 5
+    assert stats.bytes_copied == 5 * (10 + 12)
+    assert stats.copy_time_s > 0 and stats.wait_time_s > 0
+
+
+# ---------------------------------------------------------------------- errors
+
+
+def failing_source(fail_at: int, exc: BaseException):
+    for i in range(10):
+        if i == fail_at:
+            raise exc
+        yield torch.tensor([i])
+
+
+def test_source_exception_reraised_after_earlier_batches_with_batch_index():
+    original = ValueError("bad sample")
+    it = iter(Prefetcher(failing_source(3, original), "cpu", depth=2))
+    assert [next(it).item() for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"batch 3 .*source.*bad sample") as info:
+        next(it)
+    assert info.value.__cause__ is original
+    assert info.value.batch_index == 3 and info.value.stage == "source"
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_sample_index_carried_by_the_exception_is_reported():
+    original = KeyError("missing")
+    original.sample_index = 41
+    with pytest.raises(KeyError, match=r"batch 0 \(sample 41\)") as info:
+        list(Prefetcher(failing_source(0, original), "cpu"))
+    assert info.value.sample_index == 41 and info.value.__cause__ is original
+
+
+def test_exception_that_cannot_be_recreated_becomes_prefetch_error():
+    original = UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+    with pytest.raises(PrefetchError, match="batch 2") as info:
+        list(Prefetcher(failing_source(2, original), "cpu"))
+    assert info.value.__cause__ is original
+
+
+def test_fill_exception_reported_as_fill_stage():
+    def fill(slot):
+        raise RuntimeError("gather failed")
+
+    source = [Fill(TensorSpec((2,), torch.float32), lambda s: s.fill_(1))] * 2
+    source.append(Fill(TensorSpec((2,), torch.float32), fill))
+    with pytest.raises(RuntimeError, match=r"batch 2 .*fill.*gather failed") as info:
+        list(Prefetcher(source, "cpu"))
+    assert info.value.stage == "fill"
+
+
+def test_error_in_iter_source_raises_in_caller():
+    class Broken:
+        def __iter__(self):
+            raise OSError("cannot open")
+
+    with pytest.raises(OSError, match="cannot open"):
+        iter(Prefetcher(Broken(), "cpu"))
+
+
+def test_timeout_names_the_batch_and_stops_the_thread():
+    baseline = threading.active_count()
+
+    def slow():
+        yield torch.zeros(1)
+        time.sleep(0.6)
+        yield torch.zeros(1)
+
+    it = iter(Prefetcher(slow(), "cpu", timeout=0.2, join_timeout=2.0))
+    next(it)
+    with pytest.raises(TimeoutError, match="batch 1"):
+        next(it)
+    assert wait_threads(baseline) == baseline
+
+
+def test_invalid_arguments_name_the_value():
+    with pytest.raises(ValueError, match="depth=0"):
+        Prefetcher([], "cpu", depth=0)
+    with pytest.raises(ValueError, match="timeout=-1"):
+        Prefetcher([], "cpu", timeout=-1)
+    with pytest.raises(TypeError, match="epoch"):
+        iter(Prefetcher(None, "cpu"))
+
+
+# ---------------------------------------------------------------------- cleanup and leaks
+
+
+def test_early_break_closes_the_generator_and_the_thread():
+    baseline = threading.active_count()
+    closed = threading.Event()
+
+    def endless():
+        try:
+            i = 0
+            while True:
+                yield torch.tensor([i])
+                i += 1
+        finally:
+            closed.set()
+
+    prefetcher = Prefetcher(endless(), "cpu", depth=3)
+    for batch in prefetcher:
+        if batch.item() == 4:
+            break
+    assert closed.wait(5) and wait_threads(baseline) == baseline
+
+
+def test_dropping_a_started_iterator_stops_its_thread():
+    baseline = threading.active_count()
+    prefetcher = Prefetcher(batches(100), "cpu", depth=2)
+    it = iter(prefetcher)
+    next(it)
+    time.sleep(0.05)  # the producer fills the queue and blocks on the depth bound
+    del it
+    gc.collect()
+    assert wait_threads(baseline) == baseline
+
+
+def test_close_and_context_manager_stop_a_running_epoch():
+    baseline = threading.active_count()
+    with Prefetcher(batches(100), "cpu") as prefetcher:
+        it = iter(prefetcher)
+        next(it)
+    assert wait_threads(baseline) == baseline
+    with pytest.raises(RuntimeError, match=r"Prefetcher.close\(\)"):
+        next(it)  # closing stopped it; say so rather than end silently
+    assert [b[0, 0].item() for b in prefetcher] == list(range(100))  # usable again
+
+
+def test_hundreds_of_epochs_leave_no_threads_and_reuse_the_slots():
+    baseline = threading.active_count()
+    stats = PrefetchStats()
+    # The last batch is smaller: it must fit the slot it finds, not allocate another.
+    source = batches(5, size=8) + [torch.zeros(3, 3, dtype=torch.int64)]
+    prefetcher = Prefetcher(source, "cpu", depth=3, stats=stats)
+    for epoch in range(300):
+        got = list(prefetcher)
+        assert len(got) == 6
+        if epoch % 3 == 0:
+            for batch in prefetcher:
+                break  # early exits too
+    assert stats.slot_allocations == 3
+    assert wait_threads(baseline) == baseline
+
+
+def test_a_bigger_batch_grows_only_its_slot():
+    stats = PrefetchStats()
+    source = [torch.zeros(4), torch.zeros(4), torch.zeros(4000), torch.zeros(4)]
+    list(Prefetcher(source, "cpu", depth=2, stats=stats))
+    assert stats.slot_allocations == 3
+
+
+def test_new_epoch_supersedes_the_previous_iterator():
+    prefetcher = Prefetcher(batches(10), "cpu")
+    first = iter(prefetcher)
+    next(first)
+    second = iter(prefetcher)
+    with pytest.raises(RuntimeError, match="newer epoch"):
+        next(first)
+    assert len(list(second)) == 10
+
+
+def test_consumer_stopping_while_producer_waits_does_not_hang():
+    baseline = threading.active_count()
+
+    def endless():
+        while True:
+            yield torch.zeros(1000)
+
+    started = time.monotonic()
+    for _ in range(20):
+        it = iter(Prefetcher(endless(), "cpu", depth=1))
+        next(it)
+        it.close()
+    assert time.monotonic() - started < 5
+    assert wait_threads(baseline) == baseline
+
+
+# ---------------------------------------------------------------------- depth
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_producer_is_never_more_than_depth_ahead(depth):
+    source = RecordingSource(30)
+    ahead = []
+    for consumed, batch in enumerate(Prefetcher(source, "cpu", depth=depth), start=1):
+        assert batch[0].item() == consumed - 1
+        time.sleep(0.005)  # a slow step: the producer runs as far ahead as it may
+        ahead.append(source.pulled - consumed)
+    assert max(ahead) <= depth
+    assert max(ahead) == depth  # and it really does run ahead
+
+
+# ---------------------------------------------------------------------- data safety
+
+
+def test_batches_held_and_modified_in_place_stay_intact():
+    source = batches(12)
+    held = []
+    for batch in Prefetcher(source, "cpu", depth=2):
+        batch.mul_(-1)  # the loop owns its batch: must not touch the next ones
+        held.append(batch)
+    for i, batch in enumerate(held):
+        assert torch.equal(batch, -source[i])
+    assert torch.equal(source[3], torch.full((4, 3), 3))  # the source is never written
+    pointers = {batch.data_ptr() for batch in held}
+    assert len(pointers) == len(held)  # fresh memory each batch, never the slot's
+
+
+def test_fill_writes_straight_into_the_slot():
+    cache = torch.arange(100, dtype=torch.uint8).view(50, 2)
+    seen = []
+
+    def gather(indices):
+        def fill(slot):
+            seen.append(slot["x"].data_ptr())
+            torch.index_select(cache, 0, indices, out=slot["x"])
+
+        return Fill({"x": TensorSpec((len(indices), 2), torch.uint8), "idx": indices}, fill)
+
+    plans = [torch.tensor([3, 1, 4]), torch.tensor([1, 5, 9]), torch.tensor([2, 6, 5])] * 3
+    plans.append(torch.tensor([7]))
+    stats = PrefetchStats()
+    out = list(Prefetcher((gather(i) for i in plans), "cpu", depth=2, stats=stats))
+    for got, indices in zip(out, plans):
+        assert torch.equal(got["x"], cache[indices]) and torch.equal(got["idx"], indices)
+        assert got["x"].dtype == torch.uint8
+    assert stats.slot_allocations == 2 and len(set(seen)) == 2  # two slots, reused
+
+
+# ---------------------------------------------------------------------- default depth
+
+
+def test_default_depth_follows_batch_size_and_host_limit():
+    gib = 2**30
+    assert default_depth(1 << 20, host_limit_bytes=gib) == 4
+    assert default_depth(32 << 20, host_limit_bytes=gib) == 3
+    assert default_depth(256 << 20, host_limit_bytes=gib) == 2
+    assert default_depth(400 << 20, host_limit_bytes=gib) == 2
+    assert default_depth(600 << 20, host_limit_bytes=gib) == 1  # one slot, never zero
+    assert default_depth(0, host_limit_bytes=0) == 4
+    assert 1 <= default_depth(1 << 20) <= 4
+    with pytest.raises(ValueError, match="batch_bytes=-1"):
+        default_depth(-1)
+
+
+# ---------------------------------------------------------------------- GPU
+
+
+def _cuda_sleep_cycles(seconds: float) -> int:
+    probe = 50_000_000
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    torch.cuda._sleep(probe)
+    torch.cuda.synchronize()
+    return int(probe / (time.perf_counter() - started) * seconds)
+
+
+@pytest.mark.gpu
+def test_gpu_batches_arrive_on_the_device_in_their_dtype_from_pinned_slots():
+    device = torch.device("cuda", torch.cuda.current_device())
+    source = [Pair(torch.randint(0, 255, (8, 3, 16, 16), dtype=torch.uint8), torch.arange(8))] * 4
+    seen_pinned = []
+
+    def fill(slot):
+        seen_pinned.append(slot.is_pinned())
+        slot.fill_(7)
+
+    prefetcher = Prefetcher(source + [Fill(TensorSpec((3,), torch.int32), fill)], device)
+    out = list(prefetcher)
+    for got, want in zip(out[:4], source):
+        assert got.image.device == device and got.image.dtype == torch.uint8
+        assert torch.equal(got.image.cpu(), want.image) and torch.equal(got.label.cpu(), want.label)
+    assert seen_pinned == [True] and out[4].tolist() == [7, 7, 7]
+    assert prefetcher.stream is not None
+
+
+@pytest.mark.gpu
+def test_gpu_copy_of_next_batch_overlaps_consumer_work():
+    device = torch.device("cuda", torch.cuda.current_device())
+    nbytes = 64 << 20
+    n = 12
+
+    def source():
+        for _ in range(n):
+            yield Fill(TensorSpec((nbytes,), torch.uint8), lambda slot: None)
+
+    def run(step_cycles: int | None) -> float:
+        prefetcher = Prefetcher(source(), device, depth=2)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for batch in prefetcher:
+            if step_cycles:
+                torch.cuda._sleep(step_cycles)
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    run(None)  # warm up: slots, allocator
+    copy_only = run(None)
+    cycles = _cuda_sleep_cycles(copy_only / n)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(n):
+        torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    compute_only = time.perf_counter() - started
+    both = run(cycles)
+    # Serial would be copy_only + compute_only; overlapped is close to the larger of the two.
+    assert both < 0.8 * (copy_only + compute_only), (copy_only, compute_only, both)
+
+
+@pytest.mark.gpu
+def test_gpu_batches_kept_and_modified_across_steps_stay_intact_on_any_stream():
+    device = torch.device("cuda", torch.cuda.current_device())
+    source = [torch.full((1 << 20,), i, dtype=torch.int32) for i in range(16)]
+    cycles = _cuda_sleep_cycles(0.002)
+    consumer = torch.cuda.Stream(device)
+    held = []
+    with torch.cuda.stream(consumer):
+        for batch in Prefetcher(source, device, depth=2):
+            torch.cuda._sleep(cycles)  # slow step: later copies race ahead of this stream
+            batch.add_(1000)
+            held.append(batch)
+            if len(held) > 3:
+                held.pop(0)  # freed while later work is queued: record_stream keeps it safe
+                torch.cuda.empty_cache()
+        consumer.synchronize()
+    assert [int(b[0]) for b in held] == [1012, 1013, 1014, 1015]
+    assert all(bool((b == b[0]).all()) for b in held)
