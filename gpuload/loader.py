@@ -21,7 +21,7 @@ from gpuload.prefetch import Prefetcher, default_depth
 from gpuload.sampling import can_draw_whole_epoch, epoch_batches
 from gpuload.resident import ResidentColumns, find_resident_columns
 from gpuload.stats import LoaderStats
-from gpuload.transfer import batch_length
+from gpuload.transfer import batch_length, batch_nbytes, move_to_device
 
 __all__ = ["DataLoader"]
 
@@ -96,11 +96,11 @@ class DataLoader(tud.DataLoader):
                 "the Dataset or in the training loop for now"
             )
         if prefetch_depth is not None and (
-            isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1
+            isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0
         ):
             raise ValueError(
-                f"prefetch_depth={prefetch_depth!r} must be an int >= 1 (batches in flight), or None "
-                "to choose from the batch size"
+                f"prefetch_depth={prefetch_depth!r} must be an int >= 1 (batches in flight), 0 to "
+                "copy in the loop without a background thread, or None to choose from the batch size"
             )
         if cache not in ("auto", "device", "host", "off", None):
             raise ValueError(
@@ -138,11 +138,18 @@ class DataLoader(tud.DataLoader):
             if not self._resident.copies_batches:
                 return _GatherIterator(self, self._resident, indices)
             resident, batched = self._resident, self._auto_collation
-            fills = (resident.fill(index, batched) for index in indices)
+            if self.prefetch_depth == 0:
+                return _GatherIterator(self, resident, indices)
+            # The whole epoch's indices are drawn here, in the loop's thread, so the samplers'
+            # random draws never race with the loop's own use of torch's global generator.
+            fills = (resident.fill(index, batched) for index in list(indices))
             sample_bytes = self._columns.nbytes // max(self._columns.num_samples, 1)
             return _PrefetchedIterator(self, self._prefetch(fills, sample_bytes * (self.batch_size or 1)))
         self._stats.path = "torch"
-        if self.device.type == "cpu" and self.prefetch_depth is None:
+        if self._prefetcher is not None:
+            # torch's persistent iterator is reset below: no thread may still be pulling from it.
+            self._prefetcher.stop_epoch("a new epoch of this DataLoader")
+        if self.prefetch_depth == 0 or (self.device.type == "cpu" and self.prefetch_depth is None):
             return _TorchIterator(self, super().__iter__())
         return _PrefetchedIterator(self, self._prefetch(super().__iter__(), None))
 
@@ -269,17 +276,24 @@ class _GatherIterator(_TimedIterator):
 
 
 class _TorchIterator(_TimedIterator):
-    """torch's own iterator (fetch, collate, workers) when batches are already where they go."""
+    """torch's own iterator (fetch, collate, workers), each batch copied in the loop's thread.
+
+    Used on the CPU (nothing to copy) and with ``prefetch_depth=0``.
+    """
 
     def __init__(self, loader: DataLoader, inner: Iterator[Any]) -> None:
         super().__init__(loader)
         self._inner = inner
+        self._device = loader.device
 
     def __len__(self) -> int:
         return len(self._inner)
 
     def _produce(self) -> tuple[Any, int]:
         batch = next(self._inner)
+        if self._device.type != "cpu":
+            self._stats.bytes_h2d += batch_nbytes(batch)
+            batch = move_to_device(batch, self._device, non_blocking=True)
         return batch, batch_length(batch) if self._auto_collation else 1
 
 

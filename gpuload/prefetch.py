@@ -547,7 +547,7 @@ class Prefetcher:
 
     def epoch(self, source: Iterable[Any]) -> Iterator[Any]:
         """One pass over ``source`` (for callers that make a new source iterator each epoch)."""
-        self._stop_active("a newer epoch on the same Prefetcher")
+        self.stop_epoch("a newer epoch on the same Prefetcher")
         if self._ring is None or (self._ring_thread is not None and self._ring_thread.is_alive()):
             # A thread that would not stop may still write its slots: never share them.
             self._ring = _Ring(self.depth, self.device, self._stream, self.stats)
@@ -557,7 +557,8 @@ class Prefetcher:
         self._active = weakref.ref(current)
         return current
 
-    def _stop_active(self, reason: str) -> None:
+    def stop_epoch(self, reason: str) -> None:
+        """Stop the epoch in progress, if any, before its source is reused elsewhere."""
         active = self._active() if self._active is not None else None
         if active is not None:
             active._stop_by(reason)
@@ -565,7 +566,7 @@ class Prefetcher:
 
     def close(self) -> None:
         """Stop the running epoch, if any, and free the host slots; idempotent."""
-        self._stop_active("Prefetcher.close()")
+        self.stop_epoch("Prefetcher.close()")
         self._ring = None
 
     def __enter__(self) -> Prefetcher:

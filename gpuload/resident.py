@@ -160,7 +160,7 @@ class ResidentColumns:
         return flat.remainder(size) if low < 0 else flat
 
     def gather(self, indices: Any, batched: bool) -> tuple[Any, int, int]:
-        """One batch for ``indices`` where the arrays live: (batch, sample count, index bytes)."""
+        """One batch for ``indices``, gathered where the arrays live: (batch, count, bytes moved)."""
         flat = self._checked_index(indices, batched)
         moved_bytes = 0
         if self._where != flat.device:
@@ -169,6 +169,9 @@ class ResidentColumns:
         leaves = [column.index_select(0, flat) for column in self.columns]
         if not batched:
             leaves = [leaf.squeeze(0) for leaf in leaves]
+        if self._where != self.device:  # host arrays without the prefetcher (prefetch_depth=0)
+            moved_bytes += sum(leaf.numel() * leaf.element_size() for leaf in leaves)
+            leaves = [leaf.to(self.device) for leaf in leaves]
         return tree_unflatten(leaves, self.source.spec), flat.numel(), moved_bytes
 
     def fill(self, indices: Any, batched: bool) -> Fill:

@@ -140,7 +140,7 @@ def test_array_datasets_match_torch(name: str, kwargs: dict, cache: str) -> None
     ours.close()
 
 
-@pytest.mark.parametrize("prefetch_depth", [None, 2])
+@pytest.mark.parametrize("prefetch_depth", [None, 0, 2])
 @pytest.mark.parametrize("kwargs", LOADER_KWARGS[:8], ids=str)
 @pytest.mark.parametrize("kind", ["tuple", "dict", "namedtuple", "nested", "numpy"])
 def test_generic_datasets_match_torch(kind: str, kwargs: dict, prefetch_depth: int | None) -> None:
