@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.utils.data as tud
 
+from gpuload.augment import BatchAugmenter, image_column
 from gpuload.device import resolve_device
 from gpuload.prefetch import Prefetcher, default_depth
 from gpuload.sampling import can_draw_whole_epoch, epoch_batches
@@ -90,11 +91,6 @@ class DataLoader(tud.DataLoader):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
-        if transforms:
-            raise NotImplementedError(
-                "transforms= is not available in this version of gpuload; apply transforms in "
-                "the Dataset or in the training loop for now"
-            )
         if prefetch_depth is not None and (
             isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0
         ):
@@ -116,6 +112,8 @@ class DataLoader(tud.DataLoader):
         self._stats = LoaderStats(device=str(self.device))
         self._columns = self._detect_array_data()
         self._resident: ResidentColumns | None = None
+        self._epoch = -1
+        self._augment = self._make_augmenter(transforms)
         self._persistent_seed_drawn = False
 
     # ----------------------------------------------------------------- public surface
@@ -125,8 +123,17 @@ class DataLoader(tud.DataLoader):
         """Counters over this loader's life: path, batches, samples, bytes copied, wait time."""
         return self._stats
 
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (0-based) for the transforms' randomness.
+
+        Epochs count up by one per ``iter()``; set this when resuming a run so that every
+        sample gets the augmentation it would have had. Samplers keep their own ``set_epoch``.
+        """
+        self._epoch = int(epoch) - 1
+
     def __iter__(self) -> Iterator[Any]:
         self._stats.epochs += 1
+        self._epoch += 1
         if self._columns is not None:
             if self._resident is None:
                 self._resident = self._columns.place(self.device, keep_on_host=self.cache == "off")
@@ -135,16 +142,19 @@ class DataLoader(tud.DataLoader):
             indices = self._start_epoch_like_torch()
             if self._auto_collation and can_draw_whole_epoch(self.batch_sampler):
                 indices = epoch_batches(self.batch_sampler)
-            if not self._resident.copies_batches:
-                return _GatherIterator(self, self._resident, indices)
-            resident, batched = self._resident, self._auto_collation
-            if self.prefetch_depth == 0:
+            resident = self._resident
+            if not resident.copies_batches or self.prefetch_depth == 0:
                 return _GatherIterator(self, resident, indices)
             # The whole epoch's indices are drawn here, in the loop's thread, so the samplers'
-            # random draws never race with the loop's own use of torch's global generator.
-            fills = (resident.fill(index, batched) for index in list(indices))
+            # random draws never race with the loop's own use of torch's generator. They are
+            # checked batch by batch, so a bad index fails after the batches before it.
+            batched = self._auto_collation
+            drawn = list(indices)
+            fills = (resident.fill(resident.checked_index(index, batched), batched) for index in drawn)
             sample_bytes = self._columns.nbytes // max(self._columns.num_samples, 1)
-            return _PrefetchedIterator(self, self._prefetch(fills, sample_bytes * (self.batch_size or 1)))
+            epoch = self._prefetch(fills, sample_bytes * (self.batch_size or 1))
+            checked = (resident.checked_index(index, batched) for index in drawn)
+            return _PrefetchedIterator(self, epoch, checked if self._augment is not None else None)
         self._stats.path = "torch"
         if self._prefetcher is not None:
             # torch's persistent iterator is reset below: no thread may still be pulling from it.
@@ -152,6 +162,25 @@ class DataLoader(tud.DataLoader):
         if self.prefetch_depth == 0 or (self.device.type == "cpu" and self.prefetch_depth is None):
             return _TorchIterator(self, super().__iter__())
         return _PrefetchedIterator(self, self._prefetch(super().__iter__(), None))
+
+    def _make_augmenter(self, transforms: Sequence[Any] | None) -> BatchAugmenter | None:
+        if not transforms:
+            return None
+        if self._columns is None:
+            raise ValueError(
+                "transforms= runs on uint8 image arrays gpuload serves itself (TensorDataset, "
+                "gpuload.ArrayDataset, a tensor or numpy array, with the default collate_fn); "
+                f"for a {type(self.dataset).__name__}, apply transforms inside the dataset"
+            )
+        seed = self.generator.initial_seed() if self.generator is not None else torch.initial_seed()
+        return BatchAugmenter(transforms, seed, self.device, image_column(self._columns.columns))
+
+    def _augmented(self, batch: Any, flat: torch.Tensor) -> Any:
+        if self._augment is None:
+            return batch
+        batch = self._augment(batch, flat, self._epoch, self._auto_collation)
+        self._stats.extra["transform_backend"] = self._augment.backend
+        return batch
 
     def _count_prefetched_bytes(self) -> None:
         """Add what the prefetcher's thread copied since the last look (it runs ahead).
@@ -270,9 +299,9 @@ class _GatherIterator(_TimedIterator):
 
     def _produce(self) -> tuple[Any, int]:
         indices = next(self._sampler_iter)
-        batch, count, index_bytes = self._resident.gather(indices, batched=self._auto_collation)
-        self._stats.bytes_h2d += index_bytes
-        return batch, count
+        batch, flat, moved_bytes = self._resident.gather(indices, batched=self._auto_collation)
+        self._stats.bytes_h2d += moved_bytes
+        return self._loader._augmented(batch, flat), flat.numel()
 
 
 class _TorchIterator(_TimedIterator):
@@ -298,11 +327,15 @@ class _TorchIterator(_TimedIterator):
 
 
 class _PrefetchedIterator(_TimedIterator):
-    """Host batches (torch's, or gathered into pinned slots) delivered by the prefetcher."""
+    """Host batches (torch's, or gathered into pinned slots) delivered by the prefetcher.
 
-    def __init__(self, loader: DataLoader, epoch: Iterator[Any]) -> None:
+    ``checked`` are the index tensors of array batches, in delivery order, for the transforms.
+    """
+
+    def __init__(self, loader: DataLoader, epoch: Iterator[Any], checked: Iterator[torch.Tensor] | None = None) -> None:
         super().__init__(loader)
         self._epoch = epoch
+        self._checked = checked
 
     def __len__(self) -> int:
         return len(self._loader._index_sampler)
@@ -312,4 +345,6 @@ class _PrefetchedIterator(_TimedIterator):
             batch = next(self._epoch)
         finally:
             self._loader._count_prefetched_bytes()
+        if self._checked is not None:
+            batch = self._loader._augmented(batch, next(self._checked))
         return batch, batch_length(batch) if self._auto_collation else 1

@@ -143,7 +143,7 @@ class ResidentColumns:
         """True when the arrays stay on the host and every batch is copied to the device."""
         return self._copies_batches
 
-    def _checked_index(self, indices: Any, batched: bool) -> torch.Tensor:
+    def checked_index(self, indices: Any, batched: bool) -> torch.Tensor:
         """``indices`` as a flat int64 tensor in range, failing the way torch's fetch fails."""
         if not self.columns:
             raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
@@ -159,24 +159,27 @@ class ResidentColumns:
             raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {size}")
         return flat.remainder(size) if low < 0 else flat
 
-    def gather(self, indices: Any, batched: bool) -> tuple[Any, int, int]:
-        """One batch for ``indices``, gathered where the arrays live: (batch, count, bytes moved)."""
-        flat = self._checked_index(indices, batched)
+    def gather(self, indices: Any, batched: bool) -> tuple[Any, torch.Tensor, int]:
+        """One batch, gathered where the arrays live: (batch, checked indices, bytes moved)."""
+        flat = self.checked_index(indices, batched)
         moved_bytes = 0
+        where = flat
         if self._where != flat.device:
-            flat = flat.to(self._where, non_blocking=True)
+            where = flat.to(self._where, non_blocking=True)
             moved_bytes = flat.numel() * flat.element_size()
-        leaves = [column.index_select(0, flat) for column in self.columns]
+        leaves = [column.index_select(0, where) for column in self.columns]
         if not batched:
             leaves = [leaf.squeeze(0) for leaf in leaves]
         if self._where != self.device:  # host arrays without the prefetcher (prefetch_depth=0)
             moved_bytes += sum(leaf.numel() * leaf.element_size() for leaf in leaves)
             leaves = [leaf.to(self.device) for leaf in leaves]
-        return tree_unflatten(leaves, self.source.spec), flat.numel(), moved_bytes
+        return tree_unflatten(leaves, self.source.spec), flat, moved_bytes
 
-    def fill(self, indices: Any, batched: bool) -> Fill:
-        """A batch for the prefetcher, gathered on the host straight into its pinned slot."""
-        flat = self._checked_index(indices, batched)
+    def fill(self, flat: torch.Tensor, batched: bool) -> Fill:
+        """A batch for the prefetcher, gathered on the host straight into its pinned slot.
+
+        ``flat`` comes from ``checked_index``: the check runs in the loop's thread, in order.
+        """
         shapes = [(flat.numel(), *c.shape[1:]) if batched else tuple(c.shape[1:]) for c in self.columns]
         layout = tree_unflatten([TensorSpec(shape, c.dtype) for shape, c in zip(shapes, self.columns)], self.source.spec)
         columns = self.columns

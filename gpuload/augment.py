@@ -1,0 +1,53 @@
+"""The loader's use of ``transforms=``: which tensor of a batch is the image, and with what seed.
+
+The transform list runs on the batch's uint8 N,C,H,W image tensor after it reaches the device
+(CuPy kernels there, the torch reference on a CPU). Each sample's random parameters depend
+only on (seed, epoch, sample index), so batch composition, prefetch depth and device do not
+change what a sample looks like.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from gpuload.transforms import transform_batch, validate_pipeline
+
+__all__ = ["BatchAugmenter", "image_column"]
+
+
+def image_column(columns: Sequence[torch.Tensor]) -> int:
+    """Position of the array the transforms apply to: the first uint8 N,C,H,W array, C 1 or 3."""
+    for position, column in enumerate(columns):
+        if column.dtype == torch.uint8 and column.dim() == 4 and column.shape[1] in (1, 3):
+            return position
+    shapes = ", ".join(f"{tuple(c.shape)} {str(c.dtype).removeprefix('torch.')}" for c in columns)
+    raise ValueError(
+        f"transforms= needs uint8 images shaped N,C,H,W (C = 1 or 3) among the dataset's arrays, "
+        f"got {shapes}; "
+        "an N,H,W,C array can be passed as array.permute(0, 3, 1, 2) (torch) or "
+        "np.transpose(array, (0, 3, 1, 2)) (numpy)"
+    )
+
+
+class BatchAugmenter:
+    """Applies a validated transform list to one leaf of each batch, recording the backend."""
+
+    def __init__(self, ops: Sequence[Any], seed: int, device: torch.device, leaf: int) -> None:
+        self.ops = validate_pipeline(ops)
+        self.seed = seed
+        self.device = device
+        self.leaf = leaf
+        self.backend = ""
+
+    def __call__(self, batch: Any, indices: torch.Tensor, epoch: int, batched: bool) -> Any:
+        leaves, spec = tree_flatten(batch)
+        images = leaves[self.leaf] if batched else leaves[self.leaf].unsqueeze(0)
+        out, self.backend = transform_batch(
+            self.ops, images, self.seed, epoch, indices.view(-1), device=self.device
+        )
+        leaves[self.leaf] = out if batched else out[0]
+        return tree_unflatten(leaves, spec)

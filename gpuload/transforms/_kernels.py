@@ -1,0 +1,426 @@
+"""Fused CUDA kernels for the transforms; the only module that imports CuPy (lazily).
+
+One kernel does crop + bilinear resize + pad + flip + ToDtype + Normalize + RandomErasing +
+cast + layout in a single pass: each thread computes one output pixel for all channels and
+reads the uint8 source directly (no intermediate batch). Source images are addressed by a
+per-sample pointer and strides, so a uniform NCHW batch, a list of CHW images of different
+sizes, or HWC images all work without a copy.
+
+Any chain of crops, one resize and flips reduces to one map per sample (``geometry_plan``):
+a source window resized to a canvas, a crop of that canvas (an offset and the box where pixels
+are valid, outside is the fill), and a final mirror. Flips commute with the other ops once
+later crop offsets are mirrored, and bilinear resize with align_corners=False is symmetric.
+Batches the map cannot express (two resizes, padding before a resize, different fills) return
+None and the caller uses the torch reference.
+
+With ColorJitter the kernel runs twice: uint8 -> float32 canvas (geometry only), then the
+jitter in torch (it needs per-image means), then float32 -> output (values and layout).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from gpuload.transforms.ops import (
+    GEOMETRIC_OPS,
+    CenterCrop,
+    ColorJitter,
+    Normalize,
+    Op,
+    RandomCrop,
+    RandomErasing,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    Resize,
+    ToDtype,
+)
+from gpuload.transforms.params import BatchParams
+from gpuload.transforms import reference
+
+__all__ = [
+    "GEOMETRY_COLUMNS",
+    "available",
+    "geometry_plan",
+    "erasing_columns",
+    "value_constants",
+    "kernel_source",
+    "run",
+]
+
+# Per-sample int64 row: source address and strides (elements), then the geometry.
+GEOMETRY_COLUMNS = (
+    "ptr", "stride_c", "stride_y", "stride_x",
+    "win_y0", "win_x0", "win_h", "win_w", "canvas_h", "canvas_w",
+    "off_y", "off_x", "box_y0", "box_y1", "box_x0", "box_x1", "flip",
+)  # fmt: skip
+_ERASE_COLUMNS = 5  # apply, top, left, height, width (per RandomErasing op)
+
+_OUT_KINDS = {torch.uint8: 0, torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+_OUT_TYPES = {0: "unsigned char", 1: "unsigned short", 2: "unsigned short", 3: "float"}
+
+_SOURCE = r"""
+#define IN_T __IN_T__
+#define OUT_T __OUT_T__
+#define OUT_KIND __OUT_KIND__
+#define CHANNELS_LAST __CHANNELS_LAST__
+
+__device__ __forceinline__ unsigned short to_half(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ unsigned short to_bfloat16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);  // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+    return (unsigned short)(u >> 16);
+}
+
+__device__ __forceinline__ OUT_T cast_out(float v) {
+#if OUT_KIND == 0
+    return (unsigned char)fminf(fmaxf(rintf(v), 0.f), 255.f);
+#elif OUT_KIND == 1
+    return to_half(v);
+#elif OUT_KIND == 2
+    return to_bfloat16(v);
+#else
+    return v;
+#endif
+}
+
+// torch's area_pixel_compute_source_index + guard_index_and_lambda (align_corners=False).
+__device__ __forceinline__ void source_index(int dst, float scale, int size, int* i0, int* i1,
+                                             float* lambda) {
+    float real = scale * ((float)dst + 0.5f) - 0.5f;
+    if (real < 0.f) real = 0.f;
+    int i = min((int)floorf(real), size - 1);
+    *lambda = fminf(fmaxf(real - (float)i, 0.f), 1.f);
+    *i0 = i;
+    *i1 = i + (i < size - 1 ? 1 : 0);
+}
+
+extern "C" __global__ void gpuload_transform(
+    const long long* __restrict__ table, const int row, const float* __restrict__ consts,
+    OUT_T* __restrict__ out, const int N, const int C, const int OH, const int OW, const int E)
+{
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (tid >= (long long)N * OH * OW) return;
+    const int x = (int)(tid % OW);
+    const long long t = tid / OW;
+    const int y = (int)(t % OH);
+    const int n = (int)(t / OH);
+    const long long* r = table + (long long)n * row;
+    const IN_T* src = (const IN_T*)r[0];
+    const long long sc = r[1], sy = r[2], sx = r[3];
+    const int win_y0 = (int)r[4], win_x0 = (int)r[5], win_h = (int)r[6], win_w = (int)r[7];
+    const int canvas_h = (int)r[8], canvas_w = (int)r[9], off_y = (int)r[10], off_x = (int)r[11];
+    const int xs = r[16] ? OW - 1 - x : x;  // position before the final mirror
+    const bool valid = y >= r[12] && y < r[13] && xs >= r[14] && xs < r[15];
+
+    long long o00 = 0, o01 = 0, o10 = 0, o11 = 0;
+    float ly = 0.f, lx = 0.f;
+    if (valid) {
+        int y0, y1, x0, x1;
+        source_index(y + off_y, (float)win_h / (float)canvas_h, win_h, &y0, &y1, &ly);
+        source_index(xs + off_x, (float)win_w / (float)canvas_w, win_w, &x0, &x1, &lx);
+        const long long ry0 = (long long)(win_y0 + y0) * sy, ry1 = (long long)(win_y0 + y1) * sy;
+        const long long rx0 = (long long)(win_x0 + x0) * sx, rx1 = (long long)(win_x0 + x1) * sx;
+        o00 = ry0 + rx0; o01 = ry0 + rx1; o10 = ry1 + rx0; o11 = ry1 + rx1;
+    }
+    int erased = -1;  // the last RandomErasing whose rectangle holds (y, x) wins
+    for (int e = 0; e < E; ++e) {
+        const long long* q = r + __GEOMETRY_WIDTH__ + 5 * e;
+        if (q[0] && y >= q[1] && y < q[1] + q[3] && x >= q[2] && x < q[2] + q[4]) erased = e;
+    }
+    const float fill = consts[2 * C];
+    for (int c = 0; c < C; ++c) {
+        float v;
+        if (erased >= 0) {
+            v = consts[2 * C + 1 + erased * C + c];
+        } else {
+            float p = fill;
+            if (valid) {
+                const IN_T* s = src + c * sc;
+                const float wx0 = 1.f - lx, wy0 = 1.f - ly;
+                p = ((float)s[o00] * wx0 + (float)s[o01] * lx) * wy0
+                  + ((float)s[o10] * wx0 + (float)s[o11] * lx) * ly;
+            }
+            v = consts[c] * p + consts[C + c];
+        }
+#if CHANNELS_LAST
+        out[(((long long)n * OH + y) * OW + x) * C + c] = cast_out(v);
+#else
+        out[(((long long)n * C + c) * OH + y) * OW + x] = cast_out(v);
+#endif
+    }
+}
+"""
+
+
+def kernel_source(in_dtype: torch.dtype, out_dtype: torch.dtype, channels_last: bool) -> str:
+    """CUDA source of the kernel variant reading ``in_dtype`` and writing ``out_dtype``."""
+    if in_dtype not in (torch.uint8, torch.float32):
+        raise ValueError(f"kernel input must be uint8 or float32, not {in_dtype}")
+    kind = _OUT_KINDS[out_dtype]
+    return (
+        _SOURCE.replace("__IN_T__", "unsigned char" if in_dtype == torch.uint8 else "float")
+        .replace("__OUT_T__", _OUT_TYPES[kind])
+        .replace("__OUT_KIND__", str(kind))
+        .replace("__CHANNELS_LAST__", "1" if channels_last else "0")
+        .replace("__GEOMETRY_WIDTH__", str(len(GEOMETRY_COLUMNS)))
+    )
+
+
+# ----------------------------------------------------------------------- plans (pure torch)
+
+
+def geometry_plan(
+    params: BatchParams, source_sizes: torch.Tensor
+) -> tuple[torch.Tensor, float] | None:
+    """Reduce the batch's geometric ops to one map per sample: ((N, 13) int64, fill) or None."""
+    ops = params.ops
+    geo = [k for k, op in enumerate(ops) if isinstance(op, GEOMETRIC_OPS)]
+    resizes = [k for k in geo if isinstance(ops[k], (RandomResizedCrop, Resize))]
+    if len(resizes) > 1:
+        return None
+    n = len(source_sizes)
+    i64 = dict(dtype=torch.int64)
+    h, w = source_sizes[:, 0].clone(), source_sizes[:, 1].clone()
+    zeros = torch.zeros(n, **i64)
+    win = [zeros.clone(), zeros.clone(), h.clone(), w.clone()]  # y0, x0, h, w (unmirrored)
+    flip = torch.zeros(n, dtype=torch.bool)
+    resize_at = resizes[0] if resizes else -1
+    # Before the resize: crops move the window and must stay inside the image.
+    for k in geo:
+        if k >= resize_at:
+            break
+        op, p = ops[k], params.per_op[k]
+        if isinstance(op, RandomHorizontalFlip):
+            flip ^= p["flip"]
+            continue
+        th, tw = torch.full((n,), op.size[0], **i64), torch.full((n,), op.size[1], **i64)
+        top, left = p["top"], p["left"]
+        if bool(((top < 0) | (left < 0) | (top + th > win[2]) | (left + tw > win[3])).any()):
+            return None  # padding before a resize: the map cannot express it
+        left = torch.where(flip, win[3] - left - tw, left)
+        win = [win[0] + top, win[1] + left, th, tw]
+    if resize_at >= 0:
+        op, p = ops[resize_at], params.per_op[resize_at]
+        if isinstance(op, RandomResizedCrop):
+            top, left, ch, cw = p["top"], p["left"], p["height"], p["width"]
+            left = torch.where(flip, win[3] - left - cw, left)
+            win = [win[0] + top, win[1] + left, ch, cw]
+            canvas = [torch.full((n,), op.size[0], **i64), torch.full((n,), op.size[1], **i64)]
+        else:
+            canvas = [p["height"].clone(), p["width"].clone()]
+    else:
+        canvas = [win[2].clone(), win[3].clone()]
+    # After the resize (or from the start without one): crops move an offset into the canvas
+    # and shrink the box of valid pixels; outside it is the fill.
+    off = [zeros.clone(), zeros.clone()]
+    box = [zeros.clone(), canvas[0].clone(), zeros.clone(), canvas[1].clone()]
+    cur = [canvas[0].clone(), canvas[1].clone()]
+    fills: set[float] = set()
+    for k in geo:
+        if k <= resize_at:
+            continue
+        op, p = ops[k], params.per_op[k]
+        if isinstance(op, RandomHorizontalFlip):
+            flip ^= p["flip"]
+            continue
+        th, tw = op.size
+        top, left = p["top"], p["left"]
+        left = torch.where(flip, cur[1] - left - tw, left)
+        pads = (top < 0) | (left < 0) | (top + th > cur[0]) | (left + tw > cur[1])
+        if bool(pads.any()):
+            fills.add(float(op.fill) if isinstance(op, RandomCrop) else 0.0)
+        off = [off[0] + top, off[1] + left]
+        box = [
+            (box[0] - top).clamp(min=0), torch.minimum(box[1] - top, torch.full_like(top, th)),
+            (box[2] - left).clamp(min=0), torch.minimum(box[3] - left, torch.full_like(left, tw)),
+        ]
+        cur = [torch.full((n,), th, **i64), torch.full((n,), tw, **i64)]
+    if len(fills) > 1:
+        return None
+    # A mirrored output reads the unmirrored map at OW - 1 - x; box and offsets stay as they are.
+    table = torch.stack([*win, *canvas, *off, *box, flip.to(torch.int64)], dim=1)
+    return table, (fills.pop() if fills else 0.0)
+
+
+def value_constants(ops: Sequence[Op], channels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel (a, b) with output = a * pixel + b, and each RandomErasing's output value.
+
+    ``pixel`` is 0-255; erasing values are mapped through the ops after them.
+    """
+    a = torch.ones(channels, dtype=torch.float64)
+    b = torch.zeros(channels, dtype=torch.float64)
+    erasings: list[torch.Tensor] = []  # output values, updated as later ops come
+    scaled = False
+    for op in ops:
+        if isinstance(op, ToDtype) and op.scale:
+            a, b = a / 255.0, b / 255.0
+            erasings = [v / 255.0 for v in erasings]
+            scaled = True
+        elif isinstance(op, Normalize):
+            mean, std = (t.double() for t in reference.normalize_constants(op, scaled, channels))
+            a, b = a / std, (b - mean) / std
+            erasings = [(v - mean) / std for v in erasings]
+        elif isinstance(op, RandomErasing):
+            erasings.append(reference.erase_values(op, channels).double())
+    values = torch.stack(erasings) if erasings else torch.zeros((0, channels), dtype=torch.float64)
+    return a.float(), b.float(), values.float()
+
+
+def erasing_columns(params: BatchParams) -> torch.Tensor:
+    """(N, 5 * E) int64: apply, top, left, height, width of each RandomErasing op."""
+    cols = []
+    for op, p in zip(params.ops, params.per_op):
+        if isinstance(op, RandomErasing):
+            cols += [p["apply"].to(torch.int64), p["top"], p["left"], p["height"], p["width"]]
+    n = len(params.indices)
+    return torch.stack(cols, 1) if cols else torch.zeros((n, 0), dtype=torch.int64)
+
+
+# ------------------------------------------------------------------------- CuPy execution
+
+_lock = threading.Lock()
+_functions: dict[tuple[int, torch.dtype, torch.dtype, bool], object] = {}
+_status: dict[int, str] = {}  # device index -> "" when usable, else why not
+
+
+def available(device: torch.device) -> tuple[bool, str]:
+    """Whether CuPy can run kernels on ``device``, and if not, why (checked once per device)."""
+    if device.type != "cuda":
+        return False, f"{device} is not a CUDA device"
+    index = torch.cuda.current_device() if device.index is None else device.index
+    with _lock:
+        if index not in _status:
+            try:
+                import cupy
+
+                count = cupy.cuda.runtime.getDeviceCount()
+                _status[index] = "" if index < count else f"CuPy sees {count} device(s)"
+            except Exception as exc:  # ImportError, or a driver/runtime mismatch
+                _status[index] = f"CuPy cannot run here ({type(exc).__name__}: {exc})"
+        reason = _status[index]
+    return reason == "", reason
+
+
+def mark_unavailable(device: torch.device, reason: str) -> None:
+    """Stop using the kernels on ``device`` (after a failure), remembering why."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    with _lock:
+        _status[index] = reason
+
+
+def _function(index: int, in_dtype: torch.dtype, out_dtype: torch.dtype, channels_last: bool):
+    key = (index, in_dtype, out_dtype, channels_last)
+    with _lock:
+        fn = _functions.get(key)
+        if fn is None:
+            import cupy
+
+            with cupy.cuda.Device(index):
+                module = cupy.RawModule(
+                    code=kernel_source(in_dtype, out_dtype, channels_last), options=("--std=c++14",)
+                )
+                fn = module.get_function("gpuload_transform")
+            _functions[key] = fn
+    return fn
+
+
+def _sources(batch: reference.Batch) -> tuple[torch.Tensor, torch.dtype]:
+    """(N, 4) int64 address and element strides of each image, and the element dtype."""
+    if isinstance(batch, torch.Tensor):
+        n = batch.shape[0]
+        base = batch.data_ptr() + torch.arange(n, dtype=torch.int64) * batch.stride(0) * batch.element_size()
+        strides = torch.tensor(batch.stride()[1:], dtype=torch.int64).expand(n, 3)
+        return torch.cat([base[:, None], strides], 1), batch.dtype
+    rows = [[im.data_ptr(), *im.stride()] for im in batch]
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 4), batch[0].dtype
+
+
+def _launch(
+    device: torch.device,
+    batch: reference.Batch,
+    geometry: torch.Tensor,
+    fill: float,
+    constants: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    erase_cols: torch.Tensor,
+    out_dtype: torch.dtype,
+    channels_last: bool,
+    out_size: tuple[int, int],
+    channels: int,
+) -> torch.Tensor:
+    import cupy
+    import numpy as np
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sources, in_dtype = _sources(batch)
+    table = torch.cat([sources, geometry, erase_cols], 1).contiguous()
+    a, b, values = constants
+    consts = torch.cat([a, b, torch.tensor([fill], dtype=torch.float32), values.reshape(-1)])
+    n = len(table)
+    oh, ow = out_size
+    out = torch.empty((n, channels, oh, ow), dtype=out_dtype, device=device,
+                      memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    if n == 0 or oh * ow == 0:
+        return out
+    table_d = table.to(device)
+    consts_d = consts.to(device)
+    physical = out.permute(0, 2, 3, 1) if channels_last else out  # contiguous either way
+    if out_dtype == torch.bfloat16 or out_dtype == torch.float16:
+        physical = physical.view(torch.int16)  # CuPy has no bfloat16; the kernel writes bits
+    fn = _function(index, in_dtype, out_dtype, channels_last)
+    threads = 256
+    total = n * oh * ow
+    with cupy.cuda.Device(index):
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
+        with stream:
+            fn(
+                ((total + threads - 1) // threads,),
+                (threads,),
+                (
+                    cupy.asarray(table_d), np.int32(table.shape[1]), cupy.asarray(consts_d),
+                    cupy.asarray(physical), np.int32(n), np.int32(channels), np.int32(oh),
+                    np.int32(ow), np.int32(erase_cols.shape[1] // _ERASE_COLUMNS),
+                ),
+            )
+    return out
+
+
+def run(params: BatchParams, batch: reference.Batch, device: torch.device) -> torch.Tensor | None:
+    """The transformed batch computed by the kernels on ``device``, or None when the batch's
+    geometry needs the reference (see ``geometry_plan``). ``batch`` must already be there."""
+    ops = params.ops
+    sizes = params.sizes[0]
+    plan = geometry_plan(params, sizes)
+    if plan is None:
+        return None
+    geometry, fill = plan
+    out_h, out_w = params.output_size()
+    channels = batch.shape[1] if isinstance(batch, torch.Tensor) else batch[0].shape[0]
+    dtype, channels_last = reference.output_format(ops)
+    n_geo = sum(isinstance(op, GEOMETRIC_OPS) for op in ops)
+    value_ops = ops[n_geo:]
+    jitter = [k for k, op in enumerate(value_ops) if isinstance(op, ColorJitter)]
+    if not jitter:
+        return _launch(device, batch, geometry, fill, value_constants(value_ops, channels),
+                       erasing_columns(params), dtype, channels_last, (out_h, out_w), channels)
+    # Two passes around the jitter: geometry to a float32 canvas, jitter in torch, the rest.
+    identity = value_constants((), channels)
+    n = len(geometry)
+    canvas = _launch(device, batch, geometry, fill, identity, torch.zeros((n, 0), dtype=torch.int64),
+                     torch.float32, False, (out_h, out_w), channels)
+    last = jitter[-1] + 1
+    canvas = reference.apply_value_ops(
+        value_ops[:last], params.per_op[n_geo : n_geo + last], canvas, cast_output=False
+    ).contiguous()
+    full = torch.tensor([[0, 0, out_h, out_w, out_h, out_w, 0, 0, 0, out_h, 0, out_w, 0]],
+                        dtype=torch.int64).expand(n, -1)
+    return _launch(device, canvas, full, 0.0, value_constants(value_ops[last:], channels),
+                   erasing_columns(params), dtype, channels_last, (out_h, out_w), channels)

@@ -1,0 +1,150 @@
+"""Run an op list on a batch: draw the parameters, then the CuPy kernels or the torch reference.
+
+The kernels run when the batch's target device is CUDA and CuPy works there; otherwise (and for
+the rare geometry the fused map cannot express) the torch reference runs, on the same device.
+Either way the parameters are the same, so the results agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gpuload.transforms import _kernels, reference
+from gpuload.transforms.ops import (
+    CenterCrop,
+    Op,
+    RandomCrop,
+    RandomResizedCrop,
+    Resize,
+    validate_pipeline,
+)
+from gpuload.transforms.params import sample_params
+
+__all__ = ["OutputPlan", "apply_transforms", "transform_batch", "plan_output", "choose_backend"]
+
+_BACKENDS = ("auto", "cupy", "torch")
+_warned: set[str] = set()
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """What a transform list delivers: dtype, layout and (height, width) when it is fixed."""
+
+    dtype: torch.dtype
+    channels_last: bool
+    size: tuple[int, int] | None  # None: depends on the input size (Resize(int) last)
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        return torch.channels_last if self.channels_last else torch.contiguous_format
+
+    def shape(self, batch_size: int, channels: int = 3) -> tuple[int, int, int, int]:
+        if self.size is None:
+            raise ValueError("the output size depends on the input size; pass input_size")
+        return (batch_size, channels, *self.size)
+
+
+def plan_output(ops: Sequence[Op], input_size: tuple[int, int] | None = None) -> OutputPlan:
+    """The output dtype, layout and size of ``ops`` (for images of ``input_size``, if given)."""
+    ops = validate_pipeline(ops)
+    dtype, channels_last = reference.output_format(ops)
+    if input_size is not None:
+        size = sample_params(ops, 0, 0, torch.zeros(1, dtype=torch.int64), [input_size]).output_size()
+        return OutputPlan(dtype, channels_last, size)
+    size: tuple[int, int] | None = None
+    for op in ops:
+        if isinstance(op, (RandomResizedCrop, CenterCrop, RandomCrop)):
+            size = op.size
+        elif isinstance(op, Resize):
+            size = None if op.shorter_side else op.size
+    return OutputPlan(dtype, channels_last, size)
+
+
+def choose_backend(device: torch.device | str, backend: str = "auto") -> tuple[str, str]:
+    """("cupy" or "torch", why) for batches delivered on ``device``."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r}: use one of {_BACKENDS}")
+    device = torch.device(device)
+    if backend == "torch":
+        return "torch", "asked for the torch reference"
+    ok, reason = _kernels.available(device)
+    if ok:
+        return "cupy", f"CuPy kernels on {device}"
+    if backend == "cupy":
+        raise RuntimeError(f"backend='cupy' but {reason}; use backend='auto' or 'torch'")
+    if device.type == "cuda" and str(device) not in _warned:
+        _warned.add(str(device))
+        warnings.warn(f"gpuload transforms use the torch reference on {device}: {reason}", stacklevel=3)
+    return "torch", reason
+
+
+def transform_batch(
+    ops: Sequence[Op],
+    batch: reference.Batch,
+    seed: int,
+    epoch: int,
+    indices: torch.Tensor | Sequence[int],
+    device: torch.device | str | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, str]:
+    """``apply_transforms`` that also says which backend ran ("cupy" or "torch")."""
+    ops = validate_pipeline(ops)
+    if device is None:
+        device = batch.device if isinstance(batch, torch.Tensor) else (
+            batch[0].device if len(batch) else torch.device("cpu")
+        )
+    device = torch.device(device)
+    sizes = reference.batch_sizes(batch)
+    params = sample_params(ops, seed, epoch, indices, sizes)
+    batch = _to_device(batch, device)
+    name, _ = choose_backend(device, backend)
+    if name == "cupy" and len(sizes):
+        try:
+            out = _kernels.run(params, batch, device)
+        except Exception as exc:  # a kernel that cannot compile or launch on this device
+            if backend == "cupy":
+                raise
+            _kernels.mark_unavailable(device, f"the kernel failed ({type(exc).__name__}: {exc})")
+            warnings.warn(
+                f"gpuload transforms fall back to the torch reference on {device}: the CuPy "
+                f"kernel failed ({type(exc).__name__}: {exc})",
+                stacklevel=2,
+            )
+            out = None
+        if out is not None:
+            return out, "cupy"
+        if backend == "cupy":
+            raise RuntimeError(
+                "backend='cupy' but this batch's geometry needs the reference (two resizes, "
+                "padding before a resize, or crops with different fills); use backend='auto'"
+            )
+    return reference.apply_reference(params, batch), "torch"
+
+
+def apply_transforms(
+    ops: Sequence[Op],
+    batch: reference.Batch,
+    seed: int,
+    epoch: int,
+    indices: torch.Tensor | Sequence[int],
+    device: torch.device | str | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Transform a batch of uint8 images into one N, C, H, W tensor on ``device``.
+
+    ``batch`` is a uint8 N, C, H, W tensor or a list of uint8 C, H, W tensors (sizes may
+    differ); ``indices`` are the samples' dataset indices, which with ``seed`` and ``epoch``
+    fix every random parameter. ``device`` defaults to the batch's device; a CPU batch bound
+    for CUDA is moved there as uint8 first. ``backend``: "auto", "cupy" or "torch".
+    """
+    return transform_batch(ops, batch, seed, epoch, indices, device, backend)[0]
+
+
+def _to_device(batch: reference.Batch, device: torch.device) -> reference.Batch:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    return [image.to(device, non_blocking=True) for image in batch]

@@ -1,0 +1,247 @@
+"""The torch reference against direct torch implementations of each op, plus op validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpuload import transforms as T
+from gpuload.transforms.reference import grayscale
+
+
+def _images(n, h, w, seed=0, c=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, c, h, w), dtype=torch.uint8, generator=g)
+
+
+def _run(ops, batch, seed=0, epoch=0, indices=None):
+    n = len(batch)
+    idx = torch.arange(n) if indices is None else torch.as_tensor(indices)
+    params = T.sample_params(ops, seed, epoch, idx, T.reference.batch_sizes(batch))
+    return T.apply_reference(params, batch), params
+
+
+# ------------------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: T.RandomResizedCrop(0), "positive"),
+        (lambda: T.RandomResizedCrop(8, scale=(0.9, 0.1)), "min <= max"),
+        (lambda: T.RandomResizedCrop(8, ratio=(0.0, 1.0)), "ratios must be > 0"),
+        (lambda: T.Resize("big"), "int or"),
+        (lambda: T.RandomCrop(8, padding=(1, 2, 3)), "padding is an int"),
+        (lambda: T.RandomCrop(8, fill=300), "0-255"),
+        (lambda: T.RandomHorizontalFlip(p=1.5), "probability"),
+        (lambda: T.ColorJitter(brightness=-1), ">= 0"),
+        (lambda: T.ToDtype(torch.int32), "float16, torch.bfloat16"),
+        (lambda: T.Normalize((0.5, 0.5), (0.2,)), "same lengths"),
+        (lambda: T.Normalize((0.5,), (0.0,)), "> 0"),
+        (lambda: T.RandomErasing(value="random"), "not supported"),
+    ],
+)
+def test_ops_reject_bad_arguments_with_the_value(make, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        make()
+
+
+def test_ops_repr_and_normalisation():
+    assert repr(T.RandomResizedCrop(224)) == (
+        "RandomResizedCrop(size=(224, 224), scale=(0.08, 1.0), ratio=(0.75, 1.3333333333333333))"
+    )
+    assert T.RandomCrop(8, padding=(1, 2)).padding == (1, 2, 1, 2)
+    assert T.ColorJitter(brightness=0.4).brightness == (0.6, 1.4)
+    assert T.ColorJitter(contrast=2).contrast == (0.0, 3.0)
+    assert hash(T.Normalize([0.5], [0.5])) == hash(T.Normalize((0.5,), (0.5,)))
+
+
+@pytest.mark.parametrize(
+    "ops, message",
+    [
+        ([T.ToDtype(), T.RandomHorizontalFlip()], "before colour"),
+        ([T.Normalize((0.5,), (0.5,))], "needs floats"),
+        ([T.ToDtype(), T.ColorJitter(0.1)], "put ColorJitter before"),
+        ([T.ToDtype(), T.ToDtype()], "more than one ToDtype"),
+        ([T.ToDtype(), T.Normalize((123.7, 116.3, 103.5), (58.4, 57.1, 57.4))], "value_range=255"),
+        (["flip"], "not a gpuload transform"),
+    ],
+)
+def test_pipeline_order_errors_say_what_to_change(ops, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        T.validate_pipeline(ops)
+
+
+# ------------------------------------------------------------------------------- semantics
+
+
+def test_random_resized_crop_is_interpolate_on_the_crop_window():
+    batch = _images(6, 37, 53)
+    out, params = _run([T.RandomResizedCrop((17, 23)), T.ToDtype(torch.float32, scale=False)], batch)
+    p = params.per_op[0]
+    for k in range(6):
+        t, l, h, w = (int(p[name][k]) for name in ("top", "left", "height", "width"))
+        window = batch[k : k + 1, :, t : t + h, l : l + w].float()
+        expected = F.interpolate(window, size=(17, 23), mode="bilinear", align_corners=False)[0]
+        torch.testing.assert_close(out[k], expected, rtol=0, atol=1e-4)
+
+
+def test_uint8_output_rounds_like_torchvision():
+    batch = _images(3, 20, 30)
+    out, _ = _run([T.Resize((13, 7))], batch)
+    expected = F.interpolate(batch.float(), size=(13, 7), mode="bilinear", align_corners=False)
+    assert out.dtype == torch.uint8
+    assert torch.equal(out, expected.round().clamp(0, 255).to(torch.uint8))
+
+
+def test_flip_crop_normalize_against_direct_torch():
+    batch = _images(8, 12, 16)
+    ops = [
+        T.CenterCrop((10, 12)),
+        T.RandomHorizontalFlip(p=0.5),
+        T.ToDtype(torch.float32),
+        T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+    ]
+    out, params = _run(ops, batch)
+    flips = params.per_op[1]["flip"]
+    assert 0 < int(flips.sum()) < 8
+    crop = batch[:, :, 1:11, 2:14].float() / 255
+    crop = torch.where(flips.view(-1, 1, 1, 1), crop.flip(-1), crop)
+    mean = torch.tensor((0.485, 0.456, 0.406)).view(1, 3, 1, 1)
+    std = torch.tensor((0.229, 0.224, 0.225)).view(1, 3, 1, 1)
+    torch.testing.assert_close(out, (crop - mean) / std, rtol=0, atol=1e-6)
+
+
+def test_normalize_value_range_255_equals_dividing_by_255():
+    batch = _images(2, 8, 8)
+    mean255, std255 = (123.675, 116.28, 103.53), (58.395, 57.12, 57.375)
+    a, _ = _run([T.ToDtype(), T.Normalize(mean255, std255, value_range=255)], batch)
+    b, _ = _run([T.ToDtype(), T.Normalize([m / 255 for m in mean255], [s / 255 for s in std255])], batch)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_random_crop_padding_uses_fill():
+    batch = torch.full((64, 1, 4, 4), 200, dtype=torch.uint8)
+    out, params = _run([T.RandomCrop(4, padding=3, fill=7)], batch)
+    p = params.per_op[0]
+    for k in range(64):
+        t, l = int(p["top"][k]), int(p["left"][k])
+        rows = torch.arange(4).view(-1, 1) + t
+        cols = torch.arange(4).view(1, -1) + l
+        inside = (rows >= 0) & (rows < 4) & (cols >= 0) & (cols < 4)
+        assert torch.equal(out[k, 0], torch.where(inside, 200, 7).to(torch.uint8))
+
+
+def test_variable_size_list_input_and_mismatch_error():
+    images = [_images(1, h, w, seed=h)[0] for h, w in [(30, 40), (41, 29), (64, 64)]]
+    out, _ = _run([T.Resize(32), T.CenterCrop(24)], images)
+    assert out.shape == (3, 3, 24, 24)
+    for k, im in enumerate(images):
+        alone, _ = _run([T.Resize(32), T.CenterCrop(24)], [im], indices=[k])
+        assert torch.equal(out[k], alone[0])
+    with pytest.raises(ValueError, match="different sizes"):
+        _run([T.Resize(32)], images)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dtypes_and_channels_last(dtype):
+    batch = _images(4, 20, 22)
+    ops = [T.RandomResizedCrop(16), T.ToDtype(dtype), T.ToChannelsLast()]
+    out, _ = _run(ops, batch)
+    ref32, _ = _run([T.RandomResizedCrop(16), T.ToDtype(torch.float32)], batch)
+    assert out.dtype == dtype and out.shape == (4, 3, 16, 16)
+    assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
+    assert torch.equal(out, ref32.to(dtype))
+    assert T.plan_output(ops) == T.OutputPlan(dtype, True, (16, 16))
+
+
+def test_color_jitter_factor_one_is_identity():
+    batch = _images(5, 9, 11)
+    ops = [T.ColorJitter(brightness=(1, 1), contrast=(1, 1), saturation=(1, 1)), T.ToDtype(scale=False)]
+    out, _ = _run(ops, batch)
+    assert torch.equal(out, batch.float())
+
+
+def test_color_jitter_formulas():
+    batch = _images(3, 6, 7)
+    x = batch.float()
+    for ops, expect in [
+        ([T.ColorJitter(brightness=(1.5, 1.5))], (x * 1.5).clamp(0, 255)),
+        ([T.ColorJitter(saturation=(0.0, 0.0))], grayscale(x).expand(-1, 3, -1, -1)),
+        ([T.ColorJitter(contrast=(0.0, 0.0))],
+         grayscale(x).mean(dim=(1, 2, 3), keepdim=True).expand_as(x)),
+    ]:
+        out, _ = _run(ops + [T.ToDtype(scale=False)], batch)
+        torch.testing.assert_close(out, expect, rtol=0, atol=1e-4)
+
+
+def test_color_jitter_order_is_per_sample():
+    batch = _images(40, 5, 5)
+    ops = [T.ColorJitter(brightness=(1.8, 1.8), saturation=(0.3, 0.3)), T.ToDtype(scale=False)]
+    out, params = _run(ops, batch)
+    order = params.per_op[0]["order"]
+    x = batch.float()
+
+    def b(t):
+        return (t * 1.8).clamp(0, 255)
+
+    def s(t):
+        return (0.3 * t + 0.7 * grayscale(t)).clamp(0, 255)
+
+    b_first = (order == 0).nonzero()[:, 1] < (order == 2).nonzero()[:, 1]
+    assert 0 < int(b_first.sum()) < 40
+    expect = torch.where(b_first.view(-1, 1, 1, 1), s(b(x)), b(s(x)))
+    torch.testing.assert_close(out, expect, rtol=0, atol=1e-3)
+
+
+def test_random_erasing_region_holds_the_value():
+    batch = _images(50, 16, 16)
+    ops = [T.ToDtype(), T.Normalize((0.5,), (0.25,)), T.RandomErasing(p=0.8, value=(1.0, 2.0, 3.0))]
+    out, params = _run(ops, batch)
+    p = params.per_op[2]
+    plain = (batch.float() / 255 - 0.5) / 0.25
+    assert 20 < int(p["apply"].sum()) < 50
+    for k in range(50):
+        mask = torch.zeros(16, 16, dtype=torch.bool)
+        if bool(p["apply"][k]):
+            t, l, h, w = (int(p[n][k]) for n in ("top", "left", "height", "width"))
+            mask[t : t + h, l : l + w] = True
+        expect = torch.where(mask, torch.tensor([1.0, 2.0, 3.0]).view(3, 1, 1), plain[k])
+        torch.testing.assert_close(out[k], expect, rtol=0, atol=1e-6)
+
+
+def test_apply_transforms_is_deterministic_and_batch_independent():
+    batch = _images(10, 24, 24)
+    ops = [T.RandomResizedCrop(12), T.RandomHorizontalFlip(), T.ColorJitter(0.3, 0.3, 0.3), T.ToDtype()]
+    idx = torch.arange(100, 110)
+    a = T.apply_transforms(ops, batch, seed=3, epoch=1, indices=idx)
+    b = T.apply_transforms(ops, batch[4:7], seed=3, epoch=1, indices=idx[4:7])
+    assert torch.equal(a[4:7], b)
+    c = T.apply_transforms(ops, batch, seed=3, epoch=2, indices=idx)
+    assert not torch.equal(a, c)
+    out, backend = T.transform_batch(ops, batch, 3, 1, idx)
+    assert backend == "torch" and torch.equal(out, a)
+
+
+def test_apply_without_cupy_backend_falls_back_or_raises():
+    with pytest.raises(RuntimeError, match="backend='cupy'"):
+        T.apply_transforms([T.ToDtype()], _images(1, 4, 4), 0, 0, [0], backend="cupy")
+    with pytest.raises(ValueError, match="backend="):
+        T.apply_transforms([T.ToDtype()], _images(1, 4, 4), 0, 0, [0], backend="gpu")
+
+
+def test_bad_batches_are_rejected():
+    with pytest.raises(TypeError, match="uint8"):
+        T.apply_transforms([T.ToDtype()], torch.zeros(2, 3, 4, 4), 0, 0, [0, 1])
+    with pytest.raises(TypeError, match=r"batch\[1\]"):
+        T.apply_transforms([T.ToDtype()], [_images(1, 4, 4)[0], torch.zeros(4, 4)], 0, 0, [0, 1])
+
+
+def test_grey_images_work():
+    batch = _images(3, 10, 10, c=1)
+    out = T.apply_transforms(
+        [T.RandomResizedCrop(8), T.ColorJitter(0.5, 0.5, 0.5), T.ToDtype(), T.Normalize((0.5,), (0.5,))],
+        batch, 0, 0, [0, 1, 2],
+    )
+    assert out.shape == (3, 1, 8, 8) and out.dtype == torch.float32
