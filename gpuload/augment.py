@@ -51,3 +51,8 @@ class BatchAugmenter:
         )
         leaves[self.leaf] = out if batched else out[0]
         return tree_unflatten(leaves, spec)
+
+    def apply_list(self, images: list[torch.Tensor], indices: torch.Tensor, epoch: int) -> torch.Tensor:
+        """Transform decoded images of any sizes into one N,C,H,W batch."""
+        out, self.backend = transform_batch(self.ops, images, self.seed, epoch, indices, device=self.device)
+        return out

@@ -1,4 +1,5 @@
-"""The ``gpuload`` command: ``gpuload bench`` measures loaders side by side."""
+"""The ``gpuload`` command: ``gpuload bench`` measures loaders side by side; ``gpuload plan``
+prints where a dataset's bytes would live."""
 
 from __future__ import annotations
 
@@ -92,6 +93,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="bench-results", metavar="DIR", help="where bench.json and bench.png go")
     bench.set_defaults(run=_bench)
+
+    from gpuload.cache.plan_command import add_plan_arguments, run_plan
+
+    plan = commands.add_parser("plan", help="print where a dataset's bytes would live under a cache budget")
+    add_plan_arguments(plan)
+    plan.set_defaults(run=run_plan)
     return parser
 
 

@@ -10,6 +10,7 @@ there; any other dataset is read by torch and its batches are moved to the devic
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -17,6 +18,9 @@ import torch
 import torch.utils.data as tud
 
 from gpuload.augment import BatchAugmenter, image_column
+from gpuload.cache import CacheSettings
+from gpuload.datasets.images import ImageSource, as_image_source
+from gpuload.image_batches import ImageBatches
 from gpuload.device import resolve_device
 from gpuload.prefetch import Prefetcher, default_depth
 from gpuload.sampling import can_draw_whole_epoch, epoch_batches
@@ -68,9 +72,12 @@ class DataLoader(tud.DataLoader):
         in_order: bool = True,
         device: str | int | torch.device | None = None,
         transforms: Sequence[Any] | None = None,
-        cache: str | None = "auto",
+        cache: str | None = None,
         cache_size: int | float | str | None = None,
+        cache_reserve: int | float | str | None = None,
+        job: str | None = None,
         prefetch_depth: int | None = None,
+        on_error: str = "raise",
     ) -> None:
         super().__init__(
             dataset,
@@ -98,20 +105,26 @@ class DataLoader(tud.DataLoader):
                 f"prefetch_depth={prefetch_depth!r} must be an int >= 1 (batches in flight), 0 to "
                 "copy in the loop without a background thread, or None to choose from the batch size"
             )
-        if cache not in ("auto", "device", "host", "off", None):
-            raise ValueError(
-                f"cache={cache!r} is not a cache mode; use 'auto', 'device', 'host' or 'off'"
-            )
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error={on_error!r} must be 'raise' or 'skip' (bad image files)")
+        self._cache_settings = CacheSettings.resolve(
+            cache=cache, cache_size=cache_size, cache_reserve=cache_reserve, job=job
+        )
         # Public attributes with the constructor's names, so wrappers can rebuild the loader.
         self.device = resolve_device(device)
         self.transforms = transforms
         self.cache = cache
         self.cache_size = cache_size
+        self.cache_reserve = cache_reserve
+        self.job = job
         self.prefetch_depth = prefetch_depth
+        self.on_error = on_error
         self._prefetcher: Prefetcher | None = None
         self._stats = LoaderStats(device=str(self.device))
         self._columns = self._detect_array_data()
         self._resident: ResidentColumns | None = None
+        self._image_source = self._detect_image_source(bool(transforms))
+        self._images: ImageBatches | None = None
         self._epoch = -1
         self._augment = self._make_augmenter(transforms)
         self._persistent_seed_drawn = False
@@ -120,8 +133,21 @@ class DataLoader(tud.DataLoader):
 
     @property
     def stats(self) -> LoaderStats:
-        """Counters over this loader's life: path, batches, samples, bytes copied, wait time."""
+        """Counters over this loader's life: path, batches, samples, bytes copied, wait time.
+
+        With the cache, ``stats.extra["cache"]`` has bytes, samples and hits per tier and
+        ``stats.extra["cache_plan"]`` the placement plan that was chosen.
+        """
+        tiers = self._resident.stats if self._resident is not None else None
+        if tiers is not None:
+            self._stats.extra["cache"] = tiers.as_dict()
+            self._stats.extra["cache_plan"] = self._resident.store.plan.describe()
         return self._stats
+
+    @property
+    def cache_settings(self) -> CacheSettings:
+        """The cache settings in force, each with where it came from (keyword, env, file)."""
+        return self._cache_settings
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch`` (0-based) for the transforms' randomness.
@@ -136,9 +162,12 @@ class DataLoader(tud.DataLoader):
         self._epoch += 1
         if self._columns is not None:
             if self._resident is None:
-                self._resident = self._columns.place(self.device, keep_on_host=self.cache == "off")
+                self._resident = self._columns.place(self.device, self._cache_settings, f"loader-{id(self)}")
+                weakref.finalize(self, self._resident.release)  # GC gives memory back too
                 self._stats.bytes_h2d += self._resident.placed_bytes
                 self._stats.path = self._resident.path
+            else:
+                self._resident.shrink_to_reserve(self._cache_settings)
             indices = self._start_epoch_like_torch()
             if self._auto_collation and can_draw_whole_epoch(self.batch_sampler):
                 indices = epoch_batches(self.batch_sampler)
@@ -155,6 +184,16 @@ class DataLoader(tud.DataLoader):
             epoch = self._prefetch(fills, sample_bytes * (self.batch_size or 1))
             checked = (resident.checked_index(index, batched) for index in drawn)
             return _PrefetchedIterator(self, epoch, checked if self._augment is not None else None)
+        if self._image_source is not None:
+            if self._images is None:
+                self._images = ImageBatches(
+                    self._image_source, self.device, self.batch_size or 1, self._augment, self.on_error
+                )
+            indices = self._start_epoch_like_torch()
+            if self._auto_collation and can_draw_whole_epoch(self.batch_sampler):
+                indices = epoch_batches(self.batch_sampler)
+            self._stats.path = "image-decode"
+            return _ImageIterator(self, self._images, indices)
         self._stats.path = "torch"
         if self._prefetcher is not None:
             # torch's persistent iterator is reset below: no thread may still be pulling from it.
@@ -163,17 +202,37 @@ class DataLoader(tud.DataLoader):
             return _TorchIterator(self, super().__iter__())
         return _PrefetchedIterator(self, self._prefetch(super().__iter__(), None))
 
+    def _detect_image_source(self, strict: bool) -> ImageSource | None:
+        """gpuload's view of an image-file dataset, when batches can be decoded by gpuload.
+
+        A torchvision dataset with its own ``transform`` stays on torch's path (so swapping the
+        import changes nothing) unless ``transforms=`` asks gpuload to take over, in which case
+        the reason it cannot is raised.
+        """
+        if self._columns is not None or self._dataset_kind != tud.dataloader._DatasetKind.Map:
+            return None
+        if self.collate_fn not in (tud.default_collate, tud.default_convert):
+            return None
+        try:
+            return as_image_source(self.dataset)
+        except ValueError:
+            if strict:
+                raise
+            return None
+
     def _make_augmenter(self, transforms: Sequence[Any] | None) -> BatchAugmenter | None:
         if not transforms:
             return None
-        if self._columns is None:
+        if self._columns is None and self._image_source is None:
             raise ValueError(
-                "transforms= runs on uint8 image arrays gpuload serves itself (TensorDataset, "
-                "gpuload.ArrayDataset, a tensor or numpy array, with the default collate_fn); "
-                f"for a {type(self.dataset).__name__}, apply transforms inside the dataset"
+                "transforms= runs on images gpuload serves itself: uint8 arrays (TensorDataset, "
+                "gpuload.ArrayDataset, a tensor or numpy array) or image files "
+                "(gpuload.datasets.ImageFolder/ImageList, torchvision's ImageFolder), with the "
+                f"default collate_fn; for a {type(self.dataset).__name__}, apply transforms inside the dataset"
             )
         seed = self.generator.initial_seed() if self.generator is not None else torch.initial_seed()
-        return BatchAugmenter(transforms, seed, self.device, image_column(self._columns.columns))
+        leaf = image_column(self._columns.columns) if self._columns is not None else 0
+        return BatchAugmenter(transforms, seed, self.device, leaf)
 
     def _augmented(self, batch: Any, flat: torch.Tensor) -> Any:
         if self._augment is None:
@@ -302,6 +361,30 @@ class _GatherIterator(_TimedIterator):
         batch, flat, moved_bytes = self._resident.gather(indices, batched=self._auto_collation)
         self._stats.bytes_h2d += moved_bytes
         return self._loader._augmented(batch, flat), flat.numel()
+
+
+class _ImageIterator(_TimedIterator):
+    """Batches decoded from image files by gpuload's decoder, then transformed on the device."""
+
+    def __init__(self, loader: DataLoader, images: ImageBatches, indices: Iterator[Any]) -> None:
+        super().__init__(loader)
+        self._images = images
+        self._indices = indices
+
+    def __len__(self) -> int:
+        return len(self._loader._index_sampler)
+
+    def _produce(self) -> tuple[Any, int]:
+        while True:
+            batch, count = self._images.batch(next(self._indices), self._auto_collation, self._loader._epoch)
+            extra = self._stats.extra
+            extra["decode_backend"] = self._images.backend
+            extra["skipped"] = len(self._images.skipped)
+            extra["fallback_decoded"] = self._images.fallback_decoded
+            if self._images.augment is not None:
+                extra["transform_backend"] = self._images.augment.backend
+            if count:
+                return batch, count
 
 
 class _TorchIterator(_TimedIterator):

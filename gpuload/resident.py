@@ -10,7 +10,7 @@ off) and ``ResidentColumns.gather`` builds batches.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,15 +20,19 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.data import TensorDataset
 
 from gpuload.datasets.arrays import ArrayDataset
-from gpuload.device import device_memory
+from gpuload.cache import (
+    CacheSettings,
+    StoreStats,
+    TieredArrayStore,
+    available_budget,
+    format_bytes,
+    make_plan,
+    resolve_reserve,
+)
+from gpuload.device import device_memory, host_memory
 from gpuload.prefetch import Fill, TensorSpec
 
 __all__ = ["ArrayColumns", "ResidentColumns", "find_resident_columns"]
-
-# Device memory left free when deciding whether a dataset fits: room for the model's
-# activations and for allocator fragmentation.
-_DEVICE_HEADROOM_FRACTION = 0.10
-_DEVICE_HEADROOM_MIN_BYTES = 1 << 30
 
 
 def _raw_columns(dataset: Any) -> list[torch.Tensor] | None:
@@ -85,33 +89,39 @@ class ArrayColumns:
     def nbytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.columns)
 
-    def place(self, device: torch.device, keep_on_host: bool = False) -> ResidentColumns:
-        """Copy the arrays to ``device`` once when they fit, else keep them on the host.
+    def place(self, device: torch.device, settings: CacheSettings, owner: Hashable) -> ResidentColumns:
+        """Put the arrays where the cache plan says: device, pinned host, or left at the source.
 
-        Kept on the host (``keep_on_host``, or too big for the device), every batch is gathered
-        into a pinned slot and copied by the prefetcher; on a CPU device the same staging runs
-        in the prefetcher's thread, so the loop overlaps with the gather.
+        ``cache="off"`` (or a plan that caches nothing) keeps the arrays where they are and
+        streams every batch through the prefetcher's pinned slots. On a CPU device the arrays
+        are served in place. Otherwise a ``TieredArrayStore`` holds the device and host tiers.
         """
-        if keep_on_host:
-            return ResidentColumns(self, self.columns, device, "host-gather", 0, copies_batches=True)
+        mode = settings.mode.value
+        if mode == "off":
+            return ResidentColumns(self, self.columns, device, "host-gather", copies_batches=True)
         if device.type == "cpu":
-            return ResidentColumns(self, self.columns, device, "device-gather", 0, copies_batches=False)
-        memory = device_memory(device)
-        headroom = max(_DEVICE_HEADROOM_MIN_BYTES, int(memory.total * _DEVICE_HEADROOM_FRACTION))
-        if self.nbytes <= memory.free - headroom:
-            try:
-                placed = [c.to(device) for c in self.columns]
-                return ResidentColumns(self, placed, device, "device-gather", self.nbytes, copies_batches=False)
-            except torch.cuda.OutOfMemoryError:
-                pass
-        warnings.warn(
-            f"gpuload: the dataset ({self.nbytes / 2**30:.2f} GiB) does not fit in the free "
-            f"memory of {device} ({memory.free / 2**30:.2f} GiB free, "
-            f"{headroom / 2**30:.2f} GiB kept for the model); batches are gathered on the "
-            "host and copied each step instead",
-            stacklevel=3,
+            return ResidentColumns(self, self.columns, device, "device-gather", copies_batches=False)
+        memory, host = device_memory(device), host_memory()
+        reserve = resolve_reserve(
+            settings.reserve_spec, memory, source=settings.reserve.source, device_name=str(device)
         )
-        return ResidentColumns(self, self.columns, device, "host-gather", 0, copies_batches=True)
+        budget = available_budget(
+            settings.size_spec, reserve, memory, device=device, owner=owner, source=settings.size.source
+        )
+        plan = make_plan(
+            self.nbytes // self.num_samples, self.num_samples, memory.free, host.free, budget, reserve,
+            mode, device_total=memory.total, host_total=host.total, target="cuda",
+        )
+        if plan.device_samples + plan.host_samples == 0:
+            warnings.warn(
+                f"gpuload: nothing of the dataset ({format_bytes(self.nbytes)}) fits the cache "
+                f"budget on {device}; batches stream from the host each step. {plan.describe()}",
+                stacklevel=3,
+            )
+            return ResidentColumns(self, self.columns, device, "host-gather", copies_batches=True)
+        store = TieredArrayStore(self.columns, plan, device, owner=owner)
+        path = "device-gather" if plan.device_samples == self.num_samples else f"tiered ({plan.kind})"
+        return ResidentColumns(self, self.columns, device, path, copies_batches=False, store=store)
 
 
 class ResidentColumns:
@@ -123,20 +133,42 @@ class ResidentColumns:
         columns: list[torch.Tensor],
         device: torch.device,
         path: str,
-        placed_bytes: int,
         copies_batches: bool,
+        store: TieredArrayStore | None = None,
     ) -> None:
         self.source = source
         self.columns = columns
         self.device = device
         self.path = path
-        self.placed_bytes = placed_bytes
+        self.store = store
         self._where = columns[0].device
         self._copies_batches = copies_batches
+        self._store_h2d_seen = 0
+
+    @property
+    def placed_bytes(self) -> int:
+        """Bytes copied to the device to fill its tier (0 without a store)."""
+        return self.store.stats.device_bytes if self.store is not None else 0
+
+    @property
+    def stats(self) -> StoreStats | None:
+        """Bytes and hits per tier, when a cache store serves the batches."""
+        return self.store.stats if self.store is not None else None
 
     def release(self) -> None:
-        """Drop the device copy now, even while an abandoned iterator still refers to this."""
+        """Give back device and pinned memory now, even while an abandoned iterator holds this."""
         self.columns = []
+        if self.store is not None:
+            self.store.close()
+
+    def shrink_to_reserve(self, settings: CacheSettings) -> int:
+        """At an epoch start: give device memory back if the model has grown into the reserve."""
+        if self.store is None or self.device.type != "cuda":
+            return 0
+        memory = device_memory(self.device)
+        reserve = resolve_reserve(settings.reserve_spec, memory, source=settings.reserve.source, device_name=str(self.device))
+        held = self.store.stats.device_bytes
+        return self.store.shrink_device_tier(max(0, memory.free + held - reserve))
 
     @property
     def copies_batches(self) -> bool:
@@ -162,6 +194,13 @@ class ResidentColumns:
     def gather(self, indices: Any, batched: bool) -> tuple[Any, torch.Tensor, int]:
         """One batch, gathered where the arrays live: (batch, checked indices, bytes moved)."""
         flat = self.checked_index(indices, batched)
+        if self.store is not None:
+            leaves = self.store.gather(flat)
+            h2d = self.store.stats.h2d_bytes
+            moved_bytes, self._store_h2d_seen = h2d - self._store_h2d_seen, h2d
+            if not batched:
+                leaves = [leaf.squeeze(0) for leaf in leaves]
+            return tree_unflatten(leaves, self.source.spec), flat, moved_bytes
         moved_bytes = 0
         where = flat
         if self._where != flat.device:

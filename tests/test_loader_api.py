@@ -33,7 +33,7 @@ def test_signature_is_torchs_then_gpuload_keyword_options() -> None:
         (p.name, p.kind, p.default) for p in theirs
     ]
     extra = ours[len(theirs) :]
-    assert [p.name for p in extra] == ["device", "transforms", "cache", "cache_size", "prefetch_depth"]
+    assert [p.name for p in extra] == ["device", "transforms", "cache", "cache_size", "cache_reserve", "job", "prefetch_depth", "on_error"]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra)
 
 
@@ -136,7 +136,7 @@ def test_unknown_device_and_cache_mode_are_clear_errors() -> None:
         gpuload.DataLoader(dataset(), device="meta")
     with pytest.raises(RuntimeError):
         gpuload.DataLoader(dataset(), device="warp-drive")
-    with pytest.raises(ValueError, match="cache='sometimes' is not a cache mode"):
+    with pytest.raises(ValueError, match=r"cache='sometimes' \(from keyword cache=\) is not a cache mode"):
         gpuload.DataLoader(dataset(), device="cpu", cache="sometimes")
 
 
@@ -290,3 +290,18 @@ def test_stats_count_staged_bytes_on_the_prefetched_path() -> None:
     staged = loader._prefetcher.stats.bytes_copied
     assert staged == 20 * 3 + 20 * 8  # every uint8 image row and int64 label, once
     assert loader.stats.bytes_h2d == 0  # staging on a CPU device is no host-to-device transfer
+
+
+def test_cache_settings_come_from_keyword_env_and_file(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gpuload.toml").write_text('cache_size = "1GiB"\n[jobs.small]\ncache_size = "10MB"\n')
+    monkeypatch.setenv("GPULOAD_CACHE_RESERVE", "3GiB")
+    loader = gpuload.DataLoader(dataset(), device="cpu", job="small", cache_size=None)
+    settings = loader.cache_settings
+    assert "gpuload.toml" in settings.size.source and "small" in settings.size.source
+    assert settings.reserve.source.startswith("env")
+    assert gpuload.DataLoader(dataset(), device="cpu", cache_size="2GiB").cache_settings.size.source.startswith("keyword")
+    with pytest.raises(ValueError, match="small"):
+        gpuload.DataLoader(dataset(), device="cpu", job="nope")
+    with pytest.raises(ValueError, match="cache_size='12 parsecs'"):
+        gpuload.DataLoader(dataset(), device="cpu", cache_size="12 parsecs")

@@ -71,3 +71,41 @@ def test_close_gives_device_memory_back() -> None:
     loader.close()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= before + 512  # allocator rounding of small leftovers
+
+
+def test_a_dataset_larger_than_the_budget_is_served_from_tiers() -> None:
+    dataset = data(300)
+    row = 3 * 8 * 8 + 8
+    ours = gpuload.DataLoader(dataset, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1),
+                              device="cuda", cache_size=100 * row, cache_reserve=0)
+    theirs = TorchDataLoader(dataset, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1))
+    assert_same_epochs(OnCpu(ours), theirs, epochs=2)
+    assert ours.stats.path.startswith("tiered")
+    tiers = ours.stats.extra["cache"]
+    assert 0 < tiers["device_samples"] < 300 and tiers["device_hits"] > 0
+    ours.close()
+
+
+def test_two_loaders_share_one_budget() -> None:
+    free = torch.cuda.mem_get_info()[0]
+    budget = free // 4
+    big = TensorDataset(torch.zeros(int(budget * 0.6) // 1024, 1024, dtype=torch.uint8))
+    train = gpuload.DataLoader(big, batch_size=256, device="cuda", cache_size=budget)
+    val = gpuload.DataLoader(big, batch_size=256, device="cuda", cache_size=budget)
+    next(iter(train)), next(iter(val))
+    held = train.stats.extra["cache"]["device_bytes"] + val.stats.extra["cache"]["device_bytes"]
+    assert held <= budget
+    train.close(), val.close()
+
+
+def test_transforms_run_as_cupy_kernels_and_match_the_reference() -> None:
+    from gpuload import transforms as T
+    from gpuload.transforms import apply_transforms
+
+    ops = [T.RandomResizedCrop(6), T.RandomHorizontalFlip(), T.ToDtype(torch.float32)]
+    dataset = data(64)
+    loader = gpuload.DataLoader(dataset, batch_size=16, device="cuda", transforms=ops, generator=torch.Generator().manual_seed(3))
+    images = torch.cat([x.cpu() for x, _ in loader])
+    assert loader.stats.extra["transform_backend"] == "cupy"
+    expected = apply_transforms(ops, dataset.tensors[0], 3, 0, torch.arange(64))
+    torch.testing.assert_close(images, expected, atol=1e-4, rtol=1e-5)

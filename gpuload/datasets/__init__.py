@@ -1,5 +1,6 @@
-"""Dataset sources gpuload understands natively."""
+"""Dataset sources gpuload understands natively: in-memory arrays and image files."""
 
 from gpuload.datasets.arrays import ArrayDataset
+from gpuload.datasets.images import ImageFolder, ImageList, ImageSource, as_image_source, make_sample_image_folder
 
-__all__ = ["ArrayDataset"]
+__all__ = ["ArrayDataset", "ImageFolder", "ImageList", "ImageSource", "as_image_source", "make_sample_image_folder"]

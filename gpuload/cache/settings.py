@@ -1,0 +1,214 @@
+"""Cache settings from four places, in order: keyword > environment > ``gpuload.toml`` > default.
+
+Each resolved value remembers where it came from, so an error or ``gpuload plan`` can say
+"cache_size='200GiB' (from environment variable GPULOAD_CACHE_SIZE)".
+
+The file is ``$GPULOAD_CONFIG`` or ``gpuload.toml`` in the working directory::
+
+    cache_size = "auto"          # defaults for every job
+    cache_reserve = "4GiB"
+
+    [jobs.train]                 # chosen with job="train" or GPULOAD_JOB=train
+    cache_size = "40GiB"
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuload.cache.budget import CacheSettingError, SizeSpec, SizeValue, parse_size
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on python 3.10 only
+    import tomli as tomllib
+
+__all__ = ["CacheSettings", "Setting", "MODES", "ENV_VARS", "CONFIG_FILE_NAME"]
+
+MODES = ("auto", "device", "host", "off")
+CONFIG_FILE_NAME = "gpuload.toml"
+ENV_VARS = {
+    "cache": "GPULOAD_CACHE",
+    "cache_size": "GPULOAD_CACHE_SIZE",
+    "cache_reserve": "GPULOAD_CACHE_RESERVE",
+}
+ENV_CONFIG = "GPULOAD_CONFIG"
+ENV_JOB = "GPULOAD_JOB"
+_FILE_KEYS = tuple(ENV_VARS)
+_DEFAULTS: dict[str, Any] = {"cache": "auto", "cache_size": "auto", "cache_reserve": "auto"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One resolved value and where it came from (``"keyword"``, ``"environment variable
+    GPULOAD_CACHE_SIZE"``, ``"/path/gpuload.toml [jobs.train]"`` or ``"default"``)."""
+
+    value: Any
+    source: str
+    raw: Any = None
+
+    def __str__(self) -> str:
+        return f"{self.value} ({self.source})"
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """The cache mode, size and reserve one loader uses, each with its source.
+
+    ``mode``: ``"auto"`` (device tier, then pinned host, then the source), ``"device"`` (device
+    tier only), ``"host"`` (pinned host tier only) or ``"off"``. ``size`` bounds the device
+    tier; ``reserve`` is device memory the cache never takes.
+    """
+
+    mode: Setting
+    size: Setting
+    reserve: Setting
+    job: str | None = None
+    config_path: Path | None = None
+
+    @property
+    def size_spec(self) -> SizeSpec:
+        return self.size.value
+
+    @property
+    def reserve_spec(self) -> SizeSpec:
+        return self.reserve.value
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        cache: str | bool | None = None,
+        cache_size: SizeValue = None,
+        cache_reserve: SizeValue = None,
+        job: str | None = None,
+        environ: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> CacheSettings:
+        """Resolve each setting; a keyword left at ``None`` means "not given here".
+
+        ``environ`` and ``cwd`` default to the process's; tests pass their own.
+        """
+        env = os.environ if environ is None else environ
+        job_source = "keyword job="
+        if job is None and env.get(ENV_JOB):
+            job, job_source = env[ENV_JOB], f"environment variable {ENV_JOB}"
+        path = _config_path(env, Path(cwd) if cwd is not None else Path.cwd())
+        file_values = _file_values(path, job, job_source) if path is not None else {}
+        if path is None and job is not None:
+            raise CacheSettingError(
+                "job", job, job_source,
+                f"names a job but there is no config file: no {CONFIG_FILE_NAME} in "
+                f"{Path(cwd) if cwd is not None else Path.cwd()} and {ENV_CONFIG} is not set; "
+                f"create one with a [jobs.{job}] table, or unset the job",
+            )
+        keywords = {"cache": cache, "cache_size": cache_size, "cache_reserve": cache_reserve}
+        chosen: dict[str, tuple[Any, str]] = {}
+        for key in _FILE_KEYS:
+            if keywords[key] is not None:
+                chosen[key] = (keywords[key], f"keyword {key}=")
+            elif env.get(ENV_VARS[key], "").strip():
+                chosen[key] = (env[ENV_VARS[key]], f"environment variable {ENV_VARS[key]}")
+            elif key in file_values:
+                chosen[key] = file_values[key]
+            else:
+                chosen[key] = (_DEFAULTS[key], "default")
+        mode_raw, mode_source = chosen["cache"]
+        size_raw, size_source = chosen["cache_size"]
+        reserve_raw, reserve_source = chosen["cache_reserve"]
+        return cls(
+            mode=Setting(_parse_mode(mode_raw, mode_source), mode_source, mode_raw),
+            size=Setting(parse_size(size_raw, setting="cache_size", source=size_source), size_source, size_raw),
+            reserve=Setting(
+                parse_size(reserve_raw, setting="cache_reserve", source=reserve_source),
+                reserve_source,
+                reserve_raw,
+            ),
+            job=job,
+            config_path=path,
+        )
+
+    def describe(self) -> str:
+        """One line per setting, with its source."""
+        lines = [
+            f"cache={self.mode.value} ({self.mode.source})",
+            f"cache_size={self.size.value} ({self.size.source})",
+            f"cache_reserve={self.reserve.value} ({self.reserve.source})",
+        ]
+        if self.job is not None:
+            lines.append(f"job={self.job}")
+        if self.config_path is not None:
+            lines.append(f"config file: {self.config_path}")
+        return "\n".join(lines)
+
+    __str__ = describe
+
+
+def _parse_mode(value: Any, source: str) -> str:
+    if value is True:
+        return "auto"
+    if value is False:
+        return "off"
+    if isinstance(value, str) and value.strip().lower() in MODES:
+        return value.strip().lower()
+    raise CacheSettingError(
+        "cache", value, source, f"is not a cache mode; use one of {', '.join(repr(m) for m in MODES)}"
+    )
+
+
+def _config_path(env: Mapping[str, str], cwd: Path) -> Path | None:
+    explicit = env.get(ENV_CONFIG, "").strip()
+    if explicit:
+        path = Path(explicit)
+        if not path.is_absolute():
+            path = cwd / path
+        if not path.is_file():
+            raise CacheSettingError(
+                ENV_CONFIG, explicit, f"environment variable {ENV_CONFIG}",
+                "is not a file; point it at a gpuload.toml or unset it",
+            )
+        return path
+    candidate = cwd / CONFIG_FILE_NAME
+    return candidate if candidate.is_file() else None
+
+
+def _check_keys(table: Mapping[str, Any], allowed: tuple[str, ...], where: str, path: Path) -> None:
+    unknown = [k for k in table if k not in allowed]
+    if unknown:
+        raise CacheSettingError(
+            unknown[0], table[unknown[0]], f"{path} {where}".strip(),
+            f"is not a gpuload setting; the keys allowed there are {', '.join(allowed)}",
+        )
+
+
+def _file_values(path: Path, job: str | None, job_source: str) -> dict[str, tuple[Any, str]]:
+    try:
+        with open(path, "rb") as handle:
+            document = tomllib.load(handle)
+    except tomllib.TOMLDecodeError as error:
+        raise CacheSettingError("config file", str(path), "gpuload", f"is not valid TOML: {error}") from None
+    _check_keys(document, (*_FILE_KEYS, "jobs"), "(top level)", path)
+    jobs = document.get("jobs", {})
+    if not isinstance(jobs, dict) or any(not isinstance(t, dict) for t in jobs.values()):
+        raise CacheSettingError(
+            "jobs", jobs, str(path), "must be tables: write [jobs.NAME] sections with cache settings"
+        )
+    values = {key: (document[key], str(path)) for key in _FILE_KEYS if key in document}
+    if job is not None:
+        if job not in jobs:
+            known = ", ".join(sorted(jobs)) if jobs else "none"
+            raise CacheSettingError(
+                "job", job, job_source,
+                f"is not a job in {path}; the jobs there are: {known}",
+            )
+        _check_keys(jobs[job], _FILE_KEYS, f"[jobs.{job}]", path)
+        values.update({k: (v, f"{path} [jobs.{job}]") for k, v in jobs[job].items()})
+    else:
+        for name, table in jobs.items():
+            _check_keys(table, _FILE_KEYS, f"[jobs.{name}]", path)
+    return values

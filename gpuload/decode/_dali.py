@@ -1,0 +1,179 @@
+"""DALI image decoding: the only gpuload module that imports ``nvidia.dali``, and only lazily.
+
+One pipeline per (device, ROI or not) is built on first use and reused: encoded bytes go in
+through ``external_source``, ``fn.decoders.image`` (or ``fn.decoders.image_slice`` for ROIs)
+decodes them, ``fn.transpose`` lays them out CHW. On a CUDA device the decoder runs as
+``device="mixed"`` (nvJPEG, the hardware JPEG decoder where the GPU has one); without one it
+runs on the CPU (libjpeg-turbo) in a pipeline with ``device_id=None``. DALI applies the EXIF
+orientation itself (``adjust_orientation=True``, the default); ROIs are in upright coordinates.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["DaliError", "DaliUnavailable", "dali_installed", "DaliDecoder"]
+
+
+class DaliUnavailable(RuntimeError):
+    """DALI is not installed, or it is installed but cannot be imported on this machine."""
+
+
+class DaliError(RuntimeError):
+    """DALI failed on a batch; the message is DALI's own reason, trimmed of pipeline noise."""
+
+
+def dali_installed() -> bool:
+    """True when the ``nvidia.dali`` package is present (checked without importing it)."""
+    try:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _import_dali() -> tuple[Any, Any, Any, Any]:
+    try:
+        import nvidia.dali.fn as fn
+        import nvidia.dali.types as types
+        from nvidia.dali import pipeline_def
+        from nvidia.dali.plugin.pytorch import feed_ndarray
+    except Exception as error:  # a broken install raises all sorts
+        raise DaliUnavailable(
+            f"nvidia.dali could not be imported ({type(error).__name__}: {error}); install "
+            "nvidia-dali-cuda120, or decode with backend='torchvision' or backend='pil'"
+        ) from error
+    return fn, types, pipeline_def, feed_ndarray
+
+
+# nvimgcodecStatus_t, for DALI messages that only say "nvImageCodec failure: '#4'".
+_NVIMGCODEC_STATUS = {
+    1: "not initialized",
+    2: "invalid parameter",
+    3: "bad codestream: corrupt or truncated data",
+    4: "codestream unsupported: not an image format DALI can read",
+    5: "allocator failure",
+    6: "execution failed",
+    7: "architecture mismatch",
+    8: "internal error",
+    9: "implementation unsupported",
+}
+
+
+def _reason(error: BaseException) -> str:
+    """The useful part of a DALI pipeline error: what the decoder said, without the traceback."""
+    text = str(error)
+    if "encountered:" in text:
+        text = text.split("encountered:", 1)[1]
+    text = text.split("Current pipeline object is no longer valid", 1)[0]
+    text = re.sub(r"\s+", " ", text).strip().rstrip(":").strip()
+    text = re.sub(
+        r"nvImageCodec failure: '#(\d+)'",
+        lambda m: f"nvImageCodec status {m[1]} ({_NVIMGCODEC_STATUS.get(int(m[1]), 'unknown')})",
+        text,
+    )
+    return text or type(error).__name__
+
+
+class DaliDecoder:
+    """A reusable DALI decoding pipeline for one device, with or without ROI decoding.
+
+    ``decode`` takes up to any number of encoded buffers: the pipeline's batch size is the
+    largest batch seen so far (``max_batch`` to start with), smaller batches reuse it, a larger
+    one rebuilds it once at the new size. After a failed batch the pipeline is rebuilt, since
+    DALI declares it invalid. Calls are serialized by a lock (a pipeline is not re-entrant).
+    """
+
+    def __init__(
+        self, device: torch.device, max_batch: int = 256, num_threads: int | None = None, roi: bool = False
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.device = device
+        self.mixed = device.type == "cuda"
+        self.roi = roi
+        self.max_batch = max_batch
+        self.num_threads = num_threads or max(1, min(4, os.cpu_count() or 1))
+        self.name = "dali-mixed" if self.mixed else "dali-cpu"
+        self._lock = threading.Lock()
+        self._pipe: Any = None
+        self._pipe_batch = 0
+        self._dali = _import_dali()
+
+    def _build(self, batch: int) -> None:
+        fn, types, pipeline_def, _ = self._dali
+        decoder_device = "mixed" if self.mixed else "cpu"
+        roi = self.roi
+        options: dict[str, Any] = {"device": decoder_device, "output_type": types.RGB}
+        if self.mixed:
+            # nvJPEG's default upsampling of 4:2:x chroma differs from libjpeg-turbo's; the
+            # "fancy" (triangular) one is what PIL and torchvision use.
+            options["jpeg_fancy_upsampling"] = True
+
+        @pipeline_def(
+            batch_size=batch,
+            num_threads=self.num_threads,
+            device_id=self.device.index if self.mixed else None,
+            exec_dynamic=True,
+            prefetch_queue_depth=1,
+        )
+        def graph():  # type: ignore[no-untyped-def]
+            data = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
+            if roi:
+                anchor = fn.external_source(name="anchor", dtype=types.INT32, ndim=1)
+                shape = fn.external_source(name="shape", dtype=types.INT32, ndim=1)
+                image = fn.decoders.image_slice(data, anchor, shape, axis_names="HW", **options)
+            else:
+                image = fn.decoders.image(data, **options)
+            return fn.transpose(image, perm=[2, 0, 1])
+
+        pipe = graph()
+        pipe.build()
+        self._pipe, self._pipe_batch = pipe, batch
+
+    def decode(
+        self, encoded: Sequence[bytes], rois: Sequence[tuple[int, int, int, int]] | None = None
+    ) -> list[torch.Tensor]:
+        """Decode a batch into uint8 (3, H, W) tensors on ``self.device``; DaliError on failure.
+
+        With ``roi=True`` each image is only decoded inside its ``(y0, x0, h, w)`` window, which
+        must lie inside the upright image.
+        """
+        if not encoded:
+            return []
+        if self.roi != (rois is not None):
+            raise ValueError(
+                f"this DALI decoder was built with roi={self.roi}; "
+                f"{'pass' if self.roi else 'do not pass'} rois="
+            )
+        if rois is not None and len(rois) != len(encoded):
+            raise ValueError(f"{len(rois)} ROIs for {len(encoded)} images; pass one per image")
+        _, _, _, feed_ndarray = self._dali
+        with self._lock:
+            if self._pipe is None or len(encoded) > self._pipe_batch:
+                self._build(max(self.max_batch, len(encoded), self._pipe_batch))
+            pipe = self._pipe
+            try:
+                pipe.feed_input("encoded", [np.frombuffer(data, dtype=np.uint8) for data in encoded])
+                if rois is not None:
+                    pipe.feed_input("anchor", [np.array(r[:2], dtype=np.int32) for r in rois])
+                    pipe.feed_input("shape", [np.array(r[2:], dtype=np.int32) for r in rois])
+                (batch,) = pipe.run()
+            except Exception as error:
+                self._pipe = None  # DALI says the pipeline is no longer valid: rebuild next time
+                raise DaliError(_reason(error)) from error
+            stream = torch.cuda.current_stream(self.device) if self.mixed else None
+            images = []
+            for i in range(len(batch)):
+                sample = batch[i]
+                out = torch.empty(tuple(sample.shape()), dtype=torch.uint8, device=self.device)
+                feed_ndarray(sample, out, cuda_stream=stream)
+                images.append(out)
+            return images

@@ -1,0 +1,77 @@
+"""Batches from image files: read encoded bytes, decode the batch at once, transform on device.
+
+Used by the loader for gpuload's image sources (``gpuload.datasets.ImageFolder``,
+``ImageList``, or a torchvision ImageFolder) with torch's default collation: the batch has the
+structure default_collate gives ``(image, label)`` samples, ``[images, labels]``, with the
+images decoded by DALI (nvJPEG on a GPU, its CPU decoder otherwise) or PIL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gpuload.augment import BatchAugmenter
+from gpuload.datasets.images import ImageSource
+from gpuload.decode import BatchDecoder
+
+__all__ = ["ImageBatches"]
+
+
+class ImageBatches:
+    """Turns a batch of dataset indices into a device batch of decoded (and transformed) images."""
+
+    def __init__(
+        self,
+        source: ImageSource,
+        device: torch.device,
+        max_batch: int,
+        augment: BatchAugmenter | None,
+        on_error: str,
+    ) -> None:
+        self.source = source
+        self.device = device
+        self.augment = augment
+        self.on_error = on_error
+        self.decoder = BatchDecoder(device, max_batch=max_batch)
+        self.skipped: list[tuple[int, str, str]] = []
+        self.fallback_decoded = 0
+
+    @property
+    def backend(self) -> str:
+        return self.decoder.backend
+
+    def batch(self, indices: Any, batched: bool, epoch: int) -> tuple[Any, int]:
+        """The batch for ``indices`` and its sample count; (None, 0) if every file was skipped."""
+        flat = torch.as_tensor(indices, dtype=torch.long).view(-1)
+        positions = [int(i) % len(self.source) for i in flat.tolist()]
+        encoded, labels, names, readable = [], [], [], []
+        for position in positions:
+            try:
+                data, label = self.source.read_encoded(position)
+            except Exception as error:  # unreadable file: ImageDecodeError names it
+                if self.on_error != "skip":
+                    raise
+                self.skipped.append((position, self.source.path(position), str(error)))
+                continue
+            encoded.append(data)
+            labels.append(label)
+            names.append(self.source.path(position))
+            readable.append(position)
+        result = self.decoder.decode(encoded, names, readable, on_error=self.on_error)
+        self.skipped.extend(result.skipped)
+        self.fallback_decoded += result.fallback_decoded
+        kept = [readable[k] for k in result.kept_positions]
+        kept_labels = [labels[k] for k in result.kept_positions]
+        if not kept:
+            return None, 0  # every file of this batch was skipped
+        if self.augment is not None:
+            images = self.augment.apply_list(result.images, torch.tensor(kept), epoch)
+        elif batched:
+            images = torch.stack(result.images)  # differing sizes fail as in torch's collate
+        else:
+            images = result.images[0]
+        if not batched:
+            return [images[0] if self.augment is not None else images, kept_labels[0]], 1
+        return [images, torch.tensor(kept_labels, dtype=torch.int64, device=self.device)], len(kept)

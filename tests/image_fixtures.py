@@ -1,0 +1,128 @@
+"""Real-photo test images, encoded every way a decoder has to handle.
+
+The pixels come from matplotlib's ``mpl-data/sample_data/grace_hopper.jpg`` (a photograph:
+real edges, skin, flat and textured regions), cropped to an odd size (251 x 203) so that
+partial MCUs and odd chroma columns are exercised, and re-encoded with PIL.
+"""
+
+from __future__ import annotations
+
+import io
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+PHOTO = "grace_hopper.jpg"
+WIDTH, HEIGHT = 203, 251  # odd, not multiples of 8 or 16
+
+
+def photo_path() -> Path:
+    import matplotlib
+
+    return Path(matplotlib.get_data_path()) / "sample_data" / PHOTO
+
+
+@lru_cache(maxsize=1)
+def photo() -> Image.Image:
+    """The photograph, cropped around the face and shrunk to WIDTH x HEIGHT, RGB."""
+    with Image.open(photo_path()) as source:
+        return source.convert("RGB").crop((40, 20, 480, 560)).resize((WIDTH, HEIGHT), Image.BICUBIC)
+
+
+def encode(image: Image.Image, fmt: str = "JPEG", **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **options)
+    return buffer.getvalue()
+
+
+# name -> (mode, PIL JPEG options); subsampling 0 = 4:4:4, 1 = 4:2:2, 2 = 4:2:0
+JPEG_KINDS: dict[str, tuple[str, dict]] = {
+    "baseline-444": ("RGB", {"quality": 90, "subsampling": 0}),
+    "baseline-422": ("RGB", {"quality": 90, "subsampling": 1}),
+    "baseline-420": ("RGB", {"quality": 90, "subsampling": 2}),
+    "progressive-444": ("RGB", {"quality": 90, "subsampling": 0, "progressive": True}),
+    "progressive-422": ("RGB", {"quality": 90, "subsampling": 1, "progressive": True}),
+    "progressive-420": ("RGB", {"quality": 90, "subsampling": 2, "progressive": True}),
+    "grayscale": ("L", {"quality": 90}),
+    "grayscale-progressive": ("L", {"quality": 90, "progressive": True}),
+}
+
+
+def jpeg(kind: str) -> bytes:
+    mode, options = JPEG_KINDS[kind]
+    return encode(photo().convert(mode), "JPEG", **options)
+
+
+def jpeg_with_orientation(orientation: int, subsampling: int = 2) -> bytes:
+    """A JPEG whose EXIF says ``orientation`` (1-8); its stored pixels are those of photo()."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return encode(photo(), "JPEG", quality=90, subsampling=subsampling, exif=exif)
+
+
+def png(mode: str) -> bytes:
+    """photo() as a PNG in PIL ``mode`` (RGB, RGBA with a real alpha ramp, L, LA, P)."""
+    image = photo()
+    if mode in ("RGBA", "LA"):
+        alpha = Image.linear_gradient("L").resize(image.size)
+        image = image.convert("RGBA")
+        image.putalpha(alpha)
+    return encode(image.convert(mode), "PNG")
+
+
+def pil_reference(data: bytes) -> torch.Tensor:
+    """What PIL decodes: EXIF applied, RGB, as a (3, H, W) uint8 tensor. The parity oracle."""
+    with Image.open(io.BytesIO(data)) as image:
+        rgb = np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
+    return torch.from_numpy(rgb.copy()).permute(2, 0, 1).contiguous()
+
+
+def upright(stored: torch.Tensor, orientation: int) -> torch.Tensor:
+    """Apply EXIF ``orientation`` to a (C, H, W) image by the EXIF 2.3 table (no PIL involved)."""
+    h_flip = lambda t: t.flip(-1)  # noqa: E731
+    v_flip = lambda t: t.flip(-2)  # noqa: E731
+    transpose = lambda t: t.transpose(-1, -2)  # noqa: E731
+    ops = {
+        1: lambda t: t,
+        2: h_flip,
+        3: lambda t: h_flip(v_flip(t)),
+        4: v_flip,
+        5: transpose,  # mirror across the main diagonal
+        6: lambda t: h_flip(transpose(t)),  # rotate 90 degrees clockwise
+        7: lambda t: h_flip(v_flip(transpose(t))),  # mirror across the anti-diagonal
+        8: lambda t: v_flip(transpose(t)),  # rotate 90 degrees counter-clockwise
+    }
+    return ops[orientation](stored).contiguous()
+
+
+def diff_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
+    """(mean, max) absolute difference of two uint8 images of the same shape."""
+    assert a.shape == b.shape, f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
+    d = (a.cpu().int() - b.cpu().int()).abs()
+    return float(d.float().mean()), int(d.max())
+
+
+def corrupt_inputs() -> dict[str, bytes]:
+    """Bad files of every kind a dataset turns up with."""
+    good = jpeg("baseline-420")
+    return {
+        "truncated.jpg": good[: len(good) // 2],
+        "header-only.jpg": good[:100],
+        "not-an-image.jpg": b"this is a text file that someone named .jpg\n" * 20,
+        "empty.jpg": b"",
+    }
+
+
+def garbled_jpeg() -> bytes:
+    """Headers intact, the second half of the entropy-coded data replaced by noise, EOI kept.
+
+    libjpeg may decode this with warnings (garbage pixels) or reject it: either is fine, as
+    long as nothing crashes or hangs.
+    """
+    good = jpeg("baseline-420")
+    half = len(good) // 2
+    noise = np.random.default_rng(0).integers(0, 255, len(good) - half - 2, dtype=np.uint8)
+    return good[:half] + bytes(noise) + b"\xff\xd9"

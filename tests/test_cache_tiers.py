@@ -1,0 +1,379 @@
+"""Cache storage: tiered array gathers equal a plain index_select, sample cache, determinism probe."""
+
+from __future__ import annotations
+
+import gc
+import random
+import warnings
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from gpuload.cache.budget import BudgetLedger
+from gpuload.cache.plan import make_plan
+from gpuload.cache.tiers import (
+    CacheFallbackWarning,
+    SampleCache,
+    TieredArrayStore,
+    looks_deterministic,
+)
+
+GiB = 2**30
+N = 1000
+
+
+def arrays(n: int = N) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "image": torch.randint(0, 256, (n, 3, 4, 4), dtype=torch.uint8, generator=g),
+        "label": torch.arange(n, dtype=torch.int64),
+    }
+
+
+def bytes_per_sample(data) -> int:
+    columns = data.values() if isinstance(data, dict) else data
+    return sum(t[0].numel() * t.element_size() for t in columns)
+
+
+def forced_plan(data, device_samples: int, host_samples: int, mode: str = "auto"):
+    """A plan for a pretended card whose budget holds exactly ``device_samples``."""
+    bps = bytes_per_sample(data)
+    n = next(iter(data.values() if isinstance(data, dict) else data)).shape[0]
+    host_reserve = 0
+    plan = make_plan(
+        bps, n, device_free=80 * GiB, host_free=host_samples * bps, budget=device_samples * bps,
+        reserve=0, mode=mode, host_reserve=host_reserve,
+    )
+    assert plan.device_samples == device_samples and plan.host_samples == min(host_samples, n - device_samples)
+    return plan
+
+
+def expected(data, index: torch.Tensor):
+    return {k: v.index_select(0, index) for k, v in data.items()}
+
+
+@pytest.mark.parametrize("device_samples, host_samples", [(N, 0), (300, 400), (300, 0), (0, 500), (0, 0), (0, N)])
+def test_gather_equals_index_select_across_tiers(device_samples, host_samples):
+    data = arrays()
+    store = TieredArrayStore(data, forced_plan(data, device_samples, host_samples), "cpu", ledger=BudgetLedger())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        index = torch.randint(0, N, (64,), generator=g)
+        batch = store.gather(index)
+        assert set(batch) == {"image", "label"}
+        for key, value in expected(data, index).items():
+            assert torch.equal(batch[key], value) and batch[key].dtype == value.dtype
+    stats = store.stats
+    assert stats.device_hits + stats.host_hits + stats.source_hits == 5 * 64
+    assert stats.device_samples == device_samples
+    assert stats.host_samples == min(host_samples, N - device_samples)
+    assert stats.h2d_bytes == 0  # the target is the CPU: nothing crosses PCIe
+
+
+def test_batch_spanning_all_three_tiers_counts_each():
+    data = arrays()
+    store = TieredArrayStore(data, forced_plan(data, 100, 200), "cpu", ledger=BudgetLedger())
+    index = torch.tensor([999, 0, 150, 99, 100, 299, 300, 5, -1])
+    batch = store.gather(index)
+    assert torch.equal(batch["label"], torch.tensor([999, 0, 150, 99, 100, 299, 300, 5, 999]))
+    assert torch.equal(batch["image"], data["image"][index.remainder(N)])
+    stats = store.stats
+    assert (stats.device_hits, stats.host_hits, stats.source_hits) == (3, 3, 3)
+    # the device tier on the CPU is a view of the source; the host tier is a separate copy
+    assert store._device_cols[0].data_ptr() == data["image"].data_ptr()
+    assert store._host_cols[0].data_ptr() != data["image"][100].data_ptr()
+
+
+def test_tuple_and_single_tensor_structures():
+    images = torch.arange(N * 6, dtype=torch.uint8).reshape(N, 2, 3)
+    labels = torch.arange(N)
+    data = (images, labels)
+    store = TieredArrayStore(data, forced_plan(data, 10, 20), "cpu", ledger=BudgetLedger())
+    index = torch.tensor([5, 15, 25, 35])
+    out = store.gather(index)
+    assert isinstance(out, tuple) and torch.equal(out[0], images.index_select(0, index))
+    single = TieredArrayStore(images, forced_plan((images,), 10, 0), "cpu", ledger=BudgetLedger())
+    assert torch.equal(single.gather([3, 700]), images[[3, 700]])
+
+
+def test_empty_and_out_of_range_indices():
+    data = arrays()
+    store = TieredArrayStore(data, forced_plan(data, 10, 10), "cpu", ledger=BudgetLedger())
+    assert store.gather(torch.tensor([], dtype=torch.long))["image"].shape == (0, 3, 4, 4)
+    with pytest.raises(IndexError, match="1000 is out of bounds"):
+        store.gather(torch.tensor([1, 1000]))
+    with pytest.raises(IndexError, match="-1001"):
+        store.gather(torch.tensor([-1001]))
+
+
+def test_plan_must_match_data():
+    data = arrays()
+    other = arrays(10)
+    with pytest.raises(ValueError, match="make the plan from this data"):
+        TieredArrayStore(data, forced_plan(other, 5, 0), "cpu")
+    with pytest.raises(ValueError, match="first dimension"):
+        TieredArrayStore({"a": torch.zeros(3), "b": torch.zeros(4)}, forced_plan(other, 5, 0), "cpu")
+    with pytest.raises(TypeError, match="torch.from_numpy"):
+        TieredArrayStore({"a": np.zeros(3)}, forced_plan(other, 5, 0), "cpu")
+
+
+def test_shrink_device_tier_keeps_results():
+    data = arrays()
+    store = TieredArrayStore(data, forced_plan(data, 600, 200), "cpu", ledger=BudgetLedger())
+    bps = bytes_per_sample(data)
+    store.shrink_device_tier(250 * bps + 7)
+    assert store.stats.device_samples == 250
+    assert store.stats.source_samples == N - 250 - 200
+    index = torch.randperm(N)[:300]
+    assert torch.equal(store.gather(index)["image"], data["image"].index_select(0, index))
+    assert store.shrink_device_tier(10**12) == 0  # growing is not shrinking
+    store.shrink_device_tier(0)
+    assert store.stats.device_samples == 0
+    assert torch.equal(store.gather(index)["label"], index)
+
+
+def test_close_releases_memory_and_ledger():
+    ledger = BudgetLedger()
+    data = arrays()
+    store = TieredArrayStore(data, forced_plan(data, 100, 300), "cpu", ledger=ledger, owner="train")
+    host_copy = weakref.ref(store._host_cols[0])
+    ledger.reserve(123, "train", device="cuda:0")  # as if its device tier were booked
+    store.close()
+    gc.collect()
+    assert host_copy() is None
+    assert ledger.owners("cuda:0") == {}
+    assert store.closed and store.stats.device_samples == store.stats.host_samples == 0
+    store.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        store.gather(torch.tensor([0]))
+
+
+def test_host_oom_falls_back_to_source_with_one_warning(monkeypatch):
+    import gpuload.cache.tiers as tiers
+
+    def fail(rows):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+
+    monkeypatch.setattr(tiers, "_host_copy", fail)
+    data = arrays()
+    with pytest.warns(CacheFallbackWarning, match="pinning 500 samples") as caught:
+        store = TieredArrayStore(data, forced_plan(data, 0, 500), "cpu", ledger=BudgetLedger())
+    assert len(caught) == 1
+    assert store.stats.host_samples == 0 and store.stats.fallbacks == 1
+    index = torch.arange(0, N, 7)
+    assert torch.equal(store.gather(index)["image"], data["image"].index_select(0, index))
+
+
+def test_other_errors_are_not_swallowed(monkeypatch):
+    import gpuload.cache.tiers as tiers
+
+    monkeypatch.setattr(tiers, "_host_copy", lambda rows: (_ for _ in ()).throw(RuntimeError("boom")))
+    data = arrays()
+    with pytest.raises(RuntimeError, match="boom"):
+        TieredArrayStore(data, forced_plan(data, 0, 500), "cpu", ledger=BudgetLedger())
+
+
+# -- SampleCache -------------------------------------------------------------------------------
+
+
+def test_sample_cache_budget_and_counts():
+    sample = {"image": torch.zeros(10, dtype=torch.uint8), "label": 3, "name": "a"}
+    per_sample = 10 + 8 + 1
+    cache = SampleCache(per_sample * 3 + 5)
+    for i in range(5):
+        cache.put(i, sample)
+    assert len(cache) == 3 and cache.full
+    assert 3 not in cache and 2 in cache
+    stats = cache.stats
+    assert stats.bytes == 3 * per_sample and stats.rejected == 2
+    got = cache.get(1)
+    assert torch.equal(got["image"], sample["image"]) and got["label"] == 3 and got["name"] == "a"
+    assert cache.get(4) is None
+    assert cache.stats.hits == 1 and cache.stats.misses == 1
+
+
+def test_sample_cache_copies_and_keeps_structure():
+    tensor = torch.arange(4)
+    array = np.arange(3)
+    cache = SampleCache(10**6)
+    assert cache.put(0, (tensor, [array, 1.5], {"k": tensor}))
+    tensor += 100  # the dataset reuses its buffer
+    array += 100
+    got = cache.get(0)
+    assert isinstance(got, tuple) and isinstance(got[1], list) and isinstance(got[2], dict)
+    assert torch.equal(got[0], torch.arange(4)) and np.array_equal(got[1][0], np.arange(3))
+    assert not cache.put(1, object())  # not a cacheable type
+    assert cache.stats.uncacheable == 1
+
+
+def test_sample_cache_close():
+    ledger = BudgetLedger()
+    cache = SampleCache(100, ledger=ledger)
+    cache.put(0, torch.zeros(4))
+    stored = weakref.ref(cache.get(0))
+    cache.close()
+    gc.collect()
+    assert stored() is None and len(cache) == 0
+    assert not cache.put(1, torch.zeros(1))
+    cache.close()
+
+
+# -- determinism probe ------------------------------------------------------------------------
+
+
+class Fixed(Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return {"x": torch.full((3,), float(i)), "y": np.array([i, float("nan")]), "i": i}
+
+
+class Augmenting(Fixed):
+    def __getitem__(self, i):
+        sample = super().__getitem__(i)
+        sample["x"] = sample["x"] + torch.rand(3)
+        return sample
+
+
+def test_looks_deterministic_true_for_fixed_data():
+    ok, reason = looks_deterministic(Fixed())
+    assert ok and "equal" in reason and "dataset[0, 5, 9]" in reason
+
+
+def test_looks_deterministic_false_for_random_augmentation_and_restores_rng():
+    torch.manual_seed(7)
+    np.random.seed(7)
+    random.seed(7)
+    expected_next = (torch.rand(1), np.random.rand(), random.random())
+    torch.manual_seed(7)
+    np.random.seed(7)
+    random.seed(7)
+    ok, reason = looks_deterministic(Augmenting(), [2])
+    assert not ok
+    assert "dataset[2]" in reason and "['x']" in reason and "augmented" in reason
+    assert torch.equal(torch.rand(1), expected_next[0])
+    assert np.random.rand() == expected_next[1] and random.random() == expected_next[2]
+
+
+def test_looks_deterministic_numpy_augmentation():
+    class NumpyAug(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return np.random.rand(2), i
+
+    ok, reason = looks_deterministic(NumpyAug())
+    assert not ok and "[0]: array values differ" in reason
+
+
+# -- CUDA --------------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+def test_cuda_device_tier_gather_and_ledger():
+    ledger = BudgetLedger()
+    data = arrays()
+    store = TieredArrayStore(data, forced_plan(data, 300, 400), "cuda", ledger=ledger, owner="t")
+    bps = bytes_per_sample(data)
+    assert ledger.owners("cuda:0") == {"t": 300 * bps} and ledger.used("cuda:0") == 300 * bps
+    index = torch.randperm(N)[:256]
+    batch = store.gather(index)
+    assert batch["image"].device.type == "cuda"
+    assert torch.equal(batch["image"].cpu(), data["image"].index_select(0, index))
+    stats = store.stats
+    assert stats.h2d_bytes == (stats.host_hits + stats.source_hits) * bps
+    assert store._host_cols[0].is_pinned()
+    freed = store.shrink_device_tier(100 * bps)
+    assert freed == 200 * bps and ledger.owners("cuda:0") == {"t": 100 * bps}
+    assert torch.equal(store.gather(index)["label"].cpu(), index)
+    store.close()
+    assert ledger.owners("cuda:0") == {}
+
+
+@gpu
+def test_cuda_device_oom_falls_back_to_host_with_one_warning(monkeypatch):
+    ledger = BudgetLedger()
+    data = arrays()
+    plan = forced_plan(data, 300, N)
+    restore = _oom_on("cuda", monkeypatch)
+    with pytest.warns(CacheFallbackWarning, match="out of memory placing 300 samples") as caught:
+        store = TieredArrayStore(data, plan, "cuda", ledger=ledger)
+    restore()
+    assert len(caught) == 1
+    assert store.stats.device_samples == 0 and store.stats.host_samples == N
+    assert ledger.owners("cuda:0") == {}
+    index = torch.randperm(N)[:64]
+    assert torch.equal(store.gather(index)["image"].cpu(), data["image"].index_select(0, index))
+    store.close()
+
+
+@gpu
+def test_cuda_sample_cache_books_ledger():
+    ledger = BudgetLedger()
+    cache = SampleCache(1000, "cuda", ledger=ledger, owner="s")
+    cache.put(0, torch.zeros(100, dtype=torch.uint8))
+    assert cache.get(0).device.type == "cuda"
+    assert ledger.used("cuda:0") == 100
+    cache.close()
+    assert ledger.owners("cuda:0") == {}
+
+
+def test_no_warning_when_everything_fits():
+    data = arrays()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TieredArrayStore(data, forced_plan(data, 500, 500), "cpu", ledger=BudgetLedger()).close()
+
+
+def _oom_on(device_type: str, monkeypatch):
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        target = args[0] if args else kwargs.get("device")
+        if isinstance(target, torch.device) and target.type == device_type and self.dim() > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    return lambda: monkeypatch.setattr(torch.Tensor, "to", real_to)
+
+
+@pytest.mark.parametrize("mode, host_after", [("auto", N), ("device", 0)])
+def test_device_oom_fallback_logic_on_meta_device(monkeypatch, mode, host_after):
+    """The copy-to-device path without a GPU: 'meta' tensors have shapes but no memory."""
+    ledger = BudgetLedger()
+    data = arrays()
+    plan = forced_plan(data, 300, N if mode == "auto" else 0, mode=mode)
+    restore = _oom_on("meta", monkeypatch)
+    with pytest.warns(CacheFallbackWarning, match="out of memory placing 300 samples") as caught:
+        store = TieredArrayStore(data, plan, "meta", ledger=ledger, owner="m")
+    restore()
+    assert len(caught) == 1
+    assert store.stats.device_samples == 0 and store.stats.host_samples == host_after
+    assert ledger.owners("meta") == {}
+    batch = store.gather(torch.arange(0, N, 10))
+    assert batch["image"].device.type == "meta" and batch["image"].shape == (100, 3, 4, 4)
+    assert store.stats.h2d_bytes == 100 * bytes_per_sample(data)
+
+
+def test_meta_device_tier_books_ledger_and_shrinks():
+    ledger = BudgetLedger()
+    data = arrays()
+    bps = bytes_per_sample(data)
+    store = TieredArrayStore(data, forced_plan(data, 300, 200), "meta", ledger=ledger, owner="m")
+    assert ledger.owners("meta") == {"m": 300 * bps} and ledger.used("meta") == 300 * bps
+    assert store.stats.fill_bytes == 300 * bps
+    store.gather(torch.tensor([0, 1, 400, 900]))
+    assert store.stats.h2d_bytes == 2 * bps  # one host-tier row, one source row
+    assert store.shrink_device_tier(120 * bps) == 180 * bps
+    assert ledger.owners("meta") == {"m": 120 * bps}
+    assert store.gather(torch.arange(N))["label"].shape == (N,)
+    store.close()
+    assert ledger.owners("meta") == {}

@@ -1,0 +1,344 @@
+"""gpuload.decode: pixel parity with PIL, EXIF orientation, ROIs, bad files, backend choice.
+
+Tolerances against PIL (libjpeg-turbo), per image:
+- CPU backends (DALI's CPU decoder is libjpeg-turbo too): mean |diff| <= 0.5, max <= 4.
+  Measured on this machine: 0 and 0 for every JPEG kind (bit-exact).
+- DALI mixed (nvJPEG, fancy upsampling on): mean |diff| <= 1.0, max <= 24 (IDCT and chroma
+  upsampling rounding differ on the GPU). gpu-marked; measured numbers are printed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import image_fixtures as F
+from gpuload.decode import (
+    BatchDecoder,
+    DecodeResult,
+    ImageDecodeError,
+    decode_batch,
+    peek_size,
+    resolve_backend,
+)
+from gpuload.decode import fallback
+
+CPU_MEAN_TOL, CPU_MAX_TOL = 0.5, 4
+GPU_MEAN_TOL, GPU_MAX_TOL = 1.0, 24
+
+# torchvision joins where installed; test_torchvision_backend says so where it is not.
+CPU_BACKENDS = ["dali-cpu", "pil"] + (["torchvision"] if fallback.torchvision_available() else [])
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=CPU_BACKENDS)
+def decoder(request: pytest.FixtureRequest) -> BatchDecoder:
+    """One decoder per backend for the whole module: DALI pipelines are built once."""
+    return BatchDecoder("cpu", backend=request.param, max_batch=8)
+
+
+def decode_one(decoder: BatchDecoder, data: bytes, name: str = "x.jpg", **kw) -> torch.Tensor:
+    result = decoder.decode([data], [name], [0], **kw)
+    assert result.kept_positions == [0]
+    return result.images[0]
+
+
+def assert_close_to_pil(image: torch.Tensor, data: bytes, mean_tol: float, max_tol: int) -> tuple[float, int]:
+    reference = F.pil_reference(data)
+    assert image.dtype == torch.uint8 and image.shape[0] == 3
+    mean, worst = F.diff_stats(image, reference)
+    assert mean <= mean_tol and worst <= max_tol, f"mean |diff| {mean:.3f}, max {worst}"
+    return mean, worst
+
+
+@pytest.mark.parametrize("kind", sorted(F.JPEG_KINDS))
+def test_jpeg_kinds_match_pil(decoder: BatchDecoder, kind: str) -> None:
+    data = F.jpeg(kind)
+    image = decode_one(decoder, data)
+    assert image.shape == (3, F.HEIGHT, F.WIDTH)
+    assert_close_to_pil(image, data, CPU_MEAN_TOL, CPU_MAX_TOL)
+
+
+def test_a_batch_of_every_kind_matches_pil_in_order(decoder: BatchDecoder) -> None:
+    kinds = sorted(F.JPEG_KINDS)
+    encoded = [F.jpeg(k) for k in kinds]
+    result = decoder.decode(encoded, kinds, list(range(100, 100 + len(kinds))))
+    assert result.kept_positions == list(range(len(kinds))) and result.skipped == []
+    for image, data in zip(result.images, encoded):
+        assert_close_to_pil(image, data, CPU_MEAN_TOL, CPU_MAX_TOL)
+
+
+def test_grayscale_jpeg_becomes_three_equal_channels(decoder: BatchDecoder) -> None:
+    image = decode_one(decoder, F.jpeg("grayscale"))
+    assert image.shape[0] == 3
+    assert torch.equal(image[0], image[1]) and torch.equal(image[1], image[2])
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "LA", "P"])
+def test_png_modes_decode_to_rgb_like_pil(decoder: BatchDecoder, mode: str) -> None:
+    data = F.png(mode)
+    image = decode_one(decoder, data, "x.png")
+    assert image.shape == (3, F.HEIGHT, F.WIDTH)
+    # PNG is lossless: alpha is dropped, grey is replicated, palettes are expanded, exactly.
+    assert torch.equal(image, F.pil_reference(data))
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_is_applied(decoder: BatchDecoder, orientation: int) -> None:
+    stored = decode_one(decoder, F.jpeg_with_orientation(1))  # same pixels, upright as stored
+    image = decode_one(decoder, F.jpeg_with_orientation(orientation))
+    expected = F.upright(stored, orientation)
+    assert image.shape == expected.shape
+    assert F.diff_stats(image, expected) == (0.0, 0)
+
+
+@pytest.mark.parametrize("orientation", [6, 3])
+def test_exif_orientation_on_444(decoder: BatchDecoder, orientation: int) -> None:
+    stored = decode_one(decoder, F.jpeg_with_orientation(1, subsampling=0))
+    image = decode_one(decoder, F.jpeg_with_orientation(orientation, subsampling=0))
+    assert torch.equal(image, F.upright(stored, orientation))
+
+
+@pytest.mark.skipif(not fallback.torchvision_available(), reason="torchvision is not installed")
+def test_torchvision_backend_matches_pil() -> None:
+    decoder = BatchDecoder("cpu", backend="torchvision")
+    for data in [F.jpeg("baseline-420"), F.jpeg("grayscale"), F.jpeg_with_orientation(6), F.png("RGBA")]:
+        assert_close_to_pil(decode_one(decoder, data), data, CPU_MEAN_TOL, CPU_MAX_TOL)
+
+
+def test_peek_size_reads_upright_size_from_the_header() -> None:
+    assert peek_size(F.jpeg("baseline-420")) == (F.HEIGHT, F.WIDTH)
+    assert peek_size(F.jpeg_with_orientation(6)) == (F.WIDTH, F.HEIGHT)
+    assert peek_size(F.jpeg_with_orientation(3)) == (F.HEIGHT, F.WIDTH)
+    assert peek_size(F.png("RGBA")) == (F.HEIGHT, F.WIDTH)
+
+
+# --- ROIs ----------------------------------------------------------------------------------
+
+
+def test_roi_decode_equals_crop_of_full_decode(decoder: BatchDecoder) -> None:
+    encoded = [F.jpeg("baseline-420"), F.jpeg("progressive-444"), F.jpeg_with_orientation(6), F.png("RGBA")]
+    rois = [(10, 21, 100, 120), (0, 0, 64, 64), (37, 50, 90, 150), (3, 5, 200, 150)]
+    full = decoder.decode(encoded, ["a", "b", "c", "d"], [0, 1, 2, 3])
+    part = decoder.decode(encoded, ["a", "b", "c", "d"], [0, 1, 2, 3], rois=rois)
+    assert part.roi == ("decoder" if decoder.backend.startswith("dali") else "crop")
+    assert full.roi == "none"
+    for whole, window, (y0, x0, h, w) in zip(full.images, part.images, rois):
+        assert window.shape == (3, h, w)
+        mean, worst = F.diff_stats(window, whole[:, y0 : y0 + h, x0 : x0 + w])
+        assert mean <= CPU_MEAN_TOL and worst <= CPU_MAX_TOL, (mean, worst)
+
+
+def test_roi_is_clipped_to_the_image(decoder: BatchDecoder) -> None:
+    data = F.jpeg("baseline-444")
+    whole = decode_one(decoder, data)
+    window = decode_one(decoder, data, rois=[(-10, F.WIDTH - 30, 50, 100)])
+    assert window.shape == (3, 40, 30)
+    assert F.diff_stats(window, whole[:, :40, F.WIDTH - 30 :])[1] <= CPU_MAX_TOL
+
+
+def test_roi_outside_the_image_is_a_clear_error(decoder: BatchDecoder) -> None:
+    with pytest.raises(ValueError, match=r"sample index 7 \('far.jpg'\) does not overlap its 251x203"):
+        decoder.decode([F.jpeg("baseline-420")], ["far.jpg"], [7], rois=[(300, 0, 10, 10)])
+
+
+# --- bad files -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad_name", sorted(F.corrupt_inputs()))
+def test_bad_file_raises_naming_file_index_and_backend(decoder: BatchDecoder, bad_name: str) -> None:
+    good = F.jpeg("baseline-420")
+    encoded = [good, F.corrupt_inputs()[bad_name], good]
+    names = ["ok1.jpg", f"/data/{bad_name}", "ok2.jpg"]
+    with pytest.raises(ImageDecodeError) as caught:
+        decoder.decode(encoded, names, [40, 41, 42])
+    error = caught.value
+    assert (error.index, error.name, error.backend) == (41, f"/data/{bad_name}", decoder.backend)
+    assert error.reason
+    message = str(error)
+    assert f"/data/{bad_name}" in message and "sample index 41" in message
+    assert decoder.backend in message and "on_error='skip'" in message
+
+
+def test_skip_keeps_the_good_samples_of_a_batch_and_counts_the_bad(decoder: BatchDecoder) -> None:
+    bad = F.corrupt_inputs()
+    good = [F.jpeg("baseline-420"), F.jpeg("progressive-422"), F.png("RGB")]
+    encoded = [good[0], bad["truncated.jpg"], good[1], bad["not-an-image.jpg"], bad["empty.jpg"], good[2]]
+    names = [f"f{k}" for k in range(len(encoded))]
+    result = decoder.decode(encoded, names, [10, 11, 12, 13, 14, 15], on_error="skip")
+    assert isinstance(result, DecodeResult)
+    assert result.kept_positions == [0, 2, 5]
+    assert [(index, name) for index, name, _ in result.skipped] == [(11, "f1"), (13, "f3"), (14, "f4")]
+    assert all(reason for _, _, reason in result.skipped)
+    assert "empty" in result.skipped[2][2]
+    for image, data in zip(result.images, good):
+        assert_close_to_pil(image, data, CPU_MEAN_TOL, CPU_MAX_TOL)
+    assert result.backend == decoder.backend
+
+
+def test_raise_reports_the_first_bad_sample_and_how_many_more(decoder: BatchDecoder) -> None:
+    bad = F.corrupt_inputs()
+    encoded = [F.jpeg("baseline-420"), bad["header-only.jpg"], bad["truncated.jpg"]]
+    with pytest.raises(ImageDecodeError, match=r"sample index 5: .*\(1 more sample\(s\) in this batch failed too\)"):
+        decoder.decode(encoded, ["a", "b", "c"], [4, 5, 6])
+
+
+def test_decoder_still_works_after_a_bad_batch(decoder: BatchDecoder) -> None:
+    with pytest.raises(ImageDecodeError):
+        decoder.decode([F.corrupt_inputs()["truncated.jpg"]], ["t"], [0])
+    data = F.jpeg("baseline-422")
+    assert_close_to_pil(decode_one(decoder, data), data, CPU_MEAN_TOL, CPU_MAX_TOL)
+
+
+def test_garbled_data_is_decoded_or_reported_never_a_crash(decoder: BatchDecoder) -> None:
+    result = decoder.decode([F.garbled_jpeg(), F.jpeg("baseline-420")], ["g", "ok"], [0, 1], on_error="skip")
+    assert 1 in result.kept_positions
+    assert len(result.kept_positions) + len(result.skipped) == 2
+
+
+def test_bad_roi_header_is_reported_like_a_bad_file(decoder: BatchDecoder) -> None:
+    bad = F.corrupt_inputs()["not-an-image.jpg"]
+    result = decoder.decode(
+        [bad, F.jpeg("baseline-420")], ["bad", "ok"], [3, 4], rois=[(0, 0, 8, 8), (0, 0, 8, 8)], on_error="skip"
+    )
+    assert result.kept_positions == [1] and result.skipped[0][:2] == (3, "bad")
+    assert result.images[0].shape == (3, 8, 8)
+
+
+def test_dali_falls_back_to_pil_for_formats_dali_cannot_read() -> None:
+    # DALI has no GIF decoder; PIL has. The sample is kept and counted.
+    gif = F.encode(F.photo(), "GIF")
+    result = BatchDecoder("cpu", backend="dali-cpu").decode([gif, F.jpeg("baseline-420")], ["a.gif", "b"], [0, 1])
+    assert result.kept_positions == [0, 1] and result.fallback_decoded == 1
+    assert torch.equal(result.images[0], F.pil_reference(gif))
+
+
+# --- backend choice, reuse, arguments --------------------------------------------------------
+
+
+def test_backend_resolution() -> None:
+    assert resolve_backend(CPU, "auto") == "dali-cpu"
+    assert resolve_backend(CPU, "dali") == "dali-cpu"
+    assert resolve_backend(CPU, "pil") == "pil"
+    assert resolve_backend(torch.device("cuda", 0), "auto") == "dali-mixed"
+    with pytest.raises(ValueError, match="backend='dali-mixed' decodes on a GPU but the device is cpu"):
+        resolve_backend(CPU, "dali-mixed")
+    with pytest.raises(ValueError, match="backend='nvjpeg' is not one of"):
+        resolve_backend(CPU, "nvjpeg")
+
+
+def test_backend_resolution_without_dali(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpuload.decode._dali as dali_module
+
+    monkeypatch.setattr(dali_module, "dali_installed", lambda: False)
+    expected = "torchvision" if fallback.torchvision_available() else "pil"
+    assert resolve_backend(CPU, "auto") == expected
+    assert resolve_backend(torch.device("cuda", 0), "auto") == expected
+    with pytest.raises(ValueError, match="backend='dali' needs nvidia.dali"):
+        resolve_backend(CPU, "dali")
+    assert decode_batch([F.jpeg("baseline-420")], ["a"], [0], device="cpu", backend="pil").backend == "pil"
+
+
+def test_auto_warns_and_falls_back_when_dali_cannot_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpuload.decode._dali as dali_module
+
+    def broken() -> None:
+        raise dali_module.DaliUnavailable("nvidia.dali could not be imported (pretend)")
+
+    monkeypatch.setattr(dali_module, "_import_dali", broken)
+    decoder = BatchDecoder("cpu", backend="auto")
+    assert decoder.backend == "dali-cpu"
+    with pytest.warns(UserWarning, match="decoding with (pil|torchvision) instead"):
+        result = decoder.decode([F.jpeg("baseline-420")], ["a"], [0])
+    assert result.backend == decoder.backend and decoder.backend in ("pil", "torchvision")
+
+
+def test_dali_pipeline_is_built_once_and_handles_smaller_and_larger_batches() -> None:
+    decoder = BatchDecoder("cpu", backend="dali-cpu", max_batch=4)
+    data = F.jpeg("baseline-420")
+    decoder.decode([data] * 4, list("abcd"), [0, 1, 2, 3])
+    dali = decoder._dali[False]
+    pipe = dali._pipe
+    for n in (1, 3, 4):
+        assert len(decoder.decode([data] * n, ["x"] * n, list(range(n))).images) == n
+    assert dali._pipe is pipe
+    assert len(decoder.decode([data] * 6, ["x"] * 6, list(range(6))).images) == 6
+    assert dali._pipe_batch == 6
+
+
+def test_concurrent_calls_are_serialized() -> None:
+    decoder = BatchDecoder("cpu", backend="dali-cpu", max_batch=2)
+    data = [F.jpeg("baseline-420"), F.jpeg("grayscale")]
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(3):
+                result = decoder.decode(data, ["a", "b"], [0, 1])
+                assert_close_to_pil(result.images[1], data[1], CPU_MEAN_TOL, CPU_MAX_TOL)
+        except BaseException as error:  # collected for the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+
+
+def test_decode_batch_shares_a_decoder_and_reports_the_backend() -> None:
+    data = F.jpeg("baseline-420")
+    first = decode_batch([data], ["a"], [0], device="cpu")
+    second = decode_batch([data, data], ["a", "b"], [0, 1], device="cpu")
+    assert first.backend == second.backend == "dali-cpu"
+    assert torch.equal(first.images[0], second.images[1])
+    assert decode_batch([], [], [], device="cpu").images == []
+
+
+def test_argument_errors() -> None:
+    decoder = BatchDecoder("cpu", backend="pil")
+    with pytest.raises(ValueError, match="got 1 images, 2 names, 1 indices"):
+        decoder.decode([b"x"], ["a", "b"], [0])
+    with pytest.raises(ValueError, match="on_error='ignore' is not one of"):
+        decoder.decode([F.jpeg("grayscale")], ["a"], [0], on_error="ignore")
+    with pytest.raises(ValueError, match="a ROI is"):
+        decoder.decode([F.jpeg("grayscale")], ["a"], [0], rois=[(0, 0, 4)])
+
+
+# --- GPU: DALI's mixed (nvJPEG) decoder --------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_mixed_decoder_matches_pil_on_every_kind() -> None:
+    decoder = BatchDecoder("cuda", backend="auto", max_batch=16)
+    assert decoder.backend == "dali-mixed"
+    kinds = sorted(F.JPEG_KINDS)
+    encoded = [F.jpeg(k) for k in kinds] + [F.jpeg_with_orientation(o) for o in range(1, 9)]
+    names = kinds + [f"exif-{o}" for o in range(1, 9)]
+    result = decoder.decode(encoded, names, list(range(len(encoded))))
+    assert result.backend == "dali-mixed" and result.kept_positions == list(range(len(encoded)))
+    for name, image, data in zip(names, result.images, encoded):
+        assert image.device.type == "cuda"
+        mean, worst = assert_close_to_pil(image, data, GPU_MEAN_TOL, GPU_MAX_TOL)
+        print(f"dali-mixed vs PIL {name}: mean |diff| {mean:.3f}, max {worst}")
+    rois = [(10, 20, 100, 120)] * len(encoded)
+    part = decoder.decode(encoded, names, list(range(len(encoded))), rois=rois)
+    assert part.roi == "decoder"
+    for whole, window in zip(result.images, part.images):
+        mean, worst = F.diff_stats(window, whole[:, 10:110, 20:140])
+        assert mean <= GPU_MEAN_TOL and worst <= GPU_MAX_TOL, (mean, worst)
+
+
+@pytest.mark.gpu
+def test_mixed_decoder_reports_bad_files_and_keeps_the_rest() -> None:
+    decoder = BatchDecoder("cuda", backend="dali-mixed", max_batch=4)
+    bad = F.corrupt_inputs()
+    encoded = [F.jpeg("baseline-420"), bad["truncated.jpg"], bad["not-an-image.jpg"], F.jpeg("grayscale")]
+    result = decoder.decode(encoded, ["a", "b", "c", "d"], [0, 1, 2, 3], on_error="skip")
+    assert result.kept_positions == [0, 3] and [s[0] for s in result.skipped] == [1, 2]
+    with pytest.raises(ImageDecodeError, match="sample index 1"):
+        decoder.decode(encoded, ["a", "b", "c", "d"], [0, 1, 2, 3])

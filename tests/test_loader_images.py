@@ -1,0 +1,63 @@
+"""Image folders through gpuload.DataLoader: batch decoding, transforms, bad files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+
+import gpuload
+from gpuload import transforms as T
+from gpuload.datasets import ImageFolder, make_sample_image_folder
+from gpuload.decode import ImageDecodeError
+from gpuload.transforms import apply_transforms
+from equivalence import assert_same_epochs
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> ImageFolder:
+    return make_sample_image_folder(tmp_path_factory.mktemp("images"), num_images=12, num_classes=3, seed=1)
+
+
+def test_unbatched_images_match_torchs_loader_over_the_same_folder(folder: ImageFolder) -> None:
+    ours = gpuload.DataLoader(folder, batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(2), device="cpu")
+    theirs = TorchDataLoader(folder, batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(2))
+    assert_same_epochs(ours, theirs, epochs=1)
+    assert ours.stats.path == "image-decode"
+    assert ours.stats.extra["decode_backend"] in ("dali-cpu", "pil", "torchvision")
+
+
+def test_batches_are_decoded_then_transformed_per_sample(folder: ImageFolder) -> None:
+    ops = [T.RandomResizedCrop(24), T.RandomHorizontalFlip(), T.ToDtype(torch.float16)]
+    g = torch.Generator().manual_seed(5)
+    loader = gpuload.DataLoader(folder, batch_size=5, shuffle=True, generator=g, device="cpu", transforms=ops)
+    torch_order = TorchDataLoader(range(12), batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(5))
+    for (images, labels), indices in zip(loader, torch_order, strict=True):
+        assert images.shape == (len(indices), 3, 24, 24) and images.dtype == torch.float16
+        assert labels.tolist() == [folder.targets[i] for i in indices.tolist()]
+        decoded = [folder[i][0] for i in indices.tolist()]
+        expected = apply_transforms(ops, decoded, g.initial_seed(), 0, indices)
+        torch.testing.assert_close(images, expected, atol=2e-3, rtol=2e-3)
+    assert loader.stats.samples == 12 and loader.stats.extra["transform_backend"] == "torch"
+
+
+def test_a_corrupt_file_names_itself_or_is_skipped(folder: ImageFolder, tmp_path: Path) -> None:
+    samples = list(folder.samples)
+    bad = tmp_path / "broken.jpg"
+    bad.write_bytes(Path(samples[3][0]).read_bytes()[:200])
+    samples[3] = (str(bad), samples[3][1])
+    broken = gpuload.datasets.ImageList(samples)
+    ops = [T.Resize((16, 16)), T.ToDtype(torch.float32)]
+    with pytest.raises(ImageDecodeError, match=r"broken\.jpg") as error:
+        list(gpuload.DataLoader(broken, batch_size=4, device="cpu", transforms=ops))
+    assert "3" in str(error.value)
+    skipping = gpuload.DataLoader(broken, batch_size=4, device="cpu", transforms=ops, on_error="skip")
+    sizes = [len(labels) for _, labels in skipping]
+    assert sizes == [3, 4, 4] and skipping.stats.extra["skipped"] == 1
+
+
+def test_on_error_is_validated() -> None:
+    with pytest.raises(ValueError, match="on_error"):
+        gpuload.DataLoader(range(3), on_error="ignore")
