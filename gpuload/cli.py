@@ -37,18 +37,30 @@ def _bench(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     config = BenchConfig(
         num_samples=args.samples or (10_000 if args.quick else 50_000),
-        batch_size=args.batch_size,
+        batch_size=args.batch_size or (128 if args.scenario == "images" else 512),
         epochs=args.epochs or (2 if args.quick else 5),
         torch_workers=tuple(args.torch_workers),
         step=args.step,
         step_ms=args.step_ms,
         seed=args.seed,
     )
-    dataset = load_arrays(args.data) if args.data else None
-    dataset, specs = inmemory_loaders(config, device, dataset)
-    shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in dataset.tensors)
+    scenario = args.scenario or ("images" if args.data and Path(args.data).is_dir() else "inmemory")
+    if scenario == "images":
+        from gpuload.bench.images import image_loaders
+
+        root = Path(args.data) if args.data else out_dir(args) / "sample-images"
+        root.mkdir(parents=True, exist_ok=True)
+        num_images = args.samples or (256 if args.quick else 1024)
+        specs = image_loaders(config, device, root, num_images, args.image_size)
+        described = f"image folder {root} -> RandomResizedCrop({args.image_size}) + flip + float16 normalize"
+    else:
+        dataset = load_arrays(args.data) if args.data else None
+        dataset, specs = inmemory_loaders(config, device, dataset)
+        described = "in-memory arrays [" + ", ".join(
+            f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in dataset.tensors
+        ) + "]"
     print(
-        f"gpuload bench: in-memory arrays [{shapes}], batch {config.batch_size}, shuffled, "
+        f"gpuload bench: {described}, batch {config.batch_size}, shuffled, "
         f"{config.epochs} timed epochs after 1 warm-up, step={config.step}"
         f"{f' ({config.step_ms} ms)' if config.step == 'sleep' else ''}, on {device}",
         flush=True,
@@ -61,18 +73,22 @@ def _bench(args: argparse.Namespace) -> int:
     print(format_table(results))
     if ceilings:
         print("machine ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()))
-    out = Path(args.out)
+    out = out_dir(args)
     document = {
-        "scenario": "inmemory" if not args.data else f"arrays:{args.data}",
+        "scenario": scenario if not args.data else f"{scenario}:{args.data}",
         "config": dataclasses.asdict(config),
         "environment": environment(device),
         "ceilings_gbps": ceilings,
         "results": results,
     }
     write_json(out / "bench.json", document)
-    write_chart(out / "bench.png", results, f"gpuload bench: in-memory, batch {config.batch_size}, {device}")
+    write_chart(out / "bench.png", results, f"gpuload bench: {scenario}, batch {config.batch_size}, {device}")
     print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
     return 0
+
+
+def out_dir(args: argparse.Namespace) -> Path:
+    return Path(args.out)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,10 +97,15 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="time gpuload against torch's DataLoader, side by side")
     bench.add_argument("--quick", action="store_true", help="a smaller run, well under a minute on 2 cores")
-    bench.add_argument("--data", default=None, metavar="PATH", help="your own .npy or .npz (rows = samples)")
+    bench.add_argument("--scenario", choices=["inmemory", "images"], default=None,
+                       help="in-memory arrays (default) or an image folder (default with a folder --data)")
+    bench.add_argument("--data", default=None, metavar="PATH",
+                       help="your own .npy/.npz (rows = samples) or image folder (class subfolders)")
+    bench.add_argument("--image-size", type=int, default=224, help="crop size of the images scenario")
     bench.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
-    bench.add_argument("--samples", type=int, default=None, help="synthetic dataset size (default 50000)")
-    bench.add_argument("--batch-size", type=int, default=512)
+    bench.add_argument("--samples", type=int, default=None,
+                       help="synthetic dataset size (default 50000 arrays, 1024 images)")
+    bench.add_argument("--batch-size", type=int, default=None, help="default 512 (arrays), 128 (images)")
     bench.add_argument("--epochs", type=int, default=None, help="timed epochs after the warm-up (default 5)")
     bench.add_argument("--torch-workers", type=int, nargs="+", default=[0, 2], help="num_workers to try for torch")
     bench.add_argument("--step", choices=["none", "sleep", "cnn"], default="none",

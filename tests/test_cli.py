@@ -36,7 +36,7 @@ def test_bench_on_user_npz(tmp_path: Path, capsys) -> None:
     assert main(["bench", "--data", str(path), "--epochs", "1", "--batch-size", "64", "--torch-workers", "0",
                  "--device", "cpu", "--out", str(tmp_path)]) == 0
     document = json.loads((tmp_path / "bench.json").read_text())
-    assert document["scenario"].startswith("arrays:") and document["results"][0]["batches_per_epoch"] == 5
+    assert document["scenario"].startswith("inmemory:") and document["results"][0]["batches_per_epoch"] == 5
 
 
 def test_ci_runs_the_readme_test_command() -> None:
@@ -45,3 +45,16 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert len(commands) >= 2
     ci_script = (ROOT / ".ci" / "run").read_text()
     assert commands[1] in ci_script.splitlines()
+
+
+def test_bench_images_scenario_on_generated_photos(tmp_path: Path, capsys) -> None:
+    args = ["bench", "--scenario", "images", "--samples", "12", "--batch-size", "6", "--epochs", "1",
+            "--image-size", "32", "--torch-workers", "0", "--device", "cpu", "--out", str(tmp_path)]
+    assert main(args) == 0
+    document = json.loads((tmp_path / "bench.json").read_text())
+    names = [r["name"] for r in document["results"]]
+    assert names == ["torch DataLoader + PIL (num_workers=0)", "gpuload DataLoader (decode + transforms)"]
+    gpuload_row = document["results"][1]
+    assert gpuload_row["batches_per_epoch"] == 2 and gpuload_row["decode_backend"] in ("dali-cpu", "pil")
+    assert gpuload_row["of_ideal"] is None
+    assert len(list((tmp_path / "sample-images").rglob("*.jpg"))) == 12

@@ -12,12 +12,11 @@ __all__ = ["format_table", "write_json", "write_chart", "add_ratios"]
 def add_ratios(results: list[dict[str, Any]]) -> None:
     """Add ``x_baseline`` (vs torch, num_workers=0) and ``of_ideal`` (vs the first ideal)."""
     baseline = next((r for r in results if r["kind"] == "baseline"), results[0])
-    ideal = next((r for r in results if r["kind"] == "ideal"), results[-1])
+    ideal = next((r for r in results if r["kind"] == "ideal"), None)
     for r in results:
         r["x_baseline"] = r["samples_per_s"] / baseline["samples_per_s"]
-        r["of_ideal"] = r["samples_per_s"] / ideal["samples_per_s"]
-    for r in results:
-        r["baseline_name"], r["ideal_name"] = baseline["name"], ideal["name"]
+        r["of_ideal"] = r["samples_per_s"] / ideal["samples_per_s"] if ideal else None
+        r["baseline_name"], r["ideal_name"] = baseline["name"], ideal["name"] if ideal else None
 
 
 def _cell(value: float | None, spec: str) -> str:
@@ -33,14 +32,16 @@ def format_table(results: list[dict[str, Any]]) -> str:
     lines = [header, "-" * len(header)]
     for r in results:
         wait = None if r["wait_share"] is None else 100 * r["wait_share"]
+        of_ideal = "-" if r["of_ideal"] is None else f"{100 * r['of_ideal']:.1f}%"
         epoch = f"{r['median_epoch_s']:.4f} ± {r['spread_s']:.4f}"
         lines.append(
             f"{r['name']:<40} {r['samples_per_s']:>11,.0f} "
             f"{epoch:>26} {r['first_epoch_s']:>11.4f} "
             f"{_cell(wait, '.1f'):>7} {r['h2d_bytes_per_epoch'] / 2**20:>13.1f} {r['h2d_gbps']:>8.2f} "
-            f"{r['x_baseline']:>13.2f} {100 * r['of_ideal']:>9.1f}%"
+            f"{r['x_baseline']:>13.2f} {of_ideal:>10}"
         )
-    lines.append(f"x torch: against {results[0]['baseline_name']}; % of ideal: against {results[0]['ideal_name']}")
+    ideal = results[0]["ideal_name"]
+    lines.append(f"x torch: against {results[0]['baseline_name']}" + (f"; % of ideal: against {ideal}" if ideal else ""))
     return "\n".join(lines)
 
 
