@@ -3,8 +3,11 @@
 It subclasses ``torch.utils.data.DataLoader``, so argument checking, ``len()``, samplers,
 collation and worker processes are torch's own, and wrappers that re-create a loader from its
 constructor arguments (Lightning, Accelerate) keep working. What gpuload adds is the device
-tail: in-memory array datasets are placed on the device once and every batch is one gather
-there; any other dataset is read by torch and its batches are moved to the device.
+tail, chosen per dataset:
+
+- in-memory arrays: placed by the cache plan (device, pinned host), one gather per batch;
+- image files: each batch read as encoded bytes, decoded at once, transformed on the device;
+- anything else: torch fetches and collates, the prefetcher copies batches to the device.
 """
 
 from __future__ import annotations
@@ -161,39 +164,53 @@ class DataLoader(tud.DataLoader):
         self._stats.epochs += 1
         self._epoch += 1
         if self._columns is not None:
-            if self._resident is None:
-                self._resident = self._columns.place(self.device, self._cache_settings, f"loader-{id(self)}")
-                weakref.finalize(self, self._resident.release)  # GC gives memory back too
-                self._stats.bytes_h2d += self._resident.placed_bytes
-                self._stats.path = self._resident.path
-            else:
-                self._resident.shrink_to_reserve(self._cache_settings)
-            indices = self._start_epoch_like_torch()
-            if self._auto_collation and can_draw_whole_epoch(self.batch_sampler):
-                indices = epoch_batches(self.batch_sampler)
-            resident = self._resident
-            if not resident.copies_batches or self.prefetch_depth == 0:
-                return _GatherIterator(self, resident, indices)
-            # The whole epoch's indices are drawn here, in the loop's thread, so the samplers'
-            # random draws never race with the loop's own use of torch's generator. They are
-            # checked batch by batch, so a bad index fails after the batches before it.
-            batched = self._auto_collation
-            drawn = list(indices)
-            fills = (resident.fill(resident.checked_index(index, batched), batched) for index in drawn)
-            sample_bytes = self._columns.nbytes // max(self._columns.num_samples, 1)
-            epoch = self._prefetch(fills, sample_bytes * (self.batch_size or 1))
-            checked = (resident.checked_index(index, batched) for index in drawn)
-            return _PrefetchedIterator(self, epoch, checked if self._augment is not None else None)
+            return self._iter_arrays()
         if self._image_source is not None:
-            if self._images is None:
-                self._images = ImageBatches(
-                    self._image_source, self.device, self.batch_size or 1, self._augment, self.on_error
-                )
-            indices = self._start_epoch_like_torch()
-            if self._auto_collation and can_draw_whole_epoch(self.batch_sampler):
-                indices = epoch_batches(self.batch_sampler)
-            self._stats.path = "image-decode"
-            return _ImageIterator(self, self._images, indices)
+            return self._iter_images()
+        return self._iter_torch()
+
+    def _epoch_indices(self) -> Iterator[Any]:
+        """This epoch's index batches, drawn as torch would (as tensors for torch's samplers)."""
+        indices = self._start_epoch_like_torch()
+        if self._auto_collation and can_draw_whole_epoch(self.batch_sampler):
+            return epoch_batches(self.batch_sampler)
+        return indices
+
+    def _iter_arrays(self) -> Iterator[Any]:
+        """Array data: gathered where the cache put it, or streamed through pinned slots."""
+        if self._resident is None:
+            self._resident = self._columns.place(self.device, self._cache_settings, f"loader-{id(self)}")
+            weakref.finalize(self, self._resident.release)  # GC gives memory back too
+            self._stats.bytes_h2d += self._resident.placed_bytes
+            self._stats.path = self._resident.path
+        else:
+            self._resident.shrink_to_reserve(self._cache_settings)
+        indices = self._epoch_indices()
+        resident = self._resident
+        if not resident.copies_batches or self.prefetch_depth == 0:
+            return _GatherIterator(self, resident, indices)
+        # The whole epoch's indices are drawn here, in the loop's thread, so the samplers'
+        # random draws never race with the loop's own use of torch's generator. They are
+        # checked batch by batch, so a bad index fails after the batches before it.
+        batched = self._auto_collation
+        drawn = list(indices)
+        fills = (resident.fill(resident.checked_index(index, batched), batched) for index in drawn)
+        sample_bytes = self._columns.nbytes // max(self._columns.num_samples, 1)
+        epoch = self._prefetch(fills, sample_bytes * (self.batch_size or 1))
+        checked = (resident.checked_index(index, batched) for index in drawn)
+        return _PrefetchedIterator(self, epoch, checked if self._augment is not None else None)
+
+    def _iter_images(self) -> Iterator[Any]:
+        """Image files: each batch read, decoded at once and transformed by gpuload."""
+        if self._images is None:
+            self._images = ImageBatches(
+                self._image_source, self.device, self.batch_size or 1, self._augment, self.on_error
+            )
+        self._stats.path = "image-decode"
+        return _ImageIterator(self, self._images, self._epoch_indices())
+
+    def _iter_torch(self) -> Iterator[Any]:
+        """Any other dataset: torch fetches and collates; the prefetcher moves it to the device."""
         self._stats.path = "torch"
         if self._prefetcher is not None:
             # torch's persistent iterator is reset below: no thread may still be pulling from it.
