@@ -369,13 +369,20 @@ class _GatherIterator(_TimedIterator):
         super().__init__(loader)
         self._resident = resident
         self._sampler_iter = indices
+        sampler = loader.sampler
+        self._in_range = (
+            loader._auto_collation
+            and can_draw_whole_epoch(loader.batch_sampler)
+            and type(sampler) in (tud.RandomSampler, tud.SequentialSampler)
+            and len(sampler.data_source) == resident.source.num_samples
+        )
 
     def __len__(self) -> int:
         return len(self._loader._index_sampler)
 
     def _produce(self) -> tuple[Any, int]:
         indices = next(self._sampler_iter)
-        batch, flat, moved_bytes = self._resident.gather(indices, batched=self._auto_collation)
+        batch, flat, moved_bytes = self._resident.gather(indices, self._auto_collation, self._in_range)
         self._stats.bytes_h2d += moved_bytes
         return self._loader._augmented(batch, flat), flat.numel()
 

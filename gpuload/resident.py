@@ -77,6 +77,22 @@ def find_resident_columns(
     return ArrayColumns(columns, spec, columns[0].shape[0])
 
 
+def _batch_builder(spec: TreeSpec) -> Callable[[list[torch.Tensor]], Any]:
+    """A function from leaves to the batch structure; direct for a flat list, tuple or dict."""
+    if spec.is_leaf():
+        return lambda leaves: leaves[0]
+    children = spec.children() if hasattr(spec, "children") else spec.children_specs
+    flat = all(child.is_leaf() for child in children)
+    if flat and spec.type is list:
+        return lambda leaves: leaves
+    if flat and spec.type is tuple:
+        return tuple
+    if flat and spec.type is dict:
+        keys = list(spec.context)
+        return lambda leaves: dict(zip(keys, leaves))
+    return lambda leaves: tree_unflatten(leaves, spec)
+
+
 @dataclass
 class ArrayColumns:
     """Host arrays with one row per sample, and the tree structure a batch of them takes."""
@@ -84,6 +100,9 @@ class ArrayColumns:
     columns: list[torch.Tensor]
     spec: TreeSpec
     num_samples: int
+
+    def __post_init__(self) -> None:
+        self.build = _batch_builder(self.spec)
 
     @property
     def nbytes(self) -> int:
@@ -191,16 +210,22 @@ class ResidentColumns:
             raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {size}")
         return flat.remainder(size) if low < 0 else flat
 
-    def gather(self, indices: Any, batched: bool) -> tuple[Any, torch.Tensor, int]:
-        """One batch, gathered where the arrays live: (batch, checked indices, bytes moved)."""
-        flat = self.checked_index(indices, batched)
+    def gather(self, indices: Any, batched: bool, in_range: bool = False) -> tuple[Any, torch.Tensor, int]:
+        """One batch, gathered where the arrays live: (batch, checked indices, bytes moved).
+
+        ``in_range``: the indices are an int64 tensor already known to lie in [0, len), as
+        torch's RandomSampler and SequentialSampler over this dataset guarantee.
+        """
+        if not self.columns:
+            raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
+        flat = indices if in_range else self.checked_index(indices, batched)
         if self.store is not None:
             leaves = self.store.gather(flat)
             h2d = self.store.stats.h2d_bytes
             moved_bytes, self._store_h2d_seen = h2d - self._store_h2d_seen, h2d
             if not batched:
                 leaves = [leaf.squeeze(0) for leaf in leaves]
-            return tree_unflatten(leaves, self.source.spec), flat, moved_bytes
+            return self.source.build(leaves), flat, moved_bytes
         moved_bytes = 0
         where = flat
         if self._where != flat.device:
@@ -212,7 +237,7 @@ class ResidentColumns:
         if self._where != self.device:  # host arrays without the prefetcher (prefetch_depth=0)
             moved_bytes += sum(leaf.numel() * leaf.element_size() for leaf in leaves)
             leaves = [leaf.to(self.device) for leaf in leaves]
-        return tree_unflatten(leaves, self.source.spec), flat, moved_bytes
+        return self.source.build(leaves), flat, moved_bytes
 
     def fill(self, flat: torch.Tensor, batched: bool) -> Fill:
         """A batch for the prefetcher, gathered on the host straight into its pinned slot.

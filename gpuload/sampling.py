@@ -77,9 +77,12 @@ def epoch_batches(batch_sampler: BatchSampler) -> Iterator[torch.Tensor]:
         remaining = total - start
         if remaining <= 0 or (remaining < size and batch_sampler.drop_last):
             return
-        batch, buffered = buffered[:size], buffered[size:]
-        start += size
-        yield batch
+        # Full batches that pull no position a pending draw starts at are cut in one go.
+        next_draw = parts[0][0] if parts else total + 1
+        run = max(1, min((next_draw - start) // size, remaining // size))
+        chunk, buffered = buffered[: run * size], buffered[run * size :]
+        start += run * size
+        yield from chunk.split(size)
 
 
 def _parts(sampler: object) -> Iterator[Part]:
