@@ -29,12 +29,13 @@ def _progress_bar():
 def _bench(args: argparse.Namespace) -> int:
     from gpuload.bench.ceilings import measure_ceilings
     from gpuload.bench.report import add_ratios, format_table, write_chart, write_json
-    from gpuload.bench.run import environment, run_loaders
+    from gpuload.bench.run import environment, run_loaders, steady_host_allocator
     from gpuload.bench.scenarios import BenchConfig, inmemory_loaders, load_arrays
     from gpuload.bench.steps import make_step
     from gpuload.device import resolve_device
 
     device = resolve_device(args.device)
+    fixed_allocator = steady_host_allocator()
     config = BenchConfig(
         num_samples=args.samples or (10_000 if args.quick else 50_000),
         batch_size=args.batch_size or (128 if args.scenario == "images" else 512),
@@ -77,7 +78,7 @@ def _bench(args: argparse.Namespace) -> int:
     document = {
         "scenario": scenario if not args.data else f"{scenario}:{args.data}",
         "config": dataclasses.asdict(config),
-        "environment": environment(device),
+        "environment": {**environment(device), "fixed_malloc_thresholds": fixed_allocator},
         "ceilings_gbps": ceilings,
         "results": results,
     }

@@ -19,7 +19,7 @@ def test_bench_quick_prints_table_and_writes_json_and_chart(tmp_path: Path, caps
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     document = json.loads((tmp_path / "bench.json").read_text())
     names = [r["name"] for r in document["results"]]
-    assert names[0].startswith("torch DataLoader") and names[-1].startswith("ideal")
+    assert names[0].startswith("torch DataLoader") and any(name.startswith("ideal") for name in names)
     assert any(name.startswith("gpuload DataLoader") for name in names)
     assert all(r["samples_per_s"] > 0 for r in document["results"])
     assert document["config"]["num_samples"] == 2048 and document["environment"]["device"] == "cpu"

@@ -15,7 +15,30 @@ import gpuload
 from gpuload.bench.measure import HostPeak, time_epochs, time_step
 from gpuload.bench.scenarios import LoaderSpec
 
-__all__ = ["run_loaders", "environment"]
+__all__ = ["run_loaders", "environment", "steady_host_allocator"]
+
+
+def steady_host_allocator() -> bool:
+    """Keep glibc's malloc from handing large blocks back to the OS between batches.
+
+    By default glibc adapts its mmap threshold as blocks are freed; depending on what ran
+    before (worker processes, background threads), later batch-sized allocations of the whole
+    process can turn into fresh mmaps that page-fault on every batch, making every loader 3-4x
+    slower in a way that depends on the order they ran in. Fixed thresholds give each loader
+    the same allocator. Returns whether it applied (glibc only).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 64 * 2**20)) and bool(libc.mallopt(m_trim_threshold, 2**30))
+    except (OSError, AttributeError):
+        return False
 
 
 def _device_allocated(device: torch.device) -> int:

@@ -151,8 +151,10 @@ def inmemory_loaders(
     """Tensors in memory (CIFAR-shaped unless given): torch, gpuload streaming and cached, ideals."""
     dataset = dataset if dataset is not None else synthetic_cifar(config)
     specs = [_torch_spec(dataset, config, workers, device) for workers in config.torch_workers]
-    specs.append(_gpuload_spec(dataset, config, device, "off", "streaming, no cache"))
     specs.append(_gpuload_spec(dataset, config, device, "auto", "device cache"))
     specs.append(_ideal_gather_spec(dataset, config, device))
     specs.append(_ideal_replay_spec(dataset, config, device))
+    # Last: on a CPU, its background thread's allocations can leave glibc's malloc returning
+    # memory to the OS, which slows every later large allocation of the process (page faults).
+    specs.append(_gpuload_spec(dataset, config, device, "off", "streaming, no cache"))
     return dataset, specs
