@@ -263,10 +263,17 @@ class DataLoader(tud.DataLoader):
 
         On a CPU device the staging is a host copy, not a transfer, and is not counted.
         """
-        copied = self._prefetcher.stats.bytes_copied
+        prefetch = self._prefetcher.stats
+        copied = prefetch.bytes_copied
         if self.device.type != "cpu":
             self._stats.bytes_h2d += copied - self._prefetched_bytes_seen
         self._prefetched_bytes_seen = copied
+        self._stats.extra["prefetch"] = {
+            "depth": self._prefetcher.depth,
+            "bytes_staged": copied,
+            "copy_time_s": prefetch.copy_time_s,
+            "slot_allocations": prefetch.slot_allocations,
+        }
 
     def _prefetch(self, source: Iterator[Any], batch_bytes: int | None) -> Iterator[Any]:
         """One epoch of ``source`` through this loader's prefetcher (one side stream per loader)."""

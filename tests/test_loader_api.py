@@ -287,8 +287,9 @@ def test_stats_count_staged_bytes_on_the_prefetched_path() -> None:
     list(loader)
     assert loader.stats.path == "host-gather"
     assert loader.stats.samples == 20
-    staged = loader._prefetcher.stats.bytes_copied
-    assert staged == 20 * 3 + 20 * 8  # every uint8 image row and int64 label, once
+    prefetch = loader.stats.extra["prefetch"]
+    assert prefetch["bytes_staged"] == 20 * 3 + 20 * 8  # every uint8 image row and int64 label, once
+    assert prefetch["copy_time_s"] > 0 and prefetch["slot_allocations"] <= prefetch["depth"]
     assert loader.stats.bytes_h2d == 0  # staging on a CPU device is no host-to-device transfer
 
 
