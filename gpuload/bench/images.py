@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 
 import gpuload
 from gpuload import transforms as T
-from gpuload.bench.scenarios import BenchConfig, LoaderSpec, _CountingEpochs
+from gpuload.bench.scenarios import BenchConfig, LoaderSpec, CountingEpochs
 from gpuload.datasets import ImageFolder
 
 __all__ = ["image_loaders"]
@@ -80,7 +80,7 @@ def image_loaders(config: BenchConfig, device: torch.device, root: Path, num_ima
                 num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0,
                 generator=torch.Generator().manual_seed(config.seed),
             )
-            epochs = _CountingEpochs(loader, device)
+            epochs = CountingEpochs(loader, device)
             return epochs, lambda: epochs.bytes_h2d, epochs.close
 
         kind = "baseline" if workers == 0 else "loader"

@@ -56,7 +56,7 @@ def synthetic_cifar(config: BenchConfig) -> TensorDataset:
     return TensorDataset(images, labels)
 
 
-class _CountingEpochs:
+class CountingEpochs:
     """torch's DataLoader with the copy a tuned loop does, counting the bytes it copies."""
 
     def __init__(self, loader: TorchDataLoader, device: torch.device) -> None:
@@ -86,7 +86,7 @@ def _torch_spec(dataset: TensorDataset, config: BenchConfig, workers: int, devic
             persistent_workers=workers > 0,
             generator=torch.Generator().manual_seed(config.seed),
         )
-        epochs = _CountingEpochs(loader, device)
+        epochs = CountingEpochs(loader, device)
         return epochs, lambda: epochs.bytes_h2d, epochs.close
 
     kind = "baseline" if workers == 0 else "loader"
