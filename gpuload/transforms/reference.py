@@ -151,16 +151,20 @@ def apply_value_ops(
     """
     dtype, channels_last = output_format(ops)
     scaled = False  # True once ToDtype(scale=True) divided by 255
+    owned = False  # True once x is a tensor made here, which later ops may update in place
     for op, p in zip(ops, per_op):
         if isinstance(op, ColorJitter):
             x = color_jitter(x, p)
+            owned = False
         elif isinstance(op, ToDtype):
             if op.scale:
-                x = x / 255.0
-                scaled = True
+                x = x.div_(255.0) if owned else x / 255.0
+                scaled = owned = True
         elif isinstance(op, Normalize):
             mean, std = normalize_constants(op, scaled, x.shape[1])
-            x = (x - mean.to(x.device).view(1, -1, 1, 1)) / std.to(x.device).view(1, -1, 1, 1)
+            mean, std = mean.to(x.device).view(1, -1, 1, 1), std.to(x.device).view(1, -1, 1, 1)
+            x = (x.sub_(mean) if owned else x - mean).div_(std)  # same rounding as (x - m) / s
+            owned = True
         elif isinstance(op, RandomErasing):
             x = erase(x, p, erase_values(op, x.shape[1]))
     if not cast_output:
