@@ -14,7 +14,6 @@ from torch.utils.data import (
     Dataset,
     IterableDataset,
     RandomSampler,
-    SequentialSampler,
     SubsetRandomSampler,
     TensorDataset,
     WeightedRandomSampler,

@@ -26,7 +26,6 @@ import torch
 
 from gpuload.transforms.ops import (
     GEOMETRIC_OPS,
-    CenterCrop,
     ColorJitter,
     Normalize,
     Op,
