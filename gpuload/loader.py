@@ -355,6 +355,9 @@ class _TimedIterator:
     def __iter__(self) -> _TimedIterator:
         return self
 
+    def __len__(self) -> int:
+        return len(self._loader._index_sampler)  # as torch's iterators report it
+
     def __next__(self) -> Any:
         started = time.perf_counter()
         try:
@@ -384,9 +387,6 @@ class _GatherIterator(_TimedIterator):
             and len(sampler.data_source) == resident.source.num_samples
         )
 
-    def __len__(self) -> int:
-        return len(self._loader._index_sampler)
-
     def _produce(self) -> tuple[Any, int]:
         indices = next(self._sampler_iter)
         batch, flat, moved_bytes = self._resident.gather(indices, self._auto_collation, self._in_range)
@@ -401,9 +401,6 @@ class _ImageIterator(_TimedIterator):
         super().__init__(loader)
         self._images = images
         self._indices = indices
-
-    def __len__(self) -> int:
-        return len(self._loader._index_sampler)
 
     def _produce(self) -> tuple[Any, int]:
         while True:
@@ -450,9 +447,6 @@ class _PrefetchedIterator(_TimedIterator):
         super().__init__(loader)
         self._epoch = epoch
         self._checked = checked
-
-    def __len__(self) -> int:
-        return len(self._loader._index_sampler)
 
     def _produce(self) -> tuple[Any, int]:
         try:
