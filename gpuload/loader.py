@@ -13,6 +13,7 @@ tail, chosen per dataset:
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -22,6 +23,7 @@ import torch.utils.data as tud
 
 from gpuload.augment import BatchAugmenter, image_column
 from gpuload.cache import CacheSettings
+from gpuload.cached_samples import CachedSamples, decide_sample_cache, is_default_collate
 from gpuload.datasets.images import ImageSource, as_image_source
 from gpuload.image_batches import ImageBatches
 from gpuload.device import resolve_device
@@ -131,6 +133,9 @@ class DataLoader(tud.DataLoader):
         self._epoch = -1
         self._augment = self._make_augmenter(transforms)
         self._persistent_seed_drawn = False
+        self._samples: CachedSamples | None = None
+        self._samples_decided = False
+        self._filling_recorder = None
 
     # ----------------------------------------------------------------- public surface
 
@@ -145,7 +150,16 @@ class DataLoader(tud.DataLoader):
         if tiers is not None:
             self._stats.extra["cache"] = tiers.as_dict()
             self._stats.extra["cache_plan"] = self._resident.store.plan.describe()
+        if self._samples is not None:
+            self._stats.extra["cache"] = self._samples.stats()
+            self._count_fill_bytes()
         return self._stats
+
+    def _count_fill_bytes(self) -> None:
+        """Add the bytes copied into the device sample cache since the last look."""
+        filled = self._samples.fill_h2d_bytes
+        self._stats.bytes_h2d += filled - self._fill_bytes_seen
+        self._fill_bytes_seen = filled
 
     @property
     def cache_settings(self) -> CacheSettings:
@@ -176,14 +190,43 @@ class DataLoader(tud.DataLoader):
             return epoch_batches(self.batch_sampler)
         return indices
 
+    def warm(self, progress: bool = True) -> LoaderStats:
+        """Fill the cache now, in one pass, instead of during the first epoch; returns ``stats``.
+
+        Array data is placed (device tier, pinned host tier); another map-style dataset has
+        every sample not cached yet read into its sample cache, with this loader's workers when
+        it has them, behind a progress bar (``progress=False`` hides it). Samplers and random
+        generators are not touched, so batches and their order stay what they would have been.
+        Without a cache (``cache="off"``, or auto declining) nothing is read;
+        ``stats.extra["sample_cache_decision"]`` says why.
+        """
+        if self._columns is not None:
+            self._place_arrays()
+        elif self._image_source is None:
+            cached = self._sample_cache()
+            if cached is not None:
+                options = {
+                    "worker_init_fn": self.worker_init_fn,
+                    "multiprocessing_context": self.multiprocessing_context,
+                    "timeout": self.timeout,
+                }
+                batch = self.batch_size or 1
+                cached.warm(progress, self.num_workers, batch, options)
+        return self.stats
+
+    def _place_arrays(self) -> bool:
+        """Place the arrays where the cache plan says, once; False if they were placed already."""
+        if self._resident is not None:
+            return False
+        self._resident = self._columns.place(self.device, self._cache_settings, f"loader-{id(self)}")
+        weakref.finalize(self, self._resident.release)  # GC gives memory back too
+        self._stats.bytes_h2d += self._resident.placed_bytes
+        self._stats.path = self._resident.path
+        return True
+
     def _iter_arrays(self) -> Iterator[Any]:
         """Array data: gathered where the cache put it, or streamed through pinned slots."""
-        if self._resident is None:
-            self._resident = self._columns.place(self.device, self._cache_settings, f"loader-{id(self)}")
-            weakref.finalize(self, self._resident.release)  # GC gives memory back too
-            self._stats.bytes_h2d += self._resident.placed_bytes
-            self._stats.path = self._resident.path
-        else:
+        if not self._place_arrays():
             self._resident.shrink_to_reserve(self._cache_settings)
         indices = self._epoch_indices()
         resident = self._resident
@@ -210,14 +253,94 @@ class DataLoader(tud.DataLoader):
         return _ImageIterator(self, self._images, self._epoch_indices())
 
     def _iter_torch(self) -> Iterator[Any]:
-        """Any other dataset: torch fetches and collates; the prefetcher moves it to the device."""
+        """Any other dataset: torch fetches and collates; the prefetcher moves it to the device.
+
+        With a sample cache, batches are built from cached samples (and the dataset for the
+        rest); with workers, torch's iterator fills the cache until it holds every sample.
+        """
         self._stats.path = "torch"
         if self._prefetcher is not None:
             # torch's persistent iterator is reset below: no thread may still be pulling from it.
             self._prefetcher.stop_epoch("a new epoch of this DataLoader")
-        if self.prefetch_depth == 0 or (self.device.type == "cpu" and self.prefetch_depth is None):
-            return _TorchIterator(self, super().__iter__())
-        return _PrefetchedIterator(self, self._prefetch(super().__iter__(), None))
+        cached = self._sample_cache()
+        if cached is not None and (self.num_workers == 0 or cached.complete):
+            return self._iter_cached(cached)
+        in_loop = self.prefetch_depth == 0 or (self.device.type == "cpu" and self.prefetch_depth is None)
+        batches = self._torch_batches(cached)
+        if in_loop:
+            return _TorchIterator(self, batches)
+        return _PrefetchedIterator(self, self._prefetch(batches, None))
+
+    def _torch_batches(self, cached: CachedSamples | None) -> Iterator[Any]:
+        """torch's own iterator for this epoch; filling ``cached`` from its workers' samples."""
+        if cached is None:
+            batches = super().__iter__()
+        else:
+            collate_fn = self.collate_fn
+            self.collate_fn, self._filling_recorder = cached.wrap_for_fill(collate_fn, self._index_sampler)
+            try:
+                batches = super().__iter__()
+            finally:
+                self.collate_fn, self._filling_recorder = collate_fn, None
+        if self.persistent_workers and self.num_workers > 0:
+            self._persistent_seed_drawn = True  # torch drew its workers' seed, once
+        if cached is None:
+            return batches
+        return _LenIterator(self._fill_epoch(cached, batches), len(batches))
+
+    def _fill_epoch(self, cached: CachedSamples, batches: Iterator[Any]) -> Iterator[Any]:
+        yield from cached.unwrap(batches)
+        cached.warn_if_partial()
+        if not cached.complete:
+            # With workers only a complete cache serves; keep no memory for a partial one.
+            self._drop_sample_cache()
+
+    def _iter_cached(self, cached: CachedSamples) -> Iterator[Any]:
+        """Batches built in this process from the sample cache (and the dataset for misses)."""
+        self._stats.path = f"sample-cache ({cached.tier})"
+        indices = self._epoch_indices()
+        if self.device.type == "cpu" or cached.tier == "device" or self.prefetch_depth == 0:
+            return _CachedIterator(self, cached, indices)
+        epoch = _CachedIterator.host_batches(cached, indices)
+        return _PrefetchedIterator(self, self._prefetch(epoch, None))
+
+    @property
+    def _index_sampler(self):
+        # While torch's iterator is created to fill the sample cache, it draws through a recorder.
+        recorder = self.__dict__.get("_filling_recorder")
+        return recorder if recorder is not None else tud.DataLoader._index_sampler.fget(self)
+
+    def _sample_cache(self) -> CachedSamples | None:
+        """The generic dataset's sample cache, decided at the first epoch (None: no cache)."""
+        if self._samples_decided or self._dataset_kind != tud.dataloader._DatasetKind.Map:
+            return self._samples
+        self._samples_decided = True
+        owner = f"loader-{id(self)}-samples"
+        decision = decide_sample_cache(
+            self.dataset, self._cache_settings, self.device,
+            default_collate=is_default_collate(self.collate_fn), num_workers=self.num_workers,
+            in_order=self.in_order, owner=owner,
+        )
+        self._stats.extra["sample_cache_decision"] = f"{decision.tier}: {decision.reason}"
+        if decision.warn:
+            warnings.warn(
+                f"gpuload: not caching this {type(self.dataset).__name__}: {decision.reason}", stacklevel=4
+            )
+        if decision.tier == "none":
+            return None
+        self._samples = CachedSamples(
+            self.dataset, decision, self.device, self.collate_fn, self._auto_collation, owner
+        )
+        self._fill_bytes_seen = 0
+        weakref.finalize(self, self._samples.close)
+        return self._samples
+
+    def _drop_sample_cache(self) -> None:
+        if self._samples is not None:
+            self._count_fill_bytes()
+            self._samples.close()
+            self._stats.extra["cache"] = dict(self._samples.stats(), released=True)
+            self._samples = None
 
     def _detect_image_source(self, strict: bool) -> ImageSource | None:
         """gpuload's view of an image-file dataset, when batches can be decoded by gpuload.
@@ -294,6 +417,8 @@ class DataLoader(tud.DataLoader):
         if self._resident is not None:
             self._resident.release()
             self._resident = None
+        self._drop_sample_cache()
+        self._samples_decided = False
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._count_prefetched_bytes()
@@ -413,6 +538,50 @@ class _ImageIterator(_TimedIterator):
                 extra["transform_backend"] = self._images.augment.backend
             if count:
                 return batch, count
+
+
+class _LenIterator(Iterator[Any]):
+    """An iterator with the length of the torch iterator it wraps."""
+
+    def __init__(self, inner: Iterator[Any], length: int) -> None:
+        self._inner, self._length = inner, length
+
+    def __next__(self) -> Any:
+        return next(self._inner)
+
+    def __len__(self) -> int:
+        return self._length
+
+
+class _CachedIterator(_TimedIterator):
+    """Batches collated in the loop's thread from the sample cache, reading misses from the dataset."""
+
+    def __init__(self, loader: DataLoader, cached: CachedSamples, indices: Iterator[Any]) -> None:
+        super().__init__(loader)
+        self._cached = cached
+        self._indices = indices
+        self._device = loader.device
+
+    @staticmethod
+    def host_batches(cached: CachedSamples, indices: Iterator[Any]) -> Iterator[Any]:
+        """Host batches of a host-tier cache, for the prefetcher's thread."""
+        for index in indices:
+            yield cached.batch(index)[0]
+        cached.warn_if_partial()
+
+    def _produce(self) -> tuple[Any, int]:
+        try:
+            index = next(self._indices)
+        except StopIteration:
+            self._cached.warn_if_partial()
+            raise
+        batch, copied = self._cached.batch(index)
+        if self._device.type != "cpu":
+            host_bytes = batch_nbytes(batch, host_only=True)
+            if host_bytes:
+                batch = move_to_device(batch, self._device, non_blocking=True)
+            self._stats.bytes_h2d += copied + host_bytes
+        return batch, batch_length(batch) if self._auto_collation else 1
 
 
 class _TorchIterator(_TimedIterator):

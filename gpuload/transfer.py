@@ -63,9 +63,9 @@ def _tensors(data: Any):
             yield from _tensors(value)
 
 
-def batch_nbytes(data: Any) -> int:
-    """Bytes held by all tensors in a (nested) batch."""
-    return sum(t.numel() * t.element_size() for t in _tensors(data))
+def batch_nbytes(data: Any, host_only: bool = False) -> int:
+    """Bytes held by all tensors in a (nested) batch, or only by those on the CPU."""
+    return sum(t.numel() * t.element_size() for t in _tensors(data) if not host_only or t.device.type == "cpu")
 
 
 def batch_length(data: Any) -> int:

@@ -377,3 +377,24 @@ def test_meta_device_tier_books_ledger_and_shrinks():
     assert store.gather(torch.arange(N))["label"].shape == (N,)
     store.close()
     assert ledger.owners("meta") == {}
+
+
+def test_sample_cache_settle_stops_adding_and_shrinks_the_budget():
+    cache = SampleCache(1000)
+    assert cache.put(0, torch.zeros(100, dtype=torch.uint8))
+    cache.settle()
+    assert cache.stats.budget == 100 and cache.full
+    assert not cache.put(1, torch.zeros(1, dtype=torch.uint8))
+    assert cache.peek(0) is not None and cache.stats.hits == 0  # peek counts nothing
+
+
+@gpu
+def test_cuda_sample_cache_settle_gives_the_unused_booking_back():
+    ledger = BudgetLedger()
+    cache = SampleCache(1000, "cuda", ledger=ledger, owner="s")
+    cache.put(0, torch.zeros(100, dtype=torch.uint8))
+    assert ledger.reserved("cuda:0") == 1000
+    cache.settle()
+    assert ledger.reserved("cuda:0") == 100 and ledger.used("cuda:0") == 100
+    cache.close()
+    assert ledger.owners("cuda:0") == {}

@@ -530,6 +530,11 @@ class SampleCache:
             self._stats.hits += 1
             return found
 
+    def peek(self, index: int, default: Any = None) -> Any:
+        """The stored sample for ``index`` without counting a hit or miss (for a sample just put)."""
+        with self._lock:
+            return self._entries.get(int(index), default)
+
     def __contains__(self, index: object) -> bool:
         return isinstance(index, (int, np.integer)) and int(index) in self._entries
 
@@ -544,6 +549,19 @@ class SampleCache:
     def stats(self) -> SampleCacheStats:
         with self._lock:
             return SampleCacheStats(**self._stats.as_dict())
+
+    def settle(self) -> None:
+        """Stop adding and shrink the budget booking to the bytes held, freeing the rest for
+        other loaders (call once every sample that will be cached is in)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._stats.full = True
+            self._budget = self._stats.budget = self._stats.bytes
+            used = self._stats.bytes
+        if self._on_device:
+            self._ledger.reserve(used, self._owner, device=self._device)
+            self._ledger.set_used(self._owner, used, device=self._device)
 
     def close(self) -> None:
         """Drop every stored sample and the ledger booking. Safe to call twice."""

@@ -1,0 +1,251 @@
+"""Generic datasets through the sample cache: the decision, filling, serving, warm(), close()."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+import gpuload
+from gpuload.cache import CacheSettings
+from gpuload.cached_samples import RecordingSampler, decide_sample_cache
+from gpuload.device import MemoryInfo
+from equivalence import assert_same, assert_same_epochs
+
+GiB = 1 << 30
+
+
+class Counted(tud.Dataset):
+    """Deterministic samples of mixed types; counts reads made in this process."""
+
+    def __init__(self, n: int = 37) -> None:
+        self.n, self.reads = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int):
+        self.reads += 1
+        g = torch.Generator().manual_seed(int(index))
+        return {"x": torch.rand(3, generator=g), "label": int(index) % 5, "name": f"s{index}"}
+
+
+class Augmented(Counted):
+    def __getitem__(self, index: int):
+        self.reads += 1
+        return torch.rand(3)
+
+
+def settings(**keywords) -> CacheSettings:
+    return CacheSettings.resolve(environ={}, cwd="/", **keywords)
+
+
+def decide(dataset, device="cuda", *, collate=True, workers=0, in_order=True, probe=None, free=40 * GiB, **kw):
+    def must_not_probe(_):
+        raise AssertionError("the dataset was probed")
+
+    return decide_sample_cache(
+        dataset, settings(**kw), torch.device(device), default_collate=collate, num_workers=workers,
+        in_order=in_order, owner=("test", id(dataset)), device_memory_info=MemoryInfo(free=free, total=80 * GiB),
+        host_memory_info=MemoryInfo(free=100 * GiB, total=128 * GiB), probe=probe or must_not_probe,
+    )
+
+
+def test_decision_matrix() -> None:
+    data = Counted()
+    same = lambda _: (True, "equal")
+    differs = lambda _: (False, "two reads differ")
+    assert decide(data, cache="off").tier == "none"
+    assert decide(data, cache_size=0).tier == "none"
+    assert decide(Counted(0)).tier == "none"
+    assert decide(data, workers=2, in_order=False, cache="device").tier == "none"
+    cpu_auto = decide(data, device="cpu")
+    assert cpu_auto.tier == "none" and "cache='host'" in cpu_auto.reason
+    assert decide(data, device="cpu", cache="host").tier == "host"
+    assert decide(data, device="cpu", cache="host", cache_size="1KiB").budget == 1024
+    auto = decide(data, probe=same)
+    assert auto.tier == "device" and auto.budget == 40 * GiB - 8 * GiB  # free minus the 10% reserve
+    declined = decide(data, probe=differs)
+    assert declined.tier == "none" and declined.warn and "differ" in declined.reason
+    assert decide(data, cache="device").tier == "device"  # forced: no probe
+    assert decide(data, collate=False, probe=same).tier == "host"
+    assert decide(data, cache="host").tier == "host"
+    assert decide(data, probe=same, free=8 * GiB).tier == "host"  # nothing above the reserve
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("batch_size", [4, None])
+def test_cached_batches_equal_torchs_and_read_each_sample_once(workers: int, batch_size) -> None:
+    data = Counted()
+    ours = gpuload.DataLoader(data, batch_size=batch_size, shuffle=True, num_workers=workers,
+                              generator=torch.Generator().manual_seed(3), cache="host")
+    theirs = tud.DataLoader(data, batch_size=batch_size, shuffle=True, num_workers=workers,
+                            generator=torch.Generator().manual_seed(3))
+    reads = []
+
+    def count(_epoch: int) -> None:
+        reads.append(data.reads)
+
+    assert_same_epochs(ours, theirs, epochs=3, before_epoch=count)
+    assert ours.generator.get_state().equal(theirs.generator.get_state())
+    cache = ours.stats.extra["cache"]
+    assert cache["complete"] and cache["entries"] == len(data)
+    assert ours.stats.path == "sample-cache (host)"
+    if workers == 0:
+        # Epoch 1 read the samples for both loaders; later epochs only torch's loader read.
+        assert reads[1] - reads[0] == 2 * len(data)
+        assert reads[2] - reads[1] == len(data)
+
+
+def test_persistent_workers_fill_then_serve() -> None:
+    data = Counted()
+    kw = dict(batch_size=5, shuffle=True, num_workers=2, persistent_workers=True)
+    ours = gpuload.DataLoader(data, generator=torch.Generator().manual_seed(4), cache="host", **kw)
+    theirs = tud.DataLoader(data, generator=torch.Generator().manual_seed(4), **kw)
+    assert_same_epochs(ours, theirs, epochs=3)
+    assert ours.generator.get_state().equal(theirs.generator.get_state())
+    ours.close()
+
+
+def test_partial_cache_warns_once_and_reads_only_misses() -> None:
+    data = Counted(40)
+    ours = gpuload.DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5),
+                              cache="host", cache_size="300B")
+    theirs = tud.DataLoader(Counted(40), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5))
+    with pytest.warns(UserWarning, match="partial"):
+        assert_same_epochs(ours, theirs, epochs=1)
+    held = ours.stats.extra["cache"]["entries"]
+    assert 0 < held < len(data)
+    before = data.reads
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning came once
+        assert_same_epochs(ours, theirs, epochs=1)
+    assert data.reads - before == len(data) - held
+
+
+def test_partial_cache_with_workers_is_given_up() -> None:
+    data = Counted(40)
+    ours = gpuload.DataLoader(data, batch_size=8, num_workers=2, cache="host", cache_size="300B")
+    with pytest.warns(UserWarning, match="partial"):
+        assert_same_epochs(ours, tud.DataLoader(data, batch_size=8), epochs=2)
+    assert ours.stats.path == "torch"
+    assert ours.stats.extra["cache"]["entries"] == 0  # released
+
+
+def test_in_place_changes_to_a_batch_do_not_reach_the_cache() -> None:
+    data = Counted(6)
+    ours = gpuload.DataLoader(data, batch_size=None, cache="host")
+    for sample in ours:
+        sample["x"].mul_(0)
+    for index, sample in enumerate(ours):
+        assert_same(sample, tud.default_convert(data[index]))
+
+
+def test_a_custom_collate_gets_fresh_samples() -> None:
+    data = Counted(6)
+    ours = gpuload.DataLoader(data, batch_size=3, collate_fn=list, cache="host")
+    for batch in ours:
+        for sample in batch:
+            sample["x"].zero_()
+    assert_same_epochs(ours, tud.DataLoader(data, batch_size=3, collate_fn=list), epochs=1)
+
+
+def test_an_early_break_while_filling_with_workers_loses_nothing() -> None:
+    data = Counted()
+    ours = gpuload.DataLoader(data, batch_size=4, shuffle=True, num_workers=2,
+                              generator=torch.Generator().manual_seed(6), cache="host")
+    theirs = tud.DataLoader(data, batch_size=4, shuffle=True, num_workers=2,
+                            generator=torch.Generator().manual_seed(6))
+    for a, b in zip(ours, theirs):
+        assert_same(a, b)
+        break  # both loaders abandon their first epoch
+    assert_same_epochs(ours, theirs, epochs=2)
+
+
+def test_non_integer_indices_are_served_uncached() -> None:
+    table = {"a": torch.tensor([1.0]), "b": torch.tensor([2.0]), "c": torch.tensor([3.0])}
+    keys = ["c", "a", "b"]
+    ours = gpuload.DataLoader(table, sampler=keys, batch_size=2, cache="host")
+    with pytest.warns(UserWarning, match="not integers"):
+        assert_same_epochs(ours, tud.DataLoader(table, sampler=keys, batch_size=2), epochs=2)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_warm_fills_before_the_first_epoch_without_touching_randomness(workers: int) -> None:
+    data = Counted()
+    ours = gpuload.DataLoader(data, batch_size=4, shuffle=True, num_workers=workers,
+                              generator=torch.Generator().manual_seed(7), cache="host")
+    theirs = tud.DataLoader(Counted(), batch_size=4, shuffle=True, num_workers=workers,
+                            generator=torch.Generator().manual_seed(7))
+    global_state = torch.get_rng_state()
+    stats = ours.warm(progress=False)
+    assert torch.equal(torch.get_rng_state(), global_state)
+    assert stats.extra["cache"]["complete"]
+    reads = data.reads
+    assert_same_epochs(ours, theirs, epochs=2)
+    assert data.reads == reads  # the epochs read nothing from the dataset
+    assert ours.warm(progress=False).extra["cache"]["entries"] == len(data)
+
+
+def test_warm_without_a_cache_reads_nothing() -> None:
+    data = Counted()
+    loader = gpuload.DataLoader(data, batch_size=4)  # auto on a CPU device: no sample cache
+    stats = loader.warm(progress=False)
+    assert data.reads == 0 and "cache" not in stats.extra
+    assert stats.extra["sample_cache_decision"].startswith("none")
+
+
+def test_warm_places_array_data() -> None:
+    data = tud.TensorDataset(torch.arange(10))
+    loader = gpuload.DataLoader(data, batch_size=4)
+    assert loader.warm(progress=False).path == "device-gather"
+
+
+def test_close_drops_the_samples_and_iteration_starts_again() -> None:
+    data = Counted(10)
+    loader = gpuload.DataLoader(data, batch_size=4, cache="host")
+    list(loader)
+    cache = loader._samples.cache
+    loader.close()
+    assert len(cache) == 0 and cache.stats.bytes == 0
+    assert_same_epochs(loader, tud.DataLoader(data, batch_size=4), epochs=1)
+
+
+def test_recording_sampler_draws_what_the_sampler_draws() -> None:
+    g1, g2 = torch.Generator().manual_seed(8), torch.Generator().manual_seed(8)
+    sampler = tud.BatchSampler(tud.RandomSampler(range(20), generator=g1), 3, False)
+    recorder = RecordingSampler(sampler)
+    drawn = list(recorder)
+    assert drawn == list(tud.BatchSampler(tud.RandomSampler(range(20), generator=g2), 3, False))
+    assert list(recorder.drawn) == drawn and len(recorder) == 7
+
+
+@pytest.mark.gpu
+def test_device_tier_serves_epochs_without_copies() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    data = Counted()
+    ours = gpuload.DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(9),
+                              device="cuda")
+    theirs = tud.DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(9))
+    assert_same_epochs(ours, theirs, epochs=1)
+    assert ours.stats.path == "sample-cache (device)"
+    moved = ours.stats.bytes_h2d
+    batches = list(ours)
+    assert all(batch["x"].is_cuda for batch in batches)
+    assert ours.stats.bytes_h2d == moved  # epoch 2 copied nothing
+    cache = ours._samples.cache
+    ours.close()
+    assert len(cache) == 0
+
+
+@pytest.mark.gpu
+def test_auto_declines_a_randomly_augmented_dataset_with_one_warning() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    loader = gpuload.DataLoader(Augmented(), batch_size=4, device="cuda")
+    with pytest.warns(UserWarning, match="not caching"):
+        list(loader)
+    assert loader.stats.path == "torch" and "cache" not in loader.stats.extra
