@@ -26,16 +26,7 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-from gpuload.cache import (
-    CacheSettings,
-    SampleCache,
-    available_budget,
-    default_host_reserve,
-    format_bytes,
-    looks_deterministic,
-    resolve_budget,
-    resolve_reserve,
-)
+from gpuload.cache import CacheSettings, SampleCache, format_bytes, looks_deterministic
 from gpuload.device import MemoryInfo, device_memory, host_memory
 from gpuload.transfer import batch_nbytes, map_leaves, move_to_device
 
@@ -50,18 +41,6 @@ class CacheDecision:
     budget: int
     reason: str
     warn: bool = False  # the reason is worth a one-time warning (auto mode declined)
-
-
-def _host_budget(settings: CacheSettings, memory: MemoryInfo, sized: bool) -> int:
-    """Host bytes a host tier may take: free memory minus the host reserve, or the size asked."""
-    room = max(0, memory.free - default_host_reserve(memory.total))
-    if not sized:
-        return room
-    spec = settings.size_spec
-    asked = resolve_budget(
-        spec, memory, default_host_reserve(memory.total), source=settings.size.source, device_name="host memory"
-    )
-    return min(asked, room)
 
 
 def decide_sample_cache(
@@ -101,28 +80,22 @@ def decide_sample_cache(
             "none", 0, "in_order=False with workers: batches cannot be matched to their samples", warn=mode != "auto"
         )
     host = host_memory_info or host_memory()
-    sized = settings.size_spec.kind != "auto"
     if device.type == "cpu":
         if mode == "auto":
             return CacheDecision(
                 "none", 0, "on a CPU device the dataset serves the loop itself; cache='host' keeps its samples in memory"
             )
-        return CacheDecision("host", _host_budget(settings, host, sized), f"cache={mode!r} on a CPU device: host memory")
+        return CacheDecision("host", settings.host_room(host), f"cache={mode!r} on a CPU device: host memory")
     if mode == "auto":
         deterministic, why = probe(dataset)
         if not deterministic:
             return CacheDecision("none", 0, why, warn=True)
     if mode == "host" or not default_collate:
         why = f"cache={mode!r}" if mode == "host" else "a custom collate_fn runs on host samples"
-        return CacheDecision("host", _host_budget(settings, host, sized), f"{why}: host memory")
-    memory = device_memory_info or device_memory(device)
-    reserve = resolve_reserve(settings.reserve_spec, memory, source=settings.reserve.source, device_name=str(device))
-    budget = available_budget(
-        settings.size_spec, reserve, memory, device=device, owner=owner, source=settings.size.source
-    )
-    budget = min(budget, max(0, memory.free - reserve))
+        return CacheDecision("host", settings.host_room(host), f"{why}: host memory")
+    budget = settings.device_room(device, device_memory_info or device_memory(device), owner)
     if budget == 0 and mode == "auto":
-        return CacheDecision("host", _host_budget(settings, host, sized), f"no device budget left on {device}: host memory")
+        return CacheDecision("host", settings.host_room(host), f"no device budget left on {device}: host memory")
     return CacheDecision("device", budget, f"device memory on {device} (budget {format_bytes(budget)})")
 
 

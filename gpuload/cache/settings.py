@@ -21,7 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuload.cache.budget import CacheSettingError, SizeSpec, SizeValue, parse_size
+from gpuload.cache.budget import (
+    CacheSettingError,
+    SizeSpec,
+    SizeValue,
+    available_budget,
+    parse_size,
+    resolve_budget,
+    resolve_reserve,
+)
+from gpuload.cache.plan import default_host_reserve
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -132,6 +141,22 @@ class CacheSettings:
             job=job,
             config_path=path,
         )
+
+    def device_room(self, device: Any, memory: Any, owner: Any = None) -> int:
+        """Device bytes a new cache may fill now: the budget left to it, under free - reserve."""
+        reserve = resolve_reserve(self.reserve_spec, memory, source=self.reserve.source, device_name=str(device))
+        budget = available_budget(self.size_spec, reserve, memory, device=device, owner=owner, source=self.size.source)
+        return min(budget, max(0, memory.free - reserve))
+
+    def host_room(self, memory: Any, *, sized: bool = True) -> int:
+        """Host bytes a host-memory cache may fill: free minus the host reserve, or less if
+        ``cache_size`` names an amount (``sized``: the size applies to this host tier)."""
+        host_reserve = default_host_reserve(memory.total)
+        room = max(0, memory.free - host_reserve)
+        if not sized or self.size_spec.kind == "auto":
+            return room
+        asked = resolve_budget(self.size_spec, memory, host_reserve, source=self.size.source, device_name="host memory")
+        return min(asked, room)
 
     def describe(self) -> str:
         """One line per setting, with its source."""
