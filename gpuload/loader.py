@@ -134,6 +134,7 @@ class DataLoader(tud.DataLoader):
         self._augment = self._make_augmenter(transforms)
         self._persistent_seed_drawn = False
         self._samples: CachedSamples | None = None
+        self._epoch_start_bytes: list[int] = []
         self._samples_decided = False
         self._filling_recorder = None
 
@@ -153,6 +154,9 @@ class DataLoader(tud.DataLoader):
         if self._samples is not None:
             self._stats.extra["cache"] = self._samples.stats()
             self._count_fill_bytes()
+        if self._epoch_start_bytes:
+            ends = [*self._epoch_start_bytes[1:], self._stats.bytes_h2d]
+            self._stats.bytes_h2d_per_epoch = [end - start for start, end in zip(self._epoch_start_bytes, ends)]
         return self._stats
 
     def _count_fill_bytes(self) -> None:
@@ -175,6 +179,7 @@ class DataLoader(tud.DataLoader):
         self._epoch = int(epoch) - 1
 
     def __iter__(self) -> Iterator[Any]:
+        self._epoch_start_bytes.append(self.stats.bytes_h2d)
         self._stats.epochs += 1
         self._epoch += 1
         if self._columns is not None:

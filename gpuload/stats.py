@@ -16,7 +16,9 @@ class LoaderStats:
     one gather per batch) or ``"torch"`` (torch's own fetching and collation, then moved to the
     device). ``bytes_h2d`` counts every byte copied host-to-device, including the one-time
     placement of the dataset; ``wait_time_s`` is the time the training loop spent inside
-    ``next()`` waiting for a batch.
+    ``next()`` waiting for a batch. ``bytes_h2d_per_epoch[k]`` is the part of ``bytes_h2d``
+    counted during epoch k (the first includes filling the cache; later ones show what the
+    cache saves).
     """
 
     path: str = ""
@@ -26,6 +28,7 @@ class LoaderStats:
     samples: int = 0
     bytes_h2d: int = 0
     wait_time_s: float = 0.0
+    bytes_h2d_per_epoch: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

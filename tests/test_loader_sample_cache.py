@@ -92,6 +92,7 @@ def test_cached_batches_equal_torchs_and_read_each_sample_once(workers: int, bat
     assert ours.generator.get_state().equal(theirs.generator.get_state())
     cache = ours.stats.extra["cache"]
     assert cache["complete"] and cache["entries"] == len(data)
+    assert ours.stats.bytes_h2d_per_epoch == [0, 0, 0]  # a CPU device: nothing crosses PCIe
     assert ours.stats.path == "sample-cache (host)"
     if workers == 0:
         # Epoch 1 read the samples for both loaders; later epochs only torch's loader read.
@@ -236,6 +237,7 @@ def test_device_tier_serves_epochs_without_copies() -> None:
     batches = list(ours)
     assert all(batch["x"].is_cuda for batch in batches)
     assert ours.stats.bytes_h2d == moved  # epoch 2 copied nothing
+    assert ours.stats.bytes_h2d_per_epoch[1] == 0 < ours.stats.bytes_h2d_per_epoch[0]
     cache = ours._samples.cache
     ours.close()
     assert len(cache) == 0
