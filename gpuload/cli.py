@@ -38,6 +38,13 @@ def _bench(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     fixed_allocator = steady_host_allocator()
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            print(f"gpuload bench: error: --threads {args.threads} must be at least 1", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     config = BenchConfig(
         num_samples=args.samples or (10_000 if args.quick else 50_000),
         batch_size=args.batch_size or (128 if args.scenario == "images" else 512),
@@ -159,6 +166,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--step", choices=["none", "sleep", "cnn"], default="none",
                        help="training step per batch: none, a synthetic one of --step-ms, or a small CNN")
     bench.add_argument("--step-ms", type=float, default=5.0)
+    bench.add_argument("--threads", type=int, default=None, metavar="N",
+                       help="torch's intra-op threads for the run (default: torch's choice; in the JSON)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="bench-results", metavar="DIR", help="where bench.json and bench.png go")
     bench.set_defaults(run=_bench)
