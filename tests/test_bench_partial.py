@@ -96,3 +96,15 @@ def test_partial_rows_on_a_gpu_fill_the_device_tier_once_then_copy_the_rest() ->
         assert row["h2d_bytes_first_epoch"] == everything  # the fill, and the other half copied
         assert row["h2d_bytes_per_epoch"] == everything // 2
         assert row["loader_device_peak_bytes"] >= size
+
+
+def test_device_memory_is_for_modelling_on_a_cpu_only(tmp_path: Path, capsys) -> None:
+    import argparse
+
+    from gpuload.cli import _partial_options_problem
+
+    args = argparse.Namespace(cache_size=None, device_memory=80 << 30)
+    assert "on a GPU the real card decides" in _partial_options_problem(args, "partial", torch.device("cuda"))
+    assert _partial_options_problem(args, "partial", CPU) is None
+    assert main(["bench", "--threads", "0", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert "--threads 0 must be at least 1" in capsys.readouterr().err
