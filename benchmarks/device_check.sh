@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# On a machine with a GPU: run the gpu-marked tests and the quick benchmark (within 8 minutes)
-# and write everything into one folder (first argument, else $OUT, else ./device-check).
+# On a machine with a GPU: run the gpu-marked tests, the quick benchmark and the quick "partial"
+# scenario (data larger than the cache budget, with the CNN step), within 8 minutes, and write
+# everything into one folder (first argument, else $OUT, else ./device-check).
 # Uses the machine's own python3, torch and CuPy; installs nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,9 +16,12 @@ status=0
   python3 -c "import cupy; print('cupy', cupy.__version__)" || echo "no CuPy"
   python3 -c "import nvidia.dali; print('dali', nvidia.dali.__version__)" || echo "no DALI"
 } > "$out/machine.txt" 2>&1
-timeout 300 python3 -m pytest -m gpu -rs -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu-tests.log"
+timeout 240 python3 -m pytest -m gpu -rs -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu-tests.log"
 status=$((status | ${PIPESTATUS[0]}))
-timeout 150 python3 -m gpuload.cli bench --quick --step sleep --step-ms 2 --out "$out" 2>&1 | tee "$out/bench.log"
+timeout 120 python3 -m gpuload.cli bench --quick --step sleep --step-ms 2 --out "$out" 2>&1 | tee "$out/bench.log"
+status=$((status | ${PIPESTATUS[0]}))
+timeout 100 python3 -m gpuload.cli bench --quick --scenario partial --step cnn --out "$out/partial" 2>&1 \
+  | tee "$out/bench-partial.log"
 status=$((status | ${PIPESTATUS[0]}))
 echo "device check finished with status $status; results in $out"
 exit "$status"

@@ -28,14 +28,23 @@ def _progress_bar():
 
 def _bench(args: argparse.Namespace) -> int:
     from gpuload.bench.ceilings import measure_ceilings
-    from gpuload.bench.report import add_ratios, format_table, write_chart, write_json
+    from gpuload.bench.report import add_ratios, format_details, format_table, write_chart, write_json
     from gpuload.bench.run import environment, run_loaders, steady_host_allocator
     from gpuload.bench.scenarios import BenchConfig, inmemory_loaders, load_arrays
+    from gpuload.bench.partial import DEFAULT_PRETENDED_CARD, dataset_nbytes
     from gpuload.bench.steps import make_step
+    from gpuload.cache import format_bytes
     from gpuload.device import resolve_device
 
     device = resolve_device(args.device)
     fixed_allocator = steady_host_allocator()
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            print(f"gpuload bench: error: --threads {args.threads} must be at least 1", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     config = BenchConfig(
         num_samples=args.samples or (10_000 if args.quick else 50_000),
         batch_size=args.batch_size or (128 if args.scenario == "images" else 512),
@@ -46,6 +55,11 @@ def _bench(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     scenario = args.scenario or ("images" if args.data and Path(args.data).is_dir() else "inmemory")
+    problem = _partial_options_problem(args, scenario, device)
+    if problem:
+        print(f"gpuload bench: error: {problem}", file=sys.stderr)
+        return 2
+    extra: dict[str, object] = {}
     if scenario == "images":
         from gpuload.bench.images import image_loaders
 
@@ -56,10 +70,24 @@ def _bench(args: argparse.Namespace) -> int:
         described = f"image folder {root} -> RandomResizedCrop({args.image_size}) + flip + float16 normalize"
     else:
         dataset = load_arrays(args.data) if args.data else None
-        dataset, specs = inmemory_loaders(config, device, dataset)
+        if scenario == "partial":
+            from gpuload.bench.partial import partial_loaders
+
+            try:
+                dataset, cache_size, specs = partial_loaders(
+                    config, device, args.cache_size, dataset, args.device_memory or DEFAULT_PRETENDED_CARD
+                )
+            except ValueError as error:
+                print(f"gpuload bench: error: {error}", file=sys.stderr)
+                return 2
+            extra["cache_size_bytes"] = cache_size
+        else:
+            dataset, specs = inmemory_loaders(config, device, dataset)
         described = "in-memory arrays [" + ", ".join(
             f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in dataset.tensors
         ) + "]"
+        if scenario == "partial":
+            described += f", cache_size {format_bytes(cache_size)} (the data: {format_bytes(dataset_nbytes(dataset))})"
     print(
         f"gpuload bench: {described}, batch {config.batch_size}, shuffled, "
         f"{config.epochs} timed epochs after 1 warm-up, step={config.step}"
@@ -72,6 +100,10 @@ def _bench(args: argparse.Namespace) -> int:
     add_ratios(results)
     print()
     print(format_table(results))
+    model_memory = results.model_memory.as_dict() if results.model_memory else None
+    details = format_details(results, model_memory)
+    if details:
+        print(details)
     if ceilings:
         print("machine ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()))
     out = out_dir(args)
@@ -80,6 +112,8 @@ def _bench(args: argparse.Namespace) -> int:
         "config": dataclasses.asdict(config),
         "environment": {**environment(device), "fixed_malloc_thresholds": fixed_allocator},
         "ceilings_gbps": ceilings,
+        **extra,
+        "model_memory": model_memory,
         "results": results,
     }
     write_json(out / "bench.json", document)
@@ -88,20 +122,40 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _partial_options_problem(args: argparse.Namespace, scenario: str, device) -> str | None:
+    """Why --cache-size / --device-memory do not fit this run, or None when they do."""
+    if scenario != "partial":
+        given = [flag for flag, value in (("--cache-size", args.cache_size), ("--device-memory", args.device_memory))
+                 if value is not None]
+        return f"{' and '.join(given)} only apply to --scenario partial" if given else None
+    if args.device_memory is not None and device.type == "cuda":
+        return ("--device-memory models the plan on a CPU; on a GPU the real card decides, and "
+                "--cache-size gives the cache less of it")
+    return None
+
+
 def out_dir(args: argparse.Namespace) -> Path:
     return Path(args.out)
 
 
 def _parser() -> argparse.ArgumentParser:
+    from gpuload.cache.plan_command import _size_argument as size_argument  # sizes as `gpuload plan` reads them
+    from gpuload.cache.plan_command import add_plan_arguments, run_plan
+
     parser = argparse.ArgumentParser(prog="gpuload", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     bench = commands.add_parser("bench", help="time gpuload against torch's DataLoader, side by side")
     bench.add_argument("--quick", action="store_true", help="a smaller run, well under a minute on 2 cores")
-    bench.add_argument("--scenario", choices=["inmemory", "images"], default=None,
-                       help="in-memory arrays (default) or an image folder (default with a folder --data)")
+    bench.add_argument("--scenario", choices=["inmemory", "images", "partial"], default=None,
+                       help="in-memory arrays (default), an image folder (default with a folder --data), or "
+                            "arrays larger than the cache budget (partial)")
     bench.add_argument("--data", default=None, metavar="PATH",
                        help="your own .npy/.npz (rows = samples) or image folder (class subfolders)")
+    bench.add_argument("--cache-size", type=size_argument, default=None, metavar="SIZE",
+                       help="partial: the device cache budget, e.g. 12MiB (default: half the data)")
+    bench.add_argument("--device-memory", type=size_argument, default=None, metavar="SIZE",
+                       help="partial, on a CPU: the card the modelled plan pretends (default 16GiB)")
     bench.add_argument("--image-size", type=int, default=224, help="crop size of the images scenario")
     bench.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
     bench.add_argument("--samples", type=int, default=None,
@@ -112,11 +166,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--step", choices=["none", "sleep", "cnn"], default="none",
                        help="training step per batch: none, a synthetic one of --step-ms, or a small CNN")
     bench.add_argument("--step-ms", type=float, default=5.0)
+    bench.add_argument("--threads", type=int, default=None, metavar="N",
+                       help="torch's intra-op threads for the run (default: torch's choice; in the JSON)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="bench-results", metavar="DIR", help="where bench.json and bench.png go")
     bench.set_defaults(run=_bench)
-
-    from gpuload.cache.plan_command import add_plan_arguments, run_plan
 
     plan = commands.add_parser("plan", help="print where a dataset's bytes would live under a cache budget")
     add_plan_arguments(plan)

@@ -13,9 +13,10 @@ import torch
 
 import gpuload
 from gpuload.bench.measure import HostPeak, time_epochs, time_step
+from gpuload.bench.memory import LoaderDeviceMemory, ModelMemory, measure_model_memory
 from gpuload.bench.scenarios import LoaderSpec
 
-__all__ = ["run_loaders", "environment", "steady_host_allocator"]
+__all__ = ["run_loaders", "RunResults", "environment", "steady_host_allocator"]
 
 
 def steady_host_allocator() -> bool:
@@ -41,8 +42,10 @@ def steady_host_allocator() -> bool:
         return False
 
 
-def _device_allocated(device: torch.device) -> int:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+class RunResults(list):
+    """One result dict per loader, plus ``model_memory``: the step's model, measured once."""
+
+    model_memory: ModelMemory | None = None
 
 
 def run_loaders(
@@ -51,22 +54,31 @@ def run_loaders(
     epochs: int,
     step: Callable[[Any], None] | None,
     progress: Callable[[str, int, int], None] = lambda name, done, total: None,
-) -> list[dict[str, Any]]:
-    """Time each loader for a warm-up plus ``epochs`` epochs; one result dict per loader."""
-    results = []
+) -> RunResults:
+    """Time each loader for a warm-up plus ``epochs`` epochs; one result dict per loader.
+
+    Bytes copied host-to-device are counted for the warm-up epoch (which fills a cache) and
+    per steady epoch apart; device memory is the loader's own, the model's is measured once on
+    the first loader's first batch and kept in ``model_memory``.
+    """
+    results = RunResults()
     step_s: float | None = None
     host_peak = HostPeak()
+    loader_memory = LoaderDeviceMemory(device, getattr(step, "state_bytes", lambda: 0))
+    counted_step = loader_memory.around(step)
     for spec in specs:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        before_device = _device_allocated(device)
         host_peak.reset()
         make_epoch, bytes_h2d, close = spec.open()
         try:
             if step is not None and step_s is None:
-                step_s = time_step(step, next(iter(make_epoch())), device)
+                batch = next(iter(make_epoch()))
+                step_s = time_step(step, batch, device)
+                results.model_memory = measure_model_memory(step, batch, device)
+                del batch
+            loader_memory.start()
             bytes_at_start = bytes_h2d()
             first_epoch_bytes: list[int] = []
 
@@ -75,12 +87,10 @@ def run_loaders(
                     first_epoch_bytes.append(bytes_h2d() - bytes_at_start)
                 progress(spec.name, epoch + 1, epochs + 1)
 
-            times = time_epochs(make_epoch, device, epochs, step, on_epoch)
+            times = time_epochs(make_epoch, device, epochs, counted_step, on_epoch)
             steady_bytes = (bytes_h2d() - bytes_at_start - first_epoch_bytes[0]) / max(epochs, 1)
         finally:
-            loader_device_peak = (
-                torch.cuda.max_memory_allocated(device) - before_device if device.type == "cuda" else None
-            )
+            loader_device_peak = loader_memory.read()
             close()
         results.append(
             {
@@ -97,7 +107,7 @@ def run_loaders(
                 "h2d_bytes_first_epoch": first_epoch_bytes[0],
                 "h2d_bytes_per_epoch": steady_bytes,
                 "h2d_gbps": steady_bytes / times.median_s / 1e9 if times.median_s > 0 else 0.0,
-                "device_peak_bytes": loader_device_peak,
+                "loader_device_peak_bytes": loader_device_peak,
                 "host_peak_bytes": host_peak.read(),
                 **spec.notes,
             }
@@ -114,6 +124,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
     if device.type == "cuda":
         properties = torch.cuda.get_device_properties(device)

@@ -20,7 +20,10 @@ from torch.utils.data import TensorDataset
 import gpuload
 from gpuload.transfer import batch_nbytes, move_to_device
 
-__all__ = ["LoaderSpec", "BenchConfig", "inmemory_loaders", "synthetic_cifar"]
+__all__ = [
+    "LoaderSpec", "BenchConfig", "inmemory_loaders", "synthetic_cifar", "torch_spec", "gpuload_spec",
+    "ideal_gather_spec", "served_from",
+]
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class CountingEpochs:
             iterator._shutdown_workers()
 
 
-def _torch_spec(dataset: TensorDataset, config: BenchConfig, workers: int, device: torch.device) -> LoaderSpec:
+def torch_spec(dataset: TensorDataset, config: BenchConfig, workers: int, device: torch.device) -> LoaderSpec:
     def open_():
         loader = TorchDataLoader(
             dataset,
@@ -93,7 +96,20 @@ def _torch_spec(dataset: TensorDataset, config: BenchConfig, workers: int, devic
     return LoaderSpec(f"torch DataLoader (num_workers={workers})", open_, kind)
 
 
-def _gpuload_spec(dataset: TensorDataset, config: BenchConfig, device: torch.device, cache: str, label: str) -> LoaderSpec:
+def served_from(loader: gpuload.DataLoader) -> dict[str, Any]:
+    """Where a gpuload loader's batches came from: its path, and the cache tiers when it has them."""
+    stats = loader.stats
+    notes: dict[str, Any] = {"path": stats.path}
+    if "cache" in stats.extra:
+        notes.update(cache=stats.extra["cache"], cache_plan=stats.extra["cache_plan"])
+    return notes
+
+
+def gpuload_spec(
+    dataset: TensorDataset, config: BenchConfig, device: torch.device, cache: str, label: str,
+    cache_size: int | None = None,
+) -> LoaderSpec:
+    """gpuload over the arrays with ``cache`` (and ``cache_size`` bytes); notes say what served."""
     def open_():
         loader = gpuload.DataLoader(
             dataset,
@@ -102,13 +118,20 @@ def _gpuload_spec(dataset: TensorDataset, config: BenchConfig, device: torch.dev
             generator=torch.Generator().manual_seed(config.seed),
             device=device,
             cache=cache,
+            cache_size=cache_size,
         )
-        return (lambda: loader), lambda: loader.stats.bytes_h2d, loader.close
 
-    return LoaderSpec(f"gpuload DataLoader ({label})", open_)
+        def close() -> None:
+            spec.notes.update(served_from(loader))
+            loader.close()
+
+        return (lambda: loader), lambda: loader.stats.bytes_h2d, close
+
+    spec = LoaderSpec(f"gpuload DataLoader ({label})", open_)
+    return spec
 
 
-def _ideal_gather_spec(dataset: TensorDataset, config: BenchConfig, device: torch.device) -> LoaderSpec:
+def ideal_gather_spec(dataset: TensorDataset, config: BenchConfig, device: torch.device) -> LoaderSpec:
     def open_():
         columns = [t.to(device) for t in dataset.tensors]
         generator = torch.Generator().manual_seed(config.seed)
@@ -150,11 +173,11 @@ def inmemory_loaders(
 ) -> tuple[TensorDataset, list[LoaderSpec]]:
     """Tensors in memory (CIFAR-shaped unless given): torch, gpuload streaming and cached, ideals."""
     dataset = dataset if dataset is not None else synthetic_cifar(config)
-    specs = [_torch_spec(dataset, config, workers, device) for workers in config.torch_workers]
-    specs.append(_gpuload_spec(dataset, config, device, "auto", "device cache"))
-    specs.append(_ideal_gather_spec(dataset, config, device))
+    specs = [torch_spec(dataset, config, workers, device) for workers in config.torch_workers]
+    specs.append(gpuload_spec(dataset, config, device, "auto", "device cache"))
+    specs.append(ideal_gather_spec(dataset, config, device))
     specs.append(_ideal_replay_spec(dataset, config, device))
     # Last: on a CPU, its background thread's allocations can leave glibc's malloc returning
     # memory to the OS, which slows every later large allocation of the process (page faults).
-    specs.append(_gpuload_spec(dataset, config, device, "off", "streaming, no cache"))
+    specs.append(gpuload_spec(dataset, config, device, "off", "streaming, no cache"))
     return dataset, specs

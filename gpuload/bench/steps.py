@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from gpuload.bench.measure import synchronize
+from gpuload.bench.memory import tensor_bytes
 
-__all__ = ["make_step"]
+__all__ = ["make_step", "SmallCnnStep"]
 
 
 def _images(batch: Any) -> torch.Tensor:
@@ -30,24 +31,38 @@ def _gpu_sleep(device: torch.device, seconds: float) -> Callable[[Any], None]:
     return lambda batch: torch.cuda._sleep(cycles)
 
 
-def _small_cnn(device: torch.device) -> Callable[[Any], None]:
-    """Forward and backward of a small CNN on the batch, converted to float on the device."""
-    model = nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(), nn.Linear(64, 10),
-    ).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+class SmallCnnStep:
+    """Forward and backward of a small CNN on the batch, converted to float on the device.
 
-    def step(batch: Any) -> None:
+    ``state_bytes()`` and ``parameters()`` let the benchmark tell the model's memory apart from
+    the loader's.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.model = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(), nn.Linear(64, 10),
+        ).to(device)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def state_bytes(self) -> int:
+        """Bytes of parameters, buffers, gradients and optimizer state, as held right now."""
+        state = [value for entry in self.optimizer.state.values() for value in entry.values()
+                 if isinstance(value, torch.Tensor)]
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return tensor_bytes([*self.model.parameters(), *self.model.buffers(), *grads, *state])
+
+    def __call__(self, batch: Any) -> None:
         images = _images(batch)
         x = images.float().div_(255) if images.dtype == torch.uint8 else images.float()
-        loss = model(x).square().mean()
-        optimizer.zero_grad(set_to_none=True)
+        loss = self.model(x).square().mean()
+        self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        optimizer.step()
-
-    return step
+        self.optimizer.step()
 
 
 def make_step(kind: str, device: torch.device, step_ms: float) -> Callable[[Any], None] | None:
@@ -59,7 +74,7 @@ def make_step(kind: str, device: torch.device, step_ms: float) -> Callable[[Any]
     if kind == "none":
         return None
     if kind == "cnn":
-        return _small_cnn(device)
+        return SmallCnnStep(device)
     if kind != "sleep":
         raise ValueError(f"unknown step {kind!r}; use none, sleep or cnn")
     if device.type == "cuda":
