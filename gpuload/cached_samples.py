@@ -190,6 +190,21 @@ class CachedSamples:
     def accepting(self) -> bool:
         return not (self.cache.full or self.unkeyed or self.complete)
 
+    def fit_reserve(self, settings: CacheSettings) -> int:
+        """At an epoch start: drop samples from a CUDA device tier if the model has grown into
+        the reserve; returns the bytes given back (warns once when it does)."""
+        if self.tier != "device" or self.device.type != "cuda":
+            return 0
+        held = self.cache.stats.bytes
+        freed = self.cache.shrink(settings.keepable(self.device, device_memory(self.device), held))
+        if freed:
+            warnings.warn(
+                f"gpuload: free memory on {self.device} fell below the reserve; the sample cache gave back "
+                f"{format_bytes(freed)} and those samples are read from the dataset again",
+                stacklevel=4,
+            )
+        return freed
+
     def stats(self) -> dict[str, Any]:
         entry = self.cache.stats.as_dict()
         entry.update(kind="samples", tier=self.tier, num_samples=self.num_samples, complete=self.complete,

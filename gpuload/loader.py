@@ -268,6 +268,8 @@ class DataLoader(tud.DataLoader):
             # torch's persistent iterator is reset below: no thread may still be pulling from it.
             self._prefetcher.stop_epoch("a new epoch of this DataLoader")
         cached = self._sample_cache()
+        if cached is not None:
+            cached.fit_reserve(self._cache_settings)
         if cached is not None and (self.num_workers == 0 or cached.complete):
             return self._iter_cached(cached)
         in_loop = self.prefetch_depth == 0 or (self.device.type == "cpu" and self.prefetch_depth is None)

@@ -184,10 +184,8 @@ class ResidentColumns:
         """At an epoch start: give device memory back if the model has grown into the reserve."""
         if self.store is None or self.device.type != "cuda":
             return 0
-        memory = device_memory(self.device)
-        reserve = resolve_reserve(settings.reserve_spec, memory, source=settings.reserve.source, device_name=str(self.device))
         held = self.store.stats.device_bytes
-        return self.store.shrink_device_tier(max(0, memory.free + held - reserve))
+        return self.store.shrink_device_tier(settings.keepable(self.device, device_memory(self.device), held))
 
     @property
     def copies_batches(self) -> bool:

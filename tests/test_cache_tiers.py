@@ -398,3 +398,14 @@ def test_cuda_sample_cache_settle_gives_the_unused_booking_back():
     assert ledger.reserved("cuda:0") == 100 and ledger.used("cuda:0") == 100
     cache.close()
     assert ledger.owners("cuda:0") == {}
+
+
+def test_sample_cache_shrink_drops_the_newest_and_stops_adding():
+    cache = SampleCache(1000)
+    for index in range(5):
+        cache.put(index, torch.zeros(100, dtype=torch.uint8))
+    assert cache.shrink(250) == 300
+    assert sorted(i for i in range(5) if i in cache) == [0, 1]
+    assert cache.stats.bytes == 200 and cache.full
+    assert not cache.put(9, torch.zeros(1, dtype=torch.uint8))
+    assert cache.shrink(1000) == 0

@@ -251,3 +251,23 @@ def test_auto_declines_a_randomly_augmented_dataset_with_one_warning() -> None:
     with pytest.warns(UserWarning, match="not caching"):
         list(loader)
     assert loader.stats.path == "torch" and "cache" not in loader.stats.extra
+
+
+@pytest.mark.gpu
+def test_device_tier_shrinks_when_the_model_grows_into_the_reserve(monkeypatch) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import gpuload.cached_samples as cached_samples
+
+    data = Counted()
+    loader = gpuload.DataLoader(data, batch_size=4, device="cuda", cache="device")
+    list(loader)
+    real = cached_samples.device_memory
+    monkeypatch.setattr(
+        cached_samples, "device_memory", lambda d: MemoryInfo(free=0, total=real(d).total)
+    )
+    with pytest.warns(UserWarning, match="below the reserve"):
+        batches = list(loader)
+    assert loader.stats.extra["cache"]["entries"] == 0
+    assert_same_epochs(loader, tud.DataLoader(data, batch_size=4), epochs=1)
+    assert len(batches) == len(list(tud.DataLoader(data, batch_size=4)))

@@ -148,6 +148,12 @@ class CacheSettings:
         budget = available_budget(self.size_spec, reserve, memory, device=device, owner=owner, source=self.size.source)
         return min(budget, max(0, memory.free - reserve))
 
+    def keepable(self, device: Any, memory: Any, held: int) -> int:
+        """Device bytes a cache now holding ``held`` may keep with free memory above the reserve
+        (called at each epoch start: the model may have grown into the reserve)."""
+        reserve = resolve_reserve(self.reserve_spec, memory, source=self.reserve.source, device_name=str(device))
+        return max(0, memory.free + held - reserve)
+
     def host_room(self, memory: Any, *, sized: bool = True) -> int:
         """Host bytes a host-memory cache may fill: free minus the host reserve, or less if
         ``cache_size`` names an amount (``sized``: the size applies to this host tier)."""

@@ -442,6 +442,7 @@ class SampleCache:
             ledger.reserve(budget_bytes, self._owner, device=self._device) if self._on_device else budget_bytes
         )
         self._entries: dict[int, Any] = {}
+        self._sizes: dict[int, int] = {}
         self._lock = threading.Lock()
         self._stats = SampleCacheStats(budget=self._budget)
         self._warned = False
@@ -513,6 +514,7 @@ class SampleCache:
                 self._stats.rejected += 1
                 return False
             self._entries[index] = copied
+            self._sizes[index] = nbytes
             self._stats.entries += 1
             self._stats.bytes += nbytes
             used = self._stats.bytes
@@ -550,6 +552,25 @@ class SampleCache:
         with self._lock:
             return SampleCacheStats(**self._stats.as_dict())
 
+    def shrink(self, max_bytes: int) -> int:
+        """Drop the most recently added samples until at most ``max_bytes`` are held, and stop
+        adding; returns the bytes freed. Dropped samples are read from the source again."""
+        with self._lock:
+            freed = 0
+            while self._entries and self._stats.bytes > max_bytes:
+                index = next(reversed(self._entries))
+                nbytes = self._sizes.pop(index)
+                del self._entries[index]
+                self._stats.entries -= 1
+                self._stats.bytes -= nbytes
+                freed += nbytes
+            if freed:
+                self._stats.full = True
+            used = self._stats.bytes
+        if freed and self._on_device:
+            self._ledger.set_used(self._owner, used, device=self._device)
+        return freed
+
     def settle(self) -> None:
         """Stop adding and shrink the budget booking to the bytes held, freeing the rest for
         other loaders (call once every sample that will be cached is in)."""
@@ -570,6 +591,7 @@ class SampleCache:
                 return
             self._closed = True
             self._entries = {}
+            self._sizes = {}
             self._stats.entries = 0
             self._stats.bytes = 0
         if self._on_device:
