@@ -1,5 +1,9 @@
 """Batches from image files: read encoded bytes, decode the batch at once, transform on device.
 
+When the transform list starts with a crop, each sample's crop box is drawn from the image
+size in the file's header before decoding, and only that window is decoded (DALI decodes just
+the window; torchvision/PIL decode and crop); the result equals decoding the whole image.
+
 Used by the loader for gpuload's image sources (``gpuload.datasets.ImageFolder``,
 ``ImageList``, or a torchvision ImageFolder) with torch's default collation: the batch has the
 structure default_collate gives ``(image, label)`` samples, ``[images, labels]``, with the
@@ -14,7 +18,8 @@ import torch
 
 from gpuload.augment import BatchAugmenter
 from gpuload.datasets.images import ImageSource
-from gpuload.decode import BatchDecoder
+from gpuload.decode import BatchDecoder, peek_size
+from gpuload.transforms.windows import Window
 
 __all__ = ["ImageBatches"]
 
@@ -37,6 +42,7 @@ class ImageBatches:
         self.decoder = BatchDecoder(device, max_batch=max_batch)
         self.skipped: list[tuple[int, str, str]] = []
         self.fallback_decoded = 0
+        self.roi = "none"  # how the last batch's decode windows were honoured (DecodeResult.roi)
 
     @property
     def backend(self) -> str:
@@ -59,15 +65,20 @@ class ImageBatches:
             labels.append(label)
             names.append(self.source.path(position))
             readable.append(position)
-        result = self.decoder.decode(encoded, names, readable, on_error=self.on_error)
+        sizes, windows = self._windows(encoded, readable, epoch)
+        result = self.decoder.decode(encoded, names, readable, rois=windows, on_error=self.on_error)
         self.skipped.extend(result.skipped)
         self.fallback_decoded += result.fallback_decoded
+        self.roi = result.roi
         kept = [readable[k] for k in result.kept_positions]
         kept_labels = [labels[k] for k in result.kept_positions]
         if not kept:
             return None, 0  # every file of this batch was skipped
         if self.augment is not None:
-            images = self.augment.apply_list(result.images, torch.tensor(kept), epoch)
+            if windows is not None:
+                sizes = [sizes[k] for k in result.kept_positions]
+                windows = [windows[k] for k in result.kept_positions]
+            images = self.augment.apply_list(result.images, torch.tensor(kept), epoch, windows, sizes)
         elif batched:
             images = torch.stack(result.images)  # differing sizes fail as in torch's collate
         else:
@@ -75,3 +86,24 @@ class ImageBatches:
         if not batched:
             return [images[0] if self.augment is not None else images, kept_labels[0]], 1
         return [images, torch.tensor(kept_labels, dtype=torch.int64, device=self.device)], len(kept)
+
+    def _windows(
+        self, encoded: list[bytes], positions: list[int], epoch: int
+    ) -> tuple[list[tuple[int, int] | None] | None, list[Window | None] | None]:
+        """Upright sizes from the headers and the windows the transforms read, when the list
+        starts with a crop (else None, None). An unreadable header gets no window; the
+        decoder reports it as a bad file."""
+        if self.augment is None or not self.augment.reads_windows or not encoded:
+            return None, None
+        sizes: list[tuple[int, int] | None] = []
+        for data in encoded:
+            try:
+                sizes.append(peek_size(data))
+            except Exception:
+                sizes.append(None)
+        known = [k for k, size in enumerate(sizes) if size is not None]
+        drawn = self.augment.windows(torch.tensor([positions[k] for k in known]), [sizes[k] for k in known], epoch)
+        windows: list[Window | None] = [None] * len(encoded)
+        for k, window in zip(known, drawn):
+            windows[k] = window
+        return sizes, windows

@@ -409,6 +409,7 @@ class _ImageIterator(_TimedIterator):
             extra["decode_backend"] = self._images.backend
             extra["skipped"] = len(self._images.skipped)
             extra["fallback_decoded"] = self._images.fallback_decoded
+            extra["roi"] = self._images.roi
             if self._images.augment is not None:
                 extra["transform_backend"] = self._images.augment.backend
             if count:
