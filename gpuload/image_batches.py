@@ -87,6 +87,20 @@ class ImageBatches:
             return [images[0] if self.augment is not None else images, kept_labels[0]], 1
         return [images, torch.tensor(kept_labels, dtype=torch.int64, device=self.device)], len(kept)
 
+    def batch_with_counters(self, indices: Any, batched: bool, epoch: int) -> tuple[Any, int, dict[str, Any]]:
+        """``batch()`` plus the decode counters as they stand after it (for ``stats.extra``),
+        so a loop consuming batches made ahead in another thread sees counts that match."""
+        batch, count = self.batch(indices, batched, epoch)
+        counters = {
+            "decode_backend": self.backend,
+            "skipped": len(self.skipped),
+            "fallback_decoded": self.fallback_decoded,
+            "roi": self.roi,
+        }
+        if self.augment is not None:
+            counters["transform_backend"] = self.augment.backend
+        return batch, count, counters
+
     def _windows(
         self, encoded: list[bytes], positions: list[int], epoch: int
     ) -> tuple[list[tuple[int, int] | None] | None, list[Window | None] | None]:
