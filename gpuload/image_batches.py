@@ -12,6 +12,7 @@ images decoded by DALI (nvJPEG on a GPU, its CPU decoder otherwise) or PIL.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +22,22 @@ from gpuload.datasets.images import ImageSource
 from gpuload.decode import BatchDecoder, peek_size
 from gpuload.transforms.windows import Window
 
-__all__ = ["ImageBatches"]
+__all__ = ["ImageBatches", "DecodedBatch"]
+
+
+@dataclass
+class DecodedBatch:
+    """A batch after decoding, before the transforms: the kept samples' images (whole, or
+    their ``windows`` of images of ``sizes``), dataset positions and labels, and the decode
+    counters as they stood after it (for ``stats.extra``)."""
+
+    images: list[torch.Tensor]
+    positions: list[int]
+    labels: list[int]
+    epoch: int
+    windows: list[Window] | None
+    sizes: list[tuple[int, int]] | None
+    counters: dict[str, Any]
 
 
 class ImageBatches:
@@ -50,6 +66,11 @@ class ImageBatches:
 
     def batch(self, indices: Any, batched: bool, epoch: int) -> tuple[Any, int]:
         """The batch for ``indices`` and its sample count; (None, 0) if every file was skipped."""
+        batch, count, _ = self.finish(self.decode(indices, epoch), batched)
+        return batch, count
+
+    def decode(self, indices: Any, epoch: int) -> DecodedBatch:
+        """Read and decode the files of ``indices`` (only the transforms' windows, if any)."""
         flat = torch.as_tensor(indices, dtype=torch.long).view(-1)
         positions = [int(i) % len(self.source) for i in flat.tolist()]
         encoded, labels, names, readable = [], [], [], []
@@ -70,36 +91,42 @@ class ImageBatches:
         self.skipped.extend(result.skipped)
         self.fallback_decoded += result.fallback_decoded
         self.roi = result.roi
-        kept = [readable[k] for k in result.kept_positions]
-        kept_labels = [labels[k] for k in result.kept_positions]
-        if not kept:
-            return None, 0  # every file of this batch was skipped
-        if self.augment is not None:
-            if windows is not None:
-                sizes = [sizes[k] for k in result.kept_positions]
-                windows = [windows[k] for k in result.kept_positions]
-            images = self.augment.apply_list(result.images, torch.tensor(kept), epoch, windows, sizes)
-        elif batched:
-            images = torch.stack(result.images)  # differing sizes fail as in torch's collate
-        else:
-            images = result.images[0]
-        if not batched:
-            return [images[0] if self.augment is not None else images, kept_labels[0]], 1
-        return [images, torch.tensor(kept_labels, dtype=torch.int64, device=self.device)], len(kept)
+        kept = result.kept_positions
+        return DecodedBatch(
+            images=result.images,
+            positions=[readable[k] for k in kept],
+            labels=[labels[k] for k in kept],
+            epoch=epoch,
+            windows=None if windows is None else [windows[k] for k in kept],
+            sizes=None if sizes is None else [sizes[k] for k in kept],
+            counters={
+                "decode_backend": self.backend,
+                "skipped": len(self.skipped),
+                "fallback_decoded": self.fallback_decoded,
+                "roi": self.roi,
+            },
+        )
 
-    def batch_with_counters(self, indices: Any, batched: bool, epoch: int) -> tuple[Any, int, dict[str, Any]]:
-        """``batch()`` plus the decode counters as they stand after it (for ``stats.extra``),
-        so a loop consuming batches made ahead in another thread sees counts that match."""
-        batch, count = self.batch(indices, batched, epoch)
-        counters = {
-            "decode_backend": self.backend,
-            "skipped": len(self.skipped),
-            "fallback_decoded": self.fallback_decoded,
-            "roi": self.roi,
-        }
+    def finish(self, decoded: DecodedBatch, batched: bool) -> tuple[Any, int, dict[str, Any]]:
+        """Transform and collate a decoded batch: (batch, sample count, counters as of it);
+        the batch is None and the count 0 when every file was skipped."""
+        counters = dict(decoded.counters)
+        kept, kept_labels = decoded.positions, decoded.labels
+        if not kept:
+            return None, 0, counters
         if self.augment is not None:
+            images = self.augment.apply_list(
+                decoded.images, torch.tensor(kept), decoded.epoch, decoded.windows, decoded.sizes
+            )
             counters["transform_backend"] = self.augment.backend
-        return batch, count, counters
+        elif batched:
+            images = torch.stack(decoded.images)  # differing sizes fail as in torch's collate
+        else:
+            images = decoded.images[0]
+        if not batched:
+            return [images[0] if self.augment is not None else images, kept_labels[0]], 1, counters
+        labels = torch.tensor(kept_labels, dtype=torch.int64, device=self.device)
+        return [images, labels], len(kept), counters
 
     def _windows(
         self, encoded: list[bytes], positions: list[int], epoch: int
