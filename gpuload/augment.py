@@ -15,6 +15,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gpuload.transforms import transform_batch, validate_pipeline
+from gpuload.transforms.windows import Window, decode_windows, starts_with_crop
 
 __all__ = ["BatchAugmenter", "image_column"]
 
@@ -42,6 +43,7 @@ class BatchAugmenter:
         self.device = device
         self.leaf = leaf
         self.backend = ""
+        self.reads_windows = starts_with_crop(self.ops)
 
     def __call__(self, batch: Any, indices: torch.Tensor, epoch: int, batched: bool) -> Any:
         leaves, spec = tree_flatten(batch)
@@ -52,7 +54,25 @@ class BatchAugmenter:
         leaves[self.leaf] = out if batched else out[0]
         return tree_unflatten(leaves, spec)
 
-    def apply_list(self, images: list[torch.Tensor], indices: torch.Tensor, epoch: int) -> torch.Tensor:
-        """Transform decoded images of any sizes into one N,C,H,W batch."""
-        out, self.backend = transform_batch(self.ops, images, self.seed, epoch, indices, device=self.device)
+    def windows(self, indices: torch.Tensor, image_sizes: list[tuple[int, int]], epoch: int) -> list[Window]:
+        """The window of each whole image (upright ``image_sizes``) that the list reads, so
+        that only it need be decoded; only when ``reads_windows``."""
+        return decode_windows(self.ops, self.seed, epoch, indices, image_sizes)
+
+    def apply_list(
+        self,
+        images: list[torch.Tensor],
+        indices: torch.Tensor,
+        epoch: int,
+        windows: list[Window] | None = None,
+        image_sizes: list[tuple[int, int]] | None = None,
+    ) -> torch.Tensor:
+        """Transform decoded images of any sizes into one N,C,H,W batch.
+
+        With ``windows``, ``images[k]`` is that window of a whole image of ``image_sizes[k]``.
+        """
+        out, self.backend = transform_batch(
+            self.ops, images, self.seed, epoch, indices, device=self.device,
+            windows=windows, image_sizes=image_sizes,
+        )
         return out

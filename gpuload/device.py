@@ -100,6 +100,14 @@ def host_memory() -> MemoryInfo:
         )
 
 
+def usable_cpu_count() -> int:
+    """CPU cores this process may run on (its affinity mask, which containers and taskset set)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity API (macOS)
+        return max(1, os.cpu_count() or 1)
+
+
 def new_side_stream(device: torch.device) -> "torch.cuda.Stream | None":
     """A new CUDA stream on ``device`` for copies, or None on the CPU (no streams there)."""
     if device.type != "cuda":

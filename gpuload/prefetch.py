@@ -254,9 +254,40 @@ class _Ring:
         self.stats.copy_time_s += time.perf_counter() - started
         return _Delivery(index, batch, event, device_buffers)
 
+    def pull(self, source: Iterator[Any]) -> Any:
+        return next(source)
+
     def _move(self, leaf: torch.Tensor) -> torch.Tensor:
         """A tensor already on a device: kept when it is the target device, else copied there."""
         return leaf if leaf.device == self.device else leaf.to(self.device)
+
+
+class _PassThrough:
+    """Stands in for the ring when batches are made on the device by the source itself.
+
+    Nothing is staged or copied: on CUDA the source runs on the prefetcher's side stream and
+    an event recorded after each batch tells the consumer's stream when it is ready.
+    """
+
+    def __init__(self, device: torch.device, stream: Any) -> None:
+        self.device = device
+        self.stream = stream
+        self.cuda = device.type == "cuda"
+
+    def pull(self, source: Iterator[Any]) -> Any:
+        if not self.cuda:
+            return next(source)
+        with torch.cuda.stream(self.stream):
+            return next(source)
+
+    def transfer(self, index: int, item: Any) -> _Delivery:
+        if not self.cuda:
+            return _Delivery(index, item, None, [])
+        buffers: list[torch.Tensor] = []
+        map_leaves(item, lambda leaf: buffers.append(leaf) if leaf.is_cuda else None)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return _Delivery(index, item, event, buffers)
 
 
 def _nbytes(leaf: torch.Tensor | TensorSpec) -> int:
@@ -275,8 +306,11 @@ class _Failure:
     stage: str  # "source", "fill" or "copy"
     exc: BaseException
 
-    def exception(self) -> BaseException:
-        """The exception to raise in the loop: the original type, message naming the batch."""
+    def exception(self, as_raised: bool = False) -> BaseException:
+        """The exception to raise in the loop: the original type, message naming the batch
+        (or, ``as_raised``, the original exception itself)."""
+        if as_raised:
+            return self.exc
         sample = getattr(self.exc, "sample_index", None)
         where = f"batch {self.index}" + (f" (sample {sample})" if sample is not None else "")
         filename = getattr(self.exc, "filename", None)
@@ -310,7 +344,7 @@ def _put(out: queue.Queue, item: Any, stop: threading.Event) -> None:
 
 def _work(
     source: Iterator[Any],
-    ring: _Ring,
+    ring: _Ring | _PassThrough,
     out: queue.Queue,
     tokens: threading.Semaphore,
     stop: threading.Event,
@@ -331,7 +365,7 @@ def _work(
             if stop.is_set():
                 break
             try:
-                item = next(source)
+                item = ring.pull(source)
             except StopIteration:
                 break
             except BaseException as exc:
@@ -368,7 +402,7 @@ def _work(
 class _Epoch(Iterator[Any]):
     """One pass over a source: the consuming side of the hand-off."""
 
-    def __init__(self, owner: Prefetcher, source: Iterator[Any], ring: _Ring) -> None:
+    def __init__(self, owner: Prefetcher, source: Iterator[Any], ring: _Ring | _PassThrough) -> None:
         self._owner = owner  # keeps the prefetcher (its stream, its ring) alive while iterating
         self._device = owner.device
         self._stats = owner.stats
@@ -412,7 +446,9 @@ class _Epoch(Iterator[Any]):
                 raise StopIteration
             if isinstance(item, _Failure):
                 self.close()
-                raise item.exception() from item.exc
+                if self._owner.stage:
+                    raise item.exception() from item.exc
+                raise item.exception(as_raised=True)
             if item.event is not None:
                 stream = torch.cuda.current_stream(self._device)
                 stream.wait_event(item.event)
@@ -501,6 +537,11 @@ class Prefetcher:
 
     ``timeout`` (seconds, or None) bounds the wait for one batch; ``join_timeout`` bounds how
     long ``close()`` waits for a source that is in the middle of producing a batch.
+
+    ``stage=False`` is for sources that make their batches on ``device`` themselves (decoding
+    and transforming images): the background thread only runs the source ahead of the loop,
+    on the side stream on CUDA, nothing is staged or copied, and a source's exception is
+    re-raised as it was raised (such sources name the failing sample themselves).
     Starting a new epoch stops the previous one. ``close()`` (or leaving a ``with`` block, or
     dropping the object) stops the thread and frees the slots; a later epoch allocates them again.
     """
@@ -514,6 +555,7 @@ class Prefetcher:
         *,
         timeout: float | None = None,
         join_timeout: float = 5.0,
+        stage: bool = True,
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(
@@ -528,6 +570,7 @@ class Prefetcher:
         self.stats = stats if stats is not None else PrefetchStats()
         self.timeout = timeout
         self.join_timeout = join_timeout
+        self.stage = stage
         self._stream = new_side_stream(self.device)
         self._ring: _Ring | None = None
         self._ring_thread: threading.Thread | None = None
@@ -552,7 +595,8 @@ class Prefetcher:
             # A thread that would not stop may still write its slots: never share them.
             self._ring = _Ring(self.depth, self.device, self._stream, self.stats)
         iterator = iter(source)
-        current = _Epoch(self, iterator, self._ring)
+        ring = self._ring if self.stage else _PassThrough(self.device, self._stream)
+        current = _Epoch(self, iterator, ring)
         self._ring_thread = current.thread
         self._active = weakref.ref(current)
         return current

@@ -122,7 +122,7 @@ def _screen(
     encoded: Sequence[bytes],
     names: Sequence[str],
     indices: Sequence[int],
-    rois: Sequence[Sequence[int]] | None,
+    rois: Sequence[Sequence[int] | None] | None,
 ) -> tuple[dict[int, str], dict[int, ROI]]:
     """Failures known before decoding (empty data, unreadable headers) and clipped ROI windows."""
     failures: dict[int, str] = {}
@@ -138,7 +138,7 @@ def _screen(
         except Exception as error:
             failures[k] = f"not a readable image header ({describe_error(error)})"
             continue
-        window = clip_roi(rois[k], height, width)
+        window = (0, 0, height, width) if rois[k] is None else clip_roi(rois[k], height, width)
         if window is None:
             raise ValueError(
                 f"ROI {tuple(rois[k])} (y0, x0, h, w) of sample index {indices[k]} "
@@ -194,13 +194,15 @@ class BatchDecoder:
         encoded: Sequence[bytes],
         names: Sequence[str],
         indices: Sequence[int],
-        rois: Sequence[Sequence[int]] | None = None,
+        rois: Sequence[Sequence[int] | None] | None = None,
         on_error: str = "raise",
     ) -> DecodeResult:
         """Decode ``encoded[k]`` (named ``names[k]``, dataset index ``indices[k]``) for each k.
 
         ``rois[k] = (y0, x0, h, w)``, in pixels of the upright image, limits sample k to that
-        window (intersected with the image). ``on_error="raise"`` raises
+        window (intersected with the image); ``rois[k] = None`` means the whole image. With
+        ``rois``, every header must be readable (the windows are clipped to the image's size).
+        ``on_error="raise"`` raises
         :class:`ImageDecodeError` for the first bad sample; ``"skip"`` leaves bad ones out.
         """
         n = len(encoded)

@@ -11,7 +11,6 @@ orientation itself (``adjust_orientation=True``, the default); ROIs are in uprig
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import threading
 from collections.abc import Sequence
@@ -19,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from gpuload.device import usable_cpu_count
 
 __all__ = ["DaliError", "DaliUnavailable", "dali_installed", "DaliDecoder"]
 
@@ -100,7 +101,9 @@ class DaliDecoder:
         self.mixed = device.type == "cuda"
         self.roi = roi
         self.max_batch = max_batch
-        self.num_threads = num_threads or max(1, min(4, os.cpu_count() or 1))
+        # DALI's CPU stages (the whole decode on a CPU device, Huffman decoding with nvJPEG)
+        # get one thread per usable core, up to 8.
+        self.num_threads = num_threads or min(8, usable_cpu_count())
         self.name = "dali-mixed" if self.mixed else "dali-cpu"
         self._lock = threading.Lock()
         self._pipe: Any = None

@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from gpuload.device import usable_cpu_count
+
 __all__ = [
     "ROI",
     "pil_decode",
@@ -131,7 +133,7 @@ def _pool() -> ThreadPoolExecutor:
     with _pools_lock:
         pool = _pools.get(pid)
         if pool is None:
-            workers = max(1, min(8, os.cpu_count() or 1))
+            workers = min(8, usable_cpu_count())
             pool = _pools[pid] = ThreadPoolExecutor(workers, thread_name_prefix="gpuload-decode")
         return pool
 

@@ -22,7 +22,8 @@ from gpuload.transforms.ops import (
     Resize,
     validate_pipeline,
 )
-from gpuload.transforms.params import sample_params
+from gpuload.transforms.params import BatchParams, sample_params
+from gpuload.transforms.windows import Window, params_in_windows
 
 __all__ = ["OutputPlan", "apply_transforms", "transform_batch", "plan_output", "choose_backend"]
 
@@ -90,8 +91,16 @@ def transform_batch(
     indices: torch.Tensor | Sequence[int],
     device: torch.device | str | None = None,
     backend: str = "auto",
+    *,
+    windows: Sequence[Window] | None = None,
+    image_sizes: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[torch.Tensor, str]:
-    """``apply_transforms`` that also says which backend ran ("cupy" or "torch")."""
+    """``apply_transforms`` that also says which backend ran ("cupy" or "torch").
+
+    With ``windows`` (see ``transforms.windows``), ``batch[k]`` is only the ``windows[k]`` part
+    of an image of ``image_sizes[k]`` (height, width): parameters are drawn for the whole image
+    and the result is what the whole image would give.
+    """
     ops = validate_pipeline(ops)
     if device is None:
         device = batch.device if isinstance(batch, torch.Tensor) else (
@@ -99,7 +108,10 @@ def transform_batch(
         )
     device = torch.device(device)
     sizes = reference.batch_sizes(batch)
-    params = sample_params(ops, seed, epoch, indices, sizes)
+    if windows is None:
+        params = sample_params(ops, seed, epoch, indices, sizes)
+    else:
+        params = _windowed_params(ops, seed, epoch, indices, sizes, windows, image_sizes)
     batch = _to_device(batch, device)
     name, _ = choose_backend(device, backend)
     if name == "cupy" and len(sizes):
@@ -142,6 +154,27 @@ def apply_transforms(
     for CUDA is moved there as uint8 first. ``backend``: "auto", "cupy" or "torch".
     """
     return transform_batch(ops, batch, seed, epoch, indices, device, backend)[0]
+
+
+def _windowed_params(
+    ops: Sequence[Op],
+    seed: int,
+    epoch: int,
+    indices: torch.Tensor | Sequence[int],
+    sizes: torch.Tensor,
+    windows: Sequence[Window],
+    image_sizes: Sequence[tuple[int, int]] | None,
+) -> BatchParams:
+    if image_sizes is None:
+        raise ValueError("windows= needs image_sizes=: the (height, width) of the whole images")
+    params = params_in_windows(sample_params(ops, seed, epoch, indices, image_sizes), windows)
+    if not torch.equal(params.sizes[0], sizes):
+        k = int((params.sizes[0] != sizes).any(1).nonzero()[0, 0])
+        raise ValueError(
+            f"image {k} is {tuple(sizes[k].tolist())} but its window {tuple(windows[k])} "
+            f"(y0, x0, h, w) is {tuple(params.sizes[0][k].tolist())}: pass the decoded windows"
+        )
+    return params
 
 
 def _to_device(batch: reference.Batch, device: torch.device) -> reference.Batch:
