@@ -193,10 +193,7 @@ class CachedSamples:
     def fit_reserve(self, settings: CacheSettings) -> int:
         """At an epoch start: drop samples from a CUDA device tier if the model has grown into
         the reserve; returns the bytes given back (warns once when it does)."""
-        if self.tier != "device" or self.device.type != "cuda":
-            return 0
-        held = self.cache.stats.bytes
-        freed = self.cache.shrink(settings.keepable(self.device, device_memory(self.device), held))
+        freed = self.cache.fit_reserve(settings.keepable) if self.tier == "device" else 0
         if freed:
             warnings.warn(
                 f"gpuload: free memory on {self.device} fell below the reserve; the sample cache gave back "

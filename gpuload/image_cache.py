@@ -18,6 +18,8 @@ so an epoch from the cache gives the same batches as one from the files.
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,7 @@ from gpuload.device import MemoryInfo, device_memory, host_memory
 __all__ = ["ImageCache", "ImageCacheDecision", "choose_image_cache", "estimate_image_bytes"]
 
 _PROBE_FILES = 32
+_HEADER_BYTES = 64 << 10  # JPEG/PNG headers, EXIF included, sit well within this
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,8 @@ class ImageCacheDecision:
 def estimate_image_bytes(source: ImageSource, probe: int = _PROBE_FILES) -> tuple[int, int]:
     """(decoded, encoded) bytes of the whole source, from the headers and sizes of a few files.
 
-    Files are probed evenly across the source; unreadable ones are left out of the average.
+    Files are probed evenly across the source, reading only their first 64 KiB (the whole
+    file when its header reaches further); unreadable ones are left out of the average.
     """
     count = len(source)
     if count == 0:
@@ -56,16 +60,28 @@ def estimate_image_bytes(source: ImageSource, probe: int = _PROBE_FILES) -> tupl
     decoded = encoded = seen = 0
     for index in range(0, count, step)[:probe]:
         try:
-            data, _ = source.read_encoded(index)
-            height, width = peek_size(data)
+            height, width, size = _header(source, index)
         except Exception:  # a bad file is reported when the loader reaches it
             continue
         decoded += 3 * height * width
-        encoded += len(data)
+        encoded += size
         seen += 1
     if not seen:
         return 0, 0
     return decoded * count // seen, encoded * count // seen
+
+
+def _header(source: ImageSource, index: int) -> tuple[int, int, int]:
+    """(height, width, file bytes) of one sample, reading as little of its file as it can."""
+    path = source.path(index)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as file:
+            head = file.read(_HEADER_BYTES)
+        return (*peek_size(head), size)
+    except Exception:  # not a plain file, or a header longer than the prefix
+        data, _ = source.read_encoded(index)
+        return (*peek_size(data), len(data))
 
 
 def choose_image_cache(
@@ -155,6 +171,18 @@ class ImageCache:
         if kept and self.complete:
             self.store.settle()
         return kept
+
+    def fit_reserve(self, settings: CacheSettings) -> int:
+        """At an epoch start: give device memory back if the model has grown into the reserve
+        (warns once when it does); returns the bytes given back."""
+        freed = self.store.fit_reserve(settings.keepable) if self.mode == "decoded" else 0
+        if freed:
+            warnings.warn(
+                f"gpuload: free device memory fell below the reserve; the image cache gave back "
+                f"{format_bytes(freed)} and those images are decoded from their files again",
+                stacklevel=4,
+            )
+        return freed
 
     def stats(self) -> dict[str, Any]:
         entry = self.store.stats.as_dict()

@@ -26,6 +26,7 @@ from gpuload.cache import CacheSettings
 from gpuload.cached_samples import CachedSamples, decide_sample_cache, is_default_collate
 from gpuload.datasets.images import ImageSource, as_image_source
 from gpuload.image_batches import DecodedBatch, ImageBatches
+from gpuload.image_cache import ImageCache, choose_image_cache
 from gpuload.device import resolve_device
 from gpuload.prefetch import Prefetcher, default_depth
 from gpuload.sampling import can_draw_whole_epoch, epoch_batches
@@ -139,6 +140,7 @@ class DataLoader(tud.DataLoader):
         self._augment = self._make_augmenter(transforms)
         self._persistent_seed_drawn = False
         self._samples: CachedSamples | None = None
+        self._image_cache_decided = False
         self._epoch_start_bytes: list[int] = []
         self._samples_decided = False
         self._filling_recorder = None
@@ -159,6 +161,8 @@ class DataLoader(tud.DataLoader):
         if self._samples is not None:
             self._stats.extra["cache"] = self._samples.stats()
             self._count_fill_bytes()
+        if self._images is not None and self._images.cache is not None:
+            self._stats.extra["cache"] = self._images.cache.stats()
         if self._epoch_start_bytes:
             ends = [*self._epoch_start_bytes[1:], self._stats.bytes_h2d]
             self._stats.bytes_h2d_per_epoch = [end - start for start, end in zip(self._epoch_start_bytes, ends)]
@@ -212,7 +216,9 @@ class DataLoader(tud.DataLoader):
         """
         if self._columns is not None:
             self._place_arrays()
-        elif self._image_source is None:
+        elif self._image_source is not None:
+            self._image_batches().warm(progress, self.batch_size or 1)
+        else:
             cached = self._sample_cache()
             if cached is not None:
                 options = {
@@ -253,13 +259,29 @@ class DataLoader(tud.DataLoader):
         checked = (resident.checked_index(index, batched) for index in drawn)
         return _PrefetchedIterator(self, epoch, checked if self._augment is not None else None)
 
-    def _iter_images(self) -> Iterator[Any]:
-        """Image files: each batch read, decoded at once and transformed by gpuload."""
+    def _image_batches(self) -> ImageBatches:
+        """The image path's reader/decoder, with its image cache chosen at first use."""
         if self._images is None:
             self._images = ImageBatches(
                 self._image_source, self.device, self.batch_size or 1, self._augment, self.on_error
             )
-        self._stats.path = "image-decode"
+        if self._images.cache is None and not self._image_cache_decided:
+            self._image_cache_decided = True
+            owner = f"loader-{id(self)}-images"
+            decision = choose_image_cache(self._image_source, self._cache_settings, self.device, owner=owner)
+            self._stats.extra["image_cache_decision"] = f"{decision.mode}: {decision.reason}"
+            if decision.mode != "none":
+                cache = ImageCache(decision, self.device, len(self._image_source), owner)
+                self._images.cache = cache
+                weakref.finalize(self, cache.close)
+        return self._images
+
+    def _iter_images(self) -> Iterator[Any]:
+        """Image files: each batch read, decoded at once and transformed by gpuload."""
+        images = self._image_batches()
+        if images.cache is not None:
+            images.cache.fit_reserve(self._cache_settings)
+        self._stats.path = "image-decode" if images.cache is None else f"image-cache ({images.cache.mode})"
         indices = self._epoch_indices()
         if self.prefetch_depth == 0 or (self.device.type == "cpu" and self.prefetch_depth is None):
             # On a CPU, decoding and the transforms already use every core (DALI's threads,
@@ -451,6 +473,11 @@ class DataLoader(tud.DataLoader):
             self._resident = None
         self._drop_sample_cache()
         self._samples_decided = False
+        if self._images is not None and self._images.cache is not None:
+            self._images.cache.close()
+            self._stats.extra["cache"] = dict(self._images.cache.stats(), released=True)
+            self._images.cache = None
+        self._image_cache_decided = False
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._count_prefetched_bytes()

@@ -53,8 +53,13 @@ def test_bench_images_scenario_on_generated_photos(tmp_path: Path, capsys) -> No
     assert main(args) == 0
     document = json.loads((tmp_path / "bench.json").read_text())
     names = [r["name"] for r in document["results"]]
-    assert names == ["torch DataLoader + PIL (num_workers=0)", "gpuload DataLoader (decode + transforms)"]
-    gpuload_row = document["results"][1]
+    assert names == [
+        "torch DataLoader + PIL (num_workers=0)",
+        "gpuload DataLoader (decode + transforms)",
+        "gpuload + decoded image cache (cache='device')",
+    ]
+    gpuload_row, cached_row = document["results"][1:]
     assert gpuload_row["batches_per_epoch"] == 2 and gpuload_row["decode_backend"] in ("dali-cpu", "pil")
-    assert gpuload_row["of_ideal"] is None
+    assert gpuload_row["of_ideal"] is None and "image_cache" not in gpuload_row
+    assert cached_row["image_cache"] == "decoded" and cached_row["cached_images"] == 12
     assert len(list((tmp_path / "sample-images").rglob("*.jpg"))) == 12

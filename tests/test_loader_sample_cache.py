@@ -257,14 +257,14 @@ def test_auto_declines_a_randomly_augmented_dataset_with_one_warning() -> None:
 def test_device_tier_shrinks_when_the_model_grows_into_the_reserve(monkeypatch) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    import gpuload.cached_samples as cached_samples
+    import gpuload.cache.tiers as tiers
 
     data = Counted()
     loader = gpuload.DataLoader(data, batch_size=4, device="cuda", cache="device")
     list(loader)
-    real = cached_samples.device_memory
+    real = tiers.device_memory
     monkeypatch.setattr(
-        cached_samples, "device_memory", lambda d: MemoryInfo(free=0, total=real(d).total)
+        tiers, "device_memory", lambda d: MemoryInfo(free=0, total=real(d).total)
     )
     with pytest.warns(UserWarning, match="below the reserve"):
         batches = list(loader)

@@ -86,21 +86,34 @@ def image_loaders(config: BenchConfig, device: torch.device, root: Path, num_ima
         kind = "baseline" if workers == 0 else "loader"
         specs.append(LoaderSpec(f"torch DataLoader + PIL (num_workers={workers})", open_torch, kind))
 
+    specs.append(_gpuload_spec("gpuload DataLoader (decode + transforms)", folder, config, device, size, "off"))
+    specs.append(_gpuload_spec(
+        "gpuload + decoded image cache (cache='device')", folder, config, device, size, "device"
+    ))
+    return specs
+
+
+def _gpuload_spec(name: str, folder: ImageFolder, config: BenchConfig, device: torch.device, size: int,
+                  cache: str) -> LoaderSpec:
+    """gpuload on the folder: decoding every epoch (``cache="off"``) or from the image cache."""
+    ops = [T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToDtype(torch.float16), T.Normalize(MEAN, STD)]
+    spec = LoaderSpec(name, lambda: None)
+
     def open_gpuload():
-        ops = [T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToDtype(torch.float16), T.Normalize(MEAN, STD)]
         loader = gpuload.DataLoader(
-            folder, batch_size=config.batch_size, shuffle=True, device=device, transforms=ops,
+            folder, batch_size=config.batch_size, shuffle=True, device=device, transforms=ops, cache=cache,
             generator=torch.Generator().manual_seed(config.seed),
         )
 
         def epoch() -> Iterator[Any]:
             yield from loader
-            specs[-1].notes.update(
-                decode_backend=loader.stats.extra.get("decode_backend"),
-                transform_backend=loader.stats.extra.get("transform_backend"),
-            )
+            extra = loader.stats.extra
+            spec.notes.update(decode_backend=extra.get("decode_backend"),
+                              transform_backend=extra.get("transform_backend"))
+            if "cache" in extra:
+                spec.notes.update(image_cache=extra["cache"]["mode"], cached_images=extra["cache"]["entries"])
 
         return epoch, lambda: loader.stats.bytes_h2d, loader.close
 
-    specs.append(LoaderSpec("gpuload DataLoader (decode + transforms)", open_gpuload))
-    return specs
+    spec.open = open_gpuload
+    return spec

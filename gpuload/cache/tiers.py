@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.plan import CachePlan
-from gpuload.device import cuda_available
+from gpuload.device import cuda_available, device_memory
 
 __all__ = [
     "CacheFallbackWarning",
@@ -570,6 +570,14 @@ class SampleCache:
         if freed and self._on_device:
             self._ledger.set_used(self._owner, used, device=self._device)
         return freed
+
+    def fit_reserve(self, keepable: Any) -> int:
+        """On a CUDA device: shrink to what ``keepable(device, memory, held)`` allows now
+        (``CacheSettings.keepable``: free memory must stay above the reserve); bytes freed."""
+        if self._device.type != "cuda":
+            return 0
+        held = self.stats.bytes
+        return self.shrink(keepable(self._device, device_memory(self._device), held))
 
     def settle(self) -> None:
         """Stop adding and shrink the budget booking to the bytes held, freeing the rest for

@@ -72,6 +72,10 @@ class ImageSource(Dataset):
         """The file behind sample ``index``."""
         return self.samples[index][0]
 
+    def label(self, index: int) -> int:
+        """The label of sample ``index``, without reading its file."""
+        return self.samples[index][1]
+
     def read_encoded(self, index: int) -> tuple[bytes, int]:
         """The file's bytes, undecoded, and the label; ImageDecodeError if it cannot be read."""
         path, label = self.samples[index]
