@@ -313,17 +313,19 @@ class CachedSamples:
         else:
             fetched = (self._fetch(chunk) for chunk in chunks)
         read = 0
-        with tqdm(total=len(todo), unit="sample", desc="gpuload warm", disable=not progress) as bar:
-            for chunk, samples in zip(chunks, fetched):
-                self._store(chunk, samples)
-                read += len(chunk)
-                bar.update(len(chunk))
-                if not self.accepting:
-                    break
+        try:
+            with tqdm(total=len(todo), unit="sample", desc="gpuload warm", disable=not progress) as bar:
+                for chunk, samples in zip(chunks, fetched):
+                    self._store(chunk, samples)
+                    read += len(chunk)
+                    bar.update(len(chunk))
+                    if not self.accepting:
+                        break
+        finally:
+            if hasattr(fetched, "_shutdown_workers"):  # torch's workers stop even on an error
+                fetched._shutdown_workers()
         if self.complete:
             self.cache.settle()
-        if isinstance(fetched, Iterator) and hasattr(fetched, "_shutdown_workers"):
-            fetched._shutdown_workers()
         return read
 
     def warn_if_partial(self) -> None:
