@@ -257,8 +257,8 @@ class CachedSamples:
         return kept
 
     def _fetch(self, indices: list[Any]) -> list[Any]:
-        getitems = getattr(self.dataset, "__getitems__", None)
-        if getitems is not None:
+        getitems = getattr(self.dataset, "__getitems__", None) if self.batched else None
+        if getitems is not None:  # as torch's fetcher: a batch's samples in one call
             return list(getitems(indices))
         return [self.dataset[index] for index in indices]
 

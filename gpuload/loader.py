@@ -355,7 +355,9 @@ class DataLoader(tud.DataLoader):
         indices = self._epoch_indices()
         if self.device.type == "cpu" or cached.tier == "device" or self.prefetch_depth == 0:
             return _CachedIterator(self, cached, indices)
-        epoch = _CachedIterator.host_batches(cached, indices)
+        # The epoch's indices are drawn here, in the loop's thread, as for arrays: the sampler's
+        # random draws never race the loop's use of torch's generator.
+        epoch = _CachedIterator.host_batches(cached, iter(list(indices)))
         return _PrefetchedIterator(self, self._prefetch(epoch, None))
 
     @property

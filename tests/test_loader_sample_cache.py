@@ -271,3 +271,32 @@ def test_device_tier_shrinks_when_the_model_grows_into_the_reserve(monkeypatch) 
     assert loader.stats.extra["cache"]["entries"] == 0
     assert_same_epochs(loader, tud.DataLoader(data, batch_size=4), epochs=1)
     assert len(batches) == len(list(tud.DataLoader(data, batch_size=4)))
+
+
+class Batched(Counted):
+    """A dataset that reads a batch's samples in one call, as torch's fetcher allows."""
+
+    def __getitems__(self, indices):
+        self.calls = getattr(self, "calls", 0) + 1
+        return [self[i] for i in indices]
+
+
+def test_a_dataset_with_getitems_is_read_a_batch_at_a_time() -> None:
+    data = Batched(12)
+    ours = gpuload.DataLoader(data, batch_size=4, cache="host")
+    assert_same_epochs(ours, tud.DataLoader(Batched(12), batch_size=4), epochs=2)
+    assert data.calls == 3  # the first epoch's three batches; the second came from the cache
+
+
+@pytest.mark.gpu
+def test_host_tier_on_cuda_is_collated_on_the_host_and_prefetched() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    data = Counted()
+    ours = gpuload.DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(12),
+                              device="cuda", cache="host")
+    theirs = tud.DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(12))
+    assert_same_epochs(ours, theirs, epochs=2)
+    assert ours.stats.path == "sample-cache (host)" and ours.stats.extra["cache"]["complete"]
+    assert ours.stats.bytes_h2d_per_epoch[1] > 0  # host batches still cross PCIe
+    ours.close()
