@@ -188,6 +188,12 @@ def test_plan_command_image_folder(tmp_path, capsys):
     assert expected == 2608
     assert f"3 samples x 2.55 KiB ({expected} bytes per sample)" in out
     assert "3 images" in out
+    # A 1 GiB card leaves nothing above the 2 GiB default reserve: the files' bytes are kept.
+    assert "image cache (for gpuload.DataLoader on this folder): encoded: " in out
+    assert run_plan(parse(str(tmp_path / "images"), "--device-memory", "80GiB")) == 0
+    assert "image cache (for gpuload.DataLoader on this folder): decoded: " in capsys.readouterr().out
+    assert run_plan(parse(str(tmp_path / "images"), "--device-memory", "80GiB", "--cache-size", "1KiB")) == 0
+    assert "image cache (for gpuload.DataLoader on this folder): encoded: " in capsys.readouterr().out
 
 
 def test_plan_command_job_from_file_and_errors(tmp_path, capsys):

@@ -203,7 +203,24 @@ def run_plan(args: argparse.Namespace) -> int:
     if target == "cpu" and not cuda_available() and args.device_memory is None:
         print("  no CUDA device here: pass --device-memory 80GiB to plan for a card")
     print(plan.describe())
+    if args.dataset is not None and Path(args.dataset).is_dir():
+        print(_image_cache_line(Path(args.dataset), settings, target, memory, host))
     return 0
+
+
+def _image_cache_line(path: Path, settings: CacheSettings, target: str, memory: MemoryInfo, host: MemoryInfo) -> str:
+    """What the loader's image cache would keep for this folder: decoded images or file bytes."""
+    import torch
+
+    from gpuload.datasets.images import ImageList
+    from gpuload.image_cache import choose_image_cache
+
+    files = sorted(str(p) for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    decision = choose_image_cache(
+        ImageList([(file, 0) for file in files]), settings, torch.device(target), owner="gpuload plan",
+        device_memory_info=memory, host_memory_info=host,
+    )
+    return f"image cache (for gpuload.DataLoader on this folder): {decision.mode}: {decision.reason}"
 
 
 def _main(argv: list[str] | None = None) -> int:
