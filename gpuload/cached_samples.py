@@ -179,7 +179,9 @@ class CachedSamples:
         self.recorder: RecordingSampler | None = None
         self.unkeyed = False  # an index that is not an int was seen: nothing more is cached
         self.fill_epochs = 0
-        self.fill_h2d_bytes = 0  # bytes copied to the device tier as samples were cached
+        # Bytes this cache copied host-to-device: samples put on the device tier, and samples
+        # it could not take, moved there to be collated with the cached ones.
+        self.h2d_bytes = 0
 
     @property
     def complete(self) -> bool:
@@ -251,7 +253,7 @@ class CachedSamples:
         for key, sample in zip(keys, samples):
             if self.accepting and self.cache.put(key, sample):
                 if self.tier == "device" and self.device.type != "cpu":
-                    self.fill_h2d_bytes += batch_nbytes(sample)
+                    self.h2d_bytes += batch_nbytes(sample)
                 sample = self.cache.peek(key, sample)
             kept.append(sample)
         return kept
@@ -262,8 +264,9 @@ class CachedSamples:
             return list(getitems(indices))
         return [self.dataset[index] for index in indices]
 
-    def batch(self, indices: Any) -> tuple[Any, int]:
-        """The batch torch's fetch + collate gives for ``indices``, and the bytes it copied H2D."""
+    def batch(self, indices: Any) -> Any:
+        """The batch torch's fetch + collate gives for ``indices`` (device-tier leaves on the
+        device; anything collated from host samples still on the host)."""
         keys = self._keys_of(indices)
         items = indices.view(-1).tolist() if isinstance(indices, torch.Tensor) else (
             list(indices) if self.batched else [indices]
@@ -281,19 +284,18 @@ class CachedSamples:
             stored = self._store([keys[p] for p in missing], fetched) if keys is not None else fetched
             for position, sample in zip(missing, stored):
                 samples[position] = sample
-        copied = 0
         if self.device.type != "cpu" and missing and self.tier == "device":
             # Samples the cache could not take are still on the host: move them before collating.
             for position in missing:
                 if not _on_device(samples[position], self.device):
-                    copied += batch_nbytes(samples[position])
+                    self.h2d_bytes += batch_nbytes(samples[position])
                     samples[position] = move_to_device(samples[position], self.device, non_blocking=False)
         if not (self.batched and is_default_collate(self.collate_fn)):
             # default_collate builds new tensors; anything else might hand the cached objects
             # themselves to the loop, where an in-place change would alter later epochs.
             samples = [_fresh(sample) for sample in samples]
         batch = self.collate_fn(samples) if self.batched else self.collate_fn(samples[0])
-        return batch, copied
+        return batch
 
     def warm(self, progress: bool, num_workers: int, batch_size: int, worker_options: dict[str, Any]) -> int:
         """Read every sample not cached yet into the cache, in index order; returns how many."""

@@ -169,8 +169,8 @@ class DataLoader(tud.DataLoader):
         return self._stats
 
     def _count_fill_bytes(self) -> None:
-        """Add the bytes copied into the device sample cache since the last look."""
-        filled = self._samples.fill_h2d_bytes
+        """Add the bytes the sample cache copied to the device since the last look."""
+        filled = self._samples.h2d_bytes
         self._stats.bytes_h2d += filled - self._fill_bytes_seen
         self._fill_bytes_seen = filled
 
@@ -353,11 +353,13 @@ class DataLoader(tud.DataLoader):
         """Batches built in this process from the sample cache (and the dataset for misses)."""
         self._stats.path = f"sample-cache ({cached.tier})"
         indices = self._epoch_indices()
-        if self.device.type == "cpu" or cached.tier == "device" or self.prefetch_depth == 0:
+        if self.prefetch_depth == 0 or (self.device.type == "cpu" and self.prefetch_depth is None):
             return _CachedIterator(self, cached, indices)
-        # The epoch's indices are drawn here, in the loop's thread, as for arrays: the sampler's
-        # random draws never race the loop's use of torch's generator.
-        epoch = _CachedIterator.host_batches(cached, iter(list(indices)))
+        # On CUDA (or with prefetch_depth on a CPU) the prefetcher's thread builds batches ahead (reading what the cache lacks)
+        # and stages the host part; device-tier leaves pass through. The epoch's indices are
+        # drawn here, in the loop's thread, as for arrays: the sampler's random draws never
+        # race the loop's use of torch's generator.
+        epoch = _CachedIterator.batches(cached, iter(list(indices)))
         return _PrefetchedIterator(self, self._prefetch(epoch, None))
 
     @property
@@ -637,7 +639,11 @@ class _LenIterator(Iterator[Any]):
 
 
 class _CachedIterator(_TimedIterator):
-    """Batches collated in the loop's thread from the sample cache, reading misses from the dataset."""
+    """Batches built from the sample cache in the loop's thread, reading misses from the dataset.
+
+    Used with ``prefetch_depth=0`` and by default on a CPU; otherwise the prefetcher runs
+    ``batches``.
+    """
 
     def __init__(self, loader: DataLoader, cached: CachedSamples, indices: Iterator[Any]) -> None:
         super().__init__(loader)
@@ -646,10 +652,10 @@ class _CachedIterator(_TimedIterator):
         self._device = loader.device
 
     @staticmethod
-    def host_batches(cached: CachedSamples, indices: Iterator[Any]) -> Iterator[Any]:
-        """Host batches of a host-tier cache, for the prefetcher's thread."""
+    def batches(cached: CachedSamples, indices: Iterator[Any]) -> Iterator[Any]:
+        """The epoch's batches from the cache, for the prefetcher's thread."""
         for index in indices:
-            yield cached.batch(index)[0]
+            yield cached.batch(index)
         cached.warn_if_partial()
 
     def _produce(self) -> tuple[Any, int]:
@@ -658,12 +664,12 @@ class _CachedIterator(_TimedIterator):
         except StopIteration:
             self._cached.warn_if_partial()
             raise
-        batch, copied = self._cached.batch(index)
+        batch = self._cached.batch(index)
         if self._device.type != "cpu":
             host_bytes = batch_nbytes(batch, host_only=True)
             if host_bytes:
                 batch = move_to_device(batch, self._device, non_blocking=True)
-            self._stats.bytes_h2d += copied + host_bytes
+            self._stats.bytes_h2d += host_bytes
         return batch, batch_length(batch) if self._auto_collation else 1
 
 

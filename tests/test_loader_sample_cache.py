@@ -300,3 +300,14 @@ def test_host_tier_on_cuda_is_collated_on_the_host_and_prefetched() -> None:
     assert ours.stats.path == "sample-cache (host)" and ours.stats.extra["cache"]["complete"]
     assert ours.stats.bytes_h2d_per_epoch[1] > 0  # host batches still cross PCIe
     ours.close()
+
+
+def test_prefetched_cache_epochs_equal_torchs() -> None:
+    data = Counted()
+    ours = gpuload.DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(13),
+                              cache="host", prefetch_depth=2)
+    theirs = tud.DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(13))
+    assert_same_epochs(ours, theirs, epochs=3)
+    assert ours.stats.extra["cache"]["complete"] and "prefetch" in ours.stats.extra
+    assert ours.generator.get_state().equal(theirs.generator.get_state())
+    ours.close()
