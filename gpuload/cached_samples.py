@@ -165,6 +165,7 @@ class CachedSamples:
         collate_fn: Callable[[Any], Any],
         batched: bool,
         owner: Any,
+        settings: CacheSettings,
     ) -> None:
         self.dataset = dataset
         self.tier = decision.tier
@@ -174,7 +175,7 @@ class CachedSamples:
         self.batched = batched
         self.num_samples = len(dataset)
         where = device if decision.tier == "device" else torch.device("cpu")
-        self.cache = SampleCache(decision.budget, where, owner=owner)
+        self.cache = SampleCache(decision.budget, where, owner=owner, room=settings.room_check(where))
         self.keep: KeepSamples | None = None
         self.recorder: RecordingSampler | None = None
         self.unkeyed = False  # an index that is not an int was seen: nothing more is cached

@@ -137,14 +137,18 @@ def choose_image_cache(
 class ImageCache:
     """Decoded images or encoded bytes of an image source, by sample index, within a budget."""
 
-    def __init__(self, decision: ImageCacheDecision, device: torch.device, num_samples: int, owner: Any) -> None:
+    def __init__(
+        self, decision: ImageCacheDecision, device: torch.device, num_samples: int, owner: Any,
+        settings: CacheSettings | None = None,
+    ) -> None:
         if decision.mode not in ("decoded", "encoded"):
             raise ValueError(f"an ImageCache needs mode 'decoded' or 'encoded', got {decision.mode!r}")
         self.mode = decision.mode
         self.reason = decision.reason
         self.num_samples = num_samples
         where = device if self.mode == "decoded" else torch.device("cpu")
-        self.store = SampleCache(decision.budget, where, owner=owner)
+        room = settings.room_check(where) if settings is not None else None
+        self.store = SampleCache(decision.budget, where, owner=owner, room=room)
 
     @property
     def decodes(self) -> bool:

@@ -271,7 +271,7 @@ class DataLoader(tud.DataLoader):
             decision = choose_image_cache(self._image_source, self._cache_settings, self.device, owner=owner)
             self._stats.extra["image_cache_decision"] = f"{decision.mode}: {decision.reason}"
             if decision.mode != "none":
-                cache = ImageCache(decision, self.device, len(self._image_source), owner)
+                cache = ImageCache(decision, self.device, len(self._image_source), owner, self._cache_settings)
                 self._images.cache = cache
                 weakref.finalize(self, cache.close)
         return self._images
@@ -387,7 +387,7 @@ class DataLoader(tud.DataLoader):
         if decision.tier == "none":
             return None
         self._samples = CachedSamples(
-            self.dataset, decision, self.device, self.collate_fn, self._auto_collation, owner
+            self.dataset, decision, self.device, self.collate_fn, self._auto_collation, owner, self._cache_settings
         )
         self._fill_bytes_seen = 0
         weakref.finalize(self, self._samples.close)

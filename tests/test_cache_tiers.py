@@ -409,3 +409,22 @@ def test_sample_cache_shrink_drops_the_newest_and_stops_adding():
     assert cache.stats.bytes == 200 and cache.full
     assert not cache.put(9, torch.zeros(1, dtype=torch.uint8))
     assert cache.shrink(1000) == 0
+
+
+def test_sample_cache_asks_for_room_before_adding_and_stops_with_one_warning():
+    calls = []
+
+    def ask() -> int:  # 250 bytes free above the reserve at first; the cache then took 200
+        calls.append(1)
+        return 250 if len(calls) == 1 else 50
+
+    cache = SampleCache(10_000, room=ask)
+    assert cache.put(0, torch.zeros(100, dtype=torch.uint8))
+    assert cache.put(1, torch.zeros(100, dtype=torch.uint8))
+    assert len(calls) == 1  # the first answer covered both
+    with pytest.warns(CacheFallbackWarning, match="reached the reserve after caching 2 samples"):
+        assert not cache.put(2, torch.zeros(100, dtype=torch.uint8))  # 50 bytes left, 100 asked
+    assert len(calls) == 2 and cache.full and cache.stats.entries == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not cache.put(3, torch.zeros(1, dtype=torch.uint8))

@@ -311,3 +311,22 @@ def test_prefetched_cache_epochs_equal_torchs() -> None:
     assert ours.stats.extra["cache"]["complete"] and "prefetch" in ours.stats.extra
     assert ours.generator.get_state().equal(theirs.generator.get_state())
     ours.close()
+
+
+@pytest.mark.gpu
+def test_filling_stops_when_free_memory_reaches_the_reserve(monkeypatch) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import gpuload.device
+    from gpuload.cache import CacheFallbackWarning
+
+    real = gpuload.device.device_memory
+    total = real(torch.device("cuda")).total
+    reserve = max(2 * GiB, total // 10)
+    # The model has taken everything but the reserve and 100 bytes: about 4 samples' worth.
+    monkeypatch.setattr(gpuload.device, "device_memory", lambda d: MemoryInfo(free=reserve + 100, total=total))
+    data = Counted()
+    loader = gpuload.DataLoader(data, batch_size=4, device="cuda", cache="device")
+    with pytest.warns(CacheFallbackWarning, match="reached the reserve"):
+        assert_same_epochs(loader, tud.DataLoader(data, batch_size=4), epochs=2)
+    assert 0 < loader.stats.extra["cache"]["entries"] < len(data)

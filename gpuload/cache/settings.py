@@ -154,6 +154,15 @@ class CacheSettings:
         reserve = resolve_reserve(self.reserve_spec, memory, source=self.reserve.source, device_name=str(device))
         return max(0, memory.free + held - reserve)
 
+    def room_check(self, device: Any) -> Any:
+        """For a cache filling ``device`` bit by bit: a function giving the bytes it may still
+        add now (free memory above the reserve), or None off CUDA."""
+        from gpuload.device import device_memory
+
+        if getattr(device, "type", None) != "cuda":
+            return None
+        return lambda: self.keepable(device, device_memory(device), 0)
+
     def host_room(self, memory: Any, *, sized: bool = True) -> int:
         """Host bytes a host-memory cache may fill: free minus the host reserve, or less if
         ``cache_size`` names an amount (``sized``: the size applies to this host tier)."""

@@ -13,7 +13,7 @@ import math
 import random
 import threading
 import warnings
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -393,6 +393,9 @@ class TieredArrayStore:
 # -- generic datasets ----------------------------------------------------------------------
 
 
+_ROOM_CHECK_BYTES = 256 << 20
+
+
 @dataclass
 class SampleCacheStats:
     """Entries and bytes held, lookups that hit or missed, samples not stored (full/uncacheable)."""
@@ -431,9 +434,14 @@ class SampleCache:
         *,
         ledger: BudgetLedger = LEDGER,
         owner: Hashable | None = None,
+        room: Callable[[], int] | None = None,
     ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self._room = room
+        self._room_left = -1  # bytes ``room`` allowed at its last call, less what was added since
+        self._since_check = 0
+        self._last_nbytes = 0
         self._device = torch.device(device)
         self._ledger = ledger
         self._owner: Hashable = owner if owner is not None else ("SampleCache", id(self))
@@ -474,6 +482,16 @@ class SampleCache:
             return type(value)(values), total
         raise _Uncacheable(type(value).__name__)
 
+    def _has_room(self) -> bool:
+        """Whether ``room()`` (memory the cache may still take, e.g. free device memory above the
+        reserve) leaves space for a sample like the last one. Asked again every 256 MiB added
+        and whenever its last answer runs out, so a model growing meanwhile is noticed."""
+        if self._room is None:
+            return True
+        if self._last_nbytes > self._room_left or self._since_check >= _ROOM_CHECK_BYTES:
+            self._room_left, self._since_check = self._room(), 0
+        return self._last_nbytes <= self._room_left
+
     def put(self, index: int, sample: Any) -> bool:
         """Store ``sample`` for ``index``; False when full, closed, or not a cacheable type."""
         index = int(index)
@@ -483,6 +501,22 @@ class SampleCache:
                 return False
             if index in self._entries:
                 return True
+            no_room = not self._has_room()
+            if no_room:
+                self._stats.full = True
+                self._stats.rejected += 1
+                first = not self._warned
+                self._warned = True
+                held, count = self._stats.bytes, self._stats.entries
+        if no_room:
+            if first:
+                warnings.warn(
+                    f"gpuload cache: free memory on {self._device} reached the reserve after caching "
+                    f"{count} samples ({format_bytes(held)}); the rest are read from the dataset",
+                    CacheFallbackWarning,
+                    stacklevel=2,
+                )
+            return False
         try:
             copied, nbytes = self._copy(sample)
         except _Uncacheable:
@@ -515,6 +549,9 @@ class SampleCache:
                 return False
             self._entries[index] = copied
             self._sizes[index] = nbytes
+            self._room_left -= nbytes
+            self._since_check += nbytes
+            self._last_nbytes = nbytes
             self._stats.entries += 1
             self._stats.bytes += nbytes
             used = self._stats.bytes
