@@ -428,3 +428,16 @@ def test_sample_cache_asks_for_room_before_adding_and_stops_with_one_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not cache.put(3, torch.zeros(1, dtype=torch.uint8))
+
+
+@gpu
+def test_cuda_host_rows_copied_on_the_side_stream_arrive_in_order():
+    data = arrays()
+    store = TieredArrayStore(data, forced_plan(data, N // 3, N // 3), "cuda", ledger=BudgetLedger())
+    for _ in range(5):
+        torch.cuda._sleep(50_000_000)  # keep the loop's stream busy while the copies run beside it
+        index = torch.randperm(N)[:200]
+        batch = store.gather(index)
+        expected = data["image"].index_select(0, index)
+        assert torch.equal(batch["image"].cpu(), expected)
+    store.close()

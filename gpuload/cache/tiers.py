@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.plan import CachePlan
-from gpuload.device import cuda_available, device_memory
+from gpuload.device import cuda_available, device_memory, new_side_stream
 
 __all__ = [
     "CacheFallbackWarning",
@@ -133,6 +133,9 @@ class TieredArrayStore:
         self._source = [leaf if leaf.device.type == "cpu" else leaf.cpu() for leaf in leaves]
         self._device = torch.device(device)
         self._copies = self._device.type != "cpu"
+        # Host rows go to the device on their own stream, so the copy overlaps the compute
+        # already queued on the loop's stream instead of waiting behind it.
+        self._copy_stream = new_side_stream(self._device) if self._copies else None
         self._plan = plan
         self._ledger = ledger
         self._owner: Hashable = owner if owner is not None else ("TieredArrayStore", id(self))
@@ -330,9 +333,14 @@ class TieredArrayStore:
         pinned = cuda_available()
         staged = torch.empty((slots.numel(), *storage.shape[1:]), dtype=storage.dtype, pin_memory=pinned)
         torch.index_select(storage, 0, slots, out=staged)
-        if out is None:
-            return staged.to(self._device, non_blocking=pinned)
-        return out.copy_(staged, non_blocking=pinned)
+        if self._copy_stream is None:
+            return staged.to(self._device) if out is None else out.copy_(staged)
+        current = torch.cuda.current_stream(self._device)
+        with torch.cuda.stream(self._copy_stream):
+            moved = staged.to(self._device, non_blocking=True)  # from the side stream's memory pool
+        current.wait_stream(self._copy_stream)
+        moved.record_stream(current)  # used on the loop's stream from here on
+        return moved if out is None else out.copy_(moved)
 
     def gather(self, indices: Any) -> Any:
         """Rows ``indices`` of every array, in the data's structure, on the target device.
