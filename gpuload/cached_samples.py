@@ -65,10 +65,9 @@ def decide_sample_cache(
     device tensors); with a custom ``collate_fn`` samples are kept in host memory.
     """
     mode = settings.mode.value
-    if mode == "off":
-        return CacheDecision("none", 0, "cache='off'")
-    if settings.size_spec.kind == "off":
-        return CacheDecision("none", 0, f"cache_size={settings.size.raw!r} ({settings.size.source}) turns it off")
+    off = settings.off_reason()
+    if off:
+        return CacheDecision("none", 0, off)
     try:
         count = len(dataset)
     except TypeError:
@@ -195,15 +194,8 @@ class CachedSamples:
 
     def fit_reserve(self, settings: CacheSettings) -> int:
         """At an epoch start: drop samples from a CUDA device tier if the model has grown into
-        the reserve; returns the bytes given back (warns once when it does)."""
-        freed = self.cache.fit_reserve(settings.keepable) if self.tier == "device" else 0
-        if freed:
-            warnings.warn(
-                f"gpuload: free memory on {self.device} fell below the reserve; the sample cache gave back "
-                f"{format_bytes(freed)} and those samples are read from the dataset again",
-                stacklevel=4,
-            )
-        return freed
+        the reserve; returns the bytes given back (warns when it does)."""
+        return self.cache.fit_reserve(settings.keepable, "those samples are read from the dataset again")
 
     def stats(self) -> dict[str, Any]:
         entry = self.cache.stats.as_dict()

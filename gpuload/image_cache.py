@@ -19,7 +19,6 @@ so an epoch from the cache gives the same batches as one from the files.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,10 +100,9 @@ def choose_image_cache(
     as many decoded images as fit. On a CPU device ``"auto"`` caches nothing.
     """
     mode = settings.mode.value
-    if mode == "off":
-        return ImageCacheDecision("none", 0, "cache='off'")
-    if settings.size_spec.kind == "off":
-        return ImageCacheDecision("none", 0, f"cache_size={settings.size.raw!r} ({settings.size.source}) turns it off")
+    off = settings.off_reason()
+    if off:
+        return ImageCacheDecision("none", 0, off)
     if device.type == "cpu" and mode == "auto":
         return ImageCacheDecision(
             "none", 0, "on a CPU device images are decoded every epoch; cache='device' keeps them decoded in "
@@ -178,15 +176,8 @@ class ImageCache:
 
     def fit_reserve(self, settings: CacheSettings) -> int:
         """At an epoch start: give device memory back if the model has grown into the reserve
-        (warns once when it does); returns the bytes given back."""
-        freed = self.store.fit_reserve(settings.keepable) if self.mode == "decoded" else 0
-        if freed:
-            warnings.warn(
-                f"gpuload: free device memory fell below the reserve; the image cache gave back "
-                f"{format_bytes(freed)} and those images are decoded from their files again",
-                stacklevel=4,
-            )
-        return freed
+        (warns when it does); returns the bytes given back."""
+        return self.store.fit_reserve(settings.keepable, "those images are decoded from their files again")
 
     def stats(self) -> dict[str, Any]:
         entry = self.store.stats.as_dict()

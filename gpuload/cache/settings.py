@@ -142,6 +142,14 @@ class CacheSettings:
             config_path=path,
         )
 
+    def off_reason(self) -> str | None:
+        """Why these settings turn caching off (``cache="off"`` or a zero size), else None."""
+        if self.mode.value == "off":
+            return "cache='off'"
+        if self.size_spec.kind == "off":
+            return f"cache_size={self.size.raw!r} ({self.size.source}) turns it off"
+        return None
+
     def device_room(self, device: Any, memory: Any, owner: Any = None) -> int:
         """Device bytes a new cache may fill now: the budget left to it, under free - reserve."""
         reserve = resolve_reserve(self.reserve_spec, memory, source=self.reserve.source, device_name=str(device))

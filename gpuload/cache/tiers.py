@@ -616,13 +616,21 @@ class SampleCache:
             self._ledger.set_used(self._owner, used, device=self._device)
         return freed
 
-    def fit_reserve(self, keepable: Any) -> int:
+    def fit_reserve(self, keepable: Any, refill: str) -> int:
         """On a CUDA device: shrink to what ``keepable(device, memory, held)`` allows now
-        (``CacheSettings.keepable``: free memory must stay above the reserve); bytes freed."""
+        (``CacheSettings.keepable``: free memory must stay above the reserve), warning when it
+        does; ``refill`` says where the dropped samples come from instead. Bytes freed."""
         if self._device.type != "cuda":
             return 0
         held = self.stats.bytes
-        return self.shrink(keepable(self._device, device_memory(self._device), held))
+        freed = self.shrink(keepable(self._device, device_memory(self._device), held))
+        if freed:
+            warnings.warn(
+                f"gpuload: free memory on {self._device} fell below the reserve; the cache gave back "
+                f"{format_bytes(freed)} and {refill}",
+                stacklevel=4,
+            )
+        return freed
 
     def settle(self) -> None:
         """Stop adding and shrink the budget booking to the bytes held, freeing the rest for
