@@ -283,26 +283,29 @@ class DataLoader(tud.DataLoader):
             images.cache.fit_reserve(self._cache_settings)
         self._stats.path = "image-decode" if images.cache is None else f"image-cache ({images.cache.mode})"
         indices = self._epoch_indices()
+        images, batched, epoch = self._images, self._auto_collation, self._epoch
+
+        def finish(decoded: DecodedBatch) -> tuple[Any, int, dict[str, Any]]:
+            return images.finish(decoded, batched)
+
         if self.prefetch_depth == 0 or (self.device.type == "cpu" and self.prefetch_depth is None):
             # On a CPU, decoding and the transforms already use every core (DALI's threads,
             # torch's); running them ahead in a thread measured no faster (332 vs 352 img/s
             # on 2 cores), so that takes an explicit prefetch_depth.
-            return _ImageIterator(self, self._images, indices)
+            return _ImageIterator(self, (images.decode(index, epoch) for index in indices), finish)
         # As for arrays: the epoch's indices are drawn here, in the loop's thread; the
         # background thread reads, decodes and transforms batches ahead of the loop.
         # On the CPU the transforms stay in the loop's thread: their batch-sized float buffers
         # page-fault afresh each batch when allocated from a background thread's malloc arena
         # (measured 30% slower); on a GPU the thread runs them too, on the side stream.
-        images, batched, epoch = self._images, self._auto_collation, self._epoch
         transform_ahead = self.device.type == "cuda"
         decoded = (images.decode(index, epoch) for index in list(indices))
-        made = (images.finish(d, batched) for d in decoded) if transform_ahead else decoded
+        made = (finish(d) for d in decoded) if transform_ahead else decoded
         if self._prefetcher is None:
             depth = self.prefetch_depth or _IMAGE_PREFETCH_DEPTH
             self._prefetcher = Prefetcher(None, self.device, depth, timeout=self.timeout or None, stage=False)
             self._prefetched_bytes_seen = 0
-        finish = None if transform_ahead else lambda d: images.finish(d, batched)
-        return _BackgroundImageIterator(self, self._prefetcher.epoch(made), finish)
+        return _ImageIterator(self, self._prefetcher.epoch(made), None if transform_ahead else finish)
 
     def _iter_torch(self) -> Iterator[Any]:
         """Any other dataset: torch fetches and collates; the prefetcher moves it to the device.
@@ -583,27 +586,11 @@ class _GatherIterator(_TimedIterator):
 
 
 class _ImageIterator(_TimedIterator):
-    """Batches decoded from image files by gpuload's decoder, then transformed on the device."""
+    """Image batches decoded from their files, in the loop's thread or the prefetcher's.
 
-    def __init__(self, loader: DataLoader, images: ImageBatches, indices: Iterator[Any]) -> None:
-        super().__init__(loader)
-        self._images = images
-        self._indices = indices
-
-    def _produce(self) -> tuple[Any, int]:
-        while True:
-            decoded = self._images.decode(next(self._indices), self._loader._epoch)
-            batch, count, counters = self._images.finish(decoded, self._auto_collation)
-            self._stats.extra.update(counters)
-            if count:
-                return batch, count
-
-
-class _BackgroundImageIterator(_TimedIterator):
-    """Image batches decoded (and, without ``finish``, transformed) in the prefetcher's thread.
-
-    ``finish`` transforms a decoded batch in the loop's thread. The counters are those as of
-    each batch, not of the batches the thread has decoded since.
+    ``epoch`` yields decoded batches (``finish`` then transforms each in the loop's thread) or,
+    with ``finish=None``, finished ones. The counters are those as of each batch, not of the
+    batches a background thread has decoded since.
     """
 
     def __init__(
