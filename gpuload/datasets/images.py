@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import Dataset
 
 from gpuload.decode import ImageDecodeError
-from gpuload.decode import fallback
+from gpuload.decode import cpu
 
 __all__ = [
     "IMG_EXTENSIONS",
@@ -87,11 +87,11 @@ class ImageSource(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         data, label = self.read_encoded(index)
-        backend = "torchvision" if fallback.torchvision_available() else "pil"
+        backend = "torchvision" if cpu.torchvision_available() else "pil"
         try:
-            image = fallback.cpu_decoder(backend)(data, None)
+            image = cpu.cpu_decoder(backend)(data, None)
         except Exception as error:
-            reason = "the file is empty (0 bytes)" if not data else fallback.describe_error(error)
+            reason = "the file is empty (0 bytes)" if not data else cpu.describe_error(error)
             raise ImageDecodeError(index, self.path(index), backend, reason) from error
         return image, label
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from gpuload.cache.plan import default_host_reserve, make_plan
-from gpuload.cache.plan_command import add_plan_arguments, run_plan
+from gpuload.cli.plan import add_plan_arguments, run_plan
 
 GiB = 2**30
 CIFAR = 3 * 32 * 32 + 8

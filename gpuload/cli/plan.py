@@ -28,7 +28,7 @@ from gpuload.cache.plan import make_plan
 from gpuload.cache.settings import MODES, CacheSettings
 from gpuload.device import MemoryInfo, cuda_available, device_memory, host_memory, resolve_device
 
-__all__ = ["add_plan_arguments", "run_plan", "DatasetShape", "estimate_dataset"]
+__all__ = ["add_plan_arguments", "run_plan", "size_argument", "DatasetShape", "estimate_dataset"]
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
 LABEL_BYTES = 8  # one int64 class label per sample
@@ -128,7 +128,7 @@ def estimate_dataset(path: str | None, synthetic: str | None, probes: int = 16) 
     raise ValueError(f"{path} is neither an image folder nor an existing .npy/.npz file")
 
 
-def _size_argument(text: str) -> int:
+def size_argument(text: str) -> int:
     try:
         spec = parse_size(text, setting="memory", source="command line")
     except CacheSettingError as error:
@@ -149,11 +149,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-reserve", default=None, help="device memory kept for the model (default max(2 GiB, 10%%))")
     parser.add_argument("--job", default=None, help="a [jobs.NAME] table of gpuload.toml")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
-    parser.add_argument("--device-memory", type=_size_argument, default=None, metavar="SIZE",
+    parser.add_argument("--device-memory", type=size_argument, default=None, metavar="SIZE",
                         help="pretend a card of this size, e.g. 80GiB")
-    parser.add_argument("--device-free", type=_size_argument, default=None, metavar="SIZE",
+    parser.add_argument("--device-free", type=size_argument, default=None, metavar="SIZE",
                         help="with --device-memory: pretend this much is free (default: all of it)")
-    parser.add_argument("--host-memory", type=_size_argument, default=None, metavar="SIZE",
+    parser.add_argument("--host-memory", type=size_argument, default=None, metavar="SIZE",
                         help="pretend this much host RAM, all available")
     parser.add_argument("--probe-images", type=int, default=16, metavar="N",
                         help="images opened to estimate an image folder's sample size")
@@ -221,13 +221,3 @@ def _image_cache_line(path: Path, settings: CacheSettings, target: str, memory: 
         device_memory_info=memory, host_memory_info=host,
     )
     return f"image cache (for gpuload.DataLoader on this folder): {decision.mode}: {decision.reason}"
-
-
-def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpuload plan", description=__doc__)
-    add_plan_arguments(parser)
-    return run_plan(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

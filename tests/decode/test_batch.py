@@ -23,13 +23,13 @@ from gpuload.decode import (
     peek_size,
     resolve_backend,
 )
-from gpuload.decode import fallback
+from gpuload.decode import cpu
 
 CPU_MEAN_TOL, CPU_MAX_TOL = 0.5, 4
 GPU_MEAN_TOL, GPU_MAX_TOL = 1.0, 24
 
 # torchvision joins where installed; test_torchvision_backend says so where it is not.
-CPU_BACKENDS = ["dali-cpu", "pil"] + (["torchvision"] if fallback.torchvision_available() else [])
+CPU_BACKENDS = ["dali-cpu", "pil"] + (["torchvision"] if cpu.torchvision_available() else [])
 
 CPU = torch.device("cpu")
 
@@ -102,7 +102,7 @@ def test_exif_orientation_on_444(decoder: BatchDecoder, orientation: int) -> Non
     assert torch.equal(image, F.upright(stored, orientation))
 
 
-@pytest.mark.skipif(not fallback.torchvision_available(), reason="torchvision is not installed")
+@pytest.mark.skipif(not cpu.torchvision_available(), reason="torchvision is not installed")
 def test_torchvision_backend_matches_pil() -> None:
     decoder = BatchDecoder("cpu", backend="torchvision")
     for data in [F.jpeg("baseline-420"), F.jpeg("grayscale"), F.jpeg_with_orientation(6), F.png("RGBA")]:
@@ -234,7 +234,7 @@ def test_backend_resolution_without_dali(monkeypatch: pytest.MonkeyPatch) -> Non
     import gpuload.decode._dali as dali_module
 
     monkeypatch.setattr(dali_module, "dali_installed", lambda: False)
-    expected = "torchvision" if fallback.torchvision_available() else "pil"
+    expected = "torchvision" if cpu.torchvision_available() else "pil"
     assert resolve_backend(CPU, "auto") == expected
     assert resolve_backend(torch.device("cuda", 0), "auto") == expected
     with pytest.raises(ValueError, match="backend='dali' needs nvidia.dali"):

@@ -101,7 +101,7 @@ def test_partial_rows_on_a_gpu_fill_the_device_tier_once_then_copy_the_rest() ->
 def test_device_memory_is_for_modelling_on_a_cpu_only(tmp_path: Path, capsys) -> None:
     import argparse
 
-    from gpuload.cli import _partial_options_problem
+    from gpuload.cli.bench import _partial_options_problem
 
     args = argparse.Namespace(cache_size=None, device_memory=80 << 30)
     assert "on a GPU the real card decides" in _partial_options_problem(args, "partial", torch.device("cuda"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gpuload.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_quick_prints_table_and_writes_json_and_chart(tmp_path: Path, capsys) -> None:
