@@ -28,7 +28,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-__all__ = ["can_draw_whole_epoch", "epoch_batches"]
+__all__ = ["can_draw_whole_epoch", "draws_in_range", "epoch_batches", "in_range"]
 
 # torch samplers that draw everything at their first index (or draw nothing): draining them
 # into one tensor at the first batch is exactly what BatchSampler's first pull does.
@@ -51,6 +51,34 @@ def can_draw_whole_epoch(batch_sampler: object) -> bool:
         *_SINGLE_DRAW_SAMPLERS,
         RandomSampler,
     )
+
+
+def draws_in_range(batch_sampler: object, num_samples: int) -> bool:
+    """True when every index the epoch draws lies in ``[0, num_samples)`` without a check:
+    torch's BatchSampler over its Random or Sequential sampler of exactly that many samples."""
+    if not can_draw_whole_epoch(batch_sampler):
+        return False
+    sampler = batch_sampler.sampler
+    return type(sampler) in (RandomSampler, SequentialSampler) and len(sampler.data_source) == num_samples
+
+
+def in_range(indices: object, size: int) -> torch.Tensor:
+    """``indices`` (an int, a sequence or a tensor) as a flat int64 CPU tensor in ``[0, size)``.
+
+    Negative indices count from the end, as in torch's indexing; anything outside
+    ``[-size, size)`` raises the IndexError torch's tensor indexing raises, naming the index.
+    """
+    flat = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    if flat.numel():
+        low, high = (int(v) for v in torch.aminmax(flat))
+        if low < -size or high >= size:
+            bad = low if low < -size else high
+            raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {size}")
+        if low < 0:
+            flat = flat.remainder(size)
+    return flat
 
 
 def epoch_batches(batch_sampler: BatchSampler) -> Iterator[torch.Tensor]:

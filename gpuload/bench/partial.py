@@ -26,7 +26,7 @@ from gpuload.bench.scenarios import (
     synthetic_cifar,
     torch_spec,
 )
-from gpuload.cache import CachePlan, CacheSettings, format_bytes, make_plan, resolve_budget, resolve_reserve
+from gpuload.cache import CachePlan, CacheSettings, format_bytes
 from gpuload.device import MemoryInfo, host_memory
 
 __all__ = ["partial_loaders", "modelled_plan", "plan_summary", "dataset_nbytes", "DEFAULT_PRETENDED_CARD"]
@@ -52,15 +52,11 @@ def modelled_plan(dataset: TensorDataset, mode: str, cache_size: int | None, dev
     gpuload.toml), the reserve, the budget, then ``make_plan`` with this host's free memory.
     """
     settings = CacheSettings.resolve(cache=mode, cache_size=cache_size)
-    memory, host = MemoryInfo(free=device_memory, total=device_memory), host_memory()
+    memory = MemoryInfo(free=device_memory, total=device_memory)
     card = f"a pretended {format_bytes(device_memory)} card"
-    reserve = resolve_reserve(settings.reserve_spec, memory, source=settings.reserve.source, device_name=card)
-    budget = resolve_budget(settings.size_spec, memory, reserve, source=settings.size.source, device_name=card)
     num_samples = len(dataset)
-    return make_plan(
-        dataset_nbytes(dataset) // num_samples, num_samples, memory.free, host.free, budget, reserve,
-        settings.mode.value, device_total=memory.total, host_total=host.total, target="cuda",
-    )
+    return settings.array_plan(dataset_nbytes(dataset) // num_samples, num_samples, memory, host_memory(),
+                               device=card, shared=False)
 
 
 def plan_summary(plan: CachePlan) -> dict[str, Any]:

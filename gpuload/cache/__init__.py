@@ -1,11 +1,15 @@
-"""The VRAM-aware cache: how many bytes (budget), where each sample goes (plan), the storage (tiers).
+"""The VRAM-aware cache: every decision about keeping a dataset's bytes, and the storage.
 
-``settings`` resolves what the user asked for (keyword > environment > gpuload.toml >
-default); ``budget`` turns it into bytes for one device and books it in a process-wide
-ledger; ``plan`` decides placement as plain data; ``tiers`` holds the bytes and serves
-batches.
+- ``settings``: what the user asked for (keyword > environment > gpuload.toml > default), and
+  the budget arithmetic (room on the device, on the host, what a cache may keep);
+- ``budget``: sizes, reserves and the process-wide ledger that loaders share;
+- ``plan``: the pure placement plan of in-memory arrays over device / pinned host / source;
+- ``decide``: whether and where a dataset's samples or images are kept, and why;
+- ``probe``: looking at a dataset first (does it read the same twice? how large are its images?);
+- ``array_store`` and ``sample_store``: the storage itself; ``oom``: telling OOM from other errors.
 """
 
+from gpuload.cache.array_store import StoreStats, TieredArrayStore
 from gpuload.cache.budget import (
     LEDGER,
     BudgetLedger,
@@ -18,20 +22,18 @@ from gpuload.cache.budget import (
     resolve_budget,
     resolve_reserve,
 )
-from gpuload.cache.plan import CachePlan, default_host_reserve, make_plan
+from gpuload.cache.decide import CacheDecision, decide_images, decide_samples
+from gpuload.cache.oom import CacheFallbackWarning
+from gpuload.cache.plan import MODES, CachePlan, default_host_reserve, make_plan
+from gpuload.cache.probe import estimate_image_bytes, looks_deterministic
+from gpuload.cache.sample_store import SampleCache, SampleCacheStats
 from gpuload.cache.settings import CacheSettings, Setting
-from gpuload.cache.tiers import (
-    CacheFallbackWarning,
-    SampleCache,
-    SampleCacheStats,
-    StoreStats,
-    TieredArrayStore,
-    looks_deterministic,
-)
 
 __all__ = [
     "LEDGER",
+    "MODES",
     "BudgetLedger",
+    "CacheDecision",
     "CacheFallbackWarning",
     "CachePlan",
     "CacheSettingError",
@@ -43,8 +45,11 @@ __all__ = [
     "StoreStats",
     "TieredArrayStore",
     "available_budget",
+    "decide_images",
+    "decide_samples",
     "default_host_reserve",
     "default_reserve",
+    "estimate_image_bytes",
     "format_bytes",
     "looks_deterministic",
     "make_plan",

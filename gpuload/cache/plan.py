@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 from gpuload.cache.budget import format_bytes
 
-__all__ = ["CachePlan", "make_plan", "default_host_reserve", "HOST_RESERVE_MIN_BYTES", "HOST_RESERVE_FRACTION"]
+__all__ = ["MODES", "CachePlan", "make_plan", "default_host_reserve", "HOST_RESERVE_MIN_BYTES", "HOST_RESERVE_FRACTION"]
 
 HOST_RESERVE_MIN_BYTES = 4 << 30
 HOST_RESERVE_FRACTION = 0.10
-_MODES = ("auto", "device", "host", "off")
+MODES = ("auto", "device", "host", "off")
+"""The cache modes, everywhere a mode is checked."""
 
 
 def default_host_reserve(host_total: int) -> int:
@@ -165,8 +166,8 @@ def make_plan(
     ``host``). Whole samples only. ``target="cpu"`` means batches are used on the host: the
     source serves every sample and no tier is built.
     """
-    if mode not in _MODES:
-        raise ValueError(f"cache mode {mode!r} is not one of {', '.join(_MODES)}")
+    if mode not in MODES:
+        raise ValueError(f"cache mode {mode!r} is not one of {', '.join(MODES)}")
     if target not in ("cuda", "cpu"):
         raise ValueError(f"target {target!r} must be 'cuda' or 'cpu'")
     if bytes_per_sample <= 0:

@@ -30,7 +30,7 @@ from gpuload.cache.budget import (
     resolve_budget,
     resolve_reserve,
 )
-from gpuload.cache.plan import default_host_reserve
+from gpuload.cache.plan import MODES, CachePlan, default_host_reserve, make_plan
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,7 +39,6 @@ else:  # pragma: no cover - exercised on python 3.10 only
 
 __all__ = ["CacheSettings", "Setting", "MODES", "ENV_VARS", "CONFIG_FILE_NAME"]
 
-MODES = ("auto", "device", "host", "off")
 CONFIG_FILE_NAME = "gpuload.toml"
 ENV_VARS = {
     "cache": "GPULOAD_CACHE",
@@ -155,6 +154,34 @@ class CacheSettings:
         reserve = resolve_reserve(self.reserve_spec, memory, source=self.reserve.source, device_name=str(device))
         budget = available_budget(self.size_spec, reserve, memory, device=device, owner=owner, source=self.size.source)
         return min(budget, max(0, memory.free - reserve))
+
+    def array_plan(
+        self,
+        bytes_per_sample: int,
+        num_samples: int,
+        memory: Any,
+        host: Any,
+        *,
+        device: Any,
+        owner: Any = None,
+        shared: bool = True,
+    ) -> CachePlan:
+        """Where in-memory arrays go on ``device`` (a CUDA device, or a pretended card's name):
+        the reserve, the budget, then :func:`~gpuload.cache.plan.make_plan`.
+
+        ``shared``: the budget is what other loaders of this process left (the ledger); a
+        pretended card (``gpuload plan``, the bench's modelled rows) has no other loaders.
+        """
+        name = str(device)
+        reserve = resolve_reserve(self.reserve_spec, memory, source=self.reserve.source, device_name=name)
+        if shared:
+            budget = available_budget(self.size_spec, reserve, memory, device=device, owner=owner, source=self.size.source)
+        else:
+            budget = resolve_budget(self.size_spec, memory, reserve, source=self.size.source, device_name=name)
+        return make_plan(
+            bytes_per_sample, num_samples, memory.free, host.free, budget, reserve, self.mode.value,
+            device_total=memory.total, host_total=host.total, target="cuda",
+        )
 
     def keepable(self, device: Any, memory: Any, held: int) -> int:
         """Device bytes a cache now holding ``held`` may keep with free memory above the reserve

@@ -17,20 +17,15 @@ from pathlib import Path
 
 import numpy as np
 
-from gpuload.cache.budget import (
-    CacheSettingError,
-    format_bytes,
-    parse_size,
-    resolve_budget,
-    resolve_reserve,
-)
-from gpuload.cache.plan import make_plan
-from gpuload.cache.settings import MODES, CacheSettings
+import torch
+
+from gpuload.cache import MODES, CacheSettingError, CacheSettings, decide_images, format_bytes, make_plan, parse_size
+from gpuload.cache.probe import image_sizes
+from gpuload.datasets.images import ImageFolder
 from gpuload.device import MemoryInfo, cuda_available, device_memory, host_memory, resolve_device
 
 __all__ = ["add_plan_arguments", "run_plan", "size_argument", "DatasetShape", "estimate_dataset"]
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
 LABEL_BYTES = 8  # one int64 class label per sample
 SYNTHETIC = {
     # name: (samples, bytes per sample, description)
@@ -53,33 +48,24 @@ class DatasetShape:
 
 
 def _image_folder(path: Path, probes: int) -> DatasetShape:
-    from PIL import Image
-
-    files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
-    if not files:
-        raise ValueError(
-            f"{path} holds no images ({', '.join(IMAGE_SUFFIXES)}); give an image folder, an "
-            ".npy/.npz file, or --synthetic"
-        )
-    step = max(1, len(files) // max(1, probes))
-    sampled = files[::step][:probes]
-    decoded, encoded = [], []
-    for file in sampled:
-        try:
-            with Image.open(file) as image:  # reads the header only
-                width, height = image.size
-        except OSError as error:
-            raise ValueError(f"cannot read image {file}: {error}") from None
-        decoded.append(3 * width * height)
-        encoded.append(file.stat().st_size)
+    """The folder as ``gpuload.DataLoader`` loads it (``ImageFolder``: class sub-folders, the
+    decodable endings), sized from a few headers by the estimator the image cache uses."""
+    try:
+        folder = ImageFolder(path)
+    except FileNotFoundError as error:
+        raise ValueError(f"{error}; give an image folder, an .npy/.npz file, or --synthetic") from None
+    sizes = image_sizes(folder, probes)
+    if not sizes:
+        raise ValueError(f"none of the {min(probes, len(folder))} images probed in {path} has a readable header")
+    decoded = [d for d, _ in sizes]
     per_sample = math.ceil(sum(decoded) / len(decoded)) + LABEL_BYTES
     return DatasetShape(
-        len(files),
+        len(folder),
         per_sample,
-        f"image folder {path}: {len(files)} images; {len(sampled)} probed, decoded RGB uint8 "
+        f"image folder {path}: {len(folder)} images; {len(sizes)} probed, decoded RGB uint8 "
         f"{format_bytes(min(decoded))} to {format_bytes(max(decoded))} "
         f"(mean {format_bytes(per_sample - LABEL_BYTES)}) + int64 label; "
-        f"encoded mean {format_bytes(sum(encoded) / len(encoded))} on disk",
+        f"encoded mean {format_bytes(sum(e for _, e in sizes) / len(sizes))} on disk",
     )
 
 
@@ -181,16 +167,11 @@ def run_plan(args: argparse.Namespace) -> int:
         host = (MemoryInfo(args.host_memory, args.host_memory) if args.host_memory is not None
                 else host_memory())
         if target == "cuda":
-            reserve = resolve_reserve(settings.reserve_spec, memory, source=settings.reserve.source,
-                                      device_name=device_name)
-            budget = resolve_budget(settings.size_spec, memory, reserve, source=settings.size.source,
-                                    device_name=device_name)
+            plan = settings.array_plan(shape.bytes_per_sample, shape.num_samples, memory, host,
+                                       device=device_name, shared=False)
         else:
-            reserve = budget = 0
-        plan = make_plan(
-            shape.bytes_per_sample, shape.num_samples, memory.free, host.free, budget, reserve,
-            settings.mode.value, device_total=memory.total or None, host_total=host.total, target=target,
-        )
+            plan = make_plan(shape.bytes_per_sample, shape.num_samples, 0, host.free, 0, 0, settings.mode.value,
+                             host_total=host.total, target="cpu")
     except ValueError as error:  # CacheSettingError, DeviceError and bad datasets are ValueErrors
         print(f"gpuload plan: error: {error}", file=sys.stderr)
         return 2
@@ -210,14 +191,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _image_cache_line(path: Path, settings: CacheSettings, target: str, memory: MemoryInfo, host: MemoryInfo) -> str:
     """What the loader's image cache would keep for this folder: decoded images or file bytes."""
-    import torch
-
-    from gpuload.datasets.images import ImageList
-    from gpuload.image_cache import choose_image_cache
-
-    files = sorted(str(p) for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
-    decision = choose_image_cache(
-        ImageList([(file, 0) for file in files]), settings, torch.device(target), owner="gpuload plan",
+    decision = decide_images(
+        ImageFolder(path), settings, torch.device(target), owner="gpuload plan",
         device_memory_info=memory, host_memory_info=host,
     )
-    return f"image cache (for gpuload.DataLoader on this folder): {decision.mode}: {decision.reason}"
+    return f"image cache (for gpuload.DataLoader on this folder): {decision.holds or 'none'}: {decision.reason}"

@@ -1,28 +1,23 @@
-"""Cache storage: tiered array gathers equal a plain index_select, sample cache, determinism probe."""
+"""TieredArrayStore: gathers across device / pinned host / source equal a plain index_select."""
 
 from __future__ import annotations
 
 import gc
-import random
 import warnings
 import weakref
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset
 
+import gpuload.cache.array_store as array_store
+from gpuload.cache import CacheFallbackWarning, TieredArrayStore
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.plan import make_plan
-from gpuload.cache.tiers import (
-    CacheFallbackWarning,
-    SampleCache,
-    TieredArrayStore,
-    looks_deterministic,
-)
 
 GiB = 2**30
 N = 1000
+gpu = pytest.mark.gpu
 
 
 def arrays(n: int = N) -> dict[str, torch.Tensor]:
@@ -152,12 +147,10 @@ def test_close_releases_memory_and_ledger():
 
 
 def test_host_oom_falls_back_to_source_with_one_warning(monkeypatch):
-    import gpuload.cache.tiers as tiers
-
     def fail(rows):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
 
-    monkeypatch.setattr(tiers, "_host_copy", fail)
+    monkeypatch.setattr(array_store, "_host_copy", fail)
     data = arrays()
     with pytest.warns(CacheFallbackWarning, match="pinning 500 samples") as caught:
         store = TieredArrayStore(data, forced_plan(data, 0, 500), "cpu", ledger=BudgetLedger())
@@ -168,112 +161,10 @@ def test_host_oom_falls_back_to_source_with_one_warning(monkeypatch):
 
 
 def test_other_errors_are_not_swallowed(monkeypatch):
-    import gpuload.cache.tiers as tiers
-
-    monkeypatch.setattr(tiers, "_host_copy", lambda rows: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(array_store, "_host_copy", lambda rows: (_ for _ in ()).throw(RuntimeError("boom")))
     data = arrays()
     with pytest.raises(RuntimeError, match="boom"):
         TieredArrayStore(data, forced_plan(data, 0, 500), "cpu", ledger=BudgetLedger())
-
-
-# -- SampleCache -------------------------------------------------------------------------------
-
-
-def test_sample_cache_budget_and_counts():
-    sample = {"image": torch.zeros(10, dtype=torch.uint8), "label": 3, "name": "a"}
-    per_sample = 10 + 8 + 1
-    cache = SampleCache(per_sample * 3 + 5)
-    for i in range(5):
-        cache.put(i, sample)
-    assert len(cache) == 3 and cache.full
-    assert 3 not in cache and 2 in cache
-    stats = cache.stats
-    assert stats.bytes == 3 * per_sample and stats.rejected == 2
-    got = cache.get(1)
-    assert torch.equal(got["image"], sample["image"]) and got["label"] == 3 and got["name"] == "a"
-    assert cache.get(4) is None
-    assert cache.stats.hits == 1 and cache.stats.misses == 1
-
-
-def test_sample_cache_copies_and_keeps_structure():
-    tensor = torch.arange(4)
-    array = np.arange(3)
-    cache = SampleCache(10**6)
-    assert cache.put(0, (tensor, [array, 1.5], {"k": tensor}))
-    tensor += 100  # the dataset reuses its buffer
-    array += 100
-    got = cache.get(0)
-    assert isinstance(got, tuple) and isinstance(got[1], list) and isinstance(got[2], dict)
-    assert torch.equal(got[0], torch.arange(4)) and np.array_equal(got[1][0], np.arange(3))
-    assert not cache.put(1, object())  # not a cacheable type
-    assert cache.stats.uncacheable == 1
-
-
-def test_sample_cache_close():
-    ledger = BudgetLedger()
-    cache = SampleCache(100, ledger=ledger)
-    cache.put(0, torch.zeros(4))
-    stored = weakref.ref(cache.get(0))
-    cache.close()
-    gc.collect()
-    assert stored() is None and len(cache) == 0
-    assert not cache.put(1, torch.zeros(1))
-    cache.close()
-
-
-# -- determinism probe ------------------------------------------------------------------------
-
-
-class Fixed(Dataset):
-    def __len__(self):
-        return 10
-
-    def __getitem__(self, i):
-        return {"x": torch.full((3,), float(i)), "y": np.array([i, float("nan")]), "i": i}
-
-
-class Augmenting(Fixed):
-    def __getitem__(self, i):
-        sample = super().__getitem__(i)
-        sample["x"] = sample["x"] + torch.rand(3)
-        return sample
-
-
-def test_looks_deterministic_true_for_fixed_data():
-    ok, reason = looks_deterministic(Fixed())
-    assert ok and "equal" in reason and "dataset[0, 5, 9]" in reason
-
-
-def test_looks_deterministic_false_for_random_augmentation_and_restores_rng():
-    torch.manual_seed(7)
-    np.random.seed(7)
-    random.seed(7)
-    expected_next = (torch.rand(1), np.random.rand(), random.random())
-    torch.manual_seed(7)
-    np.random.seed(7)
-    random.seed(7)
-    ok, reason = looks_deterministic(Augmenting(), [2])
-    assert not ok
-    assert "dataset[2]" in reason and "['x']" in reason and "augmented" in reason
-    assert torch.equal(torch.rand(1), expected_next[0])
-    assert np.random.rand() == expected_next[1] and random.random() == expected_next[2]
-
-
-def test_looks_deterministic_numpy_augmentation():
-    class NumpyAug(Dataset):
-        def __len__(self):
-            return 4
-
-        def __getitem__(self, i):
-            return np.random.rand(2), i
-
-    ok, reason = looks_deterministic(NumpyAug())
-    assert not ok and "[0]: array values differ" in reason
-
-
-# -- CUDA --------------------------------------------------------------------------------------
-
-gpu = pytest.mark.gpu
 
 
 @gpu
@@ -312,17 +203,6 @@ def test_cuda_device_oom_falls_back_to_host_with_one_warning(monkeypatch):
     index = torch.randperm(N)[:64]
     assert torch.equal(store.gather(index)["image"].cpu(), data["image"].index_select(0, index))
     store.close()
-
-
-@gpu
-def test_cuda_sample_cache_books_ledger():
-    ledger = BudgetLedger()
-    cache = SampleCache(1000, "cuda", ledger=ledger, owner="s")
-    cache.put(0, torch.zeros(100, dtype=torch.uint8))
-    assert cache.get(0).device.type == "cuda"
-    assert ledger.used("cuda:0") == 100
-    cache.close()
-    assert ledger.owners("cuda:0") == {}
 
 
 def test_no_warning_when_everything_fits():
@@ -377,57 +257,6 @@ def test_meta_device_tier_books_ledger_and_shrinks():
     assert store.gather(torch.arange(N))["label"].shape == (N,)
     store.close()
     assert ledger.owners("meta") == {}
-
-
-def test_sample_cache_settle_stops_adding_and_shrinks_the_budget():
-    cache = SampleCache(1000)
-    assert cache.put(0, torch.zeros(100, dtype=torch.uint8))
-    cache.settle()
-    assert cache.stats.budget == 100 and cache.full
-    assert not cache.put(1, torch.zeros(1, dtype=torch.uint8))
-    assert cache.peek(0) is not None and cache.stats.hits == 0  # peek counts nothing
-
-
-@gpu
-def test_cuda_sample_cache_settle_gives_the_unused_booking_back():
-    ledger = BudgetLedger()
-    cache = SampleCache(1000, "cuda", ledger=ledger, owner="s")
-    cache.put(0, torch.zeros(100, dtype=torch.uint8))
-    assert ledger.reserved("cuda:0") == 1000
-    cache.settle()
-    assert ledger.reserved("cuda:0") == 100 and ledger.used("cuda:0") == 100
-    cache.close()
-    assert ledger.owners("cuda:0") == {}
-
-
-def test_sample_cache_shrink_drops_the_newest_and_stops_adding():
-    cache = SampleCache(1000)
-    for index in range(5):
-        cache.put(index, torch.zeros(100, dtype=torch.uint8))
-    assert cache.shrink(250) == 300
-    assert sorted(i for i in range(5) if i in cache) == [0, 1]
-    assert cache.stats.bytes == 200 and cache.full
-    assert not cache.put(9, torch.zeros(1, dtype=torch.uint8))
-    assert cache.shrink(1000) == 0
-
-
-def test_sample_cache_asks_for_room_before_adding_and_stops_with_one_warning():
-    calls = []
-
-    def ask() -> int:  # 250 bytes free above the reserve at first; the cache then took 200
-        calls.append(1)
-        return 250 if len(calls) == 1 else 50
-
-    cache = SampleCache(10_000, room=ask)
-    assert cache.put(0, torch.zeros(100, dtype=torch.uint8))
-    assert cache.put(1, torch.zeros(100, dtype=torch.uint8))
-    assert len(calls) == 1  # the first answer covered both
-    with pytest.warns(CacheFallbackWarning, match="reached the reserve after caching 2 samples"):
-        assert not cache.put(2, torch.zeros(100, dtype=torch.uint8))  # 50 bytes left, 100 asked
-    assert len(calls) == 2 and cache.full and cache.stats.entries == 2
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert not cache.put(3, torch.zeros(1, dtype=torch.uint8))
 
 
 @gpu

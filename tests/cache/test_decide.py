@@ -1,14 +1,14 @@
-"""The image cache: which mode the budget chooses, and keeping decoded images or encoded bytes."""
+"""Cache decisions: where a dataset's samples or images are kept (or not), and why."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils.data as tud
 
-from gpuload.cache import CacheSettings
+from gpuload.cache import CacheSettings, decide_images, decide_samples, estimate_image_bytes
 from gpuload.datasets.images import make_sample_image_folder
 from gpuload.device import MemoryInfo
-from gpuload.image_cache import ImageCache, ImageCacheDecision, choose_image_cache, estimate_image_bytes
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -19,68 +19,86 @@ def folder(tmp_path_factory):
     return make_sample_image_folder(tmp_path_factory.mktemp("photos"), num_images=12, num_classes=3)
 
 
+class Counted(tud.Dataset):
+    """Deterministic samples of mixed types; counts reads made in this process."""
+
+    def __init__(self, n: int = 37) -> None:
+        self.n, self.reads = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int):
+        self.reads += 1
+        g = torch.Generator().manual_seed(int(index))
+        return {"x": torch.rand(3, generator=g), "label": int(index) % 5, "name": f"s{index}"}
+
+
+class Augmented(Counted):
+    def __getitem__(self, index: int):
+        self.reads += 1
+        return torch.rand(3)
+
+
+def settings(**keywords) -> CacheSettings:
+    return CacheSettings.resolve(environ={}, cwd="/", **keywords)
+
+
+def decide(dataset, device="cuda", *, collate=True, workers=0, in_order=True, probe=None, free=40 * GiB, **kw):
+    def must_not_probe(_):
+        raise AssertionError("the dataset was probed")
+
+    return decide_samples(
+        dataset, settings(**kw), torch.device(device), default_collate=collate, num_workers=workers,
+        in_order=in_order, owner=("test", id(dataset)), device_memory_info=MemoryInfo(free=free, total=80 * GiB),
+        host_memory_info=MemoryInfo(free=100 * GiB, total=128 * GiB), probe=probe or must_not_probe,
+    )
+
+
+def test_decision_matrix() -> None:
+    data = Counted()
+    same = lambda _: (True, "equal")
+    differs = lambda _: (False, "two reads differ")
+    assert decide(data, cache="off").tier == "none"
+    assert decide(data, cache_size=0).tier == "none"
+    assert decide(Counted(0)).tier == "none"
+    assert decide(data, workers=2, in_order=False, cache="device").tier == "none"
+    cpu_auto = decide(data, device="cpu")
+    assert cpu_auto.tier == "none" and "cache='host'" in cpu_auto.reason
+    assert decide(data, device="cpu", cache="host").tier == "host"
+    assert decide(data, device="cpu", cache="host", cache_size="1KiB").budget == 1024
+    auto = decide(data, probe=same)
+    assert auto.tier == "device" and auto.budget == 40 * GiB - 8 * GiB  # free minus the 10% reserve
+    declined = decide(data, probe=differs)
+    assert declined.tier == "none" and declined.warn and "differ" in declined.reason
+    assert decide(data, cache="device").tier == "device"  # forced: no probe
+    assert decide(data, collate=False, probe=same).tier == "host"
+    assert decide(data, cache="host").tier == "host"
+    assert decide(data, probe=same, free=8 * GiB).tier == "host"  # nothing above the reserve
+
+
 def choose(source, device="cuda", free=40 * GiB, host_free=100 * GiB, **keywords):
-    settings = CacheSettings.resolve(environ={}, cwd="/", **keywords)
-    return choose_image_cache(
-        source, settings, torch.device(device), owner=("test", id(source)),
+    return decide_images(
+        source, settings(**keywords), torch.device(device), owner=("test", id(source)),
         device_memory_info=MemoryInfo(free=free, total=80 * GiB),
         host_memory_info=MemoryInfo(free=host_free, total=128 * GiB),
     )
 
 
-def test_estimates_come_from_real_headers_and_sizes(folder) -> None:
+def test_image_cache_keeps_what_the_budget_allows(folder) -> None:
     decoded, encoded = estimate_image_bytes(folder)
-    exact_decoded = exact_encoded = 0
-    for index in range(len(folder)):
-        data, _ = folder.read_encoded(index)
-        exact_encoded += len(data)
-        image = folder[index][0]
-        exact_decoded += image.numel()
-    assert decoded == exact_decoded and encoded == exact_encoded  # 12 files: all probed
-    assert 4 < decoded / encoded < 60  # JPEG at quality ~90 against 3 bytes a pixel
-
-
-def test_mode_follows_the_budget(folder) -> None:
-    decoded, encoded = estimate_image_bytes(folder)
-    assert choose(folder).mode == "decoded"
+    whole = choose(folder)
+    assert (whole.tier, whole.holds) == ("device", "decoded")
     # Decoded images do not fit the device budget but the bytes fit in host memory.
     small = choose(folder, cache_size=decoded // 2)
-    assert small.mode == "encoded" and "would not fit" in small.reason
+    assert (small.tier, small.holds) == ("host", "encoded") and "would not fit" in small.reason
     # Neither fits: as many decoded images as the budget holds.
-    assert choose(folder, cache_size=decoded // 2, host_free=12 * GiB).mode == "decoded"
-    assert choose(folder, cache="device", cache_size=decoded // 2).mode == "decoded"  # forced
-    assert choose(folder, cache="host").mode == "encoded"
-    assert choose(folder, cache="off").mode == "none"
-    assert choose(folder, cache_size=0).mode == "none"
+    assert choose(folder, cache_size=decoded // 2, host_free=12 * GiB).holds == "decoded"
+    assert choose(folder, cache="device", cache_size=decoded // 2).holds == "decoded"  # forced
+    assert choose(folder, cache="host").holds == "encoded"
+    assert not choose(folder, cache="off").caches
+    assert choose(folder, cache_size=0).tier == "none"
     cpu = choose(folder, device="cpu")
-    assert cpu.mode == "none" and "cache='device'" in cpu.reason
-    assert choose(folder, device="cpu", cache="device").mode == "decoded"
+    assert not cpu.caches and "cache='device'" in cpu.reason
+    assert choose(folder, device="cpu", cache="device").holds == "decoded"
     assert choose(folder, device="cpu", cache="host", cache_size="1MiB").budget == MiB
-
-
-def test_keeps_decoded_images_until_the_budget_then_settles(folder) -> None:
-    image = folder[0][0]
-    cache = ImageCache(ImageCacheDecision("decoded", 2 * image.numel(), "test"), torch.device("cpu"), 3, "t")
-    assert cache.keep(0, image) and cache.keep(1, image)
-    assert not cache.keep(2, image)  # over the budget
-    assert torch.equal(cache.get(0), image) and cache.get(2) is None
-    assert not cache.complete and not cache.decodes
-    stats = cache.stats()
-    assert stats["mode"] == "decoded" and stats["entries"] == 2 and stats["hits"] == 1
-    cache.close()
-    assert cache.get(0) is None
-
-
-def test_keeps_encoded_bytes_and_completes(folder) -> None:
-    blobs = [folder.read_encoded(i)[0] for i in range(2)]
-    cache = ImageCache(ImageCacheDecision("encoded", GiB, "test"), torch.device("cpu"), 2, "t")
-    assert cache.decodes
-    for index, data in enumerate(blobs):
-        assert cache.keep(index, data)
-    assert cache.complete and cache.get(1) == blobs[1]
-    assert cache.stats()["budget"] == sum(map(len, blobs))  # settled to what it holds
-
-
-def test_a_mode_is_required() -> None:
-    with pytest.raises(ValueError, match="decoded"):
-        ImageCache(ImageCacheDecision("none", 0, ""), torch.device("cpu"), 1, "t")

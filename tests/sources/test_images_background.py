@@ -13,7 +13,7 @@ import gpuload
 from gpuload import transforms as T
 from gpuload.datasets import ImageFolder, ImageList, make_sample_image_folder
 from gpuload.decode import ImageDecodeError
-from gpuload.image_batches import ImageBatches
+from gpuload.sources.images import ImageFileSource
 from equivalence import assert_same
 
 OPS = [T.RandomResizedCrop(24), T.RandomHorizontalFlip(), T.ToDtype(torch.float16)]
@@ -72,13 +72,13 @@ def test_batches_are_decoded_in_a_background_thread_with_a_depth_on_the_cpu(
     folder: ImageFolder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[str] = []
-    original = ImageBatches.decode
+    original = ImageFileSource.decode
 
     def recording(self, *args, **kw):
         seen.append(threading.current_thread().name)
         return original(self, *args, **kw)
 
-    monkeypatch.setattr(ImageBatches, "decode", recording)
+    monkeypatch.setattr(ImageFileSource, "decode", recording)
     loop = threading.current_thread().name
     for depth, expected in ((1, "gpuload-prefetch"), (2, "gpuload-prefetch"), (0, loop), (None, loop)):
         seen.clear()

@@ -17,7 +17,7 @@ import torch
 
 import image_fixtures as F
 import gpuload
-from gpuload import image_batches
+from gpuload.sources import images as image_source
 from gpuload import transforms as T
 from gpuload.datasets import ImageList
 from gpuload.decode import BatchDecoder, ImageDecodeError
@@ -135,7 +135,7 @@ def test_windows_that_do_not_match_the_images_are_a_clear_error() -> None:
 def test_loader_decodes_only_the_windows_and_matches_whole_decoding(
     mixed: ImageList, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(image_batches, "BatchDecoder", partial(BatchDecoder, backend=backend))
+    monkeypatch.setattr(image_source, "BatchDecoder", partial(BatchDecoder, backend=backend))
     g = torch.Generator().manual_seed(7)
     loader = gpuload.DataLoader(mixed, batch_size=4, shuffle=True, generator=g, device="cpu", transforms=OPS)
     order = torch.utils.data.DataLoader(range(len(mixed)), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))

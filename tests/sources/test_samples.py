@@ -10,7 +10,7 @@ import torch.utils.data as tud
 
 import gpuload
 from gpuload.cache import CacheSettings
-from gpuload.cached_samples import RecordingSampler, decide_sample_cache
+from gpuload.sources.samples import RecordingSampler
 from gpuload.device import MemoryInfo
 from equivalence import assert_same, assert_same_epochs
 
@@ -40,39 +40,6 @@ class Augmented(Counted):
 
 def settings(**keywords) -> CacheSettings:
     return CacheSettings.resolve(environ={}, cwd="/", **keywords)
-
-
-def decide(dataset, device="cuda", *, collate=True, workers=0, in_order=True, probe=None, free=40 * GiB, **kw):
-    def must_not_probe(_):
-        raise AssertionError("the dataset was probed")
-
-    return decide_sample_cache(
-        dataset, settings(**kw), torch.device(device), default_collate=collate, num_workers=workers,
-        in_order=in_order, owner=("test", id(dataset)), device_memory_info=MemoryInfo(free=free, total=80 * GiB),
-        host_memory_info=MemoryInfo(free=100 * GiB, total=128 * GiB), probe=probe or must_not_probe,
-    )
-
-
-def test_decision_matrix() -> None:
-    data = Counted()
-    same = lambda _: (True, "equal")
-    differs = lambda _: (False, "two reads differ")
-    assert decide(data, cache="off").tier == "none"
-    assert decide(data, cache_size=0).tier == "none"
-    assert decide(Counted(0)).tier == "none"
-    assert decide(data, workers=2, in_order=False, cache="device").tier == "none"
-    cpu_auto = decide(data, device="cpu")
-    assert cpu_auto.tier == "none" and "cache='host'" in cpu_auto.reason
-    assert decide(data, device="cpu", cache="host").tier == "host"
-    assert decide(data, device="cpu", cache="host", cache_size="1KiB").budget == 1024
-    auto = decide(data, probe=same)
-    assert auto.tier == "device" and auto.budget == 40 * GiB - 8 * GiB  # free minus the 10% reserve
-    declined = decide(data, probe=differs)
-    assert declined.tier == "none" and declined.warn and "differ" in declined.reason
-    assert decide(data, cache="device").tier == "device"  # forced: no probe
-    assert decide(data, collate=False, probe=same).tier == "host"
-    assert decide(data, cache="host").tier == "host"
-    assert decide(data, probe=same, free=8 * GiB).tier == "host"  # nothing above the reserve
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -208,9 +175,9 @@ def test_close_drops_the_samples_and_iteration_starts_again() -> None:
     data = Counted(10)
     loader = gpuload.DataLoader(data, batch_size=4, cache="host")
     list(loader)
-    cache = loader._samples.cache
     loader.close()
-    assert len(cache) == 0 and cache.stats.bytes == 0
+    released = loader.stats.extra["cache"]
+    assert released["released"] and released["entries"] == 0 and released["bytes"] == 0
     assert_same_epochs(loader, tud.DataLoader(data, batch_size=4), epochs=1)
 
 
@@ -238,9 +205,8 @@ def test_device_tier_serves_epochs_without_copies() -> None:
     assert all(batch["x"].is_cuda for batch in batches)
     assert ours.stats.bytes_h2d == moved  # epoch 2 copied nothing
     assert ours.stats.bytes_h2d_per_epoch[1] == 0 < ours.stats.bytes_h2d_per_epoch[0]
-    cache = ours._samples.cache
     ours.close()
-    assert len(cache) == 0
+    assert ours.stats.extra["cache"]["entries"] == 0
 
 
 @pytest.mark.gpu
@@ -257,14 +223,14 @@ def test_auto_declines_a_randomly_augmented_dataset_with_one_warning() -> None:
 def test_device_tier_shrinks_when_the_model_grows_into_the_reserve(monkeypatch) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    import gpuload.cache.tiers as tiers
+    import gpuload.cache.sample_store as sample_store
 
     data = Counted()
     loader = gpuload.DataLoader(data, batch_size=4, device="cuda", cache="device")
     list(loader)
-    real = tiers.device_memory
+    real = sample_store.device_memory
     monkeypatch.setattr(
-        tiers, "device_memory", lambda d: MemoryInfo(free=0, total=real(d).total)
+        sample_store, "device_memory", lambda d: MemoryInfo(free=0, total=real(d).total)
     )
     with pytest.warns(UserWarning, match="below the reserve"):
         batches = list(loader)

@@ -1,10 +1,10 @@
-"""Array datasets served by gathering: the data sits in one place, each batch is one index_select.
+"""In-memory arrays: the data sits in one place, each batch is one gather (``index_select``).
 
-``find_resident_columns`` recognises datasets whose samples are rows of arrays
-(``TensorDataset``, ``gpuload.ArrayDataset``, a bare tensor or numpy array) and proves, on
-sample 0, that a gather reproduces torch's fetch + collate exactly. ``ArrayColumns.place`` then
-puts the arrays on the device (or keeps them on the host when they do not fit or the cache is
-off) and ``ResidentColumns.gather`` builds batches.
+``detect`` recognises datasets whose samples are rows of arrays (``TensorDataset``,
+``gpuload.ArrayDataset``, a bare tensor or numpy array) and proves, on sample 0, that a gather
+reproduces torch's fetch + collate exactly. At the first epoch the cache plan places the arrays
+(device, pinned host, or left at the source) and every batch is gathered where they live; when
+they stay on the host, batches are gathered straight into the prefetcher's pinned slots.
 """
 
 from __future__ import annotations
@@ -17,22 +17,18 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
-from torch.utils.data import TensorDataset
+from torch.utils.data import TensorDataset, default_collate, default_convert
 
+from gpuload.augment import BatchAugmenter, image_column
+from gpuload.cache import CacheSettings, StoreStats, TieredArrayStore, format_bytes
 from gpuload.datasets.arrays import ArrayDataset
-from gpuload.cache import (
-    CacheSettings,
-    StoreStats,
-    TieredArrayStore,
-    available_budget,
-    format_bytes,
-    make_plan,
-    resolve_reserve,
-)
 from gpuload.device import device_memory, host_memory
-from gpuload.prefetch import Fill, TensorSpec
+from gpuload.prefetch import Fill, TensorSpec, default_depth
+from gpuload.sampling import in_range
+from gpuload.sources import Epoch, EpochRequest, Setup, Source
+from gpuload.transfer import batch_length
 
-__all__ = ["ArrayColumns", "ResidentColumns", "find_resident_columns"]
+__all__ = ["ArrayColumns", "ArraySource", "ResidentColumns", "detect", "find_columns"]
 
 
 def _raw_columns(dataset: Any) -> list[torch.Tensor] | None:
@@ -50,7 +46,7 @@ def _raw_columns(dataset: Any) -> list[torch.Tensor] | None:
     return None
 
 
-def find_resident_columns(
+def find_columns(
     dataset: Any, collate_fn: Callable[[Any], Any], batched: bool
 ) -> ArrayColumns | None:
     """The dataset's arrays and the batch structure, when gathering equals torch's collation.
@@ -115,21 +111,13 @@ class ArrayColumns:
         streams every batch through the prefetcher's pinned slots. On a CPU device the arrays
         are served in place. Otherwise a ``TieredArrayStore`` holds the device and host tiers.
         """
-        mode = settings.mode.value
-        if mode == "off":
+        if settings.mode.value == "off":
             return ResidentColumns(self, self.columns, device, "host-gather", copies_batches=True)
         if device.type == "cpu":
             return ResidentColumns(self, self.columns, device, "device-gather", copies_batches=False)
-        memory, host = device_memory(device), host_memory()
-        reserve = resolve_reserve(
-            settings.reserve_spec, memory, source=settings.reserve.source, device_name=str(device)
-        )
-        budget = available_budget(
-            settings.size_spec, reserve, memory, device=device, owner=owner, source=settings.size.source
-        )
-        plan = make_plan(
-            self.nbytes // self.num_samples, self.num_samples, memory.free, host.free, budget, reserve,
-            mode, device_total=memory.total, host_total=host.total, target="cuda",
+        plan = settings.array_plan(
+            self.nbytes // self.num_samples, self.num_samples, device_memory(device), host_memory(),
+            device=device, owner=owner,
         )
         if plan.device_samples + plan.host_samples == 0:
             warnings.warn(
@@ -192,31 +180,24 @@ class ResidentColumns:
         """True when the arrays stay on the host and every batch is copied to the device."""
         return self._copies_batches
 
-    def checked_index(self, indices: Any, batched: bool) -> torch.Tensor:
+    def checked_index(self, indices: Any) -> torch.Tensor:
         """``indices`` as a flat int64 tensor in range, failing the way torch's fetch fails."""
         if not self.columns:
             raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
-        index = torch.as_tensor(indices, dtype=torch.long)
-        flat = index.view(-1)
+        flat = in_range(indices, self.source.num_samples)
         if flat.numel() == 0:
-            # torch collates an empty list of samples, which fails the same way.
-            raise IndexError("list index out of range")
-        low, high = (int(v) for v in torch.aminmax(flat))
-        size = self.source.num_samples
-        if low < -size or high >= size:
-            bad = low if low < -size else high
-            raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {size}")
-        return flat.remainder(size) if low < 0 else flat
+            raise IndexError("list index out of range")  # torch collates an empty list, which fails so
+        return flat
 
-    def gather(self, indices: Any, batched: bool, in_range: bool = False) -> tuple[Any, torch.Tensor, int]:
+    def gather(self, indices: Any, batched: bool, checked: bool = False) -> tuple[Any, torch.Tensor, int]:
         """One batch, gathered where the arrays live: (batch, checked indices, bytes moved).
 
-        ``in_range``: the indices are an int64 tensor already known to lie in [0, len), as
+        ``checked``: the indices are an int64 tensor already known to lie in [0, len), as
         torch's RandomSampler and SequentialSampler over this dataset guarantee.
         """
         if not self.columns:
             raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
-        flat = indices if in_range else self.checked_index(indices, batched)
+        flat = indices if checked else self.checked_index(indices)
         if self.store is not None:
             leaves = self.store.gather(flat)
             h2d = self.store.stats.h2d_bytes
@@ -252,3 +233,97 @@ class ResidentColumns:
                 torch.index_select(column, 0, flat, out=target.view(-1, *column.shape[1:]))
 
         return Fill(layout, gather_into)
+
+
+def detect(setup: Setup) -> ArraySource | None:
+    """An ArraySource when the dataset's batches can be gathered from its arrays, else None."""
+    if not setup.map_style or setup.collate_fn not in (default_collate, default_convert):
+        return None
+    columns = find_columns(setup.dataset, setup.collate_fn, setup.batched)
+    return ArraySource(setup, columns) if columns is not None else None
+
+
+class ArraySource(Source):
+    """Batches gathered from in-memory arrays wherever the cache plan put them.
+
+    With ``transforms=``, the first uint8 N,C,H,W array is transformed after each gather.
+    Arrays kept on the host (``cache="off"``) stream through the prefetcher's pinned slots,
+    on a CPU device too: that is what ``cache="off"`` asks for.
+    """
+
+    ahead_on_cpu = True
+
+    def __init__(self, setup: Setup, columns: ArrayColumns) -> None:
+        super().__init__(setup)
+        self.columns = columns
+        self.resident: ResidentColumns | None = None
+        self.augment = None
+        if setup.transforms:
+            leaf = image_column(columns.columns)
+            self.augment = BatchAugmenter(setup.transforms, setup.seed, setup.device, leaf)
+
+    @property
+    def streams(self) -> bool:  # type: ignore[override]
+        return self.resident is not None and self.resident.copies_batches
+
+    def _place(self) -> bool:
+        """Place the arrays where the cache plan says, once; False if they were placed already."""
+        if self.resident is not None:
+            return False
+        setup = self.setup
+        self.resident = self.columns.place(setup.device, setup.settings, setup.owner)
+        self.h2d_bytes += self.resident.placed_bytes
+        self.path = self.resident.path
+        return True
+
+    def begin_epoch(self) -> None:
+        if not self._place():
+            self.resident.shrink_to_reserve(self.setup.settings)
+
+    def warm(self, progress: bool) -> None:
+        self._place()
+
+    def epoch(self, request: EpochRequest) -> Epoch:
+        resident, batched = self.resident, self.setup.batched
+        indices = request.indices()
+        if not request.ahead:
+            checked = request.in_range
+
+            def gather(index: Any) -> tuple[Any, int]:
+                batch, flat, moved_bytes = resident.gather(index, batched, checked)
+                self.h2d_bytes += moved_bytes
+                return self._augmented(batch, flat, request.number), flat.numel()
+
+            return Epoch(indices, gather)
+        # The check runs once in the prefetcher's thread (the gather needs it) and once here,
+        # in order, for the transforms' per-sample randomness: a bad index fails after the
+        # batches before it either way.
+        drawn = list(indices)
+        fills = (resident.fill(resident.checked_index(index), batched) for index in drawn)
+        positions = (resident.checked_index(index) for index in drawn) if self.augment is not None else None
+
+        def finish(batch: Any) -> tuple[Any, int]:
+            if positions is not None:
+                batch = self._augmented(batch, next(positions), request.number)
+            return batch, batch_length(batch) if batched else 1
+
+        sample_bytes = self.columns.nbytes // max(self.columns.num_samples, 1)
+        return Epoch(fills, finish, depth=default_depth(sample_bytes * (self.setup.batch_size or 1)))
+
+    def _augmented(self, batch: Any, flat: torch.Tensor, epoch: int) -> Any:
+        if self.augment is None:
+            return batch
+        batch = self.augment(batch, flat, epoch, self.setup.batched)
+        self.setup.stats.extra["transform_backend"] = self.augment.backend
+        return batch
+
+    def stats(self) -> dict[str, Any]:
+        store = self.resident.store if self.resident is not None else None
+        if store is None:
+            return {}
+        return {"cache": store.stats.as_dict(), "cache_plan": store.plan.describe()}
+
+    def close(self) -> None:
+        if self.resident is not None:
+            self.resident.release()
+            self.resident = None

@@ -1,0 +1,50 @@
+"""The epoch iterator the loader hands out: a source's epoch, in the loop's thread or ahead.
+
+One class serves every path. It pulls the epoch's items (made in the loop's thread, or by the
+prefetcher's thread ahead of it), finishes each in the loop's thread, and counts batches,
+samples and the time the loop waited inside ``next()``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from gpuload.sources import Epoch
+from gpuload.stats import LoaderStats
+
+__all__ = ["EpochIterator"]
+
+
+class EpochIterator(Iterator[Any]):
+    """One epoch of batches: ``epoch.finish`` applied to each of ``items`` in the loop's thread.
+
+    ``items`` is ``epoch.items`` itself, or the prefetcher's epoch over it; ``length`` gives
+    ``len()`` as torch's iterators report it.
+    """
+
+    def __init__(self, epoch: Epoch, items: Iterator[Any], stats: LoaderStats, length: Callable[[], int]) -> None:
+        self._items = items
+        self._finish = epoch.finish
+        self._stats = stats
+        self._length = length
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __len__(self) -> int:
+        return self._length()
+
+    def __next__(self) -> Any:
+        started = time.perf_counter()
+        try:
+            finished = None
+            while finished is None:
+                finished = self._finish(next(self._items))
+        finally:
+            self._stats.wait_time_s += time.perf_counter() - started
+        batch, count = finished
+        self._stats.batches += 1
+        self._stats.samples += count
+        return batch

@@ -1,0 +1,297 @@
+"""Image files: read the encoded bytes, decode a batch at once, transform it on the device.
+
+When the transform list starts with a crop, each sample's crop box is drawn from the image
+size in the file's header before decoding, and only that window is decoded (DALI decodes just
+the window; torchvision/PIL decode and crop); the result equals decoding the whole image.
+
+With an image cache (``cache/decide.py`` chooses it), a cached decoded image is neither read
+nor decoded, and cached encoded bytes are not read again; while the decoded cache fills, its
+images are decoded whole (the cache keeps the image, not one epoch's crop of it). Only the
+deterministic part is cached (file bytes, decoded pixels), never a transform's output, so an
+epoch from the cache gives the same batches as one from the files. Encoded bytes stay in
+pageable memory: DALI's ``external_source`` copies every input into its own staging buffers,
+so a pinned copy of ours would add a pinned allocation per image without saving a transfer.
+
+Serves gpuload's image datasets (``gpuload.datasets.ImageFolder``, ``ImageList``, or a
+torchvision ImageFolder) with torch's default collation: batches have the structure
+default_collate gives ``(image, label)`` samples, ``[images, labels]``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate, default_convert
+
+from gpuload.augment import BatchAugmenter
+from gpuload.cache import SampleCache, decide_images
+from gpuload.datasets.images import ImageSource, as_image_source
+from gpuload.decode import BatchDecoder, peek_size
+from gpuload.sampling import in_range
+from gpuload.sources import Epoch, EpochRequest, Setup, Source
+from gpuload.transforms.windows import Window
+
+__all__ = ["DecodedBatch", "ImageFileSource", "detect"]
+
+
+@dataclass
+class DecodedBatch:
+    """A batch after decoding, before the transforms: the kept samples' images (whole, or
+    their ``windows`` of images of ``sizes``), dataset positions and labels, and the decode
+    counters as they stood after it (for ``stats.extra``)."""
+
+    images: list[torch.Tensor]
+    positions: list[int]
+    labels: list[int]
+    epoch: int
+    windows: list[Window] | None
+    sizes: list[tuple[int, int]] | None
+    counters: dict[str, Any]
+
+
+def detect(setup: Setup, strict: bool) -> ImageFileSource | None:
+    """An ImageFileSource for an image-file dataset gpuload can decode itself, else None.
+
+    A torchvision dataset with its own ``transform`` stays on torch's path (so swapping the
+    import changes nothing) unless ``transforms=`` asks gpuload to take over (``strict``), in
+    which case the reason it cannot is raised.
+    """
+    if not setup.map_style or setup.collate_fn not in (default_collate, default_convert):
+        return None
+    try:
+        images = as_image_source(setup.dataset)
+    except ValueError:
+        if strict:
+            raise
+        return None
+    return ImageFileSource(setup, images) if images is not None else None
+
+
+class ImageFileSource(Source):
+    """Batches of dataset indices turned into device batches of decoded (and transformed) images."""
+
+    stages = False  # batches are made on the device; the prefetcher only runs this ahead
+    # Ahead of the loop, DEFAULT_DEPTH batches: one being made while the loop uses the one
+    # before, one more to absorb jitter in file sizes. Each holds a finished batch (38 MiB at
+    # 128 x 224^2 float16), so more buys nothing but memory.
+
+    def __init__(self, setup: Setup, images: ImageSource) -> None:
+        super().__init__(setup)
+        self.images = images
+        self.augment = (
+            BatchAugmenter(setup.transforms, setup.seed, setup.device, 0) if setup.transforms else None
+        )
+        self.decoder = BatchDecoder(setup.device, max_batch=setup.batch_size or 1)
+        self.skipped: list[tuple[int, str, str]] = []
+        self.fallback_decoded = 0
+        self.roi = "none"  # how the last batch's decode windows were honoured (DecodeResult.roi)
+        self.cache: SampleCache | None = None
+        self.keeps = ""  # what the cache keeps: "decoded" images or "encoded" bytes
+        self._decided = False
+        self._released: dict[str, Any] | None = None
+
+    # -- the cache ---------------------------------------------------------------------------
+
+    def _decide_cache(self) -> None:
+        """Choose the image cache at first use (again after ``close``)."""
+        if self._decided:
+            return
+        self._decided = True
+        setup = self.setup
+        decision = decide_images(self.images, setup.settings, setup.device, owner=setup.owner)
+        setup.stats.extra["image_cache_decision"] = f"{decision.holds or 'none'}: {decision.reason}"
+        if not decision.caches:
+            return
+        where = setup.device if decision.holds == "decoded" else torch.device("cpu")
+        self.cache = SampleCache(
+            decision.budget, where, owner=setup.owner, room=setup.settings.room_check(where),
+            num_samples=len(self.images),
+        )
+        self.keeps, self._reason = decision.holds, decision.reason
+        weakref.finalize(self, self.cache.close)
+
+    @property
+    def _keeps_encoded(self) -> bool:
+        return self.cache is not None and self.keeps == "encoded"
+
+    def begin_epoch(self) -> None:
+        self._decide_cache()
+        if self.cache is not None:
+            self.cache.fit_reserve(self.setup.settings.keepable, "those images are decoded from their files again")
+        self.path = "image-decode" if self.cache is None else f"image-cache ({self.keeps})"
+
+    def stats(self) -> dict[str, Any]:
+        if self.cache is not None:
+            return {"cache": self.cache.summary(kind="images", mode=self.keeps, reason=self._reason)}
+        return {"cache": self._released} if self._released is not None else {}
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+            self._released = dict(self.stats()["cache"], released=True)
+            self.cache = None
+        self._decided = False
+
+    def warm(self, progress: bool) -> None:
+        """Fill the image cache in one pass over the files not cached yet."""
+        from tqdm import tqdm
+
+        self._decide_cache()
+        cache = self.cache
+        if cache is None or not cache.accepting:
+            return
+        todo = [i for i in range(len(self.images)) if i not in cache]
+        batch_size = self.setup.batch_size or 1
+        with tqdm(total=len(todo), unit="image", desc="gpuload warm", disable=not progress) as bar:
+            for start in range(0, len(todo), batch_size):
+                chunk = todo[start : start + batch_size]
+                if self._keeps_encoded:
+                    for position in chunk:
+                        self._read(position)
+                else:
+                    self.decode(chunk, epoch=0)  # decodes whole while the cache accepts
+                bar.update(len(chunk))
+                if not cache.accepting:
+                    break
+
+    # -- an epoch ----------------------------------------------------------------------------
+
+    def epoch(self, request: EpochRequest) -> Epoch:
+        number = request.number
+        decoded = (self.decode(index, number) for index in request.indices())
+        # On the CPU the transforms stay in the loop's thread: their batch-sized float buffers
+        # page-fault afresh each batch when allocated from a background thread's malloc arena
+        # (measured 30% slower); on a GPU the thread runs them too, on the side stream.
+        if request.ahead and self.setup.device.type == "cuda":
+            return Epoch((self.finish(d) for d in decoded), self._deliver)
+        return Epoch(decoded, lambda d: self._deliver(self.finish(d)))
+
+    def _deliver(self, finished: tuple[Any, int, dict[str, Any]]) -> tuple[Any, int] | None:
+        """In the loop's thread: the counters as of this batch (not of those decoded ahead)."""
+        batch, count, counters = finished
+        self.setup.stats.extra.update(counters)
+        return (batch, count) if count else None
+
+    def _read(self, position: int) -> bytes | None:
+        """The file's bytes (from the encoded cache when it has them); None if skipped."""
+        cache = self.cache if self._keeps_encoded else None
+        if cache is not None:
+            data = cache.get(position)
+            if data is not None:
+                return data
+        try:
+            data, _ = self.images.read_encoded(position)
+        except Exception as error:  # unreadable file: ImageDecodeError names it
+            if self.setup.on_error != "skip":
+                raise
+            self.skipped.append((position, self.images.path(position), str(error)))
+            return None
+        if cache is not None:
+            cache.put(position, data)
+        return data
+
+    def decode(self, indices: Any, epoch: int) -> DecodedBatch:
+        """Read and decode the files of ``indices`` (only the transforms' windows, if any)."""
+        positions = in_range(indices, len(self.images)).tolist()
+        cache = self.cache
+        keeps_decoded = cache is not None and self.keeps == "decoded"
+        hits: dict[int, torch.Tensor] = {}  # batch slot -> cached decoded image
+        encoded, names, readable, slots = [], [], [], []
+        for slot, position in enumerate(positions):
+            image = cache.get(position) if keeps_decoded else None
+            if image is not None:
+                hits[slot] = image
+                continue
+            data = self._read(position)
+            if data is None:
+                continue
+            encoded.append(data)
+            names.append(self.images.path(position))
+            readable.append(position)
+            slots.append(slot)
+        filling = keeps_decoded and cache.accepting
+        sizes, windows = (None, None) if filling else self._windows(encoded, readable, epoch)
+        decoded: dict[int, tuple[torch.Tensor, Window | None, tuple[int, int] | None]] = {}
+        if encoded:
+            result = self.decoder.decode(encoded, names, readable, rois=windows, on_error=self.setup.on_error)
+            self.skipped.extend(result.skipped)
+            self.fallback_decoded += result.fallback_decoded
+            self.roi = result.roi
+            for k, image in zip(result.kept_positions, result.images):
+                if filling:
+                    cache.put(readable[k], image)
+                window = None if windows is None else windows[k]
+                decoded[slots[k]] = (image, window, None if sizes is None else sizes[k])
+        order = sorted([*hits, *decoded])
+        images, kept_windows, kept_sizes = [], [], []
+        for slot in order:
+            image, window, size = (hits[slot], None, None) if slot in hits else decoded[slot]
+            if window is None:  # a whole image is the window (0, 0, H, W) of itself
+                size = (image.shape[-2], image.shape[-1])
+                window = (0, 0, *size)
+            images.append(image)
+            kept_windows.append(window)
+            kept_sizes.append(size)
+        any_window = windows is not None
+        return DecodedBatch(
+            images=images,
+            positions=[positions[slot] for slot in order],
+            labels=[self.images.label(positions[slot]) for slot in order],
+            epoch=epoch,
+            windows=kept_windows if any_window else None,
+            sizes=kept_sizes if any_window else None,
+            counters={
+                "decode_backend": self.decoder.backend,
+                "skipped": len(self.skipped),
+                "fallback_decoded": self.fallback_decoded,
+                "roi": self.roi,
+            },
+        )
+
+    def finish(self, decoded: DecodedBatch) -> tuple[Any, int, dict[str, Any]]:
+        """Transform and collate a decoded batch: (batch, sample count, counters as of it);
+        the batch is None and the count 0 when every file was skipped."""
+        counters = dict(decoded.counters)
+        kept, kept_labels = decoded.positions, decoded.labels
+        batched = self.setup.batched
+        if not kept:
+            return None, 0, counters
+        if self.augment is not None:
+            images = self.augment.apply_list(
+                decoded.images, torch.tensor(kept), decoded.epoch, decoded.windows, decoded.sizes
+            )
+            counters["transform_backend"] = self.augment.backend
+        elif batched:
+            images = torch.stack(decoded.images)  # differing sizes fail as in torch's collate
+        else:
+            images = decoded.images[0]
+            if self.cache is not None and self.keeps == "decoded":
+                images = images.clone()  # the loop may change it in place; the cache keeps its own
+        if not batched:
+            return [images[0] if self.augment is not None else images, kept_labels[0]], 1, counters
+        labels = torch.tensor(kept_labels, dtype=torch.int64, device=self.setup.device)
+        return [images, labels], len(kept), counters
+
+    def _windows(
+        self, encoded: list[bytes], positions: list[int], epoch: int
+    ) -> tuple[list[tuple[int, int] | None] | None, list[Window | None] | None]:
+        """Upright sizes from the headers and the windows the transforms read, when the list
+        starts with a crop (else None, None). An unreadable header gets no window; the
+        decoder reports it as a bad file."""
+        if self.augment is None or not self.augment.reads_windows or not encoded:
+            return None, None
+        sizes: list[tuple[int, int] | None] = []
+        for data in encoded:
+            try:
+                sizes.append(peek_size(data))
+            except Exception:
+                sizes.append(None)
+        known = [k for k, size in enumerate(sizes) if size is not None]
+        drawn = self.augment.windows(torch.tensor([positions[k] for k in known]), [sizes[k] for k in known], epoch)
+        windows: list[Window | None] = [None] * len(encoded)
+        for k, window in zip(known, drawn):
+            windows[k] = window
+        return sizes, windows
