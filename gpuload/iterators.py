@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from gpuload.resume import EpochProgress
 from gpuload.sources import Epoch
 from gpuload.stats import LoaderStats
 
@@ -21,20 +22,32 @@ class EpochIterator(Iterator[Any]):
     """One epoch of batches: ``epoch.finish`` applied to each of ``items`` in the loop's thread.
 
     ``items`` is ``epoch.items`` itself, or the prefetcher's epoch over it; ``length`` gives
-    ``len()`` as torch's iterators report it.
+    ``len()`` as torch's iterators report it (less the batches a resumed epoch skips);
+    ``progress`` counts the index batches done, for ``state_dict()``, and ``on_end`` runs once
+    when the epoch ends.
     """
 
-    def __init__(self, epoch: Epoch, items: Iterator[Any], stats: LoaderStats, length: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        epoch: Epoch,
+        items: Iterator[Any],
+        stats: LoaderStats,
+        length: Callable[[], int],
+        progress: EpochProgress,
+        on_end: Callable[[], None],
+    ) -> None:
         self._items = items
         self._finish = epoch.finish
         self._stats = stats
         self._length = length
+        self._progress = progress
+        self._on_end = on_end
 
     def __iter__(self) -> EpochIterator:
         return self
 
     def __len__(self) -> int:
-        return self._length()
+        return self._length() - self._progress.skipped
 
     def __next__(self) -> Any:
         started = time.perf_counter()
@@ -42,6 +55,12 @@ class EpochIterator(Iterator[Any]):
             finished = None
             while finished is None:
                 finished = self._finish(next(self._items))
+                self._progress.batches += 1  # also a batch whose every file was skipped
+        except StopIteration:
+            if not self._progress.finished:
+                self._progress.finished = True
+                self._on_end()
+            raise
         finally:
             self._stats.wait_time_s += time.perf_counter() - started
         batch, count = finished

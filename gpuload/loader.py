@@ -21,7 +21,8 @@ from gpuload.cache import CacheSettings
 from gpuload.device import resolve_device
 from gpuload.iterators import EpochIterator
 from gpuload.prefetch import Prefetcher
-from gpuload.sampling import can_draw_whole_epoch, draws_in_range, epoch_batches
+from gpuload.resume import EpochProgress, RandomStates, load_state, save_state
+from gpuload.sampling import can_draw_whole_epoch, draws_in_range, epoch_batches, start_epoch_like_torch
 from gpuload.sources import EpochRequest, Setup, Source, arrays, images
 from gpuload.sources.samples import SampleSource, TorchLoading
 from gpuload.stats import LoaderStats
@@ -115,6 +116,8 @@ class DataLoader(tud.DataLoader[T_co]):
         self._epoch_start_bytes: list[int] = []
         self._counted = {"source": 0, "prefetch": 0}  # what was already added to stats.bytes_h2d
         self._prefetcher: Prefetcher | None = None
+        self._progress: EpochProgress | None = None  # the latest epoch's, for state_dict()
+        self._resume: EpochProgress | None = None  # a loaded position the next iter() takes up
         self._source = self._choose_source()
 
     # ----------------------------------------------------------------- public surface
@@ -161,13 +164,46 @@ class DataLoader(tud.DataLoader[T_co]):
             self._dataset_kind == _DatasetKind.Map and self._auto_collation
             and draws_in_range(self.batch_sampler, len(self.dataset))
         )
-        epoch = source.epoch(EpochRequest(self._epoch, ahead, self._draw_indices, in_range))
+        resume, self._resume = self._resume, None
+        if resume is None:
+            progress, draw = EpochProgress(self._epoch, RandomStates.capture(self)), self._draw_indices
+        else:
+            progress, draw = resume, self._resumed_draw(resume)
+        self._progress = progress
+        epoch = source.epoch(EpochRequest(self._epoch, ahead, draw, in_range, resumed=resume is not None))
         if epoch.from_torch and self.persistent_workers and self.num_workers > 0:
             self._persistent_seed_drawn = True  # torch drew its workers' seed, once
         items = epoch.items
         if ahead:
             items = self._prefetch(items, epoch.depth, source.stages)
-        return EpochIterator(epoch, items, self._stats, epoch.length or self._index_sampler.__len__)
+        length = epoch.length or self._index_sampler.__len__
+        return EpochIterator(epoch, items, self._stats, length, progress, self._epoch_ended)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This loader's position: after the batches already handed to the loop (not those made
+        ahead), as a small dict of Python values and CPU tensors (``torch.save`` it).
+
+        ``load_state_dict`` on a loader built with the same arguments continues from there, and
+        the epochs after it follow as in an uninterrupted run. See the README's resume section.
+        """
+        return save_state(self, self._resume or self._progress, self._epoch, self._transform_seed,
+                          self._persistent_seed_drawn)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a ``state_dict()``: the next ``iter()`` takes the epoch up where it was
+        saved, without reading, decoding or transforming the batches before that point.
+
+        Raises :class:`gpuload.resume.ResumeError` naming what differs when the state was saved
+        by a loader with other arguments or another dataset.
+        """
+        loaded = load_state(self, state, iterable=self._dataset_kind != _DatasetKind.Map)
+        if loaded.transform_seed != self._transform_seed:
+            self._transform_seed = loaded.transform_seed
+            self._source.close()
+            self._source = self._choose_source()  # its transforms draw from the saved seed
+        self._persistent_seed_drawn = loaded.persistent_seed_drawn
+        self._progress, self._resume = None, loaded.resume
+        self._epoch = loaded.epoch if loaded.resume is None else loaded.epoch - 1
 
     def warm(self, progress: bool = True) -> LoaderStats:
         """Fill the cache now, in one pass, instead of during the first epoch; returns ``stats``.
@@ -293,28 +329,21 @@ class DataLoader(tud.DataLoader[T_co]):
             "slot_allocations": prefetch.slot_allocations,
         }
 
+    def _epoch_ended(self) -> None:
+        self._progress.end_states = RandomStates.capture(self)
+
+    def _resumed_draw(self, resume: EpochProgress) -> Callable[[], Iterator[Any]]:
+        """The index batches left in a resumed epoch: drawn again from the states the epoch
+        began with, the ones already done dropped (nothing of them is read)."""
+        if self._dataset_kind != _DatasetKind.Map:
+            return self._draw_indices  # an iterable dataset continues from its own state
+        resume.states.restore_explicit(self)
+        remaining = resume.states.draw_with_global(self._draw_indices)[resume.batches :]
+        return lambda: iter(remaining)
+
     def _draw_indices(self) -> Iterator[Any]:
         """This epoch's index batches, drawn as torch would (as tensors for torch's samplers)."""
-        indices = self._start_epoch_like_torch()
+        indices, self._persistent_seed_drawn = start_epoch_like_torch(self, self._persistent_seed_drawn)
         if self._auto_collation and can_draw_whole_epoch(self.batch_sampler):
             return epoch_batches(self.batch_sampler)
         return indices
-
-    def _start_epoch_like_torch(self) -> Iterator[Any]:
-        """Create the index iterator and consume the generator exactly as torch's iterator does.
-
-        torch draws a base seed for its workers from ``generator`` each time an iterator is made
-        (once only with persistent workers), after calling ``iter()`` on the index sampler, and
-        multi-process iterators call ``iter()`` on it a second time. Matching this keeps the
-        sampler's random stream, and so the batch order, identical to torch's.
-        """
-        sampler_iter = iter(self._index_sampler)
-        persistent = self.persistent_workers and self.num_workers > 0
-        if not (persistent and self._persistent_seed_drawn):
-            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
-            self._persistent_seed_drawn = True
-            if self.num_workers > 0:
-                sampler_iter = iter(self._index_sampler)
-        else:
-            sampler_iter = iter(self._index_sampler)
-        return sampler_iter

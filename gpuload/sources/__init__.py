@@ -71,12 +71,16 @@ class EpochRequest:
     called at most once, only by sources that make batches from indices; ``in_range``: the
     drawn indices are int64 tensors already known to lie in ``[0, len(dataset))`` (torch's
     Random and Sequential samplers over the whole dataset), so they need no check.
+    ``resumed``: the epoch is taken up mid-way after ``load_state_dict``; ``draw`` yields only
+    the batches after the saved position, so a source that otherwise runs torch's own iterator
+    (which would start the epoch from its beginning) makes batches from them instead.
     """
 
     number: int
     ahead: bool
     draw: Callable[[], Iterator[Any]]
     in_range: bool = False
+    resumed: bool = False
 
     def indices(self) -> Iterator[Any]:
         """This epoch's batch indices. Ahead of the loop they are all drawn now, in the loop's

@@ -34,6 +34,7 @@ from torch.utils.data.dataloader import DataLoader as TorchDataLoader
 
 from gpuload.cache import CacheDecision, SampleCache, decide_samples, format_bytes
 from gpuload.cache.sample_store import MISSING
+from gpuload.resume import stateful
 from gpuload.sources import Epoch, EpochRequest, Setup, Source
 from gpuload.transfer import batch_length, batch_nbytes, map_leaves, move_to_device
 
@@ -164,10 +165,7 @@ class CachedSamples:
         return kept
 
     def _fetch(self, indices: list[Any]) -> list[Any]:
-        getitems = getattr(self.dataset, "__getitems__", None) if self.batched else None
-        if getitems is not None:  # as torch's fetcher: a batch's samples in one call
-            return list(getitems(indices))
-        return [self.dataset[index] for index in indices]
+        return fetch(self.dataset, indices, self.batched)
 
     def batch(self, indices: Any) -> Any:
         """The batch torch's fetch + collate gives for ``indices`` (device-tier leaves on the
@@ -201,11 +199,13 @@ class CachedSamples:
             samples = [_fresh(sample) for sample in samples]
         return self.collate_fn(samples) if self.batched else self.collate_fn(samples[0])
 
-    def batches(self, indices: Iterator[Any]) -> Iterator[Any]:
-        """An epoch's batches from the cache (and the dataset for what it lacks)."""
+    def batches(self, indices: Iterator[Any], whole: bool = True) -> Iterator[Any]:
+        """An epoch's batches from the cache (and the dataset for what it lacks); ``whole``: not
+        the rest of a resumed epoch, which cannot have filled the cache."""
         for index in indices:
             yield self.batch(index)
-        self.end_of_epoch()
+        if whole:
+            self.end_of_epoch()
 
     def warm(self, progress: bool, num_workers: int, worker_options: dict[str, Any]) -> int:
         """Read every sample not cached yet into the cache, in index order; returns how many."""
@@ -290,6 +290,12 @@ class SampleSource(Source):
     def h2d_bytes(self) -> int:  # type: ignore[override]
         return self._moved_bytes + (self.cached.h2d_bytes if self.cached is not None else 0)
 
+    @property
+    def streams(self) -> bool:  # type: ignore[override]
+        # A stateful iterable dataset's own state must be the position of the batches handed
+        # to the loop (``state_dict``), so nothing reads it ahead.
+        return self.setup.map_style or not stateful(self.setup.dataset)
+
     def _decide_cache(self) -> CachedSamples | None:
         """The sample cache, decided at the first epoch (again after ``close``); None: no cache."""
         setup = self.setup
@@ -321,7 +327,9 @@ class SampleSource(Source):
         finish = self._passed if request.ahead else self._moved
         if cached is not None and (self.torch.num_workers == 0 or cached.complete):
             self._stop_fill_workers()
-            return Epoch(cached.batches(request.indices()), finish)
+            return Epoch(cached.batches(request.indices(), whole=not request.resumed), finish)
+        if request.resumed and self.setup.map_style:
+            return Epoch(self._resumed_batches(request.indices(), cached), finish)
         batches = self._fill_epoch(cached) if cached is not None or self._fill_loader is not None else None
         if batches is None:
             batches = self.torch.iterate()
@@ -349,13 +357,34 @@ class SampleSource(Source):
         pairs = iter(self._fill_loader)
         return _TorchEpoch(self._filled(cached, pairs, recorder, keep), pairs.__len__)
 
+    def _resumed_batches(self, indices: Iterator[Any], cached: CachedSamples | None) -> Iterator[Any]:
+        """The rest of a resumed epoch, from its remaining index batches: read in this process
+        without workers, else by a one-off torch DataLoader over them (its own generator: the
+        epoch's draws were made already), filling the cache on the way."""
+        remaining = list(indices)
+        batched, collate = self.setup.batched, self.setup.collate_fn
+        if self.torch.num_workers == 0:
+            for index in remaining:
+                samples = fetch(self.setup.dataset, list(index) if batched else [index], batched)
+                yield collate(samples) if batched else collate(samples[0])
+            return
+        keep, recorder = KeepSamples(collate), RecordingSampler(remaining)
+        keep.sending.value = int(cached is not None and cached.accepting)
+        placement = {"batch_sampler": recorder} if batched else {"batch_size": None, "sampler": recorder}
+        options = dict(self.torch.options, generator=torch.Generator(), persistent_workers=False)
+        pairs = iter(TorchDataLoader(self.setup.dataset, num_workers=self.torch.num_workers, collate_fn=keep,
+                                     **placement, **options))
+        yield from self._filled(cached, pairs, recorder, keep, whole=False)
+
     def _filled(self, cached: CachedSamples | None, pairs: Iterator[Any], recorder: RecordingSampler,
-                keep: KeepSamples) -> Iterator[Any]:
+                keep: KeepSamples, whole: bool = True) -> Iterator[Any]:
         if cached is None:
             for _, batch in pairs:
                 yield batch
             return
         yield from cached.unwrap(pairs, recorder, keep)
+        if not whole:
+            return  # the rest of a resumed epoch: the next whole epoch fills what is missing
         cached.end_of_epoch()
         if not cached.complete:
             # With workers only a complete cache serves; keep no memory for a partial one.
@@ -415,6 +444,14 @@ class _TorchEpoch(Iterator[Any]):
 
     def __next__(self) -> Any:
         return next(self._inner)
+
+
+def fetch(dataset: Any, indices: list[Any], batched: bool) -> list[Any]:
+    """The samples of ``indices``, read as torch's map-style fetcher reads them."""
+    getitems = getattr(dataset, "__getitems__", None) if batched else None
+    if getitems is not None:  # a batch's samples in one call
+        return list(getitems(indices))
+    return [dataset[index] for index in indices]
 
 
 def _sample_list(samples: list[Any]) -> list[Any]:

@@ -12,24 +12,10 @@ import gpuload
 from gpuload.cache import CacheSettings
 from gpuload.sources.samples import RecordingSampler
 from gpuload.device import MemoryInfo
+from counting import Counted
 from equivalence import assert_same, assert_same_epochs
 
 GiB = 1 << 30
-
-
-class Counted(tud.Dataset):
-    """Deterministic samples of mixed types; counts reads made in this process."""
-
-    def __init__(self, n: int = 37) -> None:
-        self.n, self.reads = n, 0
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int):
-        self.reads += 1
-        g = torch.Generator().manual_seed(int(index))
-        return {"x": torch.rand(3, generator=g), "label": int(index) % 5, "name": f"s{index}"}
 
 
 class Augmented(Counted):

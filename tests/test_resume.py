@@ -1,0 +1,237 @@
+"""Exact mid-epoch resume: batches before a checkpoint + batches after loading it = an uninterrupted run."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+import gpuload
+from gpuload import transforms as T
+from gpuload.datasets import make_sample_image_folder
+from gpuload.resume import ResumeError
+from counting import Counted
+from equivalence import assert_same
+
+EPOCHS = 3
+
+
+def images_uint8(n: int = 40) -> tud.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return tud.TensorDataset(torch.randint(0, 256, (n, 3, 12, 12), dtype=torch.uint8, generator=g), torch.arange(n))
+
+
+AUGMENT = [T.RandomCrop(10, padding=2), T.RandomHorizontalFlip(), T.ToDtype(torch.float32, scale=True)]
+
+
+def run(make, epochs: int, stop: tuple[int, int] | None = None, set_epoch: bool = False):
+    """Batches of ``epochs`` epochs; with ``stop=(e, k)``: only up to batch k of epoch e, then
+    the loader's state (saved after that batch) as bytes."""
+    loader = make()
+    batches = []
+    for epoch in range(epochs):
+        if set_epoch:
+            loader.sampler.set_epoch(epoch)
+        for k, batch in enumerate(loader):
+            batches.append(batch)
+            if stop == (epoch, k):
+                buffer = io.BytesIO()
+                torch.save(loader.state_dict(), buffer)
+                return batches, buffer.getvalue()
+    return batches, None
+
+
+def resume(make, saved: bytes, from_epoch: int, epochs: int, set_epoch: bool = False):
+    loader = make()
+    loader.load_state_dict(torch.load(io.BytesIO(saved), weights_only=False))
+    batches = []
+    for epoch in range(from_epoch, epochs):
+        if set_epoch:
+            loader.sampler.set_epoch(epoch)
+        batches.extend(loader)
+    return batches
+
+
+def assert_resumes_exactly(make, stops, epochs: int = EPOCHS, set_epoch: bool = False) -> None:
+    whole, _ = run(make, epochs, set_epoch=set_epoch)
+    for stop in stops:
+        before, saved = run(make, epochs, stop, set_epoch=set_epoch)
+        after = resume(make, saved, stop[0], epochs, set_epoch=set_epoch)
+        assert len(before) + len(after) == len(whole), stop
+        for ours, theirs in zip(before + after, whole):
+            assert_same(ours, theirs)
+
+
+STOPS = [(0, 0), (0, 3), (1, 5), (1, 6), (2, 2)]  # (1, 6): the last batch of an epoch
+
+
+def seeded(**keywords):
+    return lambda: gpuload.DataLoader(generator=torch.Generator().manual_seed(7), **keywords)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_arrays_shuffled_resume_exactly(drop_last: bool) -> None:
+    data = images_uint8(30)
+    assert_resumes_exactly(seeded(dataset=data, batch_size=4, shuffle=True, drop_last=drop_last), STOPS)
+
+
+def test_arrays_with_transforms_resume_with_the_same_augmentation() -> None:
+    make = seeded(dataset=images_uint8(30), batch_size=4, shuffle=True, transforms=AUGMENT)
+    assert_resumes_exactly(make, STOPS)
+
+
+def test_streamed_arrays_resume_exactly_though_prefetched_ahead() -> None:
+    make = seeded(dataset=images_uint8(30), batch_size=4, shuffle=True, cache="off", prefetch_depth=3)
+    assert_resumes_exactly(make, STOPS)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sample_cache_filling_or_full_resumes_exactly(workers: int) -> None:
+    make = seeded(dataset=Counted(), batch_size=4, shuffle=True, cache="host", num_workers=workers)
+    assert_resumes_exactly(make, [(0, 2), (1, 3), (2, 7)])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_torchs_path_resumes_exactly(workers: int) -> None:
+    make = seeded(dataset=Counted(), batch_size=4, shuffle=True, num_workers=workers, prefetch_depth=2)
+    assert_resumes_exactly(make, [(0, 2), (1, 7), (2, 0)])
+
+
+def test_distributed_sampler_with_set_epoch_resumes_exactly() -> None:
+    data = images_uint8(30)
+
+    def make():
+        sampler = tud.DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
+        return gpuload.DataLoader(data, batch_size=4, sampler=sampler)
+
+    assert_resumes_exactly(make, [(0, 1), (1, 3), (2, 2)], set_epoch=True)
+
+
+def test_global_generator_epochs_resume_exactly_when_the_training_restores_it() -> None:
+    data = images_uint8(30)
+
+    def make():
+        return gpuload.DataLoader(data, batch_size=4, shuffle=True)  # no generator: torch's global one
+
+    torch.manual_seed(5)
+    whole, _ = run(make, EPOCHS)
+    torch.manual_seed(5)
+    before, saved = run(make, EPOCHS, (1, 2))
+    rng = torch.get_rng_state()  # what a training checkpoint saves beside the loader's state
+    torch.manual_seed(123)  # a new process
+    torch.set_rng_state(rng)
+    after = resume(make, saved, 1, EPOCHS)
+    for ours, theirs in zip(before + after, whole, strict=True):
+        assert_same(ours, theirs)
+
+
+def test_image_folder_with_transforms_resumes_exactly(tmp_path) -> None:
+    folder = make_sample_image_folder(tmp_path, num_images=18, num_classes=3, seed=2)
+    ops = [T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToDtype(torch.float32)]
+    make = seeded(dataset=folder, batch_size=4, shuffle=True, transforms=ops, device="cpu")
+    assert_resumes_exactly(make, [(0, 1), (1, 4)])
+
+
+def test_a_checkpoint_at_an_epochs_end_continues_with_the_next_epoch() -> None:
+    make = seeded(dataset=images_uint8(30), batch_size=5, shuffle=True)
+    whole, _ = run(make, EPOCHS)
+    loader = make()
+    first = list(loader)  # the epoch ran to its StopIteration
+    saved = loader.state_dict()
+    assert saved["finished"] and saved["batches"] == 6
+    resumed = make()
+    resumed.load_state_dict(saved)
+    rest = [batch for _ in range(EPOCHS - 1) for batch in resumed]
+    for ours, theirs in zip(first + rest, whole, strict=True):
+        assert_same(ours, theirs)
+
+
+def test_resuming_reads_nothing_before_the_position() -> None:
+    data = Counted(40)
+    make = seeded(dataset=data, batch_size=4, shuffle=True)
+    _, saved = run(make, 1, (0, 8))
+    data.reads = 0
+    loader = make()
+    loader.load_state_dict(torch.load(io.BytesIO(saved), weights_only=False))
+    iterator = iter(loader)
+    assert len(iterator) == 1
+    next(iterator)
+    assert data.reads == 4  # only the one batch left
+
+
+def test_the_state_is_small_plain_and_pickles() -> None:
+    loader = gpuload.DataLoader(images_uint8(1000), batch_size=10, shuffle=True,
+                                generator=torch.Generator().manual_seed(0))
+    iterator = iter(loader)
+    for _ in range(7):
+        next(iterator)
+    state = loader.state_dict()
+    assert state["epoch"] == 0 and state["batches"] == 7 and not state["finished"]
+    assert len(pickle.dumps(state)) < 32 * 1024  # random states, not the epoch's 1000 indices
+    copy = pickle.loads(pickle.dumps(state))
+    assert copy["signature"] == state["signature"]
+
+
+def test_a_state_from_other_arguments_is_refused_naming_what_differs() -> None:
+    data = images_uint8(30)
+    state = gpuload.DataLoader(data, batch_size=4).state_dict()
+    with pytest.raises(ResumeError, match="batch_size: saved 4, now 5"):
+        gpuload.DataLoader(data, batch_size=5).load_state_dict(state)
+    with pytest.raises(ResumeError, match="dataset_length"):
+        gpuload.DataLoader(images_uint8(31), batch_size=4).load_state_dict(state)
+    with pytest.raises(ResumeError, match="transforms"):
+        gpuload.DataLoader(data, batch_size=4, transforms=AUGMENT).load_state_dict(state)
+
+
+class Stream(tud.IterableDataset):
+    """An iterable dataset that saves its own position."""
+
+    def __init__(self, n: int = 23) -> None:
+        self.n, self.position = n, 0
+
+    def __iter__(self):
+        while self.position < self.n:
+            self.position += 1
+            yield torch.tensor([self.position - 1])
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def test_a_stateful_iterable_dataset_continues_from_its_own_state() -> None:
+    whole = [b for _ in range(2) for b in gpuload.DataLoader(Stream(), batch_size=4, prefetch_depth=2)]
+    loader = gpuload.DataLoader(Stream(), batch_size=4, prefetch_depth=2)  # kept in the loop: exact state
+    iterator = iter(loader)
+    before = [next(iterator) for _ in range(3)]
+    saved = pickle.loads(pickle.dumps(loader.state_dict()))
+    resumed = gpuload.DataLoader(Stream(), batch_size=4, prefetch_depth=2)
+    resumed.load_state_dict(saved)
+    after = list(resumed) + list(resumed)
+    for ours, theirs in zip(before + after, whole, strict=True):
+        assert_same(ours, theirs)
+
+
+def test_an_iterable_dataset_without_state_restarts_its_epoch_with_a_warning() -> None:
+    class Plain(tud.IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    loader = gpuload.DataLoader(Plain(), batch_size=3)
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    resumed = gpuload.DataLoader(Plain(), batch_size=3)
+    with pytest.warns(UserWarning, match="starts that epoch again"):
+        resumed.load_state_dict(state)
+    assert len(list(resumed)) == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gpuload.DataLoader(Plain(), batch_size=3).load_state_dict(gpuload.DataLoader(Plain(), batch_size=3).state_dict())
