@@ -17,18 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-from gpuload.cache.budget import (
-    CacheSettingError,
-    format_bytes,
-    parse_size,
-    resolve_budget,
-    resolve_reserve,
-)
+from gpuload.cache.budget import CacheSettingError, format_bytes, resolve_budget, resolve_reserve
 from gpuload.cache.plan import make_plan
 from gpuload.cache.settings import MODES, CacheSettings
+from gpuload.cli.arguments import device_argument, positive_int, setting_error, size_argument
 from gpuload.device import MemoryInfo, cuda_available, device_memory, host_memory, resolve_device
 
-__all__ = ["add_plan_arguments", "run_plan", "size_argument", "DatasetShape", "estimate_dataset"]
+__all__ = ["add_plan_arguments", "run_plan", "DatasetShape", "estimate_dataset"]
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
 LABEL_BYTES = 8  # one int64 class label per sample
@@ -68,7 +63,7 @@ def _image_folder(path: Path, probes: int) -> DatasetShape:
         try:
             with Image.open(file) as image:  # reads the header only
                 width, height = image.size
-        except OSError as error:
+        except (OSError, Image.DecompressionBombError) as error:
             raise ValueError(f"cannot read image {file}: {error}") from None
         decoded.append(3 * width * height)
         encoded.append(file.stat().st_size)
@@ -90,17 +85,25 @@ def _npy_header(handle) -> tuple[tuple[int, ...], np.dtype]:
     return tuple(shape), np.dtype(dtype)
 
 
-def _array_file(path: Path) -> DatasetShape:
-    if path.suffix == ".npy":
-        array = np.load(path, mmap_mode="r")
-        columns = {path.name: (tuple(array.shape), array.dtype)}
-    else:
+def _array_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Each array's shape and dtype, read from the file's headers; ValueError naming a bad file."""
+    try:
+        if path.suffix == ".npy":
+            array = np.load(path, mmap_mode="r")
+            return {path.name: (tuple(array.shape), array.dtype)}
+        columns = {}
         with zipfile.ZipFile(path) as archive:
-            columns = {}
             for name in archive.namelist():
                 if name.endswith(".npy"):
                     with archive.open(name) as member:
                         columns[name.removesuffix(".npy")] = _npy_header(member)
+        return columns
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as error:
+        raise ValueError(f"cannot read {path} as {path.suffix} arrays: {error}") from None
+
+
+def _array_file(path: Path) -> DatasetShape:
+    columns = _array_headers(path)
     if not columns:
         raise ValueError(f"{path} holds no arrays")
     for name, (shape, _) in columns.items():
@@ -128,16 +131,6 @@ def estimate_dataset(path: str | None, synthetic: str | None, probes: int = 16) 
     raise ValueError(f"{path} is neither an image folder nor an existing .npy/.npz file")
 
 
-def size_argument(text: str) -> int:
-    try:
-        spec = parse_size(text, setting="memory", source="command line")
-    except CacheSettingError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    if spec.kind != "bytes":
-        raise argparse.ArgumentTypeError(f"{text!r}: give an absolute size such as 80GiB")
-    return int(spec.amount)
-
-
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``gpuload plan`` options, added to ``parser``."""
     parser.add_argument("dataset", nargs="?", default=None,
@@ -148,14 +141,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-size", default=None, help="device budget: '40GiB', 0.8, 'auto', 'off'")
     parser.add_argument("--cache-reserve", default=None, help="device memory kept for the model (default max(2 GiB, 10%%))")
     parser.add_argument("--job", default=None, help="a [jobs.NAME] table of gpuload.toml")
-    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
+    parser.add_argument("--device", type=device_argument, default=None,
+                        help="cuda, cuda:N or cpu (default: cuda if present)")
     parser.add_argument("--device-memory", type=size_argument, default=None, metavar="SIZE",
                         help="pretend a card of this size, e.g. 80GiB")
     parser.add_argument("--device-free", type=size_argument, default=None, metavar="SIZE",
                         help="with --device-memory: pretend this much is free (default: all of it)")
     parser.add_argument("--host-memory", type=size_argument, default=None, metavar="SIZE",
                         help="pretend this much host RAM, all available")
-    parser.add_argument("--probe-images", type=int, default=16, metavar="N",
+    parser.add_argument("--probe-images", type=positive_int, default=16, metavar="N",
                         help="images opened to estimate an image folder's sample size")
 
 
@@ -191,7 +185,10 @@ def run_plan(args: argparse.Namespace) -> int:
             shape.bytes_per_sample, shape.num_samples, memory.free, host.free, budget, reserve,
             settings.mode.value, device_total=memory.total or None, host_total=host.total, target=target,
         )
-    except ValueError as error:  # CacheSettingError, DeviceError and bad datasets are ValueErrors
+    except CacheSettingError as error:
+        print(f"gpuload plan: error: {setting_error(error)}", file=sys.stderr)
+        return 2
+    except ValueError as error:  # DeviceError and bad datasets are ValueErrors
         print(f"gpuload plan: error: {error}", file=sys.stderr)
         return 2
     print("settings:")
