@@ -82,13 +82,13 @@ def open_image_folder(path: str | os.PathLike[str]) -> ImageFolder:
     """The user's image folder, read as it is; ``ValueError`` naming it when missing or empty."""
     root = Path(path)
     if not root.is_dir():
-        raise ValueError(f"--data {path}: no such folder (the images scenario reads root/<class>/<images>)")
+        raise ValueError(f"{path}: no such folder (the images scenario reads root/<class>/<images>)")
     try:
         folder = ImageFolder(root)
     except (FileNotFoundError, OSError) as error:
-        raise ValueError(f"--data {path}: {error}") from None
+        raise ValueError(str(error)) from None
     if len(folder) == 0:
-        raise ValueError(f"--data {path}: the folder holds no images in class subfolders")
+        raise ValueError(f"{path} holds no images in class subfolders")
     return folder
 
 
@@ -100,7 +100,7 @@ def sample_image_folder(num_images: int, seed: int, keep: Path | None = None) ->
     """
     if keep is not None:
         if keep.exists() and (not keep.is_dir() or any(keep.iterdir())):
-            raise ValueError(f"--save-images {keep}: not an empty folder; pass it as --data to reuse its images")
+            raise ValueError(f"{keep} is not an empty folder; pass it as --data to reuse its images")
         yield gpuload.datasets.make_sample_image_folder(keep, num_images=num_images, num_classes=10, seed=seed)
         return
     with tempfile.TemporaryDirectory(prefix="gpuload-bench-images-") as root:

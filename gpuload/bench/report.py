@@ -97,7 +97,11 @@ def _size(nbytes: float) -> str:
 
 
 def _rate(value: float) -> str:
-    return f"{value:,.0f}" if value < 1e9 else f"{value:.3g}"
+    return f"{value:,.0f}" if value < 1e9 else f"{value / 1e9:.2f} billion"
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.2f}x" if x < 100 else f"{x:,.0f}x"
 
 
 def _spread_pct(row: dict[str, Any]) -> str:
@@ -124,7 +128,7 @@ def _speed_table(results: list[dict[str, Any]]) -> list[str]:
         wait = "-" if r.get("wait_share") is None else f"{100 * r['wait_share']:.0f}%"
         lines.append(
             f"{display_name(r['name']):<{NAME_WIDTH}} {_rate(r['samples_per_s']):>13} {_spread_pct(r):>7} "
-            f"{r['first_epoch_s']:>8.3f} s {r['x_baseline']:>7.2f}x {_of_ideal(r):>9}" + (f" {wait:>5}" if waits else "")
+            f"{r['first_epoch_s']:>8.3f} s {_ratio(r['x_baseline']):>8} {_of_ideal(r):>9}" + (f" {wait:>5}" if waits else "")
         )
     notes = [f"samples/s: median of the steady epochs; spread: half their range. x torch: against "
              f"{display_name(results[0]['baseline_name'])}."]
@@ -316,7 +320,8 @@ def _speed_panel(axis, rows: list[dict[str, Any]], ideals: list[dict[str, Any]])
         bar = axis.barh(y, rate - floor, left=floor, height=0.6, color=_color(r))[0]
         bar.set_gid(f"speed:{r['name']}")
         axis.errorbar(rate, y, xerr=[[rate - lo], [hi - rate]], fmt="none", ecolor="black", capsize=3, lw=1)
-        axis.text(hi * 1.12, y, f"{_times(r['x_baseline'])} torch", va="center", fontsize=9)
+        axis.annotate(f"{_times(r['x_baseline'])} torch", (hi, y), xytext=(5, 0), textcoords="offset points",
+                      va="center", fontsize=9, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1, "alpha": 0.8})
     styles = ["--", ":", "-."]
     for r, bound, style in zip(ideals, bounds, styles * 3):
         axis.axvline(bound, color="#2f8f4e", linestyle=style, lw=1.4,

@@ -104,14 +104,14 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
 
 
-def _checked(make: Callable[[], Any]) -> Any:
+def _checked(make: Callable[[], Any], argument: str = "") -> Any:
     """``make()``, its ValueError (a bad --data, --cache-size, --device) turned into a UsageError."""
     try:
         return make()
     except UsageError:
         raise
     except ValueError as error:
-        raise UsageError(str(error)) from None
+        raise UsageError(f"argument {argument}: {error}" if argument else str(error)) from None
 
 
 def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
@@ -126,15 +126,15 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     from gpuload.cache import format_bytes
     from gpuload.device import resolve_device
 
-    device = _checked(lambda: resolve_device(args.device))
+    device = _checked(lambda: resolve_device(args.device), "--device")
     scenario = _scenario(args)
     problem = _partial_options_problem(args, scenario, device)
     if problem:
         raise UsageError(problem)
     if args.save_images is not None and scenario != "images":
-        raise UsageError("--save-images only applies to --scenario images")
+        raise UsageError("argument --save-images: only applies to --scenario images")
     if args.save_images is not None and args.data is not None:
-        raise UsageError("--save-images writes generated images; with --data your own are used")
+        raise UsageError("argument --save-images: it writes generated images; with --data your own are used")
     out = writable_out(args.out)
     fixed_allocator = steady_host_allocator()
     if args.threads is not None:
@@ -154,16 +154,17 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
         from gpuload.bench.images import image_loaders, open_image_folder, sample_image_folder
 
         if args.data is not None:
-            folder = _checked(lambda: open_image_folder(args.data))
+            folder = _checked(lambda: open_image_folder(args.data), "--data")
         else:
             keep = Path(args.save_images) if args.save_images else None
             num_images = args.samples or (256 if args.quick else 1024)
-            folder = _checked(lambda: cleanup.enter_context(sample_image_folder(num_images, config.seed, keep)))
+            folder = _checked(lambda: cleanup.enter_context(sample_image_folder(num_images, config.seed, keep)),
+                              "--save-images")
         specs = image_loaders(config, device, folder, args.image_size, card)
         where = args.data or args.save_images or f"{len(folder)} generated photographs (temporary)"
         described = f"image folder {where} -> RandomResizedCrop({args.image_size}) + flip + float16 normalize"
     else:
-        dataset = _checked(lambda: load_arrays(args.data)) if args.data else None
+        dataset = _checked(lambda: load_arrays(args.data), "--data") if args.data else None
         if scenario == "partial":
             from gpuload.bench.partial import partial_loaders
 
