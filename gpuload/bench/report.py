@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = [
-    "add_ratios", "format_table", "format_details", "headline", "write_json", "write_chart", "draw_chart",
+    "add_ratios", "format_table", "format_details", "headline", "busy_note", "write_json", "write_chart", "draw_chart",
     "display_name", "h2d_figures", "WIDTH",
 ]
 
@@ -250,6 +250,16 @@ def headline(results: list[dict[str, Any]]) -> str:
         if figures[2] is not None or torch_bytes[2] is not None:
             text += f", modelled for {_modelled_card(results) or 'a card'}"
     return text
+
+
+def busy_note(load_average: float | None, cpu_count: int | None) -> str:
+    """A warning when other work competed for the cores during the run, else ""."""
+    if load_average is None or not cpu_count or load_average <= cpu_count:
+        return ""
+    return "\n".join(_wrapped(
+        f"note: the machine was busy (load average {load_average:.1f} on {cpu_count} cores): the rates are noisy; "
+        "on few cores, --threads 1 keeps torch's intra-op threads from waiting on each other"
+    ))
 
 
 def _replace_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:

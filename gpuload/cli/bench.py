@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import sys
 import tempfile
 import time
@@ -119,7 +120,9 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
 
     from gpuload.bench.ceilings import measure_ceilings
     from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, dataset_nbytes
-    from gpuload.bench.report import add_ratios, format_details, format_table, headline, write_chart, write_json
+    from gpuload.bench.report import (
+        add_ratios, busy_note, format_details, format_table, headline, write_chart, write_json,
+    )
     from gpuload.bench.run import environment, run_loaders, steady_host_allocator
     from gpuload.bench.scenarios import BenchConfig, inmemory_loaders, load_arrays
     from gpuload.bench.steps import make_step
@@ -185,6 +188,7 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
         f"{config.epochs} timed epochs after 1 warm-up, step={config.step}"
         f"{f' ({config.step_ms} ms)' if config.step == 'sleep' else ''}, on {device}",
     )
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     ceilings = measure_ceilings(device)
     step = make_step(config.step, device, config.step_ms)
     results = run_loaders(specs, device, config.epochs, step, _progress(args.quiet))
@@ -208,6 +212,10 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     write_json(out / "bench.json", document)
     write_chart(out / "bench.png", results, f"gpuload bench: {scenario}, batch {config.batch_size}, on {device}")
     say("")
+    load_after = document["environment"]["load_average"]
+    busy = busy_note(max(load_before or 0, load_after[0] if load_after else 0) or None, os.cpu_count())
+    if busy:
+        say(busy)
     summary = headline(results)
     if summary:
         print(summary)

@@ -25,7 +25,6 @@ from gpuload.device import MemoryInfo, cuda_available, device_memory, host_memor
 
 __all__ = ["add_plan_arguments", "run_plan", "DatasetShape", "estimate_dataset"]
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
 LABEL_BYTES = 8  # one int64 class label per sample
 SYNTHETIC = {
     # name: (samples, bytes per sample, description)
@@ -47,15 +46,20 @@ class DatasetShape:
     description: str
 
 
+def _image_source(path: Path):
+    """The folder as ``gpuload.DataLoader`` would read it: ImageFolder's files, nothing it skips."""
+    from gpuload.datasets import ImageFolder
+
+    try:
+        return ImageFolder(path)
+    except OSError as error:  # no class folders, or classes without images
+        raise ValueError(f"{error}; give an image folder, an .npy/.npz file, or --synthetic") from None
+
+
 def _image_folder(path: Path, probes: int) -> DatasetShape:
     from PIL import Image
 
-    files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
-    if not files:
-        raise ValueError(
-            f"{path} holds no images ({', '.join(IMAGE_SUFFIXES)}); give an image folder, an "
-            ".npy/.npz file, or --synthetic"
-        )
+    files = [Path(file) for file, _ in _image_source(path).samples]
     step = max(1, len(files) // max(1, probes))
     sampled = files[::step][:probes]
     decoded, encoded = [], []
@@ -209,12 +213,10 @@ def _image_cache_line(path: Path, settings: CacheSettings, target: str, memory: 
     """What the loader's image cache would keep for this folder: decoded images or file bytes."""
     import torch
 
-    from gpuload.datasets.images import ImageList
     from gpuload.image_cache import choose_image_cache
 
-    files = sorted(str(p) for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
     decision = choose_image_cache(
-        ImageList([(file, 0) for file in files]), settings, torch.device(target), owner="gpuload plan",
+        _image_source(path), settings, torch.device(target), owner="gpuload plan",
         device_memory_info=memory, host_memory_info=host,
     )
     return f"image cache (for gpuload.DataLoader on this folder): {decision.mode}: {decision.reason}"

@@ -61,3 +61,18 @@ def test_an_image_header_claiming_a_huge_size_is_a_bad_file_not_a_crash(tmp_path
     (folder / "bomb.png").write_bytes(b"\x89PNG\r\n\x1a\n" + chunk)
     assert main(["plan", str(tmp_path / "images"), "--device-memory", "8GiB"]) == 2
     assert one_error(capsys).startswith(f"gpuload plan: error: cannot read image {folder / 'bomb.png'}: ")
+
+
+def test_an_image_folder_is_planned_as_the_loader_reads_it(tmp_path: Path, capsys) -> None:
+    from PIL import Image
+
+    root = tmp_path / "images"
+    (root / "cat").mkdir(parents=True)
+    Image.new("RGB", (8, 6)).save(root / "cat" / "a.jpg")
+    for name in ("b.gif", "c.tif", "d.ppm"):  # formats ImageFolder does not load
+        Image.new("RGB", (8, 6)).save(root / "cat" / name)
+    Image.new("RGB", (8, 6)).save(root / "top-level.jpg")  # not in a class folder
+    assert main(["plan", str(root), "--device-memory", "8GiB"]) == 0
+    assert "image folder " + str(root) + ": 1 images;" in capsys.readouterr().out
+    assert main(["plan", str(root / "cat"), "--device-memory", "8GiB"]) == 2  # files, but no class folders
+    assert "no class folders" in one_error(capsys)
