@@ -6,9 +6,10 @@ augmentation as batched transforms on the device. The folder is the user's (neve
 or one made from real photographs (``make_sample_image_folder``) in a temporary folder that is
 removed afterwards, unless the user names a folder to keep it in.
 
-On a CPU the bytes a card would receive are modelled: torch's batches (float16 crops) every
-epoch; gpuload the files' encoded bytes (decoded on the device), every epoch without a cache,
-and with the decoded image cache only until it holds them, when they fit the pretended card.
+gpuload's host-to-device bytes are modelled, on a GPU too (the image path does not count what
+DALI's decoder copies): the files' encoded bytes, every epoch without a cache, and with the
+decoded image cache only until it holds them, as far as they fit the card (a pretended one on
+a CPU). On a CPU torch's are its batches (float16 crops), every epoch.
 """
 
 from __future__ import annotations
@@ -115,23 +116,28 @@ def image_loaders(
     specs = [_torch_spec(workers, folder, config, device, size) for workers in config.torch_workers]
     for cache, label in (("off", "decode + transforms"), ("device", "decoded image cache")):
         spec = _gpuload_spec(f"gpuload DataLoader ({label})", folder, config, device, size, cache)
-        if device.type != "cuda":
-            spec.notes["h2d_modelled"] = _modelled_image_h2d(folder, cache, device_memory)
+        # Also on a GPU: the image path does not count the bytes DALI's decoder copies.
+        spec.notes["h2d_modelled"] = _modelled_image_h2d(folder, cache, device, device_memory)
         specs.append(spec)
     return specs
 
 
-def _modelled_image_h2d(folder: ImageFolder, cache: str, device_memory: int) -> dict[str, Any]:
-    """What gpuload would copy on a card: the files' bytes, each epoch until the cache holds them."""
+def _modelled_image_h2d(folder: ImageFolder, cache: str, device: torch.device, device_memory: int) -> dict[str, Any]:
+    """What gpuload would copy on a card: the files' bytes, each epoch until the cache holds them.
+
+    On a GPU the card is the real one (its memory now); on a CPU one of ``device_memory`` bytes.
+    """
+    from gpuload.device import device_memory as memory_of
     from gpuload.image_cache import choose_image_cache
 
     encoded = sum(os.path.getsize(path) for path, _ in folder.samples)
-    card = pretended_card(device_memory)
+    memory = memory_of(device) if device.type == "cuda" else MemoryInfo(free=device_memory, total=device_memory)
+    card = str(device) if device.type == "cuda" else pretended_card(device_memory)
     if cache == "off":
         return modelled_h2d(encoded, encoded, "the files' bytes, decoded on the device every epoch", card)
     decision = choose_image_cache(
-        folder, CacheSettings.resolve(cache=cache), torch.device("cuda"),
-        device_memory_info=MemoryInfo(free=device_memory, total=device_memory), host_memory_info=host_memory(),
+        folder, CacheSettings.resolve(cache=cache), device if device.type == "cuda" else torch.device("cuda"),
+        device_memory_info=memory, host_memory_info=host_memory(),
     )
     held = min(1.0, decision.budget / decision.decoded_bytes) if decision.decoded_bytes else 1.0
     return modelled_h2d(encoded, round(encoded * (1 - held)),

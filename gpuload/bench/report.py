@@ -21,7 +21,7 @@ from typing import IO, Any
 
 __all__ = [
     "add_ratios", "format_table", "format_details", "headline", "busy_note", "write_json", "write_chart", "draw_chart",
-    "display_name", "h2d_figures", "WIDTH",
+    "display_name", "h2d_figures", "epoch_rates", "WIDTH",
 ]
 
 WIDTH = 100  # columns every printed line fits in
@@ -68,7 +68,8 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
 def h2d_figures(row: dict[str, Any]) -> tuple[int, int, str | None] | None:
     """(epoch-1 bytes, bytes per later epoch, basis when modelled) or None when nothing says.
 
-    Measured on a GPU (basis None); on a CPU the row's ``h2d_modelled`` figures.
+    Measured on a GPU (basis None); on a CPU, or where a loader does not count its own copies,
+    the row's ``h2d_modelled`` figures.
     """
     if row.get("h2d_measured", True):
         return int(row["h2d_bytes_first_epoch"]), int(row["h2d_bytes_per_epoch"]), None
@@ -145,20 +146,28 @@ def _speed_table(results: list[dict[str, Any]]) -> list[str]:
     return lines + _wrapped(" ".join(notes))
 
 
+MEASURED = "measured on the device"
+
+
+def _bytes_title(figures: list[tuple[int, int, str | None] | None], card: str | None) -> str:
+    """What the bytes figures are: all measured (a GPU), all modelled (a CPU), or a mix."""
+    kinds = {f[2] is None for f in figures if f is not None}
+    if kinds == {False}:
+        return f"modelled for {card or 'a card'}"
+    return f"measured; modelled for {card or 'a card'} where marked" if kinds == {True, False} else "measured"
+
+
 def _bytes_table(results: list[dict[str, Any]]) -> list[str]:
     rows = [r for r in results if r["kind"] != "ideal"]
     figures = [h2d_figures(r) for r in rows]
-    modelled = any(f is not None and f[2] is not None for f in figures)
-    bases = list(dict.fromkeys(f[2] for f in figures if f is not None and f[2] is not None))
+    title = _bytes_title(figures, _modelled_card(results))
+    modelled = title != "measured"
+    bases = list(dict.fromkeys(f[2] or MEASURED for f in figures if f is not None))
     measured_memory = any(r.get("loader_device_peak_bytes") is not None for r in rows)
-    if modelled:
-        title = f"host-to-device bytes per epoch, modelled for {_modelled_card(results) or 'a card'} " \
-                "(on a CPU nothing crosses)"
-    else:
-        title = "host-to-device bytes per epoch, measured"
+    nothing_crosses = " (on a CPU nothing crosses)" if MEASURED not in bases else ""
     header = f"{'loader':<{NAME_WIDTH}} {'epoch 1':>12} {'each later':>12}"
     header += "  basis" if modelled else f" {'GB/s':>6}" + (f" {'loader device peak':>19}" if measured_memory else "")
-    lines = [title, header, "-" * len(header)]
+    lines = [f"host-to-device bytes per epoch, {title}{nothing_crosses}", header, "-" * len(header)]
     for r, f in zip(rows, figures):
         line = f"{display_name(r['name']):<{NAME_WIDTH}} "
         if f is None:
@@ -166,13 +175,14 @@ def _bytes_table(results: list[dict[str, Any]]) -> list[str]:
             continue
         line += f"{_size(f[0]):>12} {_size(f[1]):>12}"
         if modelled:
-            line += f"  [{bases.index(f[2]) + 1}]"
+            line += f"  [{bases.index(f[2] or MEASURED) + 1}]"
         else:
             peak = r.get("loader_device_peak_bytes")
             line += f" {r['h2d_gbps']:>6.2f}" + (f" {'-' if peak is None else _size(peak):>19}" if measured_memory else "")
         lines.append(line)
-    for number, basis in enumerate(bases, 1):
-        lines.extend(_wrapped(f"[{number}] {basis}"))
+    if modelled:
+        for number, basis in enumerate(bases, 1):
+            lines.extend(_wrapped(f"[{number}] {basis}"))
     return lines
 
 
@@ -242,7 +252,7 @@ def headline(results: list[dict[str, Any]]) -> str:
     with_bytes = [(r, h2d_figures(r)) for r in ours if h2d_figures(r) is not None]
     torch_bytes = h2d_figures(baseline)
     if with_bytes and torch_bytes is not None:
-        row, figures = min(with_bytes, key=lambda pair: pair[1][1])
+        row, figures = min(with_bytes, key=lambda pair: (pair[1][1], pair[0] is not fastest))
         label = re.search(r"\((.*)\)$", row["name"])
         who = "" if row is fastest else f"with {label.group(1) if label else display_name(row['name'])}; "
         text += (f"; after the first epoch {_size(figures[1])} per epoch cross to the device "
@@ -347,21 +357,22 @@ def _bytes_panel(axis, rows: list[dict[str, Any]], card: str | None) -> None:
     figures = [h2d_figures(r) for r in rows]
     mib = 2**20
     largest = max((max(f[0], f[1]) for f in figures if f is not None), default=0) / mib or 1.0
-    modelled = any(f is not None and f[2] is not None for f in figures)
+    title = _bytes_title(figures, card)
+    mixed = title.startswith("measured;")
     for y, (r, f) in enumerate(zip(rows, figures)):
         if f is None:
             axis.text(largest * 0.02, y, "not modelled", va="center", fontsize=8, color="#666666")
             continue
         for offset, value, kind, shade in ((-0.18, f[0], "first", "#b9cde8"), (0.18, f[1], "later", "#1f3f73")):
             bar = axis.barh(y + offset, value / mib, height=0.34, color=shade,
+                            hatch="//" if mixed and f[2] is not None else None, edgecolor="white",
                             label={"first": "epoch 1 (a cache fills)", "later": "each later epoch"}[kind]
                             if y == 0 else None)[0]
             bar.set_gid(f"bytes-{kind}:{r['name']}")
             axis.text(value / mib + largest * 0.02, y + offset, _size(value), va="center", fontsize=8)
     axis.set_xlim(0, largest * 1.45)
-    axis.set_xlabel("MiB host-to-device per epoch" + (" (modelled)" if modelled else " (measured)"))
-    where = f"modelled for {card or 'a card'}" if modelled else "measured"
-    axis.set_title(f"How many bytes cross to the device per epoch?\n({where})", fontsize=11)
+    axis.set_xlabel("MiB host-to-device per epoch" + (", hatched: modelled" if mixed else ""))
+    axis.set_title(f"How many bytes cross to the device per epoch?\n({title})", fontsize=11)
     _legend_below(axis)
     axis.grid(axis="x", alpha=0.3)
 

@@ -109,7 +109,8 @@ def run_loaders(
                 "batches_per_epoch": times.batches,
                 "wait_share": times.wait_share(step_s) if step_s is not None else None,
                 "step_s": step_s,
-                "h2d_measured": device.type == "cuda",  # else the notes' h2d_modelled, if any
+                # A row whose loader does not count its copies carries h2d_modelled on a GPU too.
+                "h2d_measured": device.type == "cuda" and "h2d_modelled" not in spec.notes,
                 "h2d_bytes_first_epoch": first_epoch_bytes[0],
                 "h2d_bytes_per_epoch": steady_bytes,
                 "h2d_gbps": steady_bytes / times.median_s / 1e9 if times.median_s > 0 else 0.0,

@@ -132,3 +132,24 @@ def test_results_replace_a_symlink_instead_of_writing_through_it(tmp_path: Path)
     assert not (out / "bench.json").is_symlink() and json.loads((out / "bench.json").read_text())["results"]
     assert not (out / "bench.png").is_symlink() and (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.png"]  # no temporary left
+
+
+def test_measured_and_modelled_rows_side_by_side_are_told_apart() -> None:
+    """On a GPU the image rows' bytes are modelled (the loader does not count DALI's copies)."""
+    import matplotlib.pyplot as plt
+
+    results = load(Path(__file__).parent / "fixtures" / "images-cpu.json")["results"]
+    for r in results:
+        if r["name"].startswith("torch"):
+            r.update(h2d_measured=True, h2d_bytes_first_epoch=r["h2d_modelled"]["first_epoch"],
+                     h2d_bytes_per_epoch=r["h2d_modelled"]["per_epoch"])
+    table = format_table(results)
+    assert "host-to-device bytes per epoch, measured; modelled for a pretended 16 GiB card where marked" in table
+    assert "measured on the device" in table and "nothing crosses" not in table
+    figure = draw_chart(results, "t")
+    try:
+        hatched = {p.get_gid().split(":", 1)[1] for p in figure.axes[1].patches if p.get_hatch()}
+        assert hatched == {r["name"] for r in results if r["name"].startswith("gpuload")}
+        assert "where marked" in figure.axes[1].get_title()
+    finally:
+        plt.close(figure)
