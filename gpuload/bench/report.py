@@ -262,13 +262,14 @@ def headline(results: list[dict[str, Any]]) -> str:
     return text
 
 
-def busy_note(load_average: float | None, cpu_count: int | None) -> str:
+def busy_note(load_average: float | None, cpu_count: int | None, threads: int = 1) -> str:
     """A warning when other work competed for the cores during the run, else ""."""
     if load_average is None or not cpu_count or load_average <= cpu_count:
         return ""
+    advice = "; --threads 1 keeps torch's intra-op threads from waiting on each other" if threads > 1 else ""
     return "\n".join(_wrapped(
-        f"note: the machine was busy (load average {load_average:.1f} on {cpu_count} cores): the rates are noisy; "
-        "on few cores, --threads 1 keeps torch's intra-op threads from waiting on each other"
+        f"note: the machine was busy (load average {load_average:.1f} on {cpu_count} cores): the rates are "
+        f"noisy{advice}"
     ))
 
 

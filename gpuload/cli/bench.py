@@ -13,6 +13,7 @@ import dataclasses
 import os
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -72,6 +73,16 @@ def writable_out(text: str) -> Path:
     return out
 
 
+def default_threads() -> int | None:
+    """1 on a machine of at most 2 cores, else None (torch's choice).
+
+    There, two intra-op threads wait on each other's barrier whenever anything else runs: an
+    ``index_select`` of one batch was measured 10-25x slower, which swamps what is compared.
+    torch's DataLoader workers run one thread each anyway.
+    """
+    return 1 if (os.cpu_count() or 1) <= 2 else None
+
+
 def _scenario(args: argparse.Namespace) -> str:
     if args.scenario:
         return args.scenario
@@ -121,7 +132,7 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     from gpuload.bench.ceilings import measure_ceilings
     from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, dataset_nbytes
     from gpuload.bench.report import (
-        add_ratios, busy_note, format_details, format_table, headline, write_chart, write_json,
+        WIDTH, add_ratios, busy_note, format_details, format_table, headline, write_chart, write_json,
     )
     from gpuload.bench.run import environment, run_loaders, steady_host_allocator
     from gpuload.bench.scenarios import BenchConfig, inmemory_loaders, load_arrays
@@ -140,8 +151,10 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
         raise UsageError("argument --save-images: it writes generated images; with --data your own are used")
     out = writable_out(args.out)
     fixed_allocator = steady_host_allocator()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or default_threads()
+    if threads is not None:
+        cleanup.callback(torch.set_num_threads, torch.get_num_threads())  # as it was, for in-process callers
+        torch.set_num_threads(threads)
     config = BenchConfig(
         num_samples=args.samples or (10_000 if args.quick else 50_000),
         batch_size=args.batch_size or (128 if scenario == "images" else 512),
@@ -183,11 +196,14 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
         if scenario == "partial":
             described += f", cache_size {format_bytes(cache_size)} (the data: {format_bytes(dataset_nbytes(dataset))})"
     say = (lambda *lines: None) if args.quiet else (lambda *lines: print(*lines, sep="\n", flush=True))
-    say(
+    say(*textwrap.wrap(
         f"gpuload bench: {described}, batch {config.batch_size}, shuffled, "
         f"{config.epochs} timed epochs after 1 warm-up, step={config.step}"
-        f"{f' ({config.step_ms} ms)' if config.step == 'sleep' else ''}, on {device}",
-    )
+        f"{f' ({config.step_ms} ms)' if config.step == 'sleep' else ''}, on {device}, "
+        f"{torch.get_num_threads()} torch thread(s)"
+        + (" (the default on 2 cores or fewer; --threads N to choose)" if args.threads is None and threads else ""),
+        WIDTH, subsequent_indent="    ",
+    ))
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     ceilings = measure_ceilings(device)
     step = make_step(config.step, device, config.step_ms)
@@ -213,7 +229,8 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     write_chart(out / "bench.png", results, f"gpuload bench: {scenario}, batch {config.batch_size}, on {device}")
     say("")
     load_after = document["environment"]["load_average"]
-    busy = busy_note(max(load_before or 0, load_after[0] if load_after else 0) or None, os.cpu_count())
+    busy = busy_note(max(load_before or 0, load_after[0] if load_after else 0) or None, os.cpu_count(),
+                     torch.get_num_threads())
     if busy:
         say(busy)
     summary = headline(results)

@@ -120,3 +120,19 @@ def test_arrays_given_as_npy_run(tmp_path: Path, capsys) -> None:
     np.save(path, np.zeros((256, 4), dtype=np.float32))
     assert main(["bench", "--data", str(path), *TINY[2:], "--batch-size", "64", "--out", str(tmp_path), "--quiet"]) == 0
     assert json.loads((tmp_path / "bench.json").read_text())["results"][0]["batches_per_epoch"] == 4
+
+
+def test_two_cores_or_fewer_default_to_one_torch_thread_and_the_run_restores_it(tmp_path, monkeypatch, capsys) -> None:
+    import os
+
+    from gpuload.cli.bench import default_threads
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert default_threads() == 1
+    before = torch.get_num_threads()
+    assert main(["bench", *TINY, "--out", str(tmp_path)]) == 0
+    assert "1 torch thread(s) (the default on 2 cores or fewer" in " ".join(capsys.readouterr().out.split())
+    assert json.loads((tmp_path / "bench.json").read_text())["environment"]["torch_threads"] == 1
+    assert torch.get_num_threads() == before
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert default_threads() is None
