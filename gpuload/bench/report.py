@@ -10,7 +10,6 @@ result in one line. Everything here reads only the result dicts, whatever the sc
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import tempfile
@@ -333,8 +332,8 @@ def _speed_panel(axis, rows: list[dict[str, Any]], ideals: list[dict[str, Any]])
     low = [min(epoch_rates(r)) for r in rows]
     high = [max(epoch_rates(r)) for r in rows]
     bounds = [max(epoch_rates(r)) for r in ideals]
-    floor = 10 ** math.floor(math.log10(min(low + bounds) / 3))
-    top = max(high + bounds) * 6
+    floor = min(low + bounds) / 4
+    top = max(high + bounds) * 3.5
     axis.set_xscale("log")
     axis.set_xlim(floor, top)
     for y, (r, rate, lo, hi) in enumerate(zip(rows, rates, low, high)):
