@@ -94,15 +94,13 @@ def _scenario(args: argparse.Namespace) -> str:
     return "images" if data.is_dir() else "inmemory"
 
 
-def _partial_options_problem(args: argparse.Namespace, scenario: str, device) -> str | None:
+def _options_problem(args: argparse.Namespace, scenario: str, device) -> str | None:
     """Why --cache-size / --device-memory do not fit this run, or None when they do."""
-    if scenario != "partial":
-        given = [flag for flag, value in (("--cache-size", args.cache_size), ("--device-memory", args.device_memory))
-                 if value is not None]
-        return f"{' and '.join(given)} only apply to --scenario partial" if given else None
+    if scenario != "partial" and args.cache_size is not None:
+        return "argument --cache-size: only applies to --scenario partial"
     if args.device_memory is not None and device.type == "cuda":
-        return ("--device-memory models the plan on a CPU; on a GPU the real card decides, and "
-                "--cache-size gives the cache less of it")
+        return ("argument --device-memory: it models the bytes on a CPU; on a GPU the real card decides "
+                "(--cache-size gives the cache less of it)")
     return None
 
 
@@ -142,7 +140,7 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
 
     device = _checked(lambda: resolve_device(args.device), "--device")
     scenario = _scenario(args)
-    problem = _partial_options_problem(args, scenario, device)
+    problem = _options_problem(args, scenario, device)
     if problem:
         raise UsageError(problem)
     if args.save_images is not None and scenario != "images":

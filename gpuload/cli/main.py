@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--cache-size", type=size_argument, default=None, metavar="SIZE",
                        help="partial: the device cache budget, e.g. 12MiB (default: half the data)")
     bench.add_argument("--device-memory", type=size_argument, default=None, metavar="SIZE",
-                       help="partial, on a CPU: the card the modelled plan pretends (default 16GiB)")
+                       help="on a CPU: the card the modelled host-to-device bytes pretend (default 16GiB)")
     bench.add_argument("--image-size", type=positive_int, default=224, help="crop size of the images scenario")
     bench.add_argument("--device", type=device_argument, default=None,
                        help="cuda, cuda:N or cpu (default: cuda if present)")
@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="training step per batch: none, a synthetic one of --step-ms, or a small CNN")
     bench.add_argument("--step-ms", type=non_negative_float, default=5.0, help="duration of the sleep step")
     bench.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                       help="torch's intra-op threads for the run (default: torch's choice; in the JSON)")
+                       help="torch's intra-op threads for the run (default: 1 on 2 cores or fewer, else torch's "
+                            "choice; in the JSON)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="bench-results", metavar="DIR", help="where bench.json and bench.png go")
     bench.add_argument("--quiet", action="store_true", help="print only the closing line (no progress, no tables)")

@@ -70,7 +70,7 @@ def test_partial_scenario_quick_on_cpu_writes_json_and_chart(tmp_path: Path, cap
 def test_partial_options_are_checked(tmp_path: Path, capsys) -> None:
     out = ["--device", "cpu", "--out", str(tmp_path)]
     assert main(["bench", "--cache-size", "1MiB", *out]) == 2
-    assert "only apply to --scenario partial" in capsys.readouterr().err
+    assert "argument --cache-size: only applies to --scenario partial" in capsys.readouterr().err
     assert main(["bench", "--scenario", "partial", "--samples", "100", "--cache-size", "1GiB", *out]) == 2
     assert "only partly fit" in capsys.readouterr().err
     assert not (tmp_path / "bench.json").exists()
@@ -102,8 +102,8 @@ def test_partial_rows_on_a_gpu_fill_the_device_tier_once_then_copy_the_rest() ->
 def test_device_memory_is_for_modelling_on_a_cpu_only() -> None:
     import argparse
 
-    from gpuload.cli.bench import _partial_options_problem
+    from gpuload.cli.bench import _options_problem
 
     args = argparse.Namespace(cache_size=None, device_memory=80 << 30)
-    assert "on a GPU the real card decides" in _partial_options_problem(args, "partial", torch.device("cuda"))
-    assert _partial_options_problem(args, "partial", CPU) is None
+    assert "on a GPU the real card decides" in _options_problem(args, "partial", torch.device("cuda"))
+    assert _options_problem(args, "partial", CPU) is None and _options_problem(args, "inmemory", CPU) is None

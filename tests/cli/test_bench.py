@@ -136,3 +136,14 @@ def test_two_cores_or_fewer_default_to_one_torch_thread_and_the_run_restores_it(
     assert torch.get_num_threads() == before
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert default_threads() is None
+
+
+def test_the_pretended_card_sets_every_scenarios_modelled_bytes(tmp_path: Path, capsys) -> None:
+    assert main(["bench", *TINY, "--device-memory", "1GiB", "--out", str(tmp_path), "--quiet"]) == 0
+    rows = {r["name"]: r for r in json.loads((tmp_path / "bench.json").read_text())["results"]}
+    cached = rows["gpuload DataLoader (device cache)"]["h2d_modelled"]
+    everything = 1024 * (3 * 32 * 32 + 8)
+    # 1 GiB is all reserve for the model: nothing is cached on the device, every epoch copies it all.
+    assert cached["card"] == "a pretended 1 GiB card" and cached["per_epoch"] == everything
+    assert rows["torch DataLoader (num_workers=0)"]["h2d_modelled"]["per_epoch"] == everything
+    assert "modelled for a pretended 1 GiB card" in capsys.readouterr().out
