@@ -12,7 +12,14 @@ from typing import Any
 
 from torch.utils.data import TensorDataset
 
-from gpuload.cache import CachePlan, CacheSettings, format_bytes, make_plan, resolve_budget, resolve_reserve
+from gpuload.cache import (
+    CachePlan,
+    CacheSettings,
+    format_bytes,
+    make_plan,
+    resolve_budget,
+    resolve_reserve,
+)
 from gpuload.device import MemoryInfo, host_memory
 
 __all__ = [

@@ -18,7 +18,14 @@ import torch
 from torch.utils.data import TensorDataset
 
 from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, dataset_nbytes
-from gpuload.bench.scenarios import BenchConfig, LoaderSpec, gpuload_spec, ideal_gather_spec, synthetic_cifar, torch_spec
+from gpuload.bench.scenarios import (
+    BenchConfig,
+    LoaderSpec,
+    gpuload_spec,
+    ideal_gather_spec,
+    synthetic_cifar,
+    torch_spec,
+)
 from gpuload.cache import format_bytes
 
 __all__ = ["partial_loaders"]

@@ -124,48 +124,22 @@ def _checked(make: Callable[[], Any], argument: str = "") -> Any:
         raise UsageError(f"argument {argument}: {error}" if argument else str(error)) from None
 
 
-def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
-    import torch
-
-    from gpuload.bench.ceilings import measure_ceilings
+def _scenario_loaders(
+    args: argparse.Namespace, scenario: str, config, device, cleanup: contextlib.ExitStack
+) -> tuple[list, str, dict[str, object]]:
+    """The scenario's loaders, a description of its data, and what the JSON records about it."""
     from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, dataset_nbytes
-    from gpuload.bench.report import (
-        WIDTH, add_ratios, busy_note, format_details, format_table, headline, write_chart, write_json,
-    )
-    from gpuload.bench.run import environment, run_loaders, steady_host_allocator
-    from gpuload.bench.scenarios import BenchConfig, inmemory_loaders, load_arrays
-    from gpuload.bench.steps import make_step
+    from gpuload.bench.scenarios import inmemory_loaders, load_arrays
     from gpuload.cache import format_bytes
-    from gpuload.device import resolve_device
 
-    device = _checked(lambda: resolve_device(args.device), "--device")
-    scenario = _scenario(args)
-    problem = _options_problem(args, scenario, device)
-    if problem:
-        raise UsageError(problem)
-    if args.save_images is not None and scenario != "images":
-        raise UsageError("argument --save-images: only applies to --scenario images")
-    if args.save_images is not None and args.data is not None:
-        raise UsageError("argument --save-images: it writes generated images; with --data your own are used")
-    out = writable_out(args.out)
-    fixed_allocator = steady_host_allocator()
-    threads = args.threads or default_threads()
-    if threads is not None:
-        cleanup.callback(torch.set_num_threads, torch.get_num_threads())  # as it was, for in-process callers
-        torch.set_num_threads(threads)
-    config = BenchConfig(
-        num_samples=args.samples or (10_000 if args.quick else 50_000),
-        batch_size=args.batch_size or (128 if scenario == "images" else 512),
-        epochs=args.epochs or (2 if args.quick else 5),
-        torch_workers=tuple(args.torch_workers),
-        step=args.step,
-        step_ms=args.step_ms,
-        seed=args.seed,
-    )
     card = args.device_memory or DEFAULT_PRETENDED_CARD
     extra: dict[str, object] = {}
     if scenario == "images":
-        from gpuload.bench.images import image_loaders, open_image_folder, sample_image_folder
+        from gpuload.bench.images import (
+            image_loaders,
+            open_image_folder,
+            sample_image_folder,
+        )
 
         if args.data is not None:
             folder = _checked(lambda: open_image_folder(args.data), "--data")
@@ -193,6 +167,53 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
         ) + "]"
         if scenario == "partial":
             described += f", cache_size {format_bytes(cache_size)} (the data: {format_bytes(dataset_nbytes(dataset))})"
+    return specs, described, extra
+
+
+def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
+    import torch
+
+    from gpuload.bench.ceilings import measure_ceilings
+    from gpuload.bench.report import (
+        WIDTH,
+        add_ratios,
+        busy_note,
+        format_details,
+        format_table,
+        headline,
+        write_chart,
+        write_json,
+    )
+    from gpuload.bench.run import environment, run_loaders, steady_host_allocator
+    from gpuload.bench.scenarios import BenchConfig
+    from gpuload.bench.steps import make_step
+    from gpuload.device import resolve_device
+
+    device = _checked(lambda: resolve_device(args.device), "--device")
+    scenario = _scenario(args)
+    problem = _options_problem(args, scenario, device)
+    if problem:
+        raise UsageError(problem)
+    if args.save_images is not None and scenario != "images":
+        raise UsageError("argument --save-images: only applies to --scenario images")
+    if args.save_images is not None and args.data is not None:
+        raise UsageError("argument --save-images: it writes generated images; with --data your own are used")
+    out = writable_out(args.out)
+    fixed_allocator = steady_host_allocator()
+    threads = args.threads or default_threads()
+    if threads is not None:
+        cleanup.callback(torch.set_num_threads, torch.get_num_threads())  # as it was, for in-process callers
+        torch.set_num_threads(threads)
+    config = BenchConfig(
+        num_samples=args.samples or (10_000 if args.quick else 50_000),
+        batch_size=args.batch_size or (128 if scenario == "images" else 512),
+        epochs=args.epochs or (2 if args.quick else 5),
+        torch_workers=tuple(args.torch_workers),
+        step=args.step,
+        step_ms=args.step_ms,
+        seed=args.seed,
+    )
+    specs, described, extra = _scenario_loaders(args, scenario, config, device, cleanup)
     say = (lambda *lines: None) if args.quiet else (lambda *lines: print(*lines, sep="\n", flush=True))
     say(*textwrap.wrap(
         f"gpuload bench: {described}, batch {config.batch_size}, shuffled, "

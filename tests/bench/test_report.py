@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 
 from gpuload.bench.report import (
-    WIDTH, add_ratios, display_name, draw_chart, format_details, format_table, headline, write_chart, write_json,
+    WIDTH,
+    add_ratios,
+    display_name,
+    draw_chart,
+    format_details,
+    format_table,
+    headline,
+    write_chart,
+    write_json,
 )
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures").glob("*.json"))
