@@ -2,14 +2,23 @@
 
 torch's DataLoader runs the usual per-sample PIL pipeline in its workers (open, crop, resize,
 flip, to tensor, normalize); gpuload decodes each batch at once (DALI, or PIL) and runs the same
-augmentation as batched transforms on the device. The folder is made from real photographs
-(``make_sample_image_folder``) unless the user gives one.
+augmentation as batched transforms on the device. The folder is the user's (never written to)
+or one made from real photographs (``make_sample_image_folder``) in a temporary folder that is
+removed afterwards, unless the user names a folder to keep it in.
+
+gpuload's host-to-device bytes are modelled, on a GPU too (the image path does not count what
+DALI's decoder copies): the files' encoded bytes, every epoch without a cache, and with the
+decoded image cache only until it holds them, as far as they fit the card (a pretended one on
+a CPU). On a CPU torch's are its batches (float16 crops), every epoch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import random
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,10 +31,13 @@ from torch.utils.data import Dataset
 
 import gpuload
 from gpuload import transforms as T
-from gpuload.bench.scenarios import BenchConfig, LoaderSpec, CountingEpochs
+from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, modelled_h2d, pretended_card
+from gpuload.bench.scenarios import BenchConfig, CountingEpochs, LoaderSpec
+from gpuload.cache import CacheSettings, decide_images, estimate_image_bytes
 from gpuload.datasets import ImageFolder
+from gpuload.device import MemoryInfo, host_memory
 
-__all__ = ["image_loaders"]
+__all__ = ["image_loaders", "open_image_folder", "sample_image_folder"]
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -67,30 +79,87 @@ class PilTrainSet(Dataset):
         return ((pixels.float() / 255 - self.mean) / self.std).half(), label
 
 
-def image_loaders(config: BenchConfig, device: torch.device, root: Path, num_images: int, size: int = 224) -> list[LoaderSpec]:
+def open_image_folder(path: str | os.PathLike[str]) -> ImageFolder:
+    """The user's image folder, read as it is; ``ValueError`` naming it when missing or empty."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"{path}: no such folder (the images scenario reads root/<class>/<images>)")
+    try:
+        folder = ImageFolder(root)
+    except (FileNotFoundError, OSError) as error:
+        raise ValueError(str(error)) from None
+    if len(folder) == 0:
+        raise ValueError(f"{path} holds no images in class subfolders")
+    return folder
+
+
+@contextlib.contextmanager
+def sample_image_folder(num_images: int, seed: int, keep: Path | None = None) -> Iterator[ImageFolder]:
+    """Generated photographs in a temporary folder removed on exit, or in ``keep`` (kept).
+
+    ``keep`` must be a new or empty folder, so that nothing of the user's is mixed in.
+    """
+    if keep is not None:
+        if keep.exists() and (not keep.is_dir() or any(keep.iterdir())):
+            raise ValueError(f"{keep} is not an empty folder; pass it as --data to reuse its images")
+        yield gpuload.datasets.make_sample_image_folder(keep, num_images=num_images, num_classes=10, seed=seed)
+        return
+    with tempfile.TemporaryDirectory(prefix="gpuload-bench-images-") as root:
+        yield gpuload.datasets.make_sample_image_folder(root, num_images=num_images, num_classes=10, seed=seed)
+
+
+def image_loaders(
+    config: BenchConfig, device: torch.device, folder: ImageFolder, size: int = 224,
+    device_memory: int = DEFAULT_PRETENDED_CARD,
+) -> list[LoaderSpec]:
     """torch (per-sample PIL, each worker count) vs gpuload (batch decode + device transforms)."""
-    folder = ImageFolder(root) if any(root.iterdir()) else gpuload.datasets.make_sample_image_folder(
-        root, num_images=num_images, num_classes=10, seed=config.seed
-    )
-    specs = []
-    for workers in config.torch_workers:
-        def open_torch(workers: int = workers):
-            loader = TorchDataLoader(
-                PilTrainSet(folder, size, config.seed), batch_size=config.batch_size, shuffle=True,
-                num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                generator=torch.Generator().manual_seed(config.seed),
-            )
-            epochs = CountingEpochs(loader, device)
-            return epochs, lambda: epochs.bytes_h2d, epochs.close
-
-        kind = "baseline" if workers == 0 else "loader"
-        specs.append(LoaderSpec(f"torch DataLoader + PIL (num_workers={workers})", open_torch, kind))
-
-    specs.append(_gpuload_spec("gpuload DataLoader (decode + transforms)", folder, config, device, size, "off"))
-    specs.append(_gpuload_spec(
-        "gpuload + decoded image cache (cache='device')", folder, config, device, size, "device"
-    ))
+    specs = [_torch_spec(workers, folder, config, device, size) for workers in config.torch_workers]
+    for cache, label in (("off", "decode + transforms"), ("device", "decoded image cache")):
+        spec = _gpuload_spec(f"gpuload DataLoader ({label})", folder, config, device, size, cache)
+        # Also on a GPU: the image path does not count the bytes DALI's decoder copies.
+        spec.notes["h2d_modelled"] = _modelled_image_h2d(folder, cache, device, device_memory)
+        specs.append(spec)
     return specs
+
+
+def _modelled_image_h2d(folder: ImageFolder, cache: str, device: torch.device, device_memory: int) -> dict[str, Any]:
+    """What gpuload would copy on a card: the files' bytes, each epoch until the cache holds them.
+
+    On a GPU the card is the real one (its memory now); on a CPU one of ``device_memory`` bytes.
+    """
+    from gpuload.device import device_memory as memory_of
+
+    encoded = sum(os.path.getsize(path) for path, _ in folder.samples)
+    memory = memory_of(device) if device.type == "cuda" else MemoryInfo(free=device_memory, total=device_memory)
+    card = str(device) if device.type == "cuda" else pretended_card(device_memory)
+    if cache == "off":
+        return modelled_h2d(encoded, encoded, "the files' bytes, decoded on the device every epoch", card)
+    decision = decide_images(
+        folder, CacheSettings.resolve(cache=cache), device if device.type == "cuda" else torch.device("cuda"),
+        device_memory_info=memory, host_memory_info=host_memory(),
+    )
+    decoded, _ = estimate_image_bytes(folder)
+    held = min(1.0, decision.budget / decoded) if decoded else 1.0
+    return modelled_h2d(encoded, round(encoded * (1 - held)),
+                        f"the files' bytes until the decoded images are cached on {card}", card)
+
+
+def _torch_spec(workers: int, folder: ImageFolder, config: BenchConfig, device: torch.device, size: int) -> LoaderSpec:
+    """torch's DataLoader with ``workers`` processes running the PIL pipeline."""
+    spec = LoaderSpec(f"torch DataLoader + PIL (num_workers={workers})", lambda: None,
+                      "baseline" if workers == 0 else "loader")
+
+    def open_torch():
+        loader = TorchDataLoader(
+            PilTrainSet(folder, size, config.seed), batch_size=config.batch_size, shuffle=True,
+            num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+            generator=torch.Generator().manual_seed(config.seed),
+        )
+        epochs = CountingEpochs(loader, device, spec.notes)
+        return epochs, lambda: epochs.bytes_h2d, epochs.close
+
+    spec.open = open_torch
+    return spec
 
 
 def _gpuload_spec(name: str, folder: ImageFolder, config: BenchConfig, device: torch.device, size: int,

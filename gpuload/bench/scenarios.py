@@ -3,8 +3,10 @@
 Each scenario lists loaders as ``LoaderSpec``: a name and a factory returning a fresh epoch
 iterable plus a counter of host-to-device bytes. torch's DataLoader gets the settings a tuned
 job would use (persistent workers; pinned memory and non-blocking copies on a GPU). The ideals
-need no loader at all: a bare ``index_select`` gather from data already on the device, and a
-replay of batches prepared on the device in advance.
+need no loader at all: a bare ``index_select`` gather from data already on the device, and, with
+a training step, a replay of batches prepared on the device in advance (the step alone: without
+a step it would time a list's iteration, which says nothing). On a CPU each row carries the
+host-to-device bytes a card would see (``h2d_modelled``, see ``gpuload.bench.modelled``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import TensorDataset
 
 import gpuload
+from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, modelled_h2d, plan_notes
 from gpuload.transfer import batch_nbytes, move_to_device
 
 __all__ = [
@@ -60,22 +63,37 @@ def synthetic_cifar(config: BenchConfig) -> TensorDataset:
 
 
 class CountingEpochs:
-    """torch's DataLoader with the copy a tuned loop does, counting the bytes it copies."""
+    """torch's DataLoader with the copy a tuned loop does, counting the bytes it copies.
 
-    def __init__(self, loader: TorchDataLoader, device: torch.device) -> None:
-        self.loader, self.device, self.bytes_h2d = loader, device, 0
+    On a CPU nothing is copied; the bytes of each epoch's batches are still counted and, at
+    ``close()``, put in ``notes`` as the modelled copy (``h2d_modelled``).
+    """
+
+    def __init__(self, loader: TorchDataLoader, device: torch.device, notes: dict[str, Any]) -> None:
+        self.loader, self.device, self.notes = loader, device, notes
+        self.bytes_h2d = 0
+        self.batch_bytes_per_epoch: list[int] = []
 
     def __call__(self) -> Iterator[Any]:
+        epoch_bytes = 0
         for batch in self.loader:
+            nbytes = batch_nbytes(batch)
+            epoch_bytes += nbytes
             if self.device.type == "cuda":
-                self.bytes_h2d += batch_nbytes(batch)
+                self.bytes_h2d += nbytes
                 batch = move_to_device(batch, self.device, non_blocking=True)
             yield batch
+        self.batch_bytes_per_epoch.append(epoch_bytes)  # whole epochs only
 
     def close(self) -> None:
         iterator = self.loader._iterator
         if iterator is not None:
             iterator._shutdown_workers()
+        if self.device.type != "cuda" and self.batch_bytes_per_epoch:
+            per_epoch = self.batch_bytes_per_epoch
+            self.notes["h2d_modelled"] = modelled_h2d(
+                per_epoch[0], per_epoch[-1], "its batches, copied to the device by the loop"
+            )
 
 
 def torch_spec(dataset: TensorDataset, config: BenchConfig, workers: int, device: torch.device) -> LoaderSpec:
@@ -89,11 +107,11 @@ def torch_spec(dataset: TensorDataset, config: BenchConfig, workers: int, device
             persistent_workers=workers > 0,
             generator=torch.Generator().manual_seed(config.seed),
         )
-        epochs = CountingEpochs(loader, device)
+        epochs = CountingEpochs(loader, device, spec.notes)
         return epochs, lambda: epochs.bytes_h2d, epochs.close
 
-    kind = "baseline" if workers == 0 else "loader"
-    return LoaderSpec(f"torch DataLoader (num_workers={workers})", open_, kind)
+    spec = LoaderSpec(f"torch DataLoader (num_workers={workers})", open_, "baseline" if workers == 0 else "loader")
+    return spec
 
 
 def served_from(loader: gpuload.DataLoader) -> dict[str, Any]:
@@ -107,9 +125,12 @@ def served_from(loader: gpuload.DataLoader) -> dict[str, Any]:
 
 def gpuload_spec(
     dataset: TensorDataset, config: BenchConfig, device: torch.device, cache: str, label: str,
-    cache_size: int | None = None,
+    cache_size: int | None = None, device_memory: int = DEFAULT_PRETENDED_CARD,
 ) -> LoaderSpec:
-    """gpuload over the arrays with ``cache`` (and ``cache_size`` bytes); notes say what served."""
+    """gpuload over the arrays with ``cache`` (and ``cache_size`` bytes); notes say what served.
+
+    On a CPU the notes also carry the plan for a pretended card of ``device_memory`` bytes.
+    """
     def open_():
         loader = gpuload.DataLoader(
             dataset,
@@ -128,6 +149,8 @@ def gpuload_spec(
         return (lambda: loader), lambda: loader.stats.bytes_h2d, close
 
     spec = LoaderSpec(f"gpuload DataLoader ({label})", open_)
+    if device.type != "cuda":
+        spec.notes.update(plan_notes(dataset, cache, cache_size, device_memory))
     return spec
 
 
@@ -160,24 +183,39 @@ def _ideal_replay_spec(dataset: TensorDataset, config: BenchConfig, device: torc
 
 
 def load_arrays(path: str) -> TensorDataset:
-    """A user's .npy (one array, one row per sample) or .npz (several aligned arrays)."""
+    """A user's .npy (one array, one row per sample) or .npz (several aligned arrays).
+
+    Raises ``ValueError`` naming the file when it is missing, unreadable or holds no usable arrays.
+    """
+    import zipfile
+
     import numpy as np
 
-    loaded = np.load(path, allow_pickle=False)
-    arrays = [loaded[key] for key in loaded.files] if hasattr(loaded, "files") else [loaded]
-    return TensorDataset(*gpuload.ArrayDataset(*arrays).columns.values())
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        arrays = [loaded[key] for key in loaded.files] if hasattr(loaded, "files") else [loaded]
+        if not arrays:
+            raise ValueError("it holds no arrays")
+        return TensorDataset(*gpuload.ArrayDataset(*arrays).columns.values())
+    except (OSError, ValueError, TypeError, EOFError, zipfile.BadZipFile) as error:
+        raise ValueError(f"cannot load {path} as .npy/.npz arrays: {error}") from None
 
 
 def inmemory_loaders(
-    config: BenchConfig, device: torch.device, dataset: TensorDataset | None = None
+    config: BenchConfig, device: torch.device, dataset: TensorDataset | None = None,
+    device_memory: int = DEFAULT_PRETENDED_CARD,
 ) -> tuple[TensorDataset, list[LoaderSpec]]:
-    """Tensors in memory (CIFAR-shaped unless given): torch, gpuload streaming and cached, ideals."""
+    """Tensors in memory (CIFAR-shaped unless given): torch, gpuload streaming and cached, ideals.
+
+    The replay ideal only with a training step: without one it times nothing but a list.
+    """
     dataset = dataset if dataset is not None else synthetic_cifar(config)
     specs = [torch_spec(dataset, config, workers, device) for workers in config.torch_workers]
-    specs.append(gpuload_spec(dataset, config, device, "auto", "device cache"))
+    specs.append(gpuload_spec(dataset, config, device, "auto", "device cache", device_memory=device_memory))
     specs.append(ideal_gather_spec(dataset, config, device))
-    specs.append(_ideal_replay_spec(dataset, config, device))
+    if config.step != "none":
+        specs.append(_ideal_replay_spec(dataset, config, device))
     # Last: on a CPU, its background thread's allocations can leave glibc's malloc returning
     # memory to the OS, which slows every later large allocation of the process (page faults).
-    specs.append(gpuload_spec(dataset, config, device, "off", "streaming, no cache"))
+    specs.append(gpuload_spec(dataset, config, device, "off", "streaming, no cache", device_memory=device_memory))
     return dataset, specs

@@ -1,16 +1,32 @@
-"""``gpuload bench``: run the benchmark scenarios side by side with torch's DataLoader, report them."""
+"""``gpuload bench``: run the benchmark scenarios side by side with torch's DataLoader, report them.
+
+Every argument is checked before anything is measured: a bad value, a ``--data`` that is
+missing or empty, or an ``--out`` that cannot be written is one line and exit 2. ``--data`` is
+only read; generated images go to a temporary folder unless ``--save-images`` names one.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["run_bench"]
+__all__ = ["run_bench", "UsageError"]
 
 
-def _progress_bar():
+class UsageError(ValueError):
+    """A command-line argument the benchmark cannot run with; the message names it."""
+
+
+def _tqdm_progress() -> Callable[[str, int, int], None]:
     from tqdm import tqdm
 
     bars: dict[str, tqdm] = {}
@@ -25,88 +41,200 @@ def _progress_bar():
     return progress
 
 
+def _line_progress() -> Callable[[str, int, int], None]:
+    """One line per loader when it is done: what a log file should get instead of bars."""
+    since = [time.perf_counter()]
+
+    def progress(name: str, done: int, total: int) -> None:
+        if done == total:
+            now = time.perf_counter()
+            print(f"  measured {name}: {total} epochs in {now - since[0]:.1f} s", file=sys.stderr, flush=True)
+            since[0] = now
+
+    return progress
+
+
+def _progress(quiet: bool) -> Callable[[str, int, int], None]:
+    """Bars on a terminal, a line per loader in a log, nothing with ``--quiet``."""
+    if quiet:
+        return lambda name, done, total: None
+    return _tqdm_progress() if sys.stderr.isatty() else _line_progress()
+
+
+def writable_out(text: str) -> Path:
+    """The ``--out`` folder, created if needed; ``UsageError`` when nothing can be written in it."""
+    out = Path(text)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise UsageError(f"argument --out: cannot write in {text}: {error.strerror or error}") from None
+    return out
+
+
+def default_threads() -> int | None:
+    """1 on a machine of at most 2 cores, else None (torch's choice).
+
+    There, two intra-op threads wait on each other's barrier whenever anything else runs: an
+    ``index_select`` of one batch was measured 10-25x slower, which swamps what is compared.
+    torch's DataLoader workers run one thread each anyway.
+    """
+    return 1 if (os.cpu_count() or 1) <= 2 else None
+
+
+def _scenario(args: argparse.Namespace) -> str:
+    if args.scenario:
+        return args.scenario
+    if args.data is None:
+        return "inmemory"
+    data = Path(args.data)
+    if not data.exists():
+        raise UsageError(f"argument --data: {args.data}: no such file or folder")
+    return "images" if data.is_dir() else "inmemory"
+
+
+def _options_problem(args: argparse.Namespace, scenario: str, device) -> str | None:
+    """Why --cache-size / --device-memory do not fit this run, or None when they do."""
+    if scenario != "partial" and args.cache_size is not None:
+        return "argument --cache-size: only applies to --scenario partial"
+    if args.device_memory is not None and device.type == "cuda":
+        return ("argument --device-memory: it models the bytes on a CPU; on a GPU the real card decides "
+                "(--cache-size gives the cache less of it)")
+    return None
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run ``gpuload bench`` with parsed arguments; 0 on success, 2 on a bad argument."""
-    from gpuload.bench.ceilings import measure_ceilings
-    from gpuload.bench.report import add_ratios, format_details, format_table, write_chart, write_json
-    from gpuload.bench.run import environment, run_loaders, steady_host_allocator
-    from gpuload.bench.scenarios import BenchConfig, inmemory_loaders, load_arrays
-    from gpuload.bench.partial import DEFAULT_PRETENDED_CARD, dataset_nbytes
-    from gpuload.bench.steps import make_step
+    try:
+        with contextlib.ExitStack() as cleanup:
+            return _run(args, cleanup)
+    except UsageError as error:
+        print(f"gpuload bench: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _checked(make: Callable[[], Any], argument: str = "") -> Any:
+    """``make()``, its ValueError (a bad --data, --cache-size, --device) turned into a UsageError."""
+    try:
+        return make()
+    except UsageError:
+        raise
+    except ValueError as error:
+        raise UsageError(f"argument {argument}: {error}" if argument else str(error)) from None
+
+
+def _scenario_loaders(
+    args: argparse.Namespace, scenario: str, config, device, cleanup: contextlib.ExitStack
+) -> tuple[list, str, dict[str, object]]:
+    """The scenario's loaders, a description of its data, and what the JSON records about it."""
+    from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, dataset_nbytes
+    from gpuload.bench.scenarios import inmemory_loaders, load_arrays
     from gpuload.cache import format_bytes
+
+    card = args.device_memory or DEFAULT_PRETENDED_CARD
+    extra: dict[str, object] = {}
+    if scenario == "images":
+        from gpuload.bench.images import (
+            image_loaders,
+            open_image_folder,
+            sample_image_folder,
+        )
+
+        if args.data is not None:
+            folder = _checked(lambda: open_image_folder(args.data), "--data")
+        else:
+            keep = Path(args.save_images) if args.save_images else None
+            num_images = args.samples or (256 if args.quick else 1024)
+            folder = _checked(lambda: cleanup.enter_context(sample_image_folder(num_images, config.seed, keep)),
+                              "--save-images")
+        specs = image_loaders(config, device, folder, args.image_size, card)
+        where = args.data or args.save_images or f"{len(folder)} generated photographs (temporary)"
+        described = f"image folder {where} -> RandomResizedCrop({args.image_size}) + flip + float16 normalize"
+    else:
+        dataset = _checked(lambda: load_arrays(args.data), "--data") if args.data else None
+        if scenario == "partial":
+            from gpuload.bench.partial import partial_loaders
+
+            dataset, cache_size, specs = _checked(
+                lambda: partial_loaders(config, device, args.cache_size, dataset, card)
+            )
+            extra["cache_size_bytes"] = cache_size
+        else:
+            dataset, specs = inmemory_loaders(config, device, dataset, card)
+        described = "in-memory arrays [" + ", ".join(
+            f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in dataset.tensors
+        ) + "]"
+        if scenario == "partial":
+            described += f", cache_size {format_bytes(cache_size)} (the data: {format_bytes(dataset_nbytes(dataset))})"
+    return specs, described, extra
+
+
+def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
+    import torch
+
+    from gpuload.bench.ceilings import measure_ceilings
+    from gpuload.bench.report import (
+        WIDTH,
+        add_ratios,
+        busy_note,
+        format_details,
+        format_table,
+        headline,
+        write_chart,
+        write_json,
+    )
+    from gpuload.bench.run import environment, run_loaders, steady_host_allocator
+    from gpuload.bench.scenarios import BenchConfig
+    from gpuload.bench.steps import make_step
     from gpuload.device import resolve_device
 
-    device = resolve_device(args.device)
+    device = _checked(lambda: resolve_device(args.device), "--device")
+    scenario = _scenario(args)
+    problem = _options_problem(args, scenario, device)
+    if problem:
+        raise UsageError(problem)
+    if args.save_images is not None and scenario != "images":
+        raise UsageError("argument --save-images: only applies to --scenario images")
+    if args.save_images is not None and args.data is not None:
+        raise UsageError("argument --save-images: it writes generated images; with --data your own are used")
+    out = writable_out(args.out)
     fixed_allocator = steady_host_allocator()
-    if args.threads is not None:
-        import torch
-
-        if args.threads < 1:
-            print(f"gpuload bench: error: --threads {args.threads} must be at least 1", file=sys.stderr)
-            return 2
-        torch.set_num_threads(args.threads)
+    threads = args.threads or default_threads()
+    if threads is not None:
+        cleanup.callback(torch.set_num_threads, torch.get_num_threads())  # as it was, for in-process callers
+        torch.set_num_threads(threads)
     config = BenchConfig(
         num_samples=args.samples or (10_000 if args.quick else 50_000),
-        batch_size=args.batch_size or (128 if args.scenario == "images" else 512),
+        batch_size=args.batch_size or (128 if scenario == "images" else 512),
         epochs=args.epochs or (2 if args.quick else 5),
         torch_workers=tuple(args.torch_workers),
         step=args.step,
         step_ms=args.step_ms,
         seed=args.seed,
     )
-    scenario = args.scenario or ("images" if args.data and Path(args.data).is_dir() else "inmemory")
-    problem = _partial_options_problem(args, scenario, device)
-    if problem:
-        print(f"gpuload bench: error: {problem}", file=sys.stderr)
-        return 2
-    extra: dict[str, object] = {}
-    if scenario == "images":
-        from gpuload.bench.images import image_loaders
-
-        root = Path(args.data) if args.data else out_dir(args) / "sample-images"
-        root.mkdir(parents=True, exist_ok=True)
-        num_images = args.samples or (256 if args.quick else 1024)
-        specs = image_loaders(config, device, root, num_images, args.image_size)
-        described = f"image folder {root} -> RandomResizedCrop({args.image_size}) + flip + float16 normalize"
-    else:
-        dataset = load_arrays(args.data) if args.data else None
-        if scenario == "partial":
-            from gpuload.bench.partial import partial_loaders
-
-            try:
-                dataset, cache_size, specs = partial_loaders(
-                    config, device, args.cache_size, dataset, args.device_memory or DEFAULT_PRETENDED_CARD
-                )
-            except ValueError as error:
-                print(f"gpuload bench: error: {error}", file=sys.stderr)
-                return 2
-            extra["cache_size_bytes"] = cache_size
-        else:
-            dataset, specs = inmemory_loaders(config, device, dataset)
-        described = "in-memory arrays [" + ", ".join(
-            f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in dataset.tensors
-        ) + "]"
-        if scenario == "partial":
-            described += f", cache_size {format_bytes(cache_size)} (the data: {format_bytes(dataset_nbytes(dataset))})"
-    print(
+    specs, described, extra = _scenario_loaders(args, scenario, config, device, cleanup)
+    say = (lambda *lines: None) if args.quiet else (lambda *lines: print(*lines, sep="\n", flush=True))
+    say(*textwrap.wrap(
         f"gpuload bench: {described}, batch {config.batch_size}, shuffled, "
         f"{config.epochs} timed epochs after 1 warm-up, step={config.step}"
-        f"{f' ({config.step_ms} ms)' if config.step == 'sleep' else ''}, on {device}",
-        flush=True,
-    )
+        f"{f' ({config.step_ms} ms)' if config.step == 'sleep' else ''}, on {device}, "
+        f"{torch.get_num_threads()} torch thread(s)"
+        + (" (the default on 2 cores or fewer; --threads N to choose)" if args.threads is None and threads else ""),
+        WIDTH, subsequent_indent="    ",
+    ))
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     ceilings = measure_ceilings(device)
     step = make_step(config.step, device, config.step_ms)
-    results = run_loaders(specs, device, config.epochs, step, _progress_bar())
+    results = run_loaders(specs, device, config.epochs, step, _progress(args.quiet))
     add_ratios(results)
-    print()
-    print(format_table(results))
     model_memory = results.model_memory.as_dict() if results.model_memory else None
+    say("", format_table(results))
     details = format_details(results, model_memory)
     if details:
-        print(details)
+        say(details)
     if ceilings:
-        print("machine ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()))
-    out = out_dir(args)
+        say("machine ceilings, GB/s: " + ", ".join(f"{k.removesuffix('_gbps')} {v:.1f}" for k, v in ceilings.items()))
     document = {
         "scenario": scenario if not args.data else f"{scenario}:{args.data}",
         "config": dataclasses.asdict(config),
@@ -117,22 +245,15 @@ def run_bench(args: argparse.Namespace) -> int:
         "results": results,
     }
     write_json(out / "bench.json", document)
-    write_chart(out / "bench.png", results, f"gpuload bench: {scenario}, batch {config.batch_size}, {device}")
-    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
+    write_chart(out / "bench.png", results, f"gpuload bench: {scenario}, batch {config.batch_size}, on {device}")
+    say("")
+    load_after = document["environment"]["load_average"]
+    busy = busy_note(max(load_before or 0, load_after[0] if load_after else 0) or None, os.cpu_count(),
+                     torch.get_num_threads())
+    if busy:
+        say(busy)
+    summary = headline(results)
+    if summary:
+        print(summary)
+    print(f"results: {out / 'bench.json'}; chart: {out / 'bench.png'}")
     return 0
-
-
-def _partial_options_problem(args: argparse.Namespace, scenario: str, device) -> str | None:
-    """Why --cache-size / --device-memory do not fit this run, or None when they do."""
-    if scenario != "partial":
-        given = [flag for flag, value in (("--cache-size", args.cache_size), ("--device-memory", args.device_memory))
-                 if value is not None]
-        return f"{' and '.join(given)} only apply to --scenario partial" if given else None
-    if args.device_memory is not None and device.type == "cuda":
-        return ("--device-memory models the plan on a CPU; on a GPU the real card decides, and "
-                "--cache-size gives the cache less of it")
-    return None
-
-
-def out_dir(args: argparse.Namespace) -> Path:
-    return Path(args.out)

@@ -19,12 +19,13 @@ import numpy as np
 
 import torch
 
-from gpuload.cache import MODES, CacheSettingError, CacheSettings, decide_images, format_bytes, make_plan, parse_size
+from gpuload.cache import MODES, CacheSettingError, CacheSettings, decide_images, format_bytes, make_plan
 from gpuload.cache.probe import image_sizes
+from gpuload.cli.arguments import device_argument, positive_int, setting_error, size_argument
 from gpuload.datasets.images import ImageFolder
 from gpuload.device import MemoryInfo, cuda_available, device_memory, host_memory, resolve_device
 
-__all__ = ["add_plan_arguments", "run_plan", "size_argument", "DatasetShape", "estimate_dataset"]
+__all__ = ["add_plan_arguments", "run_plan", "DatasetShape", "estimate_dataset"]
 
 LABEL_BYTES = 8  # one int64 class label per sample
 SYNTHETIC = {
@@ -47,16 +48,25 @@ class DatasetShape:
     description: str
 
 
-def _image_folder(path: Path, probes: int) -> DatasetShape:
-    """The folder as ``gpuload.DataLoader`` loads it (``ImageFolder``: class sub-folders, the
-    decodable endings), sized from a few headers by the estimator the image cache uses."""
+def _image_source(path: Path) -> ImageFolder:
+    """The folder as ``gpuload.DataLoader`` would read it: ImageFolder's files, nothing it skips."""
     try:
-        folder = ImageFolder(path)
-    except FileNotFoundError as error:
+        return ImageFolder(path)
+    except OSError as error:  # no class folders, or classes without images
         raise ValueError(f"{error}; give an image folder, an .npy/.npz file, or --synthetic") from None
+
+
+def _image_folder(path: Path, probes: int) -> DatasetShape:
+    """The folder as ``gpuload.DataLoader`` loads it, sized from a few headers by the estimator
+    the image cache uses (a file whose header cannot be read, a decompression bomb among them,
+    is left out of the estimate; the loader reports it when it reaches it)."""
+    folder = _image_source(path)
     sizes = image_sizes(folder, probes)
     if not sizes:
-        raise ValueError(f"none of the {min(probes, len(folder))} images probed in {path} has a readable header")
+        raise ValueError(
+            f"cannot read image {folder.path(0)}: none of the {min(probes, len(folder))} images probed has a "
+            "readable header (corrupt files, or a size over the decoder's pixel limit)"
+        )
     decoded = [d for d, _ in sizes]
     per_sample = math.ceil(sum(decoded) / len(decoded)) + LABEL_BYTES
     return DatasetShape(
@@ -76,17 +86,25 @@ def _npy_header(handle) -> tuple[tuple[int, ...], np.dtype]:
     return tuple(shape), np.dtype(dtype)
 
 
-def _array_file(path: Path) -> DatasetShape:
-    if path.suffix == ".npy":
-        array = np.load(path, mmap_mode="r")
-        columns = {path.name: (tuple(array.shape), array.dtype)}
-    else:
+def _array_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Each array's shape and dtype, read from the file's headers; ValueError naming a bad file."""
+    try:
+        if path.suffix == ".npy":
+            array = np.load(path, mmap_mode="r")
+            return {path.name: (tuple(array.shape), array.dtype)}
+        columns = {}
         with zipfile.ZipFile(path) as archive:
-            columns = {}
             for name in archive.namelist():
                 if name.endswith(".npy"):
                     with archive.open(name) as member:
                         columns[name.removesuffix(".npy")] = _npy_header(member)
+        return columns
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as error:
+        raise ValueError(f"cannot read {path} as {path.suffix} arrays: {error}") from None
+
+
+def _array_file(path: Path) -> DatasetShape:
+    columns = _array_headers(path)
     if not columns:
         raise ValueError(f"{path} holds no arrays")
     for name, (shape, _) in columns.items():
@@ -114,16 +132,6 @@ def estimate_dataset(path: str | None, synthetic: str | None, probes: int = 16) 
     raise ValueError(f"{path} is neither an image folder nor an existing .npy/.npz file")
 
 
-def size_argument(text: str) -> int:
-    try:
-        spec = parse_size(text, setting="memory", source="command line")
-    except CacheSettingError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    if spec.kind != "bytes":
-        raise argparse.ArgumentTypeError(f"{text!r}: give an absolute size such as 80GiB")
-    return int(spec.amount)
-
-
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``gpuload plan`` options, added to ``parser``."""
     parser.add_argument("dataset", nargs="?", default=None,
@@ -134,14 +142,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-size", default=None, help="device budget: '40GiB', 0.8, 'auto', 'off'")
     parser.add_argument("--cache-reserve", default=None, help="device memory kept for the model (default max(2 GiB, 10%%))")
     parser.add_argument("--job", default=None, help="a [jobs.NAME] table of gpuload.toml")
-    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
+    parser.add_argument("--device", type=device_argument, default=None,
+                        help="cuda, cuda:N or cpu (default: cuda if present)")
     parser.add_argument("--device-memory", type=size_argument, default=None, metavar="SIZE",
                         help="pretend a card of this size, e.g. 80GiB")
     parser.add_argument("--device-free", type=size_argument, default=None, metavar="SIZE",
                         help="with --device-memory: pretend this much is free (default: all of it)")
     parser.add_argument("--host-memory", type=size_argument, default=None, metavar="SIZE",
                         help="pretend this much host RAM, all available")
-    parser.add_argument("--probe-images", type=int, default=16, metavar="N",
+    parser.add_argument("--probe-images", type=positive_int, default=16, metavar="N",
                         help="images opened to estimate an image folder's sample size")
 
 
@@ -172,7 +181,10 @@ def run_plan(args: argparse.Namespace) -> int:
         else:
             plan = make_plan(shape.bytes_per_sample, shape.num_samples, 0, host.free, 0, 0, settings.mode.value,
                              host_total=host.total, target="cpu")
-    except ValueError as error:  # CacheSettingError, DeviceError and bad datasets are ValueErrors
+    except CacheSettingError as error:
+        print(f"gpuload plan: error: {setting_error(error)}", file=sys.stderr)
+        return 2
+    except ValueError as error:  # DeviceError and bad datasets are ValueErrors
         print(f"gpuload plan: error: {error}", file=sys.stderr)
         return 2
     print("settings:")
@@ -192,7 +204,7 @@ def run_plan(args: argparse.Namespace) -> int:
 def _image_cache_line(path: Path, settings: CacheSettings, target: str, memory: MemoryInfo, host: MemoryInfo) -> str:
     """What the loader's image cache would keep for this folder: decoded images or file bytes."""
     decision = decide_images(
-        ImageFolder(path), settings, torch.device(target), owner="gpuload plan",
+        _image_source(path), settings, torch.device(target), owner="gpuload plan",
         device_memory_info=memory, host_memory_info=host,
     )
     return f"image cache (for gpuload.DataLoader on this folder): {decision.holds or 'none'}: {decision.reason}"

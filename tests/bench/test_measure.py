@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from gpuload.bench.measure import EpochTimes, HostPeak, count_samples, time_epochs, time_step
 from gpuload.bench.report import add_ratios, format_table
-from gpuload.bench.run import run_loaders
+from gpuload.bench.run import IDEAL_EPOCHS, run_loaders
 from gpuload.bench.scenarios import BenchConfig, LoaderSpec, inmemory_loaders
 
 CPU = torch.device("cpu")
@@ -81,10 +82,13 @@ def test_run_loaders_counts_bytes_per_epoch_and_ratios() -> None:
     results = run_loaders(specs, CPU, epochs=2, step=None)
     assert results[0]["h2d_bytes_per_epoch"] == 20 and results[0]["h2d_bytes_first_epoch"] == 20
     assert results[1]["h2d_bytes_per_epoch"] == 0
+    assert len(results[0]["steady_epoch_s"]) == 2 and len(results[1]["steady_epoch_s"]) == IDEAL_EPOCHS
     add_ratios(results)
-    assert results[0]["x_baseline"] == 1.0 and results[1]["of_ideal"] == 1.0
+    assert results[0]["x_baseline"] == 1.0 and results[1]["of_ideal"] is None
+    ideal_best = 2 * 3 / min(results[1]["steady_epoch_s"])  # 2 batches of 3 samples per epoch
+    assert results[0]["of_ideal"] == pytest.approx(results[0]["samples_per_s"] / ideal_best)
     table = format_table(results)
-    assert "base" in table and "% of ideal" in table
+    assert "base" in table and "of ideal" in table
 
 
 def test_inmemory_scenario_lists_every_loader_and_ideal() -> None:
@@ -92,7 +96,9 @@ def test_inmemory_scenario_lists_every_loader_and_ideal() -> None:
     dataset, specs = inmemory_loaders(config, CPU)
     assert len(dataset) == 64
     kinds = [s.kind for s in specs]
-    assert kinds[0] == "baseline" and kinds.count("ideal") == 2
+    assert kinds[0] == "baseline" and kinds.count("ideal") == 1  # no replay without a step: it would time a list
+    with_step = inmemory_loaders(dataclasses.replace(config, step="sleep"), CPU, dataset)[1]
+    assert [s.name for s in with_step if s.kind == "ideal"][1] == "ideal: replay of prepared batches"
     for spec in specs:
         make_epoch, bytes_h2d, close = spec.open()
         batches = list(make_epoch())

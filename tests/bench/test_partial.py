@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpuload.bench.partial import dataset_nbytes, modelled_plan, partial_loaders
+from gpuload.bench.modelled import dataset_nbytes, modelled_plan
+from gpuload.bench.partial import partial_loaders
 from gpuload.bench.scenarios import BenchConfig, synthetic_cifar
 from gpuload.cache import make_plan
 from gpuload.cli import main
@@ -45,7 +46,7 @@ def test_partial_scenario_quick_on_cpu_writes_json_and_chart(tmp_path: Path, cap
             "--torch-workers", "0", "--device", "cpu", "--out", str(tmp_path)]
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert "H2D MiB 1st" in printed and "modelled for a pretended 16.00 GiB card" in printed
+    assert "modelled for a pretended 16 GiB card" in printed and "each later" in printed
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     document = json.loads((tmp_path / "bench.json").read_text())
     assert document["scenario"] == "partial" and document["cache_size_bytes"] == 1024 * ROW_BYTES
@@ -69,7 +70,7 @@ def test_partial_scenario_quick_on_cpu_writes_json_and_chart(tmp_path: Path, cap
 def test_partial_options_are_checked(tmp_path: Path, capsys) -> None:
     out = ["--device", "cpu", "--out", str(tmp_path)]
     assert main(["bench", "--cache-size", "1MiB", *out]) == 2
-    assert "only apply to --scenario partial" in capsys.readouterr().err
+    assert "argument --cache-size: only applies to --scenario partial" in capsys.readouterr().err
     assert main(["bench", "--scenario", "partial", "--samples", "100", "--cache-size", "1GiB", *out]) == 2
     assert "only partly fit" in capsys.readouterr().err
     assert not (tmp_path / "bench.json").exists()
@@ -98,13 +99,11 @@ def test_partial_rows_on_a_gpu_fill_the_device_tier_once_then_copy_the_rest() ->
         assert row["loader_device_peak_bytes"] >= size
 
 
-def test_device_memory_is_for_modelling_on_a_cpu_only(tmp_path: Path, capsys) -> None:
+def test_device_memory_is_for_modelling_on_a_cpu_only() -> None:
     import argparse
 
-    from gpuload.cli.bench import _partial_options_problem
+    from gpuload.cli.bench import _options_problem
 
     args = argparse.Namespace(cache_size=None, device_memory=80 << 30)
-    assert "on a GPU the real card decides" in _partial_options_problem(args, "partial", torch.device("cuda"))
-    assert _partial_options_problem(args, "partial", CPU) is None
-    assert main(["bench", "--threads", "0", "--device", "cpu", "--out", str(tmp_path)]) == 2
-    assert "--threads 0 must be at least 1" in capsys.readouterr().err
+    assert "on a GPU the real card decides" in _options_problem(args, "partial", torch.device("cuda"))
+    assert _options_problem(args, "partial", CPU) is None and _options_problem(args, "inmemory", CPU) is None

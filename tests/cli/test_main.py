@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 
 from gpuload.cli import main
@@ -15,7 +16,8 @@ def test_bench_quick_prints_table_and_writes_json_and_chart(tmp_path: Path, caps
     args = ["bench", "--quick", "--samples", "2048", "--epochs", "1", "--device", "cpu", "--out", str(tmp_path)]
     assert main([*args, "--step", "sleep", "--step-ms", "1"]) == 0
     printed = capsys.readouterr().out
-    assert "torch DataLoader (num_workers=0)" in printed and "% of ideal" in printed
+    assert "torch (num_workers=0)" in printed and "of ideal" in printed
+    assert "x torch's DataLoader (num_workers=0) on this machine" in printed
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     document = json.loads((tmp_path / "bench.json").read_text())
     names = [r["name"] for r in document["results"]]
@@ -47,19 +49,27 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert commands[1] in ci_script.splitlines()
 
 
-def test_bench_images_scenario_on_generated_photos(tmp_path: Path, capsys) -> None:
+def test_bench_images_scenario_on_generated_photos(tmp_path: Path, capsys, monkeypatch) -> None:
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     args = ["bench", "--scenario", "images", "--samples", "12", "--batch-size", "6", "--epochs", "1",
-            "--image-size", "32", "--torch-workers", "0", "--device", "cpu", "--out", str(tmp_path)]
+            "--image-size", "32", "--torch-workers", "0", "--device", "cpu", "--out", str(tmp_path / "out")]
     assert main(args) == 0
-    document = json.loads((tmp_path / "bench.json").read_text())
+    assert list(scratch.iterdir()) == []  # the generated photographs were in a temporary folder, removed
+    document = json.loads((tmp_path / "out" / "bench.json").read_text())
     names = [r["name"] for r in document["results"]]
     assert names == [
         "torch DataLoader + PIL (num_workers=0)",
         "gpuload DataLoader (decode + transforms)",
-        "gpuload + decoded image cache (cache='device')",
+        "gpuload DataLoader (decoded image cache)",
     ]
     gpuload_row, cached_row = document["results"][1:]
     assert gpuload_row["batches_per_epoch"] == 2 and gpuload_row["decode_backend"] in ("dali-cpu", "pil")
     assert gpuload_row["of_ideal"] is None and "image_cache" not in gpuload_row
     assert cached_row["image_cache"] == "decoded" and cached_row["cached_images"] == 12
-    assert len(list((tmp_path / "sample-images").rglob("*.jpg"))) == 12
+    torch_bytes = 12 * 3 * 32 * 32 * 2 + 12 * 8  # float16 crops and int64 labels, copied every epoch
+    assert document["results"][0]["h2d_modelled"]["per_epoch"] == torch_bytes
+    files = gpuload_row["h2d_modelled"]["per_epoch"]
+    assert files > 0 and cached_row["h2d_modelled"] == {**cached_row["h2d_modelled"], "first_epoch": files,
+                                                        "per_epoch": 0}

@@ -1,0 +1,163 @@
+"""The report answers its two questions legibly for every scenario, from stored result documents.
+
+The fixtures under ``fixtures/`` are the JSON documents of real quick runs on the 2-core CPU
+machine (``*-cpu.json``), and one GPU-shaped document made by hand from issue 18's figures (a
+replay ideal at 1.7 billion samples/s, bytes measured). A scenario's document dropped there is
+checked the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from gpuload.bench.report import (
+    WIDTH,
+    add_ratios,
+    display_name,
+    draw_chart,
+    format_details,
+    format_table,
+    headline,
+    write_chart,
+    write_json,
+)
+
+FIXTURES = sorted((Path(__file__).parent / "fixtures").glob("*.json"))
+MIN_BAR_PIXELS = 5
+
+
+def load(path: Path) -> dict:
+    document = json.loads(path.read_text())
+    add_ratios(document["results"])
+    return document
+
+
+def visible_width(patch, axis, renderer) -> float:
+    """Pixels of the bar inside the axes, as drawn."""
+    bar, frame = patch.get_window_extent(renderer), axis.get_window_extent(renderer)
+    return min(bar.x1, frame.x1) - max(bar.x0, frame.x0)
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+def test_every_loader_bar_is_visible_and_every_ideal_is_a_line(path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    document = load(path)
+    results = document["results"]
+    figure = draw_chart(results, f"gpuload bench: {document['scenario']}")
+    try:
+        figure.canvas.draw()
+        renderer = figure.canvas.get_renderer()
+        speed, moved = figure.axes[:2]
+        bars = {patch.get_gid(): patch for axis in (speed, moved) for patch in axis.patches}
+        loaders = [r for r in results if r["kind"] != "ideal"]
+        for r in loaders:
+            width = visible_width(bars[f"speed:{r['name']}"], speed, renderer)
+            assert width >= MIN_BAR_PIXELS, f"{r['name']}: its bar is {width:.1f} px wide"
+            assert {f"bytes-first:{r['name']}", f"bytes-later:{r['name']}"} <= set(bars)
+        assert len(speed.patches) == len(loaders)  # ideals are reference lines, not bars
+        ideal_lines = [line for line in speed.get_lines() if line.get_label().startswith("ideal")]
+        assert len(ideal_lines) == sum(r["kind"] == "ideal" for r in results)
+        labels = [tick.get_text() for tick in speed.get_yticklabels()]
+        assert labels == [display_name(r["name"]) for r in loaders]
+        modelled = "modelled" in moved.get_title()
+        assert modelled == path.stem.endswith("-cpu")
+    finally:
+        plt.close(figure)
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+def test_tables_fit_100_columns_and_print_no_ratio_above_the_ideal(path: Path) -> None:
+    results = load(path)["results"]
+    text = format_table(results) + "\n" + format_details(results, None)
+    too_wide = [line for line in text.splitlines() if len(line) > WIDTH]
+    assert not too_wide
+    assert not re.search(r"\b(\d{4,}|[1-9]\d{2})%", text.replace("100%*", ""))
+    for r in results:
+        assert display_name(r["name"]) in text
+    line = headline(results)
+    assert re.match(r"gpuload \(.+\): [\d.]+x torch's DataLoader.* on this machine; after the first epoch ", line)
+    assert ("modelled for a pretended 16 GiB card" in line) == path.stem.endswith("-cpu")
+
+
+def test_a_loader_faster_than_the_ideals_best_epoch_is_flagged_as_noise() -> None:
+    results = json.loads((Path(__file__).parent / "fixtures" / "inmemory-cpu.json").read_text())["results"]
+    ideal = next(r for r in results if r["kind"] == "ideal")
+    row = next(r for r in results if r["name"] == "gpuload DataLoader (device cache)")
+    best = ideal["samples_per_epoch"] / min(ideal["steady_epoch_s"])
+    row["samples_per_s"] = best * 1.3
+    add_ratios(results)
+    assert row["of_ideal"] == pytest.approx(1.3) and row["of_ideal_within_noise"]
+    table = format_table(results)
+    flagged = next(line for line in table.splitlines() if line.startswith("gpuload (device cache)"))
+    assert flagged.endswith("~100%*") and "130%" not in table
+    assert "* faster than the ideal's best epoch: within this run's noise, not a result" in table.replace("\n    ", " ")
+
+
+def test_the_ideal_is_its_best_epoch_and_the_headline_names_both_answers() -> None:
+    document = load(Path(__file__).parent / "fixtures" / "inmemory-gpu-shaped.json")
+    results = document["results"]
+    gather = next(r for r in results if r["name"] == "ideal: index_select on the device")
+    assert results[0]["ideal_best_samples_per_s"] == max(
+        gather["samples_per_epoch"] / s for s in gather["steady_epoch_s"]
+    )
+    table = format_table(results)
+    assert "host-to-device bytes per epoch, measured" in table and "loader device peak" in table
+    line = headline(results)
+    assert "after the first epoch 0 B per epoch cross to the device" in line
+    assert f"(torch: {4096 * 3080 / 2**20:.1f} MiB)" in line and "modelled" not in line
+
+
+def test_rows_a_scenario_does_not_model_say_so() -> None:
+    results = load(Path(__file__).parent / "fixtures" / "inmemory-cpu.json")["results"]
+    for r in results:
+        if r["name"].startswith("gpuload"):
+            del r["h2d_modelled"]
+    table = format_table(results)
+    assert "gpuload (device cache)" in table and "(not modelled)" in table
+    assert "after the first epoch" not in headline(results)  # no gpuload figures, no bytes claim
+
+
+def test_results_replace_a_symlink_instead_of_writing_through_it(tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    victim = tmp_path / "elsewhere.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("bench.json", "bench.png"):
+        (out / name).symlink_to(victim)
+    document = load(FIXTURES[0])
+    write_json(out / "bench.json", document)
+    write_chart(out / "bench.png", copy.deepcopy(document["results"]), "t")
+    plt.close("all")
+    assert victim.read_text() == "keep me"
+    assert not (out / "bench.json").is_symlink() and json.loads((out / "bench.json").read_text())["results"]
+    assert not (out / "bench.png").is_symlink() and (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.png"]  # no temporary left
+
+
+def test_measured_and_modelled_rows_side_by_side_are_told_apart() -> None:
+    """On a GPU the image rows' bytes are modelled (the loader does not count DALI's copies)."""
+    import matplotlib.pyplot as plt
+
+    results = load(Path(__file__).parent / "fixtures" / "images-cpu.json")["results"]
+    for r in results:
+        if r["name"].startswith("torch"):
+            r.update(h2d_measured=True, h2d_bytes_first_epoch=r["h2d_modelled"]["first_epoch"],
+                     h2d_bytes_per_epoch=r["h2d_modelled"]["per_epoch"])
+    table = format_table(results)
+    assert "host-to-device bytes per epoch, measured; modelled for a pretended 16 GiB card where marked" in table
+    assert "measured on the device" in table and "nothing crosses" not in table
+    figure = draw_chart(results, "t")
+    try:
+        hatched = {p.get_gid().split(":", 1)[1] for p in figure.axes[1].patches if p.get_hatch()}
+        assert hatched == {r["name"] for r in results if r["name"].startswith("gpuload")}
+        assert "where marked" in figure.axes[1].get_title()
+    finally:
+        plt.close(figure)

@@ -1,0 +1,149 @@
+"""``gpuload bench``: bad arguments fail first and in one line, ``--data`` is only read, output fits logs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpuload.cli import main
+
+TINY = ["--samples", "1024", "--epochs", "1", "--torch-workers", "0", "--device", "cpu"]
+IMAGES = ["--scenario", "images", "--samples", "12", "--batch-size", "6", "--epochs", "1", "--image-size", "32",
+          "--torch-workers", "0", "--device", "cpu"]
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "error" in line.lower()]
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--samples", "0"), ("--samples", "-5"), ("--epochs", "0"), ("--epochs", "-1"), ("--batch-size", "0"),
+    ("--device", "foo"), ("--device", "3.5"), ("--torch-workers", "-1"), ("--step-ms", "-1"), ("--step-ms", "nan"),
+    ("--threads", "0"), ("--image-size", "0"), ("--samples", "ten"),
+])
+def test_a_bad_argument_is_one_line_naming_it_and_exit_2(flag: str, value: str, tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", flag, value, "--out", str(tmp_path / "out")])
+    assert exited.value.code == 2
+    errors = error_lines(capsys.readouterr().err)
+    assert len(errors) == 1 and errors[0].startswith(f"gpuload bench: error: argument {flag}: ")
+    assert not (tmp_path / "out").exists()
+
+
+def run_failing(args: list[str], capsys) -> str:
+    """Run a bench that must refuse its arguments before measuring; its one error line."""
+    assert main(["bench", *args]) == 2
+    captured = capsys.readouterr()
+    assert "measured" not in captured.err and captured.out == ""
+    errors = error_lines(captured.err)
+    assert len(errors) == 1, captured.err
+    return errors[0]
+
+
+def test_data_is_never_written_a_missing_or_empty_folder_is_an_error(tmp_path: Path, capsys) -> None:
+    out = ["--out", str(tmp_path / "out")]
+    typo = tmp_path / "typo"
+    line = run_failing([*IMAGES, "--data", str(typo), *out], capsys)
+    assert line.startswith("gpuload bench: error: argument --data: ") and "no such folder" in line
+    assert not typo.exists()
+    line = run_failing(["--data", str(typo), *TINY, *out], capsys)  # no --scenario: not guessed as a folder
+    assert "argument --data" in line and "no such file or folder" in line and not typo.exists()
+    empty = tmp_path / "mount-point"
+    empty.mkdir()
+    assert "argument --data" in run_failing([*IMAGES, "--data", str(empty), *out], capsys)
+    assert list(empty.iterdir()) == []
+    (empty / "cat").mkdir()
+    assert "found no .jpg" in run_failing([*IMAGES, "--data", str(empty), *out], capsys)
+    assert [p.name for p in empty.rglob("*")] == ["cat"]
+    assert not (tmp_path / "out" / "bench.json").exists()
+
+
+def test_bad_array_files_and_devices_are_one_line(tmp_path: Path, capsys) -> None:
+    out = ["--out", str(tmp_path / "out")]
+    corrupt = tmp_path / "data.npz"
+    corrupt.write_bytes(b"PK\x03\x04 not really a zip")
+    line = run_failing(["--data", str(corrupt), *TINY, *out], capsys)
+    assert line.startswith("gpuload bench: error: argument --data: cannot load ") and str(corrupt) in line
+    if not torch.cuda.is_available():
+        line = run_failing([*TINY, "--device", "cuda", *out], capsys)
+        assert line.startswith("gpuload bench: error: argument --device: ") and "CUDA is not available" in line
+
+
+def test_an_unwritable_out_is_found_before_the_benchmark(tmp_path: Path, capsys) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    line = run_failing([*TINY, "--out", str(blocker / "results")], capsys)
+    assert line.startswith(f"gpuload bench: error: argument --out: cannot write in {blocker / 'results'}")
+
+
+def test_generated_images_are_kept_only_where_asked(tmp_path: Path, capsys) -> None:
+    keep = tmp_path / "photos"
+    assert main(["bench", *IMAGES, "--save-images", str(keep), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    assert len(list(keep.rglob("*.jpg"))) == 12
+    capsys.readouterr()
+    line = run_failing([*IMAGES, "--save-images", str(keep), "--out", str(tmp_path / "out")], capsys)
+    assert "argument --save-images" in line and "not an empty folder" in line
+    assert main(["bench", *IMAGES, "--data", str(keep), "--out", str(tmp_path / "again"), "--quiet"]) == 0
+    assert len(list(keep.rglob("*"))) == 22  # 10 class folders, 12 files: nothing added
+    document = json.loads((tmp_path / "again" / "bench.json").read_text())
+    assert document["scenario"] == f"images:{keep}"
+
+
+def test_a_log_gets_one_progress_line_per_loader_and_quiet_only_the_headline(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    assert main(["bench", *TINY, "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err
+    progress = [line for line in captured.err.splitlines() if line.startswith("  measured ")]
+    assert progress[0] == progress[0].split(":")[0] + ": 2 epochs in " + progress[0].split(" in ")[1]
+    assert len(progress) == len(json.loads((out / "bench.json").read_text())["results"])
+    assert all(len(line) <= 100 for line in captured.out.splitlines()[1:-2])  # the tables and notes
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (out / "bench.json").unlink()
+    (out / "bench.json").symlink_to(victim)
+    assert main(["bench", *TINY, "--out", str(out), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    headline, where = captured.out.splitlines()
+    assert "x torch's DataLoader (num_workers=0) on this machine; after the first epoch" in headline
+    assert where == f"results: {out / 'bench.json'}; chart: {out / 'bench.png'}"
+    assert victim.read_text() == "keep me" and not (out / "bench.json").is_symlink()
+
+
+def test_arrays_given_as_npy_run(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "x.npy"
+    np.save(path, np.zeros((256, 4), dtype=np.float32))
+    assert main(["bench", "--data", str(path), *TINY[2:], "--batch-size", "64", "--out", str(tmp_path), "--quiet"]) == 0
+    assert json.loads((tmp_path / "bench.json").read_text())["results"][0]["batches_per_epoch"] == 4
+
+
+def test_two_cores_or_fewer_default_to_one_torch_thread_and_the_run_restores_it(tmp_path, monkeypatch, capsys) -> None:
+    import os
+
+    from gpuload.cli.bench import default_threads
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert default_threads() == 1
+    before = torch.get_num_threads()
+    assert main(["bench", *TINY, "--out", str(tmp_path)]) == 0
+    assert "1 torch thread(s) (the default on 2 cores or fewer" in " ".join(capsys.readouterr().out.split())
+    assert json.loads((tmp_path / "bench.json").read_text())["environment"]["torch_threads"] == 1
+    assert torch.get_num_threads() == before
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert default_threads() is None
+
+
+def test_the_pretended_card_sets_every_scenarios_modelled_bytes(tmp_path: Path, capsys) -> None:
+    assert main(["bench", *TINY, "--device-memory", "1GiB", "--out", str(tmp_path), "--quiet"]) == 0
+    rows = {r["name"]: r for r in json.loads((tmp_path / "bench.json").read_text())["results"]}
+    cached = rows["gpuload DataLoader (device cache)"]["h2d_modelled"]
+    everything = 1024 * (3 * 32 * 32 + 8)
+    # 1 GiB is all reserve for the model: nothing is cached on the device, every epoch copies it all.
+    assert cached["card"] == "a pretended 1 GiB card" and cached["per_epoch"] == everything
+    assert rows["torch DataLoader (num_workers=0)"]["h2d_modelled"]["per_epoch"] == everything
+    assert "modelled for a pretended 1 GiB card" in capsys.readouterr().out
