@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -246,6 +247,11 @@ class StepTracer:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         started = time.perf_counter()
         mode = self._fake_mode_type(allow_non_fake_inputs=True)
+        with warnings.catch_warnings():  # deepcopy of a fake module (nn.TransformerEncoder does one) asks for data_ptr
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            return self._trace(batch_size, mode, started)
+
+    def _trace(self, batch_size: int, mode: Any, started: float) -> StepTrace:
         model, fakes = _fake_module(self.model, mode, self.device)
         with mode:
             optimizer = _fake_optimizer(self.optimizer, model, fakes, self.device)
