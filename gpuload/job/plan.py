@@ -104,7 +104,7 @@ class JobPlan:
         chosen = "your batch size" if self.batch_fixed else (
             f"largest that fits, a multiple of {self.batch_multiple}" if self.batch_multiple > 1 else "largest that fits")
         data = self.dataset
-        cached = (f"{self.cache.device_samples} of {data.num_samples} samples ({self._cached_share():.0f}%)"
+        cached = (f"{self.cache.device_samples} of {data.num_samples} samples ({_percent(self._cached_share())})"
                   if self.cache is not None and data is not None else "no dataset given")
         lines = [
             f"job plan for {self.device_name}: {format_bytes(self.memory.free)} free of "
@@ -129,6 +129,11 @@ class JobPlan:
         if self.cache is None or not self.cache.num_samples:
             return 0.0
         return 100 * self.cache.device_samples / self.cache.num_samples
+
+
+def _percent(share: float) -> str:
+    """A share for people: whole percents, but never 0% or 100% for a share that is not."""
+    return f"{share:.1f}%" if 0 < share < 1 or 99 < share < 100 else f"{share:.0f}%"
 
 
 def _memory(spec: MemorySpec, what: str) -> MemoryInfo | None:
@@ -250,7 +255,7 @@ def _with_tradeoff(
         def off_device(cache: CachePlan) -> str:
             share = 100 * (cache.num_samples - cache.device_samples) / cache.num_samples
             where = "on the host" if cache.source_samples == 0 else "off the device"
-            return f"{share:.0f}% of the data {where}"
+            return f"{_percent(share)} of the data {where}"
 
         if plan.cache.device_samples == data.num_samples:
             head = f"batch {b} + whole dataset cached ({format_bytes(plan.cache_bytes)})"
@@ -261,12 +266,12 @@ def _with_tradeoff(
             else:
                 lines.append(f"{head}; batch {bigger} would leave {off_device(cache_beside(bigger))}")
         else:
-            head = f"batch {b} + {plan._cached_share():.0f}% of the data cached, {off_device(plan.cache)}"
+            head = f"batch {b} + {_percent(plan._cached_share())} of the data cached, {off_device(plan.cache)}"
             smaller = b // 2
             if smaller >= 1:
                 other = cache_beside(smaller)
                 what = ("the whole dataset" if other.device_samples == data.num_samples
-                        else f"{100 * other.device_samples / data.num_samples:.0f}% of the data")
+                        else f"{_percent(100 * other.device_samples / data.num_samples)} of the data")
                 lines.append(f"{head}; batch {smaller} would cache {what}")
             else:
                 lines.append(head)

@@ -4,8 +4,8 @@ Under ``FakeTensorMode`` tensors carry shapes, dtypes and devices but no storage
 runs in about the same time whatever its batch size and allocates nothing. torch's
 ``MemTracker`` (``torch.distributed._tools.mem_tracker``) watches every storage the step
 creates and keeps the peak, by kind: parameters, buffers, gradients, optimizer state,
-activations, temporaries, inputs. Two steps are traced: the second runs beside the optimizer
-state made by the first, which is the steady state of a training job.
+activations, temporaries, inputs. Two steps run; the second is traced: it runs beside the
+optimizer state made by the first, the steady state of a training job.
 
 The peak as a function of batch size is ``fixed + per_sample * b``, fitted through the two
 largest traced batch sizes. A small batch may peak in the optimizer step instead (its
@@ -37,7 +37,7 @@ from gpuload.device import cuda_available
 __all__ = ["StepTrace", "StepMemory", "StepTracer", "OptimizerSpec", "estimate_step_memory", "DEFAULT_TRACE_SIZES"]
 
 OptimizerSpec = Union[str, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], torch.optim.Optimizer, None]
-DEFAULT_TRACE_SIZES = (8, 32, 128)
+DEFAULT_TRACE_SIZES = (8, 64)
 _OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = {
     "adamw": lambda params: torch.optim.AdamW(params),
     "adam": lambda params: torch.optim.Adam(params),
@@ -94,7 +94,10 @@ class StepMemory:
 
     def peak(self, batch_size: int) -> int:
         """Estimated peak bytes of one step at ``batch_size``."""
-        return max(math.ceil(self.fixed + self.per_sample * batch_size), self.floor)
+        return max(math.ceil(self._line(batch_size)), self.floor)
+
+    def _line(self, batch_size: int) -> float:
+        return self.fixed + self.per_sample * batch_size
 
     @property
     def state(self) -> dict[str, int]:
@@ -120,7 +123,7 @@ class StepMemory:
         traced = ", ".join(f"{t.batch_size}: {format_bytes(t.peak)}" for t in self.traces)
         return "\n".join([
             f"step peak(batch) = {format_bytes(max(0.0, self.fixed))} + batch x {format_bytes(self.per_sample)}"
-            + (f" (at least {format_bytes(self.floor)})" if self.floor else ""),
+            + (f" (at least {format_bytes(self.floor)})" if self.floor > 1.05 * self._line(self.traces[0].batch_size) else ""),
             f"  model state: {state}",
             f"  traced on fake {self.device} tensors at batch {traced} ({self.seconds:.1f} s; "
             f"fit within {100 * self.residual:.1f}%)",
@@ -242,7 +245,7 @@ class StepTracer:
         self.device = _trace_device()
 
     def trace(self, batch_size: int) -> StepTrace:
-        """Run two training steps at ``batch_size`` on fake tensors; return their peak."""
+        """Run two training steps at ``batch_size`` on fake tensors; return the second's peak."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         started = time.perf_counter()
@@ -259,28 +262,33 @@ class StepTracer:
                 torch.Tensor, lambda t: torch.empty((batch_size, *t.shape), dtype=t.dtype, device=self.device),
                 self.sample,
             )
+            state: dict[str, int] = {}
+            self._step(model, batch, optimizer)  # untraced: it makes the optimizer state of the steady state
             tracker = self._tracker_type()
             tracker.track_external(model, *([optimizer] if optimizer is not None else []), *tree_leaves(batch))
-            state: dict[str, int] = {}
             with tracker:
-                for step in range(2):
-                    output = model(**batch) if isinstance(batch, dict) else (
-                        model(*batch) if isinstance(batch, (tuple, list)) else model(batch))
-                    self.loss_fn(output).backward()
-                    if optimizer is not None:
-                        optimizer.step()
-                    if step == 1:
-                        kinds = _kinds(tracker.get_tracker_snapshot("current"), self.device)
-                        state = {kind: kinds.get(kind, 0) for kind in STATE_KINDS}
-                    if optimizer is not None:
-                        optimizer.zero_grad(set_to_none=True)
-                    else:
-                        model.zero_grad(set_to_none=True)
-                    tracker.reset_mod_stats()  # MemTracker traces one iteration per module; the peak stays
-                    del output
+                self._step(model, batch, optimizer, after_update=lambda: state.update(
+                    _kinds(tracker.get_tracker_snapshot("current"), self.device)))
             at_peak = _kinds(tracker.get_tracker_snapshot("peak"), self.device)
         peak = at_peak.pop("total", sum(at_peak.values()))
+        state = {kind: state.get(kind, 0) for kind in STATE_KINDS}
         return StepTrace(batch_size, peak, at_peak, state, time.perf_counter() - started)
+
+    def _step(self, model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer | None,
+              after_update: Callable[[], None] | None = None) -> None:
+        """One training step as a loop runs it; ``after_update`` looks before the gradients go."""
+        output = model(**batch) if isinstance(batch, dict) else (
+            model(*batch) if isinstance(batch, (tuple, list)) else model(batch))
+        self.loss_fn(output).backward()
+        if optimizer is not None:
+            optimizer.step()
+        if after_update is not None:
+            after_update()
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+        del output  # a loop's output lives until the step ends
 
     def notes(self) -> tuple[str, ...]:
         if self.device.type == "cpu":
