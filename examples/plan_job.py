@@ -41,10 +41,15 @@ factory, name = choose_model()
 imagenet = DatasetShape(1_281_167, 3 * 224 * 224 + 8, "ImageNet-1k at 224x224, uint8 + int64 label")
 sample = torch.empty(3, 224, 224)  # one input as the model takes it (the loop converts uint8 to float)
 
-for batch_size in (None, 256):  # None: recommend one; 256: the cache gets what that batch leaves
-    started = time.perf_counter()
-    plan = gpuload.plan_job(factory, sample, optimizer="adamw", dataset=imagenet, device_memory="80GiB",
-                            host_memory="256GiB", batch_size=batch_size)
-    print(f"# {name}, AdamW, batch size {batch_size or 'recommended'}; planned in {time.perf_counter() - started:.1f} s")
-    print(plan.describe())
-    print()
+started = time.perf_counter()
+plan = gpuload.plan_job(factory, sample, optimizer="adamw", dataset=imagenet, device_memory="80GiB",
+                        host_memory="256GiB")
+print(f"# {name}, AdamW, ImageNet, the batch size recommended; planned in {time.perf_counter() - started:.1f} s")
+print(plan.describe(), end="\n\n")
+
+# Other choices from the same estimate, without tracing again: a fixed batch size, a smaller dataset.
+print(f"# {name}, AdamW, ImageNet, batch size 256")
+print(plan.replan(256).describe(), end="\n\n")
+imagenet100 = DatasetShape(126_689, imagenet.bytes_per_sample, "ImageNet-100 at 224x224")
+print(f"# {name}, AdamW, ImageNet-100, the batch size recommended")
+print(plan.replan(dataset=imagenet100).describe())

@@ -69,6 +69,19 @@ class JobPlan:
         """The step's estimated peak bytes at ``batch_size``."""
         return self.step.peak(batch_size)
 
+    def replan(self, batch_size: int | None = None, *, dataset: Any = None, device_memory: MemorySpec = None,
+               batch_multiple: int | None = None) -> JobPlan:
+        """The plan for another batch size (None: recommend one), dataset or card, from the same
+        step estimate: nothing is traced again. Arguments left at None keep this plan's."""
+        shape = dataset_shape(dataset) if dataset is not None else self.dataset
+        memory = _memory(device_memory, "device_memory")
+        return plan_from_step(
+            self.step, memory=memory or self.memory, settings=self.settings, dataset=shape,
+            device_name=_pretended(memory) if memory is not None else self.device_name,
+            loader_bytes_per_sample=self.loader_bytes_per_sample if dataset is None else None,
+            batch_size=batch_size, batch_multiple=batch_multiple or self.batch_multiple, host=self.host,
+        )
+
     @property
     def room(self) -> int:
         """Device bytes the job may use: free memory minus the reserve."""
@@ -133,7 +146,13 @@ class JobPlan:
 
 def _percent(share: float) -> str:
     """A share for people: whole percents, but never 0% or 100% for a share that is not."""
-    return f"{share:.1f}%" if 0 < share < 1 or 99 < share < 100 else f"{share:.0f}%"
+    if 0 < share < 1:
+        return f"{share:.2g}%"
+    return f"{min(share, 99.9):.1f}%" if 99 < share < 100 else f"{share:.0f}%"
+
+
+def _pretended(memory: MemoryInfo) -> str:
+    return f"a pretended {format_bytes(memory.total)} card"
 
 
 def _memory(spec: MemorySpec, what: str) -> MemoryInfo | None:
@@ -211,8 +230,9 @@ def plan_from_step(
 
     ceiling = min(_LARGEST_BATCH, dataset.num_samples if dataset is not None else _LARGEST_BATCH)
     multiple = batch_multiple if ceiling >= batch_multiple else 1
-    largest_alone = _largest(lambda b: job_bytes(b) <= room, multiple, ceiling) or (
-        _largest(lambda b: job_bytes(b) <= room, 1, ceiling) if multiple > 1 else 0)
+    largest_alone = _largest(lambda b: job_bytes(b) <= room, multiple, ceiling)
+    if largest_alone == 0 and multiple > 1:  # not even one multiple fits: any batch size that does
+        multiple, largest_alone = 1, _largest(lambda b: job_bytes(b) <= room, 1, ceiling)
     if batch_size is not None:
         chosen, fits = batch_size, job_bytes(batch_size) <= room
     elif largest_alone == 0:
@@ -259,12 +279,12 @@ def _with_tradeoff(
 
         if plan.cache.device_samples == data.num_samples:
             head = f"batch {b} + whole dataset cached ({format_bytes(plan.cache_bytes)})"
-            bigger = 2 * b
-            if job_bytes(bigger) > room or bigger > data.num_samples:
-                lines.append(f"{head}; batch {bigger} would not fit"
-                             + (f" (the largest that fits with no cache is {largest_alone})" if largest_alone > b else ""))
+            bigger = min(2 * b, largest_alone)  # twice the batch, or the largest batch that fits at all
+            if bigger <= b:
+                lines.append(f"{head}; no larger batch fits")
             else:
-                lines.append(f"{head}; batch {bigger} would leave {off_device(cache_beside(bigger))}")
+                largest = " (the largest that fits)" if bigger == largest_alone else ""
+                lines.append(f"{head}; batch {bigger}{largest} would leave {off_device(cache_beside(bigger))}")
         else:
             head = f"batch {b} + {_percent(plan._cached_share())} of the data cached, {off_device(plan.cache)}"
             smaller = b // 2
@@ -316,7 +336,7 @@ def plan_job(
     memory = _memory(device_memory, "device_memory")
     device: torch.device | None = None
     if memory is not None:
-        device_name = f"a pretended {format_bytes(memory.total)} card"
+        device_name = _pretended(memory)
     elif cuda_available():
         device = resolve_device(None)
         memory, device_name = read_device_memory(device), str(device)
