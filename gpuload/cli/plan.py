@@ -77,21 +77,31 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                      help="a recommended batch size is a multiple of this (default 8)")
 
 
+def _settings(args: argparse.Namespace) -> CacheSettings:
+    return CacheSettings.resolve(cache=args.cache, cache_size=args.cache_size, cache_reserve=args.cache_reserve,
+                                 job=args.job)
+
+
+def _pretended_memory(args: argparse.Namespace) -> MemoryInfo | None:
+    """The card ``--device-memory`` (and ``--device-free``) pretend, or None for the real one."""
+    if args.device_memory is None:
+        return None
+    free = args.device_memory if args.device_free is None else args.device_free
+    if free > args.device_memory:
+        raise ValueError("--device-free cannot exceed --device-memory")
+    return MemoryInfo(free=free, total=args.device_memory)
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Print the settings, the dataset's size and the cache plan; 0 on success, 2 on a bad input."""
     if args.model is not None or args.input_shape is not None:
         return _run_job_plan(args)
     try:
-        settings = CacheSettings.resolve(
-            cache=args.cache, cache_size=args.cache_size, cache_reserve=args.cache_reserve, job=args.job
-        )
+        settings = _settings(args)
         shape = estimate_dataset(args.dataset, args.synthetic, args.probe_images)
-        if args.device_memory is not None:
-            free = args.device_memory if args.device_free is None else args.device_free
-            if free > args.device_memory:
-                raise ValueError("--device-free cannot exceed --device-memory")
-            device_name, target = f"a pretended {format_bytes(args.device_memory)} card", "cuda"
-            memory = MemoryInfo(free=free, total=args.device_memory)
+        pretended = _pretended_memory(args)
+        if pretended is not None:
+            device_name, target, memory = f"a pretended {format_bytes(pretended.total)} card", "cuda", pretended
         else:
             device = resolve_device(args.device)
             if device.type == "cuda":
@@ -183,18 +193,10 @@ def _run_job_plan(args: argparse.Namespace) -> int:
             raise ValueError("a job plan needs both --model and --input-shape")
         factory = load_factory(args.model)
         shape = parse_shape(args.input_shape)
-        settings = CacheSettings.resolve(
-            cache=args.cache, cache_size=args.cache_size, cache_reserve=args.cache_reserve, job=args.job
-        )
+        settings = _settings(args)
         dataset = (estimate_dataset(args.dataset, args.synthetic, args.probe_images)
                    if args.dataset is not None or args.synthetic is not None else None)
-        if args.device_memory is not None:
-            free = args.device_memory if args.device_free is None else args.device_free
-            if free > args.device_memory:
-                raise ValueError("--device-free cannot exceed --device-memory")
-            memory: MemoryInfo | None = MemoryInfo(free=free, total=args.device_memory)
-        else:
-            memory = None
+        memory = _pretended_memory(args)
         try:
             plan = plan_job(
                 factory, torch.empty(shape), optimizer=None if args.optimizer == "none" else args.optimizer,
