@@ -166,8 +166,10 @@ def _memory(spec: MemorySpec, what: str) -> MemoryInfo | None:
 
 
 def _largest(fits: Callable[[int], bool], multiple: int, ceiling: int) -> int:
-    """The largest multiple of ``multiple`` up to ``ceiling`` for which ``fits`` holds, else 0
-    (binary search: ``fits`` is monotone but for the prefetch depth's steps, checked after)."""
+    """The largest multiple of ``multiple`` up to ``ceiling`` for which ``fits`` holds, else 0.
+
+    A binary search: ``fits`` is monotone but for the prefetch depth's steps (4, 3, then 2 slots
+    as batches grow), so the answer always fits, and at worst a few samples more would too."""
     low, high = 0, ceiling // multiple
     while low < high:
         middle = (low + high + 1) // 2
