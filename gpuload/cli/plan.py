@@ -71,6 +71,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                      help="one float32 input without the batch dimension, e.g. 3,224,224")
     job.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "none"], default="adamw",
                      help="optimizer whose state the step holds (default adamw)")
+    job.add_argument("--autocast", choices=["bf16", "fp16"], default=None,
+                     help="mixed precision: the forward runs under torch.autocast with this dtype")
     job.add_argument("--batch-size", type=int, default=None, metavar="N",
                      help="fix the batch size: the cache gets what it leaves (default: recommend one)")
     job.add_argument("--batch-multiple", type=int, default=8, metavar="N",
@@ -200,6 +202,7 @@ def _run_job_plan(args: argparse.Namespace) -> int:
         try:
             plan = plan_job(
                 factory, torch.empty(shape), optimizer=None if args.optimizer == "none" else args.optimizer,
+                autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.autocast),
                 dataset=dataset, device_memory=memory, cache=settings, batch_size=args.batch_size,
                 batch_multiple=args.batch_multiple,
                 host_memory=MemoryInfo(args.host_memory, args.host_memory) if args.host_memory is not None else None,
@@ -212,7 +215,8 @@ def _run_job_plan(args: argparse.Namespace) -> int:
         return 2
     print("settings:")
     print("  " + settings.describe().replace("\n", "\n  "))
-    print(f"model: {args.model}, input {'x'.join(map(str, shape))} float32, optimizer {args.optimizer}")
+    precision = f", autocast {args.autocast}" if args.autocast else ""
+    print(f"model: {args.model}, input {'x'.join(map(str, shape))} float32, optimizer {args.optimizer}{precision}")
     if dataset is not None:
         print(f"dataset: {dataset.description}")
     print(plan.describe())

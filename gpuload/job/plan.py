@@ -306,6 +306,7 @@ def plan_job(
     *,
     optimizer: OptimizerSpec = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    autocast: torch.dtype | None = None,
     dataset: Any = None,
     device_memory: MemorySpec = None,
     cache: str | bool | CacheSettings | None = None,
@@ -321,7 +322,8 @@ def plan_job(
     ``model`` is a module or a function returning one (called under the fake mode: never built
     for real); ``sample`` one input without the batch dimension (see
     :class:`~gpuload.job.step_memory.StepTracer`); ``optimizer`` a name (``"adamw"``, ``"adam"``,
-    ``"sgd"``), an optimizer class or instance, or None for forward and backward only.
+    ``"sgd"``), an optimizer class or instance, or None for forward and backward only;
+    ``autocast`` a mixed-precision dtype the forward runs under (``torch.bfloat16``).
     ``dataset`` (a map-style dataset, tensor, array, path or DatasetShape) sizes the cache and
     the prefetch slots; without it the slots hold ``sample``-sized batches and nothing is
     cached. ``device_memory`` pretends a card (``"80GiB"``, bytes or a MemoryInfo); by default
@@ -346,7 +348,7 @@ def plan_job(
         raise ValueError("no CUDA device here: pass device_memory='80GiB' (any size) to plan for a card")
     shape = dataset_shape(dataset) if dataset is not None else None
     sample_bytes = sum(t.numel() * t.element_size() for t in tree_leaves(sample) if isinstance(t, torch.Tensor))
-    tracer = StepTracer(model, sample, optimizer=optimizer, loss_fn=loss_fn)
+    tracer = StepTracer(model, sample, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast)
     sizes = set(trace_batch_sizes) | ({batch_size} if batch_size is not None else set())
     traces: dict[int, StepTrace] = {b: tracer.trace(b) for b in sorted(sizes)}
 

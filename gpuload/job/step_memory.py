@@ -217,7 +217,9 @@ class StepTracer:
     tuple of tensors (passed positionally) or a dict (passed as keywords); only its shapes and
     dtypes are used. ``loss_fn(output)`` returns the scalar to backpropagate (default: the mean
     of each floating output); it runs under the fake mode, so it may make targets with
-    ``torch.zeros(..., device=output.device)``.
+    ``torch.zeros(..., device=output.device)``. ``autocast`` (``torch.bfloat16`` or
+    ``torch.float16``) runs the forward and the loss under ``torch.autocast``, as a mixed
+    precision loop does (off CUDA with the CPU's autocast op list, which differs slightly).
     """
 
     def __init__(
@@ -227,6 +229,7 @@ class StepTracer:
         *,
         optimizer: OptimizerSpec = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         try:
             from torch._subclasses.fake_tensor import FakeTensorMode
@@ -242,6 +245,9 @@ class StepTracer:
             raise TypeError("sample must be a tensor, or a tuple or dict of tensors: one sample without the batch dimension")
         self._fake_mode_type, self._tracker_type = FakeTensorMode, MemTracker
         self.model, self.sample, self.optimizer, self.loss_fn = model, sample, optimizer, loss_fn or _default_loss
+        if autocast not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"autocast={autocast!r}: use torch.bfloat16, torch.float16 or None")
+        self.autocast = autocast
         self.device = _trace_device()
 
     def trace(self, batch_size: int) -> StepTrace:
@@ -277,9 +283,11 @@ class StepTracer:
     def _step(self, model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer | None,
               after_update: Callable[[], None] | None = None) -> None:
         """One training step as a loop runs it; ``after_update`` looks before the gradients go."""
-        output = model(**batch) if isinstance(batch, dict) else (
-            model(*batch) if isinstance(batch, (tuple, list)) else model(batch))
-        self.loss_fn(output).backward()
+        with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+            output = model(**batch) if isinstance(batch, dict) else (
+                model(*batch) if isinstance(batch, (tuple, list)) else model(batch))
+            loss = self.loss_fn(output)
+        loss.backward()
         if optimizer is not None:
             optimizer.step()
         if after_update is not None:
@@ -288,13 +296,17 @@ class StepTracer:
             optimizer.zero_grad(set_to_none=True)
         else:
             model.zero_grad(set_to_none=True)
-        del output  # a loop's output lives until the step ends
+        del output, loss  # a loop's output lives until the step ends
 
     def notes(self) -> tuple[str, ...]:
+        """What the estimate assumed, for the printed plan."""
+        notes = []
+        if self.autocast is not None:
+            notes.append(f"forward and loss under torch.autocast({str(self.autocast).removeprefix('torch.')})")
         if self.device.type == "cpu":
-            return ("no CUDA here: traced on fake CPU tensors, without CUDA's 512-byte rounding",
-                    "cuDNN/cuBLAS workspaces are not counted: the reserve covers them")
-        return ("cuDNN/cuBLAS workspaces are not counted: the reserve covers them",)
+            notes.append("no CUDA here: traced on fake CPU tensors, without CUDA's 512-byte rounding")
+        notes.append("cuDNN/cuBLAS workspaces are not counted: the reserve covers them")
+        return tuple(notes)
 
 
 def estimate_step_memory(
@@ -303,8 +315,9 @@ def estimate_step_memory(
     *,
     optimizer: OptimizerSpec = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    autocast: torch.dtype | None = None,
     batch_sizes: Iterable[int] = DEFAULT_TRACE_SIZES,
 ) -> StepMemory:
     """Trace the step at each of ``batch_sizes`` (two or more) and fit its peak; see :class:`StepTracer`."""
-    tracer = StepTracer(model, sample, optimizer=optimizer, loss_fn=loss_fn)
+    tracer = StepTracer(model, sample, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast)
     return StepMemory.fit([tracer.trace(b) for b in sorted(set(batch_sizes))], tracer.device.type, tracer.notes())

@@ -110,6 +110,16 @@ def test_loss_fn_and_tuple_inputs() -> None:
     assert trace.peak >= 16 * (10 + 6) * 4
 
 
+def test_autocast_halves_the_activations_not_the_model_state() -> None:
+    sample = M.SAMPLES["cnn"]()
+    full = estimate_step_memory(M.cnn, sample, optimizer="adamw", batch_sizes=(8, 64))
+    half = estimate_step_memory(M.cnn, sample, optimizer="adamw", batch_sizes=(8, 64), autocast=torch.bfloat16)
+    assert half.state == full.state  # fp32 parameters, gradients and moments either way
+    assert 0.4 * full.per_sample < half.per_sample < 0.9 * full.per_sample
+    with pytest.raises(ValueError, match="autocast"):
+        StepTracer(M.cnn, sample, autocast=torch.int8)
+
+
 def test_fit_keeps_a_floor_below_the_line() -> None:
     flat = dict(parameters=0)
     traces = [StepTrace(8, 1000, {}, flat, 0.0), StepTrace(32, 1100, {}, flat, 0.0), StepTrace(128, 2100, {}, flat, 0.0)]
