@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from gpuload.cache.budget import format_bytes
-from gpuload.device import cuda_available
+from gpuload.device import cuda_available, resolve_device
 
 __all__ = ["StepTrace", "StepMemory", "StepTracer", "OptimizerSpec", "estimate_step_memory", "DEFAULT_TRACE_SIZES"]
 
@@ -119,14 +119,15 @@ class StepMemory:
         return max(abs(self.peak(t.batch_size) - t.peak) / t.peak for t in self.traces if t.peak)
 
     def describe(self) -> str:
+        """The fitted function, the model state and how it was traced."""
         state = ", ".join(f"{kind} {format_bytes(self.state.get(kind, 0))}" for kind in STATE_KINDS)
         traced = ", ".join(f"{t.batch_size}: {format_bytes(t.peak)}" for t in self.traces)
         return "\n".join([
             f"step peak(batch) = {format_bytes(max(0.0, self.fixed))} + batch x {format_bytes(self.per_sample)}"
             + (f" (at least {format_bytes(self.floor)})" if self.floor > 1.05 * self._line(self.traces[0].batch_size) else ""),
             f"  model state: {state}",
-            f"  traced on fake {self.device} tensors at batch {traced} ({self.seconds:.1f} s; "
-            f"fit within {100 * self.residual:.1f}%)",
+            f"  traced on fake {self.device} tensors at batch {traced} ({self.seconds:.1f} s"
+            + (f"; the line fits each within {100 * self.residual:.1f}%)" if len(self.traces) > 2 else ")"),
             *(f"  note: {note}" for note in self.notes),
         ])
 
@@ -136,7 +137,7 @@ class StepMemory:
 def _trace_device() -> torch.device:
     """Fake CUDA when this machine has CUDA (backward needs its context), else fake CPU."""
     if cuda_available():
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = resolve_device(None)
         torch.empty(1, device=device)  # creates the context autograd asks for (pytorch issue 92627)
         return device
     return torch.device("cpu")
