@@ -34,7 +34,7 @@ from gpuload.job.dataset_size import DatasetShape, dataset_shape
 from gpuload.job.step_memory import DEFAULT_TRACE_SIZES, OptimizerSpec, StepMemory, StepTrace, StepTracer
 from gpuload.prefetch import default_depth
 
-__all__ = ["JobPlan", "plan_job", "plan_from_step", "MemorySpec"]
+__all__ = ["JobPlan", "plan_job", "plan_from_step", "resident_bytes", "MemorySpec"]
 
 MemorySpec = int | str | MemoryInfo | None
 _LARGEST_BATCH = 1 << 20  # the search's ceiling when nothing else bounds the batch
@@ -142,6 +142,26 @@ class JobPlan:
         if self.cache is None or not self.cache.num_samples:
             return 0.0
         return 100 * self.cache.device_samples / self.cache.num_samples
+
+
+def resident_bytes(model: Any, optimizer: Any, device: torch.device) -> int:
+    """Bytes that a model instance (parameters, buffers, gradients) and an optimizer instance
+    (its state) already hold on ``device``: the step's estimate includes them."""
+    tensors: list[torch.Tensor] = []
+    if isinstance(model, nn.Module):
+        for param in model.parameters():
+            tensors += [param] + ([param.grad] if param.grad is not None else [])
+        tensors += list(model.buffers())
+    if isinstance(optimizer, torch.optim.Optimizer):
+        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if tensor.device == device and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
 
 
 def _percent(share: float) -> str:
@@ -344,6 +364,10 @@ def plan_job(
     elif cuda_available():
         device = resolve_device(None)
         memory, device_name = read_device_memory(device), str(device)
+        already = resident_bytes(model, optimizer, device)
+        if already:  # the step's estimate counts them: as free, they are not counted twice
+            memory = MemoryInfo(free=min(memory.total, memory.free + already), total=memory.total)
+            device_name += f" (the model's {format_bytes(already)} already there counted as free)"
     else:
         raise ValueError("no CUDA device here: pass device_memory='80GiB' (any size) to plan for a card")
     shape = dataset_shape(dataset) if dataset is not None else None

@@ -16,7 +16,7 @@ from gpuload.cache.budget import default_reserve
 from gpuload.cache.settings import CacheSettings
 from gpuload.device import MemoryInfo
 from gpuload.job.dataset_size import DatasetShape
-from gpuload.job.plan import JobPlan, plan_from_step, plan_job
+from gpuload.job.plan import JobPlan, plan_from_step, plan_job, resident_bytes
 from gpuload.job.step_memory import StepMemory, StepTrace
 from gpuload.prefetch import default_depth
 
@@ -161,6 +161,19 @@ def test_plan_job_without_a_card_or_dataset(tmp_path: Path) -> None:
     assert plan.batch_size == 64 and plan.cache is None
     assert plan.prefetch_bytes == plan.prefetch_depth * 64 * 784 * 4  # slots of sample-sized batches
     assert plan.memory.free == 3 * GiB and plan.room == 3 * GiB - plan.reserve
+
+
+def test_resident_bytes_counts_each_storage_once_on_its_device() -> None:
+    model = M.mlp()
+    model[0].weight.grad = torch.zeros_like(model[0].weight)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer.state[model[2].weight] = {"momentum_buffer": torch.zeros_like(model[2].weight), "step": 3}
+    params = sum(p.numel() * 4 for p in model.parameters())
+    expected = params + model[0].weight.numel() * 4 + model[2].weight.numel() * 4
+    assert resident_bytes(model, optimizer, torch.device("cpu")) == expected
+    assert resident_bytes(M.mlp, "adamw", torch.device("cpu")) == 0  # a factory holds nothing yet
+    if torch.cuda.is_available():
+        assert resident_bytes(model, optimizer, torch.device("cuda", 0)) == 0
 
 
 def test_gpuload_exports_plan_job_lazily() -> None:
