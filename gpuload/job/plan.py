@@ -16,8 +16,8 @@ and the cache takes the rest. Either way the trade-off against the other choice 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ _LARGEST_BATCH = 1 << 20  # the search's ceiling when nothing else bounds the ba
 _REFINE_ROUNDS = 3
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class JobPlan:
     """The job's device memory at one batch size: step + prefetch slots + cache <= free - reserve.
 
@@ -117,8 +117,12 @@ class JobPlan:
         chosen = "your batch size" if self.batch_fixed else (
             f"largest that fits, a multiple of {self.batch_multiple}" if self.batch_multiple > 1 else "largest that fits")
         data = self.dataset
-        cached = (f"{self.cache.device_samples} of {data.num_samples} samples ({_percent(self._cached_share())})"
-                  if self.cache is not None and data is not None else "no dataset given")
+        if data is None:
+            cached = "no dataset given"
+        elif self.cache is None:
+            cached = "none: the batch alone does not fit"
+        else:
+            cached = f"{self.cache.device_samples} of {data.num_samples} samples ({_percent(self._cached_share())})"
         lines = [
             f"job plan for {self.device_name}: {format_bytes(self.memory.free)} free of "
             f"{format_bytes(self.memory.total)}",
@@ -317,7 +321,7 @@ def _with_tradeoff(
                 lines.append(f"{head}; batch {smaller} would cache {what}")
             else:
                 lines.append(head)
-    return JobPlan(**{**plan.__dict__, "tradeoff": tuple(lines)})
+    return dataclasses.replace(plan, tradeoff=tuple(lines))
 
 
 def plan_job(

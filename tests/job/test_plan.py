@@ -90,8 +90,9 @@ def test_multiple_of_one_and_a_batch_that_does_not_fit(tmp_path: Path) -> None:
     plan = _plan(tmp_path, 16 * GiB, None, batch_multiple=1)
     assert plan.fits and plan.batch_size == (16 * GiB - plan.reserve - 400 * MiB) // (30 * MiB) == 464
     assert plan.cache is None and plan.prefetch_bytes == 0
-    too_big = _plan(tmp_path, 16 * GiB, None, batch_size=1000)
-    assert not too_big.fits and "does NOT fit" in too_big.describe()
+    too_big = _plan(tmp_path, 16 * GiB, DatasetShape(1000, IMAGE, "small"), batch_size=1000)
+    assert not too_big.fits and too_big.cache is None
+    assert "does NOT fit" in too_big.describe() and "none: the batch alone does not fit" in too_big.describe()
     hopeless = _plan(tmp_path, 4 * GiB, None, step={"fixed": 3 * GiB})
     assert not hopeless.fits and "no batch fits" in hopeless.describe()
 
