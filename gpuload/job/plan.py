@@ -307,7 +307,8 @@ def _with_tradeoff(
             head = f"batch {b} + whole dataset cached ({format_bytes(plan.cache_bytes)})"
             bigger = min(2 * b, largest_alone)  # twice the batch, or the largest batch that fits at all
             if bigger <= b:
-                lines.append(f"{head}; no larger batch fits")
+                multiple = f" (a multiple of {plan.batch_multiple})" if plan.batch_multiple > 1 else ""
+                lines.append(f"{head}; no larger batch{multiple} fits")
             else:
                 largest = " (the largest that fits)" if bigger == largest_alone else ""
                 lines.append(f"{head}; batch {bigger}{largest} would leave {off_device(cache_beside(bigger))}")
