@@ -208,7 +208,8 @@ def _run_job_plan(args: argparse.Namespace) -> int:
                 host_memory=MemoryInfo(args.host_memory, args.host_memory) if args.host_memory is not None else None,
             )
         except RuntimeError as error:  # raised by the model's own code on the fake input
-            raise RuntimeError(f"the training step of {args.model} failed on a {args.input_shape} input: {error}") from None
+            raise RuntimeError(
+                f"the training step of {args.model} failed on a {args.input_shape} input: {error}") from None
     except (ValueError, TypeError, RuntimeError) as error:  # bad input, or a step the trace cannot run
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(f"gpuload plan: error: {message}", file=sys.stderr)

@@ -115,7 +115,8 @@ class JobPlan:
             return f"  {name:<16}{format_bytes(nbytes):>12}  {share}  {detail}".rstrip()
 
         chosen = "your batch size" if self.batch_fixed else (
-            f"largest that fits, a multiple of {self.batch_multiple}" if self.batch_multiple > 1 else "largest that fits")
+            f"largest that fits, a multiple of {self.batch_multiple}" if self.batch_multiple > 1
+            else "largest that fits")
         data = self.dataset
         if data is None:
             cached = "no dataset given"
@@ -128,12 +129,15 @@ class JobPlan:
             f"{format_bytes(self.memory.total)}",
             f"  batch size: {self.batch_size} ({chosen})" if self.fits else
             f"  batch size: {self.batch_size} does NOT fit: the step alone needs "
-            f"{format_bytes(self.step_bytes + self.prefetch_bytes)} of the {format_bytes(self.room)} left after the reserve",
+            f"{format_bytes(self.step_bytes + self.prefetch_bytes)} of the {format_bytes(self.room)} "
+            "left after the reserve",
             line("step peak", self.step_bytes, f"{format_bytes(max(0.0, self.step.fixed))} + "
                  f"{self.batch_size} x {format_bytes(self.step.per_sample)} per sample"),
-            line("prefetch slots", self.prefetch_bytes, f"{self.prefetch_depth} x {format_bytes(self.batch_bytes)} batches"),
+            line("prefetch slots", self.prefetch_bytes,
+                 f"{self.prefetch_depth} x {format_bytes(self.batch_bytes)} batches"),
             line("cache", self.cache_bytes, cached),
-            line("reserve", self.reserve, f"cache_reserve={self.settings.reserve.value} ({self.settings.reserve.source})"),
+            line("reserve", self.reserve,
+                 f"cache_reserve={self.settings.reserve.value} ({self.settings.reserve.source})"),
             line("left", max(0, self.memory.free - self.reserve - self.total_bytes)),
             *(f"  {text}" for text in self.tradeoff),
             "  " + self.step.describe().replace("\n", "\n  "),

@@ -122,9 +122,10 @@ class StepMemory:
         """The fitted function, the model state and how it was traced."""
         state = ", ".join(f"{kind} {format_bytes(self.state.get(kind, 0))}" for kind in STATE_KINDS)
         traced = ", ".join(f"{t.batch_size}: {format_bytes(t.peak)}" for t in self.traces)
+        floor_shows = self.floor > 1.05 * self._line(self.traces[0].batch_size)
         return "\n".join([
             f"step peak(batch) = {format_bytes(max(0.0, self.fixed))} + batch x {format_bytes(self.per_sample)}"
-            + (f" (at least {format_bytes(self.floor)})" if self.floor > 1.05 * self._line(self.traces[0].batch_size) else ""),
+            + (f" (at least {format_bytes(self.floor)})" if floor_shows else ""),
             f"  model state: {state}",
             f"  traced on fake {self.device} tensors at batch {traced} ({self.seconds:.1f} s"
             + (f"; the line fits each within {100 * self.residual:.1f}%)" if len(self.traces) > 2 else ")"),
@@ -143,7 +144,9 @@ def _trace_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _fake_module(model: nn.Module | Callable[[], nn.Module], mode: Any, device: torch.device) -> tuple[nn.Module, dict[int, torch.Tensor]]:
+def _fake_module(
+    model: nn.Module | Callable[[], nn.Module], mode: Any, device: torch.device
+) -> tuple[nn.Module, dict[int, torch.Tensor]]:
     """A copy of ``model`` whose parameters and buffers are fake tensors on ``device``, and the
     map from each real parameter's id to its fake one. A factory is called under the fake mode,
     so even a model larger than this machine's memory is never built for real."""
@@ -158,7 +161,9 @@ def _fake_module(model: nn.Module | Callable[[], nn.Module], mode: Any, device: 
         fake = tensor.detach() if built_here else mode.from_tensor(tensor.detach())
         with mode:
             fake = fake.to(device)
-        memo[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
+        if isinstance(tensor, nn.Parameter):
+            fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = fake
     fakes = {} if built_here else dict(memo)  # deepcopy adds its own entries to memo
     return copy.deepcopy(model, memo).train(), fakes  # deepcopy takes the fakes from memo: no real bytes copied
 
@@ -243,7 +248,8 @@ class StepTracer:
         if not isinstance(model, nn.Module) and not callable(model):
             raise TypeError(f"model must be a torch.nn.Module or a function returning one, not {type(model).__name__}")
         if not any(isinstance(t, torch.Tensor) for t in tree_leaves(sample)):
-            raise TypeError("sample must be a tensor, or a tuple or dict of tensors: one sample without the batch dimension")
+            raise TypeError(
+                "sample must be a tensor, or a tuple or dict of tensors: one sample without the batch dimension")
         self._fake_mode_type, self._tracker_type = FakeTensorMode, MemTracker
         self.model, self.sample, self.optimizer, self.loss_fn = model, sample, optimizer, loss_fn or _default_loss
         if autocast not in (None, torch.bfloat16, torch.float16):
