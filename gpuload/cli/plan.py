@@ -4,132 +4,29 @@ The dataset is an image folder (bytes per sample estimated from the decoded size
 images, 3*H*W uint8, plus an int64 label), an ``.npy``/``.npz`` file (read from its header, not
 loaded) or a synthetic shape (``--synthetic cifar``, the default). ``--device-memory`` and
 ``--host-memory`` pretend a machine, so the plan for an 80 GiB card can be read on a laptop.
+
+With ``--model pkg.module:factory --input-shape 3,224,224`` it prints the job's plan instead
+(:func:`gpuload.plan_job`): the training step's peak, the prefetch slots and the cache on one
+card, and the batch size that fits.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import importlib
 import sys
-import zipfile
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-
-import numpy as np
+from typing import Any
 
 import torch
 
 from gpuload.cache import MODES, CacheSettingError, CacheSettings, decide_images, format_bytes, make_plan
-from gpuload.cache.probe import image_sizes
 from gpuload.cli.arguments import device_argument, positive_int, setting_error, size_argument
-from gpuload.datasets.images import ImageFolder
 from gpuload.device import MemoryInfo, cuda_available, device_memory, host_memory, resolve_device
+from gpuload.job.dataset_size import SYNTHETIC, DatasetShape, estimate_dataset, image_folder
 
-__all__ = ["add_plan_arguments", "run_plan", "DatasetShape", "estimate_dataset"]
-
-LABEL_BYTES = 8  # one int64 class label per sample
-SYNTHETIC = {
-    # name: (samples, bytes per sample, description)
-    "cifar": (50_000, 3 * 32 * 32 + LABEL_BYTES, "CIFAR-10 train: 50000 x 3x32x32 uint8 + int64 label"),
-    "imagenet": (
-        1_281_167,
-        3 * 224 * 224 + LABEL_BYTES,
-        "ImageNet-1k train at 224x224: 1281167 x 3x224x224 uint8 + int64 label",
-    ),
-}
-
-
-@dataclass(frozen=True)
-class DatasetShape:
-    """How many samples, how many bytes each, and how that was found out."""
-
-    num_samples: int
-    bytes_per_sample: int
-    description: str
-
-
-def _image_source(path: Path) -> ImageFolder:
-    """The folder as ``gpuload.DataLoader`` would read it: ImageFolder's files, nothing it skips."""
-    try:
-        return ImageFolder(path)
-    except OSError as error:  # no class folders, or classes without images
-        raise ValueError(f"{error}; give an image folder, an .npy/.npz file, or --synthetic") from None
-
-
-def _image_folder(path: Path, probes: int) -> DatasetShape:
-    """The folder as ``gpuload.DataLoader`` loads it, sized from a few headers by the estimator
-    the image cache uses (a file whose header cannot be read, a decompression bomb among them,
-    is left out of the estimate; the loader reports it when it reaches it)."""
-    folder = _image_source(path)
-    sizes = image_sizes(folder, probes)
-    if not sizes:
-        raise ValueError(
-            f"cannot read image {folder.path(0)}: none of the {min(probes, len(folder))} images probed has a "
-            "readable header (corrupt files, or a size over the decoder's pixel limit)"
-        )
-    decoded = [d for d, _ in sizes]
-    per_sample = math.ceil(sum(decoded) / len(decoded)) + LABEL_BYTES
-    return DatasetShape(
-        len(folder),
-        per_sample,
-        f"image folder {path}: {len(folder)} images; {len(sizes)} probed, decoded RGB uint8 "
-        f"{format_bytes(min(decoded))} to {format_bytes(max(decoded))} "
-        f"(mean {format_bytes(per_sample - LABEL_BYTES)}) + int64 label; "
-        f"encoded mean {format_bytes(sum(e for _, e in sizes) / len(sizes))} on disk",
-    )
-
-
-def _npy_header(handle) -> tuple[tuple[int, ...], np.dtype]:
-    version = np.lib.format.read_magic(handle)
-    reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-    shape, _, dtype = reader(handle)
-    return tuple(shape), np.dtype(dtype)
-
-
-def _array_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Each array's shape and dtype, read from the file's headers; ValueError naming a bad file."""
-    try:
-        if path.suffix == ".npy":
-            array = np.load(path, mmap_mode="r")
-            return {path.name: (tuple(array.shape), array.dtype)}
-        columns = {}
-        with zipfile.ZipFile(path) as archive:
-            for name in archive.namelist():
-                if name.endswith(".npy"):
-                    with archive.open(name) as member:
-                        columns[name.removesuffix(".npy")] = _npy_header(member)
-        return columns
-    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as error:
-        raise ValueError(f"cannot read {path} as {path.suffix} arrays: {error}") from None
-
-
-def _array_file(path: Path) -> DatasetShape:
-    columns = _array_headers(path)
-    if not columns:
-        raise ValueError(f"{path} holds no arrays")
-    for name, (shape, _) in columns.items():
-        if len(shape) == 0:
-            raise ValueError(f"array {name!r} in {path} is 0-dimensional; each array needs one row per sample")
-    lengths = {name: shape[0] for name, (shape, _) in columns.items()}
-    if len(set(lengths.values())) != 1:
-        listed = ", ".join(f"{n}: {k}" for n, k in lengths.items())
-        raise ValueError(f"the arrays in {path} must have the same number of rows; got {listed}")
-    per_sample = sum(int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize for shape, dtype in columns.values())
-    listed = ", ".join(f"{n} {shape} {dtype}" for n, (shape, dtype) in columns.items())
-    return DatasetShape(next(iter(lengths.values())), per_sample, f"arrays in {path}: {listed}")
-
-
-def estimate_dataset(path: str | None, synthetic: str | None, probes: int = 16) -> DatasetShape:
-    """Sample count and bytes per sample of the dataset the user names."""
-    if path is None:
-        samples, per_sample, description = SYNTHETIC[synthetic or "cifar"]
-        return DatasetShape(samples, per_sample, f"synthetic {description}")
-    where = Path(path)
-    if where.is_dir():
-        return _image_folder(where, probes)
-    if where.is_file() and where.suffix in (".npy", ".npz"):
-        return _array_file(where)
-    raise ValueError(f"{path} is neither an image folder nor an existing .npy/.npz file")
+__all__ = ["add_plan_arguments", "run_plan", "load_factory", "parse_shape", "DatasetShape", "estimate_dataset"]
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,21 +49,46 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pretend this much host RAM, all available")
     parser.add_argument("--probe-images", type=positive_int, default=16, metavar="N",
                         help="images opened to estimate an image folder's sample size")
+    job = parser.add_argument_group("job plan (with --model): the training step, the prefetch slots and the cache")
+    job.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY",
+                     help="a function returning the model, e.g. torchvision.models:resnet50 (built on fake tensors)")
+    job.add_argument("--input-shape", default=None, metavar="C,H,W",
+                     help="one float32 input without the batch dimension, e.g. 3,224,224")
+    job.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "none"], default="adamw",
+                     help="optimizer whose state the step holds (default adamw)")
+    job.add_argument("--autocast", choices=["bf16", "fp16"], default=None,
+                     help="mixed precision: the forward runs under torch.autocast with this dtype")
+    job.add_argument("--batch-size", type=positive_int, default=None, metavar="N",
+                     help="fix the batch size: the cache gets what it leaves (default: recommend one)")
+    job.add_argument("--batch-multiple", type=positive_int, default=8, metavar="N",
+                     help="a recommended batch size is a multiple of this (default 8)")
+
+
+def _settings(args: argparse.Namespace) -> CacheSettings:
+    return CacheSettings.resolve(cache=args.cache, cache_size=args.cache_size, cache_reserve=args.cache_reserve,
+                                 job=args.job)
+
+
+def _pretended_memory(args: argparse.Namespace) -> MemoryInfo | None:
+    """The card ``--device-memory`` (and ``--device-free``) pretend, or None for the real one."""
+    if args.device_memory is None:
+        return None
+    free = args.device_memory if args.device_free is None else args.device_free
+    if free > args.device_memory:
+        raise ValueError("--device-free cannot exceed --device-memory")
+    return MemoryInfo(free=free, total=args.device_memory)
 
 
 def run_plan(args: argparse.Namespace) -> int:
     """Print the settings, the dataset's size and the cache plan; 0 on success, 2 on a bad input."""
+    if args.model is not None or args.input_shape is not None:
+        return _run_job_plan(args)
     try:
-        settings = CacheSettings.resolve(
-            cache=args.cache, cache_size=args.cache_size, cache_reserve=args.cache_reserve, job=args.job
-        )
+        settings = _settings(args)
         shape = estimate_dataset(args.dataset, args.synthetic, args.probe_images)
-        if args.device_memory is not None:
-            free = args.device_memory if args.device_free is None else args.device_free
-            if free > args.device_memory:
-                raise ValueError("--device-free cannot exceed --device-memory")
-            device_name, target = f"a pretended {format_bytes(args.device_memory)} card", "cuda"
-            memory = MemoryInfo(free=free, total=args.device_memory)
+        pretended = _pretended_memory(args)
+        if pretended is not None:
+            device_name, target, memory = f"a pretended {format_bytes(pretended.total)} card", "cuda", pretended
         else:
             device = resolve_device(args.device)
             if device.type == "cuda":
@@ -204,7 +126,74 @@ def run_plan(args: argparse.Namespace) -> int:
 def _image_cache_line(path: Path, settings: CacheSettings, target: str, memory: MemoryInfo, host: MemoryInfo) -> str:
     """What the loader's image cache would keep for this folder: decoded images or file bytes."""
     decision = decide_images(
-        _image_source(path), settings, torch.device(target), owner="gpuload plan",
+        image_folder(path), settings, torch.device(target), owner="gpuload plan",
         device_memory_info=memory, host_memory_info=host,
     )
     return f"image cache (for gpuload.DataLoader on this folder): {decision.holds or 'none'}: {decision.reason}"
+
+
+def load_factory(text: str) -> Callable[[], Any]:
+    """The function named by ``pkg.module:factory`` (``factory`` may be dotted), or a ValueError."""
+    module_name, colon, attribute = text.partition(":")
+    if not colon or not module_name or not attribute:
+        raise ValueError(f"--model {text!r} must be written pkg.module:factory, e.g. torchvision.models:resnet50")
+    try:
+        found: Any = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"--model {text!r}: cannot import {module_name!r}: {error}") from None
+    for part in attribute.split("."):
+        if not hasattr(found, part):
+            raise ValueError(f"--model {text!r}: {module_name!r} has no attribute {attribute!r}")
+        found = getattr(found, part)
+    if not callable(found):
+        raise ValueError(f"--model {text!r} is a {type(found).__name__}, not a function returning a model")
+    return found
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"3,224,224"`` -> ``(3, 224, 224)``; a ValueError for anything but positive integers."""
+    try:
+        shape = tuple(int(part) for part in text.replace("x", ",").split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(size < 1 for size in shape):
+        raise ValueError(f"--input-shape {text!r} must be positive integers separated by commas, e.g. 3,224,224")
+    return shape
+
+
+def _run_job_plan(args: argparse.Namespace) -> int:
+    """``gpuload plan --model ...``: print the job's plan; 0 on success, 2 on a bad input."""
+    from gpuload.job.plan import plan_job  # fake-tensor tracing: loaded only for a job plan
+
+    try:
+        if args.model is None or args.input_shape is None:
+            raise ValueError("a job plan needs both --model and --input-shape")
+        factory = load_factory(args.model)
+        shape = parse_shape(args.input_shape)
+        settings = _settings(args)
+        dataset = (estimate_dataset(args.dataset, args.synthetic, args.probe_images)
+                   if args.dataset is not None or args.synthetic is not None else None)
+        memory = _pretended_memory(args)
+        try:
+            plan = plan_job(
+                factory, torch.empty(shape), optimizer=None if args.optimizer == "none" else args.optimizer,
+                autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.autocast),
+                dataset=dataset, device_memory=memory, cache=settings, batch_size=args.batch_size,
+                batch_multiple=args.batch_multiple,
+                host_memory=MemoryInfo(args.host_memory, args.host_memory) if args.host_memory is not None else None,
+            )
+        except RuntimeError as error:  # raised by the model's own code on the fake input
+            raise RuntimeError(
+                f"the training step of {args.model} failed on a {args.input_shape} input: {error}") from None
+    except (ValueError, TypeError, RuntimeError) as error:  # bad input, or a step the trace cannot run
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"gpuload plan: error: {message}", file=sys.stderr)
+        return 2
+    print("settings:")
+    print("  " + settings.describe().replace("\n", "\n  "))
+    precision = f", autocast {args.autocast}" if args.autocast else ""
+    print(f"model: {args.model}, input {'x'.join(map(str, shape))} float32, optimizer {args.optimizer}{precision}")
+    if dataset is not None:
+        print(f"dataset: {dataset.description}")
+    print(plan.describe())
+    return 0

@@ -182,7 +182,7 @@ def test_plan_command_image_folder(tmp_path, capsys):
     for i, (w, h) in enumerate([(40, 30), (40, 30), (20, 10)]):
         Image.new("RGB", (w, h), (i, 0, 0)).save(folder / f"{i}.png")
     (folder / "notes.txt").write_text("not an image")
-    assert run_plan(parse(str(tmp_path / "images"), "--device-memory", "1GiB")) == 0
+    assert run_plan(parse(str(tmp_path / "images"), "--device-memory", "1GiB", "--host-memory", "64GiB")) == 0
     out = capsys.readouterr().out
     expected = -(-(3 * 40 * 30 * 2 + 3 * 20 * 10) // 3) + 8
     assert expected == 2608
@@ -190,9 +190,9 @@ def test_plan_command_image_folder(tmp_path, capsys):
     assert "3 images" in out
     # A 1 GiB card leaves nothing above the 2 GiB default reserve: the files' bytes are kept.
     assert "image cache (for gpuload.DataLoader on this folder): encoded: " in out
-    assert run_plan(parse(str(tmp_path / "images"), "--device-memory", "80GiB")) == 0
+    assert run_plan(parse(str(tmp_path / "images"), "--device-memory", "80GiB", "--host-memory", "64GiB")) == 0
     assert "image cache (for gpuload.DataLoader on this folder): decoded: " in capsys.readouterr().out
-    assert run_plan(parse(str(tmp_path / "images"), "--device-memory", "80GiB", "--cache-size", "1KiB")) == 0
+    assert run_plan(parse(str(tmp_path / "images"), "--device-memory", "80GiB", "--host-memory", "64GiB", "--cache-size", "1KiB")) == 0
     assert "image cache (for gpuload.DataLoader on this folder): encoded: " in capsys.readouterr().out
 
 

@@ -1,0 +1,174 @@
+"""How big is a dataset: its sample count and bytes per sample, without loading it.
+
+Used by ``gpuload plan`` and :func:`gpuload.plan_job`. An image folder is read as the loader reads it
+(``ImageFolder``) and estimated from the decoded size of a few images' headers (3*H*W uint8, plus
+an int64 label, by the estimator the image cache uses); an ``.npy``/``.npz`` file from
+its header; a synthetic name from a table; an in-memory dataset from a few of its samples.
+"""
+
+from __future__ import annotations
+
+import math
+import zipfile
+from collections.abc import Sized
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuload.cache.budget import format_bytes
+from gpuload.cache.probe import image_sizes
+from gpuload.datasets.images import ImageFolder
+from gpuload.transfer import batch_nbytes
+
+__all__ = ["DatasetShape", "estimate_dataset", "dataset_shape", "image_folder", "LABEL_BYTES", "SYNTHETIC"]
+
+LABEL_BYTES = 8  # one int64 class label per sample
+SYNTHETIC = {
+    # name: (samples, bytes per sample, description)
+    "cifar": (50_000, 3 * 32 * 32 + LABEL_BYTES, "CIFAR-10 train: 50000 x 3x32x32 uint8 + int64 label"),
+    "imagenet": (
+        1_281_167,
+        3 * 224 * 224 + LABEL_BYTES,
+        "ImageNet-1k train at 224x224: 1281167 x 3x224x224 uint8 + int64 label",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class DatasetShape:
+    """How many samples, how many bytes each, and how that was found out."""
+
+    num_samples: int
+    bytes_per_sample: int
+    description: str
+
+
+def image_folder(path: Path) -> ImageFolder:
+    """The folder as ``gpuload.DataLoader`` would read it: ImageFolder's files, nothing it skips."""
+    try:
+        return ImageFolder(path)
+    except OSError as error:  # no class folders, or classes without images
+        raise ValueError(f"{error}; give an image folder, an .npy/.npz file, or --synthetic") from None
+
+
+def _image_folder(path: Path, probes: int) -> DatasetShape:
+    """The folder as ``gpuload.DataLoader`` loads it, sized from a few headers by the estimator
+    the image cache uses (a file whose header cannot be read, a decompression bomb among them,
+    is left out of the estimate; the loader reports it when it reaches it)."""
+    folder = image_folder(path)
+    sizes = image_sizes(folder, probes)
+    if not sizes:
+        raise ValueError(
+            f"cannot read image {folder.path(0)}: none of the {min(probes, len(folder))} images probed has a "
+            "readable header (corrupt files, or a size over the decoder's pixel limit)"
+        )
+    decoded = [d for d, _ in sizes]
+    per_sample = math.ceil(sum(decoded) / len(decoded)) + LABEL_BYTES
+    return DatasetShape(
+        len(folder),
+        per_sample,
+        f"image folder {path}: {len(folder)} images; {len(sizes)} probed, decoded RGB uint8 "
+        f"{format_bytes(min(decoded))} to {format_bytes(max(decoded))} "
+        f"(mean {format_bytes(per_sample - LABEL_BYTES)}) + int64 label; "
+        f"encoded mean {format_bytes(sum(e for _, e in sizes) / len(sizes))} on disk",
+    )
+
+
+def _npy_header(handle) -> tuple[tuple[int, ...], np.dtype]:
+    version = np.lib.format.read_magic(handle)
+    reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = reader(handle)
+    return tuple(shape), np.dtype(dtype)
+
+
+def _array_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Each array's shape and dtype, read from the file's headers; ValueError naming a bad file."""
+    try:
+        if path.suffix == ".npy":
+            array = np.load(path, mmap_mode="r")
+            return {path.name: (tuple(array.shape), array.dtype)}
+        columns = {}
+        with zipfile.ZipFile(path) as archive:
+            for name in archive.namelist():
+                if name.endswith(".npy"):
+                    with archive.open(name) as member:
+                        columns[name.removesuffix(".npy")] = _npy_header(member)
+        return columns
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as error:
+        raise ValueError(f"cannot read {path} as {path.suffix} arrays: {error}") from None
+
+
+def _array_file(path: Path) -> DatasetShape:
+    columns = _array_headers(path)
+    if not columns:
+        raise ValueError(f"{path} holds no arrays")
+    for name, (shape, _) in columns.items():
+        if len(shape) == 0:
+            raise ValueError(f"array {name!r} in {path} is 0-dimensional; each array needs one row per sample")
+    lengths = {name: shape[0] for name, (shape, _) in columns.items()}
+    if len(set(lengths.values())) != 1:
+        listed = ", ".join(f"{n}: {k}" for n, k in lengths.items())
+        raise ValueError(f"the arrays in {path} must have the same number of rows; got {listed}")
+    per_sample = sum(int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize for shape, dtype in columns.values())
+    listed = ", ".join(f"{n} {shape} {dtype}" for n, (shape, dtype) in columns.items())
+    return DatasetShape(next(iter(lengths.values())), per_sample, f"arrays in {path}: {listed}")
+
+
+def estimate_dataset(path: str | None, synthetic: str | None, probes: int = 16) -> DatasetShape:
+    """Sample count and bytes per sample of the dataset the user names."""
+    if path is None:
+        samples, per_sample, description = SYNTHETIC[synthetic or "cifar"]
+        return DatasetShape(samples, per_sample, f"synthetic {description}")
+    where = Path(path)
+    if where.is_dir():
+        return _image_folder(where, probes)
+    if where.is_file() and where.suffix in (".npy", ".npz"):
+        return _array_file(where)
+    raise ValueError(f"{path} is neither an image folder nor an existing .npy/.npz file")
+
+
+def dataset_shape(dataset: Any, probes: int = 3) -> DatasetShape:
+    """Sample count and bytes per sample of what a user hands to a loader.
+
+    ``dataset`` may be a :class:`DatasetShape`, a path (see :func:`estimate_dataset`), a tensor
+    or array (rows are samples), or a map-style dataset (``len()`` and the mean size of up to
+    ``probes`` samples spread over it, counting every tensor or array in a sample).
+    """
+    if isinstance(dataset, DatasetShape):
+        return dataset
+    if isinstance(dataset, (str, Path)):
+        return estimate_dataset(str(dataset), None)
+    if hasattr(dataset, "shape") and hasattr(dataset, "nbytes") and len(dataset.shape) > 0:
+        rows = int(dataset.shape[0])
+        per_row = int(dataset.nbytes) // rows if rows else 0
+        return DatasetShape(rows, max(1, per_row), f"array of shape {tuple(dataset.shape)} {dataset.dtype}")
+    if not isinstance(dataset, Sized) or not hasattr(dataset, "__getitem__"):
+        raise TypeError(
+            f"dataset of type {type(dataset).__name__} has no size gpuload can read: give a map-style "
+            "dataset (len() and [i]), a tensor or array, a path, or a DatasetShape"
+        )
+    count = len(dataset)
+    if count == 0:
+        raise ValueError("the dataset is empty")
+    picks = sorted({round(i * (count - 1) / max(1, probes - 1)) for i in range(probes)})
+    sizes = [_sample_nbytes(dataset[i]) for i in picks]
+    per_sample = max(1, math.ceil(sum(sizes) / len(sizes)))
+    return DatasetShape(
+        count, per_sample,
+        f"{type(dataset).__name__}: {count} samples; {len(picks)} probed, mean {format_bytes(per_sample)} of tensors",
+    )
+
+
+def _sample_nbytes(sample: Any) -> int:
+    """Bytes of the tensors, arrays and numbers in one sample (numbers become int64/float64)."""
+    if isinstance(sample, np.ndarray):
+        return sample.nbytes
+    if isinstance(sample, (int, float)):
+        return 8
+    if isinstance(sample, dict):
+        return sum(_sample_nbytes(v) for v in sample.values())
+    if isinstance(sample, (tuple, list)):
+        return sum(_sample_nbytes(v) for v in sample)
+    return batch_nbytes(sample)

@@ -1,0 +1,132 @@
+"""Opt-in: a training step that survives CUDA running out of memory by taking fewer samples.
+
+:class:`OOMRetry` wraps the user's ``step(batch)``. When the step raises
+``torch.cuda.OutOfMemoryError`` (that error only: any other error is the user's and passes
+through), it lowers its batch size and runs the same batch's samples again in pieces of the new
+size, in order, each sample once. Later batches are split to that size too, so the loop keeps
+its loader (and its batch size) as it is.
+
+How far it lowers: with a plan, to the largest batch whose estimated step
+(``plan.step_peak(b)``, less the model state that is already resident) fits in the device
+memory free after the failed step; always by at least an eighth of the failed size, so a wrong
+estimate still converges in a few tries. Without a plan, by half.
+
+Splitting a batch changes the optimization (each piece is its own step); the wrapper reports
+the size it settled on (``batch_size``) so a loader can be rebuilt with it at the next epoch.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from gpuload.cache.budget import format_bytes
+from gpuload.device import device_memory
+from gpuload.job.plan import JobPlan
+from gpuload.transfer import batch_length, map_leaves
+
+__all__ = ["OOMRetry", "BatchSizeLoweredWarning"]
+
+T = TypeVar("T")
+_SAFETY = 0.9  # of the free memory the retry plans to fill: the estimate leaves out workspaces
+
+
+class BatchSizeLoweredWarning(UserWarning):
+    """The step ran out of device memory and now runs on smaller pieces of each batch."""
+
+
+def _first_device(batch: Any) -> torch.device | None:
+    found: list[torch.device] = []
+    map_leaves(batch, lambda t: found.append(t.device) or t)
+    return found[0] if found else None
+
+
+def _free_on(device: torch.device | None) -> int | None:
+    """Device bytes free now (the caching allocator's unused blocks count), or None off CUDA."""
+    if device is None or device.type != "cuda":
+        return None
+    return device_memory(device).free
+
+
+class OOMRetry(Generic[T]):
+    """``step(batch)`` that lowers its batch size on a CUDA out-of-memory error and reruns the
+    batch's samples in smaller pieces. Calling it returns the list of ``step``'s results, one per
+    piece (one piece until the first out-of-memory error).
+
+    ``plan``: the job's plan, whose per-sample estimate sets the new size. ``free_bytes``: how
+    much device memory is free now (default: asked of the batch's CUDA device); tests pass
+    their own. Tensors are split along their first dimension; other values go to every piece.
+    """
+
+    def __init__(
+        self,
+        step: Callable[[Any], T],
+        *,
+        plan: JobPlan | None = None,
+        min_batch_size: int = 1,
+        free_bytes: Callable[[], int | None] | None = None,
+    ) -> None:
+        if min_batch_size < 1:
+            raise ValueError(f"min_batch_size must be at least 1, got {min_batch_size}")
+        self.step = step
+        self.plan = plan
+        self.min_batch_size = min_batch_size
+        self._free_bytes = free_bytes
+        self.batch_size: int | None = None  # None: whole batches, no out-of-memory error yet
+        self.retries = 0
+
+    def __call__(self, batch: Any) -> list[T]:
+        total = batch_length(batch)
+        results: list[T] = []
+        start = 0
+        while start < total:
+            size = min(total - start, self.batch_size or total)
+            piece = batch if size == total else map_leaves(batch, lambda t, a=start, b=start + size: t[a:b])
+            try:
+                results.append(self.step(piece))
+            except torch.cuda.OutOfMemoryError as error:
+                failed, message = size, str(error).splitlines()[0] if str(error) else "out of memory"
+            else:
+                start += size
+                continue
+            del piece  # the failed step's tensors go with its frames: measure what is free after
+            self._lower(failed, _first_device(batch), message)
+        return results
+
+    def _lower(self, failed: int, device: torch.device | None, message: str) -> None:
+        if failed <= self.min_batch_size:
+            raise torch.cuda.OutOfMemoryError(
+                f"the step ran out of device memory at batch size {failed}, the smallest allowed "
+                f"(min_batch_size={self.min_batch_size}): {message}"
+            )
+        lowered = failed - max(1, math.ceil(failed / 8))
+        if self.plan is None:
+            lowered = failed // 2
+        else:
+            free = self._free_bytes() if self._free_bytes is not None else _free_on(device)
+            fits = self._fits(free) if free is not None else None
+            if fits is not None:
+                lowered = min(lowered, fits)
+        self.batch_size = max(self.min_batch_size, lowered)
+        self.retries += 1
+        estimate = (f"; the plan estimates {format_bytes(self.plan.step.per_sample)} per sample"
+                    if self.plan is not None else "")
+        warnings.warn(
+            f"the step ran out of device memory at batch size {failed} ({message}); running the "
+            f"same samples again in pieces of {self.batch_size}{estimate}",
+            BatchSizeLoweredWarning, stacklevel=3,
+        )
+
+    def _fits(self, free: int) -> int | None:
+        """The largest batch whose step, beyond the model state already resident, fits ``free``
+        (None when the estimate does not grow with the batch: it cannot say)."""
+        assert self.plan is not None
+        step = self.plan.step
+        if step.per_sample <= 0:
+            return None
+        resident = step.state_bytes - step.state.get("gradients", 0)
+        return max(0, math.floor((_SAFETY * free + resident - step.fixed) / step.per_sample))
