@@ -37,7 +37,7 @@ from gpuload.transforms.ops import (
     ToDtype,
 )
 from gpuload.transforms.params import BatchParams
-from gpuload.transforms import reference
+from gpuload.transforms import reference, staging
 
 __all__ = [
     "GEOMETRY_COLUMNS",
@@ -369,8 +369,7 @@ def _launch(
                       memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     if n == 0 or oh * ow == 0:
         return out
-    table_d = table.to(device)
-    consts_d = consts.to(device)
+    table_d, consts_d = staging.to_device([table, consts], device)
     physical = out.permute(0, 2, 3, 1) if channels_last else out  # contiguous either way
     if out_dtype == torch.bfloat16 or out_dtype == torch.float16:
         physical = physical.view(torch.int16)  # CuPy has no bfloat16; the kernel writes bits
