@@ -66,10 +66,21 @@ _SOURCE = r"""
 #define OUT_KIND __OUT_KIND__
 #define CHANNELS_LAST __CHANNELS_LAST__
 
+// Pointers are plain on the GPU. The CPU build of this source (tests/transforms/cuda_shim.h)
+// defines PTR/PTR_AT first, as bounds-checked pointers that also count the writes.
+#ifndef PTR
+#define PTR(T) T*
+#define PTR_AT(T, address) ((T*)(address))
+#endif
+
 __device__ __forceinline__ unsigned short to_half(float f) {
+#ifdef __CUDA_ARCH__
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+#else
+    return host_float_to_half(f);  // the CPU build: cuda_shim.h
+#endif
 }
 
 __device__ __forceinline__ unsigned short to_bfloat16(float f) {
@@ -103,8 +114,8 @@ __device__ __forceinline__ void source_index(int dst, float scale, int size, int
 }
 
 extern "C" __global__ void gpuload_transform(
-    const long long* __restrict__ table, const int row, const float* __restrict__ consts,
-    OUT_T* __restrict__ out, const int N, const int C, const int OH, const int OW, const int E)
+    PTR(const long long) __restrict__ table, const int row, PTR(const float) __restrict__ consts,
+    PTR(OUT_T) __restrict__ out, const int N, const int C, const int OH, const int OW, const int E)
 {
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (tid >= (long long)N * OH * OW) return;
@@ -112,8 +123,8 @@ extern "C" __global__ void gpuload_transform(
     const long long t = tid / OW;
     const int y = (int)(t % OH);
     const int n = (int)(t / OH);
-    const long long* r = table + (long long)n * row;
-    const IN_T* src = (const IN_T*)r[0];
+    PTR(const long long) r = table + (long long)n * row;
+    PTR(const IN_T) src = PTR_AT(const IN_T, r[0]);
     const long long sc = r[1], sy = r[2], sx = r[3];
     const int win_y0 = (int)r[4], win_x0 = (int)r[5], win_h = (int)r[6], win_w = (int)r[7];
     const int canvas_h = (int)r[8], canvas_w = (int)r[9], off_y = (int)r[10], off_x = (int)r[11];
@@ -132,7 +143,7 @@ extern "C" __global__ void gpuload_transform(
     }
     int erased = -1;  // the last RandomErasing whose rectangle holds (y, x) wins
     for (int e = 0; e < E; ++e) {
-        const long long* q = r + __GEOMETRY_WIDTH__ + 5 * e;
+        PTR(const long long) q = r + __GEOMETRY_WIDTH__ + 5 * e;
         if (q[0] && y >= q[1] && y < q[1] + q[3] && x >= q[2] && x < q[2] + q[4]) erased = e;
     }
     const float fill = consts[2 * C];
@@ -143,7 +154,7 @@ extern "C" __global__ void gpuload_transform(
         } else {
             float p = fill;
             if (valid) {
-                const IN_T* s = src + c * sc;
+                PTR(const IN_T) s = src + c * sc;
                 const float wx0 = 1.f - lx, wy0 = 1.f - ly;
                 p = ((float)s[o00] * wx0 + (float)s[o01] * lx) * wy0
                   + ((float)s[o10] * wx0 + (float)s[o11] * lx) * ly;
