@@ -19,6 +19,7 @@ jitter in torch (it needs per-image means), then float32 -> output (values and l
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 
@@ -41,6 +42,7 @@ from gpuload.transforms import reference, staging
 
 __all__ = [
     "GEOMETRY_COLUMNS",
+    "KernelUnavailable",
     "available",
     "geometry_plan",
     "erasing_columns",
@@ -301,23 +303,56 @@ _lock = threading.Lock()
 _functions: dict[tuple[int, torch.dtype, torch.dtype, bool], object] = {}
 _status: dict[int, str] = {}  # device index -> "" when usable, else why not
 
+# CUresult codes that mean "this kernel cannot be built or launched on this device", as opposed
+# to a failure of the work (out of memory, illegal address, launch failure), which must surface.
+_UNLOADABLE = {
+    200: "CUDA_ERROR_INVALID_IMAGE",
+    209: "CUDA_ERROR_NO_BINARY_FOR_GPU",
+    218: "CUDA_ERROR_INVALID_PTX",
+    221: "CUDA_ERROR_JIT_COMPILER_NOT_FOUND",
+    222: "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
+    223: "CUDA_ERROR_JIT_COMPILATION_DISABLED",
+    300: "CUDA_ERROR_INVALID_SOURCE",
+    701: "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+}
+_NVRTC_ERROR_OUT_OF_MEMORY = 1
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernels cannot be compiled or launched on this device (CuPy or NVRTC missing, a
+    compile error, a binary the device cannot load): not a failure of the batch."""
+
 
 def available(device: torch.device) -> tuple[bool, str]:
-    """Whether CuPy can run kernels on ``device``, and if not, why (checked once per device)."""
+    """Whether CuPy can compile and run kernels on ``device``, and if not, what is missing
+    (checked once per device: CuPy imports, NVRTC loads, the device exists)."""
     if device.type != "cuda":
         return False, f"{device} is not a CUDA device"
     index = torch.cuda.current_device() if device.index is None else device.index
     with _lock:
         if index not in _status:
-            try:
-                import cupy
-
-                count = cupy.cuda.runtime.getDeviceCount()
-                _status[index] = "" if index < count else f"CuPy sees {count} device(s)"
-            except Exception as exc:  # ImportError, or a driver/runtime mismatch
-                _status[index] = f"CuPy cannot run here ({type(exc).__name__}: {exc})"
+            _status[index] = _runtime_problem(index)
         reason = _status[index]
     return reason == "", reason
+
+
+def _runtime_problem(index: int) -> str:
+    """"" when CuPy, NVRTC and CUDA device ``index`` are usable, else what is missing."""
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a broken install
+        return (f"CuPy does not import ({type(exc).__name__}: {exc}); install the CuPy build for "
+                "your CUDA, e.g. pip install cupy-cuda12x")
+    try:
+        cupy.cuda.nvrtc.getVersion()
+    except Exception as exc:
+        return (f"CuPy cannot load NVRTC, the CUDA runtime compiler ({type(exc).__name__}: {exc}); "
+                "install it, e.g. pip install nvidia-cuda-nvrtc-cu12 (the CUDA major of your CuPy)")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, or a driver older than CuPy's CUDA
+        return f"CuPy cannot use the CUDA driver ({type(exc).__name__}: {exc})"
+    return "" if index < count else f"CuPy sees {count} device(s), not cuda:{index}"
 
 
 def mark_unavailable(device: torch.device, reason: str) -> None:
@@ -327,18 +362,53 @@ def mark_unavailable(device: torch.device, reason: str) -> None:
         _status[index] = reason
 
 
+def _capability_problem(exc: BaseException) -> str | None:
+    """What ``exc`` says the device or install cannot do, or None when it is a failure of the
+    work itself (out of memory, a CUDA error, a bug), which the caller must see as it is."""
+    if isinstance(exc, ImportError):
+        return f"CuPy does not import ({exc})"
+    try:
+        from cupy.cuda import compiler, driver, nvrtc
+    except Exception:  # pragma: no cover - CuPy imported before any kernel error can happen
+        return None
+    if isinstance(exc, compiler.CompileException):
+        return f"NVRTC cannot compile the kernel ({exc})"
+    if isinstance(exc, nvrtc.NVRTCError) and getattr(exc, "status", None) != _NVRTC_ERROR_OUT_OF_MEMORY:
+        return f"NVRTC failed ({exc})"
+    if isinstance(exc, driver.CUDADriverError) and getattr(exc, "status", None) in _UNLOADABLE:
+        return f"the device cannot load or launch the kernel ({_UNLOADABLE[exc.status]}: {exc})"
+    if type(exc).__name__ == "DynamicLibNotFoundError" or (
+        isinstance(exc, RuntimeError) and str(exc).startswith("CuPy failed to load")
+    ):
+        return f"a CUDA library is missing ({exc})"
+    return None
+
+
+@contextlib.contextmanager
+def _capability_errors(step: str):
+    """Re-raise compile/launch-capability failures in the block as KernelUnavailable."""
+    try:
+        yield
+    except Exception as exc:
+        problem = _capability_problem(exc)
+        if problem is None:
+            raise
+        raise KernelUnavailable(f"{step}: {problem}") from exc
+
+
 def _function(index: int, in_dtype: torch.dtype, out_dtype: torch.dtype, channels_last: bool):
     key = (index, in_dtype, out_dtype, channels_last)
     with _lock:
         fn = _functions.get(key)
         if fn is None:
-            import cupy
+            with _capability_errors("building the kernel"):
+                import cupy
 
-            with cupy.cuda.Device(index):
-                module = cupy.RawModule(
-                    code=kernel_source(in_dtype, out_dtype, channels_last), options=("--std=c++14",)
-                )
-                fn = module.get_function("gpuload_transform")
+                with cupy.cuda.Device(index):
+                    module = cupy.RawModule(
+                        code=kernel_source(in_dtype, out_dtype, channels_last), options=("--std=c++14",)
+                    )
+                    fn = module.get_function("gpuload_transform")
             _functions[key] = fn
     return fn
 
@@ -366,8 +436,10 @@ def _launch(
     out_size: tuple[int, int],
     channels: int,
 ) -> torch.Tensor:
-    import cupy
     import numpy as np
+
+    with _capability_errors("importing CuPy"):
+        import cupy
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     sources, in_dtype = _sources(batch)
@@ -387,7 +459,7 @@ def _launch(
     fn = _function(index, in_dtype, out_dtype, channels_last)
     threads = 256
     total = n * oh * ow
-    with cupy.cuda.Device(index):
+    with cupy.cuda.Device(index), _capability_errors("launching the kernel"):
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
         with stream:
             fn(

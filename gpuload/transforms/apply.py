@@ -117,13 +117,14 @@ def transform_batch(
     if name == "cupy" and len(sizes):
         try:
             out = _kernels.run(params, batch, device)
-        except Exception as exc:  # a kernel that cannot compile or launch on this device
+        except _kernels.KernelUnavailable as exc:
+            # The kernels cannot build or launch here: use the reference from now on. Anything
+            # else (out of memory, a CUDA error) is not the backend's fault and propagates.
             if backend == "cupy":
                 raise
-            _kernels.mark_unavailable(device, f"the kernel failed ({type(exc).__name__}: {exc})")
+            _kernels.mark_unavailable(device, str(exc))
             warnings.warn(
-                f"gpuload transforms fall back to the torch reference on {device}: the CuPy "
-                f"kernel failed ({type(exc).__name__}: {exc})",
+                f"gpuload transforms fall back to the torch reference on {device}: {exc}",
                 stacklevel=2,
             )
             out = None
