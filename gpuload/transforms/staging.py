@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["to_device"]
+__all__ = ["to_device", "pack", "unpack"]
 
 _ALIGN = 16  # bytes: every dtype's view of the packed buffer stays aligned
 
@@ -32,16 +32,26 @@ def to_device(tensors: Sequence[torch.Tensor], device: torch.device) -> list[tor
     """
     if device.type != "cuda":
         return [t.to(device) for t in tensors]
+    host, offsets = pack(tensors, pin_memory=True)
+    return unpack(host.to(device, non_blocking=True), offsets, tensors)
+
+
+def pack(tensors: Sequence[torch.Tensor], pin_memory: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """One uint8 host buffer holding ``tensors`` one after another (aligned), and their offsets."""
     offsets: list[int] = []
     total = 0
     for t in tensors:
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin_memory)
     for t, offset in zip(tensors, offsets):
-        _view(host, offset, t).copy_(t)
-    packed = host.to(device, non_blocking=True)
-    return [_view(packed, offset, t) for t, offset in zip(tensors, offsets)]
+        _view(buffer, offset, t).copy_(t)
+    return buffer, offsets
+
+
+def unpack(buffer: torch.Tensor, offsets: Sequence[int], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors ``pack`` put in ``buffer`` (or a copy of it), as views of it."""
+    return [_view(buffer, offset, t) for t, offset in zip(like, offsets)]
 
 
 def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
