@@ -46,15 +46,24 @@ def test_to_device_copies_once_from_pinned_memory():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cupy", "torch"])
-def test_a_transformed_batch_makes_no_host_sync(backend):
+@pytest.mark.parametrize("where", ["cuda", "cpu"])
+def test_a_transformed_batch_makes_no_host_sync(backend, where):
     ops = [T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ColorJitter(0.4, 0.4, 0.4),
            T.ToDtype(torch.float16), T.Normalize((0.5,), (0.25,)), T.RandomErasing(p=0.8), T.ToChannelsLast()]
-    batch = torch.randint(0, 256, (8, 3, 30, 40), dtype=torch.uint8).cuda()
-    T.apply_transforms(ops, batch, 0, 0, torch.arange(8), backend=backend)  # compile, warm up
+    batch = torch.randint(0, 256, (8, 3, 30, 40), dtype=torch.uint8).to(where)
+    run = dict(device="cuda", backend=backend)
+    T.apply_transforms(ops, batch, 0, 0, torch.arange(8), **run)  # compile, warm up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out, used = T.transform_batch(ops, batch, 0, 1, torch.arange(8), backend=backend)
+        out, used = T.transform_batch(ops, batch, 0, 1, torch.arange(8), **run)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert used == backend and out.shape == (8, 3, 16, 16)
+    assert used == backend and out.shape == (8, 3, 16, 16) and out.is_cuda
+    assert torch.equal(out, T.apply_transforms(ops, batch.cuda(), 0, 1, torch.arange(8), **run))
+
+
+def test_host_images_move_as_they_are_on_the_cpu():
+    images = [torch.randint(0, 256, (3, 5, 7), dtype=torch.uint8), torch.zeros(5, 6, 3, dtype=torch.uint8).permute(2, 0, 1)]
+    moved = T.apply._to_device(images, torch.device("cpu"))
+    assert all(got is want for got, want in zip(moved, images))
