@@ -362,7 +362,8 @@ def _random_ops(rng: random.Random, channels: int) -> list[T.Op]:
 def _random_batch(rng: random.Random, g: torch.Generator, channels: int):
     kind = rng.choice(["uniform", "channels_last", "view", "list", "list_hwc"])
     n = rng.choice([1, 2, 3, 5, 8])
-    h, w = rng.randint(1, 40), rng.randint(1, 40)
+    side = 160 if rng.random() < 0.1 else 40  # now and then larger images: larger coordinates
+    h, w = rng.randint(1, side), rng.randint(1, side)
 
     def pixels(*shape):
         return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
@@ -376,7 +377,7 @@ def _random_batch(rng: random.Random, g: torch.Generator, channels: int):
         return kind, pixels(n + 1, channels + 1, h + dy + 2, w + dx + 3)[1:, 1:, dy : dy + h, dx : dx + w]
     images = []
     for _ in range(n):
-        h, w = rng.randint(1, 40), rng.randint(1, 40)
+        h, w = rng.randint(1, side), rng.randint(1, side)
         hwc = kind == "list_hwc" and rng.random() < 0.6
         images.append(pixels(h, w, channels).permute(2, 0, 1) if hwc else pixels(channels, h, w))
     return kind, images
