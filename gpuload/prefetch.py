@@ -604,6 +604,10 @@ class Prefetcher:
             # A thread that would not stop may still write its slots: never share them.
             self._ring = _Ring(self.depth, self.device, self._stream, self.stats)
         iterator = iter(source)
+        if self._stream is not None:
+            # The source may read device memory the caller wrote (a cache filled, a dataset
+            # placed): the side stream starts after everything the caller has queued so far.
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         ring = self._ring if self.stage else _PassThrough(self.device, self._stream)
         current = _Epoch(self, iterator, ring)
         self._ring_thread = current.thread

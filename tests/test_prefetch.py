@@ -347,6 +347,9 @@ class FakeCuda:
         def wait_event(self, event) -> None:
             self.cuda.append("wait", self, event)
 
+        def wait_stream(self, stream) -> None:
+            self.cuda.append("wait_stream", self, stream)
+
         def __repr__(self) -> str:
             return f"<stream {self.name}>"
 
@@ -433,6 +436,8 @@ def test_device_batches_are_ordered_and_protected_on_the_consumers_stream(fake_c
     consumer = FakeCuda.Stream(cuda, "loop")
     with cuda.stream(consumer):
         for i, batch in enumerate(Prefetcher(source(), "cuda", depth=2, stage=stage)):
+            # what the loop queued before the epoch (e.g. a cache fill) precedes the source's work
+            assert cuda.find("wait_stream", cuda.side, consumer) < cuda.find("produce", 0)
             returned = len(cuda.log)
             produced = cuda.find("produce", i)
             assert cuda.log[produced][2] is cuda.side  # the source ran on the side stream
