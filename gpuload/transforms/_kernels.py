@@ -15,6 +15,11 @@ None and the caller uses the torch reference.
 
 With ColorJitter the kernel runs twice: uint8 -> float32 canvas (geometry only), then the
 jitter in torch (it needs per-image means), then float32 -> output (values and layout).
+
+A kernel that cannot be built or launched on the device (CuPy or NVRTC missing, a compile
+error, a binary the device cannot load) raises :class:`KernelUnavailable`; out of memory and
+CUDA errors propagate as they are. The tests also compile the same CUDA C as C++ and run it on
+the CPU (``tests/transforms/cuda_shim.h``).
 """
 
 from __future__ import annotations
