@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -390,7 +390,7 @@ def _capability_problem(exc: BaseException) -> str | None:
 
 
 @contextlib.contextmanager
-def _capability_errors(step: str):
+def _capability_errors(step: str) -> Iterator[None]:
     """Re-raise compile/launch-capability failures in the block as KernelUnavailable."""
     try:
         yield
