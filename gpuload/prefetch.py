@@ -3,8 +3,11 @@
 A :class:`Prefetcher` pulls host batches from a source in a background thread, packs the
 tensors of each batch into one reusable host slot (pinned when the device is CUDA), and copies
 the slot to the device with one non-blocking copy on the prefetcher's own side stream. The
-training loop gets device tensors that are safe on its current stream, while the next batches
-are already being assembled and copied. Tensors keep their stored dtype (uint8 crosses PCIe as
+source itself runs on that side stream too, so device tensors it makes (e.g. a collate of
+cached device rows) are ordered like the copies. Each batch carries an event recorded after
+all of its work; the training loop's current stream waits for it and records every device
+tensor of the batch (``record_stream``), so the loop gets tensors that are ready and protected
+on its stream, while the next batches are already being assembled and copied. Tensors keep their stored dtype (uint8 crosses PCIe as
 uint8) and come out contiguous.
 
 Two ways to put a batch into a slot:
@@ -21,6 +24,7 @@ delivered as a fresh copy of its slot, so CPU tests exercise the same control fl
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import threading
@@ -157,8 +161,25 @@ class _StageFailure(Exception):
 class _Delivery:
     index: int
     batch: Any
-    event: Any  # torch.cuda.Event or None
-    device_buffers: list[torch.Tensor]  # allocations to record on the consumer's stream
+    event: Any  # torch.cuda.Event recorded after all of the batch's work, or None on the CPU
+    device_tensors: list[torch.Tensor]  # the batch's CUDA tensors: record on the consumer's stream
+
+
+def _delivery(index: int, batch: Any, stream: Any) -> _Delivery:
+    """Batch ``index``, ready once ``stream`` (the side stream, None on the CPU) reaches this point.
+
+    The event is recorded after everything queued for the batch on the side stream (the source's
+    own device work, e.g. a collate of device tensors, and the copy of staged bytes), whether or
+    not any host bytes were staged; every CUDA tensor of the batch is listed for the consumer's
+    ``record_stream``, since the consumer's stream uses memory allocated on the side stream.
+    """
+    if stream is None:
+        return _Delivery(index, batch, None, [])
+    tensors: list[torch.Tensor] = []
+    map_leaves(batch, lambda leaf: tensors.append(leaf) if leaf.is_cuda else None)
+    event = torch.cuda.Event()
+    event.record(stream)
+    return _Delivery(index, batch, event, tensors)
 
 
 class _Slot:
@@ -228,9 +249,7 @@ class _Ring:
             except BaseException as exc:
                 raise _StageFailure(exc) from exc
 
-        device_buffers: list[torch.Tensor] = []
-        event = None
-        target = torch.empty(0, dtype=torch.uint8, device=self.device)
+        target: torch.Tensor | None = None
         if total:
             if self.cuda:
                 with torch.cuda.stream(self.stream):
@@ -238,9 +257,7 @@ class _Ring:
                     target.copy_(buffer[:total], non_blocking=True)
                     if slot.event is None:
                         slot.event = torch.cuda.Event()
-                    slot.event.record(self.stream)
-                event = slot.event
-                device_buffers.append(target)
+                    slot.event.record(self.stream)  # guards the host slot's reuse (_reserve)
             else:
                 target = buffer[:total].clone()  # fresh memory: the slot is reused next round
             self.stats.bytes_copied += staged_bytes
@@ -252,10 +269,7 @@ class _Ring:
         )
         batch = _map_leaves(layout, lambda leaf: next(outputs))
         self.stats.copy_time_s += time.perf_counter() - started
-        return _Delivery(index, batch, event, device_buffers)
-
-    def pull(self, source: Iterator[Any]) -> Any:
-        return next(source)
+        return _delivery(index, batch, self.stream if self.cuda else None)
 
     def _move(self, leaf: torch.Tensor) -> torch.Tensor:
         """A tensor already on a device: kept when it is the target device, else copied there."""
@@ -265,8 +279,9 @@ class _Ring:
 class _PassThrough:
     """Stands in for the ring when batches are made on the device by the source itself.
 
-    Nothing is staged or copied: on CUDA the source runs on the prefetcher's side stream and
-    an event recorded after each batch tells the consumer's stream when it is ready.
+    Nothing is staged or copied: on CUDA the source runs on the prefetcher's side stream (as
+    every source does) and an event recorded after each batch tells the consumer's stream when
+    it is ready.
     """
 
     def __init__(self, device: torch.device, stream: Any) -> None:
@@ -274,20 +289,8 @@ class _PassThrough:
         self.stream = stream
         self.cuda = device.type == "cuda"
 
-    def pull(self, source: Iterator[Any]) -> Any:
-        if not self.cuda:
-            return next(source)
-        with torch.cuda.stream(self.stream):
-            return next(source)
-
     def transfer(self, index: int, item: Any) -> _Delivery:
-        if not self.cuda:
-            return _Delivery(index, item, None, [])
-        buffers: list[torch.Tensor] = []
-        map_leaves(item, lambda leaf: buffers.append(leaf) if leaf.is_cuda else None)
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return _Delivery(index, item, event, buffers)
+        return _delivery(index, item, self.stream if self.cuda else None)
 
 
 def _nbytes(leaf: torch.Tensor | TensorSpec) -> int:
@@ -353,19 +356,23 @@ def _work(
 
     Holds no reference to the consuming iterator, so dropping that iterator stops this thread.
     A token is taken before each pull: the thread is never more than ``depth`` batches ahead.
+    On CUDA the side stream is this thread's current stream throughout, so whatever device work
+    the source does (and its cleanup) is ordered before the event each delivery carries.
     """
     outcome: Any = _END
     index = 0
+    on_side_stream = contextlib.ExitStack()
     try:
         if ring.cuda:
             torch.cuda.set_device(ring.device)
+            on_side_stream.enter_context(torch.cuda.stream(ring.stream))
         while not stop.is_set():
             if not tokens.acquire(timeout=_POLL_S):
                 continue
             if stop.is_set():
                 break
             try:
-                item = ring.pull(source)
+                item = next(source)
             except StopIteration:
                 break
             except BaseException as exc:
@@ -396,6 +403,7 @@ def _work(
                 if outcome is _END:
                     outcome = _Failure(index, "source", exc)
         del source
+        on_side_stream.close()
         _put(out, outcome, stop)
 
 
@@ -451,10 +459,10 @@ class _Epoch(Iterator[Any]):
                 raise item.exception(as_raised=True)
             if item.event is not None:
                 stream = torch.cuda.current_stream(self._device)
-                stream.wait_event(item.event)
-                for buffer in item.device_buffers:
-                    buffer.record_stream(stream)  # the allocator must not reuse it early
-            self._tokens.release()  # only after wait_event: the slot's event is re-recorded next
+                stream.wait_event(item.event)  # ordered: the batch's work is done first
+                for tensor in item.device_tensors:
+                    tensor.record_stream(stream)  # protected: not reused while the loop uses it
+            self._tokens.release()
         finally:
             self._stats.wait_time_s += time.perf_counter() - started
         self._stats.batches += 1
@@ -524,8 +532,9 @@ class Prefetcher:
     """Iterate ``source`` with its batches' tensors delivered on ``device``, ``depth`` ahead.
 
     Each ``iter()`` is one epoch: ``iter(source)`` is called in the caller's thread, then a
-    background thread pulls batches, packs each into one of ``depth`` reusable host slots
-    (pinned on CUDA), and copies it to the device on the prefetcher's side stream. Batches keep
+    background thread pulls batches (running the source on the prefetcher's side stream on
+    CUDA), packs each into one of ``depth`` reusable host slots (pinned on CUDA), and copies it
+    to the device on that stream. Batches keep
     their structure (tensors in tuples, lists, namedtuples, dicts; other leaves pass through),
     order and dtypes; tensors arrive contiguous. Device tensors are safe to use on the stream
     that is current when ``next()`` returns them, and stay valid however long they are kept.
@@ -595,6 +604,10 @@ class Prefetcher:
             # A thread that would not stop may still write its slots: never share them.
             self._ring = _Ring(self.depth, self.device, self._stream, self.stats)
         iterator = iter(source)
+        if self._stream is not None:
+            # The source may read device memory the caller wrote (a cache filled, a dataset
+            # placed): the side stream starts after everything the caller has queued so far.
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         ring = self._ring if self.stage else _PassThrough(self.device, self._stream)
         current = _Epoch(self, iterator, ring)
         self._ring_thread = current.thread

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import threading
 import time
@@ -332,6 +333,124 @@ def test_default_depth_follows_batch_size_and_host_limit():
         default_depth(-1)
 
 
+# ---------------------------------------------------------------------- CUDA ordering, faked
+
+
+class FakeCuda:
+    """The CUDA calls the prefetcher makes, recorded in one log; current streams are per thread
+    (as in torch), so the log shows which stream each piece of work was queued on."""
+
+    class Stream:
+        def __init__(self, cuda: FakeCuda, name: str) -> None:
+            self.cuda, self.name = cuda, name
+
+        def wait_event(self, event) -> None:
+            self.cuda.append("wait", self, event)
+
+        def wait_stream(self, stream) -> None:
+            self.cuda.append("wait_stream", self, stream)
+
+        def __repr__(self) -> str:
+            return f"<stream {self.name}>"
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self._lock = threading.Lock()
+        self._current = threading.local()
+        self.default = FakeCuda.Stream(self, "default")
+        self.side = FakeCuda.Stream(self, "side")
+        cuda = self
+
+        class Event:
+            def record(self, stream) -> None:
+                cuda.append("record", self, stream)
+
+        self.Event = Event
+
+    def append(self, *entry) -> int:
+        with self._lock:
+            self.log.append(entry)
+            return len(self.log) - 1
+
+    def current_stream(self, device=None):
+        return getattr(self._current, "stream", self.default)
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        previous = self.current_stream()
+        self._current.stream = stream
+        try:
+            yield
+        finally:
+            self._current.stream = previous
+
+    def find(self, *entry) -> int:
+        return next(i for i, logged in enumerate(self.log) if logged[: len(entry)] == entry)
+
+
+class DeviceTensor(torch.Tensor):
+    """A CPU tensor that the prefetcher takes for a tensor on cuda:0 (its record_stream logs)."""
+
+    cuda: FakeCuda
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+    def record_stream(self, stream) -> None:
+        self.cuda.append("protect", int(self[0]), stream)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch) -> FakeCuda:
+    import gpuload.prefetch as prefetch
+
+    cuda = FakeCuda()
+    monkeypatch.setattr(prefetch, "resolve_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(prefetch, "new_side_stream", lambda device: cuda.side)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "stream", cuda.stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", cuda.current_stream)
+    monkeypatch.setattr(torch.cuda, "Event", cuda.Event)
+    monkeypatch.setattr(DeviceTensor, "cuda", cuda, raising=False)
+    return cuda
+
+
+@pytest.mark.parametrize("stage", [True, False], ids=["staged", "pass_through"])
+def test_device_batches_are_ordered_and_protected_on_the_consumers_stream(fake_cuda, stage):
+    """Batches whose tensors the source made on the device (no host bytes staged): each is
+    produced on the side stream, an event is recorded after it there, and the consumer's current
+    stream waits for that event and records every device tensor before the batch is returned."""
+    cuda = fake_cuda
+
+    def source():
+        for i in range(5):
+            cuda.append("produce", i, cuda.current_stream())
+            x = torch.full((3,), i).as_subclass(DeviceTensor)
+            yield {"x": x, "pair": (x[1:], "label")}
+
+    consumer = FakeCuda.Stream(cuda, "loop")
+    with cuda.stream(consumer):
+        for i, batch in enumerate(Prefetcher(source(), "cuda", depth=2, stage=stage)):
+            # what the loop queued before the epoch (e.g. a cache fill) precedes the source's work
+            assert cuda.find("wait_stream", cuda.side, consumer) < cuda.find("produce", 0)
+            returned = len(cuda.log)
+            produced = cuda.find("produce", i)
+            assert cuda.log[produced][2] is cuda.side  # the source ran on the side stream
+            record = next(k for k in range(produced, len(cuda.log)) if cuda.log[k][0] == "record")
+            event = cuda.log[record][1]
+            assert cuda.log[record][2] is cuda.side
+            assert record < cuda.find("wait", consumer, event) < returned
+            protected = [k for k, entry in enumerate(cuda.log) if entry == ("protect", i, consumer)]
+            assert len(protected) == 2 and all(k < returned for k in protected)  # x and its view
+            assert int(batch["x"][0]) == i and batch["pair"][1] == "label"
+    assert not any(entry[0] == "wait" and entry[1] is not consumer for entry in cuda.log)
+
+
 # ---------------------------------------------------------------------- GPU
 
 
@@ -415,3 +534,31 @@ def test_gpu_batches_kept_and_modified_across_steps_stay_intact_on_any_stream():
         consumer.synchronize()
     assert [int(b[0]) for b in held] == [1012, 1013, 1014, 1015]
     assert all(bool((b == b[0]).all()) for b in held)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", [True, False], ids=["staged", "pass_through"])
+def test_gpu_batches_made_on_the_device_in_the_thread_are_ordered_and_protected(stage):
+    """A source that makes its batches on the GPU (slow work queued first): a loop on its own
+    stream reads each batch only after it is written, and memory it freed while its reads were
+    still queued is not handed to the next batches early (record_stream)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    slow = _cuda_sleep_cycles(0.01)
+    n, size = 8, 1 << 20
+
+    def source():
+        for i in range(n):
+            torch.cuda._sleep(slow)  # the batch's device work is still queued when it is yielded
+            x = torch.full((size,), i, dtype=torch.int32, device=device)
+            yield {"x": x, "host": torch.full((2,), i)} if stage else {"x": x}
+
+    consumer = torch.cuda.Stream(device)
+    copies = []
+    with torch.cuda.stream(consumer):
+        for batch in Prefetcher(source(), device, depth=2, stage=stage):
+            torch.cuda._sleep(slow)  # the loop's stream is busy before it reads the batch
+            copies.append(batch["x"].clone())
+            del batch  # freed while the clone is queued: the producer must not reuse it yet
+        consumer.synchronize()
+    assert [int(c[0]) for c in copies] == list(range(n))
+    assert all(bool((c == i).all()) for i, c in enumerate(copies))

@@ -15,12 +15,18 @@ None and the caller uses the torch reference.
 
 With ColorJitter the kernel runs twice: uint8 -> float32 canvas (geometry only), then the
 jitter in torch (it needs per-image means), then float32 -> output (values and layout).
+
+A kernel that cannot be built or launched on the device (CuPy or NVRTC missing, a compile
+error, a binary the device cannot load) raises :class:`KernelUnavailable`; out of memory and
+CUDA errors propagate as they are. The tests also compile the same CUDA C as C++ and run it on
+the CPU (``tests/transforms/cuda_shim.h``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -37,10 +43,11 @@ from gpuload.transforms.ops import (
     ToDtype,
 )
 from gpuload.transforms.params import BatchParams
-from gpuload.transforms import reference
+from gpuload.transforms import reference, staging
 
 __all__ = [
     "GEOMETRY_COLUMNS",
+    "KernelUnavailable",
     "available",
     "geometry_plan",
     "erasing_columns",
@@ -66,10 +73,21 @@ _SOURCE = r"""
 #define OUT_KIND __OUT_KIND__
 #define CHANNELS_LAST __CHANNELS_LAST__
 
+// Pointers are plain on the GPU. The CPU build of this source (tests/transforms/cuda_shim.h)
+// defines PTR/PTR_AT first, as bounds-checked pointers that also count the writes.
+#ifndef PTR
+#define PTR(T) T*
+#define PTR_AT(T, address) ((T*)(address))
+#endif
+
 __device__ __forceinline__ unsigned short to_half(float f) {
+#ifdef __CUDA_ARCH__
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+#else
+    return host_float_to_half(f);  // the CPU build: cuda_shim.h
+#endif
 }
 
 __device__ __forceinline__ unsigned short to_bfloat16(float f) {
@@ -103,8 +121,8 @@ __device__ __forceinline__ void source_index(int dst, float scale, int size, int
 }
 
 extern "C" __global__ void gpuload_transform(
-    const long long* __restrict__ table, const int row, const float* __restrict__ consts,
-    OUT_T* __restrict__ out, const int N, const int C, const int OH, const int OW, const int E)
+    PTR(const long long) __restrict__ table, const int row, PTR(const float) __restrict__ consts,
+    PTR(OUT_T) __restrict__ out, const int N, const int C, const int OH, const int OW, const int E)
 {
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (tid >= (long long)N * OH * OW) return;
@@ -112,8 +130,8 @@ extern "C" __global__ void gpuload_transform(
     const long long t = tid / OW;
     const int y = (int)(t % OH);
     const int n = (int)(t / OH);
-    const long long* r = table + (long long)n * row;
-    const IN_T* src = (const IN_T*)r[0];
+    PTR(const long long) r = table + (long long)n * row;
+    PTR(const IN_T) src = PTR_AT(const IN_T, r[0]);
     const long long sc = r[1], sy = r[2], sx = r[3];
     const int win_y0 = (int)r[4], win_x0 = (int)r[5], win_h = (int)r[6], win_w = (int)r[7];
     const int canvas_h = (int)r[8], canvas_w = (int)r[9], off_y = (int)r[10], off_x = (int)r[11];
@@ -132,7 +150,7 @@ extern "C" __global__ void gpuload_transform(
     }
     int erased = -1;  // the last RandomErasing whose rectangle holds (y, x) wins
     for (int e = 0; e < E; ++e) {
-        const long long* q = r + __GEOMETRY_WIDTH__ + 5 * e;
+        PTR(const long long) q = r + __GEOMETRY_WIDTH__ + 5 * e;
         if (q[0] && y >= q[1] && y < q[1] + q[3] && x >= q[2] && x < q[2] + q[4]) erased = e;
     }
     const float fill = consts[2 * C];
@@ -143,7 +161,7 @@ extern "C" __global__ void gpuload_transform(
         } else {
             float p = fill;
             if (valid) {
-                const IN_T* s = src + c * sc;
+                PTR(const IN_T) s = src + c * sc;
                 const float wx0 = 1.f - lx, wy0 = 1.f - ly;
                 p = ((float)s[o00] * wx0 + (float)s[o01] * lx) * wy0
                   + ((float)s[o10] * wx0 + (float)s[o11] * lx) * ly;
@@ -290,23 +308,56 @@ _lock = threading.Lock()
 _functions: dict[tuple[int, torch.dtype, torch.dtype, bool], object] = {}
 _status: dict[int, str] = {}  # device index -> "" when usable, else why not
 
+# CUresult codes that mean "this kernel cannot be built or launched on this device", as opposed
+# to a failure of the work (out of memory, illegal address, launch failure), which must surface.
+_UNLOADABLE = {
+    200: "CUDA_ERROR_INVALID_IMAGE",
+    209: "CUDA_ERROR_NO_BINARY_FOR_GPU",
+    218: "CUDA_ERROR_INVALID_PTX",
+    221: "CUDA_ERROR_JIT_COMPILER_NOT_FOUND",
+    222: "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
+    223: "CUDA_ERROR_JIT_COMPILATION_DISABLED",
+    300: "CUDA_ERROR_INVALID_SOURCE",
+    701: "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+}
+_NVRTC_ERROR_OUT_OF_MEMORY = 1
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernels cannot be compiled or launched on this device (CuPy or NVRTC missing, a
+    compile error, a binary the device cannot load): not a failure of the batch."""
+
 
 def available(device: torch.device) -> tuple[bool, str]:
-    """Whether CuPy can run kernels on ``device``, and if not, why (checked once per device)."""
+    """Whether CuPy can compile and run kernels on ``device``, and if not, what is missing
+    (checked once per device: CuPy imports, NVRTC loads, the device exists)."""
     if device.type != "cuda":
         return False, f"{device} is not a CUDA device"
     index = torch.cuda.current_device() if device.index is None else device.index
     with _lock:
         if index not in _status:
-            try:
-                import cupy
-
-                count = cupy.cuda.runtime.getDeviceCount()
-                _status[index] = "" if index < count else f"CuPy sees {count} device(s)"
-            except Exception as exc:  # ImportError, or a driver/runtime mismatch
-                _status[index] = f"CuPy cannot run here ({type(exc).__name__}: {exc})"
+            _status[index] = _runtime_problem(index)
         reason = _status[index]
     return reason == "", reason
+
+
+def _runtime_problem(index: int) -> str:
+    """"" when CuPy, NVRTC and CUDA device ``index`` are usable, else what is missing."""
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a broken install
+        return (f"CuPy does not import ({type(exc).__name__}: {exc}); install the CuPy build for "
+                "your CUDA, e.g. pip install cupy-cuda12x")
+    try:
+        cupy.cuda.nvrtc.getVersion()
+    except Exception as exc:
+        return (f"CuPy cannot load NVRTC, the CUDA runtime compiler ({type(exc).__name__}: {exc}); "
+                "install it, e.g. pip install nvidia-cuda-nvrtc-cu12 (the CUDA major of your CuPy)")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, or a driver older than CuPy's CUDA
+        return f"CuPy cannot use the CUDA driver ({type(exc).__name__}: {exc})"
+    return "" if index < count else f"CuPy sees {count} device(s), not cuda:{index}"
 
 
 def mark_unavailable(device: torch.device, reason: str) -> None:
@@ -316,18 +367,53 @@ def mark_unavailable(device: torch.device, reason: str) -> None:
         _status[index] = reason
 
 
+def _capability_problem(exc: BaseException) -> str | None:
+    """What ``exc`` says the device or install cannot do, or None when it is a failure of the
+    work itself (out of memory, a CUDA error, a bug), which the caller must see as it is."""
+    if isinstance(exc, ImportError):
+        return f"CuPy does not import ({exc})"
+    try:
+        from cupy.cuda import compiler, driver, nvrtc
+    except Exception:  # pragma: no cover - CuPy imported before any kernel error can happen
+        return None
+    if isinstance(exc, compiler.CompileException):
+        return f"NVRTC cannot compile the kernel ({exc})"
+    if isinstance(exc, nvrtc.NVRTCError) and getattr(exc, "status", None) != _NVRTC_ERROR_OUT_OF_MEMORY:
+        return f"NVRTC failed ({exc})"
+    if isinstance(exc, driver.CUDADriverError) and getattr(exc, "status", None) in _UNLOADABLE:
+        return f"the device cannot load or launch the kernel ({_UNLOADABLE[exc.status]}: {exc})"
+    if type(exc).__name__ == "DynamicLibNotFoundError" or (
+        isinstance(exc, RuntimeError) and str(exc).startswith("CuPy failed to load")
+    ):
+        return f"a CUDA library is missing ({exc})"
+    return None
+
+
+@contextlib.contextmanager
+def _capability_errors(step: str) -> Iterator[None]:
+    """Re-raise compile/launch-capability failures in the block as KernelUnavailable."""
+    try:
+        yield
+    except Exception as exc:
+        problem = _capability_problem(exc)
+        if problem is None:
+            raise
+        raise KernelUnavailable(f"{step}: {problem}") from exc
+
+
 def _function(index: int, in_dtype: torch.dtype, out_dtype: torch.dtype, channels_last: bool):
     key = (index, in_dtype, out_dtype, channels_last)
     with _lock:
         fn = _functions.get(key)
         if fn is None:
-            import cupy
+            with _capability_errors("building the kernel"):
+                import cupy
 
-            with cupy.cuda.Device(index):
-                module = cupy.RawModule(
-                    code=kernel_source(in_dtype, out_dtype, channels_last), options=("--std=c++14",)
-                )
-                fn = module.get_function("gpuload_transform")
+                with cupy.cuda.Device(index):
+                    module = cupy.RawModule(
+                        code=kernel_source(in_dtype, out_dtype, channels_last), options=("--std=c++14",)
+                    )
+                    fn = module.get_function("gpuload_transform")
             _functions[key] = fn
     return fn
 
@@ -355,8 +441,10 @@ def _launch(
     out_size: tuple[int, int],
     channels: int,
 ) -> torch.Tensor:
-    import cupy
     import numpy as np
+
+    with _capability_errors("importing CuPy"):
+        import cupy
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     sources, in_dtype = _sources(batch)
@@ -369,15 +457,14 @@ def _launch(
                       memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     if n == 0 or oh * ow == 0:
         return out
-    table_d = table.to(device)
-    consts_d = consts.to(device)
+    table_d, consts_d = staging.to_device([table, consts], device)
     physical = out.permute(0, 2, 3, 1) if channels_last else out  # contiguous either way
     if out_dtype == torch.bfloat16 or out_dtype == torch.float16:
         physical = physical.view(torch.int16)  # CuPy has no bfloat16; the kernel writes bits
     fn = _function(index, in_dtype, out_dtype, channels_last)
     threads = 256
     total = n * oh * ow
-    with cupy.cuda.Device(index):
+    with cupy.cuda.Device(index), _capability_errors("launching the kernel"):
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
         with stream:
             fn(

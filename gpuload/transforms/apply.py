@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpuload.transforms import _kernels, reference
+from gpuload.transforms import _kernels, reference, staging
 from gpuload.transforms.ops import (
     CenterCrop,
     Op,
@@ -117,13 +117,14 @@ def transform_batch(
     if name == "cupy" and len(sizes):
         try:
             out = _kernels.run(params, batch, device)
-        except Exception as exc:  # a kernel that cannot compile or launch on this device
+        except _kernels.KernelUnavailable as exc:
+            # The kernels cannot build or launch here: use the reference from now on. Anything
+            # else (out of memory, a CUDA error) is not the backend's fault and propagates.
             if backend == "cupy":
                 raise
-            _kernels.mark_unavailable(device, f"the kernel failed ({type(exc).__name__}: {exc})")
+            _kernels.mark_unavailable(device, str(exc))
             warnings.warn(
-                f"gpuload transforms fall back to the torch reference on {device}: the CuPy "
-                f"kernel failed ({type(exc).__name__}: {exc})",
+                f"gpuload transforms fall back to the torch reference on {device}: {exc}",
                 stacklevel=2,
             )
             out = None
@@ -178,6 +179,11 @@ def _windowed_params(
 
 
 def _to_device(batch: reference.Batch, device: torch.device) -> reference.Batch:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    return [image.to(device, non_blocking=True) for image in batch]
+    """The batch on ``device``. Host images bound for CUDA go in one copy from pinned memory:
+    a copy from pageable memory would wait for the stream (a host sync every batch)."""
+    images = [batch] if isinstance(batch, torch.Tensor) else list(batch)
+    from_host = {k for k, image in enumerate(images) if image.device.type == "cpu" and device.type == "cuda"}
+    staged = iter(staging.to_device([images[k] for k in sorted(from_host)], device))
+    moved = [next(staged) if k in from_host else image.to(device, non_blocking=True)
+             for k, image in enumerate(images)]
+    return moved[0] if isinstance(batch, torch.Tensor) else moved

@@ -37,6 +37,7 @@ from gpuload.transforms.ops import (
     ToChannelsLast,
     ToDtype,
 )
+from gpuload.transforms import staging
 from gpuload.transforms.params import BatchParams
 
 __all__ = [
@@ -161,8 +162,8 @@ def apply_value_ops(
                 x = x.div_(255.0) if owned else x / 255.0
                 scaled = owned = True
         elif isinstance(op, Normalize):
-            mean, std = normalize_constants(op, scaled, x.shape[1])
-            mean, std = mean.to(x.device).view(1, -1, 1, 1), std.to(x.device).view(1, -1, 1, 1)
+            mean, std = staging.to_device(normalize_constants(op, scaled, x.shape[1]), x.device)
+            mean, std = mean.view(1, -1, 1, 1), std.view(1, -1, 1, 1)
             x = (x.sub_(mean) if owned else x - mean).div_(std)  # same rounding as (x - m) / s
             owned = True
         elif isinstance(op, RandomErasing):
@@ -199,28 +200,32 @@ def erase_values(op: RandomErasing, channels: int) -> torch.Tensor:
 def erase(x: torch.Tensor, p: dict[str, torch.Tensor], values: torch.Tensor) -> torch.Tensor:
     """Set each sample's rectangle (where ``apply``) to ``values`` (one per channel)."""
     dev = x.device
-    top, left = p["top"].to(dev).view(-1, 1, 1), p["left"].to(dev).view(-1, 1, 1)
-    bottom = top + p["height"].to(dev).view(-1, 1, 1)
-    right = left + p["width"].to(dev).view(-1, 1, 1)
+    top, left, height, width, apply, values = staging.to_device(
+        [p["top"], p["left"], p["height"], p["width"], p["apply"], values], dev
+    )
+    top, left = top.view(-1, 1, 1), left.view(-1, 1, 1)
+    bottom, right = top + height.view(-1, 1, 1), left + width.view(-1, 1, 1)
     rows = torch.arange(x.shape[2], device=dev).view(1, -1, 1)
     cols = torch.arange(x.shape[3], device=dev).view(1, 1, -1)
     inside = (rows >= top) & (rows < bottom) & (cols >= left) & (cols < right)
-    inside &= p["apply"].to(dev).view(-1, 1, 1)
-    return torch.where(inside[:, None], values.to(dev).view(1, -1, 1, 1), x)
+    inside &= apply.view(-1, 1, 1)
+    return torch.where(inside[:, None], values.view(1, -1, 1, 1), x)
 
 
 def color_jitter(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Brightness, contrast, saturation in each sample's order; 0-255 pixels, clamped."""
-    x = x.clone()
-    dev = x.device
-    order = p["order"].to(dev)
-    factors = [p[name].to(dev, torch.float32) for name in ("brightness", "contrast", "saturation")]
+    """Brightness, contrast, saturation in each sample's order; 0-255 pixels, clamped.
+
+    Each step computes every adjustment for the whole batch and keeps, per sample, the one its
+    order names (``torch.where``): no data-dependent indexing, so no host sync on a GPU.
+    """
+    order, *factors = staging.to_device(
+        [p["order"], *(p[name].to(torch.float32) for name in ("brightness", "contrast", "saturation"))],
+        x.device,
+    )
     for step in range(3):
         for kind in range(3):
-            rows = (order[:, step] == kind).nonzero()[:, 0]
-            if len(rows):
-                f = factors[kind][rows].view(-1, 1, 1, 1)
-                x[rows] = _ADJUST[kind](x[rows], f)
+            chosen = (order[:, step] == kind).view(-1, 1, 1, 1)
+            x = torch.where(chosen, _ADJUST[kind](x, factors[kind].view(-1, 1, 1, 1)), x)
     return x
 
 

@@ -195,6 +195,35 @@ def test_color_jitter_order_is_per_sample():
     torch.testing.assert_close(out, expect, rtol=0, atol=1e-3)
 
 
+def _color_jitter_by_rows(x, p):
+    """ColorJitter as it was written before the sync-free rewrite: rows picked by nonzero()."""
+    x = x.clone()
+    order = p["order"]
+    factors = [p[name].to(torch.float32) for name in ("brightness", "contrast", "saturation")]
+    for step in range(3):
+        for kind in range(3):
+            rows = (order[:, step] == kind).nonzero()[:, 0]
+            if len(rows):
+                x[rows] = T.reference._ADJUST[kind](x[rows], factors[kind][rows].view(-1, 1, 1, 1))
+    return x
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_color_jitter_without_host_sync_equals_the_row_indexed_version(channels):
+    """The masked (torch.where) jitter gives bit-identical results to the nonzero() one."""
+    ops = [T.ColorJitter(brightness=0.9, contrast=0.9, saturation=0.9)]
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        n = 1 + seed * 7
+        x = torch.rand((n, channels, 9, 13), generator=g) * 255
+        x[:, :, 0, 0] = 255.0  # saturated pixels: the clamps matter
+        params = T.sample_params(ops, seed, 0, torch.arange(n), [(9, 13)] * n).per_op[0]
+        before = x.clone()
+        out = T.reference.color_jitter(x, params)
+        assert torch.equal(x, before)  # the input is not modified
+        assert torch.equal(out, _color_jitter_by_rows(x, params))
+
+
 def test_random_erasing_region_holds_the_value():
     batch = _images(50, 16, 16)
     ops = [T.ToDtype(), T.Normalize((0.5,), (0.25,)), T.RandomErasing(p=0.8, value=(1.0, 2.0, 3.0))]
