@@ -42,6 +42,17 @@ class EpochIterator(Iterator[Any]):
         self._length = length
         self._progress = progress
         self._on_end = on_end
+        self._torch_iterator = epoch.torch_iterator
+
+    def __getattr__(self, name: str) -> Any:
+        # torch's iterator attributes (``_workers``, ...) for code that reads them; a gpuload
+        # path runs no worker process, so its ``_workers`` is empty.
+        torch_iterator = self.__dict__.get("_torch_iterator")
+        if torch_iterator is not None:
+            return getattr(torch_iterator, name)
+        if name == "_workers":
+            return []
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __iter__(self) -> EpochIterator:
         return self

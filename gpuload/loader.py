@@ -263,6 +263,7 @@ class DataLoader(tud.DataLoader[T_co]):
             batched=self._auto_collation, batch_size=self.batch_size, collate_fn=self.collate_fn,
             stats=self._stats, owner=f"loader-{id(self)}", transforms=self.transforms,
             seed=self._transform_seed, on_error=self.on_error,
+            worker_code=self.num_workers > 0 and self.worker_init_fn is not None,
         )
         source = arrays.detect(setup) or images.detect(setup, strict=bool(self.transforms))
         if source is not None:

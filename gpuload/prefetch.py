@@ -332,6 +332,8 @@ class _Failure:
         raised.batch_index = self.index
         raised.sample_index = sample
         raised.stage = self.stage
+        for note in getattr(self.exc, "__notes__", ()):  # e.g. the dataset index gpuload noted
+            raised.add_note(note)
         return raised
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 import time
 
@@ -305,3 +306,82 @@ def test_cache_settings_come_from_keyword_env_and_file(tmp_path, monkeypatch) ->
         gpuload.DataLoader(dataset(), device="cpu", job="nope")
     with pytest.raises(ValueError, match="cache_size='12 parsecs'"):
         gpuload.DataLoader(dataset(), device="cpu", cache_size="12 parsecs")
+
+
+def _raise_in_worker(worker_id: int) -> None:
+    raise RuntimeError(f"worker_init_fn ran in worker {worker_id}")
+
+
+def test_a_worker_init_fn_runs_in_torchs_workers_on_every_path(tmp_path) -> None:
+    from gpuload.datasets import make_sample_image_folder
+
+    folder = make_sample_image_folder(tmp_path, num_images=4, num_classes=2)
+    for data in (dataset(), folder):
+        loader = gpuload.DataLoader(data, batch_size=2, num_workers=2, worker_init_fn=_raise_in_worker, device="cpu")
+        with pytest.raises(RuntimeError, match="worker_init_fn ran in worker"):
+            next(iter(loader))
+        assert loader.stats.path == "torch"
+        assert len(iter(loader)._workers) == 2  # torch's iterator, as torch's own tests read it
+    fast = gpuload.DataLoader(dataset(), batch_size=2, num_workers=2, device="cpu")
+    assert fast.stats.path == "" and iter(fast)._workers == []  # served in this process: no workers
+
+
+class _Failing(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int):
+        if index == 5:
+            raise ValueError("sample 5 is broken")
+        return torch.tensor([index])
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes need Python 3.11")
+@pytest.mark.parametrize("keywords", [dict(), dict(prefetch_depth=2), dict(num_workers=2), dict(cache="host")])
+def test_a_failing_sample_keeps_its_error_and_names_its_index(keywords) -> None:
+    loader = gpuload.DataLoader(_Failing(), batch_size=4, device="cpu", **keywords)
+    with pytest.raises(ValueError, match="sample 5 is broken") as raised:
+        list(loader)
+    notes = " ".join(getattr(raised.value, "__notes__", [])) + str(raised.value)
+    assert "dataset[5]" in notes or "[4, 5, 6, 7]" in notes, notes
+
+
+def test_a_loader_pickles_without_its_runtime_state_and_yields_the_same_batches() -> None:
+    import pickle
+
+    for data in (dataset(), torch.utils.data.Subset(dataset(), range(12))):
+        loader = gpuload.DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2),
+                                    device="cpu", prefetch_depth=2)
+        copy = pickle.loads(pickle.dumps(loader))  # before any epoch
+        for ours, theirs in zip(list(copy), list(loader), strict=True):
+            assert torch.equal(ours[0], theirs[0])
+        iterator = iter(loader)
+        next(iterator)  # a live epoch, a prefetch thread: none of it travels
+        again = pickle.loads(pickle.dumps(loader))
+        assert isinstance(again, gpuload.DataLoader) and again._prefetcher is None
+        assert len(list(again)) == len(loader)
+
+
+def test_swapped_in_for_torchs_class_it_still_runs() -> None:
+    import torch.utils.data.dataloader as torch_dataloader
+
+    original = torch.utils.data.DataLoader
+    torch.utils.data.DataLoader = torch_dataloader.DataLoader = gpuload.DataLoader
+    try:
+        for kwargs in (dict(), dict(num_workers=2), dict(cache="host")):
+            loader = torch.utils.data.DataLoader(Subset_(), batch_size=3, device="cpu", **kwargs)
+            assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5]]
+    finally:
+        torch.utils.data.DataLoader = torch_dataloader.DataLoader = original
+
+
+class Subset_(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int):
+        return index
+
+
+def test_the_class_is_generic_like_torchs() -> None:
+    assert gpuload.DataLoader[list[torch.Tensor]] is not None

@@ -69,7 +69,7 @@ def decide_samples(
     ``cache="auto"`` caches on a CUDA device only, and only a dataset whose samples read the
     same twice (``probe``); on a CPU device the dataset itself already serves the loop, so auto
     leaves it alone. ``cache="device"`` / ``"host"`` cache without declining, but probe too and
-    warn once when the samples look random (the first epoch's augmentation would be frozen).
+    warn once (``warn``) when the samples look random (the first epoch's augmentation is frozen).
     The device tier needs torch's default collation (batches are collated from device
     tensors); with a custom ``collate_fn`` samples are kept in host memory.
     """
@@ -86,21 +86,32 @@ def decide_samples(
     if num_workers > 0 and not in_order:
         return _none("in_order=False with workers: batches cannot be matched to their samples", warn=mode != "auto")
     host = host_memory_info or host_memory()
-    if device.type == "cpu":
-        if mode == "auto":
-            return _none("on a CPU device the dataset serves the loop itself; cache='host' keeps its samples in memory")
-        return CacheDecision("host", "samples", settings.host_room(host), f"cache={mode!r} on a CPU device: host memory")
-    if mode == "auto":
+    if device.type == "cpu" and mode == "auto":
+        return _none("on a CPU device the dataset serves the loop itself; cache='host' keeps its samples in memory")
+    try:
         deterministic, why = probe(dataset)
-        if not deterministic:
-            return _none(why, warn=True)
+    except Exception as error:  # indices that are not 0..len-1 (a dict, a keyed store): no probe
+        if mode == "auto":
+            return _none(f"reading dataset[0] for the determinism probe failed ({type(error).__name__}: {error})")
+        deterministic, why = True, ""
+    if not deterministic and mode == "auto":
+        return _none(f"{why}, so it is not cached (pass cache='device' or 'host' to cache it anyway, "
+                     "freezing the first epoch's samples)", warn=True)
+    frozen = "" if deterministic else (
+        f"; {why}, and the first epoch's samples are kept and served again: use cache='off', or "
+        "gpuload's transforms= for the random part"
+    )
+    if device.type == "cpu":
+        return CacheDecision("host", "samples", settings.host_room(host),
+                             f"cache={mode!r} on a CPU device: host memory{frozen}", bool(frozen))
     if mode == "host" or not default_collate:
         why = f"cache={mode!r}" if mode == "host" else "a custom collate_fn runs on host samples"
-        return CacheDecision("host", "samples", settings.host_room(host), f"{why}: host memory")
+        return CacheDecision("host", "samples", settings.host_room(host), f"{why}: host memory{frozen}", bool(frozen))
     budget = settings.device_room(device, device_memory_info or device_memory(device), owner)
     if budget == 0 and mode == "auto":
         return CacheDecision("host", "samples", settings.host_room(host), f"no device budget left on {device}: host memory")
-    return CacheDecision("device", "samples", budget, f"device memory on {device} (budget {format_bytes(budget)})")
+    return CacheDecision("device", "samples", budget, f"device memory on {device} (budget {format_bytes(budget)}){frozen}",
+                         bool(frozen))
 
 
 def decide_images(

@@ -90,11 +90,7 @@ def looks_deterministic(dataset: Any, probe_indices: Sequence[int] | None = None
                 first, second = dataset[index], dataset[index]
                 found = _difference(first, second, f"dataset[{index}]")
                 if found:
-                    return False, (
-                        f"two reads of dataset[{index}] differ ({found}): it looks randomly "
-                        "augmented, so it is not cached (pass cache='device' or 'host' to cache "
-                        "it anyway, freezing the first epoch's samples)"
-                    )
+                    return False, f"two reads of dataset[{index}] differ ({found}): it looks randomly augmented"
         finally:
             random.setstate(python_state)
             np.random.set_state(numpy_state)

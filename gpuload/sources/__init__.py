@@ -45,7 +45,9 @@ class Setup:
     """What every source knows of its loader: where batches go, the cache settings, whether
     batches are collated (``batched``: torch's auto-collation), the counters to update,
     ``owner``, the name its caches book their memory under, and the transform list with the
-    seed of its randomness (the generator's initial seed) and what to do with bad files."""
+    seed of its randomness (the generator's initial seed) and what to do with bad files;
+    ``worker_code``: the user gave a ``worker_init_fn`` for worker processes, which only
+    torch's path (SampleSource) runs: the array and image paths serve batches in this process."""
 
     dataset: Any
     map_style: bool
@@ -59,6 +61,7 @@ class Setup:
     transforms: Sequence[Any] | None = None
     seed: int = 0
     on_error: str = "raise"
+    worker_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,8 @@ class Epoch:
     ``length``: gives ``len()`` of the epoch when it is not the index sampler's;
     ``depth``: the batches the prefetcher should hold in flight unless the user chose
     (``prefetch_depth``); ``from_torch``: torch's own iterator made this epoch (it drew its
-    workers' base seed).
+    workers' base seed); ``torch_iterator``: that iterator, whose attributes (``_workers``...)
+    the loader's iterator shows.
     """
 
     items: Iterator[Any]
@@ -109,6 +113,7 @@ class Epoch:
     length: Callable[[], int] | None = None
     depth: int = DEFAULT_DEPTH
     from_torch: bool = False
+    torch_iterator: Any = None
 
 
 class Source(ABC):

@@ -236,8 +236,12 @@ class ResidentColumns:
 
 
 def detect(setup: Setup) -> ArraySource | None:
-    """An ArraySource when the dataset's batches can be gathered from its arrays, else None."""
+    """An ArraySource when the dataset's batches can be gathered from its arrays, else None
+    (also when a ``worker_init_fn`` asks for worker processes and no ``transforms=`` ask for
+    gpuload: torch's path runs it)."""
     if not setup.map_style or setup.collate_fn not in (default_collate, default_convert):
+        return None
+    if setup.worker_code and not setup.transforms:
         return None
     columns = find_columns(setup.dataset, setup.collate_fn, setup.batched)
     return ArraySource(setup, columns) if columns is not None else None

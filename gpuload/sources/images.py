@@ -57,9 +57,12 @@ def detect(setup: Setup, strict: bool) -> ImageFileSource | None:
 
     A torchvision dataset with its own ``transform`` stays on torch's path (so swapping the
     import changes nothing) unless ``transforms=`` asks gpuload to take over (``strict``), in
-    which case the reason it cannot is raised.
+    which case the reason it cannot is raised. A ``worker_init_fn`` for worker processes keeps
+    it on torch's path too (its workers run the function), unless ``transforms=`` is given.
     """
     if not setup.map_style or setup.collate_fn not in (default_collate, default_convert):
+        return None
+    if setup.worker_code and not strict:
         return None
     try:
         images = as_image_source(setup.dataset)

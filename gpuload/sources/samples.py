@@ -134,10 +134,9 @@ class CachedSamples:
     def close(self) -> None:
         self.cache.close()
 
-    def unwrap(self, batches: Iterable[tuple[Any, Any]], recorder: RecordingSampler, keep: KeepSamples) -> Iterator[Any]:
-        """A fill loader's (samples, batch) pairs to batches, caching the samples on the way."""
-        for samples, batch in batches:
-            indices = recorder.drawn.popleft() if recorder.drawn else None
+    def unwrap(self, batches: Iterable[tuple[Any, Any, Any]], keep: KeepSamples) -> Iterator[Any]:
+        """A worker epoch's (indices, samples, batch) to batches, caching the samples on the way."""
+        for indices, samples, batch in batches:
             if samples is not None and indices is not None:
                 self._store(self._keys_of(indices), samples if self.batched else [samples])
             if not self.accepting:
@@ -309,7 +308,8 @@ class SampleSource(Source):
         )
         setup.stats.extra["sample_cache_decision"] = f"{decision.tier}: {decision.reason}"
         if decision.warn:
-            warnings.warn(f"gpuload: not caching this {type(setup.dataset).__name__}: {decision.reason}", stacklevel=5)
+            doing = "caching" if decision.caches else "not caching"
+            warnings.warn(f"gpuload: {doing} this {type(setup.dataset).__name__}: {decision.reason}", stacklevel=5)
         if decision.caches:
             self.cached = CachedSamples(setup, decision)
             weakref.finalize(self, self.cached.cache.close)
@@ -325,64 +325,67 @@ class SampleSource(Source):
     def epoch(self, request: EpochRequest) -> Epoch:
         cached = self.cached
         finish = self._passed if request.ahead else self._moved
-        if cached is not None and (self.torch.num_workers == 0 or cached.complete):
+        if not self.setup.map_style:
+            batches = self.torch.iterate()  # an iterable dataset: torch's own iterator, workers included
+            return Epoch(batches, finish, length=batches.__len__, from_torch=True, torch_iterator=batches)
+        if self.torch.num_workers == 0 or (cached is not None and cached.complete):
+            # Read in this process as torch's fetcher reads (dataset[i] or __getitems__, then
+            # collate_fn), from the sample cache when there is one.
             self._stop_fill_workers()
-            return Epoch(cached.batches(request.indices(), whole=not request.resumed), finish)
-        if request.resumed and self.setup.map_style:
-            return Epoch(self._resumed_batches(request.indices(), cached), finish)
-        batches = self._fill_epoch(cached) if cached is not None or self._fill_loader is not None else None
-        if batches is None:
-            batches = self.torch.iterate()
-            return Epoch(batches, finish, length=batches.__len__, from_torch=True)
-        return Epoch(batches, finish, length=batches.length, from_torch=True)
+            indices = request.indices()
+            if cached is not None:
+                return Epoch(cached.batches(indices, whole=not request.resumed), finish)
+            return Epoch(self._fetched(indices), finish)
+        if request.resumed:
+            epoch = self._worker_epoch(cached, list(request.indices()))
+        else:
+            epoch = self._worker_epoch(cached)
+        return Epoch(epoch, finish, length=epoch.length, from_torch=not request.resumed,
+                     torch_iterator=epoch.torch_iterator)
 
-    def _fill_epoch(self, cached: CachedSamples | None) -> _TorchEpoch:
-        """One epoch of the private fill loader: torch's epoch, caching its workers' samples.
-
-        Once made, the fill loader runs every later epoch torch makes for this source (its
-        persistent workers, if any, stay the ones whose seed torch drew), sending no samples
-        when there is nothing more to cache.
-        """
-        if self._fill_loader is None:
-            self._keep = KeepSamples(self.setup.collate_fn)
-            self._recorder = RecordingSampler(self.torch.index_sampler)
-            placement = {"batch_sampler": self._recorder} if self.setup.batched else {
-                "batch_size": None, "sampler": self._recorder}
-            self._fill_loader = TorchDataLoader(
-                self.setup.dataset, num_workers=self.torch.num_workers, collate_fn=self._keep,
-                **placement, **self.torch.options,
-            )
-        keep, recorder = self._keep, self._recorder
-        keep.sending.value = int(cached is not None and cached.accepting)
-        pairs = iter(self._fill_loader)
-        return _TorchEpoch(self._filled(cached, pairs, recorder, keep), pairs.__len__)
-
-    def _resumed_batches(self, indices: Iterator[Any], cached: CachedSamples | None) -> Iterator[Any]:
-        """The rest of a resumed epoch, from its remaining index batches: read in this process
-        without workers, else by a one-off torch DataLoader over them (its own generator: the
-        epoch's draws were made already), filling the cache on the way."""
-        remaining = list(indices)
+    def _fetched(self, indices: Iterator[Any]) -> Iterator[Any]:
         batched, collate = self.setup.batched, self.setup.collate_fn
-        if self.torch.num_workers == 0:
-            for index in remaining:
-                samples = fetch(self.setup.dataset, list(index) if batched else [index], batched)
-                yield collate(samples) if batched else collate(samples[0])
-            return
-        keep, recorder = KeepSamples(collate), RecordingSampler(remaining)
-        keep.sending.value = int(cached is not None and cached.accepting)
-        placement = {"batch_sampler": recorder} if batched else {"batch_size": None, "sampler": recorder}
-        options = dict(self.torch.options, generator=torch.Generator(), persistent_workers=False)
-        pairs = iter(TorchDataLoader(self.setup.dataset, num_workers=self.torch.num_workers, collate_fn=keep,
-                                     **placement, **options))
-        yield from self._filled(cached, pairs, recorder, keep, whole=False)
+        for index in indices:
+            samples = fetch(self.setup.dataset, list(index) if batched else [index], batched)
+            yield collate(samples) if batched else collate(samples[0])
 
-    def _filled(self, cached: CachedSamples | None, pairs: Iterator[Any], recorder: RecordingSampler,
-                keep: KeepSamples, whole: bool = True) -> Iterator[Any]:
+    def _worker_epoch(self, cached: CachedSamples | None, remaining: list[Any] | None = None) -> _TorchEpoch:
+        """An epoch read by torch's worker processes, through a private torch DataLoader over the
+        same dataset, sampler and generator (it draws what the loader's own iterator would),
+        its index batches recorded and its samples kept for the cache while it accepts them.
+
+        The loader is made once and runs every epoch (its persistent workers, if any, stay the
+        ones whose seed torch drew). ``remaining``: the rest of a resumed epoch, read by a
+        one-off loader over those batches with a generator of its own (the epoch's draws were
+        made already).
+        """
+        collate = self.setup.collate_fn
+        if remaining is not None:
+            keep, recorder = KeepSamples(collate), RecordingSampler(remaining)
+            options = dict(self.torch.options, generator=torch.Generator(), persistent_workers=False)
+            reader = self._torch_loader(keep, recorder, options)
+        else:
+            if self._fill_loader is None:
+                self._keep, self._recorder = KeepSamples(collate), RecordingSampler(self.torch.index_sampler)
+                self._fill_loader = self._torch_loader(self._keep, self._recorder, self.torch.options)
+            keep, recorder, reader = self._keep, self._recorder, self._fill_loader
+        keep.sending.value = int(cached is not None and cached.accepting)
+        pairs = iter(reader)
+        batches = self._filled(cached, _matched(pairs, recorder), keep, whole=remaining is None)
+        return _TorchEpoch(batches, pairs.__len__, pairs)
+
+    def _torch_loader(self, keep: KeepSamples, recorder: RecordingSampler, options: dict[str, Any]) -> TorchDataLoader:
+        placement = {"batch_sampler": recorder} if self.setup.batched else {"batch_size": None, "sampler": recorder}
+        return TorchDataLoader(self.setup.dataset, num_workers=self.torch.num_workers, collate_fn=keep,
+                               **placement, **options)
+
+    def _filled(self, cached: CachedSamples | None, batches: Iterator[Any], keep: KeepSamples,
+                whole: bool = True) -> Iterator[Any]:
         if cached is None:
-            for _, batch in pairs:
+            for _, _, batch in batches:
                 yield batch
             return
-        yield from cached.unwrap(pairs, recorder, keep)
+        yield from cached.unwrap(batches, keep)
         if not whole:
             return  # the rest of a resumed epoch: the next whole epoch fills what is missing
         cached.end_of_epoch()
@@ -439,19 +442,56 @@ class SampleSource(Source):
 class _TorchEpoch(Iterator[Any]):
     """An epoch of batches with the length of the torch iterator that makes them."""
 
-    def __init__(self, inner: Iterator[Any], length: Callable[[], int]) -> None:
-        self._inner, self.length = inner, length
+    def __init__(self, inner: Iterator[Any], length: Callable[[], int], torch_iterator: Any) -> None:
+        self._inner, self.length, self.torch_iterator = inner, length, torch_iterator
 
     def __next__(self) -> Any:
         return next(self._inner)
 
 
 def fetch(dataset: Any, indices: list[Any], batched: bool) -> list[Any]:
-    """The samples of ``indices``, read as torch's map-style fetcher reads them."""
+    """The samples of ``indices``, read as torch's map-style fetcher reads them; an exception
+    keeps its type and message and gets a note naming the dataset index."""
     getitems = getattr(dataset, "__getitems__", None) if batched else None
     if getitems is not None:  # a batch's samples in one call
-        return list(getitems(indices))
-    return [dataset[index] for index in indices]
+        try:
+            return list(getitems(indices))
+        except Exception as error:
+            add_note(error, f"gpuload: raised by {type(dataset).__name__}.__getitems__ for dataset indices {indices}")
+            raise
+    samples = []
+    for index in indices:
+        try:
+            samples.append(dataset[index])
+        except Exception as error:
+            add_note(error, f"gpuload: raised while reading dataset[{index}] ({type(dataset).__name__})")
+            raise
+    return samples
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """Add ``note`` to ``error`` (shown under its message in a traceback); Python 3.10 has no
+    notes, and there the exception is left as it is rather than replaced."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+
+
+def _matched(pairs: Iterator[Any], recorder: RecordingSampler) -> Iterator[tuple[Any, Any, Any]]:
+    """A worker epoch's (samples, batch) pairs as (indices, samples, batch): batches come back in
+    the order their indices were drawn (``in_order=True``), so the k-th is the k-th recorded.
+    An exception (re-raised by torch from a worker) gets a note naming the batch's indices."""
+    while True:
+        try:
+            samples, batch = next(pairs)
+        except StopIteration:
+            return
+        except Exception as error:
+            if recorder.drawn:
+                indices = recorder.drawn[0]
+                shown = indices.tolist() if isinstance(indices, torch.Tensor) else indices
+                add_note(error, f"gpuload: raised while reading the batch of dataset indices {shown}")
+            raise
+        yield (recorder.drawn.popleft() if recorder.drawn else None), samples, batch
 
 
 def _sample_list(samples: list[Any]) -> list[Any]:

@@ -23,18 +23,15 @@ def settings(**keywords) -> CacheSettings:
 
 
 def decide(dataset, device="cuda", *, collate=True, workers=0, in_order=True, probe=None, free=40 * GiB, **kw):
-    def must_not_probe(_):
-        raise AssertionError("the dataset was probed")
-
     return decide_samples(
         dataset, settings(**kw), torch.device(device), default_collate=collate, num_workers=workers,
         in_order=in_order, owner=("test", id(dataset)), device_memory_info=MemoryInfo(free=free, total=80 * GiB),
-        host_memory_info=MemoryInfo(free=100 * GiB, total=128 * GiB), probe=probe or must_not_probe,
+        host_memory_info=MemoryInfo(free=100 * GiB, total=128 * GiB), probe=probe or (lambda _: (True, "two reads were equal")),
     )
 
 
 def test_decision_matrix() -> None:
-    data = list(range(37))  # the decision needs only len(); the probe is given
+    data = list(range(37))  # the decision needs only len(); the probe's answer is given
     same = lambda _: (True, "equal")
     differs = lambda _: (False, "two reads differ")
     assert decide(data, cache="off").tier == "none"
@@ -49,9 +46,19 @@ def test_decision_matrix() -> None:
     assert auto.tier == "device" and auto.budget == 40 * GiB - 8 * GiB  # free minus the 10% reserve
     declined = decide(data, probe=differs)
     assert declined.tier == "none" and declined.warn and "differ" in declined.reason
-    assert decide(data, cache="device").tier == "device"  # forced: no probe
+    assert decide(data, cache="device", probe=same).tier == "device"
+    frozen = decide(data, cache="device", probe=differs)  # asked for: cached, with a warning
+    assert frozen.tier == "device" and frozen.warn and "first epoch's samples are kept" in frozen.reason
     assert decide(data, collate=False, probe=same).tier == "host"
-    assert decide(data, cache="host").tier == "host"
+    assert decide(data, cache="host", probe=same).tier == "host"
+    assert decide(data, device="cpu", cache="host", probe=differs).warn
+
+    def unreadable(_):
+        raise KeyError(0)
+
+    assert decide(data, probe=unreadable).tier == "none"  # auto: cannot tell, so no cache
+    assert decide(data, cache="host", probe=unreadable).tier == "host" and not decide(
+        data, cache="host", probe=unreadable).warn
     assert decide(data, probe=same, free=8 * GiB).tier == "host"  # nothing above the reserve
 
 

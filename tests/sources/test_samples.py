@@ -48,8 +48,9 @@ def test_cached_batches_equal_torchs_and_read_each_sample_once(workers: int, bat
     assert ours.stats.bytes_h2d_per_epoch == [0, 0, 0]  # a CPU device: nothing crosses PCIe
     assert ours.stats.path == "sample-cache (host)"
     if workers == 0:
-        # Epoch 1 read the samples for both loaders; later epochs only torch's loader read.
-        assert reads[1] - reads[0] == 2 * len(data)
+        # Epoch 1 read the samples for both loaders, and gpuload's probe read 3 of them twice
+        # (cache="host" on a dataset whose samples could be random); later epochs only torch's read.
+        assert reads[1] - reads[0] == 2 * len(data) + 6
         assert reads[2] - reads[1] == len(data)
 
 
@@ -86,6 +87,16 @@ def test_partial_cache_with_workers_is_given_up() -> None:
         assert_same_epochs(ours, tud.DataLoader(data, batch_size=8), epochs=2)
     assert ours.stats.path == "torch"
     assert ours.stats.extra["cache"]["entries"] == 0  # released
+
+
+def test_an_explicit_cache_on_random_samples_warns_once_and_keeps_caching() -> None:
+    ours = gpuload.DataLoader(Augmented(12), batch_size=4, cache="host")
+    with pytest.warns(UserWarning, match="caching this Augmented: .*first epoch's samples are kept"):
+        first = torch.cat(list(ours))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(torch.cat(list(ours)), first)  # served again, as asked
+    assert ours.stats.path == "sample-cache (host)"
 
 
 def test_in_place_changes_to_a_batch_do_not_reach_the_cache() -> None:
