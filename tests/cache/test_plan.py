@@ -1,17 +1,13 @@
-"""The placement plan over a matrix of pretended cards, and the ``gpuload plan`` command."""
+"""The placement plan over a matrix of pretended cards."""
 
 from __future__ import annotations
 
-import argparse
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from PIL import Image
 
 from gpuload.cache.plan import default_host_reserve, make_plan
-from gpuload.cli.plan import add_plan_arguments, run_plan
 
 GiB = 2**30
 CIFAR = 3 * 32 * 32 + 8
@@ -125,95 +121,3 @@ def test_plan_invariants(bps, n, device_free, host_free, budget, reserve, mode):
 # -- gpuload plan ------------------------------------------------------------------------------
 
 
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_plan_arguments(parser)
-    return parser.parse_args(list(argv))
-
-
-@pytest.fixture(autouse=True)
-def clean_env(tmp_path, monkeypatch):
-    for name in ("GPULOAD_CACHE", "GPULOAD_CACHE_SIZE", "GPULOAD_CACHE_RESERVE", "GPULOAD_CONFIG", "GPULOAD_JOB"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
-
-
-def test_plan_command_synthetic_cifar_default(capsys):
-    assert run_plan(parse("--device-memory", "80GiB", "--host-memory", "64GiB")) == 0
-    out = capsys.readouterr().out
-    assert "50000 samples x 3.01 KiB (3080 bytes per sample)" in out
-    assert "cache plan: device " in out
-    assert "146.87 MiB without cache, 0 B with it" in out
-    assert "80.00 GiB free of 80.00 GiB" in out and "64.00 GiB free" in out
-
-
-def test_plan_command_imagenet_on_small_card(capsys):
-    code = run_plan(parse("--synthetic", "imagenet", "--device-memory", "24GiB", "--device-free", "20GiB",
-                          "--host-memory", "32GiB", "--cache-size", "10GiB"))
-    assert code == 0
-    out = capsys.readouterr().out
-    assert "device+host+stream" in out
-    assert "cache_size=10.00 GiB (keyword cache_size=)" in out
-    assert "20.00 GiB free of 24.00 GiB" in out
-
-
-def test_plan_command_npz_reads_headers_only(tmp_path, capsys):
-    path = tmp_path / "data.npz"
-    np.savez(path, images=np.zeros((100, 3, 8, 8), np.uint8), labels=np.zeros(100, np.int64))
-    assert run_plan(parse(str(path), "--device-memory", "1GiB", "--host-memory", "8GiB")) == 0
-    out = capsys.readouterr().out
-    assert "100 samples x 200 B (200 bytes per sample)" in out
-
-
-def test_plan_command_npy_and_mismatched_npz(tmp_path, capsys):
-    npy = tmp_path / "x.npy"
-    np.save(npy, np.zeros((10, 4), np.float32))
-    assert run_plan(parse(str(npy), "--device-memory", "1GiB")) == 0
-    assert "10 samples x 16 B" in capsys.readouterr().out
-    bad = tmp_path / "bad.npz"
-    np.savez(bad, a=np.zeros(3), b=np.zeros(4))
-    assert run_plan(parse(str(bad), "--device-memory", "1GiB")) == 2
-    assert "same number of rows" in capsys.readouterr().err
-
-
-def test_plan_command_image_folder(tmp_path, capsys):
-    folder = tmp_path / "images" / "cat"
-    folder.mkdir(parents=True)
-    for i, (w, h) in enumerate([(40, 30), (40, 30), (20, 10)]):
-        Image.new("RGB", (w, h), (i, 0, 0)).save(folder / f"{i}.png")
-    (folder / "notes.txt").write_text("not an image")
-    assert run_plan(parse(str(tmp_path / "images"), "--device-memory", "1GiB", "--host-memory", "64GiB")) == 0
-    out = capsys.readouterr().out
-    expected = -(-(3 * 40 * 30 * 2 + 3 * 20 * 10) // 3) + 8
-    assert expected == 2608
-    assert f"3 samples x 2.55 KiB ({expected} bytes per sample)" in out
-    assert "3 images" in out
-    # A 1 GiB card leaves nothing above the 2 GiB default reserve: the files' bytes are kept.
-    assert "image cache (for gpuload.DataLoader on this folder): encoded: " in out
-    assert run_plan(parse(str(tmp_path / "images"), "--device-memory", "80GiB", "--host-memory", "64GiB")) == 0
-    assert "image cache (for gpuload.DataLoader on this folder): decoded: " in capsys.readouterr().out
-    assert run_plan(parse(str(tmp_path / "images"), "--device-memory", "80GiB", "--host-memory", "64GiB", "--cache-size", "1KiB")) == 0
-    assert "image cache (for gpuload.DataLoader on this folder): encoded: " in capsys.readouterr().out
-
-
-def test_plan_command_job_from_file_and_errors(tmp_path, capsys):
-    (tmp_path / "gpuload.toml").write_text('[jobs.small]\ncache_size = "1MiB"\n')
-    assert run_plan(parse("--job", "small", "--device-memory", "80GiB")) == 0
-    out = capsys.readouterr().out
-    assert "cache_size=1.00 MiB (" in out and "[jobs.small]" in out
-    assert f"device tier:    {2**20 // CIFAR} samples" in out
-    assert run_plan(parse("--job", "big", "--device-memory", "80GiB")) == 2
-    assert "small" in capsys.readouterr().err
-    assert run_plan(parse("--cache-size", "100GiB", "--device-memory", "80GiB")) == 2
-    assert "larger than" in capsys.readouterr().err
-
-
-def test_plan_command_without_card_plans_for_cpu(capsys, monkeypatch):
-    assert run_plan(parse("--device", "cpu", "--host-memory", "16GiB")) == 0
-    out = capsys.readouterr().out
-    assert "cache plan: cpu" in out and "nothing crosses PCIe" in out
-
-
-def test_plan_command_rejects_relative_memory():
-    with pytest.raises(SystemExit):
-        parse("--device-memory", "0.5")
