@@ -170,7 +170,9 @@ class DataLoader(tud.DataLoader[T_co]):
         else:
             progress, draw = resume, self._resumed_draw(resume)
         self._progress = progress
-        epoch = source.epoch(EpochRequest(self._epoch, ahead, draw, in_range, resumed=resume is not None))
+        seed_drawn = self._persistent_seed_drawn
+        request = EpochRequest(self._epoch, ahead, draw, in_range, resumed=resume is not None, worker_seed_drawn=seed_drawn)
+        epoch = source.epoch(request)
         if epoch.from_torch and self.persistent_workers and self.num_workers > 0:
             self._persistent_seed_drawn = True  # torch drew its workers' seed, once
         items = epoch.items
@@ -186,8 +188,7 @@ class DataLoader(tud.DataLoader[T_co]):
         ``load_state_dict`` on a loader built with the same arguments continues from there, and
         the epochs after it follow as in an uninterrupted run. See the README's resume section.
         """
-        return save_state(self, self._resume or self._progress, self._epoch, self._transform_seed,
-                          self._persistent_seed_drawn)
+        return save_state(self, self._resume or self._progress, self._epoch, self._transform_seed)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a ``state_dict()``: the next ``iter()`` takes the epoch up where it was
@@ -201,7 +202,6 @@ class DataLoader(tud.DataLoader[T_co]):
             self._transform_seed = loaded.transform_seed
             self._source.close()
             self._source = self._choose_source()  # its transforms draw from the saved seed
-        self._persistent_seed_drawn = loaded.persistent_seed_drawn
         self._progress, self._resume = None, loaded.resume
         self._epoch = loaded.epoch if loaded.resume is None else loaded.epoch - 1
 

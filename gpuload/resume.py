@@ -64,6 +64,7 @@ class RandomStates:
     global_state: torch.Tensor
     sampler: Any = None  # the index sampler's own state_dict(), when it has one
     distributed_epoch: int | None = None
+    worker_seed_drawn: bool = False  # persistent workers' base seed already drawn (drawn once)
 
     @classmethod
     def capture(cls, loader: tud.DataLoader) -> RandomStates:
@@ -75,6 +76,7 @@ class RandomStates:
             global_state=torch.get_rng_state(),
             sampler=sampler.state_dict() if stateful(sampler) else None,
             distributed_epoch=distributed.epoch if isinstance(distributed, DistributedSampler) else None,
+            worker_seed_drawn=getattr(loader, "_persistent_seed_drawn", False),
         )
 
     def restore_explicit(self, loader: tud.DataLoader) -> None:
@@ -88,6 +90,8 @@ class RandomStates:
             )
         for generator, state in zip(generators, self.generators):
             generator.set_state(state)
+        if hasattr(loader, "_persistent_seed_drawn"):
+            loader._persistent_seed_drawn = self.worker_seed_drawn
         sampler = _index_sampler(loader)
         if self.sampler is not None:
             sampler.load_state_dict(self.sampler)
@@ -109,6 +113,7 @@ class RandomStates:
             "global": self.global_state,
             "sampler": self.sampler,
             "distributed_epoch": self.distributed_epoch,
+            "worker_seed_drawn": self.worker_seed_drawn,
         }
 
     @classmethod
@@ -118,6 +123,7 @@ class RandomStates:
             global_state=torch.as_tensor(state["global"], dtype=torch.uint8),
             sampler=state.get("sampler"),
             distributed_epoch=state.get("distributed_epoch"),
+            worker_seed_drawn=bool(state.get("worker_seed_drawn", False)),
         )
 
 
@@ -171,9 +177,7 @@ def check_signature(saved: dict[str, Any], current: dict[str, Any]) -> None:
         )
 
 
-def save_state(
-    loader: tud.DataLoader, progress: EpochProgress | None, epoch: int, transform_seed: int, seed_drawn: bool
-) -> dict[str, Any]:
+def save_state(loader: tud.DataLoader, progress: EpochProgress | None, epoch: int, transform_seed: int) -> dict[str, Any]:
     """The state dict of ``loader`` at ``progress`` (None: no epoch begun; ``epoch`` is then
     the epoch counter as it stands)."""
     if progress is None:
@@ -188,7 +192,6 @@ def save_state(
         "batches": batches,
         "finished": finished,
         "transform_seed": transform_seed,
-        "persistent_seed_drawn": seed_drawn,
         "random": states.as_dict(),
         "dataset": loader.dataset.state_dict() if stateful(loader.dataset) else None,
     }
@@ -197,12 +200,11 @@ def save_state(
 @dataclass(frozen=True)
 class LoadedState:
     """A checked state: the epoch it was in, the position to take up (None: that epoch had
-    ended, and the next ``iter()`` simply starts the one after), and the loader's seeds."""
+    ended, and the next ``iter()`` simply starts the one after), and the transforms' seed."""
 
     epoch: int
     resume: EpochProgress | None
     transform_seed: int
-    persistent_seed_drawn: bool
 
 
 def load_state(loader: tud.DataLoader, state: dict[str, Any], *, iterable: bool) -> LoadedState:
@@ -215,10 +217,9 @@ def load_state(loader: tud.DataLoader, state: dict[str, Any], *, iterable: bool)
     if state["dataset"] is not None:
         loader.dataset.load_state_dict(state["dataset"])
     states = RandomStates.from_dict(state["random"])
-    seeds = (state["transform_seed"], state["persistent_seed_drawn"])
     if state["finished"]:
         states.restore_explicit(loader)
-        return LoadedState(state["epoch"], None, *seeds)
+        return LoadedState(state["epoch"], None, state["transform_seed"])
     done = state["batches"]
     if iterable and (state["dataset"] is None or loader.num_workers > 0):
         warnings.warn(
@@ -228,4 +229,5 @@ def load_state(loader: tud.DataLoader, state: dict[str, Any], *, iterable: bool)
             stacklevel=3,
         )
         done = 0
-    return LoadedState(state["epoch"], EpochProgress(state["epoch"], states, batches=done, skipped=done), *seeds)
+    return LoadedState(state["epoch"], EpochProgress(state["epoch"], states, batches=done, skipped=done),
+                       state["transform_seed"])

@@ -235,3 +235,8 @@ def test_an_iterable_dataset_without_state_restarts_its_epoch_with_a_warning() -
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gpuload.DataLoader(Plain(), batch_size=3).load_state_dict(gpuload.DataLoader(Plain(), batch_size=3).state_dict())
+
+
+def test_persistent_workers_resume_exactly_from_their_first_epoch() -> None:
+    make = seeded(dataset=Counted(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
+    assert_resumes_exactly(make, [(0, 3), (1, 2)])

@@ -77,6 +77,8 @@ class EpochRequest:
     ``resumed``: the epoch is taken up mid-way after ``load_state_dict``; ``draw`` yields only
     the batches after the saved position, so a source that otherwise runs torch's own iterator
     (which would start the epoch from its beginning) makes batches from them instead.
+    ``worker_seed_drawn``: persistent workers' base seed was drawn already in this run (torch
+    draws it once, when its persistent iterator is first made; a resumed run must not again).
     """
 
     number: int
@@ -84,6 +86,7 @@ class EpochRequest:
     draw: Callable[[], Iterator[Any]]
     in_range: bool = False
     resumed: bool = False
+    worker_seed_drawn: bool = False
 
     def indices(self) -> Iterator[Any]:
         """This epoch's batch indices. Ahead of the loop they are all drawn now, in the loop's

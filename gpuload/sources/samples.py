@@ -339,7 +339,7 @@ class SampleSource(Source):
         if request.resumed:
             epoch = self._worker_epoch(cached, list(request.indices()))
         else:
-            epoch = self._worker_epoch(cached)
+            epoch = self._worker_epoch(cached, seed_drawn=request.worker_seed_drawn)
         return Epoch(epoch, finish, length=epoch.length, from_torch=not request.resumed,
                      torch_iterator=epoch.torch_iterator)
 
@@ -349,7 +349,9 @@ class SampleSource(Source):
             samples = fetch(self.setup.dataset, list(index) if batched else [index], batched)
             yield collate(samples) if batched else collate(samples[0])
 
-    def _worker_epoch(self, cached: CachedSamples | None, remaining: list[Any] | None = None) -> _TorchEpoch:
+    def _worker_epoch(
+        self, cached: CachedSamples | None, remaining: list[Any] | None = None, seed_drawn: bool = False
+    ) -> _TorchEpoch:
         """An epoch read by torch's worker processes, through a private torch DataLoader over the
         same dataset, sampler and generator (it draws what the loader's own iterator would),
         its index batches recorded and its samples kept for the cache while it accepts them.
@@ -357,7 +359,9 @@ class SampleSource(Source):
         The loader is made once and runs every epoch (its persistent workers, if any, stay the
         ones whose seed torch drew). ``remaining``: the rest of a resumed epoch, read by a
         one-off loader over those batches with a generator of its own (the epoch's draws were
-        made already).
+        made already). ``seed_drawn``: the persistent workers' base seed was drawn before in the
+        run this one resumes; torch's draw when it first starts them is then made from a
+        throwaway generator, so the loader's generator goes on as in an uninterrupted run.
         """
         collate = self.setup.collate_fn
         if remaining is not None:
@@ -370,7 +374,16 @@ class SampleSource(Source):
                 self._fill_loader = self._torch_loader(self._keep, self._recorder, self.torch.options)
             keep, recorder, reader = self._keep, self._recorder, self._fill_loader
         keep.sending.value = int(cached is not None and cached.accepting)
-        pairs = iter(reader)
+        if seed_drawn and reader.persistent_workers and reader._iterator is None:
+            # torch draws the workers' base seed from ``generator`` when it first starts them,
+            # before the sampler's own draws; here that draw was made in the run being resumed.
+            generator, reader.generator = reader.generator, torch.Generator()
+            try:
+                pairs = iter(reader)
+            finally:
+                reader.generator = generator
+        else:
+            pairs = iter(reader)
         batches = self._filled(cached, _matched(pairs, recorder), keep, whole=remaining is None)
         return _TorchEpoch(batches, pairs.__len__, pairs)
 
