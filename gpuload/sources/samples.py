@@ -22,37 +22,44 @@ import multiprocessing
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils.data import default_collate, default_convert
 from torch.utils.data.dataloader import DataLoader as TorchDataLoader
 
-from gpuload.cache import CacheDecision, SampleCache, decide_samples, format_bytes
-from gpuload.cache.sample_store import MISSING
+from gpuload.cache import CacheDecision, decide_samples, format_bytes
+from gpuload.cache.columns import Branch, Column, ColumnStore, Part, prepare
+from gpuload.device import cuda_available
 from gpuload.sources import Epoch, EpochRequest, Setup, Source
-from gpuload.transfer import batch_length, batch_nbytes, map_leaves, move_to_device
+from gpuload.transfer import batch_length, batch_nbytes, move_to_device
 
 __all__ = ["CachedSamples", "KeepSamples", "RecordingSampler", "SampleSource", "TorchLoading"]
 
 
 class KeepSamples:
-    """A collate function that also returns the samples it collated, while ``sending`` is set.
+    """A collate function that also returns the batch's samples prepared for the column store
+    (``gpuload.cache.columns.prepare``), while ``sending`` is set.
 
     Picklable, so it travels to worker processes; ``sending`` is shared memory the loader
-    clears once the cache cannot take more, so workers stop shipping samples twice.
+    clears once the cache cannot take more, so workers stop preparing samples. A prepared
+    batch sends one tensor per column instead of every sample's tensors; with torch's
+    default_collate the batch is built from the same columns, so they cross once.
     """
 
-    def __init__(self, collate_fn: Callable[[Any], Any]) -> None:
+    def __init__(self, collate_fn: Callable[[Any], Any], batched: bool) -> None:
         self.collate_fn = collate_fn
+        self.batched = batched
+        self.by_column = batched and collate_fn is default_collate
         self.sending = multiprocessing.get_context().Value("b", 1, lock=False)
 
     def __call__(self, samples: Any) -> tuple[Any, Any]:
-        return (samples if self.sending.value else None), self.collate_fn(samples)
+        if not self.sending.value:
+            return None, self.collate_fn(samples)
+        part = prepare(samples if self.batched else [samples])
+        return part, part.batch() if self.by_column else self.collate_fn(samples)
 
 
 class RecordingSampler:
@@ -76,11 +83,13 @@ class RecordingSampler:
         return len(self.sampler)  # type: ignore[arg-type]
 
 
-def _keys(indices: Any, batched: bool) -> list[int] | None:
-    """Cache keys of one index batch, or None if an index is not an integer."""
-    if isinstance(indices, torch.Tensor):
-        return [int(i) for i in indices.view(-1).tolist()]
+def _keys(indices: Any, batched: bool) -> torch.Tensor | None:
+    """Cache keys of one index batch as an int64 tensor, or None if an index is not an integer."""
+    if isinstance(indices, torch.Tensor) and indices.dtype == torch.int64:
+        return indices.view(-1)
     items = indices if batched else [indices]
+    if isinstance(items, torch.Tensor):
+        items = items.view(-1).tolist()
     keys = []
     for index in items:
         if isinstance(index, torch.Tensor) and index.numel() == 1:
@@ -88,15 +97,18 @@ def _keys(indices: Any, batched: bool) -> list[int] | None:
         if isinstance(index, bool) or not hasattr(index, "__index__"):
             return None
         keys.append(int(index))
-    return keys
+    return torch.tensor(keys, dtype=torch.int64)
 
 
 class CachedSamples:
-    """A dataset's samples cached by index, and batches built from them as torch would build them.
+    """A dataset's samples cached by index in a ``ColumnStore``, and batches built from it as
+    torch would build them.
 
-    ``tier="device"``: samples are copied to ``device`` and collated there (nothing crosses
-    PCIe once cached); ``"host"``: kept in host memory and collated there. Every byte this
-    cache copies host-to-device is added to ``stats.bytes_h2d``.
+    ``tier="device"``: the columns live on ``device`` and batches are gathered there (nothing
+    crosses PCIe once cached); ``"host"``: in host memory (pinned when the loader's device is
+    CUDA). With torch's default_collate a cached batch is one gather per column; with any
+    other collate_fn (or ``batch_size=None``) the collate_fn gets fresh per-sample copies.
+    Every byte this cache copies host-to-device is added to ``h2d_bytes``.
     """
 
     def __init__(self, setup: Setup, decision: CacheDecision) -> None:
@@ -107,11 +119,12 @@ class CachedSamples:
         self.device = setup.device
         self.collate_fn = setup.collate_fn
         self.batched = setup.batched
+        self.by_column = setup.batched and setup.collate_fn is default_collate
         self.num_samples = len(setup.dataset)
         where = setup.device if decision.tier == "device" else torch.device("cpu")
-        self.cache = SampleCache(
-            decision.budget, where, owner=setup.owner, room=setup.settings.room_check(where),
-            num_samples=self.num_samples,
+        self.store = ColumnStore(
+            decision.budget, self.num_samples, where, owner=setup.owner, room=setup.settings.room_check(where),
+            pin=setup.device.type == "cuda" and cuda_available(),
         )
         self.unkeyed = False  # an index that is not an int was seen: nothing more is cached
         self.fill_epochs = 0
@@ -121,47 +134,48 @@ class CachedSamples:
     @property
     def complete(self) -> bool:
         """Every sample is cached: epochs need no dataset reads."""
-        return self.cache.complete
+        return self.store.complete
 
     @property
     def accepting(self) -> bool:
-        return self.cache.accepting and not self.unkeyed
+        return self.store.accepting and not self.unkeyed
+
+    @property
+    def layout(self) -> str:
+        """How the samples are stored (by column or per sample), for the decision line."""
+        return self.store.describe()
 
     def stats(self) -> dict[str, Any]:
-        return self.cache.summary(kind="samples", tier=self.tier, reason=self.reason)
+        return self.store.summary(kind="samples", tier=self.tier, reason=self.reason)
 
     def close(self) -> None:
-        self.cache.close()
+        self.store.close()
 
     def unwrap(self, batches: Iterable[tuple[Any, Any]], recorder: RecordingSampler, keep: KeepSamples) -> Iterator[Any]:
-        """A fill loader's (samples, batch) pairs to batches, caching the samples on the way."""
-        for samples, batch in batches:
+        """A fill loader's (prepared samples, batch) pairs to batches, caching the samples on the way."""
+        for part, batch in batches:
             indices = recorder.drawn.popleft() if recorder.drawn else None
-            if samples is not None and indices is not None:
-                self._store(self._keys_of(indices), samples if self.batched else [samples])
+            if part is not None and indices is not None:
+                keys = self._keys_of(indices)
+                if keys is not None:
+                    self._store(keys, part)
             if not self.accepting:
                 keep.sending.value = 0
             yield batch
 
-    def _keys_of(self, indices: Any) -> list[int] | None:
+    def _keys_of(self, indices: Any) -> torch.Tensor | None:
         """Cache keys of one index batch; None (and no more caching) once one is not an integer."""
         keys = None if self.unkeyed else _keys(indices, self.batched)
         if keys is None:
             self.unkeyed = True
         return keys
 
-    def _store(self, keys: list[int] | None, samples: Sequence[Any]) -> list[Any]:
-        """Put fetched samples in the cache; returns them, each replaced by its cached copy."""
-        if keys is None:
-            return list(samples)
-        kept = []
-        for key, sample in zip(keys, samples):
-            if self.accepting and self.cache.put(key, sample):
-                if self._counts_copies:
-                    self.h2d_bytes += batch_nbytes(sample)
-                sample = self.cache.peek(key, sample)
-            kept.append(sample)
-        return kept
+    def _store(self, keys: torch.Tensor, part: Part) -> int:
+        """Put a prepared batch in the store; how many of its samples were stored now."""
+        stored = self.store.put(keys, part) if self.accepting else 0
+        if stored and self._counts_copies:
+            self.h2d_bytes += _column_bytes(part)
+        return stored
 
     def _fetch(self, indices: list[Any]) -> list[Any]:
         getitems = getattr(self.dataset, "__getitems__", None) if self.batched else None
@@ -173,32 +187,65 @@ class CachedSamples:
         """The batch torch's fetch + collate gives for ``indices`` (device-tier leaves on the
         device; anything collated from host samples still on the host)."""
         keys = self._keys_of(indices)
+        if keys is None:
+            items = list(indices) if self.batched else [indices]
+            return self._collate(self._fetch(items))
+        store = self.store
+        slots = store.slots(keys)
+        if self.complete:
+            store.count(keys.numel(), 0)
+            return self._from_store(slots)
+        low, high = (int(v) for v in torch.aminmax(slots))
+        if low >= 0:
+            store.count(keys.numel(), 0)
+            return self._from_store(slots)
         items = indices.view(-1).tolist() if isinstance(indices, torch.Tensor) else (
-            list(indices) if self.batched else [indices]
-        )
-        samples: list[Any] = [None] * len(items)
-        missing: list[int] = []
-        for position, key in enumerate(keys if keys is not None else [None] * len(items)):
-            found = self.cache.get(key, MISSING) if key is not None else MISSING
-            if found is MISSING:
-                missing.append(position)
-            else:
-                samples[position] = found
-        if missing:
-            fetched = self._fetch([items[p] for p in missing])
-            stored = self._store([keys[p] for p in missing], fetched) if keys is not None else fetched
-            for position, sample in zip(missing, stored):
-                samples[position] = sample
-        if self._counts_copies and missing:
-            # Samples the cache could not take are still on the host: move them before collating.
-            for position in missing:
-                if not _on_device(samples[position], self.device):
-                    self.h2d_bytes += batch_nbytes(samples[position])
-                    samples[position] = move_to_device(samples[position], self.device, non_blocking=False)
-        if not (self.batched and is_default_collate(self.collate_fn)):
-            # default_collate builds new tensors; anything else might hand the cached objects
-            # themselves to the loop, where an in-place change would alter later epochs.
-            samples = [_fresh(sample) for sample in samples]
+            list(indices) if self.batched else [indices])
+        if high < 0:  # nothing cached: the filling epoch's usual batch
+            missing, positions = keys, list(range(len(items)))
+        else:
+            where = (slots < 0).nonzero().view(-1)
+            missing, positions = keys.index_select(0, where), where.tolist()
+        store.count(keys.numel() - len(positions), len(positions))
+        fetched = self._fetch([items[p] for p in positions])
+        part = prepare(fetched)
+        if self.accepting and self._store(missing, part) == len(positions):
+            if high < 0 and self.by_column and not self._counts_copies:
+                return part.batch()  # every sample was read now: the columns just written
+            return self._from_store(store.slots(keys))
+        return self._partial(store.slots(keys), positions, fetched)
+
+    def _from_store(self, slots: torch.Tensor) -> Any:
+        """A batch of stored samples only."""
+        if self.by_column:
+            return self.store.gather(slots)
+        samples = self.store.views(slots)
+        return self.collate_fn(samples) if self.batched else self.collate_fn(samples[0])
+
+    def _partial(self, slots: torch.Tensor, positions: list[int], fetched: list[Any]) -> Any:
+        """A batch of stored samples and samples read now (``fetched``, at ``positions``), in order."""
+        read = (slots < 0).nonzero().view(-1).tolist()
+        if read != positions:  # only some were stored just now: keep the rest
+            kept = dict(zip(positions, fetched))
+            fetched = [kept[p] for p in read]
+        if not read:  # a sample drawn twice: all were stored after all
+            return self._from_store(slots)
+        if len(read) == slots.numel():
+            return self._collate(fetched)
+        if self.by_column:
+            if self._counts_copies:
+                self.h2d_bytes += sum(batch_nbytes(sample) for sample in fetched)
+            batch = self.store.assemble(slots, prepare(fetched))
+            if batch is not None:
+                return batch
+        cached = iter(self.store.views(slots[slots >= 0]))
+        extra = iter(fetched)
+        samples = [next(extra) if s < 0 else next(cached) for s in slots.tolist()]
+        if self._counts_copies:
+            samples = [move_to_device(sample, self.device) for sample in samples]
+        return self._collate(samples)
+
+    def _collate(self, samples: list[Any]) -> Any:
         return self.collate_fn(samples) if self.batched else self.collate_fn(samples[0])
 
     def batches(self, indices: Iterator[Any]) -> Iterator[Any]:
@@ -211,7 +258,7 @@ class CachedSamples:
         """Read every sample not cached yet into the cache, in index order; returns how many."""
         from tqdm import tqdm
 
-        todo = [i for i in range(self.num_samples) if i not in self.cache]
+        todo = [i for i in range(self.num_samples) if i not in self.store]
         if not todo or not self.accepting:
             return 0
         batch_size = self.setup.batch_size or 1
@@ -219,17 +266,17 @@ class CachedSamples:
         if num_workers > 0:
             # torch's workers read in parallel; a private generator keeps the user's RNG untouched.
             reader = TorchDataLoader(
-                self.dataset, batch_sampler=chunks, num_workers=num_workers, collate_fn=_sample_list,
+                self.dataset, batch_sampler=chunks, num_workers=num_workers, collate_fn=prepare,
                 generator=torch.Generator(), **worker_options,
             )
-            fetched: Iterable[list[Any]] = iter(reader)
+            fetched: Iterable[Part] = iter(reader)
         else:
-            fetched = (self._fetch(chunk) for chunk in chunks)
+            fetched = (prepare(self._fetch(chunk)) for chunk in chunks)
         read = 0
         try:
             with tqdm(total=len(todo), unit="sample", desc="gpuload warm", disable=not progress) as bar:
-                for chunk, samples in zip(chunks, fetched):
-                    self._store(chunk, samples)
+                for chunk, part in zip(chunks, fetched):
+                    self._store(torch.tensor(chunk, dtype=torch.int64), part)
                     read += len(chunk)
                     bar.update(len(chunk))
                     if not self.accepting:
@@ -244,7 +291,7 @@ class CachedSamples:
         self.fill_epochs += 1
         if self.fill_epochs != 1 or self.complete:
             return
-        stats = self.cache.stats
+        stats = self.store.stats
         if self.unkeyed:
             why = "its sampler yields indices that are not integers"
         elif stats.uncacheable:
@@ -256,6 +303,15 @@ class CachedSamples:
             "the rest are read from the dataset every epoch",
             stacklevel=3,
         )
+
+
+def _column_bytes(part: Part) -> int:
+    """Bytes of a prepared batch's tensors (what writing it to device columns copies)."""
+    if isinstance(part, Column):
+        return part.rows.numel() * part.rows.element_size()
+    if isinstance(part, Branch):
+        return sum(_column_bytes(child) for child in part.children)
+    return batch_nbytes(list(part.values))
 
 
 @dataclass(frozen=True)
@@ -306,13 +362,13 @@ class SampleSource(Source):
             warnings.warn(f"gpuload: not caching this {type(setup.dataset).__name__}: {decision.reason}", stacklevel=5)
         if decision.caches:
             self.cached = CachedSamples(setup, decision)
-            weakref.finalize(self, self.cached.cache.close)
+            weakref.finalize(self, self.cached.store.close)
         return self.cached
 
     def begin_epoch(self) -> None:
         cached = self._decide_cache()
         if cached is not None:
-            cached.cache.fit_reserve(self.setup.settings.keepable, "those samples are read from the dataset again")
+            cached.store.fit_reserve(self.setup.settings.keepable, "those samples are read from the dataset again")
         serves = cached is not None and (self.torch.num_workers == 0 or cached.complete)
         self.path = f"sample-cache ({cached.tier})" if serves else "torch"
 
@@ -336,7 +392,7 @@ class SampleSource(Source):
         when there is nothing more to cache.
         """
         if self._fill_loader is None:
-            self._keep = KeepSamples(self.setup.collate_fn)
+            self._keep = KeepSamples(self.setup.collate_fn, self.setup.batched)
             self._recorder = RecordingSampler(self.torch.index_sampler)
             placement = {"batch_sampler": self._recorder} if self.setup.batched else {
                 "batch_size": None, "sampler": self._recorder}
@@ -382,8 +438,10 @@ class SampleSource(Source):
             cached.warm(progress, self.torch.num_workers, options)
 
     def stats(self) -> dict[str, Any]:
-        if self.cached is not None:
-            return {"cache": self.cached.stats()}
+        cached = self.cached
+        if cached is not None:
+            decision = f"{cached.tier}: {cached.reason}; {cached.layout}"
+            return {"cache": cached.stats(), "sample_cache_decision": decision}
         return {"cache": self._released} if self._released is not None else {}
 
     def _drop_cache(self) -> None:
@@ -415,23 +473,6 @@ class _TorchEpoch(Iterator[Any]):
 
     def __next__(self) -> Any:
         return next(self._inner)
-
-
-def _sample_list(samples: list[Any]) -> list[Any]:
-    return samples
-
-
-def _fresh(sample: Any) -> Any:
-    """A copy of a cached sample's tensors and arrays (numbers and strings are immutable)."""
-
-    def copy(leaf: Any) -> Any:
-        return leaf.copy() if isinstance(leaf, np.ndarray) else leaf.clone()
-
-    return map_leaves(sample, copy, is_leaf=lambda leaf: isinstance(leaf, np.ndarray))
-
-
-def _on_device(sample: Any, device: torch.device) -> bool:
-    return all(not isinstance(leaf, torch.Tensor) or leaf.device == device for leaf in tree_leaves(sample))
 
 
 def is_default_collate(collate_fn: Callable[[Any], Any]) -> bool:

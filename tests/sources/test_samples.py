@@ -80,7 +80,7 @@ def test_persistent_workers_fill_then_serve() -> None:
 def test_partial_cache_warns_once_and_reads_only_misses() -> None:
     data = Counted(40)
     ours = gpuload.DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5),
-                              cache="host", cache_size="300B")
+                              cache="host", cache_size="400B")
     theirs = tud.DataLoader(Counted(40), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5))
     with pytest.warns(UserWarning, match="partial"):
         assert_same_epochs(ours, theirs, epochs=1)
