@@ -298,7 +298,7 @@ class ColumnStore(BudgetedCache):
         n = self._slot_of.numel()
         if not self._inside(keys):
             inside = (keys >= 0) & (keys < n)
-            found = torch.full_like(keys, -1)
+            found = torch.full_like(keys, -1, dtype=self._slot_dtype)
             found[inside] = self._slot_of[keys[inside]]
             return found
         return self._slot_of.index_select(0, keys)
