@@ -9,11 +9,11 @@ from collections import namedtuple
 import numpy as np
 import pytest
 import torch
+from equivalence import assert_same
 from torch.utils.data import default_collate
 
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.columns import Branch, Column, ColumnStore, Objects, prepare
-from equivalence import assert_same
 
 Point = namedtuple("Point", ["x", "y"])
 

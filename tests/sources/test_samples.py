@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
+from equivalence import assert_same, assert_same_epochs
 
 import gpuload
 from gpuload.cache import CacheSettings
-from gpuload.sources.samples import RecordingSampler
 from gpuload.device import MemoryInfo
-from equivalence import assert_same, assert_same_epochs
+from gpuload.sources.samples import RecordingSampler
 
 GiB = 1 << 30
 
