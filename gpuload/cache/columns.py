@@ -163,6 +163,27 @@ class _StoredColumn(_Stored):
     kind: type
     dtype: Any
     rows: torch.Tensor  # (capacity, *shape)
+    _records: np.ndarray | None = None  # host rows seen by numpy as one record each
+
+    def place(self, rows: torch.Tensor) -> None:
+        """Keep ``rows`` as the column's storage. On the host, numpy also sees each row as one
+        record: writing scattered rows is then one copy per row (3x faster than ``index_copy_``)."""
+        self.rows = rows
+        self._records = None
+        row_bytes = rows[0].numel() * rows.element_size() if rows.shape[0] else 0
+        if rows.device.type == "cpu" and row_bytes:
+            try:
+                self._records = rows.numpy().reshape(rows.shape[0], -1).view(np.dtype((np.void, row_bytes)))[:, 0]
+            except (TypeError, RuntimeError, ValueError):  # dtypes numpy lacks (bfloat16, ...)
+                self._records = None
+
+    def write(self, where: torch.Tensor, source: torch.Tensor) -> None:
+        """Rows ``where`` (int64, on the column's device) = ``source`` (a host batch of rows)."""
+        if self._records is not None:
+            record = self._records.dtype
+            self._records[where.numpy()] = source.contiguous().numpy().reshape(source.shape[0], -1).view(record)[:, 0]
+        else:
+            self.rows.index_copy_(0, where, source.to(self.rows.device))
 
     def matches(self, part: Part) -> bool:
         return (
@@ -292,11 +313,11 @@ class ColumnStore(BudgetedCache):
 
     # ------------------------------------------------------------ lookups
 
-    def slots(self, keys: torch.Tensor) -> torch.Tensor:
+    def slots(self, keys: torch.Tensor, in_range: bool = False) -> torch.Tensor:
         """The row of each dataset index in ``keys`` (int64), -1 where it is not stored (int32
-        or int64 rows)."""
+        or int64 rows). ``in_range``: the keys are known to lie in ``[0, num_samples)``."""
         n = self._slot_of.numel()
-        if not self._inside(keys):
+        if not in_range and not self._inside(keys):
             inside = (keys >= 0) & (keys < n)
             found = torch.full_like(keys, -1, dtype=self._slot_dtype)
             found[inside] = self._slot_of[keys[inside]]
@@ -305,8 +326,8 @@ class ColumnStore(BudgetedCache):
 
     def _inside(self, keys: torch.Tensor) -> bool:
         """Whether every key is a dataset index in ``[0, num_samples)``."""
-        if not keys.numel():
-            return True
+        if not keys.numel() or self._closed:
+            return not keys.numel()
         low, high = torch.aminmax(keys)
         return int(low) >= 0 and int(high) < self._slot_of.numel()
 
@@ -351,10 +372,11 @@ class ColumnStore(BudgetedCache):
 
     # ------------------------------------------------------------ filling
 
-    def put(self, keys: torch.Tensor, part: Part) -> int:
+    def put(self, keys: torch.Tensor, part: Part, *, unseen: bool = False) -> int:
         """Store the samples of ``part`` (prepared from them, in order) under dataset indices
         ``keys``; returns how many were stored now. Parts of the stored tree that the new
-        samples do not fit are turned into per-sample storage first."""
+        samples do not fit are turned into per-sample storage first. ``unseen``: the caller
+        has just looked the keys up (``slots``) and none is stored."""
         with self._lock:
             if self._closed or self._stats.full or self.complete:
                 self._stats.rejected += keys.numel()
@@ -368,7 +390,7 @@ class ColumnStore(BudgetedCache):
                     self._allocate(write, keys.numel())
                 elif write.changed:
                     self.layout = _describe(self._root, self._capacity, self._slot_of.numel(), "changed: ")
-                stored = self._write(keys, write)
+                stored = self._write(keys, write, unseen)
             except RuntimeError as error:
                 if not is_oom(error):
                     raise
@@ -396,7 +418,7 @@ class ColumnStore(BudgetedCache):
         capacity = self._slot_of.numel() if per_row == 0 else max(0, min(self._slot_of.numel(), room // per_row))
         for column in columns:
             shape = (capacity, *column.rows.shape[1:])
-            column.rows = torch.empty(shape, dtype=column.rows.dtype, device=self._device, pin_memory=self._pin)
+            column.place(torch.empty(shape, dtype=column.rows.dtype, device=self._device, pin_memory=self._pin))
         for node in _objects_of(self._root):
             node.values, node.sizes = [None] * capacity, [0] * capacity
         self._capacity = capacity
@@ -441,10 +463,10 @@ class ColumnStore(BudgetedCache):
         room = self._capacity - self._used
         return _StoredObjects(sequence, self._device, values + [None] * room, sizes + [0] * room)
 
-    def _write(self, keys: torch.Tensor, write: _Write) -> int:
+    def _write(self, keys: torch.Tensor, write: _Write, unseen: bool) -> int:
         """Give the new samples rows and write them (lock held); how many were stored."""
-        if not write.objects and self._inside(keys):
-            stored = self._write_new(keys, write)
+        if not write.objects and (unseen or self._inside(keys)):
+            stored = self._write_new(keys, write, unseen)
             if stored:
                 return stored
         n = keys.numel()
@@ -483,7 +505,7 @@ class ColumnStore(BudgetedCache):
         where = self._where(target.long())
         for column, rows in write.columns:
             source = rows if everyone else rows.index_select(0, positions)
-            column.rows.index_copy_(0, where, source.to(self._device, non_blocking=False))
+            column.write(where, source)
         if write.objects:
             chosen = range(n) if everyone else positions.tolist()
             seen = set()
@@ -499,20 +521,21 @@ class ColumnStore(BudgetedCache):
         self._stats.entries = self._used
         return take
 
-    def _write_new(self, keys: torch.Tensor, write: _Write) -> int:
+    def _write_new(self, keys: torch.Tensor, write: _Write, unseen: bool) -> int:
         """The usual case, in a few tensor operations: distinct keys, none stored yet, all in
         range, room for all, columns only. 0 (nothing changed) when that is not the case."""
         n = keys.numel()
-        if self._capacity - self._used < n or int(self._slot_of.index_select(0, keys).max()) >= 0:
+        if self._capacity - self._used < n or (not unseen and int(self._slot_of.index_select(0, keys).max()) >= 0):
             return 0
         rows = torch.arange(self._used, self._used + n, dtype=torch.int64)
-        self._slot_of.index_copy_(0, keys, rows.to(self._slot_dtype))
-        if not torch.equal(self._slot_of.index_select(0, keys), rows.to(self._slot_dtype)):
+        given = rows.to(self._slot_dtype)
+        self._slot_of.index_copy_(0, keys, given)
+        if not torch.equal(self._slot_of.index_select(0, keys), given):
             self._slot_of.index_fill_(0, keys, -1)  # a key drawn twice: the general path
             return 0
         where = self._where(rows)
         for column, source in write.columns:
-            column.rows.index_copy_(0, where, source.to(self._device))
+            column.write(where, source)
         self._used += n
         self._stats.entries = self._used
         return n
@@ -550,7 +573,7 @@ class ColumnStore(BudgetedCache):
                 keep += 1
             before = self._stats.bytes
             for column in columns:
-                column.rows = column.rows[:keep].clone()
+                column.place(column.rows[:keep].clone())
             for node in objects:
                 node.values, node.sizes = node.values[:keep], node.sizes[:keep]
             self._slot_of[self._slot_of >= keep] = -1

@@ -55,6 +55,10 @@ def run_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     scenario = args.scenario or ("images" if args.data and Path(args.data).is_dir() else "inmemory")
+    if scenario == "samples":
+        from gpuload.bench.samples import run_samples_bench
+
+        return run_samples_bench(args.quick, args.samples, args.batch_size, device, out_dir(args), environment(device))
     problem = _partial_options_problem(args, scenario, device)
     if problem:
         print(f"gpuload bench: error: {problem}", file=sys.stderr)

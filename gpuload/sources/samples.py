@@ -86,7 +86,7 @@ class RecordingSampler:
 def _keys(indices: Any, batched: bool) -> torch.Tensor | None:
     """Cache keys of one index batch as an int64 tensor, or None if an index is not an integer."""
     if isinstance(indices, torch.Tensor) and indices.dtype == torch.int64:
-        return indices.view(-1)
+        return indices if indices.dim() == 1 else indices.reshape(-1)
     items = indices if batched else [indices]
     if isinstance(items, torch.Tensor):
         items = items.view(-1).tolist()
@@ -170,9 +170,9 @@ class CachedSamples:
             self.unkeyed = True
         return keys
 
-    def _store(self, keys: torch.Tensor, part: Part) -> int:
+    def _store(self, keys: torch.Tensor, part: Part, unseen: bool = False) -> int:
         """Put a prepared batch in the store; how many of its samples were stored now."""
-        stored = self.store.put(keys, part) if self.accepting else 0
+        stored = self.store.put(keys, part, unseen=unseen) if self.accepting else 0
         if stored and self._counts_copies:
             self.h2d_bytes += _column_bytes(part)
         return stored
@@ -183,15 +183,16 @@ class CachedSamples:
             return list(getitems(indices))
         return [self.dataset[index] for index in indices]
 
-    def batch(self, indices: Any) -> Any:
+    def batch(self, indices: Any, in_range: bool = False) -> Any:
         """The batch torch's fetch + collate gives for ``indices`` (device-tier leaves on the
-        device; anything collated from host samples still on the host)."""
+        device; anything collated from host samples still on the host). ``in_range``: the
+        indices are int64 tensors known to lie in ``[0, len(dataset))``."""
         keys = self._keys_of(indices)
         if keys is None:
             items = list(indices) if self.batched else [indices]
             return self._collate(self._fetch(items))
         store = self.store
-        slots = store.slots(keys)
+        slots = store.slots(keys, in_range)
         if self.complete:
             store.count(keys.numel(), 0)
             return self._from_store(slots)
@@ -209,7 +210,7 @@ class CachedSamples:
         store.count(keys.numel() - len(positions), len(positions))
         fetched = self._fetch([items[p] for p in positions])
         part = prepare(fetched)
-        if self.accepting and self._store(missing, part) == len(positions):
+        if self.accepting and self._store(missing, part, unseen=True) == len(positions):
             if high < 0 and self.by_column and not self._counts_copies:
                 return part.batch()  # every sample was read now: the columns just written
             return self._from_store(store.slots(keys))
@@ -248,10 +249,10 @@ class CachedSamples:
     def _collate(self, samples: list[Any]) -> Any:
         return self.collate_fn(samples) if self.batched else self.collate_fn(samples[0])
 
-    def batches(self, indices: Iterator[Any]) -> Iterator[Any]:
+    def batches(self, indices: Iterator[Any], in_range: bool = False) -> Iterator[Any]:
         """An epoch's batches from the cache (and the dataset for what it lacks)."""
         for index in indices:
-            yield self.batch(index)
+            yield self.batch(index, in_range)
         self.end_of_epoch()
 
     def warm(self, progress: bool, num_workers: int, worker_options: dict[str, Any]) -> int:
@@ -377,7 +378,7 @@ class SampleSource(Source):
         finish = self._passed if request.ahead else self._moved
         if cached is not None and (self.torch.num_workers == 0 or cached.complete):
             self._stop_fill_workers()
-            return Epoch(cached.batches(request.indices()), finish)
+            return Epoch(cached.batches(request.indices(), request.in_range), finish)
         batches = self._fill_epoch(cached) if cached is not None or self._fill_loader is not None else None
         if batches is None:
             batches = self.torch.iterate()
