@@ -100,9 +100,11 @@ def _branch(values: Sequence[Any], kind: type) -> Branch | None:
         if set(map(tuple, values)) != {keys}:
             return None
         return Branch(kind, keys, [prepare([value[key] for value in values]) for key in keys])
-    if set(map(len, values)) != {len(first)}:
+    try:
+        children = list(zip(*values, strict=True))  # tuples, as torch hands them to collate
+    except ValueError:  # lengths differ
         return None
-    return Branch(kind, len(first), [prepare(child) for child in zip(*values)])
+    return Branch(kind, len(first), [prepare(child) for child in children])
 
 
 def _column(values: Sequence[Any], kind: type) -> Column | None:

@@ -208,7 +208,7 @@ class CachedSamples:
             where = (slots < 0).nonzero().view(-1)
             missing, positions = keys.index_select(0, where), where.tolist()
         store.count(keys.numel() - len(positions), len(positions))
-        fetched = self._fetch([items[p] for p in positions])
+        fetched = self._fetch(items if high < 0 else [items[p] for p in positions])
         part = prepare(fetched)
         if self.accepting and self._store(missing, part, unseen=True) == len(positions):
             if high < 0 and self.by_column and not self._counts_copies:
