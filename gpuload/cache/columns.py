@@ -92,9 +92,9 @@ def _is_namedtuple(kind: type) -> bool:
 
 def _branch(values: Sequence[Any], kind: type) -> Branch | None:
     """The values as one container shape, with each child's values, or None if they differ."""
-    if set(map(type, values)) != {kind}:
-        return None
     first = values[0]
+    if not first or set(map(type, values)) != {kind}:  # an empty container is kept per sample
+        return None
     if kind is dict:
         keys = tuple(first)
         if set(map(tuple, values)) != {keys}:
@@ -245,15 +245,19 @@ class _StoredBranch(_Stored):
         return _build(self.kind, self.keys, [child.gather(slots, where) for child in self.children])
 
     def views(self, slots: torch.Tensor, where: torch.Tensor) -> list[Any]:
-        rows = zip(*(child.views(slots, where) for child in self.children))
-        kind = self.kind
-        if kind is dict:
-            return [dict(zip(self.keys, row)) for row in rows]  # type: ignore[arg-type]
-        if kind is tuple:
-            return list(rows)
-        if kind is list:
-            return list(map(list, rows))
-        return [kind(*row) for row in rows]
+        return _samples(self.kind, self.keys, [child.views(slots, where) for child in self.children])
+
+
+def _samples(kind: type, keys: tuple[Any, ...] | int, children: list[list[Any]]) -> list[Any]:
+    """Per-sample containers from each child's per-sample values (the inverse of a transpose)."""
+    rows = zip(*children)
+    if kind is dict:
+        return [dict(zip(keys, row)) for row in rows]  # type: ignore[arg-type]
+    if kind is tuple:
+        return list(rows)
+    if kind is list:
+        return list(map(list, rows))
+    return [kind(*row) for row in rows]
 
 
 def _part_values(part: Part) -> list[Any]:
@@ -262,14 +266,7 @@ def _part_values(part: Part) -> list[Any]:
         return list(part.values)
     if isinstance(part, Column):
         return _values_of(part.rows, part.kind)
-    rows = zip(*(_part_values(child) for child in part.children))
-    if part.kind is dict:
-        return [dict(zip(part.keys, row)) for row in rows]  # type: ignore[arg-type]
-    if part.kind is list:
-        return list(map(list, rows))
-    if part.kind is tuple:
-        return list(rows)
-    return [part.kind(*row) for row in rows]
+    return _samples(part.kind, part.keys, [_part_values(child) for child in part.children])
 
 
 @dataclass
@@ -610,20 +607,19 @@ def _stored_tree(part: Part, sequence: type, device: torch.device) -> _Stored:
     return _StoredObjects(sequence, device, [], [])
 
 
-def _columns_of(node: _Stored) -> list[_StoredColumn]:
-    if isinstance(node, _StoredColumn):
-        return [node]
+def _leaves_of(node: _Stored, kind: type) -> list[Any]:
+    """The stored leaves of one kind (``_StoredColumn`` or ``_StoredObjects``), in tree order."""
     if isinstance(node, _StoredBranch):
-        return [column for child in node.children for column in _columns_of(child)]
-    return []
+        return [leaf for child in node.children for leaf in _leaves_of(child, kind)]
+    return [node] if isinstance(node, kind) else []
+
+
+def _columns_of(node: _Stored) -> list[_StoredColumn]:
+    return _leaves_of(node, _StoredColumn)
 
 
 def _objects_of(node: _Stored) -> list[_StoredObjects]:
-    if isinstance(node, _StoredObjects):
-        return [node]
-    if isinstance(node, _StoredBranch):
-        return [objects for child in node.children for objects in _objects_of(child)]
-    return []
+    return _leaves_of(node, _StoredObjects)
 
 
 def _describe(node: _Stored, capacity: int, num_samples: int, prefix: str = "") -> str:

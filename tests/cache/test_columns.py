@@ -84,6 +84,9 @@ def test_a_column_holds_one_exact_type_dtype_and_shape() -> None:
     assert isinstance(prepare([{"a": 1}, {"b": 1}]), Objects)
     assert isinstance(prepare([(1, 2), (1, 2, 3)]), Objects)
     assert isinstance(prepare([torch.zeros(2, requires_grad=True)] * 2), Objects)
+    for empty in ((), [], {}):
+        assert isinstance(prepare([empty, empty]), Objects)
+        assert_same(prepare([(1, empty), (2, empty)]).batch(), default_collate([(1, empty), (2, empty)]))
 
 
 def test_a_leaf_that_changes_becomes_per_sample_and_batches_stay_exact() -> None:
@@ -211,11 +214,13 @@ def test_device_columns_are_one_allocation_per_leaf() -> None:
     ledger = BudgetLedger()
     store = ColumnStore(1 << 30, 100, "cuda", ledger=ledger, owner="columns")
     samples = [{"x": torch.full((8,), i), "y": i, "name": f"{i}"} for i in range(100)]
-    before = torch.cuda.memory_allocated()
+    allocations = torch.cuda.memory_stats()["allocation.all.current"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert store.put(torch.arange(50), prepare(samples[:50])) == 50
-    assert torch.cuda.memory_allocated() - before == 100 * (8 * 8 + 8)  # two columns, all rows
+    assert torch.cuda.memory_stats()["allocation.all.current"] - allocations == 2  # one per column
+    names = sum(len(f"{i}") for i in range(50))
+    assert store.stats.bytes == 100 * (8 * 8 + 8) + names  # all rows up front; the index map is on the host
     assert ledger.used("cuda:0") == store.stats.bytes
     store.put(torch.arange(50, 100), prepare(samples[50:]))
     order = torch.tensor([5, 99, 0, 42])
