@@ -179,13 +179,15 @@ class _StoredColumn(_Stored):
             except (TypeError, RuntimeError, ValueError):  # dtypes numpy lacks (bfloat16, ...)
                 self._records = None
 
-    def write(self, where: torch.Tensor, source: torch.Tensor) -> None:
-        """Rows ``where`` (int64, on the column's device) = ``source`` (a host batch of rows)."""
+    def write(self, where: np.ndarray, source: torch.Tensor) -> None:
+        """Rows ``where`` (host integers) = ``source`` (a host batch of rows)."""
         if self._records is not None:
             record = self._records.dtype
-            self._records[where.numpy()] = source.contiguous().numpy().reshape(source.shape[0], -1).view(record)[:, 0]
+            self._records[where] = source.contiguous().numpy().reshape(source.shape[0], -1).view(record)[:, 0]
         else:
-            self.rows.index_copy_(0, where, source.to(self.rows.device))
+            device = self.rows.device
+            index = torch.from_numpy(where).to(device, torch.int64)
+            self.rows.index_copy_(0, index, source.to(device))
 
     def matches(self, part: Part) -> bool:
         return (
@@ -308,6 +310,7 @@ class ColumnStore(BudgetedCache):
         self._root: _Stored | None = None
         self._capacity = 0
         self._used = 0
+        self._short_of_room = False  # free memory (``room``), not the budget, limits the rows
         self.layout = "nothing stored yet"
 
     # ------------------------------------------------------------ lookups
@@ -316,6 +319,8 @@ class ColumnStore(BudgetedCache):
         """The row of each dataset index in ``keys`` (int64), -1 where it is not stored (int32
         or int64 rows). ``in_range``: the keys are known to lie in ``[0, num_samples)``."""
         n = self._slot_of.numel()
+        if self._closed:
+            return torch.full_like(keys, -1, dtype=self._slot_dtype)
         if not in_range and not self._inside(keys):
             inside = (keys >= 0) & (keys < n)
             found = torch.full_like(keys, -1, dtype=self._slot_dtype)
@@ -390,14 +395,16 @@ class ColumnStore(BudgetedCache):
                 elif write.changed:
                     self.layout = _describe(self._root, self._capacity, self._slot_of.numel(), "changed: ")
                 stored = self._write(keys, write, unseen)
+                why = f"free memory on {self._device} reached the reserve" if (
+                    self._stats.full and self._short_of_room) else None
             except RuntimeError as error:
                 if not is_oom(error):
                     raise
-                first = self._stop_filling()
                 stored, why = -1, f"out of memory on {self._device}"
+            first = why is not None and self._stop_filling()
+        if first:
+            self._warn_stopped(why)
         if stored < 0:
-            if first:
-                self._warn_stopped(why)
             return 0
         self._book()
         if self.complete:
@@ -410,11 +417,12 @@ class ColumnStore(BudgetedCache):
         columns = _columns_of(self._root)
         row_bytes = sum(c.rows.element_size() * c.rows[0].numel() for c in columns)
         object_bytes = sum(sum(n or 0 for n in sizes) for _, _, sizes in write.objects) // max(batch, 1)
-        room = self._budget - self._stats.bytes
+        room = budget = self._budget - self._stats.bytes
         if self._room is not None:
             room = min(room, self._room())
         per_row = row_bytes + object_bytes
         capacity = self._slot_of.numel() if per_row == 0 else max(0, min(self._slot_of.numel(), room // per_row))
+        self._short_of_room = per_row > 0 and room < budget and capacity < self._slot_of.numel()
         for column in columns:
             shape = (capacity, *column.rows.shape[1:])
             column.place(torch.empty(shape, dtype=column.rows.dtype, device=self._device, pin_memory=self._pin))
@@ -501,7 +509,7 @@ class ColumnStore(BudgetedCache):
         everyone = bool(ok.all())
         positions = None if everyone else ok.nonzero().view(-1)
         target = slots if everyone else slots.index_select(0, positions)
-        where = self._where(target.long())
+        where = target.numpy()
         for column, rows in write.columns:
             source = rows if everyone else rows.index_select(0, positions)
             column.write(where, source)
@@ -524,17 +532,16 @@ class ColumnStore(BudgetedCache):
         """The usual case, in a few tensor operations: distinct keys, none stored yet, all in
         range, room for all, columns only. 0 (nothing changed) when that is not the case."""
         n = keys.numel()
-        if self._capacity - self._used < n or (not unseen and int(self._slot_of.index_select(0, keys).max()) >= 0):
+        slot_of, at = self._slot_of.numpy(), keys.numpy()  # numpy: a few microseconds per step
+        if self._capacity - self._used < n or (not unseen and slot_of[at].max() >= 0):
             return 0
-        rows = torch.arange(self._used, self._used + n, dtype=torch.int64)
-        given = rows.to(self._slot_dtype)
-        self._slot_of.index_copy_(0, keys, given)
-        if not torch.equal(self._slot_of.index_select(0, keys), given):
-            self._slot_of.index_fill_(0, keys, -1)  # a key drawn twice: the general path
+        rows = np.arange(self._used, self._used + n, dtype=slot_of.dtype)
+        slot_of[at] = rows
+        if not np.array_equal(slot_of[at], rows):
+            slot_of[at] = -1  # a key drawn twice: the general path
             return 0
-        where = self._where(rows)
         for column, source in write.columns:
-            column.write(where, source)
+            column.write(rows, source)
         self._used += n
         self._stats.entries = self._used
         return n
@@ -549,7 +556,10 @@ class ColumnStore(BudgetedCache):
         total = 0
         for count, key in enumerate(fresh[:take].tolist()):
             nbytes = extra[first_position[key]]
-            if self._stats.bytes + total + nbytes > self._budget or not self._has_room(total + nbytes):
+            if self._stats.bytes + total + nbytes > self._budget:
+                return count
+            if not self._has_room(total + nbytes):
+                self._short_of_room = True
                 return count
             total += nbytes
         return take

@@ -259,7 +259,8 @@ class CachedSamples:
         """Read every sample not cached yet into the cache, in index order; returns how many."""
         from tqdm import tqdm
 
-        todo = [i for i in range(self.num_samples) if i not in self.store]
+        everything = torch.arange(self.num_samples, dtype=torch.int64)
+        todo = (self.store.slots(everything, in_range=True) < 0).nonzero().view(-1).tolist()
         if not todo or not self.accepting:
             return 0
         batch_size = self.setup.batch_size or 1

@@ -12,6 +12,7 @@ import torch
 from equivalence import assert_same
 from torch.utils.data import default_collate
 
+from gpuload.cache import CacheFallbackWarning
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.columns import Branch, Column, ColumnStore, Objects, prepare
 
@@ -138,6 +139,17 @@ def test_a_small_budget_allocates_the_rows_that_fit_and_stops() -> None:
     assert slots.tolist()[1] == -1
     batch = store.assemble(slots, prepare([samples[12]]))
     assert_same(batch, default_collate([samples[k] for k in [3, 12, 9, 0]]))
+
+
+def test_rows_limited_by_free_memory_warn_once_when_they_run_out() -> None:
+    store = _store(100, room=lambda: 5 * 16)
+    samples = [torch.full((4,), float(i)) for i in range(8)]
+    assert _put(store, [0, 1, 2], samples[:3]) == 3
+    with pytest.warns(CacheFallbackWarning, match="reached the reserve after caching 5 samples"):
+        assert _put(store, [3, 4, 5], samples[3:6]) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _put(store, [6], samples[6:7]) == 0
 
 
 def test_assemble_with_per_sample_leaves_and_a_mismatch() -> None:
