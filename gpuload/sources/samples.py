@@ -90,6 +90,8 @@ def _keys(indices: Any, batched: bool) -> torch.Tensor | None:
     items = indices if batched else [indices]
     if isinstance(items, torch.Tensor):
         items = items.view(-1).tolist()
+    if isinstance(items, list) and set(map(type, items)) <= {int}:  # torch's BatchSampler: a list of ints
+        return torch.tensor(items, dtype=torch.int64)
     keys = []
     for index in items:
         if isinstance(index, torch.Tensor) and index.numel() == 1:
@@ -196,7 +198,8 @@ class CachedSamples:
         if self.complete:
             store.count(keys.numel(), 0)
             return self._from_store(slots)
-        low, high = (int(v) for v in torch.aminmax(slots))
+        rows = slots.numpy()  # numpy's min/max: no thread pool to wake for a few hundred rows
+        low, high = int(rows.min()), int(rows.max())
         if low >= 0:
             store.count(keys.numel(), 0)
             return self._from_store(slots)
