@@ -380,7 +380,8 @@ class ColumnStore(BudgetedCache):
         """Store the samples of ``part`` (prepared from them, in order) under dataset indices
         ``keys``; returns how many were stored now. Parts of the stored tree that the new
         samples do not fit are turned into per-sample storage first. ``unseen``: the caller
-        has just looked the keys up (``slots``) and none is stored."""
+        has just looked the keys up (``slots``) and none is stored (they may lie out of range,
+        and are then not stored)."""
         with self._lock:
             if self._closed or self._stats.full or self.complete:
                 self._stats.rejected += keys.numel()
@@ -472,7 +473,7 @@ class ColumnStore(BudgetedCache):
 
     def _write(self, keys: torch.Tensor, write: _Write, unseen: bool) -> int:
         """Give the new samples rows and write them (lock held); how many were stored."""
-        if not write.objects and (unseen or self._inside(keys)):
+        if not write.objects and self._inside(keys):
             stored = self._write_new(keys, write, unseen)
             if stored:
                 return stored

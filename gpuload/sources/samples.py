@@ -190,12 +190,12 @@ class CachedSamples:
         device; anything collated from host samples still on the host). ``in_range``: the
         indices are int64 tensors known to lie in ``[0, len(dataset))``."""
         keys = self._keys_of(indices)
-        if keys is None:
+        if keys is None or not keys.numel():  # torch's fetch and collate (and its error if empty)
             items = list(indices) if self.batched else [indices]
             return self._collate(self._fetch(items))
         store = self.store
         slots = store.slots(keys, in_range)
-        if self.complete:
+        if self.complete and in_range:
             store.count(keys.numel(), 0)
             return self._from_store(slots)
         rows = slots.numpy()  # numpy's min/max: no thread pool to wake for a few hundred rows
@@ -223,8 +223,7 @@ class CachedSamples:
         """A batch of stored samples only."""
         if self.by_column:
             return self.store.gather(slots)
-        samples = self.store.views(slots)
-        return self.collate_fn(samples) if self.batched else self.collate_fn(samples[0])
+        return self._collate(self.store.views(slots))
 
     def _partial(self, slots: torch.Tensor, positions: list[int], fetched: list[Any]) -> Any:
         """A batch of stored samples and samples read now (``fetched``, at ``positions``), in order."""

@@ -365,3 +365,25 @@ def test_a_partly_cached_batch_is_gathered_and_read_in_order() -> None:
     assert_same_epochs(ours, theirs, epochs=2)
     cache = ours.stats.extra["cache"]
     assert 0 < cache["entries"] < len(data) and cache["hits"] > 0 and cache["misses"] > 0
+
+
+def test_indices_out_of_range_and_empty_batches_fail_or_pass_as_torchs() -> None:
+    class Wrapping(Counted):
+        def __getitem__(self, index: int):
+            return super().__getitem__(index % self.n)
+
+    class Columns(Counted):
+        def __getitem__(self, index: int):  # any integer, each its own sample
+            return torch.tensor([float(index)])
+
+    batches = [[-1, 2], [0, 1], [3, 4, 5], [7, 2], [-2, 9]]  # -1, 7...: read, never kept
+    for data in (Wrapping(6), Columns(6)):
+        ours = gpuload.DataLoader(data, batch_sampler=batches, cache="host")
+        assert_same_epochs(ours, tud.DataLoader(data, batch_sampler=batches), epochs=2)
+        assert ours.stats.extra["cache"]["complete"]
+    data = Wrapping(6)
+    empty = gpuload.DataLoader(data, batch_sampler=[[]], cache="host")
+    with pytest.raises(IndexError):
+        list(tud.DataLoader(data, batch_sampler=[[]]))
+    with pytest.raises(IndexError):
+        list(empty)
