@@ -424,9 +424,17 @@ class ColumnStore(BudgetedCache):
         per_row = row_bytes + object_bytes
         capacity = self._slot_of.numel() if per_row == 0 else max(0, min(self._slot_of.numel(), room // per_row))
         self._short_of_room = per_row > 0 and room < budget and capacity < self._slot_of.numel()
-        for column in columns:
-            shape = (capacity, *column.rows.shape[1:])
-            column.place(torch.empty(shape, dtype=column.rows.dtype, device=self._device, pin_memory=self._pin))
+        while True:
+            try:
+                for column in columns:
+                    shape = (capacity, *column.rows.shape[1:])
+                    column.place(torch.empty(shape, dtype=column.rows.dtype, device=self._device, pin_memory=self._pin))
+                break
+            except RuntimeError as error:  # out of memory: as many rows as can be allocated
+                if not is_oom(error) or capacity == 0:
+                    raise
+                capacity //= 2
+                self._short_of_room = True
         for node in _objects_of(self._root):
             node.values, node.sizes = [None] * capacity, [0] * capacity
         self._capacity = capacity

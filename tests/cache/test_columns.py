@@ -152,6 +152,21 @@ def test_rows_limited_by_free_memory_warn_once_when_they_run_out() -> None:
         assert _put(store, [6], samples[6:7]) == 0
 
 
+def test_rows_that_cannot_be_allocated_are_halved_until_they_can(monkeypatch) -> None:
+    real = torch.empty
+
+    def empty(shape, **options):
+        if shape and shape[0] > 30:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB")
+        return real(shape, **options)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    store = _store(100)
+    with pytest.warns(CacheFallbackWarning, match="reached the reserve after caching 25 samples"):
+        assert _put(store, list(range(40)), [torch.full((2,), float(i)) for i in range(40)]) == 25
+    assert "rows for 25 of 100 samples" in store.describe()
+
+
 def test_assemble_with_per_sample_leaves_and_a_mismatch() -> None:
     samples = [{"x": torch.full((2,), float(i)), "name": f"n{i}"} for i in range(6)]
     store = _store(6)
