@@ -255,7 +255,7 @@ def test_import_is_light_and_leaves_dali_and_cupy_unloaded() -> None:
 
 
 def test_prefetched_paths_raise_torchs_error_type_and_leave_no_threads() -> None:
-    baseline = threading.active_count()
+    before = set(threading.enumerate())  # threads of earlier tests may end meanwhile: count only new ones
     for kwargs in (dict(cache="off"), dict(prefetch_depth=3), dict(cache="off", prefetch_depth=0)):
         data = dataset() if "cache" in kwargs else torch.utils.data.Subset(dataset(), range(20))
         loader = gpuload.DataLoader(data, batch_size=2, sampler=[0, 1, 2, 3, 99], device="cpu", **kwargs)
@@ -271,9 +271,9 @@ def test_prefetched_paths_raise_torchs_error_type_and_leave_no_threads() -> None
                     break
         loader.close()
     deadline = time.monotonic() + 10
-    while threading.active_count() > baseline and time.monotonic() < deadline:
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert threading.active_count() == baseline, [t.name for t in threading.enumerate()]
+    assert not set(threading.enumerate()) - before, [t.name for t in set(threading.enumerate()) - before]
 
 
 def test_prefetch_depth_is_validated() -> None:

@@ -213,6 +213,10 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
         step_ms=args.step_ms,
         seed=args.seed,
     )
+    if scenario == "samples":
+        from gpuload.bench.samples import run_samples_bench
+
+        return run_samples_bench(args.quick, args.samples, args.batch_size, device, out, environment(device))
     specs, described, extra = _scenario_loaders(args, scenario, config, device, cleanup)
     say = (lambda *lines: None) if args.quiet else (lambda *lines: print(*lines, sep="\n", flush=True))
     say(*textwrap.wrap(

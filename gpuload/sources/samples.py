@@ -22,38 +22,45 @@ import multiprocessing
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils.data import default_collate, default_convert
 from torch.utils.data.dataloader import DataLoader as TorchDataLoader
 
-from gpuload.cache import CacheDecision, SampleCache, decide_samples, format_bytes
-from gpuload.cache.sample_store import MISSING
+from gpuload.cache import CacheDecision, decide_samples, format_bytes
+from gpuload.cache.columns import Branch, Column, ColumnStore, Part, prepare
+from gpuload.device import cuda_available
 from gpuload.resume import stateful
 from gpuload.sources import Epoch, EpochRequest, Setup, Source
-from gpuload.transfer import batch_length, batch_nbytes, map_leaves, move_to_device
+from gpuload.transfer import batch_length, batch_nbytes, move_to_device
 
 __all__ = ["CachedSamples", "KeepSamples", "RecordingSampler", "SampleSource", "TorchLoading"]
 
 
 class KeepSamples:
-    """A collate function that also returns the samples it collated, while ``sending`` is set.
+    """A collate function that also returns the batch's samples prepared for the column store
+    (``gpuload.cache.columns.prepare``), while ``sending`` is set.
 
     Picklable, so it travels to worker processes; ``sending`` is shared memory the loader
-    clears once the cache cannot take more, so workers stop shipping samples twice.
+    clears once the cache cannot take more, so workers stop preparing samples. A prepared
+    batch sends one tensor per column instead of every sample's tensors; with torch's
+    default_collate the batch is built from the same columns, so they cross once.
     """
 
-    def __init__(self, collate_fn: Callable[[Any], Any]) -> None:
+    def __init__(self, collate_fn: Callable[[Any], Any], batched: bool) -> None:
         self.collate_fn = collate_fn
+        self.batched = batched
+        self.by_column = batched and collate_fn is default_collate
         self.sending = multiprocessing.get_context().Value("b", 1, lock=False)
 
     def __call__(self, samples: Any) -> tuple[Any, Any]:
-        return (samples if self.sending.value else None), self.collate_fn(samples)
+        if not self.sending.value:
+            return None, self.collate_fn(samples)
+        part = prepare(samples if self.batched else [samples])
+        return part, part.batch() if self.by_column else self.collate_fn(samples)
 
 
 class RecordingSampler:
@@ -77,11 +84,15 @@ class RecordingSampler:
         return len(self.sampler)  # type: ignore[arg-type]
 
 
-def _keys(indices: Any, batched: bool) -> list[int] | None:
-    """Cache keys of one index batch, or None if an index is not an integer."""
-    if isinstance(indices, torch.Tensor):
-        return [int(i) for i in indices.view(-1).tolist()]
+def _keys(indices: Any, batched: bool) -> torch.Tensor | None:
+    """Cache keys of one index batch as an int64 tensor, or None if an index is not an integer."""
+    if isinstance(indices, torch.Tensor) and indices.dtype == torch.int64:
+        return indices if indices.dim() == 1 else indices.reshape(-1)
     items = indices if batched else [indices]
+    if isinstance(items, torch.Tensor):
+        items = items.view(-1).tolist()
+    if isinstance(items, list) and set(map(type, items)) <= {int}:  # torch's BatchSampler: a list of ints
+        return torch.tensor(items, dtype=torch.int64)
     keys = []
     for index in items:
         if isinstance(index, torch.Tensor) and index.numel() == 1:
@@ -89,15 +100,18 @@ def _keys(indices: Any, batched: bool) -> list[int] | None:
         if isinstance(index, bool) or not hasattr(index, "__index__"):
             return None
         keys.append(int(index))
-    return keys
+    return torch.tensor(keys, dtype=torch.int64)
 
 
 class CachedSamples:
-    """A dataset's samples cached by index, and batches built from them as torch would build them.
+    """A dataset's samples cached by index in a ``ColumnStore``, and batches built from it as
+    torch would build them.
 
-    ``tier="device"``: samples are copied to ``device`` and collated there (nothing crosses
-    PCIe once cached); ``"host"``: kept in host memory and collated there. Every byte this
-    cache copies host-to-device is added to ``stats.bytes_h2d``.
+    ``tier="device"``: the columns live on ``device`` and batches are gathered there (nothing
+    crosses PCIe once cached); ``"host"``: in host memory (pinned when the loader's device is
+    CUDA). With torch's default_collate a cached batch is one gather per column; with any
+    other collate_fn (or ``batch_size=None``) the collate_fn gets fresh per-sample copies.
+    Every byte this cache copies host-to-device is added to ``h2d_bytes``.
     """
 
     def __init__(self, setup: Setup, decision: CacheDecision) -> None:
@@ -108,11 +122,12 @@ class CachedSamples:
         self.device = setup.device
         self.collate_fn = setup.collate_fn
         self.batched = setup.batched
+        self.by_column = setup.batched and setup.collate_fn is default_collate
         self.num_samples = len(setup.dataset)
         where = setup.device if decision.tier == "device" else torch.device("cpu")
-        self.cache = SampleCache(
-            decision.budget, where, owner=setup.owner, room=setup.settings.room_check(where),
-            num_samples=self.num_samples,
+        self.store = ColumnStore(
+            decision.budget, self.num_samples, where, owner=setup.owner, room=setup.settings.room_check(where),
+            pin=setup.device.type == "cuda" and cuda_available(),
         )
         self.unkeyed = False  # an index that is not an int was seen: nothing more is cached
         self.fill_epochs = 0
@@ -122,87 +137,122 @@ class CachedSamples:
     @property
     def complete(self) -> bool:
         """Every sample is cached: epochs need no dataset reads."""
-        return self.cache.complete
+        return self.store.complete
 
     @property
     def accepting(self) -> bool:
-        return self.cache.accepting and not self.unkeyed
+        return self.store.accepting and not self.unkeyed
+
+    @property
+    def layout(self) -> str:
+        """How the samples are stored (by column or per sample), for the decision line."""
+        return self.store.describe()
 
     def stats(self) -> dict[str, Any]:
-        return self.cache.summary(kind="samples", tier=self.tier, reason=self.reason)
+        return self.store.summary(kind="samples", tier=self.tier, reason=self.reason)
 
     def close(self) -> None:
-        self.cache.close()
+        self.store.close()
 
     def unwrap(self, batches: Iterable[tuple[Any, Any, Any]], keep: KeepSamples) -> Iterator[Any]:
-        """A worker epoch's (indices, samples, batch) to batches, caching the samples on the way."""
-        for indices, samples, batch in batches:
-            if samples is not None and indices is not None:
-                self._store(self._keys_of(indices), samples if self.batched else [samples])
+        """A worker epoch's (indices, prepared samples, batch) to batches, caching the samples on the way."""
+        for indices, part, batch in batches:
+            if part is not None and indices is not None:
+                keys = self._keys_of(indices)
+                if keys is not None:
+                    self._store(keys, part)
             if not self.accepting:
                 keep.sending.value = 0
             yield batch
 
-    def _keys_of(self, indices: Any) -> list[int] | None:
+    def _keys_of(self, indices: Any) -> torch.Tensor | None:
         """Cache keys of one index batch; None (and no more caching) once one is not an integer."""
         keys = None if self.unkeyed else _keys(indices, self.batched)
         if keys is None:
             self.unkeyed = True
         return keys
 
-    def _store(self, keys: list[int] | None, samples: Sequence[Any]) -> list[Any]:
-        """Put fetched samples in the cache; returns them, each replaced by its cached copy."""
-        if keys is None:
-            return list(samples)
-        kept = []
-        for key, sample in zip(keys, samples):
-            if self.accepting and self.cache.put(key, sample):
-                if self._counts_copies:
-                    self.h2d_bytes += batch_nbytes(sample)
-                sample = self.cache.peek(key, sample)
-            kept.append(sample)
-        return kept
+    def _store(self, keys: torch.Tensor, part: Part, unseen: bool = False) -> int:
+        """Put a prepared batch in the store; how many of its samples were stored now."""
+        stored = self.store.put(keys, part, unseen=unseen) if self.accepting else 0
+        if stored and self._counts_copies:
+            self.h2d_bytes += _column_bytes(part)
+        return stored
 
     def _fetch(self, indices: list[Any]) -> list[Any]:
         return fetch(self.dataset, indices, self.batched)
 
-    def batch(self, indices: Any) -> Any:
+    def batch(self, indices: Any, in_range: bool = False) -> Any:
         """The batch torch's fetch + collate gives for ``indices`` (device-tier leaves on the
-        device; anything collated from host samples still on the host)."""
+        device; anything collated from host samples still on the host). ``in_range``: the
+        indices are int64 tensors known to lie in ``[0, len(dataset))``."""
         keys = self._keys_of(indices)
+        if keys is None or not keys.numel():  # torch's fetch and collate (and its error if empty)
+            items = list(indices) if self.batched else [indices]
+            return self._collate(self._fetch(items))
+        store = self.store
+        slots = store.slots(keys, in_range)
+        if self.complete and in_range:
+            store.count(keys.numel(), 0)
+            return self._from_store(slots)
+        rows = slots.numpy()  # numpy's min/max: no thread pool to wake for a few hundred rows
+        low, high = int(rows.min()), int(rows.max())
+        if low >= 0:
+            store.count(keys.numel(), 0)
+            return self._from_store(slots)
         items = indices.view(-1).tolist() if isinstance(indices, torch.Tensor) else (
-            list(indices) if self.batched else [indices]
-        )
-        samples: list[Any] = [None] * len(items)
-        missing: list[int] = []
-        for position, key in enumerate(keys if keys is not None else [None] * len(items)):
-            found = self.cache.get(key, MISSING) if key is not None else MISSING
-            if found is MISSING:
-                missing.append(position)
-            else:
-                samples[position] = found
-        if missing:
-            fetched = self._fetch([items[p] for p in missing])
-            stored = self._store([keys[p] for p in missing], fetched) if keys is not None else fetched
-            for position, sample in zip(missing, stored):
-                samples[position] = sample
-        if self._counts_copies and missing:
-            # Samples the cache could not take are still on the host: move them before collating.
-            for position in missing:
-                if not _on_device(samples[position], self.device):
-                    self.h2d_bytes += batch_nbytes(samples[position])
-                    samples[position] = move_to_device(samples[position], self.device, non_blocking=False)
-        if not (self.batched and is_default_collate(self.collate_fn)):
-            # default_collate builds new tensors; anything else might hand the cached objects
-            # themselves to the loop, where an in-place change would alter later epochs.
-            samples = [_fresh(sample) for sample in samples]
+            list(indices) if self.batched else [indices])
+        if high < 0:  # nothing cached: the filling epoch's usual batch
+            missing, positions = keys, list(range(len(items)))
+        else:
+            where = (slots < 0).nonzero().view(-1)
+            missing, positions = keys.index_select(0, where), where.tolist()
+        store.count(keys.numel() - len(positions), len(positions))
+        fetched = self._fetch(items if high < 0 else [items[p] for p in positions])
+        part = prepare(fetched)
+        if self.accepting and self._store(missing, part, unseen=True) == len(positions):
+            if high < 0 and self.by_column and not self._counts_copies:
+                return part.batch()  # every sample was read now: the columns just written
+            return self._from_store(store.slots(keys))
+        return self._partial(store.slots(keys), positions, fetched)
+
+    def _from_store(self, slots: torch.Tensor) -> Any:
+        """A batch of stored samples only."""
+        if self.by_column:
+            return self.store.gather(slots)
+        return self._collate(self.store.views(slots))
+
+    def _partial(self, slots: torch.Tensor, positions: list[int], fetched: list[Any]) -> Any:
+        """A batch of stored samples and samples read now (``fetched``, at ``positions``), in order."""
+        read = (slots < 0).nonzero().view(-1).tolist()
+        if read != positions:  # only some were stored just now: keep the rest
+            kept = dict(zip(positions, fetched))
+            fetched = [kept[p] for p in read]
+        if not read:  # a sample drawn twice: all were stored after all
+            return self._from_store(slots)
+        if len(read) == slots.numel():
+            return self._collate(fetched)
+        if self.by_column:
+            if self._counts_copies:
+                self.h2d_bytes += sum(batch_nbytes(sample) for sample in fetched)
+            batch = self.store.assemble(slots, prepare(fetched))
+            if batch is not None:
+                return batch
+        cached = iter(self.store.views(slots[slots >= 0]))
+        extra = iter(fetched)
+        samples = [next(extra) if s < 0 else next(cached) for s in slots.tolist()]
+        if self._counts_copies:
+            samples = [move_to_device(sample, self.device) for sample in samples]
+        return self._collate(samples)
+
+    def _collate(self, samples: list[Any]) -> Any:
         return self.collate_fn(samples) if self.batched else self.collate_fn(samples[0])
 
-    def batches(self, indices: Iterator[Any], whole: bool = True) -> Iterator[Any]:
+    def batches(self, indices: Iterator[Any], in_range: bool = False, whole: bool = True) -> Iterator[Any]:
         """An epoch's batches from the cache (and the dataset for what it lacks); ``whole``: not
         the rest of a resumed epoch, which cannot have filled the cache."""
         for index in indices:
-            yield self.batch(index)
+            yield self.batch(index, in_range)
         if whole:
             self.end_of_epoch()
 
@@ -210,7 +260,8 @@ class CachedSamples:
         """Read every sample not cached yet into the cache, in index order; returns how many."""
         from tqdm import tqdm
 
-        todo = [i for i in range(self.num_samples) if i not in self.cache]
+        everything = torch.arange(self.num_samples, dtype=torch.int64)
+        todo = (self.store.slots(everything, in_range=True) < 0).nonzero().view(-1).tolist()
         if not todo or not self.accepting:
             return 0
         batch_size = self.setup.batch_size or 1
@@ -218,17 +269,17 @@ class CachedSamples:
         if num_workers > 0:
             # torch's workers read in parallel; a private generator keeps the user's RNG untouched.
             reader = TorchDataLoader(
-                self.dataset, batch_sampler=chunks, num_workers=num_workers, collate_fn=_sample_list,
+                self.dataset, batch_sampler=chunks, num_workers=num_workers, collate_fn=prepare,
                 generator=torch.Generator(), **worker_options,
             )
-            fetched: Iterable[list[Any]] = iter(reader)
+            fetched: Iterable[Part] = iter(reader)
         else:
-            fetched = (self._fetch(chunk) for chunk in chunks)
+            fetched = (prepare(self._fetch(chunk)) for chunk in chunks)
         read = 0
         try:
             with tqdm(total=len(todo), unit="sample", desc="gpuload warm", disable=not progress) as bar:
-                for chunk, samples in zip(chunks, fetched):
-                    self._store(chunk, samples)
+                for chunk, part in zip(chunks, fetched):
+                    self._store(torch.tensor(chunk, dtype=torch.int64), part)
                     read += len(chunk)
                     bar.update(len(chunk))
                     if not self.accepting:
@@ -243,7 +294,7 @@ class CachedSamples:
         self.fill_epochs += 1
         if self.fill_epochs != 1 or self.complete:
             return
-        stats = self.cache.stats
+        stats = self.store.stats
         if self.unkeyed:
             why = "its sampler yields indices that are not integers"
         elif stats.uncacheable:
@@ -255,6 +306,15 @@ class CachedSamples:
             "the rest are read from the dataset every epoch",
             stacklevel=3,
         )
+
+
+def _column_bytes(part: Part) -> int:
+    """Bytes of a prepared batch's tensors (what writing it to device columns copies)."""
+    if isinstance(part, Column):
+        return part.rows.numel() * part.rows.element_size()
+    if isinstance(part, Branch):
+        return sum(_column_bytes(child) for child in part.children)
+    return batch_nbytes(list(part.values))
 
 
 @dataclass(frozen=True)
@@ -312,13 +372,13 @@ class SampleSource(Source):
             warnings.warn(f"gpuload: {doing} this {type(setup.dataset).__name__}: {decision.reason}", stacklevel=5)
         if decision.caches:
             self.cached = CachedSamples(setup, decision)
-            weakref.finalize(self, self.cached.cache.close)
+            weakref.finalize(self, self.cached.store.close)
         return self.cached
 
     def begin_epoch(self) -> None:
         cached = self._decide_cache()
         if cached is not None:
-            cached.cache.fit_reserve(self.setup.settings.keepable, "those samples are read from the dataset again")
+            cached.store.fit_reserve(self.setup.settings.keepable, "those samples are read from the dataset again")
         serves = cached is not None and (self.torch.num_workers == 0 or cached.complete)
         self.path = f"sample-cache ({cached.tier})" if serves else "torch"
 
@@ -334,7 +394,7 @@ class SampleSource(Source):
             self._stop_fill_workers()
             indices = request.indices()
             if cached is not None:
-                return Epoch(cached.batches(indices, whole=not request.resumed), finish)
+                return Epoch(cached.batches(indices, request.in_range, whole=not request.resumed), finish)
             return Epoch(self._fetched(indices), finish)
         if request.resumed:
             epoch = self._worker_epoch(cached, list(request.indices()))
@@ -363,14 +423,14 @@ class SampleSource(Source):
         run this one resumes; torch's draw when it first starts them is then made from a
         throwaway generator, so the loader's generator goes on as in an uninterrupted run.
         """
-        collate = self.setup.collate_fn
+        collate, batched = self.setup.collate_fn, self.setup.batched
         if remaining is not None:
-            keep, recorder = KeepSamples(collate), RecordingSampler(remaining)
+            keep, recorder = KeepSamples(collate, batched), RecordingSampler(remaining)
             options = dict(self.torch.options, generator=torch.Generator(), persistent_workers=False)
             reader = self._torch_loader(keep, recorder, options)
         else:
             if self._fill_loader is None:
-                self._keep, self._recorder = KeepSamples(collate), RecordingSampler(self.torch.index_sampler)
+                self._keep, self._recorder = KeepSamples(collate, batched), RecordingSampler(self.torch.index_sampler)
                 self._fill_loader = self._torch_loader(self._keep, self._recorder, self.torch.options)
             keep, recorder, reader = self._keep, self._recorder, self._fill_loader
         keep.sending.value = int(cached is not None and cached.accepting)
@@ -427,8 +487,10 @@ class SampleSource(Source):
             cached.warm(progress, self.torch.num_workers, options)
 
     def stats(self) -> dict[str, Any]:
-        if self.cached is not None:
-            return {"cache": self.cached.stats()}
+        cached = self.cached
+        if cached is not None:
+            decision = f"{cached.tier}: {cached.reason}; {cached.layout}"
+            return {"cache": cached.stats(), "sample_cache_decision": decision}
         return {"cache": self._released} if self._released is not None else {}
 
     def _drop_cache(self) -> None:
@@ -505,23 +567,6 @@ def _matched(pairs: Iterator[Any], recorder: RecordingSampler) -> Iterator[tuple
                 add_note(error, f"gpuload: raised while reading the batch of dataset indices {shown}")
             raise
         yield (recorder.drawn.popleft() if recorder.drawn else None), samples, batch
-
-
-def _sample_list(samples: list[Any]) -> list[Any]:
-    return samples
-
-
-def _fresh(sample: Any) -> Any:
-    """A copy of a cached sample's tensors and arrays (numbers and strings are immutable)."""
-
-    def copy(leaf: Any) -> Any:
-        return leaf.copy() if isinstance(leaf, np.ndarray) else leaf.clone()
-
-    return map_leaves(sample, copy, is_leaf=lambda leaf: isinstance(leaf, np.ndarray))
-
-
-def _on_device(sample: Any, device: torch.device) -> bool:
-    return all(not isinstance(leaf, torch.Tensor) or leaf.device == device for leaf in tree_leaves(sample))
 
 
 def is_default_collate(collate_fn: Callable[[Any], Any]) -> bool:

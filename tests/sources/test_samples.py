@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
 
 import gpuload
-from gpuload.cache import CacheSettings
-from gpuload.sources.samples import RecordingSampler
-from gpuload.device import MemoryInfo
 from counting import Counted
 from equivalence import assert_same, assert_same_epochs
+from gpuload.cache import CacheSettings
+from gpuload.device import MemoryInfo
+from gpuload.sources.samples import RecordingSampler
 
 GiB = 1 << 30
 
@@ -67,7 +68,7 @@ def test_persistent_workers_fill_then_serve() -> None:
 def test_partial_cache_warns_once_and_reads_only_misses() -> None:
     data = Counted(40)
     ours = gpuload.DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5),
-                              cache="host", cache_size="300B")
+                              cache="host", cache_size="400B")
     theirs = tud.DataLoader(Counted(40), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5))
     with pytest.warns(UserWarning, match="partial"):
         assert_same_epochs(ours, theirs, epochs=1)
@@ -293,3 +294,93 @@ def test_filling_stops_when_free_memory_reaches_the_reserve(monkeypatch) -> None
     with pytest.warns(CacheFallbackWarning, match="reached the reserve"):
         assert_same_epochs(loader, tud.DataLoader(data, batch_size=4), epochs=2)
     assert 0 < loader.stats.extra["cache"]["entries"] < len(data)
+
+
+class Structured(tud.Dataset):
+    """Samples of one nested structure: tensors, numpy arrays and scalars, Python numbers, strings."""
+
+    def __init__(self, n: int = 23) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int):
+        x = torch.arange(3, dtype=torch.float16) * index
+        return {"pair": (x, [np.int32(index), float(index) / 3]), "flag": index % 2 == 0,
+                "array": np.full((2,), index, dtype=np.uint8), "name": f"n{index}", "id": index}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_nested_structure_is_stored_by_column_and_equals_torchs(workers: int) -> None:
+    data = Structured()
+    kw = dict(batch_size=5, shuffle=True, num_workers=workers)
+    ours = gpuload.DataLoader(data, generator=torch.Generator().manual_seed(14), cache="host", **kw)
+    theirs = tud.DataLoader(data, generator=torch.Generator().manual_seed(14), **kw)
+    assert_same_epochs(ours, theirs, epochs=2)
+    decision = ours.stats.extra["sample_cache_decision"]
+    assert "by column: 6 column(s)" in decision and "1 leaf(s) per sample" in decision
+    assert ours.stats.extra["cache"]["complete"] and ours.stats.path == "sample-cache (host)"
+    ours.close()
+
+
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_a_custom_collate_or_no_batching_gets_per_sample_copies_of_the_columns(batch_size) -> None:
+    data = Structured(9)
+    collate = tud.default_convert if batch_size is None else list
+    ours = gpuload.DataLoader(data, batch_size=batch_size, collate_fn=collate, cache="host")
+    theirs = tud.DataLoader(data, batch_size=batch_size, collate_fn=collate)
+    assert_same_epochs(ours, theirs, epochs=2)
+    assert ours.stats.extra["cache"]["complete"]
+    assert "by column" in ours.stats.extra["sample_cache_decision"]
+
+
+def test_samples_without_fixed_shape_leaves_are_stored_per_sample() -> None:
+    words = [f"word {i}" * (i % 3) for i in range(10)]
+    ours = gpuload.DataLoader(words, batch_size=3, cache="host")
+    assert_same_epochs(ours, tud.DataLoader(words, batch_size=3), epochs=2)
+    assert "per sample" in ours.stats.extra["sample_cache_decision"]
+
+
+def test_variable_length_samples_in_length_buckets() -> None:
+    """Tensors of two lengths, batched by length: the leaf becomes per-sample, batches stay torch's."""
+    data = [(torch.arange(2 if i < 6 else 4) + i, i) for i in range(12)]
+    buckets = [[0, 3, 1], [7, 6], [2, 4, 5], [11, 8, 9, 10]]
+    ours = gpuload.DataLoader(data, batch_sampler=buckets, cache="host")
+    assert_same_epochs(ours, tud.DataLoader(data, batch_sampler=buckets), epochs=2)
+    assert ours.stats.extra["sample_cache_decision"].endswith("by column: 1 column(s) [int64[]], 8 B per row, "
+                                                              "rows for every sample, 1 leaf(s) per sample")
+
+
+def test_a_partly_cached_batch_is_gathered_and_read_in_order() -> None:
+    data = Counted(40)
+    kw = dict(batch_size=8, shuffle=True)
+    ours = gpuload.DataLoader(data, generator=torch.Generator().manual_seed(15), cache="host", cache_size="700B", **kw)
+    theirs = tud.DataLoader(Counted(40), generator=torch.Generator().manual_seed(15), **kw)
+    with pytest.warns(UserWarning, match="partial"):
+        assert_same_epochs(ours, theirs, epochs=1)
+    assert_same_epochs(ours, theirs, epochs=2)
+    cache = ours.stats.extra["cache"]
+    assert 0 < cache["entries"] < len(data) and cache["hits"] > 0 and cache["misses"] > 0
+
+
+def test_indices_out_of_range_and_empty_batches_fail_or_pass_as_torchs() -> None:
+    class Wrapping(Counted):
+        def __getitem__(self, index: int):
+            return super().__getitem__(index % self.n)
+
+    class Columns(Counted):
+        def __getitem__(self, index: int):  # any integer, each its own sample
+            return torch.tensor([float(index)])
+
+    batches = [[-1, 2], [0, 1], [3, 4, 5], [7, 2], [-2, 9]]  # -1, 7...: read, never kept
+    for data in (Wrapping(6), Columns(6)):
+        ours = gpuload.DataLoader(data, batch_sampler=batches, cache="host")
+        assert_same_epochs(ours, tud.DataLoader(data, batch_sampler=batches), epochs=2)
+        assert ours.stats.extra["cache"]["complete"]
+    data = Wrapping(6)
+    empty = gpuload.DataLoader(data, batch_sampler=[[]], cache="host")
+    with pytest.raises(IndexError):
+        list(tud.DataLoader(data, batch_sampler=[[]]))
+    with pytest.raises(IndexError):
+        list(empty)

@@ -1,0 +1,258 @@
+"""ColumnStore and prepare(): batches equal torch's default_collate on every structure."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from collections import namedtuple
+
+import numpy as np
+import pytest
+import torch
+from equivalence import assert_same
+from torch.utils.data import default_collate
+
+from gpuload.cache import CacheFallbackWarning
+from gpuload.cache.budget import BudgetLedger
+from gpuload.cache.columns import Branch, Column, ColumnStore, Objects, prepare
+
+Point = namedtuple("Point", ["x", "y"])
+
+
+def _sample(kind: str, i: int):
+    """Sample ``i`` of a dataset of one structure ``kind``."""
+    x = torch.arange(4, dtype=torch.float32) + i
+    if kind == "tuple":
+        return x, i
+    if kind == "list":
+        return [x, float(i) / 3, i % 2 == 0]
+    if kind == "dict":
+        return {"x": x, "label": i, "name": f"s{i}", "raw": b"\x00" * (i % 3)}
+    if kind == "namedtuple":
+        return Point(x, np.float32(i) / 7)
+    if kind == "nested":
+        return {"a": (x, [np.arange(3, dtype=np.int16) * i, np.bool_(i % 3 == 0)]), "b": Point(i, {"c": x * 2})}
+    if kind == "numpy":
+        return np.full((2, 3), i, dtype=np.float64), np.int64(i), np.uint8(i % 256)
+    if kind == "tensor":
+        return x
+    if kind == "int":
+        return i
+    if kind == "string":
+        return f"sample {i}"
+    raise ValueError(kind)
+
+
+KINDS = ["tuple", "list", "dict", "namedtuple", "nested", "numpy", "tensor", "int", "string"]
+
+
+def _store(n: int, budget: int = 1 << 30, **options) -> ColumnStore:
+    return ColumnStore(budget, n, ledger=BudgetLedger(), **options)
+
+
+def _put(store: ColumnStore, keys: list[int], samples: list) -> int:
+    return store.put(torch.tensor(keys, dtype=torch.int64), prepare(samples))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prepared_and_gathered_batches_equal_default_collate(kind: str) -> None:
+    n = 20
+    samples = [_sample(kind, i) for i in range(n)]
+    assert_same(prepare(samples[:7]).batch(), default_collate(samples[:7]))
+    store = _store(n)
+    for start in range(0, n, 6):
+        keys = list(range(start, min(start + 6, n)))
+        assert _put(store, keys, [samples[k] for k in keys]) == len(keys)
+    assert store.complete and not store.accepting
+    order = [13, 2, 19, 2, 0, 7]
+    slots = store.slots(torch.tensor(order))
+    assert_same(store.gather(slots), default_collate([samples[k] for k in order]))
+    views = store.views(slots)
+    for view, k in zip(views, order):
+        assert_same(view, samples[k], f"sample {k}")
+
+
+def test_a_column_holds_one_exact_type_dtype_and_shape() -> None:
+    part = prepare([(torch.zeros(2), 1, 1.5, True, np.float32(2))] * 3)
+    assert isinstance(part, Branch) and all(isinstance(child, Column) for child in part.children)
+    assert [c.rows.dtype for c in part.children] == [torch.float32, torch.int64, torch.float64, torch.bool,
+                                                     torch.float32]
+    mixed_numbers = prepare([1, 2.5, 3])  # default_collate infers float32 from the mix: kept per sample
+    assert isinstance(mixed_numbers, Objects)
+    assert isinstance(prepare([torch.zeros(2), torch.zeros(2, dtype=torch.float64)]), Objects)
+    assert isinstance(prepare([torch.zeros(2), torch.zeros(3)]), Objects)
+    assert isinstance(prepare([True, 1]), Objects)
+    assert isinstance(prepare([{"a": 1}, {"b": 1}]), Objects)
+    assert isinstance(prepare([(1, 2), (1, 2, 3)]), Objects)
+    assert isinstance(prepare([torch.zeros(2, requires_grad=True)] * 2), Objects)
+    for empty in ((), [], {}):
+        assert isinstance(prepare([empty, empty]), Objects)
+        assert_same(prepare([(1, empty), (2, empty)]).batch(), default_collate([(1, empty), (2, empty)]))
+
+
+def test_a_leaf_that_changes_becomes_per_sample_and_batches_stay_exact() -> None:
+    """Variable-length tensors (batches bucketed by length), then a dtype change, then a new structure."""
+    def sample(i: int):
+        length = 3 if i < 8 else 5
+        dtype = torch.int64 if i < 12 else torch.int32
+        return {"tokens": torch.arange(length) + i, "id": torch.tensor(i, dtype=dtype), "w": float(i)}
+
+    samples = [sample(i) for i in range(16)]
+    store = _store(17)
+    assert _put(store, list(range(8)), samples[:8]) == 8
+    assert store.describe().startswith("by column: 3 column(s)")
+    assert _put(store, list(range(8, 12)), samples[8:12]) == 4
+    assert _put(store, list(range(12, 16)), samples[12:16]) == 4
+    assert store.describe().startswith("changed: by column: 1 column(s)")
+    for order in ([0, 1, 2], [9, 10], [12, 13, 14], [3, 12]):
+        slots = store.slots(torch.tensor(order))
+        expected = [samples[k] for k in order]
+        try:
+            theirs = default_collate(expected)
+        except RuntimeError as error:  # torch cannot stack different lengths: neither can we
+            with pytest.raises(type(error)):
+                store.gather(slots)
+            continue
+        assert_same(store.gather(slots), theirs)
+    assert _put(store, [16], ["not a dict"]) == 1  # the whole tree becomes per-sample
+    slots = store.slots(torch.tensor([16]))
+    assert store.gather(slots) == ["not a dict"]
+    assert_same(store.views(store.slots(torch.tensor([4])))[0], samples[4])
+
+
+def test_bytes_are_the_columns_and_the_slot_map() -> None:
+    store = _store(1000)
+    _put(store, [0, 1], [(torch.zeros(8, dtype=torch.int64), 1)] * 2)
+    assert store.stats.bytes == 1000 * (8 * 8 + 8) + 1000 * 4  # every row up front, int32 slot map
+    assert len(store) == 2
+
+
+def test_a_small_budget_allocates_the_rows_that_fit_and_stops() -> None:
+    row = 4 * 4
+    store = _store(100, budget=100 * 4 + 10 * row + 5)
+    samples = [torch.full((4,), float(i)) for i in range(20)]
+    assert _put(store, list(range(8)), samples[:8]) == 8
+    assert _put(store, list(range(8, 16)), samples[8:16]) == 2
+    assert store.full and len(store) == 10 and store.stats.rejected == 6
+    assert "rows for 10 of 100 samples" in store.describe()
+    slots = store.slots(torch.tensor([3, 12, 9, 0]))
+    assert slots.tolist()[1] == -1
+    batch = store.assemble(slots, prepare([samples[12]]))
+    assert_same(batch, default_collate([samples[k] for k in [3, 12, 9, 0]]))
+
+
+def test_rows_limited_by_free_memory_warn_once_when_they_run_out() -> None:
+    store = _store(100, room=lambda: 5 * 16)
+    samples = [torch.full((4,), float(i)) for i in range(8)]
+    assert _put(store, [0, 1, 2], samples[:3]) == 3
+    with pytest.warns(CacheFallbackWarning, match="reached the reserve after caching 5 samples"):
+        assert _put(store, [3, 4, 5], samples[3:6]) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _put(store, [6], samples[6:7]) == 0
+
+
+def test_rows_that_cannot_be_allocated_are_halved_until_they_can(monkeypatch) -> None:
+    real = torch.empty
+
+    def empty(shape, **options):
+        if shape and shape[0] > 30:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB")
+        return real(shape, **options)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    store = _store(100)
+    with pytest.warns(CacheFallbackWarning, match="reached the reserve after caching 25 samples"):
+        assert _put(store, list(range(40)), [torch.full((2,), float(i)) for i in range(40)]) == 25
+    assert "rows for 25 of 100 samples" in store.describe()
+
+
+def test_assemble_with_per_sample_leaves_and_a_mismatch() -> None:
+    samples = [{"x": torch.full((2,), float(i)), "name": f"n{i}"} for i in range(6)]
+    store = _store(6)
+    _put(store, [0, 1, 2], samples[:3])
+    slots = store.slots(torch.tensor([4, 0, 5, 2]))
+    batch = store.assemble(slots, prepare([samples[4], samples[5]]))
+    assert_same(batch, default_collate([samples[k] for k in [4, 0, 5, 2]]))
+    assert store.assemble(slots, prepare([{"x": 1, "name": "a"}, {"x": 2, "name": "b"}])) is None
+
+
+def test_duplicates_out_of_range_keys_and_uncacheable_values() -> None:
+    store = _store(10)
+    samples = [(torch.tensor([i]), f"s{i}") for i in range(4)]
+    assert _put(store, [1, 1, 2], [samples[1], samples[1], samples[2]]) == 2
+    assert _put(store, [-1, 3], [samples[0], samples[3]]) == 1  # -1 is never stored
+    assert store.slots(torch.tensor([-1, 11])).tolist() == [-1, -1]
+    assert 1 in store and 0 not in store
+    assert _put(store, [5, 6], [(torch.tensor([5]), object()), (torch.tensor([6]), "ok")]) == 1
+    assert store.stats.uncacheable == 1 and 5 not in store and 6 in store
+    slots = store.slots(torch.tensor([2, 1, 6]))
+    assert_same(store.gather(slots), default_collate([samples[2], samples[1], (torch.tensor([6]), "ok")]))
+
+
+def test_stored_values_are_copies() -> None:
+    x, a = torch.zeros(3), np.zeros(2)
+    store = _store(2)
+    _put(store, [0], [(x, a, "s")])
+    x += 1
+    a += 1
+    gathered = store.gather(store.slots(torch.tensor([0])))
+    assert gathered[0].sum() == 0 and gathered[1].sum() == 0
+    view = store.views(store.slots(torch.tensor([0])))[0]
+    view[0].add_(5)
+    assert store.gather(store.slots(torch.tensor([0])))[0].sum() == 0
+
+
+def test_shrink_keeps_the_first_rows_settle_and_close() -> None:
+    store = _store(10)
+    _put(store, list(range(6)), [torch.full((4,), float(i)) for i in range(6)])
+    held = store.stats.bytes
+    freed = store.shrink(10 * 4 + 3 * 16)
+    assert freed == held - (10 * 4 + 3 * 16) and len(store) == 3 and store.full
+    assert store.slots(torch.tensor([0, 2, 3])).tolist() == [0, 2, -1]
+    assert store.gather(store.slots(torch.tensor([2])))[0, 0] == 2
+    store.settle()
+    assert store.stats.budget == store.stats.bytes
+    store.close()
+    assert store.stats.bytes == 0 and len(store) == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        store.gather(torch.tensor([0]))
+    assert _put(store, [7], [torch.zeros(4)]) == 0
+
+
+def test_a_prepared_batch_pickles_for_worker_processes() -> None:
+    samples = [_sample("nested", i) for i in range(5)]
+    part = pickle.loads(pickle.dumps(prepare(samples)))
+    assert_same(part.batch(), default_collate(samples))
+
+
+def test_default_collate_errors_are_torchs() -> None:
+    for samples in ([None, None], [object(), object()], [2**70, 1]):
+        with pytest.raises(Exception) as theirs:
+            default_collate(samples)
+        with pytest.raises(type(theirs.value)):
+            prepare(samples).batch()
+
+
+@pytest.mark.gpu
+def test_device_columns_are_one_allocation_per_leaf() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    ledger = BudgetLedger()
+    store = ColumnStore(1 << 30, 100, "cuda", ledger=ledger, owner="columns")
+    samples = [{"x": torch.full((8,), i), "y": i, "name": f"{i}"} for i in range(100)]
+    allocations = torch.cuda.memory_stats()["allocation.all.current"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert store.put(torch.arange(50), prepare(samples[:50])) == 50
+    assert torch.cuda.memory_stats()["allocation.all.current"] - allocations == 2  # one per column
+    names = sum(len(f"{i}") for i in range(50))
+    assert store.stats.bytes == 100 * (8 * 8 + 8) + names  # all rows up front; the index map is on the host
+    assert ledger.used("cuda:0") == store.stats.bytes
+    store.put(torch.arange(50, 100), prepare(samples[50:]))
+    order = torch.tensor([5, 99, 0, 42])
+    batch = store.gather(store.slots(order))
+    assert batch["x"].is_cuda and batch["y"].is_cuda
+    assert_same(batch, default_collate([samples[k] for k in order.tolist()]))
+    store.close()
+    assert ledger.owners("cuda:0") == {}
