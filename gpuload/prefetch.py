@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from gpuload.cache.budget import format_bytes
 from gpuload.device import host_memory, new_side_stream, resolve_device
 from gpuload.transfer import map_leaves
 
@@ -44,6 +45,7 @@ __all__ = [
     "TensorSpec",
     "Fill",
     "default_depth",
+    "check_ring_fits",
 ]
 
 _ALIGN = 256  # bytes between packed leaves: every dtype's view stays aligned, DMA-friendly
@@ -131,6 +133,22 @@ def default_depth(
     return max(1, min(wanted, max_depth, fits))
 
 
+def check_ring_fits(depth: int, slot_bytes: int) -> None:
+    """Raise if ``depth`` slots of ``slot_bytes`` would take more than half the host memory
+    available now. Double buffering (2 slots) is always allowed: it is the least that overlaps."""
+    if depth <= 2 or slot_bytes <= 0:
+        return
+    available = host_memory().free
+    limit = available // 2
+    if depth * slot_bytes > limit:
+        raise ValueError(
+            f"prefetch_depth={depth} needs {depth} host slots of {format_bytes(slot_bytes)} (one batch "
+            f"each), {format_bytes(depth * slot_bytes)} in all: more than the limit of "
+            f"{format_bytes(limit)}, half the host memory available now ({format_bytes(available)}); "
+            f"use prefetch_depth <= {max(2, limit // slot_bytes)}, or leave it unset to choose from the batch size"
+        )
+
+
 # ---------------------------------------------------------------------- nested batches
 
 
@@ -188,6 +206,7 @@ class _Ring:
         if slot.event is not None:
             slot.event.synchronize()  # the slot's previous copy must finish before reuse
         if slot.buffer is None or slot.buffer.numel() < nbytes:
+            check_ring_fits(len(self.slots), nbytes)
             slot.buffer = None  # give the old buffer back before taking a bigger one
             slot.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
             self.stats.slot_allocations += 1
@@ -586,6 +605,9 @@ class Prefetcher:
     later epoch allocates them again.
     """
 
+    #: The most batches in flight: each holds a whole batch in host memory, and a few already
+    #: absorb the jitter of the batches' costs (``check_ring_fits`` bounds it by memory too).
+    MAX_DEPTH = 1024
     _abandoned_thread: threading.Thread | None = None  # left running by an epoch that raised
 
     def __init__(
@@ -599,10 +621,10 @@ class Prefetcher:
         join_timeout: float = 5.0,
         stage: bool = True,
     ) -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= self.MAX_DEPTH:
             raise ValueError(
-                f"depth={depth!r} must be an int >= 1 (the number of batches staged ahead); "
-                "see gpuload.prefetch.default_depth"
+                f"depth={depth!r} must be an int from 1 to {self.MAX_DEPTH} (the number of batches "
+                "staged ahead); see gpuload.prefetch.default_depth"
             )
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout={timeout!r} must be positive seconds, or None")
