@@ -134,7 +134,7 @@ def test_cuda_device_without_cuda_says_what_to_do() -> None:
 def test_unknown_device_and_cache_mode_are_clear_errors() -> None:
     with pytest.raises(DeviceError, match="not supported"):
         gpuload.DataLoader(dataset(), device="meta")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(DeviceError, match="device=.warp-drive. is not a device"):
         gpuload.DataLoader(dataset(), device="warp-drive")
     with pytest.raises(ValueError, match=r"cache='sometimes' \(from keyword cache=\) is not a cache mode"):
         gpuload.DataLoader(dataset(), device="cpu", cache="sometimes")
