@@ -465,11 +465,13 @@ class _Epoch(Iterator[Any]):
         try:
             try:
                 item = self._get()
-            except BaseException:
+            except BaseException as error:
                 # A worker's death (torch raises it in the main thread), KeyboardInterrupt, a
                 # timeout: tell the loop now; the thread ends when its source call returns.
-                self._abandon()
-                self._raise_if_stopped()
+                stopped_before = self._stopped_by is not None
+                self._abandon(f"{type(error).__name__} was raised while it waited for batch {self._next_index}")
+                if stopped_before:
+                    self._raise_if_stopped()
                 raise
             with self._lock:
                 stopped = self._stopped_by is not None
@@ -534,12 +536,15 @@ class _Epoch(Iterator[Any]):
         self._tokens.release(self._depth + 1)  # wake the thread if it waits for a free slot
         self._drain()
 
-    def _abandon(self) -> None:
+    def _abandon(self, cause: str) -> None:
         """Stop without waiting: the thread may be inside its source (a torch iterator whose
         worker died waits up to 5 s to notice) and exits when that call returns. The next
-        epoch waits for it (``Prefetcher.stop_epoch``); nothing else needs it gone."""
+        epoch waits for it (``Prefetcher.stop_epoch``); nothing else needs it gone. A later
+        ``next()`` raises EpochStoppedError naming ``cause``: the epoch did not end."""
         with self._lock:
             self._ended = True
+            if self._stopped_by is None:
+                self._stopped_by = cause
         self._abandoned = True
         self._owner._abandoned_thread = self._thread
         self._signal_stop()

@@ -256,6 +256,8 @@ def test_ctrl_c_in_the_loop_stops_at_once_and_the_loader_runs_again() -> None:
         while True:
             next(iterator)
     assert time.monotonic() - started < 2.0
+    with pytest.raises(EpochStoppedError, match="KeyboardInterrupt was raised while it waited"):
+        next(iterator)  # a loop that goes on after Ctrl-C is not told the epoch ended
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "did not stop" warning from the next epoch either
         assert len(list(loader)) == 20
