@@ -49,7 +49,7 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device:
         if cuda_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-    resolved = torch.device(device) if not isinstance(device, torch.device) else device
+    resolved = _as_torch_device(device)
     if resolved.type == "cuda":
         if not cuda_available():
             raise DeviceError(
@@ -70,6 +70,24 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device:
             f"device={str(device)!r} is not supported: gpuload runs on 'cuda' or 'cpu'"
         )
     return resolved
+
+
+def _as_torch_device(device: object) -> torch.device:
+    """``device`` as a torch.device, or a DeviceError naming the setting and what it accepts."""
+    accepted = (
+        "pass 'cuda', 'cuda:N', an int N >= 0 (the CUDA device N), 'cpu', a torch.device, or None "
+        "(the current CUDA device when there is one, else the CPU)"
+    )
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, bool) or not isinstance(device, (str, int)):
+        raise DeviceError(f"device={device!r} is a {type(device).__name__}, not a device; {accepted}")
+    if isinstance(device, int) and device < 0:
+        raise DeviceError(f"device={device!r} is a negative device index; {accepted}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise DeviceError(f"device={device!r} is not a device ({error}); {accepted}") from None
 
 
 def device_memory(device: torch.device) -> MemoryInfo:

@@ -89,11 +89,13 @@ class DataLoader(tud.DataLoader[T_co]):
             pin_memory_device=pin_memory_device, in_order=in_order,
         )
         if prefetch_depth is not None and (
-            isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0
+            isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int)
+            or not 0 <= prefetch_depth <= Prefetcher.MAX_DEPTH
         ):
             raise ValueError(
-                f"prefetch_depth={prefetch_depth!r} must be an int >= 1 (batches in flight), 0 to "
-                "copy in the loop without a background thread, or None to choose from the batch size"
+                f"prefetch_depth={prefetch_depth!r} must be an int from 1 to {Prefetcher.MAX_DEPTH} "
+                "(batches in flight, each held in host memory), 0 to copy in the loop without a "
+                "background thread, or None to choose from the batch size"
             )
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error={on_error!r} must be 'raise' or 'skip' (bad image files)")

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from gpuload.cache.budget import format_bytes
 from gpuload.device import host_memory, new_side_stream, resolve_device
 from gpuload.transfer import map_leaves
 
@@ -44,9 +45,11 @@ __all__ = [
     "Prefetcher",
     "PrefetchStats",
     "PrefetchError",
+    "EpochStoppedError",
     "TensorSpec",
     "Fill",
     "default_depth",
+    "check_ring_fits",
 ]
 
 _ALIGN = 256  # bytes between packed leaves: every dtype's view stays aligned, DMA-friendly
@@ -106,6 +109,10 @@ class PrefetchError(RuntimeError):
     """A failure in the prefetcher's thread whose exception type could not be re-created."""
 
 
+class EpochStoppedError(RuntimeError):
+    """An epoch's iterator was stopped before its end (a newer epoch started, or ``close()``)."""
+
+
 def default_depth(
     batch_bytes: int, host_limit_bytes: int | None = None, max_depth: int = 4
 ) -> int:
@@ -128,6 +135,22 @@ def default_depth(
     wanted = 4 if batch_bytes <= 8 * _MiB else 3 if batch_bytes <= 64 * _MiB else 2
     fits = host_limit_bytes // batch_bytes if batch_bytes else wanted
     return max(1, min(wanted, max_depth, fits))
+
+
+def check_ring_fits(depth: int, slot_bytes: int) -> None:
+    """Raise if ``depth`` slots of ``slot_bytes`` would take more than half the host memory
+    available now. Double buffering (2 slots) is always allowed: it is the least that overlaps."""
+    if depth <= 2 or slot_bytes <= 0:
+        return
+    available = host_memory().free
+    limit = available // 2
+    if depth * slot_bytes > limit:
+        raise ValueError(
+            f"prefetch_depth={depth} needs {depth} host slots of {format_bytes(slot_bytes)} (one batch "
+            f"each), {format_bytes(depth * slot_bytes)} in all: more than the limit of "
+            f"{format_bytes(limit)}, half the host memory available now ({format_bytes(available)}); "
+            f"use prefetch_depth <= {max(2, limit // slot_bytes)}, or leave it unset to choose from the batch size"
+        )
 
 
 # ---------------------------------------------------------------------- nested batches
@@ -204,6 +227,7 @@ class _Ring:
         if slot.event is not None:
             slot.event.synchronize()  # the slot's previous copy must finish before reuse
         if slot.buffer is None or slot.buffer.numel() < nbytes:
+            check_ring_fits(len(self.slots), nbytes)
             slot.buffer = None  # give the old buffer back before taking a bigger one
             slot.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
             self.stats.slot_allocations += 1
@@ -422,8 +446,11 @@ class _Epoch(Iterator[Any]):
         self._queue: queue.Queue = queue.Queue(maxsize=owner.depth + 1)
         self._tokens = threading.Semaphore(owner.depth)
         self._stop = threading.Event()
-        self._finished = False
+        self._finished = False  # closed: no more batches come from this iterator
+        self._ended = False  # the consumer was handed the epoch's end (or its error)
+        self._abandoned = False  # stopped without waiting for the thread (see _abandon)
         self._stopped_by: str | None = None
+        self._lock = threading.Lock()  # orders _stop_by (any thread) against the consumer
         self._next_index = 0
         self._thread = threading.Thread(
             target=_work,
@@ -441,16 +468,27 @@ class _Epoch(Iterator[Any]):
         return self
 
     def __next__(self) -> Any:
-        if self._stopped_by is not None:
-            raise RuntimeError(
-                f"this prefetch iterator was stopped by {self._stopped_by}; start a new epoch "
-                "with iter(prefetcher), one epoch at a time"
-            )
+        self._raise_if_stopped()
         if self._finished:
             raise StopIteration
         started = time.perf_counter()
         try:
-            item = self._get()
+            try:
+                item = self._get()
+            except BaseException as error:
+                # A worker's death (torch raises it in the main thread), KeyboardInterrupt, a
+                # timeout: tell the loop now; the thread ends when its source call returns.
+                stopped_before = self._stopped_by is not None
+                self._abandon(f"{type(error).__name__} was raised while it waited for batch {self._next_index}")
+                if stopped_before:
+                    self._raise_if_stopped()
+                raise
+            with self._lock:
+                stopped = self._stopped_by is not None
+                if not stopped and (item is _END or isinstance(item, _Failure)):
+                    self._ended = True
+            if stopped:  # whatever arrived, the epoch did not end here: never end it short
+                self._raise_if_stopped()
             if item is _END:
                 self.close()
                 raise StopIteration
@@ -471,6 +509,13 @@ class _Epoch(Iterator[Any]):
         self._next_index += 1
         return item.batch
 
+    def _raise_if_stopped(self) -> None:
+        if self._stopped_by is not None:
+            raise EpochStoppedError(
+                f"this epoch's iterator was stopped before its end (batch {self._next_index} and "
+                f"those after it were not delivered): {self._stopped_by}"
+            )
+
     def _get(self) -> Any:
         waited = 0.0
         while True:
@@ -479,12 +524,10 @@ class _Epoch(Iterator[Any]):
             except queue.Empty:
                 waited += _POLL_S
             if not self._thread.is_alive() and self._queue.empty():
-                self.close()
                 raise PrefetchError(
                     f"the prefetch thread ended without delivering batch {self._next_index}"
                 )
             if self._timeout is not None and waited >= self._timeout:
-                self.close()
                 raise TimeoutError(
                     f"batch {self._next_index} did not arrive within timeout={self._timeout} s; "
                     "the source is slower than that (raise timeout=, or None to wait forever)"
@@ -497,16 +540,31 @@ class _Epoch(Iterator[Any]):
             except queue.Empty:
                 return
 
-    def close(self) -> None:
-        """Stop the background thread and drop undelivered batches; idempotent."""
-        if self._finished and not self._thread.is_alive():
-            self._drain()
-            return
+    def _signal_stop(self) -> None:
         self._finished = True
         self._stop.set()
-        for _ in range(self._depth + 1):
-            self._tokens.release()  # wake the thread if it waits for a free slot
+        self._tokens.release(self._depth + 1)  # wake the thread if it waits for a free slot
         self._drain()
+
+    def _abandon(self, cause: str) -> None:
+        """Stop without waiting: the thread may be inside its source (a torch iterator whose
+        worker died waits up to 5 s to notice) and exits when that call returns. The next
+        epoch waits for it (``Prefetcher.stop_epoch``); nothing else needs it gone. A later
+        ``next()`` raises EpochStoppedError naming ``cause``: the epoch did not end."""
+        with self._lock:
+            self._ended = True
+            if self._stopped_by is None:
+                self._stopped_by = cause
+        self._abandoned = True
+        self._owner._abandoned_thread = self._thread
+        self._signal_stop()
+
+    def close(self) -> None:
+        """Stop the background thread and drop undelivered batches; idempotent."""
+        if self._abandoned or (self._finished and not self._thread.is_alive()):
+            self._drain()
+            return
+        self._signal_stop()
         if threading.current_thread() is not self._thread:
             self._thread.join(self._join_timeout)
         self._drain()
@@ -518,9 +576,13 @@ class _Epoch(Iterator[Any]):
                 stacklevel=2,
             )
 
-    def _stop_by(self, reason: str) -> None:
-        if not self._finished:
-            self._stopped_by = reason
+    def _stop_by(self, cause: str) -> None:
+        """Stop this epoch for ``cause``; its consumer, in whatever thread, gets an
+        :class:`EpochStoppedError` naming it at its next ``next()`` (or the one it waits in)
+        unless it was already handed the epoch's end."""
+        with self._lock:
+            if not self._ended:
+                self._stopped_by = cause
         self.close()
 
     def __del__(self) -> None:
@@ -553,9 +615,16 @@ class Prefetcher:
     and transforming images): the background thread only runs the source ahead of the loop,
     on the side stream on CUDA, nothing is staged or copied, and a source's exception is
     re-raised as it was raised (such sources name the failing sample themselves).
-    Starting a new epoch stops the previous one. ``close()`` (or leaving a ``with`` block, or
-    dropping the object) stops the thread and frees the slots; a later epoch allocates them again.
+    Starting a new epoch stops the previous one: its iterator raises :class:`EpochStoppedError`
+    at its next ``next()``, in whatever thread it runs, rather than end short. ``close()`` (or
+    leaving a ``with`` block, or dropping the object) stops the thread and frees the slots; a
+    later epoch allocates them again.
     """
+
+    #: The most batches in flight: each holds a whole batch in host memory, and a few already
+    #: absorb the jitter of the batches' costs (``check_ring_fits`` bounds it by memory too).
+    MAX_DEPTH = 1024
+    _abandoned_thread: threading.Thread | None = None  # left running by an epoch that raised
 
     def __init__(
         self,
@@ -568,10 +637,10 @@ class Prefetcher:
         join_timeout: float = 5.0,
         stage: bool = True,
     ) -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= self.MAX_DEPTH:
             raise ValueError(
-                f"depth={depth!r} must be an int >= 1 (the number of batches staged ahead); "
-                "see gpuload.prefetch.default_depth"
+                f"depth={depth!r} must be an int from 1 to {self.MAX_DEPTH} (the number of batches "
+                "staged ahead); see gpuload.prefetch.default_depth"
             )
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout={timeout!r} must be positive seconds, or None")
@@ -617,15 +686,30 @@ class Prefetcher:
         return current
 
     def stop_epoch(self, reason: str) -> None:
-        """Stop the epoch in progress, if any, before its source is reused elsewhere."""
+        """Stop the epoch in progress, if any, before its source is reused elsewhere.
+
+        ``reason`` names what starts (e.g. "a newer epoch of this DataLoader"); the stopped
+        iterator's consumer gets an :class:`EpochStoppedError` saying so. Waits (up to
+        ``join_timeout``) for a thread left running by an abandoned epoch, since the source
+        it is inside may be reused now.
+        """
+        self._stop_active(
+            f"{reason} started. A loader runs one epoch at a time: iterate it from one thread, "
+            "or give each consumer its own loader"
+        )
+        thread, self._abandoned_thread = self._abandoned_thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self.join_timeout)
+
+    def _stop_active(self, cause: str) -> None:
         active = self._active() if self._active is not None else None
         if active is not None:
-            active._stop_by(reason)
+            active._stop_by(cause)
         self._active = None
 
     def close(self) -> None:
         """Stop the running epoch, if any, and free the host slots; idempotent."""
-        self.stop_epoch("Prefetcher.close()")
+        self._stop_active("the loader was closed (Prefetcher.close()); iterate it again for a new epoch")
         self._ring = None
 
     def __enter__(self) -> Prefetcher:

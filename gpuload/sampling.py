@@ -95,7 +95,8 @@ def in_range(indices: object, size: int) -> torch.Tensor:
     if flat.numel():
         low, high = (int(v) for v in torch.aminmax(flat))
         if low < -size or high >= size:
-            bad = low if low < -size else high
+            outside = (flat < -size) | (flat >= size)
+            bad = int(flat[int(outside.nonzero()[0])])  # the first, as torch's fetch meets it
             raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {size}")
         if low < 0:
             flat = flat.remainder(size)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import inspect
 import sys
-import threading
-import time
 
 import numpy as np
 import pytest
+from threads import snapshot, wait_threads
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 from torch.utils.data import DataLoader as TorchDataLoader
@@ -135,7 +134,7 @@ def test_cuda_device_without_cuda_says_what_to_do() -> None:
 def test_unknown_device_and_cache_mode_are_clear_errors() -> None:
     with pytest.raises(DeviceError, match="not supported"):
         gpuload.DataLoader(dataset(), device="meta")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(DeviceError, match="device=.warp-drive. is not a device"):
         gpuload.DataLoader(dataset(), device="warp-drive")
     with pytest.raises(ValueError, match=r"cache='sometimes' \(from keyword cache=\) is not a cache mode"):
         gpuload.DataLoader(dataset(), device="cpu", cache="sometimes")
@@ -192,7 +191,7 @@ def test_mismatched_tensor_dataset_is_torchs_error() -> None:
 
 
 def test_early_break_and_close_leave_no_threads_or_workers() -> None:
-    baseline = threading.active_count()
+    baseline = snapshot()
     loader = gpuload.DataLoader(torch.utils.data.Subset(dataset(), range(20)), batch_size=2,
                                 num_workers=2, persistent_workers=True, device="cpu")
     for epoch in range(3):
@@ -202,10 +201,8 @@ def test_early_break_and_close_leave_no_threads_or_workers() -> None:
     loader.close()
     loader.close()
     assert loader._iterator is None
-    deadline = time.monotonic() + 10  # queue feeder threads exit just after the workers
-    while threading.active_count() > baseline and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert threading.active_count() == baseline, [t.name for t in threading.enumerate()]
+    left = wait_threads(baseline, deadline_s=10)  # queue feeder threads exit just after the workers
+    assert not left, [t.name for t in left]
     with gpuload.DataLoader(dataset(), batch_size=4, device="cpu") as fast:
         still_open = iter(fast)
         next(still_open)
@@ -255,7 +252,7 @@ def test_import_is_light_and_leaves_dali_and_cupy_unloaded() -> None:
 
 
 def test_prefetched_paths_raise_torchs_error_type_and_leave_no_threads() -> None:
-    before = set(threading.enumerate())  # threads of earlier tests may end meanwhile: count only new ones
+    before = snapshot()
     for kwargs in (dict(cache="off"), dict(prefetch_depth=3), dict(cache="off", prefetch_depth=0)):
         data = dataset() if "cache" in kwargs else torch.utils.data.Subset(dataset(), range(20))
         loader = gpuload.DataLoader(data, batch_size=2, sampler=[0, 1, 2, 3, 99], device="cpu", **kwargs)
@@ -270,10 +267,8 @@ def test_prefetched_paths_raise_torchs_error_type_and_leave_no_threads() -> None
                 if i == 1:
                     break
         loader.close()
-    deadline = time.monotonic() + 10
-    while set(threading.enumerate()) - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not set(threading.enumerate()) - before, [t.name for t in set(threading.enumerate()) - before]
+    left = wait_threads(before, deadline_s=10)
+    assert not left, [t.name for t in left]
 
 
 def test_prefetch_depth_is_validated() -> None:

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from threads import snapshot, wait_threads
 import torch
 
 from gpuload.prefetch import (
@@ -25,13 +26,6 @@ Pair = collections.namedtuple("Pair", ["image", "label"])
 
 def batches(n: int, size: int = 4) -> list[torch.Tensor]:
     return [torch.full((size, 3), i, dtype=torch.int64) for i in range(n)]
-
-
-def wait_threads(baseline: int, deadline_s: float = 5.0) -> int:
-    end = time.monotonic() + deadline_s
-    while threading.active_count() > baseline and time.monotonic() < end:
-        time.sleep(0.01)
-    return threading.active_count()
 
 
 class RecordingSource:
@@ -148,7 +142,7 @@ def test_error_in_iter_source_raises_in_caller():
 
 
 def test_timeout_names_the_batch_and_stops_the_thread():
-    baseline = threading.active_count()
+    baseline = snapshot()
 
     def slow():
         yield torch.zeros(1)
@@ -159,7 +153,7 @@ def test_timeout_names_the_batch_and_stops_the_thread():
     next(it)
     with pytest.raises(TimeoutError, match="batch 1"):
         next(it)
-    assert wait_threads(baseline) == baseline
+    assert not wait_threads(baseline)
 
 
 def test_invalid_arguments_name_the_value():
@@ -175,7 +169,7 @@ def test_invalid_arguments_name_the_value():
 
 
 def test_early_break_closes_the_generator_and_the_thread():
-    baseline = threading.active_count()
+    baseline = snapshot()
     closed = threading.Event()
 
     def endless():
@@ -191,33 +185,33 @@ def test_early_break_closes_the_generator_and_the_thread():
     for batch in prefetcher:
         if batch.item() == 4:
             break
-    assert closed.wait(5) and wait_threads(baseline) == baseline
+    assert closed.wait(5) and not wait_threads(baseline)
 
 
 def test_dropping_a_started_iterator_stops_its_thread():
-    baseline = threading.active_count()
+    baseline = snapshot()
     prefetcher = Prefetcher(batches(100), "cpu", depth=2)
     it = iter(prefetcher)
     next(it)
     time.sleep(0.05)  # the producer fills the queue and blocks on the depth bound
     del it
     gc.collect()
-    assert wait_threads(baseline) == baseline
+    assert not wait_threads(baseline)
 
 
 def test_close_and_context_manager_stop_a_running_epoch():
-    baseline = threading.active_count()
+    baseline = snapshot()
     with Prefetcher(batches(100), "cpu") as prefetcher:
         it = iter(prefetcher)
         next(it)
-    assert wait_threads(baseline) == baseline
+    assert not wait_threads(baseline)
     with pytest.raises(RuntimeError, match=r"Prefetcher.close\(\)"):
         next(it)  # closing stopped it; say so rather than end silently
     assert [b[0, 0].item() for b in prefetcher] == list(range(100))  # usable again
 
 
 def test_hundreds_of_epochs_leave_no_threads_and_reuse_the_slots():
-    baseline = threading.active_count()
+    baseline = snapshot()
     stats = PrefetchStats()
     # The last batch is smaller: it must fit the slot it finds, not allocate another.
     source = batches(5, size=8) + [torch.zeros(3, 3, dtype=torch.int64)]
@@ -229,7 +223,7 @@ def test_hundreds_of_epochs_leave_no_threads_and_reuse_the_slots():
             for batch in prefetcher:
                 break  # early exits too
     assert stats.slot_allocations == 3
-    assert wait_threads(baseline) == baseline
+    assert not wait_threads(baseline)
 
 
 def test_a_bigger_batch_grows_only_its_slot():
@@ -250,7 +244,7 @@ def test_new_epoch_supersedes_the_previous_iterator():
 
 
 def test_consumer_stopping_while_producer_waits_does_not_hang():
-    baseline = threading.active_count()
+    baseline = snapshot()
 
     def endless():
         while True:
@@ -262,7 +256,7 @@ def test_consumer_stopping_while_producer_waits_does_not_hang():
         next(it)
         it.close()
     assert time.monotonic() - started < 5
-    assert wait_threads(baseline) == baseline
+    assert not wait_threads(baseline)
 
 
 # ---------------------------------------------------------------------- depth

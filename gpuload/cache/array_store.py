@@ -22,9 +22,21 @@ from gpuload.cache.plan import CachePlan
 from gpuload.device import cuda_available, new_side_stream
 from gpuload.sampling import in_range
 
-__all__ = ["StoreStats", "TieredArrayStore"]
+__all__ = ["StoreStats", "TieredArrayStore", "gatherable"]
 
 _DEVICE, _HOST, _SOURCE = 0, 1, 2
+
+# Unsigned dtypes torch has only partial kernels for (index_copy_ on the CPU, index_select
+# on CUDA): rows are moved through a signed view of the same width, bit for bit.
+_SIGNED_VIEW = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def gatherable(array: torch.Tensor) -> torch.Tensor:
+    """``array`` as a dtype every gather kernel supports: a same-width signed view of a
+    uint16/32/64 array (same bits), else the array itself. View the result back with
+    ``.view(array.dtype)``."""
+    signed = _SIGNED_VIEW.get(array.dtype)
+    return array if signed is None else array.view(signed)
 
 
 def _host_copy(rows: torch.Tensor) -> torch.Tensor:
@@ -103,7 +115,8 @@ class TieredArrayStore:
                 f"the data has {self._num_samples} samples of {bytes_per_sample} bytes; make the "
                 "plan from this data"
             )
-        self._source = [leaf if leaf.device.type == "cpu" else leaf.cpu() for leaf in leaves]
+        self._dtypes = [leaf.dtype for leaf in leaves]
+        self._source = [gatherable(leaf if leaf.device.type == "cpu" else leaf.cpu()) for leaf in leaves]
         self._device = torch.device(device)
         self._copies = self._device.type != "cpu"
         # Host rows go to the device on their own stream, so the copy overlaps the compute
@@ -349,6 +362,7 @@ class TieredArrayStore:
             self._stats.host_hits += counts[_HOST]
             self._stats.source_hits += counts[_SOURCE]
             self._stats.h2d_bytes += moved
+        leaves = [leaf.view(dtype) for leaf, dtype in zip(leaves, self._dtypes)]
         return tree_unflatten(leaves, self._spec)
 
     def __repr__(self) -> str:

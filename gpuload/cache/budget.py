@@ -57,6 +57,8 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+# No memory is larger: a size past it is a typo (a 400-digit number), not a budget.
+_LARGEST_SIZE = 2**64
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)\s*$", re.IGNORECASE)
 _HOW_TO_WRITE = (
     "write a byte count (12884901888), a size with a unit ('12GiB', '500MB', '1.5 GB'; "
@@ -117,7 +119,7 @@ def parse_size(value: SizeValue, *, setting: str = "cache_size", source: str = "
     if isinstance(value, int):
         if value < 0:
             raise CacheSettingError(setting, original, source, f"is negative; {_HOW_TO_WRITE}")
-        return SizeSpec("off", text=str(value)) if value == 0 else SizeSpec("bytes", value, str(value))
+        return _byte_count(value, setting, original, source, str(value))
     if isinstance(value, float):
         return _fraction(value, setting, original, source)
     if not isinstance(value, str):
@@ -143,13 +145,22 @@ def parse_size(value: SizeValue, *, setting: str = "cache_size", source: str = "
     if unit == "":
         if "." in number:
             return _fraction(float(number), setting, original, source, text)
-        count = int(number)
-        return SizeSpec("off", text=text) if count == 0 else SizeSpec("bytes", count, text)
+        return _byte_count(int(number), setting, original, source, text)
     if unit not in _UNITS:
         raise CacheSettingError(
             setting, original, source, f"has an unknown unit {unit!r}; {_HOW_TO_WRITE}"
         )
-    nbytes = int(round(float(number) * _UNITS[unit]))
+    scaled = float(number) * _UNITS[unit]
+    nbytes = int(round(scaled)) if math.isfinite(scaled) and scaled <= _LARGEST_SIZE else _LARGEST_SIZE + 1
+    return _byte_count(nbytes, setting, original, source, text)
+
+
+def _byte_count(nbytes: int, setting: str, original: object, source: str, text: str) -> SizeSpec:
+    if nbytes > _LARGEST_SIZE:
+        raise CacheSettingError(
+            setting, original if len(str(original)) <= 40 else f"{str(original)[:20]}...({len(str(original))} characters)",
+            source, "is larger than any memory (more than 2**64 bytes); " + _HOW_TO_WRITE,
+        )
     return SizeSpec("off", text=text) if nbytes == 0 else SizeSpec("bytes", nbytes, text)
 
 

@@ -267,6 +267,16 @@ def _file_values(path: Path, job: str | None, job_source: str) -> dict[str, tupl
             document = tomllib.load(handle)
     except tomllib.TOMLDecodeError as error:
         raise CacheSettingError("config file", str(path), "gpuload", f"is not valid TOML: {error}") from None
+    except UnicodeDecodeError as error:
+        raise CacheSettingError(
+            "config file", str(path), "gpuload", f"is not UTF-8 text, as TOML must be ({error})"
+        ) from None
+    except OSError as error:
+        raise CacheSettingError(
+            "config file", str(path), "gpuload",
+            f"cannot be read ({type(error).__name__}: {error.strerror or error}); fix its permissions, "
+            f"or point {ENV_CONFIG} at another file",
+        ) from None
     _check_keys(document, (*_FILE_KEYS, "jobs"), "(top level)", path)
     jobs = document.get("jobs", {})
     if not isinstance(jobs, dict) or any(not isinstance(t, dict) for t in jobs.values()):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,15 @@ def _supported_extensions() -> tuple[str, ...]:
 
 IMG_EXTENSIONS: tuple[str, ...] = _supported_extensions()
 """File endings (lower case) that ImageFolder picks up; .webp only where PIL can decode it."""
+
+
+def _folder_identity(path: str) -> tuple[int, int] | None:
+    """What makes a folder the same folder through any path: its device and inode."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
 
 
 class ImageSource(Dataset):
@@ -125,10 +135,23 @@ class ImageFolder(ImageSource):
         for name in self.classes:
             before = len(self.samples)
             folder = os.path.join(self.root, name)
+            seen: dict[tuple[int, int], str] = {}  # (device, inode) -> first path to the folder
+            again: list[str] = []
             for parent, _, files in sorted(os.walk(folder, followlinks=True)):
+                key = _folder_identity(parent)
+                if key is not None and seen.setdefault(key, parent) != parent:
+                    again.append(parent)
                 for file in sorted(files):
                     if file.lower().endswith(self.extensions):
                         self.samples.append((os.path.join(parent, file), self.class_to_idx[name]))
+            if again:
+                warnings.warn(
+                    f"ImageFolder: class {name!r} reaches {len(again)} folder(s) a second time through "
+                    f"symbolic links (a link loop?), e.g. {again[0]!r} is {seen[_folder_identity(again[0])]!r}; "
+                    "their files are listed once per path, as torchvision does: remove the link to "
+                    "count each image once",
+                    stacklevel=2,
+                )
             if len(self.samples) == before:
                 empty.append(name)
         if empty:

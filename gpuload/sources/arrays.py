@@ -21,6 +21,7 @@ from torch.utils.data import TensorDataset, default_collate, default_convert
 
 from gpuload.augment import BatchAugmenter, image_column
 from gpuload.cache import CacheSettings, StoreStats, TieredArrayStore, format_bytes
+from gpuload.cache.array_store import gatherable
 from gpuload.datasets.arrays import ArrayDataset
 from gpuload.device import device_memory, host_memory
 from gpuload.prefetch import Fill, TensorSpec, default_depth
@@ -44,6 +45,18 @@ def _raw_columns(dataset: Any) -> list[torch.Tensor] | None:
         except (ValueError, TypeError):  # negative strides, unsupported dtypes
             return None
     return None
+
+
+def _same_arrays(now: list[torch.Tensor], placed: list[torch.Tensor]) -> bool:
+    """Whether ``now`` are the arrays ``placed`` was made from: the same memory, shape, strides
+    and dtype (numpy arrays are wrapped anew each time, so identity alone would not do; the
+    placed tensors are still held, so their memory cannot have been reused)."""
+    return len(now) == len(placed) and all(
+        a is b
+        or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and a.device == b.device)
+        for a, b in zip(now, placed)
+    )
 
 
 def find_columns(
@@ -144,7 +157,8 @@ class ResidentColumns:
         store: TieredArrayStore | None = None,
     ) -> None:
         self.source = source
-        self.columns = columns
+        self.dtypes = [column.dtype for column in columns]
+        self.columns = [gatherable(column) for column in columns]  # uint16/32/64 as signed views
         self.device = device
         self.path = path
         self.store = store
@@ -210,7 +224,7 @@ class ResidentColumns:
         if self._where != flat.device:
             where = flat.to(self._where, non_blocking=True)
             moved_bytes = flat.numel() * flat.element_size()
-        leaves = [column.index_select(0, where) for column in self.columns]
+        leaves = [column.index_select(0, where).view(dtype) for column, dtype in zip(self.columns, self.dtypes)]
         if not batched:
             leaves = [leaf.squeeze(0) for leaf in leaves]
         if self._where != self.device:  # host arrays without the prefetcher (prefetch_depth=0)
@@ -224,13 +238,13 @@ class ResidentColumns:
         ``flat`` comes from ``checked_index``: the check runs in the loop's thread, in order.
         """
         shapes = [(flat.numel(), *c.shape[1:]) if batched else tuple(c.shape[1:]) for c in self.columns]
-        layout = tree_unflatten([TensorSpec(shape, c.dtype) for shape, c in zip(shapes, self.columns)], self.source.spec)
+        layout = tree_unflatten([TensorSpec(shape, dtype) for shape, dtype in zip(shapes, self.dtypes)], self.source.spec)
         columns = self.columns
 
         def gather_into(slot: Any) -> None:
             targets, _ = tree_flatten(slot)
             for column, target in zip(columns, targets):
-                torch.index_select(column, 0, flat, out=target.view(-1, *column.shape[1:]))
+                torch.index_select(column, 0, flat, out=target.view(column.dtype).view(-1, *column.shape[1:]))
 
         return Fill(layout, gather_into)
 
@@ -281,11 +295,35 @@ class ArraySource(Source):
         return True
 
     def begin_epoch(self) -> None:
+        self._follow_dataset()
         if not self._place():
             self.resident.shrink_to_reserve(self.setup.settings)
 
     def warm(self, progress: bool) -> None:
+        self._follow_dataset()
         self._place()
+
+    def _follow_dataset(self) -> None:
+        """Serve the arrays the dataset holds now: when they are other tensors, or have another
+        shape, than those placed (``ds.tensors = ...``), the placement (and its cache) is
+        dropped and rebuilt from them. Changes made in place to the same tensors are seen by
+        ``cache="off"`` and a CPU device, not by a copy already in a cache."""
+        now = _raw_columns(self.setup.dataset)
+        if now is not None and _same_arrays(now, self.columns.columns):
+            return
+        setup = self.setup
+        columns = find_columns(setup.dataset, setup.collate_fn, setup.batched)
+        old = self.columns
+        if columns is None or columns.spec != old.spec or [c.dtype for c in columns.columns] != [
+            c.dtype for c in old.columns
+        ]:
+            raise ValueError(
+                f"the arrays of this {type(setup.dataset).__name__} changed since the DataLoader was "
+                "built, into ones gpuload cannot serve as before (another structure, dtype, or no "
+                "samples); build a new gpuload.DataLoader for them"
+            )
+        self.close()  # the old placement and its cache hold the old arrays
+        self.columns = columns
 
     def epoch(self, request: EpochRequest) -> Epoch:
         resident, batched = self.resident, self.setup.batched

@@ -36,6 +36,10 @@ from gpuload.transforms.windows import Window
 
 __all__ = ["DecodedBatch", "ImageFileSource", "detect"]
 
+# Distinct skipped files kept with their reasons in ``stats.extra["skipped_files"]``; the
+# counts go on past it (a folder of bad files must not grow memory each epoch).
+_KEEP_SKIPPED = 100
+
 
 @dataclass
 class DecodedBatch:
@@ -88,7 +92,9 @@ class ImageFileSource(Source):
             BatchAugmenter(setup.transforms, setup.seed, setup.device, 0) if setup.transforms else None
         )
         self.decoder = BatchDecoder(setup.device, max_batch=setup.batch_size or 1)
-        self.skipped: list[tuple[int, str, str]] = []
+        self.skipped = 0  # files skipped over the loader's life (one file once per epoch)
+        self.skipped_files: dict[int, tuple[str, str]] = {}  # position -> (file, reason), bounded
+        self._skipped_in_epoch = (-1, 0)  # (epoch number, files skipped in it)
         self.fallback_decoded = 0
         self.roi = "none"  # how the last batch's decode windows were honoured (DecodeResult.roi)
         self.cache: SampleCache | None = None
@@ -127,9 +133,27 @@ class ImageFileSource(Source):
         self.path = "image-decode" if self.cache is None else f"image-cache ({self.keeps})"
 
     def stats(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self.skipped_files:
+            extra["skipped_files"] = [(position, *entry) for position, entry in self.skipped_files.items()]
         if self.cache is not None:
-            return {"cache": self.cache.summary(kind="images", mode=self.keeps, reason=self._reason)}
-        return {"cache": self._released} if self._released is not None else {}
+            extra["cache"] = self.cache.summary(kind="images", mode=self.keeps, reason=self._reason)
+        elif self._released is not None:
+            extra["cache"] = self._released
+        return extra
+
+    def _note_skipped(self, entries: list[tuple[int, str, str]], epoch: int) -> None:
+        """Count skipped files, in total and in ``epoch``; keep the first distinct ones named."""
+        number, count = self._skipped_in_epoch
+        self._skipped_in_epoch = (epoch, (count if number == epoch else 0) + len(entries))
+        self.skipped += len(entries)
+        for position, path, reason in entries:
+            if position in self.skipped_files or len(self.skipped_files) < _KEEP_SKIPPED:
+                self.skipped_files[position] = (path, reason)
+
+    def _skipped_counters(self, epoch: int) -> dict[str, int]:
+        number, count = self._skipped_in_epoch
+        return {"skipped": self.skipped, "skipped_epoch": count if number == epoch else 0}
 
     def close(self) -> None:
         if self.cache is not None:
@@ -153,7 +177,7 @@ class ImageFileSource(Source):
                 chunk = todo[start : start + batch_size]
                 if self._keeps_encoded:
                     for position in chunk:
-                        self._read(position)
+                        self._read(position, epoch=0)
                 else:
                     self.decode(chunk, epoch=0)  # decodes whole while the cache accepts
                 bar.update(len(chunk))
@@ -178,7 +202,7 @@ class ImageFileSource(Source):
         self.setup.stats.extra.update(counters)
         return (batch, count) if count else None
 
-    def _read(self, position: int) -> bytes | None:
+    def _read(self, position: int, epoch: int) -> bytes | None:
         """The file's bytes (from the encoded cache when it has them); None if skipped."""
         cache = self.cache if self._keeps_encoded else None
         if cache is not None:
@@ -190,7 +214,7 @@ class ImageFileSource(Source):
         except Exception as error:  # unreadable file: ImageDecodeError names it
             if self.setup.on_error != "skip":
                 raise
-            self.skipped.append((position, self.images.path(position), str(error)))
+            self._note_skipped([(position, self.images.path(position), str(error))], epoch)
             return None
         if cache is not None:
             cache.put(position, data)
@@ -208,7 +232,7 @@ class ImageFileSource(Source):
             if image is not None:
                 hits[slot] = image
                 continue
-            data = self._read(position)
+            data = self._read(position, epoch)
             if data is None:
                 continue
             encoded.append(data)
@@ -220,7 +244,7 @@ class ImageFileSource(Source):
         decoded: dict[int, tuple[torch.Tensor, Window | None, tuple[int, int] | None]] = {}
         if encoded:
             result = self.decoder.decode(encoded, names, readable, rois=windows, on_error=self.setup.on_error)
-            self.skipped.extend(result.skipped)
+            self._note_skipped(result.skipped, epoch)
             self.fallback_decoded += result.fallback_decoded
             self.roi = result.roi
             for k, image in zip(result.kept_positions, result.images):
@@ -248,7 +272,7 @@ class ImageFileSource(Source):
             sizes=kept_sizes if any_window else None,
             counters={
                 "decode_backend": self.decoder.backend,
-                "skipped": len(self.skipped),
+                **self._skipped_counters(epoch),
                 "fallback_decoded": self.fallback_decoded,
                 "roi": self.roi,
             },

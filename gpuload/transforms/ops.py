@@ -18,7 +18,7 @@ once at the end, to uint8 (rounded half to even, clamped) when there is no ``ToD
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Union
 
@@ -333,6 +333,12 @@ def validate_pipeline(ops: Sequence[Op]) -> tuple[Op, ...]:
     """
     if isinstance(ops, Op):
         ops = [ops]
+    if isinstance(ops, (str, bytes, Mapping)) or not isinstance(ops, Iterable):
+        raise TypeError(
+            f"transforms={ops!r} is not a list of transforms (it is a {type(ops).__name__}); pass "
+            "a list of gpuload transforms, "
+            "e.g. transforms=[gpuload.transforms.RandomHorizontalFlip()]"
+        )
     ops = tuple(ops)
     for i, op in enumerate(ops):
         if not isinstance(op, Op):
