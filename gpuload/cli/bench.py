@@ -81,6 +81,14 @@ def run_bench(args: argparse.Namespace) -> int:
                 print(f"gpuload bench: error: {error}", file=sys.stderr)
                 return 2
             extra["cache_size_bytes"] = cache_size
+        elif scenario == "augment":
+            from gpuload.bench.augment import augment_loaders
+
+            try:
+                dataset, specs = augment_loaders(config, device, dataset)
+            except ValueError as error:
+                print(f"gpuload bench: error: {error}", file=sys.stderr)
+                return 2
         else:
             dataset, specs = inmemory_loaders(config, device, dataset)
         described = "in-memory arrays [" + ", ".join(
