@@ -24,8 +24,8 @@ from gpuload.transforms import reference
 from gpuload.transforms._kernels import geometry_plan
 from gpuload.transforms.ops import (
     GEOMETRIC_OPS,
-    RandomHorizontalFlip,
     Op,
+    RandomHorizontalFlip,
     RandomResizedCrop,
     Resize,
     ToChannelsLast,
@@ -48,6 +48,10 @@ def run(params: BatchParams, batch: reference.Batch) -> torch.Tensor | None:
     out_size = params.output_size()  # raises if the outputs cannot be stacked
     if len(images) == 0:
         return reference.apply_reference(params, batch)
+    if not isinstance(images, torch.Tensor):
+        channels = {image.shape[0] for image in images}
+        if len(channels) > 1:
+            raise ValueError(f"the images of one batch need one channel count, got {sorted(channels)}")
     plan = geometry_plan(params, params.sizes[0])
     if plan is None:
         return None
@@ -208,7 +212,10 @@ def _resized(images: torch.Tensor | Sequence[torch.Tensor], maps: _Maps, fill: f
         y0, x0, h, w = window
         if isinstance(images, torch.Tensor):
             source = images[:, :, y0 : y0 + h, x0 : x0 + w]
-            source = source if len(ids) == n else source.index_select(0, ids.to(device))
+            if len(ids) == 1:
+                source = source[int(ids[0]) : int(ids[0]) + 1]
+            elif len(ids) < n:
+                source = source.index_select(0, ids.to(device))
         else:
             windows = [images[k][:, y0 : y0 + h, x0 : x0 + w] for k in ids.tolist()]
             source = windows[0].unsqueeze(0) if len(windows) == 1 else torch.stack(windows)

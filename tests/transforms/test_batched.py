@@ -184,6 +184,13 @@ def test_a_batch_with_too_few_images_is_refused_like_the_reference() -> None:
         batched.run(params, batch)
 
 
+def test_images_with_different_channel_counts_are_refused() -> None:
+    images = [_images(1, 3, 10, 10, seed=5)[0], _images(1, 1, 10, 10, seed=6)[0]]
+    params = T.sample_params([T.CenterCrop(8)], 0, 0, torch.arange(2), batch_sizes(images))
+    with pytest.raises(ValueError, match=r"one channel count, got \[1, 3\]"):
+        batched.run(params, images)
+
+
 def test_an_empty_batch_is_the_reference_empty_batch() -> None:
     ops = [T.CenterCrop(8), T.ToDtype(torch.float16)]
     batch = torch.empty((0, 3, 10, 10), dtype=torch.uint8)
