@@ -1,7 +1,7 @@
 """The loader's use of ``transforms=``: which tensor of a batch is the image, and with what seed.
 
 The transform list runs on the batch's uint8 N,C,H,W image tensor after it reaches the device
-(CuPy kernels there, the torch reference on a CPU). Each sample's random parameters depend
+(CuPy kernels there, batched torch ops on a CPU). Each sample's random parameters depend
 only on (seed, epoch, sample index), so batch composition, prefetch depth and device do not
 change what a sample looks like.
 """

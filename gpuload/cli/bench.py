@@ -160,6 +160,10 @@ def _scenario_loaders(
                 lambda: partial_loaders(config, device, args.cache_size, dataset, card)
             )
             extra["cache_size_bytes"] = cache_size
+        elif scenario == "augment":
+            from gpuload.bench.augment import augment_loaders
+
+            dataset, specs = _checked(lambda: augment_loaders(config, device, dataset), "--data")
         else:
             dataset, specs = inmemory_loaders(config, device, dataset, card)
         described = "in-memory arrays [" + ", ".join(

@@ -1,8 +1,10 @@
-"""Run an op list on a batch: draw the parameters, then the CuPy kernels or the torch reference.
+"""Run an op list on a batch: draw the parameters, then the CuPy kernels, the batched torch
+ops or the torch reference.
 
-The kernels run when the batch's target device is CUDA and CuPy works there; otherwise (and for
-the rare geometry the fused map cannot express) the torch reference runs, on the same device.
-Either way the parameters are the same, so the results agree to float rounding.
+The kernels run when the batch's target device is CUDA and CuPy works there; otherwise the
+batched torch ops (``batched.py``) run, on the same device; the reference runs when asked for
+and for the rare geometry the per-sample map cannot express. Either way the parameters are the
+same, so the results agree to float rounding.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpuload.transforms import _kernels, reference, staging
+from gpuload.transforms import _kernels, batched, reference, staging
 from gpuload.transforms.ops import (
     CenterCrop,
     Op,
@@ -27,7 +29,7 @@ from gpuload.transforms.windows import Window, params_in_windows
 
 __all__ = ["OutputPlan", "apply_transforms", "transform_batch", "plan_output", "choose_backend"]
 
-_BACKENDS = ("auto", "cupy", "torch")
+_BACKENDS = ("auto", "cupy", "batched", "torch")
 _warned: set[str] = set()
 
 
@@ -66,21 +68,23 @@ def plan_output(ops: Sequence[Op], input_size: tuple[int, int] | None = None) ->
 
 
 def choose_backend(device: torch.device | str, backend: str = "auto") -> tuple[str, str]:
-    """("cupy" or "torch", why) for batches delivered on ``device``."""
+    """("cupy", "batched" or "torch", why) for batches delivered on ``device``."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r}: use one of {_BACKENDS}")
     device = torch.device(device)
     if backend == "torch":
         return "torch", "asked for the torch reference"
+    if backend == "batched":
+        return "batched", "asked for the batched torch ops"
     ok, reason = _kernels.available(device)
     if ok:
         return "cupy", f"CuPy kernels on {device}"
     if backend == "cupy":
-        raise RuntimeError(f"backend='cupy' but {reason}; use backend='auto' or 'torch'")
+        raise RuntimeError(f"backend='cupy' but {reason}; use backend='auto', 'batched' or 'torch'")
     if device.type == "cuda" and str(device) not in _warned:
         _warned.add(str(device))
-        warnings.warn(f"gpuload transforms use the torch reference on {device}: {reason}", stacklevel=3)
-    return "torch", reason
+        warnings.warn(f"gpuload transforms use batched torch ops on {device}: {reason}", stacklevel=3)
+    return "batched", reason
 
 
 def transform_batch(
@@ -95,7 +99,7 @@ def transform_batch(
     windows: Sequence[Window] | None = None,
     image_sizes: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[torch.Tensor, str]:
-    """``apply_transforms`` that also says which backend ran ("cupy" or "torch").
+    """``apply_transforms`` that also says which backend ran ("cupy", "batched" or "torch").
 
     With ``windows`` (see ``transforms.windows``), ``batch[k]`` is only the ``windows[k]`` part
     of an image of ``image_sizes[k]`` (height, width): parameters are drawn for the whole image
@@ -118,13 +122,13 @@ def transform_batch(
         try:
             out = _kernels.run(params, batch, device)
         except _kernels.KernelUnavailable as exc:
-            # The kernels cannot build or launch here: use the reference from now on. Anything
-            # else (out of memory, a CUDA error) is not the backend's fault and propagates.
+            # The kernels cannot build or launch here: use the batched torch ops from now on.
+            # Anything else (out of memory, a CUDA error) is not the backend's fault and propagates.
             if backend == "cupy":
                 raise
             _kernels.mark_unavailable(device, str(exc))
             warnings.warn(
-                f"gpuload transforms fall back to the torch reference on {device}: {exc}",
+                f"gpuload transforms fall back to batched torch ops on {device}: {exc}",
                 stacklevel=2,
             )
             out = None
@@ -135,6 +139,10 @@ def transform_batch(
                 "backend='cupy' but this batch's geometry needs the reference (two resizes, "
                 "padding before a resize, or crops with different fills); use backend='auto'"
             )
+    if name != "torch" and len(sizes):
+        out = batched.run(params, batch)
+        if out is not None:
+            return out, "batched"
     return reference.apply_reference(params, batch), "torch"
 
 
@@ -152,7 +160,8 @@ def apply_transforms(
     ``batch`` is a uint8 N, C, H, W tensor or a list of uint8 C, H, W tensors (sizes may
     differ); ``indices`` are the samples' dataset indices, which with ``seed`` and ``epoch``
     fix every random parameter. ``device`` defaults to the batch's device; a CPU batch bound
-    for CUDA is moved there as uint8 first. ``backend``: "auto", "cupy" or "torch".
+    for CUDA is moved there as uint8 first. ``backend``: "auto", "cupy", "batched" or "torch"
+    (the reference).
     """
     return transform_batch(ops, batch, seed, epoch, indices, device, backend)[0]
 

@@ -144,15 +144,18 @@ def apply_value_ops(
     per_op: Sequence[dict[str, torch.Tensor]],
     x: torch.Tensor,
     cast_output: bool = True,
+    owned: bool = False,
 ) -> torch.Tensor:
     """Colour, dtype and layout ops on a float32 NCHW batch of 0-255 pixels; returns the output
     (or, with ``cast_output=False``, the float32 values before the final cast and layout).
+    ``owned=True``: ``x`` is the caller's scratch, which the ops may update in place. ``x``
+    may be uint8 when the first op is ``ToDtype(scale=True)`` (its division makes the floats).
 
-    Shared by the reference and the GPU path's colour pass (the kernels do the rest).
+    Shared by the reference, the GPU path's colour pass and the batched path.
     """
     dtype, channels_last = output_format(ops)
     scaled = False  # True once ToDtype(scale=True) divided by 255
-    owned = False  # True once x is a tensor made here, which later ops may update in place
+    # owned: x is a tensor made here (or given as scratch), which later ops may update in place
     for op, p in zip(ops, per_op):
         if isinstance(op, ColorJitter):
             x = color_jitter(x, p)

@@ -36,7 +36,7 @@ def test_outputs_equal_the_reference_for_each_sample(cache: str) -> None:
     assert expected.shape == (30, 3, 12, 12) and expected.dtype == torch.float32
     for index, image in got.items():
         torch.testing.assert_close(image, expected[index])
-    assert loader.stats.extra["transform_backend"] == "torch"
+    assert loader.stats.extra["transform_backend"] == "batched"
 
 
 def test_a_sample_looks_the_same_in_any_batch_and_changes_with_the_epoch() -> None:

@@ -40,7 +40,7 @@ def test_batches_are_decoded_then_transformed_per_sample(folder: ImageFolder) ->
         decoded = [folder[i][0] for i in indices.tolist()]
         expected = apply_transforms(ops, decoded, g.initial_seed(), 0, indices)
         torch.testing.assert_close(images, expected, atol=2e-3, rtol=2e-3)
-    assert loader.stats.samples == 12 and loader.stats.extra["transform_backend"] == "torch"
+    assert loader.stats.samples == 12 and loader.stats.extra["transform_backend"] == "batched"
 
 
 def test_a_corrupt_file_names_itself_or_is_skipped(folder: ImageFolder, tmp_path: Path) -> None:

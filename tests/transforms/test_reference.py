@@ -250,7 +250,7 @@ def test_apply_transforms_is_deterministic_and_batch_independent():
     c = T.apply_transforms(ops, batch, seed=3, epoch=2, indices=idx)
     assert not torch.equal(a, c)
     out, backend = T.transform_batch(ops, batch, 3, 1, idx)
-    assert backend == "torch" and torch.equal(out, a)
+    assert backend == "batched" and torch.equal(out, a)
 
 
 def test_apply_without_cupy_backend_falls_back_or_raises():

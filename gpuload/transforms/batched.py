@@ -1,0 +1,308 @@
+"""The batched torch path: an op list run on a whole batch at once, in plain torch ops.
+
+The CPU backend, and the fallback on a GPU when the CuPy kernels cannot run (any device).
+Its results are the reference's: bit-exact (crops, padding, flips, the value ops and the
+output cast are the same float32 operations in the same order; resizes call the same
+bilinear kernel on the same float32 window, mirrored first when a flip comes before it).
+
+The geometry is the kernels' per-sample map (``_kernels.geometry_plan``): a source window,
+resized to a canvas, then an offset, a box of valid pixels (outside is the fill) and a final
+mirror. Without a resize the output is one gather from the uint8 batch, its flat indices built
+for the whole batch by broadcasting per-sample row and column offsets. A resize loops over the
+distinct source windows (one bilinear call for a batch that shares one, one per image for
+random crops, which F.interpolate runs faster than any gather-based bilinear on a CPU) and
+writes straight into the batch's canvas. The value ops then run once on that canvas, in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from gpuload.transforms import reference
+from gpuload.transforms._kernels import geometry_plan
+from gpuload.transforms.ops import (
+    GEOMETRIC_OPS,
+    Op,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    Resize,
+    ToChannelsLast,
+    ToDtype,
+)
+from gpuload.transforms.params import BatchParams
+
+__all__ = ["run"]
+
+_INT32_LIMIT = 2**31 - 1
+
+
+def run(params: BatchParams, batch: reference.Batch) -> torch.Tensor | None:
+    """``reference.apply_reference(params, batch)`` for the whole batch at once, on the batch's
+    device; None for the geometry the per-sample map cannot express (two resizes, padding
+    before a resize, crops with different fills), which the reference then runs."""
+    images = batch if isinstance(batch, torch.Tensor) else list(batch)
+    if len(images) != len(params.indices):
+        raise ValueError(f"{len(images)} images but parameters for {len(params.indices)} samples")
+    out_size = params.output_size()  # raises if the outputs cannot be stacked
+    if len(images) == 0:
+        return reference.apply_reference(params, batch)
+    if not isinstance(images, torch.Tensor):
+        channels = {image.shape[0] for image in images}
+        if len(channels) > 1:
+            raise ValueError(f"the images of one batch need one channel count, got {sorted(channels)}")
+    plan = geometry_plan(params, params.sizes[0])
+    if plan is None:
+        return None
+    table, fill = plan
+    ops = params.ops
+    n_geo = sum(isinstance(op, GEOMETRIC_OPS) for op in ops)
+    value_ops, value_params = ops[n_geo:], params.per_op[n_geo:]
+    maps = _Maps(table, out_size, _mirrored_before_resize(params))
+    if not maps.resizes:
+        pixels = _gather(images, maps.rows(from_window=True), maps.cols(from_window=True), fill)
+        if pixels.dtype == torch.uint8 and all(isinstance(op, ToChannelsLast) for op in value_ops):
+            # uint8 out and nothing but layout: the pixels are the reference's rounded floats.
+            return pixels.contiguous(memory_format=torch.channels_last) if value_ops else pixels
+        if pixels.dtype == torch.uint8 and not _scales_first(value_ops):
+            pixels = pixels.to(torch.float32)
+    else:
+        pixels = _resized(images, maps, fill)
+    # uint8 pixels go in only to ToDtype(scale=True): pixels / 255 is the float32 division the
+    # reference does on its float copy, so the scale is the conversion.
+    return reference.apply_value_ops(value_ops, value_params, pixels, owned=pixels.dtype == torch.float32)
+
+
+def _scales_first(value_ops: Sequence[Op]) -> bool:
+    return bool(value_ops) and isinstance(value_ops[0], ToDtype) and value_ops[0].scale
+
+
+class _Maps:
+    """The plan's per-sample map, and the row/column maps of the output pixels it gives.
+
+    Kept on the CPU: every decision about the batch is made there, without a device sync.
+    """
+
+    def __init__(self, table: torch.Tensor, out_size: tuple[int, int], pre_mirror: torch.Tensor) -> None:
+        self.table = table
+        self.out_size = out_size
+        self.resizes = bool((table[:, 2:4] != table[:, 4:6]).any())
+        self.flip = table[:, 12].bool()
+        # The plan reads an unmirrored canvas; a sample flipped before its resize has its window
+        # mirrored before resizing, as the reference does, so its canvas is read mirrored back.
+        self.pre_mirror = pre_mirror
+
+    def post_crop_is_identity(self) -> bool:
+        """True when the canvases are the outputs up to the mirror (no crop after the resize)."""
+        t, (oh, ow) = self.table, self.out_size
+        expected = torch.tensor([oh, ow, 0, 0, 0, oh, 0, ow], dtype=t.dtype)
+        return bool((t[:, 4:12] == expected).all())
+
+    def rows(self, from_window: bool) -> torch.Tensor:
+        """(N, OH) source row of each output row; -1 outside the box (the fill)."""
+        t = self.table
+        y = torch.arange(self.out_size[0]).view(1, -1)
+        row = y + t[:, 6:7] + (t[:, 0:1] if from_window else 0)
+        return torch.where((y >= t[:, 8:9]) & (y < t[:, 9:10]), row, -1)
+
+    def cols(self, from_window: bool) -> torch.Tensor:
+        """(N, OW) source column of each output column (after the mirror); -1 outside the box."""
+        t = self.table
+        ow = self.out_size[1]
+        x = torch.arange(ow).view(1, -1)
+        xs = torch.where(t[:, 12:13].bool(), ow - 1 - x, x)
+        if from_window:
+            col = xs + t[:, 7:8] + t[:, 1:2]
+        else:
+            col = xs + t[:, 7:8]
+            col = torch.where(self.pre_mirror[:, None], t[:, 5:6] - 1 - col, col)
+        return torch.where((xs >= t[:, 10:11]) & (xs < t[:, 11:12]), col, -1)
+
+
+def _flat_source(images: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 1-D view (or copy) holding every image, and (N, 4) int64 element offset and
+    channel/row/column strides of each image in it."""
+    if isinstance(images, torch.Tensor):
+        n = images.shape[0]
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(images.shape, images.stride()))
+        flat = images.as_strided((extent,), (1,))
+        base = torch.arange(n, dtype=torch.int64) * images.stride(0)
+        strides = torch.tensor(images.stride()[1:], dtype=torch.int64).expand(n, 3)
+        return flat, torch.cat([base[:, None], strides], 1)
+    flat = torch.cat([image.reshape(-1) for image in images])
+    shapes = torch.tensor([tuple(image.shape) for image in images], dtype=torch.int64)
+    numel = shapes.prod(1)
+    base = torch.cumsum(numel, 0) - numel
+    plane = shapes[:, 1] * shapes[:, 2]
+    return flat, torch.stack([base, plane, shapes[:, 2], torch.ones_like(base)], 1)
+
+
+def _fill_dtype(dtype: torch.dtype, fill: float) -> torch.dtype:
+    """uint8 pixels stay uint8 under a whole-number fill (the reference's floats are then
+    whole too); otherwise they become float32."""
+    return dtype if dtype != torch.uint8 or fill == round(fill) else torch.float32
+
+
+def _gather(
+    images: torch.Tensor | Sequence[torch.Tensor], rows: torch.Tensor, cols: torch.Tensor, fill: float
+) -> torch.Tensor:
+    """out[n, c, y, x] = images[n][c, rows[n, y], cols[n, x]], or ``fill`` where a row or
+    column is -1: one index_select, its flat indices broadcast from per-sample offsets.
+
+    A uniform batch that needs the fill is first copied into a border of it; a list gets the
+    fill written afterwards.
+    """
+    fill_outside = bool((rows < 0).any()) or bool((cols < 0).any())
+    outside = None
+    if isinstance(images, torch.Tensor):
+        if fill_outside:
+            images, rows, cols = _with_fill_border(images, rows, cols, fill)
+    elif fill_outside:
+        outside = (rows < 0)[:, None, :, None] | (cols < 0)[:, None, None, :]
+        rows, cols = rows.clamp(min=0), cols.clamp(min=0)
+    flat, layout = _flat_source(images)
+    channels = images.shape[1] if isinstance(images, torch.Tensor) else images[0].shape[0]
+    n, oh, ow = rows.shape[0], rows.shape[1], cols.shape[1]
+    index_dtype = torch.int32 if flat.numel() <= _INT32_LIMIT else torch.int64
+    per_channel = layout[:, :1] + torch.arange(channels).view(1, -1) * layout[:, 1:2]
+    per_row = (per_channel.view(n, channels, 1, 1) + (rows * layout[:, 2:3]).view(n, 1, oh, 1)).to(index_dtype)
+    per_col = (cols * layout[:, 3:4]).view(n, 1, 1, ow).to(index_dtype)
+    device = flat.device
+    index = torch.add(per_row.to(device, non_blocking=True), per_col.to(device, non_blocking=True))
+    out = flat.index_select(0, index.view(-1)).view(n, channels, oh, ow)
+    if outside is not None:
+        out = out.to(_fill_dtype(out.dtype, fill)).masked_fill_(outside.to(device, non_blocking=True), fill)
+    return out
+
+
+def _with_fill_border(
+    images: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, fill: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``images`` inside a border of ``fill`` wide enough for every row and column read (-1
+    reads the border), and the maps moved into it."""
+    h, w = images.shape[-2:]
+    top = max(0, -int(rows.min()))
+    bottom = max(0, int(rows.max()) - (h - 1))
+    left = max(0, -int(cols.min()))
+    right = max(0, int(cols.max()) - (w - 1))
+    shape = (*images.shape[:2], h + top + bottom, w + left + right)
+    framed = torch.full(shape, fill, dtype=_fill_dtype(images.dtype, fill), device=images.device)
+    framed[:, :, top : top + h, left : left + w] = images
+    return framed, rows + top, cols + left
+
+
+def _resized(images: torch.Tensor | Sequence[torch.Tensor], maps: _Maps, fill: float) -> torch.Tensor:
+    """The float32 (N, C, OH, OW) batch of a plan with a resize: each window resized to its
+    canvas (one bilinear call per distinct window), then the crop after the resize and the
+    mirror."""
+    table = maps.table
+    post_identity = maps.post_crop_is_identity()
+    uniform_canvas = bool((table[:, 4:6] == table[0, 4:6]).all())
+    n = len(table)
+    channels = images.shape[1] if isinstance(images, torch.Tensor) else images[0].shape[0]
+    device = images.device if isinstance(images, torch.Tensor) else images[0].device
+    canvases: list[torch.Tensor | None] = [None] * n
+    batch_canvas = None
+    if uniform_canvas:
+        ch, cw = (int(v) for v in table[0, 4:6])
+        batch_canvas = torch.empty((n, channels, ch, cw), dtype=torch.float32, device=device)
+    mirror_here = post_identity and batch_canvas is not None
+    for ids, window, canvas_size in _window_groups(images, table):
+        y0, x0, h, w = window
+        if isinstance(images, torch.Tensor):
+            source = images[:, :, y0 : y0 + h, x0 : x0 + w]
+            if len(ids) == 1:
+                source = source[int(ids[0]) : int(ids[0]) + 1]
+            elif len(ids) < n:
+                source = source.index_select(0, ids.to(device))
+        else:
+            windows = [images[k][:, y0 : y0 + h, x0 : x0 + w] for k in ids.tolist()]
+            source = windows[0].unsqueeze(0) if len(windows) == 1 else torch.stack(windows)
+        pre = maps.pre_mirror[ids]
+        if bool(pre.any()):
+            source = _mirror_some(source, pre)
+        source = source.to(torch.float32)
+        mirror = maps.flip[ids] ^ pre if mirror_here else None
+        if batch_canvas is None:
+            for slot, k in enumerate(ids.tolist()):
+                canvases[k] = _resize(source, canvas_size)[slot]
+        elif len(ids) in (1, n):  # ids is one sample or arange(n): a slice of the canvas
+            first = int(ids[0])
+            _resize(source, canvas_size, mirror, out=batch_canvas[first : first + len(ids)])
+        else:
+            batch_canvas.index_copy_(0, ids.to(device), _resize(source, canvas_size, mirror))
+    if mirror_here:
+        return batch_canvas
+    source = batch_canvas if batch_canvas is not None else canvases
+    return _gather(source, maps.rows(from_window=False), maps.cols(from_window=False), fill)
+
+
+def _window_groups(images: torch.Tensor | Sequence[torch.Tensor], table: torch.Tensor):
+    """(sample ids, window (y0, x0, h, w), canvas (h, w)) per distinct source window (and,
+    for a list, per image: different images cannot share a call unless they have one shape)."""
+    key = table[:, :6]
+    if not isinstance(images, torch.Tensor):
+        shapes = torch.tensor([tuple(image.shape[-2:]) for image in images], dtype=torch.int64)
+        key = torch.cat([key, shapes], 1)
+    if len(key) > 1 and bool((key == key[0]).all()):
+        yield torch.arange(len(key)), tuple(int(v) for v in key[0, :4]), tuple(int(v) for v in key[0, 4:6])
+        return
+    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+    if len(distinct) == len(key):  # every sample its own window: no sorting needed
+        for k, row in enumerate(key.tolist()):
+            yield torch.tensor([k]), tuple(row[:4]), tuple(row[4:6])
+        return
+    order = torch.argsort(inverse, stable=True)
+    counts = torch.bincount(inverse, minlength=len(distinct)).tolist()
+    for row, ids in zip(distinct.tolist(), order.split(counts)):
+        yield ids, tuple(row[:4]), tuple(row[4:6])
+
+
+def _resize(
+    source: torch.Tensor,
+    size: tuple[int, int],
+    mirror: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``source`` (G, C, h, w) float32 resized to ``size`` as the reference does (bilinear, no
+    antialias; unchanged when already that size), then mirrored where ``mirror``; into ``out``
+    when given."""
+    same = tuple(source.shape[-2:]) == tuple(size)
+    flips = mirror is not None and bool(mirror.any())
+    if not flips:
+        if out is None:
+            return source if same else _bilinear(source, size)
+        return out.copy_(source) if same else _bilinear(source, size, out)
+    resized = source if same else _bilinear(source, size)
+    if bool(mirror.all()) and out is not None:
+        return torch.ops.aten.flip.out(resized, [-1], out=out)
+    resized = _mirror_some(resized, mirror)
+    return resized if out is None else out.copy_(resized)
+
+
+def _bilinear(source: torch.Tensor, size: tuple[int, int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference's resize kernel (``F.interpolate`` bilinear, align_corners=False, no
+    antialiasing) on a float32 (G, C, h, w) batch, written into ``out`` when given."""
+    if out is None:
+        return torch.ops.aten.upsample_bilinear2d(source, list(size), False, None, None)
+    return torch.ops.aten.upsample_bilinear2d.out(source, list(size), False, None, None, out=out)
+
+
+def _mirror_some(images: torch.Tensor, mirror: torch.Tensor) -> torch.Tensor:
+    """``images`` (G, C, H, W) with the samples where ``mirror`` (G,) mirrored left-right."""
+    if bool(mirror.all()):
+        return images.flip(-1)
+    flipped = mirror.nonzero()[:, 0].to(images.device)
+    return images.index_copy(0, flipped, images.index_select(0, flipped).flip(-1))
+
+
+def _mirrored_before_resize(params: BatchParams) -> torch.Tensor:
+    """(N,) bool: samples an odd number of flips mirror before the (first) resize."""
+    mirrored = torch.zeros(len(params.indices), dtype=torch.bool)
+    for op, p in zip(params.ops, params.per_op):
+        if isinstance(op, (RandomResizedCrop, Resize)):
+            return mirrored
+        if isinstance(op, RandomHorizontalFlip):
+            mirrored ^= p["flip"]
+    return torch.zeros_like(mirrored)

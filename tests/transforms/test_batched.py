@@ -1,0 +1,240 @@
+"""The batched torch path against the reference: a seeded fuzz over op lists, batch shapes,
+output dtypes and layouts, plus its place in backend choice.
+
+The batched path promises the reference's results bit for bit (same float32 operations in the
+same order, the same bilinear kernel on the same windows), so the fuzz compares with
+``torch.equal``: a stricter bar than the kernels' one-ulp tolerance.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+from gpuload import transforms as T
+from gpuload.transforms import _kernels, apply, batched
+from gpuload.transforms.reference import apply_reference, batch_sizes
+from gpuload.transforms.windows import decode_windows
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def _images(n: int, c: int, h: int, w: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, c, h, w), dtype=torch.uint8, generator=g)
+
+
+def _random_geometry(rng: random.Random) -> list[T.Op]:
+    ops: list[T.Op] = []
+    for _ in range(rng.randint(0, 4)):
+        kind = rng.choice(["rrc", "resize", "center", "random", "flip", "flip"])
+        size = (rng.randint(4, 24), rng.randint(4, 24))
+        if kind == "rrc":
+            ops.append(T.RandomResizedCrop(size, scale=(rng.uniform(0.05, 0.5), 1.0)))
+        elif kind == "resize":
+            ops.append(T.Resize(rng.randint(5, 20) if rng.random() < 0.5 else size))
+        elif kind == "center":
+            ops.append(T.CenterCrop(size))
+        elif kind == "random":
+            padding = rng.choice([0, rng.randint(1, 5), (rng.randint(0, 3), rng.randint(0, 3))])
+            ops.append(T.RandomCrop(size, padding=padding, fill=rng.choice([0, 0, 17, 99.5])))
+        else:
+            ops.append(T.RandomHorizontalFlip(p=rng.choice([0.5, 1.0])))
+    if rng.random() < 0.5:  # most real lists end with a fixed size
+        ops.append(T.CenterCrop((rng.randint(4, 20), rng.randint(4, 20))))
+    return ops
+
+
+def _random_values(rng: random.Random, channels: int) -> list[T.Op]:
+    ops: list[T.Op] = []
+    if rng.random() < 0.25:
+        ops.append(T.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.4))
+    if rng.random() < 0.8:
+        scale = rng.random() < 0.8
+        ops.append(T.ToDtype(rng.choice([torch.float32, torch.float16, torch.bfloat16]), scale=scale))
+        if rng.random() < 0.7:
+            mean, std = MEAN[:channels], STD[:channels]
+            if scale:
+                ops.append(T.Normalize(mean, std))
+            else:
+                ops.append(T.Normalize([m * 255 for m in mean], [s * 255 for s in std], value_range=255))
+        if rng.random() < 0.3:
+            ops.append(T.RandomErasing(p=0.7, value=rng.choice([0, 1.5])))
+    if rng.random() < 0.3:
+        ops.append(T.ToChannelsLast())
+    return ops
+
+
+def _random_batch(rng: random.Random, channels: int, seed: int):
+    n = rng.randint(1, 9)
+    h, w = rng.randint(6, 40), rng.randint(6, 40)
+    layout = rng.choice(["contiguous", "channels_last", "sliced", "list", "list"])
+    if layout == "list":
+        return [_images(1, channels, rng.randint(6, 40), rng.randint(6, 40), seed + k)[0] for k in range(n)], layout
+    batch = _images(n, channels, h, w, seed)
+    if layout == "channels_last":
+        batch = batch.contiguous(memory_format=torch.channels_last)
+    elif layout == "sliced":
+        batch = _images(n, channels, h + 3, w + 2, seed)[:, :, 2 : 2 + h, 1 : 1 + w]
+    return batch, layout
+
+
+def _fuzz_case(seed: int):
+    """A valid (ops, batch, params) drawn from ``seed``: lists the reference can run."""
+    rng = random.Random(seed)
+    while True:
+        channels = rng.choice([3, 3, 1])
+        ops = _random_geometry(rng) + _random_values(rng, channels)
+        batch, layout = _random_batch(rng, channels, seed)
+        indices = torch.tensor(rng.sample(range(10_000), len(batch)))
+        try:
+            params = T.sample_params(ops, seed, rng.randint(0, 3), indices, batch_sizes(batch))
+            params.output_size()
+        except ValueError:  # a crop larger than a padded image, or outputs of several sizes
+            continue
+        return ops, batch, params, layout
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_fuzz_equals_the_reference_bit_for_bit(seed: int) -> None:
+    ops, batch, params, layout = _fuzz_case(seed)
+    expected = apply_reference(params, batch)
+    got = batched.run(params, batch)
+    if got is None:  # the geometries the per-sample map cannot express, and only those
+        assert _kernels.geometry_plan(params, params.sizes[0]) is None
+        return
+    context = f"ops={list(ops)} layout={layout}"
+    assert got.dtype == expected.dtype and got.shape == expected.shape, context
+    assert got.is_contiguous(memory_format=torch.channels_last) == expected.is_contiguous(
+        memory_format=torch.channels_last
+    ) or got.shape[-2:] == (1, 1), context
+    assert torch.equal(got, expected), context
+
+
+def test_the_fuzz_reaches_every_path() -> None:
+    """The fuzz's cases cover the gather and resize paths, fills, lists and the fallback."""
+    seen = set()
+    for seed in range(120):
+        _, batch, params, layout = _fuzz_case(seed)
+        plan = _kernels.geometry_plan(params, params.sizes[0])
+        if plan is None:
+            seen.add("fallback")
+            continue
+        table, _ = plan
+        seen.add("resize" if bool((table[:, 2:4] != table[:, 4:6]).any()) else "gather")
+        box = table[:, 8:12]
+        if bool((box[:, 0] > 0).any() or (box[:, 1] < params.output_size()[0]).any()):
+            seen.add("fill")
+        seen.add(layout)
+    assert seen >= {"fallback", "resize", "gather", "fill", "list", "channels_last", "sliced"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cifar_augmentation_equals_the_reference(dtype: torch.dtype) -> None:
+    ops = [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToDtype(dtype), T.Normalize(MEAN, STD)]
+    batch = _images(64, 3, 32, 32, seed=1)
+    params = T.sample_params(ops, 7, 2, torch.arange(100, 164), batch_sizes(batch))
+    assert torch.equal(batched.run(params, batch), apply_reference(params, batch))
+
+
+def test_decoded_windows_give_what_whole_images_give() -> None:
+    """The image path's case: each image only its crop window (ROI decoding), sizes all differ."""
+    ops = [T.RandomResizedCrop(24), T.RandomHorizontalFlip(), T.ToDtype(torch.float16), T.Normalize(MEAN, STD)]
+    whole = [_images(1, 3, 30 + 3 * k, 41 - 2 * k, seed=k)[0] for k in range(8)]
+    sizes = [tuple(image.shape[-2:]) for image in whole]
+    indices = torch.arange(8) * 5
+    windows = decode_windows(ops, 3, 1, indices, sizes)
+    parts = [image[:, y : y + h, x : x + w] for image, (y, x, h, w) in zip(whole, windows)]
+    got, backend = T.transform_batch(ops, parts, 3, 1, indices, windows=windows, image_sizes=sizes)
+    expected = apply_reference(T.sample_params(ops, 3, 1, indices, sizes), whole)
+    assert backend == "batched" and torch.equal(got, expected)
+
+
+def test_a_uniform_resize_is_one_bilinear_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole-batch work: a Resize that every sample shares calls the bilinear kernel once."""
+    calls = []
+    bilinear = batched._bilinear
+    monkeypatch.setattr(batched, "_bilinear", lambda source, *args: calls.append(len(source)) or bilinear(source, *args))
+    ops = [T.Resize((20, 24)), T.RandomHorizontalFlip(), T.ToDtype(torch.float32)]
+    batch = _images(16, 3, 32, 32, seed=2)
+    params = T.sample_params(ops, 0, 0, torch.arange(16), batch_sizes(batch))
+    got = batched.run(params, batch)
+    monkeypatch.undo()
+    assert calls == [16]
+    assert torch.equal(got, apply_reference(params, batch))
+
+
+def test_unexpressible_geometry_falls_back_to_the_reference() -> None:
+    ops = [T.RandomCrop(20, padding=4), T.Resize((12, 12)), T.ToDtype(torch.float32)]
+    batch = _images(4, 3, 20, 20, seed=3)
+    params = T.sample_params(ops, 0, 0, torch.arange(4), batch_sizes(batch))
+    assert batched.run(params, batch) is None
+    out, backend = T.transform_batch(ops, batch, 0, 0, torch.arange(4))
+    assert backend == "torch" and torch.equal(out, apply_reference(params, batch))
+
+
+def test_a_batch_with_too_few_images_is_refused_like_the_reference() -> None:
+    ops = [T.CenterCrop(8)]
+    batch = _images(3, 3, 10, 10, seed=4)
+    params = T.sample_params(ops, 0, 0, torch.arange(4), [(10, 10)] * 4)
+    with pytest.raises(ValueError, match="3 images but parameters for 4 samples"):
+        batched.run(params, batch)
+
+
+def test_images_with_different_channel_counts_are_refused() -> None:
+    images = [_images(1, 3, 10, 10, seed=5)[0], _images(1, 1, 10, 10, seed=6)[0]]
+    params = T.sample_params([T.CenterCrop(8)], 0, 0, torch.arange(2), batch_sizes(images))
+    with pytest.raises(ValueError, match=r"one channel count, got \[1, 3\]"):
+        batched.run(params, images)
+
+
+def test_an_empty_batch_is_the_reference_empty_batch() -> None:
+    ops = [T.CenterCrop(8), T.ToDtype(torch.float16)]
+    batch = torch.empty((0, 3, 10, 10), dtype=torch.uint8)
+    params = T.sample_params(ops, 0, 0, torch.empty(0, dtype=torch.int64), batch_sizes(batch))
+    out, expected = batched.run(params, batch), apply_reference(params, batch)
+    assert out.shape == expected.shape and out.dtype == expected.dtype == torch.float16
+
+
+# ------------------------------------------------------------------------ backend choice
+
+
+def test_the_cpu_backend_is_the_batched_path() -> None:
+    assert apply.choose_backend("cpu")[0] == "batched"
+    assert apply.choose_backend("cpu", "torch")[0] == "torch"
+    assert apply.choose_backend("cpu", "batched")[0] == "batched"
+    ops = [T.RandomCrop(8, padding=2), T.RandomHorizontalFlip(), T.ToDtype(torch.float32)]
+    batch = _images(5, 3, 8, 8, seed=5)
+    fast, name = T.transform_batch(ops, batch, 1, 0, torch.arange(5))
+    slow, ref_name = T.transform_batch(ops, batch, 1, 0, torch.arange(5), backend="torch")
+    assert (name, ref_name) == ("batched", "torch") and torch.equal(fast, slow)
+    with pytest.raises(ValueError, match="use one of"):
+        apply.choose_backend("cpu", "numpy")
+
+
+def test_a_gpu_without_working_kernels_gets_the_batched_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_kernels, "available", lambda device: (False, "CuPy cannot run here (test)"))
+    monkeypatch.setattr(apply, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        name, reason = apply.choose_backend("cuda:0")
+    assert name == "batched" and "test" in reason
+    assert any("batched torch ops on cuda:0" in str(w.message) for w in caught)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(20))
+def test_fuzz_on_the_gpu_equals_the_reference_there(seed: int) -> None:
+    """Pure torch ops: the fallback of a GPU without kernels, run on device tensors."""
+    ops, batch, params, layout = _fuzz_case(seed)
+    on_device = batch.cuda() if isinstance(batch, torch.Tensor) else [image.cuda() for image in batch]
+    got = batched.run(params, on_device)
+    if got is None:
+        return
+    expected = apply_reference(params, on_device)
+    assert got.device.type == "cuda"
+    rtol = {torch.float16: 2**-10, torch.bfloat16: 2**-7}.get(got.dtype, 1e-5)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=rtol, atol=1e-4 if got.is_floating_point() else 1)
