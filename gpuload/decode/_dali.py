@@ -6,6 +6,17 @@ decodes them, ``fn.transpose`` lays them out CHW. On a CUDA device the decoder r
 ``device="mixed"`` (nvJPEG, the hardware JPEG decoder where the GPU has one); without one it
 runs on the CPU (libjpeg-turbo) in a pipeline with ``device_id=None``. DALI applies the EXIF
 orientation itself (``adjust_orientation=True``, the default); ROIs are in upright coordinates.
+
+**Streams.** On a CUDA device a batch runs with ``pipe.run(stream)``, ``stream`` being torch's
+current stream: DALI makes that stream wait for its outputs (no host wait) and orders the
+release of their memory after the work queued on it, so the ``feed_ndarray`` copies into torch
+tensors, enqueued on the same stream, read them before DALI can reuse them. The torch tensors
+are allocated on that stream too, so the caller's later work on it is ordered after the copies.
+
+**Errors.** DALI raises ``RuntimeError`` for a bad file and for a failing device alike;
+:class:`DaliError` keeps DALI's reason and ``device`` says which it was
+(:func:`gpuload.decode.errors.is_device_failure`): an out-of-memory or CUDA error must never be
+taken for a bad file.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpuload.decode.errors import is_device_failure
 from gpuload.device import usable_cpu_count
 
 __all__ = ["DaliError", "DaliUnavailable", "dali_installed", "DaliDecoder"]
@@ -29,7 +41,14 @@ class DaliUnavailable(RuntimeError):
 
 
 class DaliError(RuntimeError):
-    """DALI failed on a batch; the message is DALI's own reason, trimmed of pipeline noise."""
+    """DALI failed on a batch; the message is DALI's own reason, trimmed of pipeline noise.
+
+    ``device`` is True when the reason is an out-of-memory or CUDA error rather than the input.
+    """
+
+    def __init__(self, reason: str, device: bool = False) -> None:
+        super().__init__(reason)
+        self.device = device
 
 
 def dali_installed() -> bool:
@@ -163,16 +182,17 @@ class DaliDecoder:
             if self._pipe is None or len(encoded) > self._pipe_batch:
                 self._build(max(self.max_batch, len(encoded), self._pipe_batch))
             pipe = self._pipe
+            stream = torch.cuda.current_stream(self.device) if self.mixed else None
             try:
                 pipe.feed_input("encoded", [np.frombuffer(data, dtype=np.uint8) for data in encoded])
                 if rois is not None:
                     pipe.feed_input("anchor", [np.array(r[:2], dtype=np.int32) for r in rois])
                     pipe.feed_input("shape", [np.array(r[2:], dtype=np.int32) for r in rois])
-                (batch,) = pipe.run()
+                (batch,) = self._run(pipe, stream)
             except Exception as error:
                 self._pipe = None  # DALI says the pipeline is no longer valid: rebuild next time
-                raise DaliError(_reason(error)) from error
-            stream = torch.cuda.current_stream(self.device) if self.mixed else None
+                reason = _reason(error)
+                raise DaliError(reason, device=is_device_failure(f"{reason} {error}")) from error
             images = []
             for i in range(len(batch)):
                 sample = batch[i]
@@ -180,3 +200,8 @@ class DaliDecoder:
                 feed_ndarray(sample, out, cuda_stream=stream)
                 images.append(out)
             return images
+
+    @staticmethod
+    def _run(pipe: Any, stream: torch.cuda.Stream | None) -> Any:
+        """One pipeline run, its outputs bound to ``stream`` (None: host-synchronous, CPU)."""
+        return pipe.run(stream) if stream is not None else pipe.run()

@@ -226,8 +226,10 @@ def test_backend_resolution() -> None:
     assert resolve_backend(torch.device("cuda", 0), "auto") == "dali-mixed"
     with pytest.raises(ValueError, match="backend='dali-mixed' decodes on a GPU but the device is cpu"):
         resolve_backend(CPU, "dali-mixed")
-    with pytest.raises(ValueError, match="backend='nvjpeg' is not one of"):
+    with pytest.raises(ValueError, match="backend='nvjpeg' decodes on a GPU but the device is cpu"):
         resolve_backend(CPU, "nvjpeg")
+    with pytest.raises(ValueError, match="backend='jpeg' is not one of"):
+        resolve_backend(CPU, "jpeg")
 
 
 def test_backend_resolution_without_dali(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -236,7 +238,12 @@ def test_backend_resolution_without_dali(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(dali_module, "dali_installed", lambda: False)
     expected = "torchvision" if cpu.torchvision_available() else "pil"
     assert resolve_backend(CPU, "auto") == expected
-    assert resolve_backend(torch.device("cuda", 0), "auto") == expected
+    on_gpu = "nvjpeg" if cpu.torchvision_available() else "pil"
+    assert resolve_backend(torch.device("cuda", 0), "auto") == on_gpu
+    monkeypatch.setattr(cpu, "torchvision_available", lambda: False)
+    assert resolve_backend(torch.device("cuda", 0), "auto") == "pil"
+    with pytest.raises(ValueError, match="backend='nvjpeg' needs torchvision"):
+        resolve_backend(torch.device("cuda", 0), "nvjpeg")
     with pytest.raises(ValueError, match="backend='dali' needs nvidia.dali"):
         resolve_backend(CPU, "dali")
     assert decode_batch([F.jpeg("baseline-420")], ["a"], [0], device="cpu", backend="pil").backend == "pil"
