@@ -62,10 +62,10 @@ class DecodeDeviceError(RuntimeError):
         self.out_of_memory = bool(_OUT_OF_MEMORY.search(reason))
         batch = f" while decoding a batch of {len(names)} starting with {names[0]!r}" if names else ""
         advice = (
-            "the GPU ran out of memory: decode smaller batches, or leave more memory free "
+            "The device ran out of memory: decode smaller batches, or leave more memory free "
             "(a smaller cache_size, a larger cache_reserve)"
             if self.out_of_memory
-            else "this is a device error, not a bad file; the CUDA context may be unusable"
+            else "This is a device error, not a bad file; the CUDA context may be unusable"
         )
         super().__init__(f"decoder {backend} failed{batch}: {reason}. {advice}")
 
