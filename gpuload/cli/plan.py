@@ -53,7 +53,14 @@ class DatasetShape:
 
 
 def _image_folder(path: Path, probes: int) -> DatasetShape:
-    from PIL import Image
+    """Count the images and estimate their decoded size from the headers of ``probes`` of them.
+
+    A probed file whose header cannot be read, or claims more pixels than the pixel limit
+    (``gpuload.decode.default_max_pixels()``, a decompression bomb), is one the loader would
+    skip or refuse: it is left out of the estimate and named on a line of its own.
+    """
+    from gpuload.decode import default_max_pixels, peek_header
+    from gpuload.decode.cpu import describe_error
 
     files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
     if not files:
@@ -63,24 +70,41 @@ def _image_folder(path: Path, probes: int) -> DatasetShape:
         )
     step = max(1, len(files) // max(1, probes))
     sampled = files[::step][:probes]
-    decoded, encoded = [], []
+    limit = default_max_pixels()
+    decoded, encoded, refused = [], [], []
     for file in sampled:
         try:
-            with Image.open(file) as image:  # reads the header only
-                width, height = image.size
-        except OSError as error:
-            raise ValueError(f"cannot read image {file}: {error}") from None
-        decoded.append(3 * width * height)
+            with open(file, "rb") as handle:
+                header = peek_header(handle.read(_HEADER_BYTES))
+        except Exception as error:  # unreadable, not an image, or over PIL's own limit
+            refused.append(f"{file}: not a readable image header ({describe_error(error)})")
+            continue
+        if limit is not None and header.pixels > limit:
+            refused.append(
+                f"{file}: {header.width}x{header.height} = {header.pixels:,} pixels, over the pixel limit "
+                f"of {limit:,} (a decompression bomb?)"
+            )
+            continue
+        decoded.append(3 * header.width * header.height)
         encoded.append(file.stat().st_size)
+    bad = ""
+    if refused:
+        bad = (f"\n  bad files: {len(refused)} of the {len(sampled)} probed would be skipped or refused: "
+               + "; ".join(refused[:3]) + ("; ..." if len(refused) > 3 else ""))
+    if not decoded:
+        raise ValueError(f"none of the {len(sampled)} probed images in {path} can be loaded:{bad}")
     per_sample = math.ceil(sum(decoded) / len(decoded)) + LABEL_BYTES
     return DatasetShape(
         len(files),
         per_sample,
-        f"image folder {path}: {len(files)} images; {len(sampled)} probed, decoded RGB uint8 "
+        f"image folder {path}: {len(files)} images; {len(decoded)} probed, decoded RGB uint8 "
         f"{format_bytes(min(decoded))} to {format_bytes(max(decoded))} "
         f"(mean {format_bytes(per_sample - LABEL_BYTES)}) + int64 label; "
-        f"encoded mean {format_bytes(sum(encoded) / len(encoded))} on disk",
+        f"encoded mean {format_bytes(sum(encoded) / len(encoded))} on disk{bad}",
     )
+
+
+_HEADER_BYTES = 256 * 1024  # JPEG headers with EXIF thumbnails and ICC profiles fit
 
 
 def _npy_header(handle) -> tuple[tuple[int, ...], np.dtype]:

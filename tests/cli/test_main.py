@@ -63,3 +63,21 @@ def test_bench_images_scenario_on_generated_photos(tmp_path: Path, capsys) -> No
     assert gpuload_row["of_ideal"] is None and "image_cache" not in gpuload_row
     assert cached_row["image_cache"] == "decoded" and cached_row["cached_images"] == 12
     assert len(list((tmp_path / "sample-images").rglob("*.jpg"))) == 12
+
+
+def test_plan_names_bombs_and_unreadable_files_instead_of_crashing(tmp_path: Path, capsys) -> None:
+    import image_fixtures as F
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "bomb.jpg").write_bytes(F.bomb_jpeg())
+    (tmp_path / "a" / "junk.png").write_bytes(b"not a png")
+    (tmp_path / "a" / "ok.jpg").write_bytes(F.jpeg("grayscale"))
+    assert main(["plan", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "3 images; 1 probed" in out
+    assert re.search(r"bad files: 2 of the 3 probed .*bomb.jpg: 20000x20000 = 400,000,000 pixels, over the pixel limit", out)
+    assert "junk.png: not a readable image header" in out
+    (tmp_path / "a" / "ok.jpg").unlink()
+    (tmp_path / "a" / "junk.png").unlink()
+    assert main(["plan", str(tmp_path)]) == 2
+    assert "none of the 1 probed images" in capsys.readouterr().err
