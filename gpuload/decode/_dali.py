@@ -17,6 +17,10 @@ are allocated on that stream too, so the caller's later work on it is ordered af
 :class:`DaliError` keeps DALI's reason and ``device`` says which it was
 (:func:`gpuload.decode.errors.is_device_failure`): an out-of-memory or CUDA error must never be
 taken for a bad file.
+
+**Console.** DALI prints its own ``[ERROR]`` line for every file it rejects; those lines are
+kept off the console during a run and logged to ``gpuload.decode.dali`` instead, and the last
+few are added to the error's reason (:mod:`gpuload.decode._stderr` says how, and when not).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpuload.decode._stderr import quiet_native_stderr, take_native_lines
 from gpuload.decode.errors import is_device_failure
 from gpuload.device import usable_cpu_count
 
@@ -183,16 +188,23 @@ class DaliDecoder:
                 self._build(max(self.max_batch, len(encoded), self._pipe_batch))
             pipe = self._pipe
             stream = torch.cuda.current_stream(self.device) if self.mixed else None
-            try:
-                pipe.feed_input("encoded", [np.frombuffer(data, dtype=np.uint8) for data in encoded])
-                if rois is not None:
-                    pipe.feed_input("anchor", [np.array(r[:2], dtype=np.int32) for r in rois])
-                    pipe.feed_input("shape", [np.array(r[2:], dtype=np.int32) for r in rois])
-                (batch,) = self._run(pipe, stream)
-            except Exception as error:
+            failure: Exception | None = None
+            with quiet_native_stderr():
+                try:
+                    pipe.feed_input("encoded", [np.frombuffer(data, dtype=np.uint8) for data in encoded])
+                    if rois is not None:
+                        pipe.feed_input("anchor", [np.array(r[:2], dtype=np.int32) for r in rois])
+                        pipe.feed_input("shape", [np.array(r[2:], dtype=np.int32) for r in rois])
+                    (batch,) = self._run(pipe, stream)
+                except Exception as error:
+                    failure = error
+            logged = take_native_lines()
+            if failure is not None:
                 self._pipe = None  # DALI says the pipeline is no longer valid: rebuild next time
-                reason = _reason(error)
-                raise DaliError(reason, device=is_device_failure(f"{reason} {error}")) from error
+                reason = _reason(failure)
+                if logged:
+                    reason += f" (DALI logged: {'; '.join(logged[-3:])})"
+                raise DaliError(reason, device=is_device_failure(f"{reason} {failure}")) from failure
             images = []
             for i in range(len(batch)):
                 sample = batch[i]

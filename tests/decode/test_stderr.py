@@ -1,0 +1,74 @@
+"""DALI's native [ERROR] lines are kept off the console; everything else on fd 2 still gets there."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import pytest
+
+import image_fixtures as F
+from gpuload.decode import BatchDecoder
+from gpuload.decode._stderr import quiet_native_stderr, take_native_lines
+
+NATIVE = b"\x1b[0;31m[ERROR] \x1b[0m[libjpeg_turbo_decoder] Could not decode jpeg code stream\n"
+
+
+def test_native_lines_are_kept_and_the_rest_passes_through(capfd: pytest.CaptureFixture[str]) -> None:
+    take_native_lines()
+    with quiet_native_stderr():
+        os.write(2, b"a traceback line\n" + NATIVE + b"[WARNING] [nvjpeg] plain, no colours\n[not a log line\n")
+        os.write(2, b"\r 50%|#####     | progress")  # no newline: passed on all the same
+    assert take_native_lines() == [
+        "[ERROR] [libjpeg_turbo_decoder] Could not decode jpeg code stream",
+        "[WARNING] [nvjpeg] plain, no colours",
+    ]
+    err = capfd.readouterr().err
+    assert err == "a traceback line\n[not a log line\n\r 50%|#####     | progress"
+    os.write(2, b"after\n")  # fd 2 is itself again
+    assert capfd.readouterr().err == "after\n"
+
+
+def test_overlapping_runs_share_one_redirect(capfd: pytest.CaptureFixture[str]) -> None:
+    take_native_lines()
+    inside, release = threading.Event(), threading.Event()
+
+    def other_run() -> None:
+        with quiet_native_stderr():
+            inside.set()
+            release.wait(10)
+            os.write(2, NATIVE)
+
+    thread = threading.Thread(target=other_run)
+    with quiet_native_stderr():
+        thread.start()
+        inside.wait(10)
+    os.write(2, NATIVE)  # the other run is still on: fd 2 is still the pipe
+    release.set()
+    thread.join(10)
+    assert len(take_native_lines()) == 2
+    assert capfd.readouterr().err == ""
+    os.write(2, b"restored\n")
+    assert capfd.readouterr().err == "restored\n"
+
+
+def test_keep_leaves_the_console_alone(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("GPULOAD_DALI_STDERR", "keep")
+    with quiet_native_stderr():
+        os.write(2, NATIVE)
+    assert "libjpeg_turbo_decoder" in capfd.readouterr().err
+
+
+def test_dali_rejecting_files_with_skip_prints_nothing_and_logs_why(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    decoder = BatchDecoder("cpu", backend="dali-cpu", max_batch=4)
+    bad = F.corrupt_inputs()
+    encoded = [bad["truncated.jpg"], F.jpeg("grayscale"), bad["truncated.jpg"]]
+    with caplog.at_level(logging.INFO, logger="gpuload.decode.dali"):
+        result = decoder.decode(encoded, ["t1", "ok", "t2"], [0, 1, 2], on_error="skip")
+    assert result.kept_positions == [1]
+    assert "[ERROR]" not in capfd.readouterr().err
+    assert any("Premature end of JPEG data" in record.getMessage() for record in caplog.records)
+    assert "Premature end of JPEG data" in result.skipped[0][2]  # DALI's words join the reason
