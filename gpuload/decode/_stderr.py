@@ -13,15 +13,18 @@ warnings, progress bars).
 Why it is safe enough to do by default, and where it is not done:
 
 - One redirect is shared by overlapping runs (two loaders' threads), counted, so fd 2 is put
-  back exactly once, when the last run ends; the thread is joined then, so nothing is lost on
-  the way.
+  back exactly once, when the last run ends. The pipe and its reader thread then stay, so a
+  child process started during a run, which inherited the pipe as its stderr, is still read
+  and passed on: nothing waits for the pipe to close or blocks on a full one. A forked child
+  gets its real stderr back at once (``os.register_at_fork``).
 - Lines are passed to ``logging`` by the decoding thread after its run, never by the reader
   thread, which could otherwise block on the pipe it alone drains.
 - Not done where ``os.dup`` fails (fd 2 closed) or on platforms without ``os.pipe``, and never
   when ``GPULOAD_DALI_STDERR=keep`` is set.
-- The one thing it cannot promise: if the process is killed by a signal during a run (a
-  segfault inside DALI), bytes still in the pipe die with the reader thread. Set
-  ``GPULOAD_DALI_STDERR=keep`` when debugging a crash.
+- What it cannot promise: if the process dies from a signal during a run (a segfault inside
+  DALI), bytes still in the pipe die with the reader. Set ``GPULOAD_DALI_STDERR=keep`` when
+  debugging a crash. Output of other threads during a run reaches the console a moment later
+  (through the reader), in order.
 """
 
 from __future__ import annotations
@@ -45,20 +48,29 @@ _MAX_KEPT = 1000  # lines waiting for take_native_lines; older ones are dropped
 
 
 class _Redirect:
-    """fd 2 pointed at a pipe, drained by a thread, for as long as ``users`` > 0."""
+    """fd 2 pointed at a pipe while ``users`` > 0; one reader thread drains the pipe for good.
+
+    The pipe and its reader live as long as the process, so a child started during a run
+    (``subprocess``, a forked worker) that inherited the pipe as its stderr is still read and
+    passed on after the run: nothing waits for the pipe to close, nothing blocks on a full one.
+    At the end of a run a flush mark goes through the pipe, so the lines written during the run
+    are sorted before :func:`take_native_lines` looks.
+    """
+
+    _FLUSH = b"\x00gpuload-stderr-flush\x00"
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.users = 0
-        self.saved_fd = -1
-        self.write_fd = -1
-        self.reader: threading.Thread | None = None
+        self.read_fd = self.write_fd = self.out_fd = -1
+        self.out_lock = threading.Lock()
+        self.flushed = threading.Event()
         self.lines: list[str] = []
         self.lines_lock = threading.Lock()
 
     def enter(self) -> bool:
         with self.lock:
-            if self.users == 0 and not self._start():
+            if self.users == 0 and not self._redirect():
                 return False
             self.users += 1
             return True
@@ -67,52 +79,60 @@ class _Redirect:
         with self.lock:
             self.users -= 1
             if self.users == 0:
-                self._stop()
+                os.dup2(self.out_fd, 2)
+                self.flushed.clear()
+                _write_all(self.write_fd, self._FLUSH)
+                self.flushed.wait(timeout=2.0)
 
-    def _start(self) -> bool:
+    def _redirect(self) -> bool:
         try:
-            saved = os.dup(2)
+            current = os.dup(2)  # the stderr of now: it may have changed since the last run
         except OSError:
             return False
-        read_fd, write_fd = os.pipe()
-        os.dup2(write_fd, 2)
-        self.saved_fd, self.write_fd = saved, write_fd
-        self.reader = threading.Thread(
-            target=self._drain, args=(read_fd, saved), name="gpuload-dali-stderr", daemon=True
-        )
-        self.reader.start()
+        if self.read_fd < 0:
+            self.read_fd, self.write_fd = os.pipe()
+            threading.Thread(target=self._drain, name="gpuload-dali-stderr", daemon=True).start()
+        with self.out_lock:
+            if self.out_fd >= 0:
+                os.close(self.out_fd)
+            self.out_fd = current
+        os.dup2(self.write_fd, 2)
         return True
 
-    def _stop(self) -> None:
-        os.dup2(self.saved_fd, 2)
-        os.close(self.write_fd)  # with fd 2 restored, the reader now sees the end of the pipe
-        if self.reader is not None:
-            self.reader.join()
-        os.close(self.saved_fd)
-        self.reader, self.saved_fd, self.write_fd = None, -1, -1
+    def after_fork_in_child(self) -> None:
+        """A forked child has no reader thread: give it its stderr back and start afresh."""
+        if self.users > 0 and self.out_fd >= 0:
+            os.dup2(self.out_fd, 2)
+        for fd in (self.read_fd, self.write_fd, self.out_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.__init__()  # type: ignore[misc]
 
-    def _drain(self, read_fd: int, out_fd: int) -> None:
+    def _drain(self) -> None:
         pending = b""
-        try:
-            while chunk := os.read(read_fd, 65536):
-                pending = self._sort(pending + chunk, out_fd)
-            if pending and not self._keep(pending):
-                _write_all(out_fd, pending)  # an unfinished line, as it was written
-        finally:
-            os.close(read_fd)
+        while chunk := os.read(self.read_fd, 65536):
+            data = pending + chunk
+            while self._FLUSH in data:
+                before, data = data.split(self._FLUSH, 1)
+                rest = self._sort(before)
+                if rest and not self._keep(rest):
+                    self._pass(rest)  # an unfinished line, as it was written
+                self.flushed.set()
+            pending = self._sort(data)
 
-    def _sort(self, data: bytes, out_fd: int) -> bytes:
+    def _pass(self, data: bytes) -> None:
+        with self.out_lock:
+            _write_all(self.out_fd, data)
+
+    def _sort(self, data: bytes) -> bytes:
         """Keep DALI's complete lines, pass the rest on; returns a partial line to wait for."""
         *lines, rest = data.split(b"\n")
-        passed = []
-        for line in lines:
-            if not self._keep(line):
-                passed.append(line + b"\n")
+        passed = [line + b"\n" for line in lines if not self._keep(line)]
         if rest and not _could_be_native(rest):
             passed.append(rest)  # a progress bar's "\r..." goes on without waiting for a newline
             rest = b""
         if passed:
-            _write_all(out_fd, b"".join(passed))
+            self._pass(b"".join(passed))
         return rest
 
     def _keep(self, line: bytes) -> bool:
@@ -140,6 +160,8 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 _redirect = _Redirect()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_redirect.after_fork_in_child)
 
 
 @contextmanager

@@ -72,3 +72,21 @@ def test_dali_rejecting_files_with_skip_prints_nothing_and_logs_why(
     assert "[ERROR]" not in capfd.readouterr().err
     assert any("Premature end of JPEG data" in record.getMessage() for record in caplog.records)
     assert "Premature end of JPEG data" in result.skipped[0][2]  # DALI's words join the reason
+
+
+def test_a_child_started_during_a_run_neither_hangs_it_nor_loses_its_output(capfd: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+    import sys
+    import time
+
+    script = "import sys, time; time.sleep(0.5); sys.stderr.write('late child\\n')"
+    with quiet_native_stderr():
+        child = subprocess.Popen([sys.executable, "-c", script])  # inherits the pipe as stderr
+    started = time.monotonic()  # the run ended without waiting for the child
+    assert child.poll() is None
+    child.wait(10)
+    seen = ""
+    while "late child" not in seen and time.monotonic() - started < 5:
+        time.sleep(0.05)
+        seen += capfd.readouterr().err
+    assert "late child" in seen
