@@ -325,7 +325,15 @@ class BatchDecoder:
         )
 
     def _to_device(self, image: torch.Tensor) -> torch.Tensor:
-        return image.to(self.device) if image.device != self.device else image
+        """A CPU-decoded image on the target device. To a GPU it is copied from pinned memory
+        without blocking: a pageable copy would make the host wait for everything queued on
+        the stream (the training step). torch's pinned allocator keeps the staging block until
+        the copy is done."""
+        if image.device == self.device:
+            return image
+        if self.device.type == "cuda":
+            return image.pin_memory().to(self.device, non_blocking=True)
+        return image.to(self.device)
 
     @staticmethod
     def _decode_gpu(
