@@ -11,6 +11,7 @@ header first and rejects an image with more pixels than the limit: ``max_pixels=
 :class:`~gpuload.decode.BatchDecoder` / ``decode_batch``, else the process-wide default set with
 :func:`set_default_max_pixels`, else PIL's ``Image.MAX_IMAGE_PIXELS`` (89,478,485 pixels, read
 at check time, so code that raises PIL's limit raises gpuload's). ``None`` turns the check off.
+The default is per process: worker processes started with ``spawn`` begin from PIL's again.
 PIL itself (the ``pil`` backend, and headers of formats other than JPEG and PNG) keeps its own
 check on top: an image over twice ``Image.MAX_IMAGE_PIXELS`` needs PIL's limit raised too.
 """
