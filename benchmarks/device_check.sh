@@ -27,7 +27,7 @@ mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python="${GPULOAD_CHECK_PYTHON:-python3}"
-budget_s="${GPULOAD_CHECK_BUDGET_S:-465}"  # the whole script stays under 8 minutes
+budget_s="${GPULOAD_CHECK_BUDGET_S:-440}"  # steps; with the summary and packing, under 8 minutes
 only="${GPULOAD_CHECK_STEPS:-}"
 started=$(date +%s)
 steps="$out/steps.tsv"
@@ -87,21 +87,21 @@ fi
 
 export python
 export -f machine_info
-step machine 30 bash -c machine_info
-step gpu-tests 150 "$python" -m pytest "${pytest_args[@]}" --junitxml="$out/gpu-tests.xml" \
+step machine 20 bash -c machine_info
+step gpu-tests 140 "$python" -m pytest "${pytest_args[@]}" --junitxml="$out/gpu-tests.xml" \
   --ignore=tests/transforms tests
-step kernel-parity 75 "$python" -m pytest "${pytest_args[@]}" --junitxml="$out/kernel-parity.xml" tests/transforms
-step prefetch 50 "$python" benchmarks/bench_prefetch.py --quick --device cuda --json "$out/prefetch.json"
-step cache-device 55 "$python" -m gpuload.cli bench --quick --step sleep --step-ms 2 --epochs 2 \
+step kernel-parity 70 "$python" -m pytest "${pytest_args[@]}" --junitxml="$out/kernel-parity.xml" tests/transforms
+step prefetch 45 "$python" benchmarks/bench_prefetch.py --quick --device cuda --json "$out/prefetch.json"
+step cache-device 50 "$python" -m gpuload.cli bench --quick --step sleep --step-ms 2 --epochs 2 \
   --out "$out/cache-device"
-step cache-partial 45 "$python" -m gpuload.cli bench --quick --scenario partial --step sleep --step-ms 2 \
+step cache-partial 40 "$python" -m gpuload.cli bench --quick --scenario partial --step sleep --step-ms 2 \
   --epochs 2 --out "$out/cache-partial"
-step images 75 "$python" -m gpuload.cli bench --quick --scenario images --device cuda --samples 256 \
+step images 70 "$python" -m gpuload.cli bench --quick --scenario images --device cuda --samples 256 \
   --epochs 2 --torch-workers 4 --out "$out/images"
 rm -rf "$out/images/sample-images"  # the generated photos need not come back
 
 echo "== summary"
-if ! timeout -k 5 20 "$python" benchmarks/device_check_summary.py "$out" > "$out/summary.log" 2>&1; then
+if ! timeout -k 5 15 "$python" benchmarks/device_check_summary.py "$out" > "$out/summary.log" 2>&1; then
   cat "$out/summary.log"
   printf '{"summary_error": "device_check_summary.py failed, see summary.log", "steps_tsv": "steps.tsv"}\n' \
     > "$out/summary.json"

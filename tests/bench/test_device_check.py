@@ -100,7 +100,7 @@ def test_the_summary_survives_a_folder_with_nothing_in_it(tmp_path: Path) -> Non
     assert "steps_error" in summary and summary["totals"]["steps"] == 0
 
 
-def run_check(out: Path, steps: str, budget: int = 465) -> subprocess.CompletedProcess[str]:
+def run_check(out: Path, steps: str, budget: int = 440) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "GPULOAD_CHECK_STEPS": steps, "GPULOAD_CHECK_PYTHON": sys.executable,
            "GPULOAD_CHECK_BUDGET_S": str(budget)}
     return subprocess.run(["bash", str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=240)
