@@ -17,6 +17,8 @@ Why it is safe enough to do by default, and where it is not done:
   child process started during a run, which inherited the pipe as its stderr, is still read
   and passed on: nothing waits for the pipe to close or blocks on a full one. A forked child
   gets its real stderr back at once (``os.register_at_fork``).
+- Code that points fd 2 elsewhere itself while a run is on (pytest's capture between two
+  tests) keeps its change: fd 2 is put back only if it still is the pipe.
 - Lines are passed to ``logging`` by the decoding thread after its run, never by the reader
   thread, which could otherwise block on the pipe it alone drains.
 - Not done where ``os.dup`` fails (fd 2 closed) or on platforms without ``os.pipe``, and never
@@ -79,7 +81,8 @@ class _Redirect:
         with self.lock:
             self.users -= 1
             if self.users == 0:
-                os.dup2(self.out_fd, 2)
+                if _same_file(2, self.write_fd):  # else someone pointed fd 2 elsewhere meanwhile: keep theirs
+                    os.dup2(self.out_fd, 2)
                 self.flushed.clear()
                 _write_all(self.write_fd, self._FLUSH)
                 self.flushed.wait(timeout=2.0)
@@ -144,6 +147,14 @@ class _Redirect:
             self.lines.append(_ANSI_CODES.sub("", text).strip())
             del self.lines[:-_MAX_KEPT]
         return True
+
+
+def _same_file(fd_a: int, fd_b: int) -> bool:
+    try:
+        a, b = os.fstat(fd_a), os.fstat(fd_b)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _could_be_native(partial: bytes) -> bool:

@@ -90,3 +90,17 @@ def test_a_child_started_during_a_run_neither_hangs_it_nor_loses_its_output(capf
         time.sleep(0.05)
         seen += capfd.readouterr().err
     assert "late child" in seen
+
+
+def test_someone_elses_redirect_during_a_run_is_kept(tmp_path, capfd: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "theirs.log"
+    saved = os.dup(2)
+    try:
+        with quiet_native_stderr():
+            with open(target, "wb") as theirs:
+                os.dup2(theirs.fileno(), 2)  # e.g. a test harness switching captures
+        os.write(2, b"still theirs\n")
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    assert target.read_bytes() == b"still theirs\n"
