@@ -43,8 +43,15 @@ __all__ = ["quiet_native_stderr", "take_native_lines", "LOGGER"]
 LOGGER = logging.getLogger("gpuload.decode.dali")
 
 # "\x1b[0;31m[ERROR] \x1b[0m[libjpeg_turbo_decoder] Could not decode ...", colours optional.
-_ANSI = r"(?:\x1b\[[0-9;]*m)?"
-_NATIVE_LINE = re.compile(_ANSI + r"\[(FATAL|ERROR|WARNING|INFO|DEBUG|TRACE)\] " + _ANSI + r"\[")
+# The logger writes the level, the component and the message in separate writes, so lines of
+# two decoding threads can interleave: "[ERROR] [ERROR] [[libjpeg..." then "libjpeg...] Could".
+# A line is DALI's if it starts with a level tag, or with a component tag ("[name] " or, its
+# "[" taken by the other line, "name] "); a line holding n level tags owes the next n - 1 lines
+# to the same records (each record ends with one newline).
+_LEVEL = r"\[(?:FATAL|ERROR|WARNING|INFO|DEBUG|TRACE)\] "
+_COMPONENT = r"\[?[a-z][a-z0-9_]*\] "
+_NATIVE_LINE = re.compile(rf"(?:{_LEVEL}|{_COMPONENT})")
+_LEVELS = re.compile(_LEVEL)
 _ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")
 _MAX_KEPT = 1000  # lines waiting for take_native_lines; older ones are dropped
 
@@ -69,6 +76,7 @@ class _Redirect:
         self.flushed = threading.Event()
         self.lines: list[str] = []
         self.lines_lock = threading.Lock()
+        self.owed = 0  # lines still due to records interleaved into an earlier line
 
     def enter(self) -> bool:
         with self.lock:
@@ -140,11 +148,15 @@ class _Redirect:
 
     def _keep(self, line: bytes) -> bool:
         """Keep ``line`` if it is one of DALI's log lines; False to pass it on."""
-        text = line.decode("utf-8", "replace")
-        if not _NATIVE_LINE.match(text):
+        text = _ANSI_CODES.sub("", line.decode("utf-8", "replace"))
+        if self.owed:  # the rest of a record whose level tag came in an earlier, interleaved line
+            self.owed -= 1
+        elif _NATIVE_LINE.match(text):
+            self.owed = max(0, len(_LEVELS.findall(text)) - 1)
+        else:
             return False
         with self.lines_lock:
-            self.lines.append(_ANSI_CODES.sub("", text).strip())
+            self.lines.append(text.strip())
             del self.lines[:-_MAX_KEPT]
         return True
 
@@ -157,8 +169,12 @@ def _same_file(fd_a: int, fd_b: int) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+_NATIVE_START = re.compile(rb"(?:\x1b\[|\[|[a-z][a-z0-9_]*(?:\]|$))")
+
+
 def _could_be_native(partial: bytes) -> bool:
-    return partial.startswith((b"\x1b[", b"["))
+    """Whether an unfinished line may still turn out to be DALI's (then it waits for its end)."""
+    return bool(_NATIVE_START.match(partial))
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -104,3 +104,21 @@ def test_someone_elses_redirect_during_a_run_is_kept(tmp_path, capfd: pytest.Cap
         os.dup2(saved, 2)
         os.close(saved)
     assert target.read_bytes() == b"still theirs\n"
+
+
+def test_lines_of_two_threads_interleaved_by_the_native_logger_are_kept(capfd: pytest.CaptureFixture[str]) -> None:
+    take_native_lines()
+    with quiet_native_stderr():
+        os.write(2, b"\x1b[0;31m[ERROR] \x1b[0m\x1b[0;31m[ERROR] \x1b[0m[[libjpeg_turbo_decoder] Could not decode A\n")
+        os.write(2, b"libjpeg_turbo_decoder] Could not decode B\nWarning: not DALI's\n")
+    assert len(take_native_lines()) == 2
+    assert capfd.readouterr().err == "Warning: not DALI's\n"
+
+
+def test_a_line_holding_two_records_owes_the_next_line_to_them(capfd: pytest.CaptureFixture[str]) -> None:
+    take_native_lines()
+    with quiet_native_stderr():
+        os.write(2, b"[ERROR] [libjpeg_turbo_decoder] [ERROR] [libjpeg_turbo_decoder] message A\nmessage B\n")
+        os.write(2, b"message C is not DALI's\n")
+    assert take_native_lines()[-1] == "message B"
+    assert capfd.readouterr().err == "message C is not DALI's\n"
