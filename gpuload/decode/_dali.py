@@ -26,6 +26,7 @@ few are added to the error's reason (:mod:`gpuload.decode._stderr` says how, and
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import re
 import threading
 from collections.abc import Sequence
@@ -75,6 +76,14 @@ def _import_dali() -> tuple[Any, Any, Any, Any]:
             f"nvidia.dali could not be imported ({type(error).__name__}: {error}); install "
             "nvidia-dali-cuda120, or decode with backend='torchvision' or backend='pil'"
         ) from error
+    from nvidia.dali import Pipeline, __version__
+
+    if "cuda_stream" not in inspect.signature(Pipeline.run).parameters:
+        raise DaliUnavailable(
+            f"nvidia.dali {__version__} is too old: gpuload binds each run to torch's stream "
+            "(Pipeline.run(cuda_stream), exec_dynamic), which DALI has since 1.44; upgrade "
+            "nvidia-dali-cuda120, or decode with backend='nvjpeg', 'torchvision' or 'pil'"
+        )
     return fn, types, pipeline_def, feed_ndarray
 
 

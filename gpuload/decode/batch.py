@@ -270,21 +270,7 @@ class BatchDecoder:
         roi_mode = "none" if rois is None else ("decoder" if dali is not None else "crop")
         rescued = on_cpu = 0
         if dali is not None or backend == "nvjpeg":
-            if dali is not None:
-                on_gpu, cpu_todo = todo, []
-
-                def run(ks: list[int]) -> list[torch.Tensor]:
-                    return dali.decode([encoded[k] for k in ks], [windows[k] for k in ks] if rois is not None else None)
-            else:
-                nvjpeg = self._nvjpeg_decoder()
-                on_gpu = [k for k in todo if headers[k].format == "JPEG"]
-                cpu_todo = [k for k in todo if headers[k].format != "JPEG"]
-
-                def run(ks: list[int]) -> list[torch.Tensor]:
-                    return nvjpeg.decode(
-                        [encoded[k] for k in ks], [headers[k] for k in ks], [windows.get(k) for k in ks]
-                    )
-
+            run, on_gpu, cpu_todo = self._gpu_stage(dali, encoded, todo, headers, windows, rois is not None)
             decoded, gpu_failures = self._decode_gpu(run, on_gpu, names, backend)
             leftovers = sorted(gpu_failures)
             second = cpu.decode_many(
@@ -323,6 +309,31 @@ class BatchDecoder:
             fallback_decoded=rescued,
             cpu_decoded=on_cpu,
         )
+
+    def _gpu_stage(
+        self,
+        dali: DaliDecoder | None,
+        encoded: Sequence[bytes],
+        todo: list[int],
+        headers: dict[int, Header],
+        windows: dict[int, ROI],
+        roi: bool,
+    ) -> tuple[Callable[[list[int]], list[torch.Tensor]], list[int], list[int]]:
+        """The GPU decoder as ``run(positions) -> images``, the positions it takes, and those
+        left to the CPU (nvjpeg reads only JPEGs)."""
+        if dali is not None:
+
+            def run_dali(ks: list[int]) -> list[torch.Tensor]:
+                return dali.decode([encoded[k] for k in ks], [windows[k] for k in ks] if roi else None)
+
+            return run_dali, todo, []
+        nvjpeg = self._nvjpeg_decoder()
+
+        def run_nvjpeg(ks: list[int]) -> list[torch.Tensor]:
+            return nvjpeg.decode([encoded[k] for k in ks], [headers[k] for k in ks], [windows.get(k) for k in ks])
+
+        jpegs = [k for k in todo if headers[k].format == "JPEG"]
+        return run_nvjpeg, jpegs, [k for k in todo if headers[k].format != "JPEG"]
 
     def _to_device(self, image: torch.Tensor) -> torch.Tensor:
         """A CPU-decoded image on the target device. To a GPU it is copied from pinned memory

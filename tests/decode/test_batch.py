@@ -502,3 +502,19 @@ def test_mixed_decoder_output_is_ordered_on_the_callers_stream() -> None:
         total = torch.stack(images).sum(dtype=torch.int64)
     side.synchronize()
     assert int(total) == 4 * int(expected)
+
+
+def test_a_dali_without_stream_bound_runs_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nvidia.dali import Pipeline
+
+    import gpuload.decode._dali as dali_module
+
+    def run(self, **pipeline_inputs):  # type: ignore[no-untyped-def]  # DALI < 1.44's signature
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(Pipeline, "run", run)
+    with pytest.raises(dali_module.DaliUnavailable, match="too old: .*since 1.44"):
+        dali_module.DaliDecoder(CPU)
+    with pytest.warns(UserWarning, match="too old"):
+        result = BatchDecoder("cpu", backend="auto").decode([F.jpeg("grayscale")], ["g"], [0])
+    assert result.backend in ("torchvision", "pil")
