@@ -169,7 +169,8 @@ def _same_file(fd_a: int, fd_b: int) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-_NATIVE_START = re.compile(rb"(?:\x1b\[|\[|[a-z][a-z0-9_]*(?:\]|$))")
+# ... or the start of the flush mark, cut by a read in two.
+_NATIVE_START = re.compile(rb"(?:\x1b\[|\[|\x00|[a-z][a-z0-9_]*(?:\]|$))")
 
 
 def _could_be_native(partial: bytes) -> bool:

@@ -122,3 +122,19 @@ def test_a_line_holding_two_records_owes_the_next_line_to_them(capfd: pytest.Cap
         os.write(2, b"message C is not DALI's\n")
     assert take_native_lines()[-1] == "message B"
     assert capfd.readouterr().err == "message C is not DALI's\n"
+
+
+def test_a_flush_mark_cut_in_two_by_a_read_is_still_found() -> None:
+    from gpuload.decode._stderr import _Redirect
+
+    redirect = _Redirect()
+    read_fd, write_fd = os.pipe()
+    redirect.out_fd = write_fd
+    mark = redirect._FLUSH
+    rest = redirect._sort(b"[ERROR] [x] one\n" + mark[:5])
+    assert rest == mark[:5]  # held back, not passed on
+    data = rest + mark[5:]
+    assert mark in data
+    os.close(write_fd)
+    assert os.read(read_fd, 100) == b""  # nothing reached the "console"
+    os.close(read_fd)
