@@ -169,7 +169,7 @@ def _device_failure(error: BaseException) -> bool:
 
     if isinstance(error, DaliError):
         return error.device
-    if isinstance(error, torch.OutOfMemoryError):
+    if isinstance(error, torch.cuda.OutOfMemoryError):
         return True
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(error, accelerator_error):

@@ -143,7 +143,7 @@ def test_device_failures_raise_whatever_on_error_says(nvjpeg: BatchDecoder, mess
 
 def test_torch_out_of_memory_is_a_device_failure_by_type(nvjpeg: BatchDecoder) -> None:
     def failing(buffers: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        raise torch.OutOfMemoryError("allocation refused")
+        raise torch.cuda.OutOfMemoryError("allocation refused")
 
     inject(nvjpeg, failing)
     with pytest.raises(DecodeDeviceError):
