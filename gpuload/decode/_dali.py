@@ -116,6 +116,16 @@ def _reason(error: BaseException) -> str:
     return text or type(error).__name__
 
 
+def _dali_error(failure: Exception, logged: list[str]) -> DaliError:
+    """The DaliError for a failed run: DALI's reason, the last lines it logged, device or file."""
+    reason = _reason(failure)
+    if logged:
+        reason += f" (DALI logged: {'; '.join(logged[-3:])})"
+    error = DaliError(reason, device=is_device_failure(f"{reason} {failure}"))
+    error.__cause__ = failure
+    return error
+
+
 class DaliDecoder:
     """A reusable DALI decoding pipeline for one device, with or without ROI decoding.
 
@@ -197,7 +207,11 @@ class DaliDecoder:
                 self._build(max(self.max_batch, len(encoded), self._pipe_batch))
             pipe = self._pipe
             stream = torch.cuda.current_stream(self.device) if self.mixed else None
-            failure: Exception | None = None
+            # The error is kept in a list and popped, never in a local: a local holding it would
+            # make a cycle through its traceback (frame -> error -> traceback -> frame) that keeps
+            # the dead pipeline for the garbage collector, which may then run in a forked worker,
+            # where DALI's destructor waits forever for threads the child does not have.
+            failed: list[Exception] = []
             with quiet_native_stderr():
                 try:
                     pipe.feed_input("encoded", [np.frombuffer(data, dtype=np.uint8) for data in encoded])
@@ -206,14 +220,11 @@ class DaliDecoder:
                         pipe.feed_input("shape", [np.array(r[2:], dtype=np.int32) for r in rois])
                     (batch,) = self._run(pipe, stream)
                 except Exception as error:
-                    failure = error
+                    failed.append(error)
             logged = take_native_lines()
-            if failure is not None:
-                self._pipe = None  # DALI says the pipeline is no longer valid: rebuild next time
-                reason = _reason(failure)
-                if logged:
-                    reason += f" (DALI logged: {'; '.join(logged[-3:])})"
-                raise DaliError(reason, device=is_device_failure(f"{reason} {failure}")) from failure
+            if failed:
+                self._pipe = pipe = None  # DALI says the pipeline is no longer valid: rebuild next time
+                raise _dali_error(failed.pop(), logged)
             images = []
             for i in range(len(batch)):
                 sample = batch[i]

@@ -518,3 +518,21 @@ def test_a_dali_without_stream_bound_runs_is_unavailable(monkeypatch: pytest.Mon
     with pytest.warns(UserWarning, match="too old"):
         result = BatchDecoder("cpu", backend="auto").decode([F.jpeg("grayscale")], ["g"], [0])
     assert result.backend in ("torchvision", "pil")
+
+
+def test_a_failed_dali_run_leaves_no_reference_cycle_holding_the_pipeline() -> None:
+    """A dead pipeline kept for the garbage collector could be destroyed in a forked worker,
+    where DALI's destructor hangs; it must be freed at once, by reference counting."""
+    import gc
+    import weakref
+
+    decoder = BatchDecoder("cpu", backend="dali-cpu", max_batch=2)
+    decoder.decode([F.jpeg("grayscale")], ["g"], [0])
+    pipe = weakref.ref(decoder._dali[False]._pipe)
+    gc.disable()
+    try:
+        result = decoder.decode([F.corrupt_inputs()["truncated.jpg"]], ["t"], [0], on_error="skip")
+        del result
+        assert pipe() is None
+    finally:
+        gc.enable()
