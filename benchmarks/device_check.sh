@@ -1,27 +1,118 @@
 #!/usr/bin/env bash
-# On a machine with a GPU: run the gpu-marked tests, the quick benchmark and the quick "partial"
-# scenario (data larger than the cache budget, with the CNN step), within 8 minutes, and write
-# everything into one folder (first argument, else $OUT, else ./device-check).
-# Uses the machine's own python3, torch and CuPy; installs nothing.
+# Everything GPU-only in one call of under 8 minutes, on a machine with torch (CUDA 13), CuPy and
+# torchvision but no DALI, using that machine's python3 and installing nothing:
+#
+#   machine        nvidia-smi and the versions of python3's torch, CuPy, torchvision, DALI
+#   gpu-tests      the gpu-marked tests, except the kernels' (junit: gpu-tests.xml)
+#   kernel-parity  the gpu-marked tests of tests/transforms: CuPy kernels against the torch reference
+#   prefetch       benchmarks/bench_prefetch.py: loop wait with prefetching, pinned H2D bandwidth
+#   cache-device   gpuload bench --quick: arrays in the device-tier cache against torch
+#   cache-partial  gpuload bench --quick --scenario partial: arrays larger than the device budget
+#   images         gpuload bench --quick --scenario images: the image path, decoded on the GPU
+#                  without DALI (the nvjpeg backend) and transformed by the CuPy kernels
+#
+# Each step has its own time limit and its exit status, duration and log are recorded; a step
+# that fails or times out does not stop the next, and steps that no longer fit the 8 minutes
+# are recorded as skipped. At the end benchmarks/device_check_summary.py writes summary.json
+# (pass/fail counts, numbers); if even that fails, a minimal summary.json is written here. Then
+# everything but summary.json and steps.tsv is packed into logs.tar.gz (the device tool brings
+# back at most 8 files; GPULOAD_CHECK_KEEP_FILES=1 keeps them loose).
+#
+# Usage: benchmarks/device_check.sh OUT_DIR   (default: $OUT, else ./device-check)
+# GPULOAD_CHECK_STEPS="machine gpu-tests" runs only the steps named (for trying it out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-device-check}}"
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-status=0
-{
+python="${GPULOAD_CHECK_PYTHON:-python3}"
+budget_s="${GPULOAD_CHECK_BUDGET_S:-440}"  # steps; with the summary and packing, under 8 minutes
+only="${GPULOAD_CHECK_STEPS:-}"
+started=$(date +%s)
+steps="$out/steps.tsv"
+printf 'step\tstatus\trc\tseconds\tlimit_s\tlog\n' > "$steps"
+
+# step NAME LIMIT_S COMMAND...: run COMMAND under a time limit, log to NAME.log, record the outcome.
+step() {
+  local name="$1" limit="$2"; shift 2
+  if [[ -n "$only" && " $only " != *" $name "* ]]; then
+    return 0
+  fi
+  local left=$(( budget_s - ($(date +%s) - started) ))
+  if (( left < 15 )); then
+    printf '%s\tskipped\t\t0\t%s\t\n' "$name" "$limit" >> "$steps"
+    echo "== $name: skipped, ${left}s left of the ${budget_s}s budget"
+    return 0
+  fi
+  (( limit > left - 10 )) && limit=$(( left - 10 ))
+  echo "== $name (limit ${limit}s)"
+  local t0=$(date +%s%N)
+  timeout -k 5 "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  local seconds=$(awk -v a="$t0" -v b="$(date +%s%N)" 'BEGIN { printf "%.1f", (b - a) / 1e9 }')
+  local status=passed
+  if (( rc == 124 || rc == 137 )); then status=timeout; elif (( rc != 0 )); then status=failed; fi
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$seconds" "$limit" "$name.log" >> "$steps"
+  echo "   $status (rc $rc) in ${seconds}s"
+  tail -n 3 "$out/$name.log" | sed 's/^/   | /'
+}
+
+machine_info() {
   date -u
   nvidia-smi || echo "nvidia-smi not available"
-  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
-  python3 -c "import cupy; print('cupy', cupy.__version__)" || echo "no CuPy"
-  python3 -c "import nvidia.dali; print('dali', nvidia.dali.__version__)" || echo "no DALI"
-} > "$out/machine.txt" 2>&1
-timeout 240 python3 -m pytest -m gpu -rs -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu-tests.log"
-status=$((status | ${PIPESTATUS[0]}))
-timeout 120 python3 -m gpuload.cli bench --quick --step sleep --step-ms 2 --out "$out" 2>&1 | tee "$out/bench.log"
-status=$((status | ${PIPESTATUS[0]}))
-timeout 100 python3 -m gpuload.cli bench --quick --scenario partial --step cnn --out "$out/partial" 2>&1 \
-  | tee "$out/bench-partial.log"
-status=$((status | ${PIPESTATUS[0]}))
-echo "device check finished with status $status; results in $out"
-exit "$status"
+  "$python" - <<'EOF'
+import importlib, json, platform
+info = {"python": platform.python_version()}
+for name in ("torch", "cupy", "torchvision", "nvidia.dali", "PIL", "numpy"):
+    try:
+        info[name] = importlib.import_module(name).__version__
+    except Exception as error:
+        info[name] = f"missing ({type(error).__name__})"
+import torch
+info["cuda"] = torch.version.cuda
+info["cuda_available"] = torch.cuda.is_available()
+if torch.cuda.is_available():
+    info["gpu"] = torch.cuda.get_device_name(0)
+    free, total = torch.cuda.mem_get_info(0)
+    info["gpu_memory_gib"] = round(total / 2**30, 1)
+print("MACHINE_JSON " + json.dumps(info))
+EOF
+}
+
+pytest_args=(-q -rs -p no:cacheprovider -m gpu)
+if "$python" -c "import pytest_timeout" 2>/dev/null; then
+  pytest_args+=(--timeout=90)  # one hung test fails alone instead of taking the step with it
+fi
+
+export python
+export -f machine_info
+step machine 20 bash -c machine_info
+step gpu-tests 140 "$python" -m pytest "${pytest_args[@]}" --junitxml="$out/gpu-tests.xml" \
+  --ignore=tests/transforms tests
+step kernel-parity 70 "$python" -m pytest "${pytest_args[@]}" --junitxml="$out/kernel-parity.xml" tests/transforms
+step prefetch 45 "$python" benchmarks/bench_prefetch.py --quick --device cuda --json "$out/prefetch.json"
+step cache-device 50 "$python" -m gpuload.cli bench --quick --step sleep --step-ms 2 --epochs 2 \
+  --out "$out/cache-device"
+step cache-partial 40 "$python" -m gpuload.cli bench --quick --scenario partial --step sleep --step-ms 2 \
+  --epochs 2 --out "$out/cache-partial"
+step images 70 "$python" -m gpuload.cli bench --quick --scenario images --device cuda --samples 256 \
+  --epochs 2 --torch-workers 4 --out "$out/images"
+rm -rf "$out/images/sample-images"  # the generated photos need not come back
+
+echo "== summary"
+if ! timeout -k 5 15 "$python" benchmarks/device_check_summary.py "$out" > "$out/summary.log" 2>&1; then
+  cat "$out/summary.log"
+  printf '{"summary_error": "device_check_summary.py failed, see summary.log", "steps_tsv": "steps.tsv"}\n' \
+    > "$out/summary.json"
+fi
+cat "$out/summary.json"
+# The device tool brings back at most 8 files: keep summary.json and steps.tsv loose, pack the rest.
+if [[ -z "${GPULOAD_CHECK_KEEP_FILES:-}" ]]; then
+  (cd "$out" && find . -mindepth 1 -maxdepth 1 ! -name summary.json ! -name steps.tsv ! -name logs.tar.gz \
+     -printf '%P\n' | tar czf logs.tar.gz -T - && find . -mindepth 1 -maxdepth 1 ! -name summary.json \
+     ! -name steps.tsv ! -name logs.tar.gz -exec rm -rf {} +)
+fi
+failed=$(awk -F '\t' 'NR > 1 && $2 != "passed" { n++ } END { print n + 0 }' "$steps")
+echo "device check finished in $(( $(date +%s) - started ))s, $failed step(s) not passed; results in $out"
+(( failed == 0 ))

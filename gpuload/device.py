@@ -28,10 +28,15 @@ class DeviceError(ValueError):
 
 @dataclass(frozen=True)
 class MemoryInfo:
-    """Free and total bytes of one memory pool (a GPU, or host RAM)."""
+    """Free and total bytes of one memory pool (a GPU, or host RAM).
+
+    ``torch_cached`` (GPUs only) is what torch's caching allocator holds without using it; it
+    is reported, and is not part of ``free`` (see :func:`device_memory`).
+    """
 
     free: int
     total: int
+    torch_cached: int = 0
 
 
 def cuda_available() -> bool:
@@ -91,16 +96,22 @@ def _as_torch_device(device: object) -> torch.device:
 
 
 def device_memory(device: torch.device) -> MemoryInfo:
-    """Free and total memory of a CUDA device as the driver reports it (other processes count).
+    """Free and total memory of a CUDA device: ``free`` is what the driver reports free
+    (``cudaMemGetInfo``; other processes' use counts against it).
 
-    Memory that torch's caching allocator holds but does not use counts as free, since this
-    process can reuse it.
+    Memory that torch's caching allocator has reserved but not allocated is *not* free for the
+    cache budget: between two training steps that is mostly the step's activations and
+    workspaces, freed back to torch's pool at the end of one step and taken again by the next.
+    Counting it as free at an epoch start would let a cache grow into the model's working set
+    and make the next step run out of memory. It is reported as ``torch_cached``; a job that
+    wants it counted can call ``torch.cuda.empty_cache()`` first, which gives it back to the
+    driver.
     """
     if device.type != "cuda":
         raise DeviceError(f"{device} has no device memory of its own; ask host_memory()")
     free, total = torch.cuda.mem_get_info(device)
-    reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return MemoryInfo(free=int(free + reusable), total=int(total))
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return MemoryInfo(free=int(free), total=int(total), torch_cached=max(0, int(cached)))
 
 
 def host_memory() -> MemoryInfo:

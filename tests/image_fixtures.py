@@ -126,3 +126,38 @@ def garbled_jpeg() -> bytes:
     half = len(good) // 2
     noise = np.random.default_rng(0).integers(0, 255, len(good) - half - 2, dtype=np.uint8)
     return good[:half] + bytes(noise) + b"\xff\xd9"
+
+
+def bomb_jpeg(width: int = 20000, height: int = 20000) -> bytes:
+    """A tiny real JPEG whose SOF0 header claims ``width`` x ``height`` (a decompression bomb).
+
+    The frame header of a baseline JPEG is ``FF C0, length, precision, height, width``; only
+    the two sizes are rewritten, so every parser reads the claim and no decoder is needed.
+    """
+    data = bytearray(encode(photo().resize((8, 8)), "JPEG", quality=50))
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    return bytes(data)
+
+
+def png16_rgb(seed: int = 0, width: int = 30, height: int = 20) -> tuple[bytes, np.ndarray]:
+    """A 16-bit RGB PNG of random samples, written by hand (PIL cannot write one), and its samples."""
+    import struct
+    import zlib
+
+    samples = np.random.default_rng(seed).integers(0, 65536, (height, width, 3), dtype=np.uint16)
+    raw = b"".join(b"\x00" + samples[y].astype(">u2").tobytes() for y in range(height))
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 16, 2, 0, 0, 0)
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+    return png, samples
+
+
+def png_with_orientation(orientation: int) -> bytes:
+    """photo() as an RGB PNG with an eXIf chunk saying ``orientation``."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return encode(photo(), "PNG", exif=exif)

@@ -11,15 +11,17 @@ import math
 import os
 import random
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from gpuload.datasets.images import ImageSource
-from gpuload.decode.headers import peek_size
+from gpuload.decode.cpu import describe_error
+from gpuload.decode.headers import PixelLimitError, check_pixels, peek_header
 
-__all__ = ["looks_deterministic", "estimate_image_bytes", "image_sizes"]
+__all__ = ["ImageProbe", "estimate_image_bytes", "looks_deterministic", "probe_images"]
 
 _PROBE_FILES = 32
 _HEADER_BYTES = 64 << 10  # JPEG/PNG headers, EXIF included, sit well within this
@@ -98,30 +100,49 @@ def looks_deterministic(dataset: Any, probe_indices: Sequence[int] | None = None
     return True, f"two reads of dataset[{shown}] were equal"
 
 
-def image_sizes(source: ImageSource, probe: int = _PROBE_FILES) -> list[tuple[int, int]]:
-    """(decoded bytes, encoded bytes) of up to ``probe`` files spread evenly over the source.
+@dataclass(frozen=True)
+class ImageProbe:
+    """What a few files spread over an image source say: ``sizes``, the (decoded bytes, encoded
+    bytes) of each readable one, and ``bad``, ``"path: why"`` for each the loader would skip or
+    refuse (unreadable header, or more pixels than the decoder's limit)."""
+
+    sizes: list[tuple[int, int]]
+    bad: list[str]
+
+    @property
+    def probed(self) -> int:
+        return len(self.sizes) + len(self.bad)
+
+
+def probe_images(source: ImageSource, probe: int = _PROBE_FILES) -> ImageProbe:
+    """Read the headers of up to ``probe`` files spread evenly over the source.
 
     Only each file's first 64 KiB is read (the whole file when its header reaches further);
-    decoded bytes are 3 x height x width (RGB uint8). Files whose header cannot be read are
-    left out: the loader reports them when it reaches them.
+    decoded bytes are 3 x height x width (RGB uint8), counted only for files within the pixel
+    limit (``gpuload.decode.default_max_pixels()``).
     """
     count = len(source)
+    sizes: list[tuple[int, int]] = []
+    bad: list[str] = []
     if count == 0 or probe < 1:
-        return []
+        return ImageProbe(sizes, bad)
     step = max(1, count // probe)
-    sizes = []
     for index in range(0, count, step)[:probe]:
         try:
             height, width, size = _header(source, index)
-        except Exception:  # a bad file is reported when the loader reaches it
+        except PixelLimitError as error:
+            bad.append(f"{source.path(index)}: {error}")
+            continue
+        except Exception as error:  # the loader reports it, by file and index, when it reaches it
+            bad.append(f"{source.path(index)}: not a readable image header ({describe_error(error)})")
             continue
         sizes.append((3 * height * width, size))
-    return sizes
+    return ImageProbe(sizes, bad)
 
 
 def estimate_image_bytes(source: ImageSource, probe: int = _PROBE_FILES) -> tuple[int, int]:
     """(decoded, encoded) bytes of the whole source, from the headers and sizes of a few files."""
-    sizes = image_sizes(source, probe)
+    sizes = probe_images(source, probe).sizes
     if not sizes:
         return 0, 0
     count = len(source)
@@ -135,7 +156,14 @@ def _header(source: ImageSource, index: int) -> tuple[int, int, int]:
         size = os.path.getsize(path)
         with open(path, "rb") as file:
             head = file.read(_HEADER_BYTES)
-        return (*peek_size(head), size)
+        return (*_upright(head), size)
+    except PixelLimitError:
+        raise
     except Exception:  # not a plain file, or a header longer than the prefix
         data, _ = source.read_encoded(index)
-        return (*peek_size(data), len(data))
+        return (*_upright(data), len(data))
+
+
+def _upright(data: bytes) -> tuple[int, int]:
+    """(height, width) from the header, within the decoder's pixel limit (else PixelLimitError)."""
+    return (check_pixels(data) or peek_header(data)).upright

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from gpuload.decode import ImageDecodeError
+from gpuload.decode import ImageDecodeError, check_pixels
 from gpuload.decode import cpu
 
 __all__ = [
@@ -96,9 +96,12 @@ class ImageSource(Dataset):
             raise ImageDecodeError(index, path, "read", f"{type(error).__name__}: {error}") from error
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        """The decoded image and label; ImageDecodeError for a bad file or one over the pixel
+        limit (``gpuload.decode.default_max_pixels()``, checked from the header first)."""
         data, label = self.read_encoded(index)
         backend = "torchvision" if cpu.torchvision_available() else "pil"
         try:
+            check_pixels(data)
             image = cpu.cpu_decoder(backend)(data, None)
         except Exception as error:
             reason = "the file is empty (0 bytes)" if not data else cpu.describe_error(error)

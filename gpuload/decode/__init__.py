@@ -1,4 +1,5 @@
-"""Decoding images: batches (``batch``), headers (``headers``), CPU decoders (``cpu``), DALI (``_dali``).
+"""Decoding images: batches (``batch``), headers and the pixel limit (``headers``), errors
+(``errors``), CPU decoders (``cpu``), DALI (``_dali``), torchvision's nvJPEG (``_nvjpeg``).
 
 ``gpuload.decode`` re-exports what users and the image source need.
 """
@@ -7,20 +8,39 @@ from gpuload.decode.batch import (
     BACKENDS,
     BatchDecoder,
     DecodeResult,
-    ImageDecodeError,
     decode_batch,
     resolve_backend,
 )
-from gpuload.decode.headers import ROI, clip_roi, peek_size
+from gpuload.decode.errors import DecodeDeviceError, ImageDecodeError
+from gpuload.decode.headers import (
+    FOLLOW_PIL,
+    ROI,
+    Header,
+    PixelLimitError,
+    check_pixels,
+    clip_roi,
+    default_max_pixels,
+    peek_header,
+    peek_size,
+    set_default_max_pixels,
+)
 
 __all__ = [
     "BACKENDS",
+    "FOLLOW_PIL",
     "ROI",
     "BatchDecoder",
+    "DecodeDeviceError",
     "DecodeResult",
+    "Header",
     "ImageDecodeError",
+    "PixelLimitError",
+    "check_pixels",
     "clip_roi",
     "decode_batch",
+    "default_max_pixels",
+    "peek_header",
     "peek_size",
     "resolve_backend",
+    "set_default_max_pixels",
 ]

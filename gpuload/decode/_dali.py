@@ -6,11 +6,27 @@ decodes them, ``fn.transpose`` lays them out CHW. On a CUDA device the decoder r
 ``device="mixed"`` (nvJPEG, the hardware JPEG decoder where the GPU has one); without one it
 runs on the CPU (libjpeg-turbo) in a pipeline with ``device_id=None``. DALI applies the EXIF
 orientation itself (``adjust_orientation=True``, the default); ROIs are in upright coordinates.
+
+**Streams.** On a CUDA device a batch runs with ``pipe.run(stream)``, ``stream`` being torch's
+current stream: DALI makes that stream wait for its outputs (no host wait) and orders the
+release of their memory after the work queued on it, so the ``feed_ndarray`` copies into torch
+tensors, enqueued on the same stream, read them before DALI can reuse them. The torch tensors
+are allocated on that stream too, so the caller's later work on it is ordered after the copies.
+
+**Errors.** DALI raises ``RuntimeError`` for a bad file and for a failing device alike;
+:class:`DaliError` keeps DALI's reason and ``device`` says which it was
+(:func:`gpuload.decode.errors.is_device_failure`): an out-of-memory or CUDA error must never be
+taken for a bad file.
+
+**Console.** DALI prints its own ``[ERROR]`` line for every file it rejects; those lines are
+kept off the console during a run and logged to ``gpuload.decode.dali`` instead, and the last
+few are added to the error's reason (:mod:`gpuload.decode._stderr` says how, and when not).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import re
 import threading
 from collections.abc import Sequence
@@ -19,6 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpuload.decode._stderr import quiet_native_stderr, take_native_lines
+from gpuload.decode.errors import is_device_failure
 from gpuload.device import usable_cpu_count
 
 __all__ = ["DaliError", "DaliUnavailable", "dali_installed", "DaliDecoder"]
@@ -29,7 +47,14 @@ class DaliUnavailable(RuntimeError):
 
 
 class DaliError(RuntimeError):
-    """DALI failed on a batch; the message is DALI's own reason, trimmed of pipeline noise."""
+    """DALI failed on a batch; the message is DALI's own reason, trimmed of pipeline noise.
+
+    ``device`` is True when the reason is an out-of-memory or CUDA error rather than the input.
+    """
+
+    def __init__(self, reason: str, device: bool = False) -> None:
+        super().__init__(reason)
+        self.device = device
 
 
 def dali_installed() -> bool:
@@ -51,6 +76,14 @@ def _import_dali() -> tuple[Any, Any, Any, Any]:
             f"nvidia.dali could not be imported ({type(error).__name__}: {error}); install "
             "nvidia-dali-cuda120, or decode with backend='torchvision' or backend='pil'"
         ) from error
+    from nvidia.dali import Pipeline, __version__
+
+    if "cuda_stream" not in inspect.signature(Pipeline.run).parameters:
+        raise DaliUnavailable(
+            f"nvidia.dali {__version__} is too old: gpuload binds each run to torch's stream "
+            "(Pipeline.run(cuda_stream), exec_dynamic), which DALI has since 1.44; upgrade "
+            "nvidia-dali-cuda120, or decode with backend='nvjpeg', 'torchvision' or 'pil'"
+        )
     return fn, types, pipeline_def, feed_ndarray
 
 
@@ -81,6 +114,16 @@ def _reason(error: BaseException) -> str:
         text,
     )
     return text or type(error).__name__
+
+
+def _dali_error(failure: Exception, logged: list[str]) -> DaliError:
+    """The DaliError for a failed run: DALI's reason, the last lines it logged, device or file."""
+    reason = _reason(failure)
+    if logged:
+        reason += f" (DALI logged: {'; '.join(logged[-3:])})"
+    error = DaliError(reason, device=is_device_failure(f"{reason} {failure}"))
+    error.__cause__ = failure
+    return error
 
 
 class DaliDecoder:
@@ -163,16 +206,25 @@ class DaliDecoder:
             if self._pipe is None or len(encoded) > self._pipe_batch:
                 self._build(max(self.max_batch, len(encoded), self._pipe_batch))
             pipe = self._pipe
-            try:
-                pipe.feed_input("encoded", [np.frombuffer(data, dtype=np.uint8) for data in encoded])
-                if rois is not None:
-                    pipe.feed_input("anchor", [np.array(r[:2], dtype=np.int32) for r in rois])
-                    pipe.feed_input("shape", [np.array(r[2:], dtype=np.int32) for r in rois])
-                (batch,) = pipe.run()
-            except Exception as error:
-                self._pipe = None  # DALI says the pipeline is no longer valid: rebuild next time
-                raise DaliError(_reason(error)) from error
             stream = torch.cuda.current_stream(self.device) if self.mixed else None
+            # The error is kept in a list and popped, never in a local: a local holding it would
+            # make a cycle through its traceback (frame -> error -> traceback -> frame) that keeps
+            # the dead pipeline for the garbage collector, which may then run in a forked worker,
+            # where DALI's destructor waits forever for threads the child does not have.
+            failed: list[Exception] = []
+            with quiet_native_stderr():
+                try:
+                    pipe.feed_input("encoded", [np.frombuffer(data, dtype=np.uint8) for data in encoded])
+                    if rois is not None:
+                        pipe.feed_input("anchor", [np.array(r[:2], dtype=np.int32) for r in rois])
+                        pipe.feed_input("shape", [np.array(r[2:], dtype=np.int32) for r in rois])
+                    (batch,) = self._run(pipe, stream)
+                except Exception as error:
+                    failed.append(error)
+            logged = take_native_lines()
+            if failed:
+                self._pipe = pipe = None  # DALI says the pipeline is no longer valid: rebuild next time
+                raise _dali_error(failed.pop(), logged)
             images = []
             for i in range(len(batch)):
                 sample = batch[i]
@@ -180,3 +232,8 @@ class DaliDecoder:
                 feed_ndarray(sample, out, cuda_stream=stream)
                 images.append(out)
             return images
+
+    @staticmethod
+    def _run(pipe: Any, stream: torch.cuda.Stream | None) -> Any:
+        """One pipeline run, its outputs bound to ``stream`` (None: host-synchronous, CPU)."""
+        return pipe.run(stream) if stream is not None else pipe.run()

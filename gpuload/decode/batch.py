@@ -1,11 +1,11 @@
 """Batch decoding: encoded images (JPEG, PNG, ...) to uint8 (3, H, W) RGB tensors.
 
-Decode batches of encoded images (JPEG, PNG, ...) into uint8 (3, H, W) RGB tensors.
-
 Backends, in the order ``backend="auto"`` picks them:
 
 - ``"dali-mixed"``: DALI's mixed decoder (nvJPEG on the GPU), when the target device is CUDA;
 - ``"dali-cpu"``: DALI's CPU decoder (libjpeg-turbo, multi-threaded), when it is the CPU;
+- ``"nvjpeg"``: torchvision's batched nvJPEG decoder, on CUDA when DALI is missing (non-JPEG
+  files of the batch are decoded on the CPU and copied over);
 - ``"torchvision"``: ``torchvision.io.decode_image`` on the CPU, when DALI is missing;
 - ``"pil"``: PIL on the CPU, when neither is installed.
 
@@ -13,15 +13,20 @@ Every backend gives the same pixels for the same file up to decoder rounding (te
 PIL), applies the EXIF orientation, and reports bad files the same way: an
 :class:`ImageDecodeError` naming the file, the sample index, the backend and the reason, or,
 with ``on_error="skip"``, an entry in :attr:`DecodeResult.skipped`. One bad file never loses
-the rest of its batch: when DALI rejects a batch, its samples are decoded one by one to find
-the bad ones, and a sample DALI rejects but PIL reads (an unusual WebP, say) is kept.
+the rest of its batch: when a GPU decoder rejects a batch, its samples are decoded one by one
+to find the bad ones, and a sample it rejects but PIL reads (a GIF, a CMYK JPEG) is kept.
+
+Before any decoder runs, every header is checked against the pixel limit
+(:mod:`gpuload.decode.headers`): an image claiming more pixels is a bad file, so a
+decompression bomb never reaches a decoder. A failing device (out of memory, a CUDA error) is
+not a bad file: it raises :class:`DecodeDeviceError` whatever ``on_error`` says.
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,41 +34,28 @@ import torch
 
 from gpuload.decode import cpu
 from gpuload.decode.cpu import describe_error
-from gpuload.decode.headers import ROI, clip_roi, peek_size
+from gpuload.decode.errors import DecodeDeviceError, ImageDecodeError, is_device_failure
+from gpuload.decode.headers import ROI, Header, PixelLimitError, clip_roi, peek_header, resolve_max_pixels
 from gpuload.device import resolve_device
 
 if TYPE_CHECKING:
     from gpuload.decode._dali import DaliDecoder
+    from gpuload.decode._nvjpeg import NvjpegDecoder
 
 __all__ = [
     "BACKENDS",
     "ImageDecodeError",
+    "DecodeDeviceError",
     "DecodeResult",
     "BatchDecoder",
     "decode_batch",
     "resolve_backend",
 ]
 
-BACKENDS = ("auto", "dali", "dali-mixed", "dali-cpu", "torchvision", "pil")
+BACKENDS = ("auto", "dali", "dali-mixed", "dali-cpu", "nvjpeg", "torchvision", "pil")
 _ON_ERROR = ("raise", "skip")
-
-
-class ImageDecodeError(RuntimeError):
-    """A sample's image could not be read or decoded.
-
-    ``index`` is the sample index in the dataset, ``name`` the file (or whatever names the
-    sample), ``backend`` what tried (``"read"`` when the file could not even be read) and
-    ``reason`` the underlying error.
-    """
-
-    def __init__(self, index: int, name: str, backend: str, reason: str, others: int = 0) -> None:
-        self.index, self.name, self.backend, self.reason = index, name, backend, reason
-        more = f" ({others} more sample(s) in this batch failed too)" if others else ""
-        verb = "read" if backend == "read" else f"decode (backend {backend})"
-        super().__init__(
-            f"could not {verb} image {name!r}, sample index {index}: {reason}{more}. Check or "
-            "remove the file, or pass on_error='skip' to skip bad samples and count them"
-        )
+MaxPixels = int | None | str
+"""A pixel limit: a number of pixels, None (no limit) or "default" (see gpuload.decode.headers)."""
 
 
 @dataclass
@@ -75,7 +67,8 @@ class DecodeResult:
     ``backend`` is the backend that decoded the batch; ``roi`` says how ROIs were honoured:
     ``"none"`` (no ROIs asked), ``"decoder"`` (only the window was decoded) or ``"crop"``
     (decoded whole, then cropped); ``fallback_decoded`` counts samples the main backend
-    rejected but PIL decoded.
+    rejected but PIL decoded; ``cpu_decoded`` counts the non-JPEG files the ``nvjpeg``
+    backend decoded on the CPU.
     """
 
     images: list[torch.Tensor]
@@ -84,6 +77,7 @@ class DecodeResult:
     backend: str = ""
     roi: str = "none"
     fallback_decoded: int = 0
+    cpu_decoded: int = 0
 
 
 def _dali_installed() -> bool:
@@ -93,7 +87,7 @@ def _dali_installed() -> bool:
 
 
 def resolve_backend(device: torch.device, backend: str = "auto") -> str:
-    """The concrete backend (``dali-mixed``, ``dali-cpu``, ``torchvision``, ``pil``) for a device.
+    """The concrete backend (``dali-mixed``, ``dali-cpu``, ``nvjpeg``, ``torchvision``, ``pil``).
 
     Raises ValueError for an unknown name or one this machine cannot run, saying what can.
     """
@@ -105,19 +99,27 @@ def resolve_backend(device: torch.device, backend: str = "auto") -> str:
         if backend == "dali":
             raise ValueError(
                 "backend='dali' needs nvidia.dali, which is not installed; install "
-                "nvidia-dali-cuda120, or use backend='auto' to fall back to torchvision or PIL"
+                "nvidia-dali-cuda120, or use backend='auto' to fall back to nvjpeg, torchvision or PIL"
             )
-        return "torchvision" if cpu.torchvision_available() else "pil"
+        return _without_dali(device)
     if backend.startswith("dali") and not _dali_installed():
         raise ValueError(f"backend={backend!r} needs nvidia.dali, which is not installed")
-    if backend == "dali-mixed" and device.type != "cuda":
+    if backend in ("dali-mixed", "nvjpeg") and device.type != "cuda":
+        other = "'dali-cpu'" if backend == "dali-mixed" else "'torchvision'"
         raise ValueError(
-            f"backend='dali-mixed' decodes on a GPU but the device is {device}; use "
-            "backend='dali-cpu' or 'auto'"
+            f"backend={backend!r} decodes on a GPU but the device is {device}; use "
+            f"backend={other} or 'auto'"
         )
-    if backend == "torchvision" and not cpu.torchvision_available():
-        raise ValueError("backend='torchvision' needs torchvision, which is not installed")
+    if backend in ("torchvision", "nvjpeg") and not cpu.torchvision_available():
+        raise ValueError(f"backend={backend!r} needs torchvision, which is not installed")
     return backend
+
+
+def _without_dali(device: torch.device) -> str:
+    """What ``auto`` picks when DALI is missing or broken: nvJPEG on CUDA, else a CPU decoder."""
+    if device.type == "cuda" and cpu.torchvision_available():
+        return "nvjpeg"
+    return "torchvision" if cpu.torchvision_available() else "pil"
 
 
 def _screen(
@@ -125,21 +127,32 @@ def _screen(
     names: Sequence[str],
     indices: Sequence[int],
     rois: Sequence[Sequence[int] | None] | None,
-) -> tuple[dict[int, str], dict[int, ROI]]:
-    """Failures known before decoding (empty data, unreadable headers) and clipped ROI windows."""
+    limit: int | None,
+    need_headers: bool,
+) -> tuple[dict[int, str], dict[int, Header], dict[int, ROI]]:
+    """Failures known before decoding (empty data, unreadable headers, over the pixel limit),
+    the headers read and the ROI windows clipped to them."""
     failures: dict[int, str] = {}
+    headers: dict[int, Header] = {}
     windows: dict[int, ROI] = {}
     for k, data in enumerate(encoded):
         if len(data) == 0:
             failures[k] = "the file is empty (0 bytes)"
             continue
-        if rois is None:
+        if rois is None and limit is None and not need_headers:
             continue
         try:
-            height, width = peek_size(data)
-        except Exception as error:
+            header = peek_header(data)
+        except Exception as error:  # PIL raises many types for garbage
             failures[k] = f"not a readable image header ({describe_error(error)})"
             continue
+        if limit is not None and header.pixels > limit:
+            failures[k] = str(PixelLimitError(header, limit))
+            continue
+        headers[k] = header
+        if rois is None:
+            continue
+        height, width = header.upright
         window = (0, 0, height, width) if rois[k] is None else clip_roi(rois[k], height, width)
         if window is None:
             raise ValueError(
@@ -147,16 +160,33 @@ def _screen(
                 f"({names[k]!r}) does not overlap its {height}x{width} image"
             )
         windows[k] = window
-    return failures, windows
+    return failures, headers, windows
+
+
+def _device_failure(error: BaseException) -> bool:
+    """An out-of-memory or CUDA error (by type where torch gives one, else by DALI's text)."""
+    from gpuload.decode._dali import DaliError
+
+    if isinstance(error, DaliError):
+        return error.device
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return is_device_failure(str(error))
 
 
 class BatchDecoder:
-    """Decodes batches for one device with one backend, keeping DALI pipelines for reuse.
+    """Decodes batches for one device with one backend, keeping GPU decoders for reuse.
 
     Build one per loader (``max_batch`` = its batch size) and call :meth:`decode` per batch;
     images land on ``device`` (a CPU backend's images are copied there). If DALI turns out to
-    be unusable at run time under ``backend="auto"``, it warns once and decodes with the CPU
-    fallback instead; :attr:`backend` always says what is decoding now.
+    be unusable at run time under ``backend="auto"``, it warns once and decodes with nvJPEG (on
+    CUDA with torchvision) or the CPU fallback instead; :attr:`backend` always says what is
+    decoding now. ``max_pixels`` is the pixel limit every header is checked against (a number,
+    None for none, or ``"default"``: :func:`gpuload.decode.headers.default_max_pixels` at
+    decode time).
     """
 
     def __init__(
@@ -165,14 +195,18 @@ class BatchDecoder:
         backend: str = "auto",
         max_batch: int = 256,
         num_threads: int | None = None,
+        max_pixels: MaxPixels = "default",
     ) -> None:
         self.device = resolve_device(device)
         self.requested = backend
         self.backend = resolve_backend(self.device, backend)
         self.max_batch = max_batch
         self.num_threads = num_threads
+        resolve_max_pixels(max_pixels)  # a bad value fails here, not at the first batch
+        self.max_pixels = max_pixels
         self._cpu_name = "torchvision" if cpu.torchvision_available() else "pil"
         self._dali: dict[bool, DaliDecoder] = {}  # keyed by "decodes ROIs"
+        self._nvjpeg: NvjpegDecoder | None = None
         self._lock = threading.Lock()
 
     def _dali_decoder(self, roi: bool) -> DaliDecoder | None:
@@ -186,10 +220,18 @@ class BatchDecoder:
                 except DaliUnavailable as error:
                     if self.requested != "auto":
                         raise
-                    warnings.warn(f"{error}; decoding with {self._cpu_name} instead", stacklevel=3)
-                    self.backend = self._cpu_name
+                    self.backend = _without_dali(self.device)
+                    warnings.warn(f"{error}; decoding with {self.backend} instead", stacklevel=3)
                     return None
             return self._dali[roi]
+
+    def _nvjpeg_decoder(self) -> NvjpegDecoder:
+        from gpuload.decode._nvjpeg import NvjpegDecoder
+
+        with self._lock:
+            if self._nvjpeg is None:
+                self._nvjpeg = NvjpegDecoder(self.device)
+            return self._nvjpeg
 
     def decode(
         self,
@@ -198,14 +240,16 @@ class BatchDecoder:
         indices: Sequence[int],
         rois: Sequence[Sequence[int] | None] | None = None,
         on_error: str = "raise",
+        max_pixels: MaxPixels = "default",
     ) -> DecodeResult:
         """Decode ``encoded[k]`` (named ``names[k]``, dataset index ``indices[k]``) for each k.
 
         ``rois[k] = (y0, x0, h, w)``, in pixels of the upright image, limits sample k to that
         window (intersected with the image); ``rois[k] = None`` means the whole image. With
         ``rois``, every header must be readable (the windows are clipped to the image's size).
-        ``on_error="raise"`` raises
-        :class:`ImageDecodeError` for the first bad sample; ``"skip"`` leaves bad ones out.
+        ``on_error="raise"`` raises :class:`ImageDecodeError` for the first bad sample;
+        ``"skip"`` leaves bad ones out. ``max_pixels`` overrides the decoder's limit for this
+        call. A failing device raises :class:`DecodeDeviceError` either way.
         """
         n = len(encoded)
         if len(names) != n or len(indices) != n or (rois is not None and len(rois) != n):
@@ -216,31 +260,35 @@ class BatchDecoder:
             )
         if on_error not in _ON_ERROR:
             raise ValueError(f"on_error={on_error!r} is not one of 'raise', 'skip'")
+        limit = resolve_max_pixels(self.max_pixels if max_pixels == "default" else max_pixels)
 
-        failures, windows = _screen(encoded, names, indices, rois)
-        todo = [k for k in range(n) if k not in failures]
-        decoded: dict[int, torch.Tensor] = {}
         dali = self._dali_decoder(rois is not None) if self.backend.startswith("dali") else None
         backend = self.backend
+        failures, headers, windows = _screen(encoded, names, indices, rois, limit, backend == "nvjpeg")
+        todo = [k for k in range(n) if k not in failures]
+        decoded: dict[int, torch.Tensor] = {}
         roi_mode = "none" if rois is None else ("decoder" if dali is not None else "crop")
-        rescued = 0
-        if dali is not None:
-            decoded, dali_failures = self._decode_dali(dali, encoded, todo, windows, rois is not None)
-            leftovers = sorted(dali_failures)
+        rescued = on_cpu = 0
+        if dali is not None or backend == "nvjpeg":
+            run, on_gpu, cpu_todo = self._gpu_stage(dali, encoded, todo, headers, windows, rois is not None)
+            decoded, gpu_failures = self._decode_gpu(run, on_gpu, names, backend)
+            leftovers = sorted(gpu_failures)
             second = cpu.decode_many(
                 cpu.pil_decode, [encoded[k] for k in leftovers], [windows.get(k) for k in leftovers]
             )
             for k, outcome in zip(leftovers, second):
                 if isinstance(outcome, Exception):
-                    failures[k] = f"{dali_failures[k]}; PIL: {describe_error(outcome)}"
+                    failures[k] = f"{gpu_failures[k]}; PIL: {describe_error(outcome)}"
                 else:
                     decoded[k] = self._to_device(outcome)
                     rescued += 1
+            on_cpu = len(cpu_todo)
         else:
-            outcomes = cpu.decode_many(
-                cpu.cpu_decoder(backend), [encoded[k] for k in todo], [windows.get(k) for k in todo]
-            )
-            for k, outcome in zip(todo, outcomes):
+            cpu_todo = todo
+        if cpu_todo:
+            decoder = cpu.cpu_decoder(self._cpu_name if backend == "nvjpeg" else backend)
+            outcomes = cpu.decode_many(decoder, [encoded[k] for k in cpu_todo], [windows.get(k) for k in cpu_todo])
+            for k, outcome in zip(cpu_todo, outcomes):
                 if isinstance(outcome, Exception):
                     failures[k] = describe_error(outcome)
                 else:
@@ -259,37 +307,76 @@ class BatchDecoder:
             backend=backend,
             roi=roi_mode,
             fallback_decoded=rescued,
+            cpu_decoded=on_cpu,
         )
 
-    def _to_device(self, image: torch.Tensor) -> torch.Tensor:
-        return image.to(self.device) if image.device != self.device else image
-
-    @staticmethod
-    def _decode_dali(
-        dali: DaliDecoder,
+    def _gpu_stage(
+        self,
+        dali: DaliDecoder | None,
         encoded: Sequence[bytes],
         todo: list[int],
+        headers: dict[int, Header],
         windows: dict[int, ROI],
         roi: bool,
+    ) -> tuple[Callable[[list[int]], list[torch.Tensor]], list[int], list[int]]:
+        """The GPU decoder as ``run(positions) -> images``, the positions it takes, and those
+        left to the CPU (nvjpeg reads only JPEGs)."""
+        if dali is not None:
+
+            def run_dali(ks: list[int]) -> list[torch.Tensor]:
+                return dali.decode([encoded[k] for k in ks], [windows[k] for k in ks] if roi else None)
+
+            return run_dali, todo, []
+        nvjpeg = self._nvjpeg_decoder()
+
+        def run_nvjpeg(ks: list[int]) -> list[torch.Tensor]:
+            return nvjpeg.decode([encoded[k] for k in ks], [headers[k] for k in ks], [windows.get(k) for k in ks])
+
+        jpegs = [k for k in todo if headers[k].format == "JPEG"]
+        return run_nvjpeg, jpegs, [k for k in todo if headers[k].format != "JPEG"]
+
+    def _to_device(self, image: torch.Tensor) -> torch.Tensor:
+        """A CPU-decoded image on the target device. To a GPU it is copied from pinned memory
+        without blocking: a pageable copy would make the host wait for everything queued on
+        the stream (the training step). torch's pinned allocator keeps the staging block until
+        the copy is done."""
+        if image.device == self.device:
+            return image
+        if self.device.type == "cuda":
+            return image.pin_memory().to(self.device, non_blocking=True)
+        return image.to(self.device)
+
+    @staticmethod
+    def _decode_gpu(
+        run: Callable[[list[int]], list[torch.Tensor]], todo: list[int], names: Sequence[str], backend: str
     ) -> tuple[dict[int, torch.Tensor], dict[int, str]]:
-        """Decode ``todo`` as one DALI batch; if DALI rejects it, one by one to find the culprits."""
-        from gpuload.decode._dali import DaliError
+        """Decode ``todo`` as one batch; if the decoder rejects it, one by one to find the culprits.
 
-        def run(ks: list[int]) -> list[torch.Tensor]:
-            return dali.decode([encoded[k] for k in ks], [windows[k] for k in ks] if roi else None)
+        A device failure (out of memory, CUDA) raises :class:`DecodeDeviceError` at once: it is
+        no file's fault, and decoding the samples one by one or on the CPU would hide it.
+        """
+        label = "DALI" if backend.startswith("dali") else backend
 
+        def reason(error: RuntimeError, ks: list[int]) -> str:
+            if _device_failure(error):
+                raise DecodeDeviceError(backend, str(error), [str(names[k]) for k in ks]) from error
+            return f"{label}: {error}"
+
+        if not todo:
+            return {}, {}
         try:
             return dict(zip(todo, run(todo))), {}
-        except DaliError as error:
+        except RuntimeError as error:
+            why = reason(error, todo)
             if len(todo) == 1:
-                return {}, {todo[0]: f"DALI: {error}"}
+                return {}, {todo[0]: why}
         decoded: dict[int, torch.Tensor] = {}
         failures: dict[int, str] = {}
         for k in todo:
             try:
                 (decoded[k],) = run([k])
-            except DaliError as error:
-                failures[k] = f"DALI: {error}"
+            except RuntimeError as error:
+                failures[k] = reason(error, [k])
         return decoded, failures
 
 
@@ -305,10 +392,12 @@ def decode_batch(
     backend: str = "auto",
     on_error: str = "raise",
     rois: Sequence[Sequence[int]] | None = None,
+    max_pixels: MaxPixels = "default",
 ) -> DecodeResult:
     """Decode one batch with a decoder shared per (device, backend); see :class:`BatchDecoder`.
 
     ``device=None`` means the current CUDA device when there is one, else the CPU.
+    ``max_pixels`` is the pixel limit (``"default"``: the process-wide one).
     """
     resolved = resolve_device(device)
     key = (str(resolved), backend)
@@ -316,4 +405,4 @@ def decode_batch(
         decoder = _shared.get(key)
         if decoder is None:
             decoder = _shared[key] = BatchDecoder(resolved, backend, max_batch=max(1, len(encoded)))
-    return decoder.decode(encoded, names, indices, rois=rois, on_error=on_error)
+    return decoder.decode(encoded, names, indices, rois=rois, on_error=on_error, max_pixels=max_pixels)

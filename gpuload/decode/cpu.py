@@ -30,10 +30,10 @@ __all__ = [
     "torchvision_decode",
     "cpu_decoder",
     "crop",
+    "to_uint8",
     "decode_many",
     "describe_error",
 ]
-
 
 
 def pil_decode(data: bytes, roi: ROI | None = None) -> torch.Tensor:
@@ -72,7 +72,19 @@ def torchvision_decode(data: bytes, roi: ROI | None = None) -> torch.Tensor:
 
     encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     image = decode_image(encoded, mode=ImageReadMode.RGB, apply_exif_orientation=True)
+    if image.dtype == torch.uint16:  # 16-bit PNG: torchvision keeps 16 bits even in RGB mode
+        image = to_uint8(image)
     return image if roi is None else crop(image, roi)
+
+
+def to_uint8(wide: torch.Tensor) -> torch.Tensor:
+    """16-bit samples scaled to 8 bits by rounding ``v / 257`` (65535 -> 255), as DALI does.
+
+    PIL cannot do this for 16-bit RGB PNGs: it opens them as 8-bit RGB, keeping the high byte
+    (``v >> 8``), which is up to 1 lower. Backends that see the 16 bits (DALI, torchvision)
+    round; the ``pil`` backend gives PIL's value.
+    """
+    return torch.round(wide.to(torch.float32) / 257.0).clamp_(0, 255).to(torch.uint8)
 
 
 def cpu_decoder(backend: str) -> Callable[[bytes, ROI | None], torch.Tensor]:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from gpuload.cache.budget import format_bytes
-from gpuload.cache.probe import image_sizes
+from gpuload.cache.probe import probe_images
 from gpuload.datasets.images import ImageFolder
 from gpuload.transfer import batch_nbytes
 
@@ -55,15 +55,19 @@ def image_folder(path: Path) -> ImageFolder:
 
 def _image_folder(path: Path, probes: int) -> DatasetShape:
     """The folder as ``gpuload.DataLoader`` loads it, sized from a few headers by the estimator
-    the image cache uses (a file whose header cannot be read, a decompression bomb among them,
-    is left out of the estimate; the loader reports it when it reaches it)."""
+    the image cache uses. A probed file whose header cannot be read, or claims more pixels than
+    the decoder's limit (a decompression bomb), is one the loader would skip or refuse: it is
+    left out of the estimate and named on a line of its own."""
     folder = image_folder(path)
-    sizes = image_sizes(folder, probes)
+    probe = probe_images(folder, probes)
+    sizes = probe.sizes
+    bad = ""
+    if probe.bad:
+        bad = (f"\n  bad files: {len(probe.bad)} of the {probe.probed} probed would be skipped or refused: "
+               + "; ".join(probe.bad[:3]) + ("; ..." if len(probe.bad) > 3 else ""))
     if not sizes:
-        raise ValueError(
-            f"cannot read image {folder.path(0)}: none of the {min(probes, len(folder))} images probed has a "
-            "readable header (corrupt files, or a size over the decoder's pixel limit)"
-        )
+        raise ValueError(f"cannot read image {folder.path(0)}: none of the {probe.probed} probed images can be "
+                         f"loaded:{bad}")
     decoded = [d for d, _ in sizes]
     per_sample = math.ceil(sum(decoded) / len(decoded)) + LABEL_BYTES
     return DatasetShape(
@@ -72,7 +76,7 @@ def _image_folder(path: Path, probes: int) -> DatasetShape:
         f"image folder {path}: {len(folder)} images; {len(sizes)} probed, decoded RGB uint8 "
         f"{format_bytes(min(decoded))} to {format_bytes(max(decoded))} "
         f"(mean {format_bytes(per_sample - LABEL_BYTES)}) + int64 label; "
-        f"encoded mean {format_bytes(sum(e for _, e in sizes) / len(sizes))} on disk",
+        f"encoded mean {format_bytes(sum(e for _, e in sizes) / len(sizes))} on disk{bad}",
     )
 
 

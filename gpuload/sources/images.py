@@ -96,6 +96,7 @@ class ImageFileSource(Source):
         self.skipped_files: dict[int, tuple[str, str]] = {}  # position -> (file, reason), bounded
         self._skipped_in_epoch = (-1, 0)  # (epoch number, files skipped in it)
         self.fallback_decoded = 0
+        self.cpu_decoded = 0  # non-JPEG files the GPU's nvjpeg backend left to the CPU
         self.roi = "none"  # how the last batch's decode windows were honoured (DecodeResult.roi)
         self.cache: SampleCache | None = None
         self.keeps = ""  # what the cache keeps: "decoded" images or "encoded" bytes
@@ -246,6 +247,7 @@ class ImageFileSource(Source):
             result = self.decoder.decode(encoded, names, readable, rois=windows, on_error=self.setup.on_error)
             self._note_skipped(result.skipped, epoch)
             self.fallback_decoded += result.fallback_decoded
+            self.cpu_decoded += result.cpu_decoded
             self.roi = result.roi
             for k, image in zip(result.kept_positions, result.images):
                 if filling:
@@ -274,6 +276,7 @@ class ImageFileSource(Source):
                 "decode_backend": self.decoder.backend,
                 **self._skipped_counters(epoch),
                 "fallback_decoded": self.fallback_decoded,
+                "cpu_decoded": self.cpu_decoded,
                 "roi": self.roi,
             },
         )

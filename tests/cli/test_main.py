@@ -73,3 +73,21 @@ def test_bench_images_scenario_on_generated_photos(tmp_path: Path, capsys, monke
     files = gpuload_row["h2d_modelled"]["per_epoch"]
     assert files > 0 and cached_row["h2d_modelled"] == {**cached_row["h2d_modelled"], "first_epoch": files,
                                                         "per_epoch": 0}
+
+
+def test_plan_names_bombs_and_unreadable_files_instead_of_crashing(tmp_path: Path, capsys) -> None:
+    import image_fixtures as F
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "bomb.jpg").write_bytes(F.bomb_jpeg())
+    (tmp_path / "a" / "junk.png").write_bytes(b"not a png")
+    (tmp_path / "a" / "ok.jpg").write_bytes(F.jpeg("grayscale"))
+    assert main(["plan", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "3 images; 1 probed" in out
+    assert re.search(r"bad files: 2 of the 3 probed .*bomb.jpg: the header says 20000x20000 = 400,000,000 pixels, over the limit", out)
+    assert "junk.png: not a readable image header" in out
+    (tmp_path / "a" / "ok.jpg").unlink()
+    (tmp_path / "a" / "junk.png").unlink()
+    assert main(["plan", str(tmp_path)]) == 2
+    assert "none of the 1 probed images can be loaded" in capsys.readouterr().err

@@ -210,3 +210,18 @@ def test_sample_image_folder_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="num_images >= 1"):
         make_sample_image_folder(tmp_path, num_images=0)
     assert SAMPLE_PHOTOS[0] == "grace_hopper.jpg"
+
+
+def test_a_decompression_bomb_is_refused_from_its_header_on_every_path(tmp_path: Path) -> None:
+    import gpuload
+
+    (tmp_path / "bomb.jpg").write_bytes(F.bomb_jpeg())  # 725 bytes claiming 20000x20000
+    (tmp_path / "ok.jpg").write_bytes(F.jpeg("grayscale"))
+    ds = ImageList([(tmp_path / "ok.jpg", 0), (tmp_path / "bomb.jpg", 1)])
+    with pytest.raises(ImageDecodeError, match=r"bomb.jpg'?, sample index 1: PixelLimitError: .*20000x20000"):
+        ds[1]  # a plain torch Dataset
+    with pytest.raises(ImageDecodeError, match="bomb.jpg"):
+        list(TorchDataLoader(ds, batch_size=2))
+    loader = gpuload.DataLoader(ds, batch_size=2, device="cpu", on_error="skip")
+    (images, labels), = list(loader)  # gpuload's batch path: skipped, named, counted
+    assert labels.tolist() == [0] and loader.stats.extra["skipped"] == 1

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -226,8 +228,10 @@ def test_backend_resolution() -> None:
     assert resolve_backend(torch.device("cuda", 0), "auto") == "dali-mixed"
     with pytest.raises(ValueError, match="backend='dali-mixed' decodes on a GPU but the device is cpu"):
         resolve_backend(CPU, "dali-mixed")
-    with pytest.raises(ValueError, match="backend='nvjpeg' is not one of"):
+    with pytest.raises(ValueError, match="backend='nvjpeg' decodes on a GPU but the device is cpu"):
         resolve_backend(CPU, "nvjpeg")
+    with pytest.raises(ValueError, match="backend='jpeg' is not one of"):
+        resolve_backend(CPU, "jpeg")
 
 
 def test_backend_resolution_without_dali(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -236,7 +240,12 @@ def test_backend_resolution_without_dali(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(dali_module, "dali_installed", lambda: False)
     expected = "torchvision" if cpu.torchvision_available() else "pil"
     assert resolve_backend(CPU, "auto") == expected
-    assert resolve_backend(torch.device("cuda", 0), "auto") == expected
+    on_gpu = "nvjpeg" if cpu.torchvision_available() else "pil"
+    assert resolve_backend(torch.device("cuda", 0), "auto") == on_gpu
+    monkeypatch.setattr(cpu, "torchvision_available", lambda: False)
+    assert resolve_backend(torch.device("cuda", 0), "auto") == "pil"
+    with pytest.raises(ValueError, match="backend='nvjpeg' needs torchvision"):
+        resolve_backend(torch.device("cuda", 0), "nvjpeg")
     with pytest.raises(ValueError, match="backend='dali' needs nvidia.dali"):
         resolve_backend(CPU, "dali")
     assert decode_batch([F.jpeg("baseline-420")], ["a"], [0], device="cpu", backend="pil").backend == "pil"
@@ -342,3 +351,188 @@ def test_mixed_decoder_reports_bad_files_and_keeps_the_rest() -> None:
     assert result.kept_positions == [0, 3] and [s[0] for s in result.skipped] == [1, 2]
     with pytest.raises(ImageDecodeError, match="sample index 1"):
         decoder.decode(encoded, ["a", "b", "c", "d"], [0, 1, 2, 3])
+
+
+# --- the pixel limit (decompression bombs) ----------------------------------------------------
+
+
+def test_a_bomb_is_a_bad_file_named_with_its_index(decoder: BatchDecoder) -> None:
+    encoded = [F.jpeg("baseline-420"), F.bomb_jpeg(), F.png("RGB")]
+    with pytest.raises(ImageDecodeError, match=r"'bomb.jpg', sample index 8: .*20000x20000.*decompression bomb") as caught:
+        decoder.decode(encoded, ["a.jpg", "bomb.jpg", "c.png"], [7, 8, 9])
+    assert caught.value.backend == decoder.backend
+    result = decoder.decode(encoded, ["a.jpg", "bomb.jpg", "c.png"], [7, 8, 9], on_error="skip")
+    assert result.kept_positions == [0, 2] and result.skipped[0][:2] == (8, "bomb.jpg")
+    assert result.fallback_decoded == 0  # PIL never saw it either
+
+
+def test_the_limit_is_a_keyword_of_the_decoder_and_of_each_call(decoder: BatchDecoder) -> None:
+    data = F.jpeg("baseline-420")
+    with pytest.raises(ImageDecodeError, match="over the limit of 50,000"):
+        decoder.decode([data], ["x"], [0], max_pixels=50_000)
+    small = BatchDecoder("cpu", backend=decoder.backend, max_pixels=50_000)
+    assert small.decode([data], ["x"], [0], on_error="skip").skipped[0][0] == 0
+    assert len(small.decode([data], ["x"], [0], max_pixels=None).images) == 1
+    with pytest.raises(ImageDecodeError, match="over the limit"):
+        decode_batch([F.bomb_jpeg()], ["b"], [0], device="cpu", backend=decoder.backend)
+    with pytest.raises(ValueError, match="max_pixels=0"):
+        BatchDecoder("cpu", backend="pil", max_pixels=0)
+
+
+def test_the_module_default_applies_where_no_keyword_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuload.decode import headers
+
+    monkeypatch.setattr(headers, "_default_limit", headers.FOLLOW_PIL)
+    decoder = BatchDecoder("cpu", backend="pil")
+    data = F.jpeg("grayscale")
+    assert len(decoder.decode([data], ["x"], [0]).images) == 1
+    headers.set_default_max_pixels(1000)
+    with pytest.raises(ImageDecodeError, match="over the limit of 1,000"):
+        decoder.decode([data], ["x"], [0])
+
+
+# --- 16-bit PNG --------------------------------------------------------------------------------
+
+
+def test_16_bit_rgb_png_rounds_to_8_bits_and_pil_truncates(decoder: BatchDecoder) -> None:
+    data, samples = F.png16_rgb()
+    image = decode_one(decoder, data, "x.png").permute(1, 2, 0).numpy().astype(int)
+    rounded, high_byte = np.rint(samples / 257.0).astype(int), (samples >> 8).astype(int)
+    if decoder.backend == "pil":  # PIL opens it as 8-bit RGB: the high byte
+        assert (image == high_byte).all()
+    else:  # DALI and torchvision see 16 bits and round
+        assert (image == rounded).all()
+    assert np.abs(rounded - high_byte).max() == 1  # the documented difference
+
+
+# --- device failures are not bad files ------------------------------------------------------------
+
+DEVICE_MESSAGES = [
+    # DALI 2.x with exec_dynamic, as the pipeline wraps an operator's error
+    "Critical error in pipeline:\nError in MIXED operator `nvidia.dali.fn.decoders.image`,\nencountered:\n\n"
+    "Can't allocate 129499136 bytes on device 0.\nCurrent pipeline object is no longer valid.",
+    "Critical error in pipeline:\nError when executing Mixed operator ImageDecoder encountered:\n"
+    "CUDA allocation failed\nCurrent pipeline object is no longer valid.",
+    'Critical error in pipeline: Error in thread 0: NVJPEG error "5" : NVJPEG_STATUS_ALLOCATOR_FAILURE a.jpg',
+    "Critical error in pipeline:\nencountered:\n\nnvImageCodec failure: '#5'\nCurrent pipeline object is no longer valid.",
+    "Critical error in pipeline:\nencountered:\n\nCUDA runtime API error cudaErrorIllegalAddress (700):\n"
+    "an illegal memory access was encountered",
+    "CUDA driver API error CUDA_ERROR_LAUNCH_FAILED (719):\nunspecified launch failure",
+]
+FILE_MESSAGES = [
+    "Critical error in pipeline:\nencountered:\n\nFailed to decode sample #0 : \nCurrent pipeline object is no longer valid.",
+    "Critical error in pipeline:\nencountered:\n\nnvImageCodec failure: '#3'\nCurrent pipeline object is no longer valid.",
+    'Critical error in pipeline: NVJPEG error "2" : NVJPEG_STATUS_INVALID_PARAMETER',
+]
+
+
+@pytest.mark.parametrize("message", DEVICE_MESSAGES + FILE_MESSAGES)
+def test_device_failures_are_told_from_bad_files_by_their_text(message: str) -> None:
+    from gpuload.decode.errors import is_device_failure
+
+    assert is_device_failure(message) == (message in DEVICE_MESSAGES)
+
+
+@pytest.fixture
+def broken_dali_run(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """Script the real DALI CPU pipeline's runs: each call pops the next entry, raising
+    ``RuntimeError(entry)`` where it is a message and running for real where it is None (or
+    when the script is empty)."""
+    from gpuload.decode._dali import DaliDecoder
+
+    script: list[str | None] = []
+    real = DaliDecoder._run
+
+    def run(pipe, stream):  # type: ignore[no-untyped-def]
+        message = script.pop(0) if script else None
+        if message is not None:
+            raise RuntimeError(message)
+        return real(pipe, stream)
+
+    monkeypatch.setattr(DaliDecoder, "_run", staticmethod(run))
+    return script
+
+
+@pytest.mark.parametrize("which", range(len(DEVICE_MESSAGES)))
+def test_a_dali_device_failure_raises_even_with_skip_and_decodes_nothing_on_the_cpu(
+    broken_dali_run: list, which: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuload.decode import DecodeDeviceError
+
+    pil_calls = []
+    monkeypatch.setattr(cpu, "pil_decode", lambda *a: pil_calls.append(a) or F.pil_reference(a[0]))
+    decoder = BatchDecoder("cpu", backend="dali-cpu", max_batch=4)
+    broken_dali_run.extend([DEVICE_MESSAGES[which], "not run again"])
+    encoded = [F.jpeg("baseline-420"), F.jpeg("grayscale")]
+    with pytest.raises(DecodeDeviceError, match="decoder dali-cpu failed while decoding a batch of 2 starting with 'a'") as caught:
+        decoder.decode(encoded, ["a", "b"], [0, 1], on_error="skip")
+    assert broken_dali_run == ["not run again"]  # no retry one by one
+    assert pil_calls == []  # and no CPU decoding
+    assert caught.value.out_of_memory == (which < 4)  # the first four are allocation failures
+    broken_dali_run.clear()  # the device recovers: the pipeline is rebuilt and works
+    assert decoder.decode(encoded, ["a", "b"], [0, 1]).kept_positions == [0, 1]
+
+
+def test_a_device_failure_found_while_bisecting_raises_too(broken_dali_run: list) -> None:
+    from gpuload.decode import DecodeDeviceError
+
+    decoder = BatchDecoder("cpu", backend="dali-cpu", max_batch=4)
+    broken_dali_run.extend([FILE_MESSAGES[0], None, DEVICE_MESSAGES[0]])  # batch, first alone, second alone
+    with pytest.raises(DecodeDeviceError, match="a batch of 1 starting with 'b'.*Can't allocate"):
+        decoder.decode([F.jpeg("grayscale"), F.jpeg("baseline-420")], ["a", "b"], [0, 1], on_error="skip")
+
+
+def test_a_file_error_still_bisects_and_names_the_file() -> None:
+    decoder = BatchDecoder("cpu", backend="dali-cpu", max_batch=4)
+    bad = F.corrupt_inputs()["truncated.jpg"]
+    result = decoder.decode([F.jpeg("grayscale"), bad], ["a", "bad.jpg"], [0, 1], on_error="skip")
+    assert result.kept_positions == [0] and result.skipped[0][:2] == (1, "bad.jpg")
+    assert "DALI:" in result.skipped[0][2]
+
+
+@pytest.mark.gpu
+def test_mixed_decoder_output_is_ordered_on_the_callers_stream() -> None:
+    """pipe.run is bound to torch's current stream: work queued on a side stream sees the images."""
+    decoder = BatchDecoder("cuda", backend="dali-mixed", max_batch=4)
+    data = F.jpeg("baseline-444")
+    expected = decoder.decode([data], ["a"], [0]).images[0].sum(dtype=torch.int64)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        images = decoder.decode([data] * 4, list("abcd"), [0, 1, 2, 3]).images
+        total = torch.stack(images).sum(dtype=torch.int64)
+    side.synchronize()
+    assert int(total) == 4 * int(expected)
+
+
+def test_a_dali_without_stream_bound_runs_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nvidia.dali import Pipeline
+
+    import gpuload.decode._dali as dali_module
+
+    def run(self, **pipeline_inputs):  # type: ignore[no-untyped-def]  # DALI < 1.44's signature
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(Pipeline, "run", run)
+    with pytest.raises(dali_module.DaliUnavailable, match="too old: .*since 1.44"):
+        dali_module.DaliDecoder(CPU)
+    with pytest.warns(UserWarning, match="too old"):
+        result = BatchDecoder("cpu", backend="auto").decode([F.jpeg("grayscale")], ["g"], [0])
+    assert result.backend in ("torchvision", "pil")
+
+
+def test_a_failed_dali_run_leaves_no_reference_cycle_holding_the_pipeline() -> None:
+    """A dead pipeline kept for the garbage collector could be destroyed in a forked worker,
+    where DALI's destructor hangs; it must be freed at once, by reference counting."""
+    import gc
+    import weakref
+
+    decoder = BatchDecoder("cpu", backend="dali-cpu", max_batch=2)
+    decoder.decode([F.jpeg("grayscale")], ["g"], [0])
+    pipe = weakref.ref(decoder._dali[False]._pipe)
+    gc.disable()
+    try:
+        result = decoder.decode([F.corrupt_inputs()["truncated.jpg"]], ["t"], [0], on_error="skip")
+        del result
+        assert pipe() is None
+    finally:
+        gc.enable()

@@ -1,0 +1,114 @@
+"""gpuload.decode.headers: sizes and orientations read like PIL reads them, and the pixel limit."""
+
+from __future__ import annotations
+
+import io
+from functools import lru_cache
+
+import pytest
+from PIL import Image
+
+import image_fixtures as F
+from gpuload.decode import headers
+from gpuload.decode.headers import (
+    FOLLOW_PIL,
+    PixelLimitError,
+    check_pixels,
+    default_max_pixels,
+    peek_header,
+    resolve_max_pixels,
+    set_default_max_pixels,
+)
+
+
+def pil_says(data: bytes) -> tuple[int, int, int]:
+    with Image.open(io.BytesIO(data)) as image:
+        return image.size[0], image.size[1], image.getexif().get(0x0112, 1)
+
+
+@lru_cache(maxsize=1)
+def every_kind() -> dict[str, bytes]:
+    kinds = {k: F.jpeg(k) for k in F.JPEG_KINDS}
+    kinds.update({f"jpeg-exif-{o}": F.jpeg_with_orientation(o) for o in range(1, 9)})
+    kinds.update({f"png-{m}": F.png(m) for m in ("RGB", "RGBA", "L", "LA", "P")})
+    kinds.update({f"png-exif-{o}": F.png_with_orientation(o) for o in (1, 3, 6, 8)})
+    kinds.update({"gif": F.encode(F.photo(), "GIF"), "bmp": F.encode(F.photo(), "BMP")})
+    return kinds
+
+
+@pytest.mark.parametrize("name", sorted(every_kind()))
+def test_header_matches_pil(name: str) -> None:
+    data = every_kind()[name]
+    header = peek_header(data)
+    assert (header.width, header.height, header.orientation) == pil_says(data)
+
+
+def test_formats_and_upright_size() -> None:
+    assert peek_header(F.jpeg("baseline-420")).format == "JPEG"
+    assert peek_header(F.png("RGB")).format == "PNG"
+    assert peek_header(F.encode(F.photo(), "GIF")).format == "GIF"  # read by PIL
+    assert peek_header(F.jpeg_with_orientation(6)).upright == (F.WIDTH, F.HEIGHT)
+    assert peek_header(F.jpeg_with_orientation(3)).upright == (F.HEIGHT, F.WIDTH)
+
+
+def test_a_jpeg_head_is_enough() -> None:
+    data = F.jpeg_with_orientation(6)
+    assert peek_header(data[:2048]).upright == (F.WIDTH, F.HEIGHT)
+
+
+@pytest.mark.parametrize("bad", [b"", b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"not an image at all"])
+def test_unreadable_headers_raise(bad: bytes) -> None:
+    with pytest.raises(Exception):
+        peek_header(bad)
+
+
+def test_the_bomb_is_read_from_its_header() -> None:
+    bomb = F.bomb_jpeg()
+    assert len(bomb) < 1000
+    header = peek_header(bomb)
+    assert (header.width, header.height, header.pixels) == (20000, 20000, 400_000_000)
+    with pytest.raises(Image.DecompressionBombError):  # what PIL does with it
+        Image.open(io.BytesIO(bomb))
+
+
+def test_check_pixels_rejects_over_the_limit_and_names_the_claim() -> None:
+    with pytest.raises(PixelLimitError, match=r"20000x20000 = 400,000,000 pixels, over the limit of 89,478,485"):
+        check_pixels(F.bomb_jpeg())
+    assert check_pixels(F.jpeg("baseline-420")).pixels == F.WIDTH * F.HEIGHT
+    with pytest.raises(PixelLimitError, match="over the limit of 1,000"):
+        check_pixels(F.jpeg("baseline-420"), max_pixels=1000)
+    assert check_pixels(F.bomb_jpeg(), max_pixels=None) is None  # no limit: nothing read
+
+
+def test_the_default_follows_pil_until_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(headers, "_default_limit", FOLLOW_PIL)
+    assert default_max_pixels() == Image.MAX_IMAGE_PIXELS
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10**9)
+    assert default_max_pixels() == 10**9
+    check_pixels(F.bomb_jpeg())  # 4e8 is under PIL's raised limit
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    assert default_max_pixels() is None
+    set_default_max_pixels(5000)
+    assert default_max_pixels() == 5000 and resolve_max_pixels("default") == 5000
+    with pytest.raises(PixelLimitError):
+        check_pixels(F.jpeg("baseline-420"))
+    set_default_max_pixels(None)
+    assert default_max_pixels() is None
+    set_default_max_pixels(FOLLOW_PIL)
+    assert default_max_pixels() is None  # PIL's, which this test set to None
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, True, "many"])
+def test_bad_limits_are_refused(bad: object) -> None:
+    with pytest.raises(ValueError):
+        resolve_max_pixels(bad)  # type: ignore[arg-type]
+    if not isinstance(bad, str):
+        with pytest.raises(ValueError):
+            set_default_max_pixels(bad)  # type: ignore[arg-type]
+
+
+def test_a_bomb_in_a_format_only_pil_reads_is_caught_by_pils_check() -> None:
+    data = bytearray(F.encode(F.photo().resize((8, 8)), "BMP"))
+    data[18:26] = (30000).to_bytes(4, "little") + (30000).to_bytes(4, "little")  # BITMAPINFOHEADER size
+    with pytest.raises(PixelLimitError, match="PIL: .*exceeds limit"):
+        check_pixels(bytes(data))

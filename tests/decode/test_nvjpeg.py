@@ -1,0 +1,207 @@
+"""The ``nvjpeg`` backend (torchvision's batched nvJPEG decoder, for CUDA machines without DALI).
+
+On the CPU the backend runs with ``torchvision.io.decode_jpeg(list, device="cpu")``, which
+takes the same arguments as the CUDA call and gives libjpeg-turbo's pixels: everything gpuload
+adds around the decoder (JPEG/other split, EXIF orientation, ROI crop, bisecting a rejected
+batch, telling a failing device from a bad file, the pixel limit) is checked here. The `gpu`
+tests hold the real nvJPEG decode to the tolerance of DALI's mixed decoder.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import image_fixtures as F
+from gpuload.decode import BatchDecoder, DecodeDeviceError, ImageDecodeError
+from gpuload.decode import batch as batch_module
+from gpuload.decode import cpu
+from gpuload.decode._nvjpeg import NvjpegDecoder, upright
+
+pytestmark = pytest.mark.skipif(not cpu.torchvision_available(), reason="torchvision is not installed")
+
+CPU_MEAN_TOL, CPU_MAX_TOL = 0.5, 4
+GPU_MEAN_TOL, GPU_MAX_TOL = 1.0, 24  # DALI mixed's tolerance (tests/decode/test_batch.py)
+
+
+@pytest.fixture
+def nvjpeg(monkeypatch: pytest.MonkeyPatch) -> BatchDecoder:
+    """The nvjpeg backend on the CPU: resolve_backend lets it through for the test."""
+    real = batch_module.resolve_backend
+    monkeypatch.setattr(
+        batch_module, "resolve_backend", lambda device, backend="auto": "nvjpeg" if backend == "nvjpeg" else real(device, backend)
+    )
+    return BatchDecoder("cpu", backend="nvjpeg", max_batch=8)
+
+
+def inject(decoder: BatchDecoder, call) -> list[int]:  # type: ignore[no-untyped-def]
+    """Replace the decode call of ``decoder``'s nvJPEG stage; returns the batch sizes it saw."""
+    sizes: list[int] = []
+
+    def wrapped(buffers: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        sizes.append(len(buffers))
+        return call(buffers, device)
+
+    decoder._nvjpeg = NvjpegDecoder(decoder.device, wrapped)
+    return sizes
+
+
+def real_call(buffers: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    return decode_jpeg(buffers, mode=ImageReadMode.RGB, device=device)
+
+
+def test_jpegs_match_pil_and_other_formats_go_to_the_cpu(nvjpeg: BatchDecoder) -> None:
+    kinds = sorted(F.JPEG_KINDS)
+    encoded = [F.jpeg(k) for k in kinds] + [F.png("RGBA"), F.png("L")]
+    sizes = inject(nvjpeg, real_call)
+    result = nvjpeg.decode(encoded, kinds + ["a.png", "b.png"], list(range(len(encoded))))
+    assert result.backend == "nvjpeg" and result.kept_positions == list(range(len(encoded)))
+    assert sizes == [len(kinds)]  # one batched call, JPEGs only
+    assert result.cpu_decoded == 2 and result.fallback_decoded == 0
+    for image, data in zip(result.images, encoded):
+        mean, worst = F.diff_stats(image, F.pil_reference(data))
+        assert mean <= CPU_MEAN_TOL and worst <= CPU_MAX_TOL
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_is_applied_from_the_header(nvjpeg: BatchDecoder, orientation: int) -> None:
+    stored = nvjpeg.decode([F.jpeg_with_orientation(1)], ["s"], [0]).images[0]
+    image = nvjpeg.decode([F.jpeg_with_orientation(orientation)], ["o"], [0]).images[0]
+    assert torch.equal(image, F.upright(stored, orientation))
+
+
+def test_upright_follows_the_exif_table() -> None:
+    image = torch.arange(2 * 3 * 4, dtype=torch.uint8).view(2, 3, 4)
+    for orientation in range(1, 9):
+        assert torch.equal(upright(image, orientation).contiguous(), F.upright(image, orientation))
+
+
+def test_rois_are_cropped_in_upright_coordinates(nvjpeg: BatchDecoder) -> None:
+    encoded = [F.jpeg("baseline-420"), F.jpeg_with_orientation(6), F.png("RGB")]
+    rois = [(10, 21, 100, 120), (37, 50, 90, 150), (3, 5, 200, 150)]
+    whole = nvjpeg.decode(encoded, ["a", "b", "c"], [0, 1, 2])
+    part = nvjpeg.decode(encoded, ["a", "b", "c"], [0, 1, 2], rois=rois)
+    assert part.roi == "crop"
+    for full, window, (y0, x0, h, w) in zip(whole.images, part.images, rois):
+        assert window.is_contiguous() and torch.equal(window, full[:, y0 : y0 + h, x0 : x0 + w])
+
+
+def test_a_rejected_batch_is_bisected_and_the_bad_file_named(nvjpeg: BatchDecoder) -> None:
+    bad = F.corrupt_inputs()["truncated.jpg"]
+    encoded = [F.jpeg("baseline-420"), bad, F.jpeg("grayscale")]
+
+    def strict(buffers: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        if any(b.numel() == len(bad) for b in buffers):  # as nvJPEG: no partial results
+            raise RuntimeError("Error while decoding JPEG images: Failed to decode jpeg stream: 2")
+        return real_call(buffers, device)
+
+    sizes = inject(nvjpeg, strict)
+    with pytest.raises(ImageDecodeError, match=r"'t.jpg', sample index 41: nvjpeg: .*Failed to decode") as caught:
+        nvjpeg.decode(encoded, ["a", "t.jpg", "c"], [40, 41, 42])
+    assert caught.value.backend == "nvjpeg"
+    sizes.clear()
+    result = nvjpeg.decode(encoded, ["a", "t.jpg", "c"], [40, 41, 42], on_error="skip")
+    assert sizes == [3, 1, 1, 1] and result.kept_positions == [0, 2]
+    assert "PIL:" in result.skipped[0][2]  # PIL had its say too
+
+
+def test_a_jpeg_nvjpeg_rejects_but_pil_reads_is_kept(nvjpeg: BatchDecoder) -> None:
+    cmyk = F.encode(F.photo().convert("CMYK"), "JPEG", quality=90)
+
+    def no_cmyk(buffers: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        if any(b.numel() == len(cmyk) for b in buffers):
+            raise RuntimeError("Error while decoding JPEG images: Unknown chroma subsampling")
+        return real_call(buffers, device)
+
+    inject(nvjpeg, no_cmyk)
+    result = nvjpeg.decode([cmyk, F.jpeg("grayscale")], ["cmyk.jpg", "g"], [0, 1])
+    assert result.kept_positions == [0, 1] and result.fallback_decoded == 1
+    assert torch.equal(result.images[0], F.pil_reference(cmyk))
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Error while decoding JPEG images: CUDA out of memory. Tried to allocate 2.00 GiB",
+        "Error while decoding JPEG images: Failed to decode batch: 5",
+        "Error while decoding JPEG images: Failed to synchronize CUDA stream: 700",
+        "CUDA error: an illegal memory access was encountered",
+    ],
+)
+def test_device_failures_raise_whatever_on_error_says(nvjpeg: BatchDecoder, message: str) -> None:
+    def failing(buffers: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        raise RuntimeError(message)
+
+    sizes = inject(nvjpeg, failing)
+    with pytest.raises(DecodeDeviceError, match="decoder nvjpeg failed") as caught:
+        nvjpeg.decode([F.jpeg("grayscale"), F.jpeg("baseline-420")], ["a", "b"], [0, 1], on_error="skip")
+    assert sizes == [2]  # no bisecting, no CPU decode
+    assert caught.value.out_of_memory == ("out of memory" in message or message.endswith(": 5"))
+
+
+def test_torch_out_of_memory_is_a_device_failure_by_type(nvjpeg: BatchDecoder) -> None:
+    def failing(buffers: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        raise torch.cuda.OutOfMemoryError("allocation refused")
+
+    inject(nvjpeg, failing)
+    with pytest.raises(DecodeDeviceError):
+        nvjpeg.decode([F.jpeg("grayscale")], ["a"], [0], on_error="skip")
+
+
+def test_bombs_and_empty_files_never_reach_the_decoder(nvjpeg: BatchDecoder) -> None:
+    sizes = inject(nvjpeg, real_call)
+    result = nvjpeg.decode(
+        [F.bomb_jpeg(), b"", F.jpeg("grayscale")], ["bomb.jpg", "e.jpg", "g"], [0, 1, 2], on_error="skip"
+    )
+    assert sizes == [1] and result.kept_positions == [2]
+    assert "20000x20000" in result.skipped[0][2] and "empty" in result.skipped[1][2]
+
+
+# --- GPU: the real nvJPEG ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_nvjpeg_matches_pil_within_the_mixed_decoders_tolerance() -> None:
+    decoder = BatchDecoder("cuda", backend="nvjpeg", max_batch=16)
+    kinds = sorted(F.JPEG_KINDS)
+    encoded = [F.jpeg(k) for k in kinds] + [F.jpeg_with_orientation(o) for o in range(1, 9)] + [F.png("RGBA")]
+    names = kinds + [f"exif-{o}" for o in range(1, 9)] + ["rgba.png"]
+    result = decoder.decode(encoded, names, list(range(len(encoded))))
+    assert result.backend == "nvjpeg" and result.kept_positions == list(range(len(encoded)))
+    assert result.cpu_decoded == 1
+    for name, image, data in zip(names, result.images, encoded):
+        assert image.device.type == "cuda" and image.dtype == torch.uint8
+        mean, worst = F.diff_stats(image, F.pil_reference(data))
+        print(f"nvjpeg vs PIL {name}: mean |diff| {mean:.3f}, max {worst}")
+        assert mean <= GPU_MEAN_TOL and worst <= GPU_MAX_TOL, (name, mean, worst)
+    rois = [(10, 20, 100, 120)] * len(encoded)
+    part = decoder.decode(encoded, names, list(range(len(encoded))), rois=rois)
+    for whole, window in zip(result.images, part.images):
+        assert torch.equal(window, whole[:, 10:110, 20:140])
+
+
+@pytest.mark.gpu
+def test_nvjpeg_reports_bad_files_and_keeps_the_rest_on_the_gpu() -> None:
+    decoder = BatchDecoder("cuda", backend="nvjpeg", max_batch=4)
+    bad = F.corrupt_inputs()
+    encoded = [F.jpeg("baseline-420"), bad["truncated.jpg"], F.bomb_jpeg(), F.jpeg("grayscale")]
+    result = decoder.decode(encoded, ["a", "t", "bomb", "d"], [0, 1, 2, 3], on_error="skip")
+    assert [s[0] for s in result.skipped] == [1, 2] or [s[0] for s in result.skipped] == [2]
+    assert 0 in result.kept_positions and 3 in result.kept_positions
+    assert all(image.device.type == "cuda" for image in result.images)
+
+
+@pytest.mark.gpu
+def test_nvjpeg_output_is_ordered_on_a_side_stream() -> None:
+    """Decoded under torch.cuda.stream(s), the images are ready for work queued on s."""
+    decoder = BatchDecoder("cuda", backend="nvjpeg", max_batch=4)
+    data = F.jpeg("baseline-444")
+    expected = decoder.decode([data], ["a"], [0]).images[0].sum(dtype=torch.int64)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        images = decoder.decode([data] * 4, list("abcd"), [0, 1, 2, 3]).images
+        total = torch.stack(images).sum(dtype=torch.int64)  # queued on the side stream
+    side.synchronize()
+    assert int(total) == 4 * int(expected)

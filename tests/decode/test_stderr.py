@@ -1,0 +1,140 @@
+"""DALI's native [ERROR] lines are kept off the console; everything else on fd 2 still gets there."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import pytest
+
+import image_fixtures as F
+from gpuload.decode import BatchDecoder
+from gpuload.decode._stderr import quiet_native_stderr, take_native_lines
+
+NATIVE = b"\x1b[0;31m[ERROR] \x1b[0m[libjpeg_turbo_decoder] Could not decode jpeg code stream\n"
+
+
+def test_native_lines_are_kept_and_the_rest_passes_through(capfd: pytest.CaptureFixture[str]) -> None:
+    take_native_lines()
+    with quiet_native_stderr():
+        os.write(2, b"a traceback line\n" + NATIVE + b"[WARNING] [nvjpeg] plain, no colours\n[not a log line\n")
+        os.write(2, b"\r 50%|#####     | progress")  # no newline: passed on all the same
+    assert take_native_lines() == [
+        "[ERROR] [libjpeg_turbo_decoder] Could not decode jpeg code stream",
+        "[WARNING] [nvjpeg] plain, no colours",
+    ]
+    err = capfd.readouterr().err
+    assert err == "a traceback line\n[not a log line\n\r 50%|#####     | progress"
+    os.write(2, b"after\n")  # fd 2 is itself again
+    assert capfd.readouterr().err == "after\n"
+
+
+def test_overlapping_runs_share_one_redirect(capfd: pytest.CaptureFixture[str]) -> None:
+    take_native_lines()
+    inside, release = threading.Event(), threading.Event()
+
+    def other_run() -> None:
+        with quiet_native_stderr():
+            inside.set()
+            release.wait(10)
+            os.write(2, NATIVE)
+
+    thread = threading.Thread(target=other_run)
+    with quiet_native_stderr():
+        thread.start()
+        inside.wait(10)
+    os.write(2, NATIVE)  # the other run is still on: fd 2 is still the pipe
+    release.set()
+    thread.join(10)
+    assert len(take_native_lines()) == 2
+    assert capfd.readouterr().err == ""
+    os.write(2, b"restored\n")
+    assert capfd.readouterr().err == "restored\n"
+
+
+def test_keep_leaves_the_console_alone(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("GPULOAD_DALI_STDERR", "keep")
+    with quiet_native_stderr():
+        os.write(2, NATIVE)
+    assert "libjpeg_turbo_decoder" in capfd.readouterr().err
+
+
+def test_dali_rejecting_files_with_skip_prints_nothing_and_logs_why(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    decoder = BatchDecoder("cpu", backend="dali-cpu", max_batch=4)
+    bad = F.corrupt_inputs()
+    encoded = [bad["truncated.jpg"], F.jpeg("grayscale"), bad["truncated.jpg"]]
+    with caplog.at_level(logging.INFO, logger="gpuload.decode.dali"):
+        result = decoder.decode(encoded, ["t1", "ok", "t2"], [0, 1, 2], on_error="skip")
+    assert result.kept_positions == [1]
+    assert "[ERROR]" not in capfd.readouterr().err
+    assert any("Premature end of JPEG data" in record.getMessage() for record in caplog.records)
+    assert "Premature end of JPEG data" in result.skipped[0][2]  # DALI's words join the reason
+
+
+def test_a_child_started_during_a_run_neither_hangs_it_nor_loses_its_output(capfd: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+    import sys
+    import time
+
+    script = "import sys, time; time.sleep(0.5); sys.stderr.write('late child\\n')"
+    with quiet_native_stderr():
+        child = subprocess.Popen([sys.executable, "-c", script])  # inherits the pipe as stderr
+    started = time.monotonic()  # the run ended without waiting for the child
+    assert child.poll() is None
+    child.wait(10)
+    seen = ""
+    while "late child" not in seen and time.monotonic() - started < 5:
+        time.sleep(0.05)
+        seen += capfd.readouterr().err
+    assert "late child" in seen
+
+
+def test_someone_elses_redirect_during_a_run_is_kept(tmp_path, capfd: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "theirs.log"
+    saved = os.dup(2)
+    try:
+        with quiet_native_stderr():
+            with open(target, "wb") as theirs:
+                os.dup2(theirs.fileno(), 2)  # e.g. a test harness switching captures
+        os.write(2, b"still theirs\n")
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    assert target.read_bytes() == b"still theirs\n"
+
+
+def test_lines_of_two_threads_interleaved_by_the_native_logger_are_kept(capfd: pytest.CaptureFixture[str]) -> None:
+    take_native_lines()
+    with quiet_native_stderr():
+        os.write(2, b"\x1b[0;31m[ERROR] \x1b[0m\x1b[0;31m[ERROR] \x1b[0m[[libjpeg_turbo_decoder] Could not decode A\n")
+        os.write(2, b"libjpeg_turbo_decoder] Could not decode B\nWarning: not DALI's\n")
+    assert len(take_native_lines()) == 2
+    assert capfd.readouterr().err == "Warning: not DALI's\n"
+
+
+def test_a_line_holding_two_records_owes_the_next_line_to_them(capfd: pytest.CaptureFixture[str]) -> None:
+    take_native_lines()
+    with quiet_native_stderr():
+        os.write(2, b"[ERROR] [libjpeg_turbo_decoder] [ERROR] [libjpeg_turbo_decoder] message A\nmessage B\n")
+        os.write(2, b"message C is not DALI's\n")
+    assert take_native_lines()[-1] == "message B"
+    assert capfd.readouterr().err == "message C is not DALI's\n"
+
+
+def test_a_flush_mark_cut_in_two_by_a_read_is_still_found() -> None:
+    from gpuload.decode._stderr import _Redirect
+
+    redirect = _Redirect()
+    read_fd, write_fd = os.pipe()
+    redirect.out_fd = write_fd
+    mark = redirect._FLUSH
+    rest = redirect._sort(b"[ERROR] [x] one\n" + mark[:5])
+    assert rest == mark[:5]  # held back, not passed on
+    data = rest + mark[5:]
+    assert mark in data
+    os.close(write_fd)
+    assert os.read(read_fd, 100) == b""  # nothing reached the "console"
+    os.close(read_fd)
