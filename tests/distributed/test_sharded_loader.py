@@ -64,6 +64,20 @@ def test_node_and_world_hold_a_share_and_exchange(job):
         assert held[scope] == total * world // group  # one whole copy per group of ranks
 
 
+def test_all_ranks_stopping_at_one_batch_then_resuming_gives_torchs_batches(job):
+    ranks, world, _ = job
+    for rank, found in enumerate(ranks):
+        assert found["resume"]["equal"], rank
+        assert found["resume"]["exchange"]["ranks_per_copy"] == world
+
+
+def test_another_sampler_keeps_a_copy_per_rank_and_says_why(job):
+    for found in job[0]:
+        seen = found["other_sampler"]
+        assert seen["equal"] and seen["exchange"] is None
+        assert any("not torch's DistributedSampler" in w and "cache_scope='node'" in w for w in seen["warnings"])
+
+
 def test_rank_that_stops_early_makes_the_others_fail_within_the_timeout(job):
     ranks, _, _ = job
     assert ranks[0]["stop_then_wait"]["error"] is None  # it broke out; nothing more to exchange
@@ -84,7 +98,14 @@ def test_rank_that_starts_the_next_epoch_early_makes_every_rank_fail(job):
 
 
 @pytest.mark.gpu
-def test_nccl_sharded_batches_equal_torchs():
-    if torch.cuda.device_count() < 2:
-        pytest.skip(f"needs 2 CUDA devices for NCCL between ranks; this machine has {torch.cuda.device_count()}")
-    pytest.skip("the NCCL run is a launcher script: torchrun --nproc-per-node 2 tests/distributed/nccl_job.py")
+def test_nccl_ranks_get_torchs_batches(tmp_path):
+    world = torch.cuda.device_count()
+    if world < 2:
+        pytest.skip(f"needs 2 CUDA devices for NCCL between ranks; this machine has {world}")
+    mp.spawn(ranks_job.run_nccl, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    for rank in range(world):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for key, result in found.items():
+            assert result["equal"], f"rank {rank}, {key}"
+            assert result["path"] == f"sharded-{key.split('/')[0]}"
+            assert result["exchange"]["shard_bytes"] > 0
