@@ -238,13 +238,19 @@ class ShardedArrayStore:
         return 0
 
     def close(self) -> None:
-        """Drop the share and its ledger booking. Safe to call twice."""
+        """Drop the share, its ledger booking and the exchange's groups. Safe to call twice.
+
+        A rank still waiting in an exchange with this one then fails at once instead of at
+        the timeout."""
         if self._closed:
             return
         self._closed = True
-        self._shard = self._shard[:0]
+        self._shard = torch.empty((0, self._shard.shape[1]), dtype=torch.uint8, device=self.device)
         if self.device.type == "cuda":
             self._ledger.release(self._owner)
+        if dist.is_initialized():
+            for group in {id(g): g for g in (self._control, self._data)}.values():
+                dist.destroy_process_group(group)
 
     def epoch(self, batch_sampler: Any, drawn: list[torch.Tensor]) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
         """Yield ``(arrays of the batch, its indices)`` for each of ``drawn``, this rank's batches
