@@ -26,6 +26,7 @@ __all__ = [
     "current_context",
     "exchange_groups",
     "exchange_timeout",
+    "release_groups",
 ]
 
 EXCHANGE_TIMEOUT_ENV = "GPULOAD_EXCHANGE_TIMEOUT"
@@ -84,3 +85,11 @@ def exchange_groups(device: torch.device, timeout: timedelta) -> tuple[Any, Any]
     control = dist.new_group(backend="gloo", timeout=timeout)
     data = dist.new_group(backend="nccl", timeout=timeout) if device.type == "cuda" else control
     return control, data
+
+
+def release_groups(groups: tuple[Any, Any]) -> None:
+    """Destroy the exchange's groups (once each; ``data`` may be ``control``), if torch.distributed
+    is still up. A peer still waiting on them then fails at once instead of at the timeout."""
+    if dist.is_initialized():
+        for group in {id(g): g for g in groups}.values():
+            dist.destroy_process_group(group)

@@ -46,14 +46,23 @@ def decide_scope(
 
     ``room``: device bytes a cache may fill on each rank (the smallest over ranks), or None on
     a CPU device, where there is no device budget: ``auto`` keeps today's behaviour (arrays
-    served in place) and an explicit scope is taken as asked. ``auto`` picks ``rank`` when the
+    served in place) and an explicit scope is taken as asked. On a device, an explicit scope
+    whose share does not fit the room falls back to ``rank``. ``auto`` picks ``rank`` when the
     dataset fits one device's room, else ``node`` when it fits the node's devices together,
     else ``world``, else ``rank`` (today's tiers: device, pinned host, source).
     """
     total = format_bytes(num_samples * bytes_per_sample)
     sizes = {"rank": 1, "node": local_world_size, "world": world_size}
     if requested in ("rank", "node", "world"):
-        return ScopeDecision(requested, requested, sizes[requested], f"cache_scope={requested!r} was asked for")
+        share = share_bytes(num_samples, bytes_per_sample, sizes[requested])
+        if room is None or requested == "rank" or share <= room:
+            return ScopeDecision(requested, requested, sizes[requested], f"cache_scope={requested!r} was asked for")
+        return ScopeDecision(
+            requested, "rank", 1,
+            f"cache_scope={requested!r} was asked for, but a share ({format_bytes(share)}) does not fit the "
+            f"device cache room ({format_bytes(room)}): each rank caches in its own tiers (device, pinned "
+            "host, source)",
+        )
     if requested != "auto":
         raise ValueError(f"cache scope {requested!r} is not one of 'auto', 'rank', 'node', 'world'")
     if room is None:

@@ -34,6 +34,7 @@ from gpuload.distributed.group import (
     current_context,
     exchange_groups,
     exchange_timeout,
+    release_groups,
 )
 from gpuload.distributed.partition import Partition
 from gpuload.distributed.rank_batches import every_rank_batches, sampler_fingerprint, shardable_sampler
@@ -158,6 +159,9 @@ def shard_arrays(
     decision = decide_scope(requested, num_samples, bytes_per_sample, smallest_room,
                             context.local_world_size, context.world_size)
     if not decision.sharded or decision.group_size == 1:
+        if requested != "auto" and requested != decision.scope:
+            warnings.warn(f"gpuload: {decision.reason}", stacklevel=4)
+        release_groups((control, data))
         return None
     partition = Partition(num_samples, context.world_size, decision.group_size)
     plan = ShardPlan(decision, partition, context.rank, bytes_per_sample, str(device))
@@ -238,19 +242,14 @@ class ShardedArrayStore:
         return 0
 
     def close(self) -> None:
-        """Drop the share, its ledger booking and the exchange's groups. Safe to call twice.
-
-        A rank still waiting in an exchange with this one then fails at once instead of at
-        the timeout."""
+        """Drop the share, its ledger booking and the exchange's groups. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
         self._shard = torch.empty((0, self._shard.shape[1]), dtype=torch.uint8, device=self.device)
         if self.device.type == "cuda":
             self._ledger.release(self._owner)
-        if dist.is_initialized():
-            for group in {id(g): g for g in (self._control, self._data)}.values():
-                dist.destroy_process_group(group)
+        release_groups((self._control, self._data))
 
     def epoch(self, batch_sampler: Any, drawn: list[torch.Tensor]) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
         """Yield ``(arrays of the batch, its indices)`` for each of ``drawn``, this rank's batches

@@ -27,7 +27,10 @@ def test_auto_picks_the_smallest_scope_that_fits(room, expected):
 
 def test_explicit_scopes_and_cpu():
     assert decide_scope("world", 10, 4, None, 2, 4).group_size == 4
-    assert decide_scope("node", 10, 4, 0, 2, 4).group_size == 2
+    assert decide_scope("node", 10, 4, 20, 2, 4).group_size == 2
+    too_big = decide_scope("node", 10, 4, 19, 2, 4)  # a share is 5 rows of 4 bytes
+    assert (too_big.scope, too_big.requested) == ("rank", "node") and "does not fit" in too_big.reason
+    assert decide_scope("world", 10, 4, 0, 2, 4).scope == "rank"  # cache_size=0: no device tier to split
     assert decide_scope("auto", 10, 4, None, 2, 4).scope == "rank"  # CPU: served in place as today
     assert decide_scope("auto", 100, 4, 100, 1, 4).scope == "world"  # one rank per node: node is skipped
     with pytest.raises(ValueError, match="not one of"):
