@@ -15,7 +15,12 @@ arguments), so who sends what is planned, not negotiated.
 """
 
 from gpuload.distributed.exchange_plan import StepPlan, plan_step
-from gpuload.distributed.group import EXCHANGE_TIMEOUT_ENV, DistributedContext, ExchangeError, current_context
+from gpuload.distributed.group import (
+    EXCHANGE_TIMEOUT_ENV,
+    DistributedContext,
+    ExchangeError,
+    current_context,
+)
 from gpuload.distributed.partition import Partition
 from gpuload.distributed.rank_batches import every_rank_batches, shardable_sampler
 from gpuload.distributed.scope import ScopeDecision, decide_scope

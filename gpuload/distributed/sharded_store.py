@@ -37,7 +37,11 @@ from gpuload.distributed.group import (
     release_groups,
 )
 from gpuload.distributed.partition import Partition
-from gpuload.distributed.rank_batches import every_rank_batches, sampler_fingerprint, shardable_sampler
+from gpuload.distributed.rank_batches import (
+    every_rank_batches,
+    sampler_fingerprint,
+    shardable_sampler,
+)
 from gpuload.distributed.scope import ScopeDecision, decide_scope
 
 __all__ = ["ExchangeStats", "ShardPlan", "ShardedArrayStore", "shard_arrays"]

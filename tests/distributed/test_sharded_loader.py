@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-import ranks_job  # noqa: E402
+import ranks_job
 
 
 def _run_job(tmp_path_factory: pytest.TempPathFactory, world: int, local_world_size: int | None) -> list[dict]:
