@@ -45,7 +45,8 @@ class DataLoader(tud.DataLoader[T_co]):
       one, else the CPU.
     - ``transforms``, ``cache``, ``cache_size``, ``cache_reserve``, ``job``: the transform list
       and the cache (see the README); ``cache="off"`` keeps array data on the host and copies
-      each batch.
+      each batch. ``cache_scope``: in a torch.distributed job, over which ranks one copy of the
+      dataset is split (``"rank"``, ``"node"``, ``"world"``, ``"auto"``; README, multi-GPU).
     - ``prefetch_depth``: batches made ahead of the loop (0: none, in the loop's thread).
     - ``on_error``: ``"skip"`` leaves out image files that cannot be decoded.
 
@@ -78,6 +79,7 @@ class DataLoader(tud.DataLoader[T_co]):
         cache: str | None = None,
         cache_size: int | float | str | None = None,
         cache_reserve: int | float | str | None = None,
+        cache_scope: str | None = None,
         job: str | None = None,
         prefetch_depth: int | None = None,
         on_error: str = "raise",
@@ -100,7 +102,7 @@ class DataLoader(tud.DataLoader[T_co]):
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error={on_error!r} must be 'raise' or 'skip' (bad image files)")
         self._cache_settings = CacheSettings.resolve(
-            cache=cache, cache_size=cache_size, cache_reserve=cache_reserve, job=job
+            cache=cache, cache_size=cache_size, cache_reserve=cache_reserve, job=job, cache_scope=cache_scope
         )
         # Public attributes with the constructor's names, so wrappers can rebuild the loader.
         self.device = resolve_device(device)
@@ -108,6 +110,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self.cache = cache
         self.cache_size = cache_size
         self.cache_reserve = cache_reserve
+        self.cache_scope = cache_scope
         self.job = job
         self.prefetch_depth = prefetch_depth
         self.on_error = on_error
@@ -266,6 +269,7 @@ class DataLoader(tud.DataLoader[T_co]):
             stats=self._stats, owner=f"loader-{id(self)}", transforms=self.transforms,
             seed=self._transform_seed, on_error=self.on_error,
             worker_code=self.num_workers > 0 and self.worker_init_fn is not None,
+            batch_sampler=self.batch_sampler,
         )
         source = arrays.detect(setup) or images.detect(setup, strict=bool(self.transforms))
         if source is not None:

@@ -37,18 +37,23 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on python 3.10 only
     import tomli as tomllib
 
-__all__ = ["CacheSettings", "Setting", "MODES", "ENV_VARS", "CONFIG_FILE_NAME"]
+__all__ = ["CacheSettings", "Setting", "MODES", "SCOPES", "ENV_VARS", "CONFIG_FILE_NAME"]
 
 CONFIG_FILE_NAME = "gpuload.toml"
 ENV_VARS = {
     "cache": "GPULOAD_CACHE",
     "cache_size": "GPULOAD_CACHE_SIZE",
     "cache_reserve": "GPULOAD_CACHE_RESERVE",
+    "cache_scope": "GPULOAD_CACHE_SCOPE",
 }
+SCOPES = ("auto", "rank", "node", "world")
+"""Where a torch.distributed job keeps the dataset: each rank its own copy (``rank``), one copy
+per node split over its ranks (``node``), one copy split over all ranks (``world``), or decided
+from the sizes (``auto``). Without an initialized process group every scope means ``rank``."""
 ENV_CONFIG = "GPULOAD_CONFIG"
 ENV_JOB = "GPULOAD_JOB"
 _FILE_KEYS = tuple(ENV_VARS)
-_DEFAULTS: dict[str, Any] = {"cache": "auto", "cache_size": "auto", "cache_reserve": "auto"}
+_DEFAULTS: dict[str, Any] = {"cache": "auto", "cache_size": "auto", "cache_reserve": "auto", "cache_scope": "auto"}
 
 
 @dataclass(frozen=True)
@@ -66,11 +71,12 @@ class Setting:
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """The cache mode, size and reserve one loader uses, each with its source.
+    """The cache mode, size, reserve and scope one loader uses, each with its source.
 
     ``mode``: ``"auto"`` (device tier, then pinned host, then the source), ``"device"`` (device
     tier only), ``"host"`` (pinned host tier only) or ``"off"``. ``size`` bounds the device
-    tier; ``reserve`` is device memory the cache never takes.
+    tier; ``reserve`` is device memory the cache never takes; ``scope`` (one of ``SCOPES``)
+    says over which ranks of a torch.distributed job one copy of the dataset is split.
     """
 
     mode: Setting
@@ -78,6 +84,7 @@ class CacheSettings:
     reserve: Setting
     job: str | None = None
     config_path: Path | None = None
+    scope: Setting = Setting("auto", "default", "auto")
 
     @property
     def size_spec(self) -> SizeSpec:
@@ -95,6 +102,7 @@ class CacheSettings:
         cache_size: SizeValue = None,
         cache_reserve: SizeValue = None,
         job: str | None = None,
+        cache_scope: str | None = None,
         environ: Mapping[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
     ) -> CacheSettings:
@@ -115,7 +123,9 @@ class CacheSettings:
                 f"{Path(cwd) if cwd is not None else Path.cwd()} and {ENV_CONFIG} is not set; "
                 f"create one with a [jobs.{job}] table, or unset the job",
             )
-        keywords = {"cache": cache, "cache_size": cache_size, "cache_reserve": cache_reserve}
+        keywords = {
+            "cache": cache, "cache_size": cache_size, "cache_reserve": cache_reserve, "cache_scope": cache_scope,
+        }
         chosen: dict[str, tuple[Any, str]] = {}
         for key in _FILE_KEYS:
             if keywords[key] is not None:
@@ -129,6 +139,7 @@ class CacheSettings:
         mode_raw, mode_source = chosen["cache"]
         size_raw, size_source = chosen["cache_size"]
         reserve_raw, reserve_source = chosen["cache_reserve"]
+        scope_raw, scope_source = chosen["cache_scope"]
         return cls(
             mode=Setting(_parse_mode(mode_raw, mode_source), mode_source, mode_raw),
             size=Setting(parse_size(size_raw, setting="cache_size", source=size_source), size_source, size_raw),
@@ -139,6 +150,7 @@ class CacheSettings:
             ),
             job=job,
             config_path=path,
+            scope=Setting(_parse_scope(scope_raw, scope_source), scope_source, scope_raw),
         )
 
     def off_reason(self) -> str | None:
@@ -214,6 +226,7 @@ class CacheSettings:
             f"cache={self.mode.value} ({self.mode.source})",
             f"cache_size={self.size.value} ({self.size.source})",
             f"cache_reserve={self.reserve.value} ({self.reserve.source})",
+            f"cache_scope={self.scope.value} ({self.scope.source})",
         ]
         if self.job is not None:
             lines.append(f"job={self.job}")
@@ -233,6 +246,15 @@ def _parse_mode(value: Any, source: str) -> str:
         return value.strip().lower()
     raise CacheSettingError(
         "cache", value, source, f"is not a cache mode; use one of {', '.join(repr(m) for m in MODES)}"
+    )
+
+
+def _parse_scope(value: Any, source: str) -> str:
+    if isinstance(value, str) and value.strip().lower() in SCOPES:
+        return value.strip().lower()
+    raise CacheSettingError(
+        "cache_scope", value, source,
+        f"is not a cache scope; use one of {', '.join(repr(s) for s in SCOPES)}",
     )
 
 

@@ -47,7 +47,9 @@ class Setup:
     ``owner``, the name its caches book their memory under, and the transform list with the
     seed of its randomness (the generator's initial seed) and what to do with bad files;
     ``worker_code``: the user gave a ``worker_init_fn`` for worker processes, which only
-    torch's path (SampleSource) runs: the array and image paths serve batches in this process."""
+    torch's path (SampleSource) runs: the array and image paths serve batches in this process;
+    ``batch_sampler``: the loader's (None without auto-collation), for sources that must know
+    every rank's indices ahead (a sharded cache over torch.distributed ranks)."""
 
     dataset: Any
     map_style: bool
@@ -62,6 +64,7 @@ class Setup:
     seed: int = 0
     on_error: str = "raise"
     worker_code: bool = False
+    batch_sampler: Any = None
 
 
 @dataclass(frozen=True)

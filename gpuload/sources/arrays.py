@@ -24,6 +24,7 @@ from gpuload.cache import CacheSettings, StoreStats, TieredArrayStore, format_by
 from gpuload.cache.array_store import gatherable
 from gpuload.datasets.arrays import ArrayDataset
 from gpuload.device import device_memory, host_memory
+from gpuload.distributed.sharded_store import ShardedArrayStore, shard_arrays
 from gpuload.prefetch import Fill, TensorSpec, default_depth
 from gpuload.sampling import in_range
 from gpuload.sources import Epoch, EpochRequest, Setup, Source
@@ -117,13 +118,21 @@ class ArrayColumns:
     def nbytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.columns)
 
-    def place(self, device: torch.device, settings: CacheSettings, owner: Hashable) -> ResidentColumns:
+    def place(
+        self, device: torch.device, settings: CacheSettings, owner: Hashable, batch_sampler: Any = None
+    ) -> ResidentColumns:
         """Put the arrays where the cache plan says: device, pinned host, or left at the source.
 
-        ``cache="off"`` (or a plan that caches nothing) keeps the arrays where they are and
-        streams every batch through the prefetcher's pinned slots. On a CPU device the arrays
-        are served in place. Otherwise a ``TieredArrayStore`` holds the device and host tiers.
+        In a torch.distributed job whose ``cache_scope`` splits the dataset over ranks (and
+        whose ``batch_sampler`` is torch's over a ``DistributedSampler``), a
+        ``ShardedArrayStore`` holds this rank's share. ``cache="off"`` (or a plan that caches
+        nothing) keeps the arrays where they are and streams every batch through the
+        prefetcher's pinned slots. On a CPU device the arrays are served in place. Otherwise a
+        ``TieredArrayStore`` holds the device and host tiers.
         """
+        sharded = shard_arrays(self.columns, settings, device, batch_sampler, owner)
+        if sharded is not None:
+            return ResidentColumns(self, self.columns, device, sharded.plan.kind, copies_batches=False, store=sharded)
         if settings.mode.value == "off":
             return ResidentColumns(self, self.columns, device, "host-gather", copies_batches=True)
         if device.type == "cpu":
@@ -154,7 +163,7 @@ class ResidentColumns:
         device: torch.device,
         path: str,
         copies_batches: bool,
-        store: TieredArrayStore | None = None,
+        store: TieredArrayStore | ShardedArrayStore | None = None,
     ) -> None:
         self.source = source
         self.dtypes = [column.dtype for column in columns]
@@ -289,7 +298,7 @@ class ArraySource(Source):
         if self.resident is not None:
             return False
         setup = self.setup
-        self.resident = self.columns.place(setup.device, setup.settings, setup.owner)
+        self.resident = self.columns.place(setup.device, setup.settings, setup.owner, setup.batch_sampler)
         self.h2d_bytes += self.resident.placed_bytes
         self.path = self.resident.path
         return True
@@ -327,6 +336,8 @@ class ArraySource(Source):
 
     def epoch(self, request: EpochRequest) -> Epoch:
         resident, batched = self.resident, self.setup.batched
+        if isinstance(resident.store, ShardedArrayStore):
+            return self._sharded_epoch(resident.store, request)
         indices = request.indices()
         if not request.ahead:
             checked = request.in_range
@@ -351,6 +362,17 @@ class ArraySource(Source):
 
         sample_bytes = self.columns.nbytes // max(self.columns.num_samples, 1)
         return Epoch(fills, finish, depth=default_depth(sample_bytes * (self.setup.batch_size or 1)))
+
+    def _sharded_epoch(self, store: ShardedArrayStore, request: EpochRequest) -> Epoch:
+        """Batches assembled from every rank's share, in the loop's thread (each is a collective)."""
+        drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.indices()]
+
+        def finish(item: tuple[list[torch.Tensor], torch.Tensor]) -> tuple[Any, int]:
+            leaves, flat = item
+            self.setup.stats.extra["exchange"] = store.describe_exchange()
+            return self._augmented(self.columns.build(leaves), flat, request.number), flat.numel()
+
+        return Epoch(store.epoch(self.setup.batch_sampler, drawn), finish)
 
     def _augmented(self, batch: Any, flat: torch.Tensor, epoch: int) -> Any:
         if self.augment is None:

@@ -165,7 +165,8 @@ cache = "host"
 
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
-    for name in ("GPULOAD_CACHE", "GPULOAD_CACHE_SIZE", "GPULOAD_CACHE_RESERVE", "GPULOAD_CONFIG", "GPULOAD_JOB"):
+    for name in ("GPULOAD_CACHE", "GPULOAD_CACHE_SIZE", "GPULOAD_CACHE_RESERVE", "GPULOAD_CACHE_SCOPE",
+                 "GPULOAD_CONFIG", "GPULOAD_JOB"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
     return tmp_path
@@ -257,3 +258,21 @@ def test_bool_modes_and_invalid_toml(workdir):
     (workdir / "gpuload.toml").write_text("cache_size = \n")
     with pytest.raises(CacheSettingError, match="not valid TOML"):
         CacheSettings.resolve()
+
+
+def test_cache_scope_precedence_and_errors(workdir, monkeypatch):
+    assert CacheSettings.resolve().scope.value == "auto"
+    assert CacheSettings.resolve().scope.source == "default"
+    (workdir / "gpuload.toml").write_text('cache_scope = "node"\n[jobs.big]\ncache_scope = "world"\n')
+    assert CacheSettings.resolve().scope.value == "node"
+    assert CacheSettings.resolve(job="big").scope.source.endswith("[jobs.big]")
+    monkeypatch.setenv("GPULOAD_CACHE_SCOPE", " World ")
+    settings = CacheSettings.resolve()
+    assert settings.scope.value == "world" and settings.scope.source == "environment variable GPULOAD_CACHE_SCOPE"
+    settings = CacheSettings.resolve(cache_scope="rank")
+    assert settings.scope.value == "rank" and "cache_scope=rank (keyword cache_scope=)" in settings.describe()
+    monkeypatch.setenv("GPULOAD_CACHE_SCOPE", "cluster")
+    with pytest.raises(CacheSettingError, match="GPULOAD_CACHE_SCOPE.*'auto', 'rank', 'node', 'world'"):
+        CacheSettings.resolve()
+    with pytest.raises(CacheSettingError, match="cache_scope=3 \\(from keyword"):
+        CacheSettings.resolve(cache_scope=3)

@@ -1,0 +1,42 @@
+"""Many GPUs on torch.distributed: one copy of a dataset split over the ranks' devices.
+
+With ``cache_scope="node"`` or ``"world"`` each rank keeps only its share of the rows, and each
+batch's rows held by other ranks come over one ``all_to_all`` per array. Every rank can compute
+every other rank's batches (torch's ``DistributedSampler`` order is a pure function of its
+arguments), so who sends what is planned, not negotiated.
+
+- ``group``: the process group as gpuload sees it (rank, node size, the exchange's own groups
+  and timeout);
+- ``partition``: which rank holds which rows;
+- ``rank_batches``: every rank's batch indices for an epoch, from shadow samplers;
+- ``exchange_plan``: per batch step, what each rank sends to each other rank (pure);
+- ``scope``: the ``auto`` decision (rank, node, world or today's tiers) from the cache budget;
+- ``sharded_store``: a rank's share of the arrays and the exchange that assembles its batches.
+"""
+
+from gpuload.distributed.exchange_plan import StepPlan, plan_step
+from gpuload.distributed.group import (
+    EXCHANGE_TIMEOUT_ENV,
+    DistributedContext,
+    ExchangeError,
+    current_context,
+)
+from gpuload.distributed.partition import Partition
+from gpuload.distributed.rank_batches import every_rank_batches, shardable_sampler
+from gpuload.distributed.scope import ScopeDecision, decide_scope
+from gpuload.distributed.sharded_store import ShardedArrayStore
+
+__all__ = [
+    "EXCHANGE_TIMEOUT_ENV",
+    "DistributedContext",
+    "ExchangeError",
+    "Partition",
+    "ScopeDecision",
+    "ShardedArrayStore",
+    "StepPlan",
+    "current_context",
+    "decide_scope",
+    "every_rank_batches",
+    "plan_step",
+    "shardable_sampler",
+]

@@ -1,0 +1,95 @@
+"""The process group as gpuload sees it: rank, world and node size, the exchange's own groups.
+
+The exchange runs on groups of its own, made once per sharded store by every rank together:
+a gloo group for the small per-step header (checked on the host, so a GPU stream is never
+synchronized for it) and, on CUDA, an NCCL group for the rows. Both carry the exchange timeout
+(``GPULOAD_EXCHANGE_TIMEOUT`` seconds, default 600), so a rank whose peers stopped iterating
+gets an :class:`ExchangeError` instead of waiting forever, and the exchange never interleaves
+with the training job's own collectives (DDP's all-reduce).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_EXCHANGE_TIMEOUT_S",
+    "EXCHANGE_TIMEOUT_ENV",
+    "DistributedContext",
+    "ExchangeError",
+    "current_context",
+    "exchange_groups",
+    "exchange_timeout",
+    "release_groups",
+]
+
+EXCHANGE_TIMEOUT_ENV = "GPULOAD_EXCHANGE_TIMEOUT"
+# NCCL's own default: long enough for a rank that checkpoints or validates between epochs.
+DEFAULT_EXCHANGE_TIMEOUT_S = 600.0
+
+
+class ExchangeError(RuntimeError):
+    """The batch exchange between ranks failed: a rank stopped early, died, or disagrees."""
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """This process's place in an initialized process group; ``local_world_size``: ranks per node."""
+
+    rank: int
+    world_size: int
+    local_world_size: int
+    backend: str
+
+
+def current_context(local_world_size: int | None = None) -> DistributedContext | None:
+    """The initialized default process group, or None (then every scope means ``rank``).
+
+    The node size is ``local_world_size`` if given, else ``LOCAL_WORLD_SIZE`` (set by
+    torchrun), else the whole world (one node).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.get_world_size()
+    if local_world_size is None:
+        text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+        local_world_size = int(text) if text.isdigit() and int(text) > 0 else world
+    return DistributedContext(dist.get_rank(), world, local_world_size, str(dist.get_backend()))
+
+
+def exchange_timeout() -> timedelta:
+    """The exchange's timeout: ``GPULOAD_EXCHANGE_TIMEOUT`` seconds, else 600 s."""
+    text = os.environ.get(EXCHANGE_TIMEOUT_ENV, "").strip()
+    if not text:
+        return timedelta(seconds=DEFAULT_EXCHANGE_TIMEOUT_S)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{EXCHANGE_TIMEOUT_ENV}={text!r} must be a number of seconds > 0")
+    return timedelta(seconds=seconds)
+
+
+def exchange_groups(device: torch.device, timeout: timedelta) -> tuple[Any, Any]:
+    """``(control, data)`` groups over all ranks; every rank must call this at the same point.
+
+    ``control`` is gloo (host tensors); ``data`` is NCCL for a CUDA device, else ``control``.
+    """
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    data = dist.new_group(backend="nccl", timeout=timeout) if device.type == "cuda" else control
+    return control, data
+
+
+def release_groups(groups: tuple[Any, Any]) -> None:
+    """Destroy the exchange's groups (once each; ``data`` may be ``control``), if torch.distributed
+    is still up. A peer still waiting on them then fails at once instead of at the timeout."""
+    if dist.is_initialized():
+        for group in {id(g): g for g in groups}.values():
+            dist.destroy_process_group(group)

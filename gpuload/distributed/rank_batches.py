@@ -1,0 +1,68 @@
+"""Every rank's batch indices for an epoch, computed on any rank.
+
+torch's ``DistributedSampler`` orders an epoch by ``(seed, epoch, num_replicas, rank, shuffle,
+drop_last, len(dataset))`` alone, so one rank can build a shadow sampler for each other rank
+and draw, with :func:`gpuload.sampling.epoch_batches`, exactly the batches that rank's loader
+will draw. Shadows never touch a random generator the loop uses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from gpuload.sampling import epoch_batches
+
+__all__ = ["every_rank_batches", "sampler_fingerprint", "shardable_sampler"]
+
+
+def shardable_sampler(batch_sampler: Any, num_samples: int, world_size: int, rank: int) -> str | None:
+    """None when every rank's batches can be computed here, else why not (for a warning).
+
+    That needs torch's own ``BatchSampler`` over torch's own ``DistributedSampler`` of this
+    dataset, with one replica per rank of the process group and this process's rank.
+    """
+    if type(batch_sampler) is not BatchSampler:
+        return "the batch sampler is not torch's BatchSampler (or batch_size=None)"
+    sampler = batch_sampler.sampler
+    if type(sampler) is not DistributedSampler:
+        return f"the sampler is a {type(sampler).__name__}, not torch's DistributedSampler"
+    if sampler.num_replicas != world_size or sampler.rank != rank:
+        return (
+            f"the DistributedSampler has num_replicas={sampler.num_replicas}, rank={sampler.rank} "
+            f"but the process group has {world_size} ranks and this is rank {rank}"
+        )
+    if len(sampler.dataset) != num_samples:
+        return f"the DistributedSampler's dataset has {len(sampler.dataset)} samples, the arrays {num_samples}"
+    return None
+
+
+def sampler_fingerprint(batch_sampler: BatchSampler) -> list[int]:
+    """The numbers every rank's epoch order depends on, for checking that all ranks agree."""
+    sampler = batch_sampler.sampler
+    return [
+        int(sampler.seed), int(sampler.epoch), int(sampler.shuffle), int(sampler.drop_last),
+        len(sampler.dataset), int(batch_sampler.batch_size), int(batch_sampler.drop_last),
+    ]
+
+
+def every_rank_batches(batch_sampler: BatchSampler) -> list[list[torch.Tensor]]:
+    """This epoch's batches (int64 tensors) of every rank, in rank order.
+
+    ``batch_sampler`` is this rank's (checked by :func:`shardable_sampler`), after the loop's
+    ``set_epoch``.
+    """
+    mine = batch_sampler.sampler
+    everyone = []
+    for rank in range(mine.num_replicas):
+        shadow = DistributedSampler(
+            mine.dataset, num_replicas=mine.num_replicas, rank=rank, shuffle=mine.shuffle,
+            seed=mine.seed, drop_last=mine.drop_last,
+        )
+        shadow.set_epoch(mine.epoch)
+        batches = BatchSampler(shadow, batch_sampler.batch_size, batch_sampler.drop_last)
+        everyone.append(list(epoch_batches(batches)))
+    return everyone

@@ -1,0 +1,358 @@
+"""A rank's share of in-memory arrays, and the exchange that assembles each of its batches.
+
+:func:`shard_arrays` decides, with every rank together, whether the dataset is split (the
+scope), and builds a :class:`ShardedArrayStore` holding this rank's contiguous block of rows on
+its device. :meth:`ShardedArrayStore.epoch` then makes each batch of the epoch with two
+collectives on the exchange's own groups: a small header over gloo (epoch, step, row counts:
+ranks that ran different numbers of batches fail here, with an :class:`ExchangeError`, never a
+wrong batch) and one ``all_to_all_single`` carrying the rows of every array at once, packed as
+bytes; the rows this rank holds itself are gathered locally. The batch is exactly the one
+torch's DataLoader with the same ``DistributedSampler`` gives.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpuload.cache import LEDGER, CacheSettings, StoreStats, format_bytes
+from gpuload.cache.budget import BudgetLedger
+from gpuload.cache.oom import is_oom
+from gpuload.device import device_memory
+from gpuload.distributed.exchange_plan import StepPlan, plan_step
+from gpuload.distributed.group import (
+    EXCHANGE_TIMEOUT_ENV,
+    DistributedContext,
+    ExchangeError,
+    current_context,
+    exchange_groups,
+    exchange_timeout,
+    release_groups,
+)
+from gpuload.distributed.partition import Partition
+from gpuload.distributed.rank_batches import (
+    every_rank_batches,
+    sampler_fingerprint,
+    shardable_sampler,
+)
+from gpuload.distributed.scope import ScopeDecision, decide_scope
+
+__all__ = ["ExchangeStats", "ShardPlan", "ShardedArrayStore", "shard_arrays"]
+
+_SCOPE_CODES = {"auto": 0, "rank": 1, "node": 2, "world": 3}
+_HEADER = ("sampler epoch", "batch", "batches in the epoch", "seed", "rows")
+
+
+@dataclass
+class ExchangeStats:
+    """This rank's exchange counters: rows' bytes sent to and received from other ranks, and
+    the host time spent in the exchange (waiting for the other ranks included), per epoch."""
+
+    bytes_sent_per_epoch: list[int] = field(default_factory=list)
+    bytes_received_per_epoch: list[int] = field(default_factory=list)
+    wait_s_per_epoch: list[float] = field(default_factory=list)
+    local_rows: int = 0
+    received_rows: int = 0
+
+    def begin_epoch(self) -> None:
+        self.bytes_sent_per_epoch.append(0)
+        self.bytes_received_per_epoch.append(0)
+        self.wait_s_per_epoch.append(0.0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "bytes_sent": sum(self.bytes_sent_per_epoch),
+            "bytes_received": sum(self.bytes_received_per_epoch),
+            "wait_s": sum(self.wait_s_per_epoch),
+            "bytes_sent_per_epoch": list(self.bytes_sent_per_epoch),
+            "bytes_received_per_epoch": list(self.bytes_received_per_epoch),
+            "wait_s_per_epoch": list(self.wait_s_per_epoch),
+            "local_rows": self.local_rows,
+            "received_rows": self.received_rows,
+        }
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """The decision and the partition, printable like a :class:`~gpuload.cache.CachePlan`."""
+
+    decision: ScopeDecision
+    partition: Partition
+    rank: int
+    bytes_per_sample: int
+    device: str
+
+    @property
+    def kind(self) -> str:
+        return f"sharded-{self.decision.scope}"
+
+    def describe(self) -> str:
+        return (
+            f"cache plan: {self.kind} on {self.device} (cache_scope={self.decision.requested}): "
+            f"{self.decision.reason}; {self.partition.describe(self.rank, self.bytes_per_sample)}"
+        )
+
+    __str__ = describe
+
+
+def shard_arrays(
+    columns: list[torch.Tensor],
+    settings: CacheSettings,
+    device: torch.device,
+    batch_sampler: Any,
+    owner: Hashable,
+    context: DistributedContext | None = None,
+) -> ShardedArrayStore | None:
+    """This rank's share of ``columns`` when the scope splits them, else None (today's path).
+
+    None without an initialized process group, for ``cache_scope="rank"``, for caches that keep
+    no device tier (``cache="off"``/``"host"``), for ``auto`` on a CPU device, and when the
+    loader's sampler is not torch's ``DistributedSampler`` over all ranks (with a warning when a
+    split was asked for). Otherwise every rank must call this at the same point: the ranks check
+    they agree (sizes, sampler, scope) and decide the scope from the smallest device room.
+    """
+    context = context or current_context()
+    requested = settings.scope.value
+    if context is None or requested == "rank":
+        return None
+    if requested == "auto" and device.type != "cuda":
+        return None
+    num_samples = columns[0].shape[0]
+    why_not = None
+    if settings.mode.value not in ("auto", "device"):
+        why_not = f"cache={settings.mode.value!r} keeps no device tier to split"
+    else:
+        why_not = shardable_sampler(batch_sampler, num_samples, context.world_size, context.rank)
+    if why_not is not None:
+        if requested != "auto":
+            warnings.warn(
+                f"gpuload: cache_scope={requested!r} ({settings.scope.source}) is not used: {why_not}; "
+                "each rank caches the whole dataset", stacklevel=4,
+            )
+        return None
+    bytes_per_sample = sum(c[0].numel() * c.element_size() for c in columns)
+    room = settings.device_room(device, device_memory(device), owner) if device.type == "cuda" else -1
+    control, data = exchange_groups(device, exchange_timeout())
+    mine = [_SCOPE_CODES[requested], room, num_samples, bytes_per_sample, context.local_world_size,
+            *[v for i, v in enumerate(sampler_fingerprint(batch_sampler)) if i != 1]]
+    everyone = [torch.empty(len(mine), dtype=torch.int64) for _ in range(context.world_size)]
+    try:
+        dist.all_gather(everyone, torch.tensor(mine, dtype=torch.int64), group=control)
+    except RuntimeError as error:
+        raise ExchangeError(
+            f"gpuload: rank {context.rank} could not agree on the sharded cache with the other ranks "
+            f"(cache_scope={requested!r}): a rank did not build its loader the same way, or died. Cause: {error}"
+        ) from error
+    rows = [row.tolist() for row in everyone]
+    differ = [rank for rank, row in enumerate(rows) if row[:1] + row[2:] != mine[:1] + mine[2:]]
+    if differ:
+        raise ExchangeError(
+            f"gpuload: ranks disagree on the sharded cache: (scope, room, samples, bytes per sample, "
+            f"node size, sampler seed/shuffle/drop_last/length, batch size, drop_last) is {mine} on rank "
+            f"{context.rank} but {rows[differ[0]]} on rank {differ[0]}; every rank must build the "
+            "loader with the same dataset, sampler and cache_scope"
+        )
+    smallest_room = min(row[1] for row in rows) if device.type == "cuda" else None
+    decision = decide_scope(requested, num_samples, bytes_per_sample, smallest_room,
+                            context.local_world_size, context.world_size)
+    if not decision.sharded or decision.group_size == 1:
+        if requested != "auto" and requested != decision.scope:
+            warnings.warn(f"gpuload: {decision.reason}", stacklevel=4)
+        release_groups((control, data))
+        return None
+    partition = Partition(num_samples, context.world_size, decision.group_size)
+    plan = ShardPlan(decision, partition, context.rank, bytes_per_sample, str(device))
+    return ShardedArrayStore(columns, plan, device, (control, data), owner=owner)
+
+
+class ShardedArrayStore:
+    """This rank's contiguous block of rows of every array, packed as bytes on ``device``.
+
+    ``columns`` are the whole arrays (the source, on the host); only this rank's block is
+    copied. On CUDA the block is booked in ``ledger`` under ``owner`` until :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        columns: list[torch.Tensor],
+        plan: ShardPlan,
+        device: torch.device,
+        groups: tuple[Any, Any],
+        *,
+        owner: Hashable,
+        ledger: BudgetLedger = LEDGER,
+    ) -> None:
+        self.plan = plan
+        self.device = device
+        self._control, self._data = groups
+        self._rank = plan.rank
+        self._shapes = [(tuple(c.shape[1:]), c.dtype) for c in columns]
+        self._row_bytes = [c[0].numel() * c.element_size() for c in columns]
+        self._ledger, self._owner = ledger, owner
+        start, stop = plan.partition.rows_of(self._rank)
+        self._start = start
+        packed = torch.cat([_as_bytes(c[start:stop]) for c in columns], dim=1)
+        self._nbytes = packed.numel()
+        if device.type == "cuda":
+            ledger.reserve(self._nbytes, owner, device=device)
+            try:
+                packed = packed.to(device)
+            except RuntimeError as error:
+                ledger.release(owner)
+                if is_oom(error):
+                    raise ExchangeError(
+                        f"gpuload: out of memory placing rank {self._rank}'s share of the dataset "
+                        f"({format_bytes(self._nbytes)}) on {device}; lower the model's memory, use "
+                        "cache_scope='world' (smaller shares) or 'rank'"
+                    ) from error
+                raise
+            ledger.set_used(owner, self._nbytes, device=device)
+        self._shard = packed
+        self._closed = False
+        self._hits = 0
+        self.exchange_stats = ExchangeStats()
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes of the dataset this rank holds."""
+        return self._nbytes
+
+    @property
+    def stats(self) -> StoreStats:
+        """The share as a device tier (``device_bytes`` counts only what was copied to CUDA)."""
+        rows = self._shard.shape[0] if not self._closed else 0
+        copied = self._nbytes if self.device.type == "cuda" and not self._closed else 0
+        return StoreStats(device_samples=rows, device_bytes=copied, fill_bytes=copied, device_hits=self._hits)
+
+    def describe_exchange(self) -> dict[str, Any]:
+        """For ``loader.stats.extra["exchange"]``."""
+        return {
+            "scope": self.plan.decision.scope,
+            "ranks_per_copy": self.plan.decision.group_size,
+            "shard_rows": self.stats.device_samples,
+            "shard_bytes": self._nbytes,
+            **self.exchange_stats.as_dict(),
+        }
+
+    def shrink_device_tier(self, max_bytes: int) -> int:
+        """A share cannot shrink on one rank alone (the others plan on it): frees nothing."""
+        return 0
+
+    def close(self) -> None:
+        """Drop the share, its ledger booking and the exchange's groups. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._shard = torch.empty((0, self._shard.shape[1]), dtype=torch.uint8, device=self.device)
+        if self.device.type == "cuda":
+            self._ledger.release(self._owner)
+        release_groups((self._control, self._data))
+
+    def epoch(self, batch_sampler: Any, drawn: list[torch.Tensor]) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
+        """Yield ``(arrays of the batch, its indices)`` for each of ``drawn``, this rank's batches
+        of the epoch as its loader drew them (the last ones only, after a resume).
+
+        ``batch_sampler`` is the loader's, after ``set_epoch``: every rank's batches are
+        computed from it. Each step exchanges with the other ranks, which must run the same
+        steps; the first ``next()`` already checks the epoch against them.
+        """
+        everyone = every_rank_batches(batch_sampler)
+        mine = everyone[self._rank]
+        skipped = len(mine) - len(drawn)
+        if skipped < 0 or any(not torch.equal(a, b) for a, b in zip(mine[skipped:], drawn)):
+            raise ExchangeError(
+                f"gpuload: rank {self._rank}'s batches differ from the ones its DistributedSampler "
+                "gives; the sharded cache needs torch's BatchSampler over torch's DistributedSampler, "
+                "unchanged during the epoch"
+            )
+        self.exchange_stats.begin_epoch()
+        sampler = batch_sampler.sampler
+        for step in range(skipped, len(mine)):
+            if self._closed:
+                raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
+            plan = plan_step(self._rank, [batches[step] for batches in everyone], self.plan.partition)
+            header = (int(sampler.epoch), step, len(mine), int(sampler.seed))
+            yield self._exchange(plan, header), mine[step]
+
+    def _exchange(self, plan: StepPlan, header: tuple[int, ...]) -> list[torch.Tensor]:
+        began = time.perf_counter()
+        self._check_peers(plan, header)
+        to_device = self.device.type == "cuda"
+        send_rows, local_rows, inverse = (
+            (t.to(self.device, non_blocking=True) if to_device else t)
+            for t in (plan.send_rows, plan.local_rows, plan.inverse)
+        )
+        shard = self._shard
+        grouped = torch.empty((plan.batch_size, shard.shape[1]), dtype=torch.uint8, device=self.device)
+        outgoing = shard.index_select(0, send_rows)
+        try:
+            dist.all_to_all_single(grouped[: plan.received], outgoing, plan.recv_splits, plan.send_splits,
+                                   group=self._data)
+        except RuntimeError as error:
+            raise self._stopped(header, error) from error
+        torch.index_select(shard, 0, local_rows, out=grouped[plan.received :])
+        leaves, offset = [], 0
+        for (shape, dtype), row_bytes in zip(self._shapes, self._row_bytes):
+            rows = grouped[:, offset : offset + row_bytes].index_select(0, inverse)
+            leaves.append(rows.view(dtype).view(plan.batch_size, *shape))
+            offset += row_bytes
+        stats = self.exchange_stats
+        stats.bytes_sent_per_epoch[-1] += plan.sent * shard.shape[1]
+        stats.bytes_received_per_epoch[-1] += plan.received * shard.shape[1]
+        stats.received_rows += plan.received
+        stats.local_rows += local_rows.numel()
+        stats.wait_s_per_epoch[-1] += time.perf_counter() - began
+        self._hits += local_rows.numel()
+        return leaves
+
+    def _check_peers(self, plan: StepPlan, header: tuple[int, ...]) -> None:
+        """Swap ``header`` and row counts with the ranks this step exchanges with (gloo, host)."""
+        world, width = self.plan.partition.world_size, len(_HEADER)
+        peers = [r for r in self.plan.partition.group_of(self._rank) if r != self._rank]
+        splits = [width if r in peers else 0 for r in range(world)]
+        outgoing = torch.tensor([[*header, plan.send_splits[r]] for r in peers], dtype=torch.int64).reshape(-1)
+        incoming = torch.empty(len(peers) * width, dtype=torch.int64)
+        try:
+            dist.all_to_all_single(incoming, outgoing, splits, splits, group=self._control)
+        except RuntimeError as error:
+            raise self._stopped(header, error) from error
+        for peer, theirs in zip(peers, incoming.view(-1, width).tolist()):
+            expected = [*header, plan.recv_splits[peer]]
+            if theirs[:-1] != expected[:-1]:
+                raise ExchangeError(
+                    f"gpuload: rank {self._rank} is at batch {header[1] + 1} of {header[2]} of epoch "
+                    f"{header[0]} (seed {header[3]}) but rank {peer} is at batch {theirs[1] + 1} of "
+                    f"{theirs[2]} of epoch {theirs[0]} (seed {theirs[3]}): the ranks ran different numbers "
+                    "of batches (one stopped an epoch early) or their samplers differ (set_epoch on every "
+                    "rank). With a sharded cache every rank runs every batch of each epoch; to stop early, "
+                    "stop all ranks at the same batch (README: Multi-GPU and multi-node)"
+                )
+            if theirs[-1] != expected[-1]:
+                raise ExchangeError(
+                    f"gpuload: rank {peer} sends {theirs[-1]} rows at batch {header[1] + 1} of epoch "
+                    f"{header[0]} where rank {self._rank} planned {expected[-1]}: the ranks' datasets "
+                    "or samplers differ"
+                )
+
+    def _stopped(self, header: tuple[int, ...], error: Exception) -> ExchangeError:
+        timeout = exchange_timeout().total_seconds()
+        return ExchangeError(
+            f"gpuload: rank {self._rank} waited (up to {timeout:g} s, {EXCHANGE_TIMEOUT_ENV}) for the "
+            f"other ranks at batch {header[1] + 1} of {header[2]} of epoch {header[0]} "
+            f"(cache_scope={self.plan.decision.scope}) and they did not come: a rank stopped this epoch "
+            "early (a break, an exception) or died. With a sharded cache every rank runs every batch of "
+            "each epoch; to stop early, stop all ranks at the same batch (README: Multi-GPU and "
+            f"multi-node). Cause: {error}"
+        )
+
+
+def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as a contiguous uint8 matrix, one row of raw bytes per sample."""
+    return rows.contiguous().reshape(rows.shape[0], math.prod(rows.shape[1:])).view(torch.uint8)

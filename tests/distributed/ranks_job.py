@@ -1,0 +1,163 @@
+"""What each rank of the multi-process tests runs (imported by name in the spawned processes).
+
+One job per world size runs every scenario, so the processes start (and import torch) once;
+each rank writes its findings to ``rank<r>.json`` for the test process to check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.utils.data as tud
+from torch.utils.data.distributed import DistributedSampler
+
+import gpuload
+from gpuload.distributed import ExchangeError
+
+NUM_SAMPLES = 103  # not a multiple of any world size: uneven shares, padded samplers
+SEED = 7
+EXCHANGE_TIMEOUT_S = 3
+
+
+def dataset() -> tud.TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (NUM_SAMPLES, 3, 5, 5), dtype=torch.uint8, generator=generator)
+    features = torch.randn(NUM_SAMPLES, 7, generator=generator, dtype=torch.float64)
+    labels = torch.arange(NUM_SAMPLES, dtype=torch.int64)
+    flags = labels % 3 == 0
+    return tud.TensorDataset(images, features, labels, flags)
+
+
+def same(torch_batch: list[torch.Tensor], ours: list[torch.Tensor]) -> bool:
+    return len(torch_batch) == len(ours) and all(
+        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(torch_batch, ours)
+    )
+
+
+def compare(
+    data: tud.Dataset, scope: str, shuffle: bool, drop_last: bool, batch_size: int, device: str = "cpu"
+) -> dict:
+    """Three epochs of torch's loader and gpuload's (on ``device``) side by side on this rank."""
+    def sampler() -> DistributedSampler:
+        return DistributedSampler(data, shuffle=shuffle, seed=SEED, drop_last=drop_last)
+
+    theirs = tud.DataLoader(data, batch_size, sampler=sampler(), drop_last=drop_last)
+    ours = gpuload.DataLoader(data, batch_size, sampler=sampler(), drop_last=drop_last, device=device,
+                              cache_scope=scope)
+    batches, equal = 0, True
+    for epoch in range(3):
+        theirs.sampler.set_epoch(epoch)
+        ours.sampler.set_epoch(epoch)
+        expected = list(theirs)
+        got = [[leaf.cpu() for leaf in batch] for batch in ours]
+        batches += len(got)
+        equal = equal and len(expected) == len(got) and all(same(a, b) for a, b in zip(expected, got))
+    extra = ours.stats.extra
+    result = {"equal": equal, "batches": batches, "exchange": extra.get("exchange"), "path": ours.stats.path,
+              "plan": extra.get("cache_plan")}
+    ours.close()
+    return result
+
+
+def stop_together_and_resume(data: tud.Dataset) -> dict:
+    """Every rank stops at the same batch and saves its state; a new loader resumes from it,
+    then runs the next epoch: the documented way to stop early, and torch's batches throughout."""
+    def ours() -> gpuload.DataLoader:
+        return gpuload.DataLoader(data, 4, sampler=DistributedSampler(data, seed=SEED), device="cpu",
+                                  cache_scope="world")
+
+    theirs = tud.DataLoader(data, 4, sampler=DistributedSampler(data, seed=SEED))
+    first = ours()
+    got = []
+    for step, batch in enumerate(first):
+        got.append(batch)
+        if step == 2:
+            break
+    state = first.state_dict()
+    first.close()
+    second = ours()
+    second.load_state_dict(state)
+    got += list(second)
+    equal = len(got) == len(theirs) and all(same(a, b) for a, b in zip(theirs, got))
+    theirs.sampler.set_epoch(1)
+    second.sampler.set_epoch(1)
+    equal = equal and all(same(a, b) for a, b in zip(theirs, second))
+    return {"equal": equal, "exchange": second.stats.extra["exchange"]}
+
+
+def other_sampler(data: tud.Dataset) -> dict:
+    """A sampler that is not a DistributedSampler: an explicit scope warns, batches stay torch's."""
+    theirs = tud.DataLoader(data, 8, shuffle=True, generator=torch.Generator().manual_seed(SEED))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = gpuload.DataLoader(data, 8, shuffle=True, generator=torch.Generator().manual_seed(SEED),
+                                  device="cpu", cache_scope="node")
+        equal = all(same(a, b) for a, b in zip(theirs, ours))
+    return {"equal": equal, "warnings": [str(w.message) for w in caught], "exchange": ours.stats.extra.get("exchange")}
+
+
+def stop_early(data: tud.Dataset, then_next_epoch: bool) -> dict:
+    """Rank 0 breaks after two batches of epoch 0; the others go on. Returns what each saw."""
+    loader = gpuload.DataLoader(data, 4, sampler=DistributedSampler(data, seed=SEED), device="cpu",
+                                cache_scope="world")
+    began = time.perf_counter()
+    error = None
+    try:
+        for step, _ in enumerate(loader):
+            if dist.get_rank() == 0 and step == 1:
+                break
+        if dist.get_rank() == 0 and then_next_epoch:
+            loader.sampler.set_epoch(1)
+            for _ in loader:
+                pass
+    except ExchangeError as caught:
+        error = str(caught)
+    seconds = time.perf_counter() - began
+    dist.barrier()  # rank 0 (when it saw nothing wrong) waits here until the others gave up
+    return {"error": error, "seconds": seconds}
+
+
+def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: int | None) -> None:
+    os.environ["GPULOAD_EXCHANGE_TIMEOUT"] = str(EXCHANGE_TIMEOUT_S)
+    if local_world_size is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        data = dataset()
+        found: dict = {"compare": {}, "total_bytes": sum(t.numel() * t.element_size() for t in data.tensors)}
+        for scope in ("rank", "node", "world", "auto"):
+            for shuffle in (True, False):
+                for drop_last in (False, True):
+                    key = f"{scope}/shuffle={shuffle}/drop_last={drop_last}"
+                    found["compare"][key] = compare(data, scope, shuffle, drop_last, batch_size=8)
+        found["resume"] = stop_together_and_resume(data)
+        found["other_sampler"] = other_sampler(data)
+        found["stop_then_wait"] = stop_early(data, then_next_epoch=False)
+        found["stop_then_next_epoch"] = stop_early(data, then_next_epoch=True)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_nccl(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """The sharded scopes over NCCL, one GPU per rank."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        data = dataset()
+        found = {key: compare(data, scope, True, drop_last, batch_size=8, device=f"cuda:{rank}")
+                 for scope in ("world", "node") for drop_last in (False, True)
+                 for key in [f"{scope}/drop_last={drop_last}"]}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
+    finally:
+        dist.destroy_process_group()

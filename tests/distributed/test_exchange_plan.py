@@ -1,0 +1,74 @@
+"""The exchange plan, checked without processes: simulating the all_to_all it describes
+rebuilds every rank's batch, in order, from the ranks' shares."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpuload.distributed import Partition, plan_step
+
+
+def _simulate(batches: list[torch.Tensor], partition: Partition) -> list[torch.Tensor]:
+    """Each rank's batch as the planned exchange assembles it, from rows whose value is their index."""
+    world = partition.world_size
+    data = torch.arange(partition.num_samples) * 10
+    plans = [plan_step(rank, batches, partition) for rank in range(world)]
+    shares = []
+    for rank in range(world):
+        start, stop = partition.rows_of(rank)
+        shares.append(data[start:stop])
+    # What rank s sends to rank d: its segment number d of send_rows.
+    sent = [dict(zip(range(world), share[plan.send_rows].split(plan.send_splits)))
+            for share, plan in zip(shares, plans)]
+    assembled = []
+    for rank, plan in enumerate(plans):
+        received = [sent[source][rank] for source in range(world) if source != rank]
+        assert [r.numel() for r in received] == [n for s, n in enumerate(plan.recv_splits) if s != rank]
+        grouped = torch.cat([*received, shares[rank][plan.local_rows]])
+        assembled.append(grouped[plan.inverse])
+    return assembled
+
+
+@pytest.mark.parametrize("world,group,num_samples", [(2, 2, 103), (4, 4, 103), (4, 2, 50), (8, 4, 1000), (4, 4, 3)])
+def test_simulated_exchange_rebuilds_every_batch(world, group, num_samples):
+    generator = torch.Generator().manual_seed(world * 100 + group)
+    partition = Partition(num_samples, world, group)
+    for _ in range(5):
+        batches = [torch.randint(0, num_samples, (int(torch.randint(1, 20, (1,), generator=generator)),),
+                                 generator=generator) for _ in range(world)]
+        for rank, (batch, got) in enumerate(zip(batches, _simulate(batches, partition))):
+            assert torch.equal(got, batch * 10), rank
+
+
+def test_duplicates_and_own_rows():
+    partition = Partition(8, 2, 2)  # rank 0 holds 0..3, rank 1 holds 4..7
+    batches = [torch.tensor([5, 1, 5, 0]), torch.tensor([4, 4, 2])]
+    plan = plan_step(0, batches, partition)
+    assert plan.send_rows.tolist() == [2] and plan.send_splits == [0, 1]
+    assert plan.recv_splits == [0, 2] and plan.received == 2
+    assert plan.local_rows.tolist() == [1, 0]  # received rows first (5, 5), then 1 and 0
+    assert plan.inverse.tolist() == [0, 2, 1, 3]
+    assert [b.tolist() for b in _simulate(batches, partition)] == [[50, 10, 50, 0], [40, 40, 20]]
+
+
+def test_node_scope_never_sends_across_nodes():
+    partition = Partition(100, 4, 2)
+    batches = [torch.arange(0, 100, 7) for _ in range(4)]
+    for rank in range(4):
+        plan = plan_step(rank, batches, partition)
+        other_node = [r for r in range(4) if r // 2 != rank // 2]
+        assert all(plan.send_splits[r] == 0 and plan.recv_splits[r] == 0 for r in other_node)
+
+
+def test_partition_blocks_and_errors():
+    partition = Partition(10, 4, 4)
+    assert [partition.rows_of(r) for r in range(4)] == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert partition.owners(3, torch.tensor([0, 2, 4, 5, 9])).tolist() == [0, 1, 1, 2, 3]
+    node = Partition(10, 4, 2)
+    assert list(node.group_of(3)) == [2, 3] and node.owners(3, torch.tensor([0, 5])).tolist() == [2, 3]
+    assert "rows [5, 10)" in node.describe(3, 4)
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        Partition(10, 6, 4)
+    with pytest.raises(ValueError, match="one batch per rank"):
+        plan_step(0, [torch.tensor([1])], Partition(10, 2, 2))

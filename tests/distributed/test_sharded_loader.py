@@ -1,0 +1,111 @@
+"""gpuload.DataLoader over 2 and 4 gloo processes on the CPU: the sharded cache gives each rank
+exactly torch's batches, holds about 1/N of the dataset per rank, and fails clearly (never
+hangs) when a rank stops an epoch early."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+import ranks_job
+
+
+def _run_job(tmp_path_factory: pytest.TempPathFactory, world: int, local_world_size: int | None) -> list[dict]:
+    folder = tmp_path_factory.mktemp(f"world{world}")
+    mp.spawn(ranks_job.run, args=(world, str(folder / "init"), str(folder), local_world_size), nprocs=world)
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+JOBS = {"two": (2, None), "four": (4, 2)}  # four: two pretended nodes of two ranks (LOCAL_WORLD_SIZE)
+
+
+@pytest.fixture(scope="module", params=["two", pytest.param("four", marks=pytest.mark.slow)])
+def job(request, tmp_path_factory):
+    """Every rank's findings, the world size and the node size."""
+    world, local = JOBS[request.param]
+    return _run_job(tmp_path_factory, world, local), world, local or world
+
+
+def test_every_rank_gets_torchs_batches_for_every_scope(job):
+    ranks, _, _ = job
+    for rank, found in enumerate(ranks):
+        for key, result in found["compare"].items():
+            assert result["equal"], f"rank {rank}, {key}: batches differ from torch's"
+            assert result["batches"] > 0
+
+
+def test_node_and_world_hold_a_share_and_exchange(job):
+    ranks, world, node = job
+    shares = {"node": node, "world": world}
+    total = ranks[0]["total_bytes"]
+    held = {scope: 0 for scope in shares}
+    for found in ranks:
+        for key, result in found["compare"].items():
+            scope = key.split("/")[0]
+            if scope not in shares:
+                assert result["exchange"] is None, key  # rank, and auto on a CPU device
+                continue
+            exchange = result["exchange"]
+            assert result["path"] == f"sharded-{scope}"
+            assert exchange["ranks_per_copy"] == shares[scope], key
+            assert abs(exchange["shard_bytes"] - total / shares[scope]) <= total / ranks_job.NUM_SAMPLES, key
+            assert len(exchange["bytes_received_per_epoch"]) == 3
+            assert all(b > 0 for b in exchange["bytes_received_per_epoch"]), key
+            assert exchange["wait_s"] >= 0
+            if key.endswith("shuffle=True/drop_last=False"):
+                held[scope] += exchange["shard_bytes"]
+    for scope, group in shares.items():
+        assert held[scope] == total * world // group  # one whole copy per group of ranks
+
+
+def test_all_ranks_stopping_at_one_batch_then_resuming_gives_torchs_batches(job):
+    ranks, world, _ = job
+    for rank, found in enumerate(ranks):
+        assert found["resume"]["equal"], rank
+        assert found["resume"]["exchange"]["ranks_per_copy"] == world
+
+
+def test_another_sampler_keeps_a_copy_per_rank_and_says_why(job):
+    for found in job[0]:
+        seen = found["other_sampler"]
+        assert seen["equal"] and seen["exchange"] is None
+        assert any("not torch's DistributedSampler" in w and "cache_scope='node'" in w for w in seen["warnings"])
+
+
+def test_rank_that_stops_early_makes_the_others_fail_within_the_timeout(job):
+    ranks, _, _ = job
+    assert ranks[0]["stop_then_wait"]["error"] is None  # it broke out; nothing more to exchange
+    for found in ranks[1:]:
+        seen = found["stop_then_wait"]
+        assert seen["error"] is not None and "stopped this epoch early" in seen["error"]
+        assert "README" in seen["error"]
+        assert seen["seconds"] < ranks_job.EXCHANGE_TIMEOUT_S + 20
+
+
+def test_rank_that_starts_the_next_epoch_early_makes_every_rank_fail(job):
+    ranks, _, _ = job
+    for rank, found in enumerate(ranks):
+        seen = found["stop_then_next_epoch"]
+        assert seen["error"] is not None, rank
+        assert "different numbers of batches" in seen["error"], seen["error"]
+        assert seen["seconds"] < ranks_job.EXCHANGE_TIMEOUT_S  # the headers disagree: no wait
+
+
+@pytest.mark.gpu
+def test_nccl_ranks_get_torchs_batches(tmp_path):
+    world = torch.cuda.device_count()
+    if world < 2:
+        pytest.skip(f"needs 2 CUDA devices for NCCL between ranks; this machine has {world}")
+    mp.spawn(ranks_job.run_nccl, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    for rank in range(world):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for key, result in found.items():
+            assert result["equal"], f"rank {rank}, {key}"
+            assert result["path"] == f"sharded-{key.split('/')[0]}"
+            assert result["exchange"]["shard_bytes"] > 0
