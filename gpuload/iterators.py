@@ -23,8 +23,8 @@ class EpochIterator(Iterator[Any]):
 
     ``items`` is ``epoch.items`` itself, or the prefetcher's epoch over it; ``length`` gives
     ``len()`` as torch's iterators report it (less the batches a resumed epoch skips);
-    ``progress`` counts the index batches done, for ``state_dict()``, and ``on_end`` runs once
-    when the epoch ends.
+    ``progress`` counts the index batches done, for ``state_dict()``, and ``on_end(progress)``
+    runs once when the epoch ends.
     """
 
     def __init__(
@@ -34,7 +34,7 @@ class EpochIterator(Iterator[Any]):
         stats: LoaderStats,
         length: Callable[[], int],
         progress: EpochProgress,
-        on_end: Callable[[], None],
+        on_end: Callable[[EpochProgress], None],
     ) -> None:
         self._items = items
         self._finish = epoch.finish
@@ -70,7 +70,7 @@ class EpochIterator(Iterator[Any]):
         except StopIteration:
             if not self._progress.finished:
                 self._progress.finished = True
-                self._on_end()
+                self._on_end(self._progress)
             raise
         finally:
             self._stats.wait_time_s += time.perf_counter() - started

@@ -336,8 +336,8 @@ class DataLoader(tud.DataLoader[T_co]):
             "slot_allocations": prefetch.slot_allocations,
         }
 
-    def _epoch_ended(self) -> None:
-        self._progress.end_states = RandomStates.capture(self)
+    def _epoch_ended(self, progress: EpochProgress) -> None:
+        progress.end_states = RandomStates.capture(self)
 
     def _resumed_draw(self, resume: EpochProgress) -> Callable[[], Iterator[Any]]:
         """The index batches left in a resumed epoch: drawn again from the states the epoch
