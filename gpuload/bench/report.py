@@ -379,9 +379,13 @@ def _bytes_panel(axis, rows: list[dict[str, Any]], card: str | None) -> None:
 
 def write_chart(path: Path, results: list[dict[str, Any]], title: str) -> None:
     """Draw the report's figure and write it as a PNG at ``path`` (atomically, never through a link)."""
+    save_figure(path, draw_chart(results, title))
+
+
+def save_figure(path: Path, figure: Any) -> None:
+    """Write a matplotlib figure as a PNG at ``path`` (atomically, never through a link), and close it."""
     import matplotlib.pyplot as plt
 
-    figure = draw_chart(results, title)
     try:
         _replace_atomically(path, lambda handle: figure.savefig(handle, format="png", dpi=100))
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import os
 import statistics
+import textwrap
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,9 +27,11 @@ from torch.utils.data import Dataset
 
 import gpuload
 from gpuload.bench.measure import synchronize
+from gpuload.bench.report import WIDTH, save_figure, write_json
 from gpuload.transfer import move_to_device
 
-__all__ = ["SampleRun", "SmallSamples", "format_samples", "run_samples", "run_samples_bench", "targets_met"]
+__all__ = ["SampleRun", "SmallSamples", "draw_samples_chart", "format_samples", "run_samples", "run_samples_bench",
+           "samples_headline", "targets_met"]
 
 FILL_TARGET = 1.3  # filling epoch / torch epoch, at most
 CACHED_TARGET = 5.0  # torch epoch / cached epoch, at least
@@ -167,31 +170,82 @@ def run_samples(num_samples: int, num_workers: int, batch_size: int, device: tor
 
 
 def format_samples(runs: list[SampleRun]) -> str:
-    """A table of every run against the targets."""
+    """A table of every run against the targets, in at most 100 columns."""
     mib = 2**20
     header = (
-        f"{'samples':>9} {'workers':>7} {'torch s':>8} {'fill s':>8} {'fill/torch':>10} {'(cpu)':>6} {'cached s':>9} "
-        f"{'x faster':>8} {'RSS +MiB':>9} {'limit MiB':>9}  targets"
+        f"{'samples':>9} {'workers':>7} {'torch s':>8} {'fill s':>8} {'fill/torch':>10} {'(cpu)':>6} "
+        f"{'cached s':>9} {'x faster':>8} {'RSS +MiB':>9}  targets"
     )
-    lines = [header]
+    lines = [header, "-" * len(header)]
     for run in runs:
-        met = targets_met(run)
-        verdict = ", ".join(f"{name} {'ok' if ok else 'MISSED'}" for name, ok in met.items())
+        missed = [name for name, ok in targets_met(run).items() if not ok]
         lines.append(
-            f"{run.num_samples:>9} {run.num_workers:>7} {statistics.median(run.torch_s):>8.3f} "
+            f"{run.num_samples:>9,} {run.num_workers:>7} {statistics.median(run.torch_s):>8.3f} "
             f"{statistics.median(run.fill_s):>8.3f} {run.fill_ratio:>10.2f} {_ratio(run.fill_cpu_ratio):>6} "
-            f"{statistics.median(run.cached_s):>9.3f} "
-            f"{run.cached_speedup:>8.1f} {max(run.rss_growth_bytes) / mib:>9.1f} {run.memory_limit / mib:>9.1f}  {verdict}"
+            f"{statistics.median(run.cached_s):>9.3f} {run.cached_speedup:>8.1f} "
+            f"{max(run.rss_growth_bytes) / mib:>9.1f}  {'all met' if not missed else 'MISSED: ' + ', '.join(missed)}"
         )
-    lines.append(
+    notes = (
         f"targets: filling <= {FILL_TARGET}x torch's epoch, cached >= {CACHED_TARGET:.0f}x faster than torch's, "
-        "RSS growth <= 2x the data + 64 MiB (medians over rounds; RSS: the largest round; (cpu): "
-        "the same ratio in CPU seconds, this process and its workers, which other processes on a busy "
-        "machine do not inflate)"
+        "RSS growth <= 2x the data + 64 MiB (medians over rounds; RSS: the largest round). (cpu): the "
+        "filling ratio in CPU seconds of this process and its workers, which other processes on a busy "
+        "machine do not inflate."
     )
+    lines += textwrap.wrap(notes, WIDTH)
     if runs:
-        lines.append(f"stored: {runs[-1].layout}")
+        lines += textwrap.wrap(f"stored: {runs[-1].layout}", WIDTH, subsequent_indent="    ")
     return "\n".join(lines)
+
+
+def samples_headline(runs: list[dict[str, Any]]) -> str:
+    """The result in words, for the largest run without workers (else the first)."""
+    if not runs:
+        return ""
+    run = next((r for r in runs if r["num_workers"] == 0), runs[0])
+    mib = 2**20
+    return (
+        f"gpuload: cached epochs {run['cached_speedup']:.1f}x faster than torch's DataLoader, the filling "
+        f"epoch {run['fill_ratio']:.2f}x torch's, +{max(run['rss_growth_bytes']) / mib:.0f} MiB resident for "
+        f"{run['data_bytes'] / mib:.0f} MiB of data ({run['num_samples']:,} samples, num_workers="
+        f"{run['num_workers']}) on this machine"
+    )
+
+
+def draw_samples_chart(runs: list[dict[str, Any]], title: str) -> Any:
+    """Seconds per epoch, log scale, for each run: torch's epoch, gpuload's filling epoch and a
+    cached one (each bar's gid is ``"<kind>:<run label>"``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = (("torch", "torch_s", "#8c8c8c", "torch DataLoader"),
+             ("fill", "fill_s", "#9db8de", "gpuload, filling epoch"),
+             ("cached", "cached_s", "#3b6fb6", "gpuload, cached epoch"))
+    figure, axis = plt.subplots(figsize=(9, 1.8 + 1.1 * len(runs)))
+    labels, positions = [], []
+    for row, run in enumerate(runs):
+        label = f"{run['num_samples']:,} samples, num_workers={run['num_workers']}"
+        labels.append(label)
+        positions.append(row)
+        for k, (kind, key, color, name) in enumerate(kinds):
+            seconds = statistics.median(run[key])
+            spread = (min(run[key]), max(run[key]))
+            bar = axis.barh(row + (k - 1) * 0.27, seconds, height=0.25, color=color, label=name if row == 0 else None,
+                            xerr=[[seconds - spread[0]], [spread[1] - seconds]], capsize=2)[0]
+            bar.set_gid(f"{kind}:{label}")
+            axis.annotate(f"{seconds:.3g} s", (seconds, row + (k - 1) * 0.27), xytext=(4, 0),
+                          textcoords="offset points", va="center", fontsize=8)
+    axis.set_xscale("log")
+    longest = max((max(run[key]) for run in runs for _, key, _, _ in kinds), default=1.0)
+    axis.set_xlim(right=longest * 4)  # room for the labels beside the longest bar
+    axis.set_yticks(positions, labels)
+    axis.invert_yaxis()
+    axis.set_xlabel("seconds per epoch (log scale; whiskers: the rounds' range)")
+    axis.set_title(title, fontsize=10)
+    axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8, frameon=False)
+    figure.tight_layout()
+    return figure
 
 
 def _ratio(value: float | None) -> str:
@@ -206,22 +260,23 @@ def scenario_runs(quick: bool, samples: int | None) -> list[tuple[int, int]]:
 
 
 def run_samples_bench(quick: bool, samples: int | None, batch_size: int | None, device: torch.device,
-                      out: Path, environment: dict[str, Any]) -> int:
-    """``gpuload bench --scenario samples``: run, print the table, write ``bench.json``; 0."""
-    from gpuload.bench.report import write_json
-
+                      out: Path, environment: dict[str, Any], quiet: bool = False) -> int:
+    """``gpuload bench --scenario samples``: run, print the table and the headline, write
+    ``bench.json`` and ``bench.png``; 0. ``quiet``: only the headline and where the files are."""
     batch_size = batch_size or 256
     rounds = 1 if quick else 3
-    print(f"gpuload bench: samples (torch.full((8,), i), i), batch {batch_size}, shuffled, cache='host', "
-          f"{rounds} round(s) of torch epoch / gpuload filling + 3 cached epochs, on {device}", flush=True)
+    say = (lambda *lines: None) if quiet else (lambda *lines: print(*lines, sep="\n", flush=True))
+    say(*textwrap.wrap(f"gpuload bench: samples (torch.full((8,), i), i), batch {batch_size}, shuffled, "
+                       f"cache='host', {rounds} round(s) of torch epoch / gpuload filling + 3 cached epochs, "
+                       f"on {device}", WIDTH, subsequent_indent="    "))
     runs = []
     for num_samples, workers in scenario_runs(quick, samples):
         runs.append(run_samples(num_samples, workers, batch_size, device, rounds))
-        print(f"  done: {num_samples} samples, num_workers={workers}", flush=True)
-    print()
-    print(format_samples(runs))
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "bench.json", {"scenario": "samples", "environment": environment,
-                                    "runs": [run.as_dict() for run in runs]})
-    print(f"\nwrote {out / 'bench.json'}")
+        say(f"  done: {num_samples:,} samples, num_workers={workers}")
+    say("", format_samples(runs), "")
+    documents = [run.as_dict() for run in runs]
+    write_json(out / "bench.json", {"scenario": "samples", "environment": environment, "runs": documents})
+    save_figure(out / "bench.png", draw_samples_chart(documents, f"gpuload bench: samples, batch {batch_size}, {device}"))
+    print(*textwrap.wrap(samples_headline(documents), WIDTH, subsequent_indent="    "), sep="\n")
+    print(f"results: {out / 'bench.json'}; chart: {out / 'bench.png'}")
     return 0

@@ -220,7 +220,8 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     if scenario == "samples":
         from gpuload.bench.samples import run_samples_bench
 
-        return run_samples_bench(args.quick, args.samples, args.batch_size, device, out, environment(device))
+        return run_samples_bench(args.quick, args.samples, args.batch_size, device, out, environment(device),
+                                 quiet=args.quiet)
     specs, described, extra = _scenario_loaders(args, scenario, config, device, cleanup)
     say = (lambda *lines: None) if args.quiet else (lambda *lines: print(*lines, sep="\n", flush=True))
     say(*textwrap.wrap(

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import torch
 
+import json
+from pathlib import Path
+
 from gpuload.bench.samples import (
     SampleRun,
     SmallSamples,
+    draw_samples_chart,
     format_samples,
     run_samples,
+    samples_headline,
     targets_met,
 )
+
+STORED = Path(__file__).parent / "samples-cpu.json"  # a real --quick run on the 2-core CPU machine
 
 
 def test_a_small_run_fills_the_cache_and_reports_every_target() -> None:
@@ -19,7 +26,8 @@ def test_a_small_run_fills_the_cache_and_reports_every_target() -> None:
     assert "by column: 2 column(s) [int64[8], int64[]]" in run.layout
     assert run.data_bytes == 3_000 * 72 == len(SmallSamples(3_000)) * SmallSamples.sample_bytes
     table = format_samples([run])
-    assert "fill/torch" in table and "   3000       0" in table
+    assert "fill/torch" in table and "    3,000       0" in table
+    assert all(len(line) <= 100 for line in table.splitlines())
 
 
 def test_targets_are_the_issues() -> None:
@@ -29,3 +37,23 @@ def test_targets_are_the_issues() -> None:
     run.fill_s, run.cached_s = [1.31], [0.21]
     run.rss_growth_bytes = [2 * 400_000 * 72 + (64 << 20) + 1]
     assert targets_met(run) == {"fill": False, "cached": False, "memory": False}
+
+
+def test_the_chart_from_a_stored_run_shows_every_bar_and_the_headline_says_it() -> None:
+    import matplotlib.pyplot as plt
+
+    runs = json.loads(STORED.read_text())["runs"]
+    figure = draw_samples_chart(runs, "gpuload bench: samples")
+    try:
+        figure.canvas.draw()
+        renderer = figure.canvas.get_renderer()
+        axis = figure.axes[0]
+        frame = axis.get_window_extent(renderer)
+        bars = {patch.get_gid(): patch.get_window_extent(renderer) for patch in axis.patches if patch.get_gid()}
+        assert len(bars) == 3 * len(runs)
+        for gid, bar in bars.items():
+            assert min(bar.x1, frame.x1) - max(bar.x0, frame.x0) >= 5, gid  # visible on the log scale
+    finally:
+        plt.close(figure)
+    headline = samples_headline(runs)
+    assert headline.startswith("gpuload: cached epochs") and "x faster than torch's DataLoader" in headline
