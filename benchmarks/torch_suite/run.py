@@ -69,7 +69,10 @@ def run_suite(mode: str, suite: Path, out: Path, keyword: str | None, timeout: f
     if SWAPS[mode]:
         check_swap(env, suite)
     command = [
-        sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider", "-p", "torch_suite_report",
+        # --tb=native: pytest's own traceback formatting crashes the session (INTERNALERROR) on a
+        # RecursionError's traceback, which gpuload's global swap raises today.
+        sys.executable, "-m", "pytest", str(suite), "-q", "--tb=native", "-p", "no:cacheprovider",
+        "-p", "torch_suite_report",
         "-c", str(HERE / "pytest.ini"), "--rootdir", str(suite.parent),
     ]
     if keyword:
