@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -80,14 +81,27 @@ def run_suite(mode: str, suite: Path, out: Path, keyword: str | None, timeout: f
     started = time.monotonic()
     log = out / f"{mode}.log"
     with open(log, "w") as log_file:
+        # Its own session, so that a time-out ends the suite's workers and subprocesses too.
+        pytest_run = subprocess.Popen(command, env=env, cwd=suite.parent, stdout=log_file,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            subprocess.run(command, env=env, cwd=suite.parent, stdout=log_file, stderr=subprocess.STDOUT,
-                           timeout=timeout, check=False)
+            pytest_run.wait(timeout)
             stopped = ""
         except subprocess.TimeoutExpired:
+            os.killpg(pytest_run.pid, signal.SIGKILL)
+            pytest_run.wait()
             stopped = f" (stopped after {timeout:.0f} s: the tests after the last one listed did not run)"
-    print(f"{mode}: ran in {time.monotonic() - started:.0f} s{stopped}; pytest output in {log}")
+    print(f"{mode}: ran in {time.monotonic() - started:.0f} s{stopped}; pytest output in {log}", flush=True)
+    check_suite_loader(mode, report)
     return read_report(report)
+
+
+def check_suite_loader(mode: str, report: Path) -> None:
+    """Fail loudly unless the suite's tests got the class this mode is about."""
+    classes = next((json.loads(line) for line in report.read_text().splitlines() if '"suite_loader"' in line), {})
+    expected = "gpuload.loader.DataLoader" if SWAPS[mode] else "torch.utils.data.dataloader.DataLoader"
+    if classes.get("suite_loader") != expected:
+        sys.exit(f"{mode}: the suite's tests got {classes.get('suite_loader')}, not {expected} ({report})")
 
 
 def read_report(report: Path) -> dict[str, dict]:
@@ -135,7 +149,8 @@ def print_summary(results: dict[str, dict[str, dict]]) -> int:
         lost_any = lost_any or bool(lost)
         print(f"\n{len(lost)} tests pass for torch but not for {mode}:")
         for test, outcome, why in lost:
-            print(f"  {test.split('::', 1)[-1]}  [{outcome}]  {why}")
+            shown = why if len(why) <= 240 else f"{why[:160]} ... {why[-70:]}"  # the end names the cause
+            print(f"  {test.split('::', 1)[-1]}  [{outcome}]  {shown}")
     return 1 if lost_any else 0
 
 

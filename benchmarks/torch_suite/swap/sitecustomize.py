@@ -8,7 +8,9 @@ subprocesses (forked workers inherit the swap from their parent).
 - ``global``: ``torch.utils.data.DataLoader = torch.utils.data.dataloader.DataLoader =
   gpuload.DataLoader`` (putting a loader under code one does not own);
 - ``import``: only the name ``DataLoader`` in the suite's module ``test_dataloader``, set right
-  after that module runs, wherever it is imported (what changing the import line does);
+  after that module runs, wherever it is imported (what changing the import line does); in the
+  pytest process, whose assertion rewriter imports the module ahead of this hook, the
+  harness's plugin ``torch_suite_report`` sets it after collection;
 - anything else (the torch baseline): nothing.
 """
 

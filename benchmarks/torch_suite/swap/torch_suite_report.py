@@ -2,16 +2,23 @@
 
 Loaded with ``-p torch_suite_report``; writes to ``$GPULOAD_TORCH_SUITE_REPORT``. Written line
 by line (not at the end, as junit XML is) so that a run stopped by the harness's time limit
-still reports every test that finished.
+still reports every test that finished. Its first line names the class the suite's tests get.
+
+For the ``import`` swap it also rebinds the suite module's ``DataLoader`` in this process once
+collected: pytest's assertion rewriter imports test modules ahead of ``sitecustomize``'s import
+hook (which still serves spawned workers, where pytest is absent).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch.utils.data
+
+from sitecustomize import SUITE_MODULE
 
 
 def _first_line(report: pytest.TestReport) -> str:
@@ -34,10 +41,25 @@ def _outcome(report: pytest.TestReport) -> str:
     return report.outcome
 
 
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
-    with open(os.environ["GPULOAD_TORCH_SUITE_REPORT"], "w") as out:
-        loader = torch.utils.data.DataLoader
-        out.write(json.dumps({"loader": f"{loader.__module__}.{loader.__qualname__}"}) + "\n")
+    open(os.environ["GPULOAD_TORCH_SUITE_REPORT"], "w").close()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    suite = sys.modules.get(SUITE_MODULE)
+    if suite is not None and os.environ.get("GPULOAD_TORCH_SUITE_SWAP") == "import":
+        import gpuload
+
+        suite.DataLoader = gpuload.DataLoader
+    classes = {"loader": _name(torch.utils.data.DataLoader)}
+    if suite is not None:
+        classes["suite_loader"] = _name(suite.DataLoader)
+    with open(os.environ["GPULOAD_TORCH_SUITE_REPORT"], "a") as out:
+        out.write(json.dumps(classes) + "\n")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
