@@ -19,6 +19,8 @@ from equivalence import assert_same_epochs
 accelerate = pytest.importorskip("accelerate", reason="HF Accelerate is a test dependency: pip install -e '.[test]'")
 import accelerate.data_loader  # noqa: E402
 
+pytestmark = pytest.mark.slow  # importing Accelerate alone takes seconds
+
 
 def shuffled(loader_class: type) -> TorchDataLoader:
     data = TensorDataset(torch.arange(32, dtype=torch.float32).unsqueeze(1), torch.arange(32))
