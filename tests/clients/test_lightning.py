@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # lightning_job must import in s
 import lightning_job  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+# What torchrun sets for its ranks; a stale value from the calling process must not reach it.
+DISTRIBUTED_ENV = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"}
 
 
 def assert_disjoint_halves_on_gpuload(out_dir: Path) -> None:
@@ -49,14 +51,20 @@ def assert_disjoint_halves_on_gpuload(out_dir: Path) -> None:
     ],
 )
 def test_ddp_spawn_fit_gives_each_rank_half_on_a_gpuload_loader(kind: str, tmp_path: Path) -> None:
-    lightning_job.fit(str(tmp_path), kind, "ddp_spawn")
+    saved = dict(os.environ)
+    try:
+        lightning_job.fit(str(tmp_path), kind, "ddp_spawn")
+    finally:  # Lightning sets MASTER_PORT in this process: keep it to this test
+        os.environ.clear()
+        os.environ.update(saved)
     assert_disjoint_halves_on_gpuload(tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", lightning_job.KINDS)
 def test_ddp_under_torchrun_gives_each_rank_half_on_a_gpuload_loader(kind: str, tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = {name: value for name, value in os.environ.items() if name not in DISTRIBUTED_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         lightning_job.__file__, str(tmp_path), kind,
