@@ -31,8 +31,9 @@ __all__ = ["DataLoader"]
 
 T_co = TypeVar("T_co", covariant=True)
 
-# Rebuilt on the next ``iter()``: never pickled (device memory, pinned slots, threads, streams).
-_RUNTIME_STATE = ("_source", "_prefetcher", "_iterator")
+# Rebuilt on the next ``iter()``: never pickled (device memory, pinned slots, threads, streams,
+# and the epoch in progress: a copy starts its own).
+_RUNTIME_STATE = ("_source", "_prefetcher", "_iterator", "_progress")
 
 
 class DataLoader(tud.DataLoader[T_co]):
@@ -256,6 +257,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self.__dict__.update(state)
         self._iterator = None
         self._prefetcher = None
+        self._progress = None
         self._source = self._choose_source()
 
     # ----------------------------------------------------------------- internals

@@ -338,7 +338,7 @@ def test_a_failing_sample_keeps_its_error_and_names_its_index(keywords) -> None:
     with pytest.raises(ValueError, match="sample 5 is broken") as raised:
         list(loader)
     notes = " ".join(getattr(raised.value, "__notes__", [])) + str(raised.value)
-    assert "dataset[5]" in notes or "[4, 5, 6, 7]" in notes, notes
+    assert "dataset index 5" in notes or "dataset indices [4, 5, 6, 7]" in notes, notes
 
 
 def test_a_loader_pickles_without_its_runtime_state_and_yields_the_same_batches() -> None:

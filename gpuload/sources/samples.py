@@ -532,14 +532,14 @@ def fetch(dataset: Any, indices: list[Any], batched: bool) -> list[Any]:
         try:
             return list(getitems(indices))
         except Exception as error:
-            add_note(error, f"gpuload: raised by {type(dataset).__name__}.__getitems__ for dataset indices {indices}")
+            add_note(error, f"gpuload: raised by {type(dataset).__name__}.__getitems__ for the batch of dataset indices {indices}")
             raise
     samples = []
     for index in indices:
         try:
             samples.append(dataset[index])
         except Exception as error:
-            add_note(error, f"gpuload: raised while reading dataset[{index}] ({type(dataset).__name__})")
+            add_note(error, f"gpuload: raised while reading dataset index {index} ({type(dataset).__name__})")
             raise
     return samples
 
@@ -564,7 +564,7 @@ def _matched(pairs: Iterator[Any], recorder: RecordingSampler) -> Iterator[tuple
             if recorder.drawn:
                 indices = recorder.drawn[0]
                 shown = indices.tolist() if isinstance(indices, torch.Tensor) else indices
-                add_note(error, f"gpuload: raised while reading the batch of dataset indices {shown}")
+                add_note(error, f"gpuload: raised in a worker reading the batch of dataset indices {shown}")
             raise
         yield (recorder.drawn.popleft() if recorder.drawn else None), samples, batch
 

@@ -1,0 +1,85 @@
+"""A tiny PyTorch Lightning fit over a gpuload loader; each rank writes down what it saw.
+
+Used by ``test_lightning.py``, in process (``ddp_spawn``) and as the script ``torchrun`` runs
+(``ddp``): ``torchrun --standalone --nproc_per_node 2 lightning_job.py OUT_DIR KIND``. Each
+rank writes ``OUT_DIR/rank-N.json``: the sample ids of its batches, the class of
+``trainer.train_dataloader`` and of its sampler.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+import gpuload
+
+NUM_SAMPLES = 32
+KINDS = ("arrays", "generic")  # gpuload's array fast path; torch's fetching (any __getitem__)
+
+
+class Indexed(Dataset):
+    """A generic map-style dataset: sample i is (the float i, the id i)."""
+
+    def __len__(self) -> int:
+        return NUM_SAMPLES
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.tensor([float(index)]), index
+
+
+def dataset(kind: str) -> Dataset:
+    if kind == "arrays":
+        return TensorDataset(torch.arange(NUM_SAMPLES, dtype=torch.float32).unsqueeze(1), torch.arange(NUM_SAMPLES))
+    return Indexed()
+
+
+class RecordSamples(pl.LightningModule):
+    """Fits y = w x + b to nothing in particular, recording the ids of the samples it got."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+        self.layer = torch.nn.Linear(1, 1)
+        self.seen: list[int] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        features, ids = batch
+        self.seen += ids.tolist()
+        return self.layer(features).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def on_train_end(self) -> None:
+        loader = self.trainer.train_dataloader
+        record = {
+            "rank": self.global_rank,
+            "world_size": self.trainer.world_size,
+            "seen": sorted(self.seen),
+            "loader": f"{type(loader).__module__}.{type(loader).__qualname__}",
+            "sampler": type(loader.sampler).__name__,
+        }
+        Path(self.out_dir, f"rank-{self.global_rank}.json").write_text(json.dumps(record))
+
+
+def fit(out_dir: str, kind: str, strategy: str) -> None:
+    """One epoch on 2 CPU processes, the gpuload loader passed to ``fit``."""
+    loader = gpuload.DataLoader(dataset(kind), batch_size=4)
+    trainer = pl.Trainer(
+        strategy=strategy, devices=2, accelerator="cpu", max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(RecordSamples(out_dir), loader)
+
+
+def read_records(out_dir: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank-*.json"))]
+
+
+if __name__ == "__main__":
+    fit(sys.argv[1], sys.argv[2], "ddp")
