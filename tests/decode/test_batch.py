@@ -491,9 +491,12 @@ def test_a_file_error_still_bisects_and_names_the_file() -> None:
 
 
 @pytest.mark.gpu
-def test_mixed_decoder_output_is_ordered_on_the_callers_stream() -> None:
-    """pipe.run is bound to torch's current stream: work queued on a side stream sees the images."""
-    decoder = BatchDecoder("cuda", backend="dali-mixed", max_batch=4)
+@pytest.mark.parametrize("backend, needs", [("dali-mixed", "nvidia.dali"), ("nvjpeg", "torchvision")])
+def test_gpu_decoders_output_is_ordered_on_the_callers_stream(backend: str, needs: str) -> None:
+    """Decoded under torch.cuda.stream(s) (DALI's run bound to torch's current stream), the
+    images are ready for work queued on s."""
+    pytest.importorskip(needs, reason=f"the {backend} backend needs {needs}")
+    decoder = BatchDecoder("cuda", backend=backend, max_batch=4)
     data = F.jpeg("baseline-444")
     expected = decoder.decode([data], ["a"], [0]).images[0].sum(dtype=torch.int64)
     side = torch.cuda.Stream()

@@ -191,17 +191,3 @@ def test_nvjpeg_reports_bad_files_and_keeps_the_rest_on_the_gpu() -> None:
     assert [s[0] for s in result.skipped] == [1, 2] or [s[0] for s in result.skipped] == [2]
     assert 0 in result.kept_positions and 3 in result.kept_positions
     assert all(image.device.type == "cuda" for image in result.images)
-
-
-@pytest.mark.gpu
-def test_nvjpeg_output_is_ordered_on_a_side_stream() -> None:
-    """Decoded under torch.cuda.stream(s), the images are ready for work queued on s."""
-    decoder = BatchDecoder("cuda", backend="nvjpeg", max_batch=4)
-    data = F.jpeg("baseline-444")
-    expected = decoder.decode([data], ["a"], [0]).images[0].sum(dtype=torch.int64)
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        images = decoder.decode([data] * 4, list("abcd"), [0, 1, 2, 3]).images
-        total = torch.stack(images).sum(dtype=torch.int64)  # queued on the side stream
-    side.synchronize()
-    assert int(total) == 4 * int(expected)
