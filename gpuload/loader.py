@@ -10,6 +10,7 @@ ahead of it in the prefetcher's, and merges the counters.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -289,7 +290,10 @@ class DataLoader(tud.DataLoader[T_co]):
             "persistent_workers": self.persistent_workers, "pin_memory": self.pin_memory,
             "pin_memory_device": self.pin_memory_device, "in_order": self.in_order,
         }
-        return SampleSource(setup, TorchLoading(self._torch_epoch, self._index_sampler, self.num_workers, options))
+        # A weak reference: the source must not keep the loader alive (torch's loader is freed, and
+        # its workers stopped, as soon as the last reference to it goes).
+        torch_epoch = weakref.WeakMethod(self._torch_epoch)
+        return SampleSource(setup, TorchLoading(lambda: torch_epoch()(), self._index_sampler, self.num_workers, options))
 
     def _torch_epoch(self) -> Iterator[Any]:
         """torch's own iterator for one epoch (fetch, collate, worker processes)."""

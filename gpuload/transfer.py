@@ -71,7 +71,7 @@ def batch_nbytes(data: Any, host_only: bool = False) -> int:
 def batch_length(data: Any) -> int:
     """Number of samples in a batch: the first dimension of its first tensor, else its len()."""
     for tensor in _tensors(data):
-        return tensor.shape[0] if tensor.dim() > 0 else 1
+        return tensor.size(0) if tensor.dim() > 0 else 1  # size(): nested tensors have no .shape
     if isinstance(data, collections.abc.Sized) and not isinstance(data, (str, bytes)):
         return len(data)
     return 1

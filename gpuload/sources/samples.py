@@ -154,16 +154,15 @@ class CachedSamples:
     def close(self) -> None:
         self.store.close()
 
-    def unwrap(self, batches: Iterable[tuple[Any, Any, Any]], keep: KeepSamples) -> Iterator[Any]:
-        """A worker epoch's (indices, prepared samples, batch) to batches, caching the samples on the way."""
-        for indices, part, batch in batches:
-            if part is not None and indices is not None:
-                keys = self._keys_of(indices)
-                if keys is not None:
-                    self._store(keys, part)
-            if not self.accepting:
-                keep.sending.value = 0
-            yield batch
+    def take(self, indices: Any, part: Part | None, keep: KeepSamples) -> None:
+        """Cache a worker batch's prepared samples (``part``) for its ``indices``; tell the workers
+        to stop sending once the cache takes no more."""
+        if part is not None and indices is not None:
+            keys = self._keys_of(indices)
+            if keys is not None:
+                self._store(keys, part)
+        if not self.accepting:
+            keep.sending.value = 0
 
     def _keys_of(self, indices: Any) -> torch.Tensor | None:
         """Cache keys of one index batch; None (and no more caching) once one is not an integer."""
@@ -251,10 +250,7 @@ class CachedSamples:
     def batches(self, indices: Iterator[Any], in_range: bool = False, whole: bool = True) -> Iterator[Any]:
         """An epoch's batches from the cache (and the dataset for what it lacks); ``whole``: not
         the rest of a resumed epoch, which cannot have filled the cache."""
-        for index in indices:
-            yield self.batch(index, in_range)
-        if whole:
-            self.end_of_epoch()
+        return PerBatch(indices, lambda index: self.batch(index, in_range), self.end_of_epoch if whole else None)
 
     def warm(self, progress: bool, num_workers: int, worker_options: dict[str, Any]) -> int:
         """Read every sample not cached yet into the cache, in index order; returns how many."""
@@ -404,10 +400,15 @@ class SampleSource(Source):
                      torch_iterator=epoch.torch_iterator)
 
     def _fetched(self, indices: Iterator[Any]) -> Iterator[Any]:
+        return PerBatch(indices, self._read_batch)
+
+    def _read_batch(self, index: Any) -> Any:
+        """One batch read as torch's fetcher reads it (``dataset[i]`` with Python ints)."""
         batched, collate = self.setup.batched, self.setup.collate_fn
-        for index in indices:
-            samples = fetch(self.setup.dataset, list(index) if batched else [index], batched)
-            yield collate(samples) if batched else collate(samples[0])
+        if isinstance(index, torch.Tensor):
+            index = index.tolist()
+        samples = fetch(self.setup.dataset, list(index) if batched else [index], batched)
+        return collate(samples) if batched else collate(samples[0])
 
     def _worker_epoch(
         self, cached: CachedSamples | None, remaining: list[Any] | None = None, seed_drawn: bool = False
@@ -444,7 +445,9 @@ class SampleSource(Source):
                 reader.generator = generator
         else:
             pairs = iter(reader)
-        batches = self._filled(cached, _matched(pairs, recorder), keep, whole=remaining is None)
+        at_end = self._end_of_worker_epoch if cached is not None and remaining is None else None
+        batches = _WorkerBatches(pairs, recorder, lambda indices, part: cached is not None and cached.take(
+            indices, part, keep), at_end)
         return _TorchEpoch(batches, pairs.__len__, pairs)
 
     def _torch_loader(self, keep: KeepSamples, recorder: RecordingSampler, options: dict[str, Any]) -> TorchDataLoader:
@@ -452,18 +455,15 @@ class SampleSource(Source):
         return TorchDataLoader(self.setup.dataset, num_workers=self.torch.num_workers, collate_fn=keep,
                                **placement, **options)
 
-    def _filled(self, cached: CachedSamples | None, batches: Iterator[Any], keep: KeepSamples,
-                whole: bool = True) -> Iterator[Any]:
+    def _end_of_worker_epoch(self) -> None:
+        """After a whole worker epoch (not the rest of a resumed one, which cannot have filled
+        the cache): say why it is partial, if so, and keep no memory for it: with workers only a
+        complete cache serves."""
+        cached = self.cached
         if cached is None:
-            for _, _, batch in batches:
-                yield batch
             return
-        yield from cached.unwrap(batches, keep)
-        if not whole:
-            return  # the rest of a resumed epoch: the next whole epoch fills what is missing
         cached.end_of_epoch()
         if not cached.complete:
-            # With workers only a complete cache serves; keep no memory for a partial one.
             self._drop_cache()
 
     def _moved(self, batch: Any) -> tuple[Any, int]:
@@ -551,22 +551,54 @@ def add_note(error: BaseException, note: str) -> None:
         error.add_note(note)
 
 
-def _matched(pairs: Iterator[Any], recorder: RecordingSampler) -> Iterator[tuple[Any, Any, Any]]:
-    """A worker epoch's (samples, batch) pairs as (indices, samples, batch): batches come back in
-    the order their indices were drawn (``in_order=True``), so the k-th is the k-th recorded.
-    An exception (re-raised by torch from a worker) gets a note naming the batch's indices."""
-    while True:
+class PerBatch(Iterator[Any]):
+    """``make(item)`` for each of ``items``, going on after a batch that raised, as torch's
+    iterators do (the failed batch is consumed; the next ``next()`` makes the one after), and
+    ``at_end()`` once when the items run out."""
+
+    def __init__(self, items: Iterator[Any], make: Callable[[Any], Any], at_end: Callable[[], None] | None = None) -> None:
+        self._items, self._make, self._at_end = items, make, at_end
+
+    def __next__(self) -> Any:
         try:
-            samples, batch = next(pairs)
+            item = next(self._items)
         except StopIteration:
-            return
+            at_end, self._at_end = self._at_end, None
+            if at_end is not None:
+                at_end()
+            raise
+        return self._make(item)
+
+
+class _WorkerBatches(Iterator[Any]):
+    """A worker epoch's batches from torch's (samples, batch) pairs. Batches come back in the
+    order their indices were drawn (``in_order=True``), so the k-th is the k-th ``recorder``
+    noted: ``take(indices, samples)`` gets each (for the cache), also past a batch that raised
+    (torch's iterator goes on; that batch's indices are dropped, and the exception, re-raised by
+    torch from the worker, gets a note naming them). ``at_end()`` runs once at the end."""
+
+    def __init__(self, pairs: Iterator[Any], recorder: RecordingSampler, take: Callable[[Any, Any], Any],
+                 at_end: Callable[[], None] | None) -> None:
+        self._pairs, self._recorder, self._take, self._at_end = pairs, recorder, take, at_end
+
+    def __next__(self) -> Any:
+        try:
+            samples, batch = next(self._pairs)
+        except StopIteration:
+            at_end, self._at_end = self._at_end, None
+            if at_end is not None:
+                at_end()
+            raise
         except Exception as error:
-            if recorder.drawn:
-                indices = recorder.drawn[0]
+            drawn = self._recorder.drawn
+            if drawn:
+                indices = drawn.popleft()
                 shown = indices.tolist() if isinstance(indices, torch.Tensor) else indices
                 add_note(error, f"gpuload: raised in a worker reading the batch of dataset indices {shown}")
             raise
-        yield (recorder.drawn.popleft() if recorder.drawn else None), samples, batch
+        drawn = self._recorder.drawn
+        self._take(drawn.popleft() if drawn else None, samples)
+        return batch
 
 
 def is_default_collate(collate_fn: Callable[[Any], Any]) -> bool:
