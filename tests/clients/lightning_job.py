@@ -83,3 +83,8 @@ def read_records(out_dir: Path) -> list[dict]:
 
 if __name__ == "__main__":
     fit(sys.argv[1], sys.argv[2], "ddp")
+    # End the process group before the interpreter does: left to exit, gloo's threads are torn
+    # down during static destruction and the process aborts now and then ("terminate called
+    # without an active exception", exit -6) after the fit has finished.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
