@@ -17,6 +17,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 import gpuload
 from gpuload import transforms as T
+from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, plan_notes
 from gpuload.bench.scenarios import BenchConfig, LoaderSpec, served_from, synthetic_cifar, torch_spec
 
 __all__ = ["MEAN", "STD", "PADDING", "PerSampleAugment", "augment_ops", "augment_loaders"]
@@ -63,9 +64,15 @@ class PerSampleAugment(Dataset):
         return self.augment(self.images[index], *self.draw()), self.labels[index]
 
 
-def _gpuload_spec(dataset: TensorDataset, config: BenchConfig, device: torch.device) -> LoaderSpec:
-    """gpuload over the uint8 arrays with the op list; notes say where batches came from."""
+def _gpuload_spec(
+    dataset: TensorDataset, config: BenchConfig, device: torch.device, device_memory: int = DEFAULT_PRETENDED_CARD
+) -> LoaderSpec:
+    """gpuload over the uint8 arrays with the op list; notes say where batches came from (and,
+    on a CPU, the cache plan a pretended card of ``device_memory`` bytes would get: the uint8
+    arrays are cached, the transforms run on the device)."""
     spec = LoaderSpec("gpuload DataLoader (batched transforms)", lambda: None)
+    if device.type != "cuda":
+        spec.notes.update(plan_notes(dataset, "auto", None, device_memory))
 
     def open_():
         loader = gpuload.DataLoader(
@@ -85,7 +92,8 @@ def _gpuload_spec(dataset: TensorDataset, config: BenchConfig, device: torch.dev
 
 
 def augment_loaders(
-    config: BenchConfig, device: torch.device, dataset: TensorDataset | None = None
+    config: BenchConfig, device: torch.device, dataset: TensorDataset | None = None,
+    device_memory: int = DEFAULT_PRETENDED_CARD,
 ) -> tuple[TensorDataset, list[LoaderSpec]]:
     """(images, labels) in memory, CIFAR-shaped unless given: torch per sample at each worker
     count, then gpuload on whole batches."""
@@ -96,5 +104,5 @@ def augment_loaders(
         raise ValueError(f"the augment scenario needs uint8 N,C,H,W images and labels, got {shapes}")
     per_sample: Any = PerSampleAugment(images, dataset.tensors[1])
     specs = [torch_spec(per_sample, config, workers, device) for workers in config.torch_workers]
-    specs.append(_gpuload_spec(dataset, config, device))
+    specs.append(_gpuload_spec(dataset, config, device, device_memory))
     return dataset, specs

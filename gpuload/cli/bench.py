@@ -163,7 +163,7 @@ def _scenario_loaders(
         elif scenario == "augment":
             from gpuload.bench.augment import augment_loaders
 
-            dataset, specs = _checked(lambda: augment_loaders(config, device, dataset), "--data")
+            dataset, specs = _checked(lambda: augment_loaders(config, device, dataset, card), "--data")
         else:
             dataset, specs = inmemory_loaders(config, device, dataset, card)
         described = "in-memory arrays [" + ", ".join(
