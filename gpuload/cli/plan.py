@@ -8,6 +8,12 @@ loaded) or a synthetic shape (``--synthetic cifar``, the default). ``--device-me
 With ``--model pkg.module:factory --input-shape 3,224,224`` it prints the job's plan instead
 (:func:`gpuload.plan_job`): the training step's peak, the prefetch slots and the cache on one
 card, and the batch size that fits.
+
+With ``--gpus-per-node N [--nodes M]`` it prints the scope plan of a torch.distributed job
+(:func:`gpuload.distributed.plan_scopes`): for each ``cache_scope``, the share on each GPU,
+the pinned host memory per node and the bytes each epoch moves over PCIe, NVLink and the
+network, and what ``auto`` picks. With ``--model`` too, the per-GPU cache room is what the
+job plan's training step and prefetch slots leave.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from gpuload.cache import MODES, CacheSettingError, CacheSettings, decide_images, format_bytes, make_plan
 from gpuload.cli.arguments import device_argument, positive_int, setting_error, size_argument
 from gpuload.device import MemoryInfo, cuda_available, device_memory, host_memory, resolve_device
+from gpuload.distributed.scope_plan import ScopePlans, plan_scopes
 from gpuload.job.dataset_size import SYNTHETIC, DatasetShape, estimate_dataset, image_folder
 
 __all__ = ["add_plan_arguments", "run_plan", "load_factory", "parse_shape", "DatasetShape", "estimate_dataset"]
@@ -49,6 +56,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pretend this much host RAM, all available")
     parser.add_argument("--probe-images", type=positive_int, default=16, metavar="N",
                         help="images opened to estimate an image folder's sample size")
+    scopes = parser.add_argument_group(
+        "scope plan (torch.distributed): each cache_scope's share per GPU, host memory per node, bytes per epoch")
+    scopes.add_argument("--gpus-per-node", type=positive_int, default=None, metavar="N",
+                        help="plan a job of N ranks per node (one GPU each, of --device-memory)")
+    scopes.add_argument("--nodes", type=positive_int, default=None, metavar="M",
+                        help="with --gpus-per-node: the number of nodes (default 1)")
     job = parser.add_argument_group("job plan (with --model): the training step, the prefetch slots and the cache")
     job.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY",
                      help="a function returning the model, e.g. torchvision.models:resnet50 (built on fake tensors)")
@@ -83,6 +96,8 @@ def run_plan(args: argparse.Namespace) -> int:
     """Print the settings, the dataset's size and the cache plan; 0 on success, 2 on a bad input."""
     if args.model is not None or args.input_shape is not None:
         return _run_job_plan(args)
+    if args.gpus_per_node is not None or args.nodes is not None:
+        return _run_scope_plan(args)
     try:
         settings = _settings(args)
         shape = estimate_dataset(args.dataset, args.synthetic, args.probe_images)
@@ -95,8 +110,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 device_name, target, memory = str(device), "cuda", device_memory(device)
             else:
                 device_name, target, memory = "cpu", "cpu", MemoryInfo(free=0, total=0)
-        host = (MemoryInfo(args.host_memory, args.host_memory) if args.host_memory is not None
-                else host_memory())
+        host = _host(args)
         if target == "cuda":
             plan = settings.array_plan(shape.bytes_per_sample, shape.num_samples, memory, host,
                                        device=device_name, shared=False)
@@ -121,6 +135,64 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.dataset is not None and Path(args.dataset).is_dir():
         print(_image_cache_line(Path(args.dataset), settings, target, memory, host))
     return 0
+
+
+def _scope_device(args: argparse.Namespace) -> MemoryInfo:
+    """One GPU of the planned job: the pretended card, else this machine's CUDA device."""
+    if args.nodes is not None and args.gpus_per_node is None:
+        raise ValueError("--nodes needs --gpus-per-node (the ranks on each node)")
+    pretended = _pretended_memory(args)
+    if pretended is not None:
+        return pretended
+    device = resolve_device(args.device)
+    if device.type != "cuda":
+        raise ValueError("--gpus-per-node plans a job on GPUs and this machine has none: pass --device-memory "
+                         "with one GPU's memory (e.g. --device-memory 141GiB)")
+    return device_memory(device)
+
+
+def _host(args: argparse.Namespace) -> MemoryInfo:
+    return MemoryInfo(args.host_memory, args.host_memory) if args.host_memory is not None else host_memory()
+
+
+def _scope_plan(
+    args: argparse.Namespace, shape: DatasetShape, settings: CacheSettings, memory: MemoryInfo, **room: Any
+) -> ScopePlans:
+    """The scope plan of ``--gpus-per-node`` x ``--nodes`` GPUs of ``memory`` each (``room``: given
+    per-GPU cache room, reserve and its note, else resolved from ``settings``)."""
+    return plan_scopes(shape.num_samples, shape.bytes_per_sample, gpus_per_node=args.gpus_per_node,
+                       nodes=args.nodes or 1, device_memory=memory, host_memory_per_node=_host(args),
+                       settings=settings, **room)
+
+
+def _run_scope_plan(args: argparse.Namespace) -> int:
+    """``gpuload plan --gpus-per-node N``: print the scope plan; 0 on success, 2 on a bad input."""
+    try:
+        settings = _settings(args)
+        shape = estimate_dataset(args.dataset, args.synthetic, args.probe_images)
+        plans = _scope_plan(args, shape, settings, _scope_device(args))
+    except CacheSettingError as error:
+        print(f"gpuload plan: error: {setting_error(error)}", file=sys.stderr)
+        return 2
+    except ValueError as error:
+        print(f"gpuload plan: error: {error}", file=sys.stderr)
+        return 2
+    print("settings:")
+    print("  " + settings.describe().replace("\n", "\n  "))
+    print(f"dataset: {shape.description}")
+    print(plans.describe())
+    return 0
+
+
+def _room_beside_step(plan: Any) -> dict[str, Any]:
+    """The per-GPU cache room a job plan leaves beside its step and prefetch slots, for ``plan_scopes``."""
+    cache = plan.cache
+    if cache is None:
+        room, note = 0, f"the step at batch {plan.batch_size} alone does not fit"
+    else:
+        room = min(cache.budget, max(0, cache.device_free - cache.reserve)) if cache.mode in ("auto", "device") else 0
+        note = f"beside the job plan's step at batch {plan.batch_size} and its prefetch slots"
+    return {"room": room, "room_note": note, "reserve": plan.reserve}
 
 
 def _image_cache_line(path: Path, settings: CacheSettings, target: str, memory: MemoryInfo, host: MemoryInfo) -> str:
@@ -173,6 +245,11 @@ def _run_job_plan(args: argparse.Namespace) -> int:
         settings = _settings(args)
         dataset = (estimate_dataset(args.dataset, args.synthetic, args.probe_images)
                    if args.dataset is not None or args.synthetic is not None else None)
+        scoped = args.gpus_per_node is not None or args.nodes is not None
+        if scoped and dataset is None:
+            raise ValueError("a scope plan (--gpus-per-node) with --model needs a dataset: a path or --synthetic")
+        if scoped:
+            _scope_device(args)  # on a machine without a GPU: asks for --device-memory
         memory = _pretended_memory(args)
         try:
             plan = plan_job(
@@ -185,6 +262,7 @@ def _run_job_plan(args: argparse.Namespace) -> int:
         except RuntimeError as error:  # raised by the model's own code on the fake input
             raise RuntimeError(
                 f"the training step of {args.model} failed on a {args.input_shape} input: {error}") from None
+        scopes = _scope_plan(args, dataset, settings, plan.memory, **_room_beside_step(plan)) if scoped else None
     except (ValueError, TypeError, RuntimeError) as error:  # bad input, or a step the trace cannot run
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(f"gpuload plan: error: {message}", file=sys.stderr)
@@ -196,4 +274,6 @@ def _run_job_plan(args: argparse.Namespace) -> int:
     if dataset is not None:
         print(f"dataset: {dataset.description}")
     print(plan.describe())
+    if scopes is not None:
+        print(scopes.describe())
     return 0

@@ -11,6 +11,7 @@ arguments), so who sends what is planned, not negotiated.
 - ``rank_batches``: every rank's batch indices for an epoch, from shadow samplers;
 - ``exchange_plan``: per batch step, what each rank sends to each other rank (pure);
 - ``scope``: the ``auto`` decision (rank, node, world or today's tiers) from the cache budget;
+- ``scope_plan``: what each scope would hold and move on a pretended cluster (``gpuload plan``);
 - ``sharded_store``: a rank's share of the arrays and the exchange that assembles its batches.
 """
 
@@ -24,19 +25,24 @@ from gpuload.distributed.group import (
 from gpuload.distributed.partition import Partition
 from gpuload.distributed.rank_batches import every_rank_batches, shardable_sampler
 from gpuload.distributed.scope import ScopeDecision, decide_scope
+from gpuload.distributed.scope_plan import EpochBytes, ScopePlan, ScopePlans, plan_scopes
 from gpuload.distributed.sharded_store import ShardedArrayStore
 
 __all__ = [
     "EXCHANGE_TIMEOUT_ENV",
     "DistributedContext",
+    "EpochBytes",
     "ExchangeError",
     "Partition",
     "ScopeDecision",
+    "ScopePlan",
+    "ScopePlans",
     "ShardedArrayStore",
     "StepPlan",
     "current_context",
     "decide_scope",
     "every_rank_batches",
+    "plan_scopes",
     "plan_step",
     "shardable_sampler",
 ]

@@ -11,6 +11,7 @@ import argparse
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from gpuload.cli import main
@@ -19,7 +20,8 @@ from gpuload.cli.plan import add_plan_arguments, run_plan
 
 @pytest.fixture(autouse=True)
 def clean_env(tmp_path: Path, monkeypatch) -> None:
-    for name in ("GPULOAD_CACHE", "GPULOAD_CACHE_SIZE", "GPULOAD_CACHE_RESERVE", "GPULOAD_CONFIG", "GPULOAD_JOB"):
+    for name in ("GPULOAD_CACHE", "GPULOAD_CACHE_SIZE", "GPULOAD_CACHE_RESERVE", "GPULOAD_CACHE_SCOPE", "GPULOAD_CONFIG",
+                 "GPULOAD_JOB"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
 
@@ -218,3 +220,99 @@ def test_plan_command_without_card_plans_for_cpu(capsys, monkeypatch):
 def test_plan_command_rejects_relative_memory():
     with pytest.raises(SystemExit):
         parse("--device-memory", "0.5")
+
+
+# -- the scope plan of a torch.distributed job (--gpus-per-node, --nodes) -----------------------
+
+SCOPE_COLUMNS = ["scope", "fits", "per GPU", "host/node", "PCIe 1st", "PCIe later", "NVLink", "network"]
+
+
+def scope_rows(out: str) -> dict[str, str]:
+    """The scope table's header and rows, by their first word."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["scope", "fits"])
+    return {line.split()[0]: line for line in lines[start:start + 4]}
+
+
+def test_scope_plan_for_synthetic_cifar_on_two_nodes(capsys):
+    assert main(["plan", "--synthetic", "cifar", "--gpus-per-node", "2", "--nodes", "2", "--device-memory", "16GiB",
+                 "--host-memory", "64GiB"]) == 0
+    out = capsys.readouterr().out
+    rows = scope_rows(out)
+    assert [w for w in " ".join(SCOPE_COLUMNS).split()] == rows["scope"].split()
+    assert set(rows) == {"scope", "rank", "node", "world"}
+    assert rows["rank"].split()[:6] == ["rank", "(1)", "yes", "146.87", "MiB", "(50000)"]
+    assert rows["rank"].endswith("<- auto") and "<- auto" not in rows["node"] + rows["world"]
+    assert rows["node"].split()[:6] == ["node", "(2)", "yes", "73.43", "MiB", "(25000)"]
+    assert "12500 rows (DistributedSampler, shuffle=True)" in out  # 50000 rows over 4 ranks
+    assert out.splitlines()[-1] == ("auto picks rank: the dataset (146.87 MiB) fits 1 device(s) of 14.00 GiB room "
+                                    "each (146.87 MiB per rank)")
+    assert "cache plan:" not in out  # the one-card plan is the rank row
+
+
+def test_scope_plan_for_the_issues_example(capsys):
+    assert main(["plan", "--gpus-per-node", "8", "--nodes", "2", "--device-memory", "141GiB",
+                 "--host-memory", "2TiB", "--synthetic", "imagenet"]) == 0
+    out = capsys.readouterr().out
+    rows = scope_rows(out)
+    assert rows["node"].endswith("78.58 GiB  0 B <- auto")
+    assert rows["world"].split()[-4:] == ["39.29", "GiB", "44.90", "GiB"]
+    assert "auto picks node: the dataset (179.62 GiB) fits 8 device(s)" in out
+
+
+def test_scope_plan_shows_an_explicit_scope_from_the_environment(capsys, monkeypatch):
+    monkeypatch.setenv("GPULOAD_CACHE_SCOPE", "world")
+    assert main(["plan", "--synthetic", "cifar", "--gpus-per-node", "4", "--device-memory", "16GiB",
+                 "--host-memory", "64GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "1 node(s) x 4 GPU(s) = 4 ranks" in out
+    assert scope_rows(out)["world"].endswith("<- cache_scope=world")
+    assert "cache_scope=world (environment variable GPULOAD_CACHE_SCOPE) runs world" in out
+
+
+def test_scope_plan_beside_a_models_step(capsys):
+    args = ["plan", "--model", "job_models:cnn", "--input-shape", "3,32,32", "--optimizer", "sgd", "--synthetic",
+            "cifar", "--batch-size", "64", "--gpus-per-node", "2", "--device-memory", "4GiB", "--host-memory", "64GiB"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.index("job plan for a pretended 4.00 GiB card") < out.index("scope plan: 1 node(s) x 2 GPU(s)")
+    assert "(beside the job plan's step at batch 64 and its prefetch slots)" in out
+    assert "auto picks rank" in out
+    assert main([*args[:7], *args[9:]]) == 2  # no dataset
+    assert "a scope plan (--gpus-per-node) with --model needs a dataset" in one_error(capsys)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpus-per-node", "2", "--nodes", "0"], "argument --nodes: 0 must be at least 1"),
+        (["--gpus-per-node", "0"], "argument --gpus-per-node: 0 must be at least 1"),
+        (["--gpus-per-node", "two"], "argument --gpus-per-node: 'two' is not a whole number"),
+    ],
+)
+def test_bad_scope_flags_are_refused_by_the_parser(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--device-memory", "8GiB", *argv])
+    assert exited.value.code == 2
+    assert one_error(capsys) == f"gpuload plan: error: {message}"
+
+
+def test_scope_plan_needs_a_card_size_on_a_cpu_machine(capsys, monkeypatch):
+    monkeypatch.setattr("gpuload.cli.plan.resolve_device", lambda device: torch.device("cpu"))
+    assert main(["plan", "--gpus-per-node", "8", "--nodes", "2"]) == 2
+    line = one_error(capsys)
+    assert "this machine has none: pass --device-memory" in line and "--device-memory 141GiB" in line
+    assert main(["plan", "--nodes", "2", "--device-memory", "8GiB"]) == 2
+    assert one_error(capsys) == "gpuload plan: error: --nodes needs --gpus-per-node (the ranks on each node)"
+    assert main(["plan", "--gpus-per-node", "2", "--cache-size", "100GiB", "--device-memory", "80GiB"]) == 2
+    assert "argument --cache-size: '100GiB' is larger than a pretended 80.00 GiB card" in one_error(capsys)
+
+
+def test_the_readmes_scope_plan_is_what_the_command_prints(capsys):
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme[readme.index("### Planning a multi-GPU job"):]
+    block = section[section.index("```\n$ gpuload plan") + 4:]
+    command, _, printed = block[: block.index("```")].partition("\n...\n")
+    assert main(command.removeprefix("$ gpuload ").split()) == 0
+    out = capsys.readouterr().out
+    assert out[out.index("scope plan:"):] == printed
