@@ -39,7 +39,8 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
         found = {}
         for scope in ("node", "world"):
             sampler = DistributedSampler(data, shuffle=True, seed=SEED)
-            loader = gpuload.DataLoader(data, BATCH_SIZE, sampler=sampler, device="cpu", cache_scope=scope)
+            loader = gpuload.DataLoader(data, BATCH_SIZE, sampler=sampler, device="cpu", cache="auto",
+                                        cache_scope=scope)
             for epoch in range(EPOCHS):
                 sampler.set_epoch(epoch)
                 for _ in loader:

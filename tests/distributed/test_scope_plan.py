@@ -27,18 +27,19 @@ import scope_plan_job
 GiB = 1 << 30
 HOST = MemoryInfo(free=8 * GiB, total=8 * GiB)  # pinned budget 4 GiB: a small dataset's tier fits
 IMAGENET = (1_281_167, 3 * 224 * 224 + 8)
+PINNED = {"environ": {}, "cwd": Path(__file__).parent}  # no GPULOAD_* variables, no gpuload.toml
 
 
 @pytest.fixture
-def defaults(tmp_path) -> CacheSettings:
+def defaults() -> CacheSettings:
     """The default cache settings, whatever this machine's environment or gpuload.toml says."""
-    return CacheSettings.resolve(environ={}, cwd=tmp_path)
+    return CacheSettings.resolve(**PINNED)
 
 
 def test_two_nodes_of_two_gpus_by_hand(defaults):
     # 8 rows of 10 bytes, 40 bytes of room per GPU: a whole copy does not fit, half of one does.
     plans = plan_scopes(8, 10, gpus_per_node=2, nodes=2, device_memory="1GiB", host_memory_per_node=HOST,
-                        settings=defaults, room=40, reserve=0)
+                        settings=defaults, room=40, reserve=0, host_shared=False)
     assert plans.rows_per_rank == 2  # 8 rows over 4 ranks
     rank, node, world = plans["rank"], plans["node"], plans["world"]
 
@@ -66,7 +67,7 @@ def test_two_nodes_of_two_gpus_by_hand(defaults):
 
 def test_the_issues_example_eight_h200_per_node_two_nodes_imagenet(defaults):
     plans = plan_scopes(*IMAGENET, gpus_per_node=8, nodes=2, device_memory="141GiB",
-                        host_memory_per_node="2TiB", settings=defaults)
+                        host_memory_per_node="2TiB", settings=defaults, host_shared=False)
     n, bps = IMAGENET
     assert plans.reserve == int(141 * GiB * 0.10) and plans.room == 141 * GiB - plans.reserve
     assert plans.rows_per_rank == 80_073  # ceil(1281167 / 16)
@@ -98,7 +99,7 @@ def test_the_issues_example_eight_h200_per_node_two_nodes_imagenet(defaults):
 
 def test_smaller_cards_fall_back_and_say_so(defaults):
     plans = plan_scopes(*IMAGENET, gpus_per_node=8, nodes=2, device_memory="8GiB",
-                        host_memory_per_node="512GiB", settings=defaults)
+                        host_memory_per_node="512GiB", settings=defaults, host_shared=False)
     assert plans.auto.scope == "rank" and "does not fit 16 devices" in plans.auto.reason
     for scope in ("node", "world"):
         assert not plans[scope].runs and plans[scope].later_epochs is None
@@ -128,10 +129,12 @@ def test_settings_are_resolved_as_the_loader_resolves_them(tmp_path):
 
 
 def test_one_gpu_per_node_or_one_node():
-    one_gpu = plan_scopes(10, 4, gpus_per_node=1, nodes=3, device_memory="1GiB", host_memory_per_node=HOST, room=20)
+    one_gpu = plan_scopes(10, 4, gpus_per_node=1, nodes=3, device_memory="1GiB", host_memory_per_node=HOST, room=20,
+                          settings=CacheSettings.resolve(**PINNED))
     assert not one_gpu["node"].runs and "the same as rank" in one_gpu["node"].note
     assert one_gpu.auto.scope == "world" and one_gpu["world"].later_epochs.nvlink == 0
-    one_node = plan_scopes(10, 4, gpus_per_node=4, nodes=1, device_memory="1GiB", host_memory_per_node=HOST, room=20)
+    one_node = plan_scopes(10, 4, gpus_per_node=4, nodes=1, device_memory="1GiB", host_memory_per_node=HOST, room=20,
+                          settings=CacheSettings.resolve(**PINNED))
     assert one_node["world"].later_epochs == one_node["node"].later_epochs
     assert one_node["world"].later_epochs.network == 0
 
@@ -160,7 +163,7 @@ def test_rows_per_rank_is_what_torchs_samplers_give(num_samples, world, sampler_
 )
 def test_bad_arguments_are_named(kwargs, message):
     arguments = dict(num_samples=10, bytes_per_sample=4, gpus_per_node=2, nodes=1, device_memory="1GiB",
-                     host_memory_per_node=HOST, settings=CacheSettings.resolve(environ={}))
+                     host_memory_per_node=HOST, settings=CacheSettings.resolve(**PINNED))
     with pytest.raises(ValueError, match=message):
         plan_scopes(**{**arguments, **kwargs})
 
@@ -172,7 +175,7 @@ def test_bad_arguments_are_named(kwargs, message):
     shared=st.booleans(), mode=st.sampled_from(["auto", "device", "host", "off"]),
 )
 def test_every_epochs_bytes_add_up(num_samples, bytes_per_sample, local, nodes, room, host_free, shared, mode):
-    settings = CacheSettings.resolve(cache=mode, environ={})
+    settings = CacheSettings.resolve(cache=mode, **PINNED)
     plans = plan_scopes(num_samples, bytes_per_sample, gpus_per_node=local, nodes=nodes, device_memory="1GiB",
                         host_memory_per_node=MemoryInfo(host_free, 16 * GiB), settings=settings, room=room,
                         host_shared=shared)
@@ -230,7 +233,7 @@ def _received_by_origin(num_samples: int, local: int, nodes: int, scope: str, ep
 def test_expectation_matches_the_exchange_plans_over_many_shuffles(scope):
     num_samples, local, nodes, epochs = 61, 2, 2, 60
     plans = plan_scopes(num_samples, 1, gpus_per_node=local, nodes=nodes, device_memory="1GiB",
-                        host_memory_per_node=HOST, room=num_samples)
+                        host_memory_per_node=HOST, room=num_samples, settings=CacheSettings.resolve(**PINNED))
     expected = plans[scope].later_epochs
     counts = _received_by_origin(num_samples, local, nodes, scope, epochs).sum(dim=1) / nodes  # mean per node
     for column, want in ((0, expected.nvlink), (1, expected.network)):
@@ -246,7 +249,8 @@ def test_a_gloo_job_of_two_nodes_receives_what_the_plan_expects(tmp_path):
     mp.spawn(job.run, args=(world, str(tmp_path / "init"), str(tmp_path), local), nprocs=world)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
     plans = plan_scopes(job.NUM_SAMPLES, job.ROW_BYTES, gpus_per_node=local, nodes=world // local,
-                        device_memory="1GiB", host_memory_per_node=HOST, room=job.NUM_SAMPLES * job.ROW_BYTES)
+                        device_memory="1GiB", host_memory_per_node=HOST, room=job.NUM_SAMPLES * job.ROW_BYTES,
+                        settings=CacheSettings.resolve(**PINNED))
     rows = plans.rows_per_rank
     for scope in ("node", "world"):
         expected = plans[scope].later_epochs
