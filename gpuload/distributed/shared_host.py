@@ -257,8 +257,10 @@ class NodeHostTier:
             unpin = _pin(segment)
             if unpin is not None:
                 # Unpinned once: at the store's close, or when the tier is collected unclosed;
-                # the finalizer holds the mapping until then.
-                tier.release = weakref.finalize(tier, unpin)
+                # the finalizer holds the mapping until then. At exit the driver unpins.
+                finalizer = weakref.finalize(tier, unpin)
+                finalizer.atexit = False
+                tier.release = finalizer
         return tier
 
 

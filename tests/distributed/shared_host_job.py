@@ -183,6 +183,22 @@ def pinned(pids: list[int], code: int) -> dict:
             "segment_size": size}
 
 
+def pinned_unclosed(pids: list[int]) -> dict:
+    """A store dropped without ``close``: its mapping is unpinned when the tier is collected."""
+    recorder = RecordingCudart(0)
+    real = shared_host._cudart
+    shared_host._cudart = lambda: recorder
+    try:
+        store = build(dataset(), 0, NUM_SAMPLES, NodeHostTier(current_context(), pin=True))
+        pointer = mapping_of(store._host_cols[0].data_ptr())["start"]
+        del store
+        gc.collect()
+    finally:
+        shared_host._cudart = real
+    mapped = any(f"{pointer:x}-" in line and SEGMENT_PREFIX in line for line in open("/proc/self/maps"))
+    return {"calls": recorder.calls, "pointer": pointer, "still_mapped": mapped}
+
+
 def killed_after_setup(pids: list[int]) -> dict:
     """The last rank is SIGKILLed after setup; the others keep serving, and /dev/shm stays clean."""
     data = dataset()
@@ -272,6 +288,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str, scenario: str) -> N
             found["differ"] = arrays_differ(pids)
             found["pinned"] = pinned(pids, code=0)
             found["pin_failed"] = pinned(pids, code=2)
+            found["pinned_unclosed"] = pinned_unclosed(pids)
             Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
             found["killed"] = killed_after_setup(pids)
             ended = True  # a peer is gone: do not wait for it at shutdown

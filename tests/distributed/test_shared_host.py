@@ -40,7 +40,9 @@ def _launch(folder: Path, world: int, scenario: str, killed: set[int] = frozense
     expected = [-signal.SIGKILL if rank in killed else 0 for rank in range(world)]
     assert codes == expected, f"exit codes {codes}, expected {expected}"
     written = [folder / f"rank{rank}.json" for rank in range(world)]
-    return [json.loads(path.read_text()) if path.exists() else {} for path in written]
+    found = [json.loads(path.read_text()) if path.exists() else {} for path in written]
+    assert job.segments_in_shm(found[0]["pids"]) == []  # every process has exited: nothing left
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +100,13 @@ def test_each_rank_registers_its_mapping_as_pinned_and_unregisters_it_once(one_n
         assert seen["registered"] == [["register", start, seen["segment_size"], 1]]
         assert seen["all_calls"] == seen["registered"] + [["unregister", start]]
         assert seen["warnings"] == []
+
+
+def test_a_tier_dropped_unclosed_is_unpinned_and_unmapped(one_node):
+    for found in one_node:
+        seen = found["pinned_unclosed"]
+        assert [call[0] for call in seen["calls"]] == ["register", "unregister"]
+        assert seen["calls"][1][1] == seen["pointer"] and not seen["still_mapped"]
 
 
 def test_a_failed_registration_warns_and_serves_unpinned(one_node):
