@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Hashable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from gpuload.cache.plan import CachePlan
 from gpuload.device import cuda_available, new_side_stream
 from gpuload.sampling import in_range
 
-__all__ = ["StoreStats", "TieredArrayStore", "gatherable"]
+__all__ = ["HostTier", "HostTierMaker", "StoreStats", "TieredArrayStore", "gatherable", "private_host_tier"]
 
 _DEVICE, _HOST, _SOURCE = 0, 1, 2
 
@@ -47,11 +47,43 @@ def _host_copy(rows: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class HostTier:
+    """Rows ``[first, first + rows)`` of every array in host memory, and how to let them go.
+
+    ``shared_by``: how many processes map this one copy (1: this process's own copy);
+    ``release``: called once by the store's ``close`` (e.g. to unpin a shared mapping).
+    """
+
+    first: int
+    columns: list[torch.Tensor]
+    shared_by: int = 1
+    release: Callable[[], None] | None = field(default=None, repr=False)
+
+    @property
+    def rows(self) -> int:
+        return self.columns[0].shape[0] if self.columns else 0
+
+
+HostTierMaker = Callable[[list[torch.Tensor], int, int, int], HostTier]
+"""``(source columns, first row, rows wanted, host budget in bytes) -> HostTier``: builds the
+pinned host tier. A maker may hold other rows than asked (a node's shared copy); the store
+serves from it the rows past its device tier that the tier holds."""
+
+
+def private_host_tier(source: list[torch.Tensor], first: int, rows: int, budget: int = 0) -> HostTier:
+    """This process's own copy of rows ``[first, first + rows)``, pinned when CUDA exists.
+
+    ``budget`` is not needed: the plan already fitted ``rows`` to it."""
+    return HostTier(first, [_host_copy(leaf[first : first + rows]) for leaf in source] if rows else [])
+
+
+@dataclass
 class StoreStats:
     """Bytes and samples per tier, gathered samples per tier, and host-to-device bytes.
 
     ``h2d_bytes`` counts sample data copied to the device by ``gather`` (indices are not
-    counted); ``fill_bytes`` the one-time copy that built the device tier.
+    counted); ``fill_bytes`` the one-time copy that built the device tier; ``host_shared_ranks``
+    how many processes of the node map the host tier's one copy (1: its own; 0: no host tier).
     """
 
     device_samples: int = 0
@@ -65,6 +97,7 @@ class StoreStats:
     h2d_bytes: int = 0
     fill_bytes: int = 0
     fallbacks: int = 0
+    host_shared_ranks: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -78,7 +111,9 @@ class TieredArrayStore:
     CPU ``device`` the device tier is a view of the source (no copy). When a tier cannot be
     allocated (out of memory) its samples go to the next tier, with one
     :class:`CacheFallbackWarning` per store. The device bytes are booked in ``ledger`` under
-    ``owner`` until :meth:`close`.
+    ``owner`` until :meth:`close`. ``host_tier`` builds the host tier (always called, once, also
+    for no rows: a maker shared by a node's ranks is a collective); by default each store pins
+    its own copy.
     """
 
     def __init__(
@@ -89,6 +124,7 @@ class TieredArrayStore:
         *,
         ledger: BudgetLedger = LEDGER,
         owner: Hashable | None = None,
+        host_tier: HostTierMaker = private_host_tier,
     ) -> None:
         leaves, self._spec = tree_flatten(data)
         if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
@@ -131,6 +167,8 @@ class TieredArrayStore:
         self._stats = StoreStats()
         self._device_cols: list[torch.Tensor] = []
         self._host_cols: list[torch.Tensor] = []
+        self._make_host_tier = host_tier
+        self._host_tier = HostTier(0, [])
         self._device_count = 0
         self._host_count = 0
         self._loc = torch.full((self._num_samples,), _SOURCE, dtype=torch.int8)
@@ -172,23 +210,26 @@ class TieredArrayStore:
                 self._ledger.set_used(self._owner, k * bps, device=self._device)
                 self._stats.fill_bytes += k * bps
         h = min(host_samples, self._num_samples - k)
-        if h:
-            try:
-                self._host_cols = [_host_copy(leaf[k : k + h]) for leaf in self._source]
-            except RuntimeError as error:
-                if not is_oom(error):
-                    raise
-                self._host_cols = []
-                self._warn(
-                    f"out of host memory pinning {h} samples ({format_bytes(h * bps)}); they are "
-                    "read from the source instead"
-                )
-                h = 0
+        tier = HostTier(k, [])
+        try:
+            tier = self._make_host_tier(self._source, k, h, self._plan.host_budget)
+        except RuntimeError as error:
+            if not is_oom(error):
+                raise
+            self._warn(
+                f"out of host memory pinning {h} samples ({format_bytes(h * bps)}); they are "
+                "read from the source instead"
+            )
+        # The tier may hold rows below k (a node's copy starts at the smallest device tier of
+        # its ranks): those are served from the device here.
+        first, stop = max(k, tier.first), tier.first + tier.rows
+        h = max(0, stop - first)
+        self._host_tier, self._host_cols = tier, tier.columns
         self._device_count, self._host_count = k, h
         self._loc[:k] = _DEVICE
         self._slot[:k] = torch.arange(k)
-        self._loc[k : k + h] = _HOST
-        self._slot[k : k + h] = torch.arange(h)
+        self._loc[first : first + h] = _HOST
+        self._slot[first : first + h] = torch.arange(first - tier.first, first - tier.first + h)
 
     def shrink_device_tier(self, max_bytes: int) -> int:
         """Keep at most ``max_bytes`` on the device; the samples let go are read from the source.
@@ -249,6 +290,9 @@ class TieredArrayStore:
         self._source = []
         self._device_count = self._host_count = 0
         self._ledger.release(self._owner)
+        tier, self._host_tier = self._host_tier, HostTier(0, [])
+        if tier.release is not None:
+            tier.release()
 
     def __enter__(self) -> TieredArrayStore:
         return self
@@ -286,6 +330,7 @@ class TieredArrayStore:
         snapshot.source_samples = self._num_samples - self._device_count - self._host_count
         snapshot.device_bytes = self._device_count * bps if self._copies else 0
         snapshot.host_bytes = self._host_count * bps
+        snapshot.host_shared_ranks = self._host_tier.shared_by if self._host_count else 0
         return snapshot
 
     def _check(self, indices: Any) -> torch.Tensor:

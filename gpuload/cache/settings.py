@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from gpuload.cache.budget import (
     SizeSpec,
     SizeValue,
     available_budget,
+    format_bytes,
     parse_size,
     resolve_budget,
     resolve_reserve,
@@ -177,12 +178,17 @@ class CacheSettings:
         device: Any,
         owner: Any = None,
         shared: bool = True,
+        host_copies: int = 1,
     ) -> CachePlan:
         """Where in-memory arrays go on ``device`` (a CUDA device, or a pretended card's name):
         the reserve, the budget, then :func:`~gpuload.cache.plan.make_plan`.
 
         ``shared``: the budget is what other loaders of this process left (the ledger); a
         pretended card (``gpuload plan``, the bench's modelled rows) has no other loaders.
+        ``host_copies``: how many processes of this node each keep their own host tier of
+        these arrays (a torch.distributed job whose ranks do not share one). The host budget
+        (free host memory minus the host reserve) is the node's and is counted once: each copy
+        gets ``1/host_copies`` of it.
         """
         name = str(device)
         reserve = resolve_reserve(self.reserve_spec, memory, source=self.reserve.source, device_name=name)
@@ -190,10 +196,22 @@ class CacheSettings:
             budget = available_budget(self.size_spec, reserve, memory, device=device, owner=owner, source=self.size.source)
         else:
             budget = resolve_budget(self.size_spec, memory, reserve, source=self.size.source, device_name=name)
-        return make_plan(
+        host_reserve = default_host_reserve(host.total)
+        node_room = max(0, host.free - host_reserve)
+        if host_copies > 1:  # the other copies' shares count as reserved here
+            host_reserve = host.free - node_room // host_copies
+        plan = make_plan(
             bytes_per_sample, num_samples, memory.free, host.free, budget, reserve, self.mode.value,
-            device_total=memory.total, host_total=host.total, target="cuda",
+            device_total=memory.total, host_total=host.total, host_reserve=host_reserve, target="cuda",
         )
+        if host_copies > 1:
+            note = (
+                f"the host budget ({format_bytes(node_room)}) is the node's: each of its {host_copies} "
+                f"ranks keeps its own host copy in 1/{host_copies} of it (the reserve shown includes the "
+                "other ranks' shares)"
+            )
+            plan = replace(plan, notes=(*plan.notes, note))
+        return plan
 
     def keepable(self, device: Any, memory: Any, held: int) -> int:
         """Device bytes a cache now holding ``held`` may keep with free memory above the reserve

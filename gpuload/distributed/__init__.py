@@ -12,7 +12,8 @@ arguments), so who sends what is planned, not negotiated.
 - ``exchange_plan``: per batch step, what each rank sends to each other rank (pure);
 - ``scope``: the ``auto`` decision (rank, node, world or today's tiers) from the cache budget;
 - ``scope_plan``: what each scope would hold and move on a pretended cluster (``gpuload plan``);
-- ``sharded_store``: a rank's share of the arrays and the exchange that assembles its batches.
+- ``sharded_store``: a rank's share of the arrays and the exchange that assembles its batches;
+- ``shared_host``: one pinned host tier per node, mapped by its ranks from shared memory.
 """
 
 from gpuload.distributed.exchange_plan import StepPlan, plan_step

@@ -34,7 +34,7 @@ from gpuload.distributed.scope import ScopeDecision, decide_scope
 
 __all__ = ["HOST_TIER_SHARED", "EpochBytes", "ScopePlan", "ScopePlans", "plan_scopes", "rows_per_rank"]
 
-HOST_TIER_SHARED = False
+HOST_TIER_SHARED = True
 """Whether a node's ranks share one pinned host tier (the default of ``plan_scopes``)."""
 
 _SCOPES = ("rank", "node", "world")

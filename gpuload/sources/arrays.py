@@ -21,9 +21,11 @@ from torch.utils.data import TensorDataset, default_collate, default_convert
 
 from gpuload.augment import BatchAugmenter, image_column
 from gpuload.cache import CacheSettings, StoreStats, TieredArrayStore, format_bytes
-from gpuload.cache.array_store import gatherable
+from gpuload.cache.array_store import gatherable, private_host_tier
 from gpuload.datasets.arrays import ArrayDataset
 from gpuload.device import device_memory, host_memory
+from gpuload.distributed.group import current_context
+from gpuload.distributed.shared_host import node_host_tier
 from gpuload.distributed.sharded_store import ShardedArrayStore, shard_arrays
 from gpuload.prefetch import Fill, TensorSpec, default_depth
 from gpuload.sampling import in_range
@@ -128,7 +130,9 @@ class ArrayColumns:
         ``ShardedArrayStore`` holds this rank's share. ``cache="off"`` (or a plan that caches
         nothing) keeps the arrays where they are and streams every batch through the
         prefetcher's pinned slots. On a CPU device the arrays are served in place. Otherwise a
-        ``TieredArrayStore`` holds the device and host tiers.
+        ``TieredArrayStore`` holds the device and host tiers; in a torch.distributed job the
+        node's ranks share one host tier (``distributed.shared_host``), or each keeps its own in
+        its share of the node's host budget.
         """
         sharded = shard_arrays(self.columns, settings, device, batch_sampler, owner)
         if sharded is not None:
@@ -137,18 +141,21 @@ class ArrayColumns:
             return ResidentColumns(self, self.columns, device, "host-gather", copies_batches=True)
         if device.type == "cpu":
             return ResidentColumns(self, self.columns, device, "device-gather", copies_batches=False)
+        shared_host = node_host_tier(settings, device, batch_sampler)  # every rank must then place
+        context = current_context()
         plan = settings.array_plan(
             self.nbytes // self.num_samples, self.num_samples, device_memory(device), host_memory(),
             device=device, owner=owner,
+            host_copies=context.local_world_size if context is not None and shared_host is None else 1,
         )
-        if plan.device_samples + plan.host_samples == 0:
+        if plan.device_samples + plan.host_samples == 0 and shared_host is None:
             warnings.warn(
                 f"gpuload: nothing of the dataset ({format_bytes(self.nbytes)}) fits the cache "
                 f"budget on {device}; batches stream from the host each step. {plan.describe()}",
                 stacklevel=3,
             )
             return ResidentColumns(self, self.columns, device, "host-gather", copies_batches=True)
-        store = TieredArrayStore(self.columns, plan, device, owner=owner)
+        store = TieredArrayStore(self.columns, plan, device, owner=owner, host_tier=shared_host or private_host_tier)
         path = "device-gather" if plan.device_samples == self.num_samples else f"tiered ({plan.kind})"
         return ResidentColumns(self, self.columns, device, path, copies_batches=False, store=store)
 

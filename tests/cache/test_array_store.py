@@ -270,3 +270,36 @@ def test_cuda_host_rows_copied_on_the_side_stream_arrive_in_order():
         expected = data["image"].index_select(0, index)
         assert torch.equal(batch["image"].cpu(), expected)
     store.close()
+
+
+def test_a_host_tier_maker_may_hold_other_rows_than_asked():
+    """A node's shared tier starts at the smallest device tier of its ranks: the store serves from
+    it only the rows past its own device tier, and calls the maker (and its release) once."""
+    data = arrays()
+    calls = []
+
+    def maker(source, first, rows, budget):
+        calls.append((first, rows, budget))
+        return array_store.HostTier(100, [column[100:600].clone() for column in source], shared_by=3,
+                                    release=lambda: calls.append("released"))
+
+    store = TieredArrayStore(data, forced_plan(data, 300, 400), "cpu", ledger=BudgetLedger(), host_tier=maker)
+    assert calls == [(300, 400, 400 * bytes_per_sample(data))]
+    stats = store.stats
+    assert (stats.device_samples, stats.host_samples, stats.source_samples) == (300, 300, 400)
+    assert stats.host_shared_ranks == 3
+    index = torch.tensor([0, 99, 100, 299, 300, 599, 600, 999])
+    batch = store.gather(index)
+    for key, value in expected(data, index).items():
+        assert torch.equal(batch[key], value)
+    assert (store.stats.device_hits, store.stats.host_hits, store.stats.source_hits) == (4, 2, 2)
+    store.close()
+    store.close()
+    assert calls[1:] == ["released"]
+
+
+def test_the_default_host_tier_is_the_stores_own_copy():
+    data = arrays()
+    store = TieredArrayStore(data, forced_plan(data, 0, 500), "cpu", ledger=BudgetLedger())
+    assert store.stats.host_shared_ranks == 1
+    assert TieredArrayStore(data, forced_plan(data, N, 0), "cpu", ledger=BudgetLedger()).stats.host_shared_ranks == 0
