@@ -28,7 +28,10 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-__all__ = ["can_draw_whole_epoch", "draws_in_range", "epoch_batches", "in_range", "start_epoch_like_torch"]
+__all__ = [
+    "can_draw_whole_epoch", "cut_order", "draws_in_range", "epoch_batches", "epoch_order", "in_range",
+    "start_epoch_like_torch",
+]
 
 # torch samplers that draw everything at their first index (or draw nothing): draining them
 # into one tensor at the first batch is exactly what BatchSampler's first pull does.
@@ -133,6 +136,29 @@ def epoch_batches(batch_sampler: BatchSampler) -> Iterator[torch.Tensor]:
         chunk, buffered = buffered[: run * size], buffered[run * size :]
         start += run * size
         yield from chunk.split(size)
+
+
+def epoch_order(sampler: object) -> torch.Tensor | list[Any]:
+    """The flat index order of one pass of ``sampler``, making every random draw the pass makes
+    (as a whole epoch of torch's BatchSampler over it does, with or without drop_last): an
+    int64 tensor, or a list when the sampler yields indices that are not all integers."""
+    if type(sampler) in (*_SINGLE_DRAW_SAMPLERS, RandomSampler):
+        return torch.cat([draw() for _, draw in _parts(sampler)])
+    order = list(iter(sampler))  # type: ignore[call-overload]
+    if all(type(index) is int for index in order):
+        return torch.tensor(order, dtype=torch.int64)
+    return order
+
+
+def cut_order(order: torch.Tensor | list[Any], size: int, drop_last: bool) -> list[Any]:
+    """``order`` cut into batches of ``size`` (tensors, or lists of indices), as torch's
+    BatchSampler cuts its sampler's indices: the last batch is shorter, or with ``drop_last``
+    left out when it is."""
+    batches = list(order.split(size)) if isinstance(order, torch.Tensor) else [
+        order[start : start + size] for start in range(0, len(order), size)]
+    if batches and drop_last and len(batches[-1]) < size:
+        batches.pop()
+    return batches
 
 
 def _parts(sampler: object) -> Iterator[Part]:
