@@ -102,9 +102,11 @@ def expected_sizes(total: int, size: int, changes: dict[int, int], drop_last: bo
 CHANGES = {(0, 1): 7, (0, 3): 3, (1, 0): 5}  # bigger, then smaller, then again in the next epoch
 
 
-def assert_order_kept(make, dataset, drop_last: bool = False, epochs: int = 2) -> list[list]:
+def assert_order_kept(make, dataset, drop_last: bool = False, epochs: int = 2, **torch_keywords) -> list[list]:
+    """Each epoch's samples, over the changes, are torch's epoch order (``torch_keywords``: the
+    loader's arguments that change how torch draws it, e.g. persistent workers)."""
     batches, _ = run(make, CHANGES, epochs)
-    orders = torch_orders(dataset, epochs)
+    orders = torch_orders(dataset, epochs, **torch_keywords)
     total = len(orders[0])
     expected = [expected_sizes(total, 4, {1: 7, 3: 3}, drop_last), expected_sizes(total, 3, {0: 5}, drop_last)]
     for epoch, order in enumerate(orders):
@@ -190,10 +192,12 @@ class IntIndices(Counted):
         return super().__getitem__(index)
 
 
-def test_torchs_workers_keep_the_epochs_order() -> None:
+@pytest.mark.parametrize("persistent", [False, True])
+def test_torchs_workers_keep_the_epochs_order(persistent: bool) -> None:
     data = IntIndices(30)
-    make = seeded(dataset=data, batch_size=4, shuffle=True, num_workers=2)
-    assert_order_kept(make, data)
+    workers = {"num_workers": 2, "persistent_workers": True} if persistent else {}
+    make = seeded(dataset=data, batch_size=4, shuffle=True, num_workers=2, persistent_workers=persistent)
+    assert_order_kept(make, data, **workers)
     assert_resumes_after_changes(make, [(0, 2), (1, 1)])
 
 
@@ -215,6 +219,17 @@ def test_image_folder_keeps_the_epochs_order(tmp_path) -> None:
     assert torch.equal(torch.cat([b[0] for b in batches]), torch.cat([b[0] for b in unchanged]))
     assert torch.equal(torch.cat([b[1] for b in batches]), torch.cat([b[1] for b in unchanged]))
     assert_resumes_after_changes(make, [(0, 1), (1, 0)])
+    # without transforms the images are the files decoded: torch's own loader over the folder
+    # gives the epoch's order
+    plain = seeded(dataset=folder, batch_size=4, shuffle=True, device="cpu")()
+    decoded = []
+    for k, batch in enumerate(plain):
+        decoded.append(batch[0])
+        if k == 0:
+            plain.set_batch_size(3)
+    assert [len(images) for images in decoded] == [4, 3, 3, 3, 1]
+    theirs = tud.DataLoader(folder, batch_size=1, shuffle=True, generator=torch.Generator().manual_seed(SEED))
+    assert torch.equal(torch.cat(decoded), torch.cat([images for images, _ in theirs]))
 
 
 def test_len_and_later_epochs_follow_the_new_size() -> None:
