@@ -299,3 +299,24 @@ def test_the_state_keeps_the_size_and_a_loader_built_otherwise_is_refused() -> N
         assert [len(b[1]) for b in resumed] == [6] * 5
     with pytest.raises(gpuload.resume.ResumeError, match="batch_size: saved 4, now 6"):
         seeded(dataset=data, batch_size=6, shuffle=True)().load_state_dict(state)
+
+
+def test_a_sampler_of_keys_that_are_not_integers_is_re_cut_as_lists() -> None:
+    class Keyed(tud.Dataset):
+        def __getitem__(self, key: str):
+            return torch.tensor([ord(key)])
+
+        def __len__(self) -> int:
+            return 26
+
+    keys = [chr(ord("a") + k) for k in range(26)]
+    sampler = tud.SubsetRandomSampler(keys, generator=torch.Generator().manual_seed(SEED))
+    loader = gpuload.DataLoader(Keyed(), batch_size=4, sampler=sampler)
+    batches = []
+    for k, batch in enumerate(loader):
+        batches.append(batch.view(-1))
+        if k == 1:
+            loader.set_batch_size(10)
+    assert [len(b) for b in batches] == [4, 4, 10, 8]
+    sampler.generator.manual_seed(SEED)
+    assert torch.cat(batches).tolist() == [ord(key) for key in sampler]
