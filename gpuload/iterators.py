@@ -57,6 +57,16 @@ class EpochIterator(Iterator[Any]):
     def __iter__(self) -> EpochIterator:
         return self
 
+    @property
+    def progress(self) -> EpochProgress:
+        return self._progress
+
+    def replace(self, epoch: Epoch, items: Iterator[Any], length: Callable[[], int]) -> None:
+        """Go on with another epoch's work from the next batch (the rest of this epoch, cut at
+        another batch size); the items made ahead for the old one are never delivered."""
+        self._items, self._finish, self._length = items, epoch.finish, length
+        self._torch_iterator = epoch.torch_iterator
+
     def __len__(self) -> int:
         return self._length() - self._progress.skipped
 

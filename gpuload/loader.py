@@ -23,7 +23,14 @@ from gpuload.device import resolve_device
 from gpuload.iterators import EpochIterator
 from gpuload.prefetch import Prefetcher
 from gpuload.resume import EpochProgress, RandomStates, load_state, save_state
-from gpuload.sampling import can_draw_whole_epoch, draws_in_range, epoch_batches, start_epoch_like_torch
+from gpuload.sampling import (
+    can_draw_whole_epoch,
+    cut_order,
+    draws_in_range,
+    epoch_batches,
+    epoch_order,
+    start_epoch_like_torch,
+)
 from gpuload.sources import EpochRequest, Setup, Source, arrays, images
 from gpuload.sources.samples import SampleSource, TorchLoading
 from gpuload.stats import LoaderStats
@@ -34,7 +41,10 @@ T_co = TypeVar("T_co", covariant=True)
 
 # Rebuilt on the next ``iter()``: never pickled (device memory, pinned slots, threads, streams,
 # and the epoch in progress: a copy starts its own).
-_RUNTIME_STATE = ("_source", "_prefetcher", "_iterator", "_progress")
+_RUNTIME_STATE = ("_source", "_prefetcher", "_iterator", "_progress", "_current")
+
+# The largest batch size ``set_batch_size`` takes (index tensors and kernels count in int32).
+MAX_BATCH_SIZE = 2**31 - 1
 
 
 class DataLoader(tud.DataLoader[T_co]):
@@ -125,6 +135,9 @@ class DataLoader(tud.DataLoader[T_co]):
         self._prefetcher: Prefetcher | None = None
         self._progress: EpochProgress | None = None  # the latest epoch's, for state_dict()
         self._resume: EpochProgress | None = None  # a loaded position the next iter() takes up
+        self._built_batch_size = self.batch_size
+        self._current: weakref.ref[EpochIterator] | None = None  # the latest epoch's iterator
+        self._ahead = self._in_range = False  # how the latest epoch runs (for set_batch_size)
         self._source = self._choose_source()
 
     # ----------------------------------------------------------------- public surface
@@ -172,11 +185,14 @@ class DataLoader(tud.DataLoader[T_co]):
             and draws_in_range(self.batch_sampler, len(self.dataset))
         )
         resume, self._resume = self._resume, None
+        length: Callable[[], int] | None = None
         if resume is None:
-            progress, draw = EpochProgress(self._epoch, RandomStates.capture(self)), self._draw_indices
+            progress = EpochProgress(self._epoch, RandomStates.capture(self), batch_size=self.batch_size)
+            draw = self._draw_indices
         else:
-            progress, draw = resume, self._resumed_draw(resume)
+            progress, (draw, length) = resume, self._resumed_draw(resume)
         self._progress = progress
+        self._ahead, self._in_range = ahead, in_range
         seed_drawn = self._persistent_seed_drawn
         request = EpochRequest(self._epoch, ahead, draw, in_range, resumed=resume is not None, worker_seed_drawn=seed_drawn)
         epoch = source.epoch(request)
@@ -185,8 +201,50 @@ class DataLoader(tud.DataLoader[T_co]):
         items = epoch.items
         if ahead:
             items = self._prefetch(items, epoch.depth, source.stages)
-        length = epoch.length or self._index_sampler.__len__
-        return EpochIterator(epoch, items, self._stats, length, progress, self._epoch_ended)
+        length = length or epoch.length or self._index_sampler.__len__
+        iterator = EpochIterator(epoch, items, self._stats, length, progress, self._epoch_ended)
+        self._current = weakref.ref(iterator)
+        return iterator
+
+    def set_batch_size(self, batch_size: int) -> None:
+        """Make batches of ``batch_size`` samples from the next one the loop asks for.
+
+        The epoch in progress keeps its sample order: its remaining samples are cut into
+        batches of the new size (none skipped, none repeated; with ``drop_last`` a last batch
+        shorter than the new size is left out, as torch leaves it out). Batches made ahead with
+        the old size are dropped and made again. Later epochs use the new size;
+        ``len(loader)`` is an epoch's batch count at it, and ``len()`` of the epoch's
+        iterator counts the epoch's batches given the change. ``state_dict()`` keeps the
+        change, and a resumed epoch goes on with the same batches.
+
+        Raises ValueError for a size that is not a positive int, without automatic batching
+        (``batch_size=None``), with a ``batch_sampler=`` (it makes the batches), and for an
+        IterableDataset (it makes its own batches).
+        """
+        size = self._checked_batch_size(batch_size)
+        if size == self.batch_size:
+            return
+        self._apply_batch_size(size)
+        progress = self._resume or self._progress
+        if progress is None or progress.finished:
+            return
+        progress.cut(size)
+        iterator = self._current() if self._current is not None else None
+        if iterator is not None and iterator.progress is progress:
+            iterator.replace(*self._rest_of_epoch(progress))
+
+    @property
+    def device_cache_bytes(self) -> int:
+        """Bytes of the cache held in the device's memory (0 with none there)."""
+        return self._source.device_cache_bytes()
+
+    def shrink_cache(self, max_device_bytes: int) -> int:
+        """Keep at most ``max_device_bytes`` of the cache in device memory and return the bytes
+        freed. What goes first is what is cheapest to get back (array rows the host tier also
+        holds, the samples cached last); it is read from its next tier or the dataset again."""
+        if isinstance(max_device_bytes, bool) or not isinstance(max_device_bytes, int) or max_device_bytes < 0:
+            raise ValueError(f"max_device_bytes={max_device_bytes!r} must be a non-negative int")
+        return self._source.shrink_cache(max_device_bytes)
 
     def state_dict(self) -> dict[str, Any]:
         """This loader's position: after the batches already handed to the loop (not those made
@@ -211,6 +269,8 @@ class DataLoader(tud.DataLoader[T_co]):
             self._source = self._choose_source()  # its transforms draw from the saved seed
         self._progress, self._resume = None, loaded.resume
         self._epoch = loaded.epoch if loaded.resume is None else loaded.epoch - 1
+        if loaded.batch_size is not None and loaded.batch_size != self.batch_size:
+            self._apply_batch_size(loaded.batch_size)  # a set_batch_size before the save
 
     def warm(self, progress: bool = True) -> LoaderStats:
         """Fill the cache now, in one pass, instead of during the first epoch; returns ``stats``.
@@ -259,6 +319,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._iterator = None
         self._prefetcher = None
         self._progress = None
+        self._current = None
         self._source = self._choose_source()
 
     # ----------------------------------------------------------------- internals
@@ -345,14 +406,86 @@ class DataLoader(tud.DataLoader[T_co]):
     def _epoch_ended(self, progress: EpochProgress) -> None:
         progress.end_states = RandomStates.capture(self)
 
-    def _resumed_draw(self, resume: EpochProgress) -> Callable[[], Iterator[Any]]:
-        """The index batches left in a resumed epoch: drawn again from the states the epoch
-        began with, the ones already done dropped (nothing of them is read)."""
+    def _resumed_draw(
+        self, resume: EpochProgress
+    ) -> tuple[Callable[[], Iterator[Any]], Callable[[], int] | None]:
+        """The index batches left in a resumed epoch, and the epoch's length: drawn again from
+        the states the epoch began with, the ones already done dropped (nothing of them is
+        read); after a batch-size change, the rest of the epoch's sample order cut at the size."""
         if self._dataset_kind != _DatasetKind.Map:
-            return self._draw_indices  # an iterable dataset continues from its own state
-        resume.states.restore_explicit(self)
-        remaining = resume.states.draw_with_global(self._draw_indices)[resume.batches :]
-        return lambda: iter(remaining)
+            return self._draw_indices, None  # an iterable dataset continues from its own state
+        if resume.cuts:
+            remaining = self._remaining_batches(resume)
+        else:
+            resume.states.restore_explicit(self)
+            remaining = resume.states.draw_with_global(self._draw_indices)[resume.batches :]
+        return (lambda: iter(remaining)), (lambda: resume.batches + len(remaining))
+
+    def _remaining_batches(self, progress: EpochProgress) -> list[Any]:
+        """The epoch's sample order drawn again from the states it began with (the generators
+        then stand where a whole epoch leaves them), after the samples done, cut at the last
+        batch size set."""
+        progress.states.restore_explicit(self)
+        order = progress.states.with_global(self._draw_order)
+        return cut_order(order[progress.samples_done() :], progress.cuts[-1][2], self.drop_last)
+
+    def _rest_of_epoch(self, progress: EpochProgress) -> tuple[Any, Iterator[Any], Callable[[], int]]:
+        """The source's work for the rest of the epoch in progress, after a batch-size change:
+        made as for a resumed epoch, from the remaining batches (what ran ahead is dropped)."""
+        remaining = self._remaining_batches(progress)
+        in_range = self._in_range and all(isinstance(batch, torch.Tensor) for batch in remaining)
+        request = EpochRequest(progress.number, self._ahead, lambda: iter(remaining), in_range, resumed=True,
+                               worker_seed_drawn=self._persistent_seed_drawn)
+        if self._prefetcher is not None:
+            self._prefetcher.stop_epoch("the rest of this epoch at a new batch size (set_batch_size)")
+        epoch = self._source.epoch(request)
+        items = self._prefetch(epoch.items, epoch.depth, self._source.stages) if self._ahead else epoch.items
+        done = progress.batches
+        return epoch, items, lambda: done + len(remaining)
+
+    def _draw_order(self) -> torch.Tensor | list[Any]:
+        """This epoch's flat sample order, drawn as torch's iterator and BatchSampler draw it."""
+        _, self._persistent_seed_drawn = start_epoch_like_torch(self, self._persistent_seed_drawn)
+        return epoch_order(self.batch_sampler.sampler)
+
+    def _checked_batch_size(self, batch_size: int) -> int:
+        """``batch_size`` if this loader can change to it, else the ValueError saying why."""
+        if self._dataset_kind != _DatasetKind.Map:
+            raise ValueError(
+                f"set_batch_size: an IterableDataset ({type(self.dataset).__name__}) makes its own "
+                "batches from its stream; gpuload cannot re-cut them (build a new DataLoader)"
+            )
+        if self._built_batch_size is None:
+            if self.batch_sampler is not None:
+                raise ValueError(
+                    "set_batch_size: batch_sampler option is mutually exclusive with batch_size, "
+                    "shuffle, sampler, and drop_last; this loader's batch_sampler= makes its batches, "
+                    "so change the size there (or build the loader with batch_size= and sampler=)"
+                )
+            raise ValueError(
+                "set_batch_size: this loader was built with batch_size=None (no automatic batching: "
+                "each item is one sample); build it with a batch_size to change it later"
+            )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= MAX_BATCH_SIZE:
+            raise ValueError(
+                f"batch_size should be a positive integer value up to {MAX_BATCH_SIZE}, but got "
+                f"batch_size={batch_size!r}"
+            )
+        return batch_size
+
+    def _apply_batch_size(self, size: int) -> None:
+        """The batch size in force: torch's attribute and the BatchSampler the loader made
+        (shared by the sources, and by torch's iterators for later epochs)."""
+        object.__setattr__(self, "batch_size", size)
+        self.batch_sampler.batch_size = size
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        if attr == "batch_size" and self.__dict__.get("_DataLoader__initialized", False):
+            raise ValueError(
+                f"batch_size attribute should not be set after {type(self).__name__} is initialized; "
+                "call loader.set_batch_size(n), which keeps the epoch's sample order"
+            )
+        super().__setattr__(attr, value)
 
     def _draw_indices(self) -> Iterator[Any]:
         """This epoch's index batches, drawn as torch would (as tensors for torch's samplers)."""

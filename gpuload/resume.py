@@ -8,6 +8,11 @@ only inside ``fork_rng``, so the training's own random stream is left as the use
 and drops the batches already delivered: nothing is read, decoded or transformed for them.
 Transforms need only (seed, epoch, sample index), which the state carries.
 
+After ``set_batch_size`` the position is kept in samples too: the epoch's flat sample order is
+drawn from the same states, and the batches after each change are the rest of that order cut
+at the new size. The state records each change (batches done, samples done, new size), so a
+resumed epoch lands on the same sample with the same batches.
+
 The state is a plain dict of Python scalars, lists and CPU tensors (a few kilobytes: never the
 data, never an index list that can be drawn again), so it loads on another machine and on
 another device type.
@@ -18,15 +23,17 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.data as tud
 from torch.utils.data.distributed import DistributedSampler
 
-__all__ = ["EpochProgress", "LoadedState", "RandomStates", "ResumeError", "STATE_VERSION", "load_state", "save_state", "signature", "stateful"]
+__all__ = ["EpochProgress", "LoadedState", "RandomStates", "ResumeError", "STATE_VERSION", "built_batch_size", "load_state", "save_state", "signature", "stateful"]
 
 STATE_VERSION = 1
+
+T = TypeVar("T")
 
 
 class ResumeError(ValueError):
@@ -103,9 +110,14 @@ class RandomStates:
     def draw_with_global(self, draw: Callable[[], Iterator[Any]]) -> list[Any]:
         """The whole of ``draw()``, made with torch's global generator as it was captured; the
         live global generator is left as it was (the training's stream is the user's)."""
+        return self.with_global(lambda: list(draw()))
+
+    def with_global(self, make: Callable[[], T]) -> T:
+        """``make()`` run with torch's global generator as it was captured (see
+        :meth:`draw_with_global`)."""
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(self.global_state)
-            return list(draw())
+            return make()
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -127,11 +139,16 @@ class RandomStates:
         )
 
 
+# (batches done, samples of the epoch's order done, new batch size) at one ``set_batch_size``
+Cut = tuple[int, int, int]
+
+
 @dataclass
 class EpochProgress:
     """How far the loop got in one epoch: its number, the index batches done (handed to the
     loop, or dropped because every file in them was skipped), whether it ended, and the random
-    states it began from (the ones after it, once it ended)."""
+    states it began from (the ones after it, once it ended); ``batch_size``: the size its
+    batches began with, and ``cuts``: each batch-size change made during it."""
 
     number: int
     states: RandomStates
@@ -139,6 +156,19 @@ class EpochProgress:
     finished: bool = False
     skipped: int = 0  # batches of a resumed epoch not made again
     end_states: RandomStates | None = field(default=None, repr=False)
+    batch_size: int | None = None
+    cuts: list[Cut] = field(default_factory=list)
+
+    def samples_done(self) -> int:
+        """Positions of the epoch's flat sample order done (past its end once the last, shorter
+        batch is done: the rest of the order is then empty)."""
+        batches, samples, size = self.cuts[-1] if self.cuts else (0, 0, self.batch_size or 1)
+        return samples + (self.batches - batches) * size
+
+    def cut(self, batch_size: int) -> None:
+        """Note a change to ``batch_size`` here: the batches after it are the rest of the order
+        cut at that size."""
+        self.cuts.append((self.batches, self.samples_done(), batch_size))
 
 
 def _length(obj: Any) -> int | None:
@@ -152,15 +182,25 @@ def signature(loader: tud.DataLoader) -> dict[str, Any]:
     """What must be the same between the loader that saved a state and the one loading it."""
     sampler = _index_sampler(loader)
     inner = getattr(sampler, "sampler", None)
+    built = built_batch_size(loader)
+    batches = _length(sampler)
+    if type(sampler) is tud.BatchSampler and built != loader.batch_size and _length(inner) is not None:
+        whole, rest = divmod(len(inner), built)  # what it was before set_batch_size changed it
+        batches = whole + (1 if rest and not loader.drop_last else 0)
     return {
         "dataset": type(loader.dataset).__name__,
         "dataset_length": _length(loader.dataset),
-        "batch_size": loader.batch_size,
+        "batch_size": built,
         "drop_last": loader.drop_last,
         "sampler": type(sampler).__name__ + (f"({type(inner).__name__})" if inner is not None else ""),
-        "batches_per_epoch": _length(sampler),
+        "batches_per_epoch": batches,
         "transforms": repr(getattr(loader, "transforms", None)),
     }
+
+
+def built_batch_size(loader: tud.DataLoader) -> int | None:
+    """The batch size ``loader`` was built with (``set_batch_size`` changes the one in force)."""
+    return getattr(loader, "_built_batch_size", loader.batch_size)
 
 
 def check_signature(saved: dict[str, Any], current: dict[str, Any]) -> None:
@@ -180,11 +220,14 @@ def check_signature(saved: dict[str, Any], current: dict[str, Any]) -> None:
 def save_state(loader: tud.DataLoader, progress: EpochProgress | None, epoch: int, transform_seed: int) -> dict[str, Any]:
     """The state dict of ``loader`` at ``progress`` (None: no epoch begun; ``epoch`` is then
     the epoch counter as it stands)."""
+    epoch_batch_size, cuts = loader.batch_size, []
     if progress is None:
         number, batches, finished, states = epoch, 0, True, RandomStates.capture(loader)
     else:
         number, batches, finished = progress.number, progress.batches, progress.finished
         states = progress.end_states if finished and progress.end_states is not None else progress.states
+        if not finished:
+            epoch_batch_size, cuts = progress.batch_size, [list(cut) for cut in progress.cuts]
     return {
         "version": STATE_VERSION,
         "signature": signature(loader),
@@ -193,6 +236,9 @@ def save_state(loader: tud.DataLoader, progress: EpochProgress | None, epoch: in
         "finished": finished,
         "transform_seed": transform_seed,
         "random": states.as_dict(),
+        "batch_size": loader.batch_size,  # in force now (set_batch_size); the signature's is the built one
+        "epoch_batch_size": epoch_batch_size,
+        "cuts": cuts,
         "dataset": loader.dataset.state_dict() if stateful(loader.dataset) else None,
     }
 
@@ -200,11 +246,13 @@ def save_state(loader: tud.DataLoader, progress: EpochProgress | None, epoch: in
 @dataclass(frozen=True)
 class LoadedState:
     """A checked state: the epoch it was in, the position to take up (None: that epoch had
-    ended, and the next ``iter()`` simply starts the one after), and the transforms' seed."""
+    ended, and the next ``iter()`` simply starts the one after), the transforms' seed, and the
+    batch size in force when it was saved."""
 
     epoch: int
     resume: EpochProgress | None
     transform_seed: int
+    batch_size: int | None = None
 
 
 def load_state(loader: tud.DataLoader, state: dict[str, Any], *, iterable: bool) -> LoadedState:
@@ -217,9 +265,10 @@ def load_state(loader: tud.DataLoader, state: dict[str, Any], *, iterable: bool)
     if state["dataset"] is not None:
         loader.dataset.load_state_dict(state["dataset"])
     states = RandomStates.from_dict(state["random"])
+    batch_size = state.get("batch_size", state["signature"]["batch_size"])
     if state["finished"]:
         states.restore_explicit(loader)
-        return LoadedState(state["epoch"], None, state["transform_seed"])
+        return LoadedState(state["epoch"], None, state["transform_seed"], batch_size)
     done = state["batches"]
     if iterable and (state["dataset"] is None or loader.num_workers > 0):
         warnings.warn(
@@ -229,5 +278,7 @@ def load_state(loader: tud.DataLoader, state: dict[str, Any], *, iterable: bool)
             stacklevel=3,
         )
         done = 0
-    return LoadedState(state["epoch"], EpochProgress(state["epoch"], states, batches=done, skipped=done),
-                       state["transform_seed"])
+    cuts = [(int(b), int(n), int(size)) for b, n, size in state.get("cuts", [])] if done else []
+    progress = EpochProgress(state["epoch"], states, batches=done, skipped=done,
+                             batch_size=state.get("epoch_batch_size", batch_size), cuts=cuts)
+    return LoadedState(state["epoch"], progress, state["transform_seed"], batch_size)

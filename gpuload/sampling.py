@@ -16,6 +16,7 @@ the real iterator is used instead if they ever disagree (a different torch relea
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -28,7 +29,10 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-__all__ = ["can_draw_whole_epoch", "draws_in_range", "epoch_batches", "in_range", "start_epoch_like_torch"]
+__all__ = [
+    "can_draw_whole_epoch", "cut_order", "draws_in_range", "epoch_batches", "epoch_order", "in_range",
+    "start_epoch_like_torch",
+]
 
 # torch samplers that draw everything at their first index (or draw nothing): draining them
 # into one tensor at the first batch is exactly what BatchSampler's first pull does.
@@ -67,11 +71,23 @@ def start_epoch_like_torch(loader: Any, seed_drawn: bool) -> tuple[Iterator[Any]
 
 
 def can_draw_whole_epoch(batch_sampler: object) -> bool:
-    """True when ``batch_sampler`` is torch's BatchSampler over one of torch's own samplers."""
-    return type(batch_sampler) is BatchSampler and type(batch_sampler.sampler) in (
-        *_SINGLE_DRAW_SAMPLERS,
-        RandomSampler,
-    )
+    """True when ``batch_sampler`` is torch's BatchSampler over one of torch's own samplers
+    (a SubsetRandomSampler only over integer indices: its keys may be anything)."""
+    if type(batch_sampler) is not BatchSampler:
+        return False
+    sampler = batch_sampler.sampler
+    if type(sampler) is SubsetRandomSampler:
+        return _integers(sampler.indices)
+    return type(sampler) in (*_SINGLE_DRAW_SAMPLERS, RandomSampler)
+
+
+def _integers(indices: Any) -> bool:
+    """Whether every one of ``indices`` is an integer (a sampler's keys may be anything)."""
+    if isinstance(indices, range):
+        return True
+    if isinstance(indices, torch.Tensor):
+        return not indices.dtype.is_floating_point and not indices.dtype.is_complex
+    return all(isinstance(index, Integral) and not isinstance(index, bool) for index in indices)
 
 
 def draws_in_range(batch_sampler: object, num_samples: int) -> bool:
@@ -133,6 +149,30 @@ def epoch_batches(batch_sampler: BatchSampler) -> Iterator[torch.Tensor]:
         chunk, buffered = buffered[: run * size], buffered[run * size :]
         start += run * size
         yield from chunk.split(size)
+
+
+def epoch_order(sampler: object) -> torch.Tensor | list[Any]:
+    """The flat index order of one pass of ``sampler``, making every random draw the pass makes
+    (as a whole epoch of torch's BatchSampler over it does, with or without drop_last): an
+    int64 tensor, or a list when the sampler yields indices that are not all integers."""
+    if type(sampler) in (*_SINGLE_DRAW_SAMPLERS, RandomSampler) and (
+            type(sampler) is not SubsetRandomSampler or _integers(sampler.indices)):
+        return torch.cat([draw() for _, draw in _parts(sampler)])
+    order = list(iter(sampler))  # type: ignore[call-overload]
+    if all(type(index) is int for index in order):
+        return torch.tensor(order, dtype=torch.int64)
+    return order
+
+
+def cut_order(order: torch.Tensor | list[Any], size: int, drop_last: bool) -> list[Any]:
+    """``order`` cut into batches of ``size`` (tensors, or lists of indices), as torch's
+    BatchSampler cuts its sampler's indices: the last batch is shorter, or with ``drop_last``
+    left out when it is."""
+    batches = list(order.split(size)) if isinstance(order, torch.Tensor) else [
+        order[start : start + size] for start in range(0, len(order), size)]
+    if batches and drop_last and len(batches[-1]) < size:
+        batches.pop()
+    return batches
 
 
 def _parts(sampler: object) -> Iterator[Part]:

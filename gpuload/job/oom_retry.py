@@ -11,8 +11,13 @@ How far it lowers: with a plan, to the largest batch whose estimated step
 memory free after the failed step; always by at least an eighth of the failed size, so a wrong
 estimate still converges in a few tries. Without a plan, by half.
 
-Splitting a batch changes the optimization (each piece is its own step); the wrapper reports
-the size it settled on (``batch_size``) so a loader can be rebuilt with it at the next epoch.
+Splitting a batch changes the optimization (each piece is its own step). Given the loader
+(``loader=``), the wrapper also calls ``loader.set_batch_size`` with the size it settled on, so
+later batches come at that size (the epoch's sample order kept) instead of being split; and,
+with a plan, it frees part of the loader's device cache when the plan says so: when the cache
+holds more than the plan would give it beside the new batch, or when releasing some of it lets
+the new batch fit the free memory. The part that goes first is the cheapest to get back (array
+rows the host tier also holds, the samples cached last), and a warning says how much went.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -29,7 +34,7 @@ from gpuload.device import device_memory
 from gpuload.job.plan import JobPlan
 from gpuload.transfer import batch_length, map_leaves
 
-__all__ = ["OOMRetry", "BatchSizeLoweredWarning"]
+__all__ = ["OOMRetry", "BatchSizeLoweredWarning", "ResizableLoader"]
 
 T = TypeVar("T")
 _SAFETY = 0.9  # of the free memory the retry plans to fill: the estimate leaves out workspaces
@@ -37,6 +42,17 @@ _SAFETY = 0.9  # of the free memory the retry plans to fill: the estimate leaves
 
 class BatchSizeLoweredWarning(UserWarning):
     """The step ran out of device memory and now runs on smaller pieces of each batch."""
+
+
+class ResizableLoader(Protocol):
+    """What OOMRetry uses of a loader (``gpuload.DataLoader``)."""
+
+    batch_size: int | None
+    device_cache_bytes: int
+
+    def set_batch_size(self, batch_size: int) -> None: ...
+
+    def shrink_cache(self, max_device_bytes: int) -> int: ...
 
 
 def _first_device(batch: Any) -> torch.device | None:
@@ -57,8 +73,10 @@ class OOMRetry(Generic[T]):
     batch's samples in smaller pieces. Calling it returns the list of ``step``'s results, one per
     piece (one piece until the first out-of-memory error).
 
-    ``plan``: the job's plan, whose per-sample estimate sets the new size. ``free_bytes``: how
-    much device memory is free now (default: asked of the batch's CUDA device); tests pass
+    ``plan``: the job's plan, whose per-sample estimate sets the new size. ``loader``: the
+    ``gpuload.DataLoader`` the batches come from: its batch size follows the lowered one, and
+    its device cache gives memory back when the plan says so (module docstring). ``free_bytes``:
+    how much device memory is free now (default: asked of the batch's CUDA device); tests pass
     their own. Tensors are split along their first dimension; other values go to every piece.
     """
 
@@ -69,9 +87,13 @@ class OOMRetry(Generic[T]):
         plan: JobPlan | None = None,
         min_batch_size: int = 1,
         free_bytes: Callable[[], int | None] | None = None,
+        loader: ResizableLoader | None = None,
     ) -> None:
         if min_batch_size < 1:
             raise ValueError(f"min_batch_size must be at least 1, got {min_batch_size}")
+        if loader is not None:
+            loader.set_batch_size(loader.batch_size)  # a loader that cannot change says so now, not mid-step
+        self.loader = loader
         self.step = step
         self.plan = plan
         self.min_batch_size = min_batch_size
@@ -104,6 +126,7 @@ class OOMRetry(Generic[T]):
                 f"(min_batch_size={self.min_batch_size}): {message}"
             )
         lowered = failed - max(1, math.ceil(failed / 8))
+        free = None
         if self.plan is None:
             lowered = failed // 2
         else:
@@ -115,11 +138,48 @@ class OOMRetry(Generic[T]):
         self.retries += 1
         estimate = (f"; the plan estimates {format_bytes(self.plan.step.per_sample)} per sample"
                     if self.plan is not None else "")
+        freed = self._free_cache(free)
+        if freed:
+            estimate += (f"; freed {format_bytes(freed)} of the loader's device cache (the part cheapest "
+                         "to get back: it is read from its next tier or the dataset again)")
+        loader = self.loader
+        if loader is not None and loader.batch_size is not None and self.batch_size < loader.batch_size:
+            loader.set_batch_size(self.batch_size)
+            estimate += "; the loader's next batches come at that size"
         warnings.warn(
             f"the step ran out of device memory at batch size {failed} ({message}); running the "
             f"same samples again in pieces of {self.batch_size}{estimate}",
             BatchSizeLoweredWarning, stacklevel=3,
         )
+
+    def _free_cache(self, free: int | None) -> int:
+        """Shrink the loader's device cache to what the plan gives it beside the new batch, and
+        further by what the new batch lacks of ``free`` memory; the bytes freed."""
+        loader, plan = self.loader, self.plan
+        if loader is None or plan is None or self.batch_size is None:
+            return 0
+        held = loader.device_cache_bytes
+        if held <= 0:
+            return 0
+        keep = held
+        if plan.dataset is not None and plan.cache is not None:
+            keep = min(keep, plan.replan(self.batch_size).cache_bytes)
+        if free is not None:
+            missing = self._needed(self.batch_size) - free
+            if missing > 0:
+                keep = min(keep, held - missing)
+        return loader.shrink_cache(max(0, keep)) if keep < held else 0
+
+    def _resident(self) -> float:
+        """Model state the step's estimate counts that is already on the device (all but gradients)."""
+        assert self.plan is not None
+        step = self.plan.step
+        return step.state_bytes - step.state.get("gradients", 0)
+
+    def _needed(self, batch_size: int) -> int:
+        """Free bytes a step of ``batch_size`` needs, beyond the model state already resident."""
+        assert self.plan is not None
+        return math.ceil((self.plan.step_peak(batch_size) - self._resident()) / _SAFETY)
 
     def _fits(self, free: int) -> int | None:
         """The largest batch whose step, beyond the model state already resident, fits ``free``
@@ -128,5 +188,4 @@ class OOMRetry(Generic[T]):
         step = self.plan.step
         if step.per_sample <= 0:
             return None
-        resident = step.state_bytes - step.state.get("gradients", 0)
-        return max(0, math.floor((_SAFETY * free + resident - step.fixed) / step.per_sample))
+        return max(0, math.floor((_SAFETY * free + self._resident() - step.fixed) / step.per_sample))

@@ -11,7 +11,8 @@ Three implementations, chosen by the loader in this order:
 A Source is built once per loader (each module's ``detect`` says whether it can serve the
 dataset; ``SampleSource`` serves any) and answers the loader's questions: fill the cache now
 (``warm``), get ready for an epoch (``begin_epoch``: place data, decide or shrink caches), make
-this epoch's work (``epoch``), report counters (``stats``), give memory back (``close``). The loader owns the
+this epoch's work (``epoch``), report counters (``stats``), give memory back (``close``, or
+part of the device cache: ``shrink_cache``). The loader owns the
 epochs: it draws the batch indices as torch would, decides whether the work runs in the loop's
 thread or ahead of it in the prefetcher's, and counts what the loop waited.
 
@@ -159,6 +160,15 @@ class Source(ABC):
     def stats(self) -> dict[str, Any]:
         """Entries for ``loader.stats.extra`` (cache counters, decisions)."""
         return {}
+
+    def device_cache_bytes(self) -> int:
+        """Bytes this source's cache holds in the memory of the loader's device (0: none)."""
+        return 0
+
+    def shrink_cache(self, max_device_bytes: int) -> int:
+        """Keep at most ``max_device_bytes`` of the cache in the device's memory, letting go
+        first of what is cheapest to get back; returns the bytes freed (0: nothing to free)."""
+        return 0
 
     def close(self) -> None:
         """Give back device and pinned memory; the next epoch rebuilds what it needs."""

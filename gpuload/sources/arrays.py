@@ -388,6 +388,16 @@ class ArraySource(Source):
         self.setup.stats.extra["transform_backend"] = self.augment.backend
         return batch
 
+    def device_cache_bytes(self) -> int:
+        store = self.resident.store if self.resident is not None else None
+        return store.stats.device_bytes if store is not None else 0
+
+    def shrink_cache(self, max_device_bytes: int) -> int:
+        """Device rows go first from the end of the device tier; the host tier or the arrays
+        still hold them (a sharded share frees nothing: the other ranks plan on it)."""
+        store = self.resident.store if self.resident is not None else None
+        return store.shrink_device_tier(max_device_bytes) if store is not None else 0
+
     def stats(self) -> dict[str, Any]:
         store = self.resident.store if self.resident is not None else None
         if store is None:

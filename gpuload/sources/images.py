@@ -143,6 +143,14 @@ class ImageFileSource(Source):
             extra["cache"] = self._released
         return extra
 
+    def device_cache_bytes(self) -> int:
+        cache = self.cache
+        return cache.stats.bytes if cache is not None and cache.device == self.setup.device else 0
+
+    def shrink_cache(self, max_device_bytes: int) -> int:
+        """The images cached last go first; they are read and decoded from their files again."""
+        return self.cache.shrink(max_device_bytes) if self.device_cache_bytes() else 0
+
     def _note_skipped(self, entries: list[tuple[int, str, str]], epoch: int) -> None:
         """Count skipped files, in total and in ``epoch``; keep the first distinct ones named."""
         number, count = self._skipped_in_epoch

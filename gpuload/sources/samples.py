@@ -426,6 +426,8 @@ class SampleSource(Source):
         """
         collate, batched = self.setup.collate_fn, self.setup.batched
         if remaining is not None:
+            # torch's fetcher hands each index to __getitem__ as it is: Python ints, as torch's own batches
+            remaining = [index.tolist() if isinstance(index, torch.Tensor) else index for index in remaining]
             keep, recorder = KeepSamples(collate, batched), RecordingSampler(remaining)
             options = dict(self.torch.options, generator=torch.Generator(), persistent_workers=False)
             reader = self._torch_loader(keep, recorder, options)
@@ -492,6 +494,16 @@ class SampleSource(Source):
             decision = f"{cached.tier}: {cached.reason}; {cached.layout}"
             return {"cache": cached.stats(), "sample_cache_decision": decision}
         return {"cache": self._released} if self._released is not None else {}
+
+    def device_cache_bytes(self) -> int:
+        cached = self.cached
+        return cached.store.stats.bytes if cached is not None and cached.store.device == self.setup.device else 0
+
+    def shrink_cache(self, max_device_bytes: int) -> int:
+        """The samples cached last go first (the store keeps its first slots)."""
+        if not self.device_cache_bytes():
+            return 0
+        return self.cached.store.shrink(max_device_bytes)
 
     def _drop_cache(self) -> None:
         if self.cached is not None:

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils.data as tud
 
+import gpuload
+from counting import Counted
+from equivalence import assert_same
 from gpuload.cache.settings import CacheSettings
 from gpuload.device import MemoryInfo
+from gpuload.job.dataset_size import DatasetShape
 from gpuload.job.oom_retry import BatchSizeLoweredWarning, OOMRetry
 from gpuload.job.plan import plan_from_step
 from gpuload.job.step_memory import StepMemory, StepTrace
@@ -97,3 +102,103 @@ def test_nested_batches_split_on_their_tensors() -> None:
     with pytest.warns(BatchSizeLoweredWarning):
         OOMRetry(step)({"x": torch.arange(6), "meta": {"y": torch.arange(6) * 10}, "name": "run"})
     assert seen == [([0, 1, 2], [0, 10, 20], "run"), ([3, 4, 5], [30, 40, 50], "run")]
+
+
+def _shuffled_loader(n: int = 30, batch_size: int = 8, **keywords):
+    data = tud.TensorDataset(torch.ones(n, 3, 2, 2), torch.arange(n))
+    return gpuload.DataLoader(data, batch_size=batch_size, shuffle=True,
+                              generator=torch.Generator().manual_seed(3), **keywords)
+
+
+def _torch_order(n: int = 30) -> list[int]:
+    data = tud.TensorDataset(torch.arange(n))
+    loader = tud.DataLoader(data, batch_size=n, shuffle=True, generator=torch.Generator().manual_seed(3))
+    return next(iter(loader))[0].tolist()
+
+
+@pytest.mark.parametrize("prefetch_depth", [0, 3])
+def test_with_the_loader_later_batches_arrive_at_the_new_size(prefetch_depth: int) -> None:
+    step = RunsOutAbove(5)
+    loader = _shuffled_loader(prefetch_depth=prefetch_depth, cache="off")
+    retry = OOMRetry(step, loader=loader)  # no plan: halves, 8 -> 4
+    with pytest.warns(BatchSizeLoweredWarning, match="the loader's next batches come at that size"):
+        for batch in loader:
+            retry(batch)
+    assert loader.batch_size == 4 and retry.batch_size == 4
+    assert step.sizes == [8, 4, 4] + [4] * 5 + [2]  # the failed batch split, then whole batches of 4
+    assert step.seen == _torch_order()  # the epoch's order: no sample skipped or repeated
+    step.sizes.clear()
+    for batch in loader:
+        retry(batch)
+    assert step.sizes == [4] * 7 + [2]
+
+
+def test_a_loader_that_cannot_change_its_batch_size_is_refused_up_front() -> None:
+    data = tud.TensorDataset(torch.arange(10))
+    with pytest.raises(ValueError, match="batch_size=None"):
+        OOMRetry(RunsOutAbove(4), loader=gpuload.DataLoader(data, batch_size=None))
+
+
+def _tiny_plan(fixed: int, per_sample: int):
+    """A step of ``fixed`` + ``per_sample`` bytes per sample and no model state."""
+    state = {"parameters": 0, "buffers": 0, "gradients": 0, "optimizer state": 0}
+    traces = [StepTrace(b, fixed + per_sample * b, {}, state, 0.0) for b in (8, 64)]
+    return plan_from_step(StepMemory.fit(traces, "cpu"), memory=MemoryInfo(2**34, 2**34),
+                          settings=CacheSettings.resolve(environ={}, cwd="/nonexistent"),
+                          host=MemoryInfo(2**36, 2**36))
+
+
+def test_frees_the_cache_the_new_batch_lacks_and_says_so() -> None:
+
+    # On a CPU device the host-memory sample cache is in the device's memory.
+    loader = gpuload.DataLoader(Counted(40), batch_size=8, cache="host", device="cpu")
+    list(loader)  # the first epoch fills the cache
+    held = loader.device_cache_bytes
+    assert held > 0
+    plan = _tiny_plan(fixed=9_000, per_sample=900)
+    needed = -(-(9_000 + 4 * 900) * 10 // 9)  # a step of 4 samples, at 90% of free memory
+
+    def step(batch):
+        if len(batch["label"]) > 4:
+            raise torch.cuda.OutOfMemoryError("out of memory")
+        return len(batch["label"])
+
+    retry = OOMRetry(step, plan=plan, loader=loader, min_batch_size=4, free_bytes=lambda: needed - held // 2)
+    with pytest.warns(BatchSizeLoweredWarning, match=r"freed .* of the loader's device cache") as caught:
+        assert retry(next(iter(loader))) == [4, 4]
+    assert len(caught) == 1
+    after = loader.device_cache_bytes
+    assert held // 2 <= held - after and after > 0  # what the batch lacked, not the whole cache
+    assert loader.batch_size == 4
+    # the samples let go are read from the dataset again; the batches are the same
+    plain = gpuload.DataLoader(Counted(40), batch_size=4, cache="off", device="cpu")
+    for ours, theirs in zip(loader, plain, strict=True):
+        assert_same(ours, theirs)
+
+
+class FakeLoader:
+    """The loader's side of OOMRetry, recorded."""
+
+    def __init__(self, held: int) -> None:
+        self.batch_size, self.device_cache_bytes, self.shrunk = 64, held, []
+
+    def set_batch_size(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+
+    def shrink_cache(self, max_device_bytes: int) -> int:
+        self.shrunk.append(max_device_bytes)
+        freed, self.device_cache_bytes = self.device_cache_bytes - max_device_bytes, max_device_bytes
+        return freed
+
+
+def test_shrinks_the_cache_to_what_the_plan_gives_it_beside_the_new_batch() -> None:
+    data = DatasetShape(100_000, 100_000, "100k samples of 100 kB")  # 9.3 GiB
+    plan = _plan().replan(dataset=data, device_memory="8GiB")
+    new = 22
+    beside = plan.replan(new).cache_bytes
+    assert 0 < beside < 8 * 2**30
+    loader = FakeLoader(held=beside + 512 * MiB)  # more than the plan gives the cache
+    retry = OOMRetry(RunsOutAbove(new), plan=plan, loader=loader, free_bytes=lambda: 1000 * MiB)
+    with pytest.warns(BatchSizeLoweredWarning, match=r"freed 512.00 MiB"):
+        retry(_batch(26))
+    assert retry.batch_size == new and loader.batch_size == new and loader.shrunk == [beside]
