@@ -11,7 +11,9 @@ arguments), so who sends what is planned, not negotiated.
 - ``rank_batches``: every rank's batch indices for an epoch, from shadow samplers;
 - ``exchange_plan``: per batch step, what each rank sends to each other rank (pure);
 - ``scope``: the ``auto`` decision (rank, node, world or today's tiers) from the cache budget;
-- ``sharded_store``: a rank's share of the arrays and the exchange that assembles its batches.
+- ``sharded_store``: a rank's share of the arrays and the exchange that assembles its batches;
+- ``sharded_samples``: a rank's share of a map-style dataset's samples, read once by column and
+  served through the same exchange.
 """
 
 from gpuload.distributed.exchange_plan import StepPlan, plan_step

@@ -5,7 +5,10 @@ data is the dataset's own samples. ``decide_samples`` (in ``gpuload.cache``) cho
 may be kept (the device, host memory, or nowhere) and why; ``CachedSamples`` fills a
 ``SampleCache`` while the first epoch runs and then builds batches from it, calling the dataset
 only for what it lacks. Without a cache (an IterableDataset, ``cache="off"``, auto declining),
-torch's own iterator makes every batch, workers included, and the loader moves it.
+torch's own iterator makes every batch, workers included, and the loader moves it. In a
+torch.distributed job whose ``cache_scope`` splits the dataset, ``shard_samples`` (in
+``gpuload.distributed``) reads this rank's share of the samples instead, once, and each batch
+comes from every rank's share over the exchange.
 
 Filling needs to know which sample each fetched batch holds. With ``num_workers=0`` gpuload
 fetches itself. With workers, a private torch DataLoader over the same dataset, sampler and

@@ -158,16 +158,23 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
 
 
-def run_nccl(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    """The sharded scopes over NCCL, one GPU per rank."""
+@contextmanager
+def nccl_job(rank: int, world: int, init_file: str) -> Iterator[None]:
+    """This process as ``rank`` of an NCCL group of ``world``, on GPU ``rank``; ended on leaving."""
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def run_nccl(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """The sharded scopes over NCCL, one GPU per rank."""
+    with nccl_job(rank, world, init_file):
         data = dataset()
         found = {key: compare(data, scope, True, drop_last, batch_size=8, device=f"cuda:{rank}")
                  for scope in ("world", "node") for drop_last in (False, True)
                  for key in [f"{scope}/drop_last={drop_last}"]}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
-    finally:
-        dist.destroy_process_group()

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import ranks_job
 import torch
-import torch.distributed as dist
 import torch.utils.data as tud
 from torch.utils.data.distributed import DistributedSampler
 
@@ -159,11 +157,6 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
 
 def run_nccl(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """The sharded scopes over NCCL, one GPU per rank, the share on each rank's device."""
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with ranks_job.nccl_job(rank, world, init_file):
         found = {scope: compare(Records(), scope, device=f"cuda:{rank}") for scope in ("world", "node")}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
-    finally:
-        dist.destroy_process_group()
