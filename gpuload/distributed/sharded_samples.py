@@ -103,17 +103,20 @@ def shard_samples(
     plan, groups = agreed
     start, stop = plan.partition.rows_of(context.rank)
     chunks = [list(range(first, min(first + chunk_size, stop))) for first in range(start, stop, chunk_size)]
+    raised = ""
     try:
         block = _read_block(template, stop - start, chunks, read)
         outcome = _READ_OK if block is not None else _LAYOUT_DIFFERS
-    except Exception:  # noqa: BLE001 - torch's path raises it again, at that sample's batch
-        block, outcome = None, _READ_FAILED
+    except Exception as error:  # noqa: BLE001 - torch's path raises it again, at that sample's batch
+        block, outcome, raised = None, _READ_FAILED, f": {type(error).__name__}: {error}"
     failed = _failed_ranks(outcome, groups[0], context)
     if failed:
         release_groups(groups)
         rank, code = failed[0]
         what = ("has a sample whose structure, dtype or shape differs from the probed ones"
                 if code == _LAYOUT_DIFFERS else "could not read a sample of its share")
+        if rank == context.rank:
+            what += raised
         first, end = plan.partition.rows_of(rank)
         decline_split(settings, f"rank {rank} {what} (among rows [{first}, {end}))", stacklevel=6)
         return None

@@ -106,6 +106,8 @@ def test_what_cannot_be_split_stays_per_rank_and_says_why(job, scenario, says):
         assert any(says in w and "is not used" in w for w in seen["warnings"]), seen["warnings"]
         if scenario != "random":  # random samples differ from torch's by design
             assert seen["equal"], (rank, scenario)
+    if scenario == "broken":  # the rank whose read raised says what it was
+        assert any("KeyError" in w and "row 5 is missing" in w for w in job[0][0]["broken"]["warnings"])
 
 
 def test_rank_that_stops_early_makes_the_others_fail_within_the_timeout(job):
