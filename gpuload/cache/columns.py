@@ -18,7 +18,7 @@ Anything that breaks the rule turns that part of the tree into per-sample storag
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -31,7 +31,7 @@ from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.oom import is_oom
 from gpuload.cache.sample_store import BudgetedCache, Uncacheable, copy_value
 
-__all__ = ["Branch", "Column", "ColumnStore", "Objects", "Part", "prepare"]
+__all__ = ["Branch", "Column", "ColumnStore", "Objects", "Part", "column_rows", "layout", "prepare", "rebuild"]
 
 _dtype = attrgetter("dtype")
 _NUMBERS = (int, float, bool)
@@ -144,6 +144,37 @@ def prepare(values: Sequence[Any]) -> Part:
     else:
         part = _column(values, kind)
     return part if part is not None else Objects(values)
+
+
+def layout(part: Part) -> Hashable | None:
+    """What a prepared batch looks like apart from its length: its containers and each column's
+    kind, dtype and row shape; None when some leaf is kept per sample. Batches of one layout
+    join by column into what ``default_collate`` makes of all their samples together."""
+    if isinstance(part, Branch):
+        children = tuple(layout(child) for child in part.children)
+        return None if None in children else (part.kind, part.keys, children)
+    if isinstance(part, Column):
+        return part.kind, part.dtype, part.rows.dtype, tuple(part.rows.shape[1:])
+    return None
+
+
+def column_rows(part: Part) -> list[torch.Tensor]:
+    """The rows of every column of a prepared batch, depth first (the order ``rebuild`` takes)."""
+    if isinstance(part, Branch):
+        return [rows for child in part.children for rows in column_rows(child)]
+    return [part.rows] if isinstance(part, Column) else []
+
+
+def rebuild(template: Part, rows: Sequence[torch.Tensor]) -> Any:
+    """The batch ``default_collate`` makes when its columns (in ``column_rows`` order) are
+    ``rows``, in the structure of ``template`` (a prepared batch of the same layout)."""
+    return _rebuilt(template, iter(rows))
+
+
+def _rebuilt(part: Part, rows: Iterator[torch.Tensor]) -> Any:
+    if isinstance(part, Branch):
+        return _build(part.kind, part.keys, [_rebuilt(child, rows) for child in part.children])
+    return next(rows)
 
 
 # ---------------------------------------------------------------- the store

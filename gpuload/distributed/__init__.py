@@ -13,6 +13,8 @@ arguments), so who sends what is planned, not negotiated.
 - ``scope``: the ``auto`` decision (rank, node, world or today's tiers) from the cache budget;
 - ``scope_plan``: what each scope would hold and move on a pretended cluster (``gpuload plan``);
 - ``sharded_store``: a rank's share of the arrays and the exchange that assembles its batches;
+- ``sharded_samples``: a rank's share of a map-style dataset's samples, read once by column and
+  served through the same exchange;
 - ``shared_host``: one pinned host tier per node, mapped by its ranks from shared memory.
 """
 

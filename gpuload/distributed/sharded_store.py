@@ -44,7 +44,10 @@ from gpuload.distributed.rank_batches import (
 )
 from gpuload.distributed.scope import ScopeDecision, decide_scope
 
-__all__ = ["ExchangeStats", "ShardPlan", "ShardedArrayStore", "shard_arrays"]
+__all__ = [
+    "ExchangeStats", "ShardPlan", "ShardedArrayStore", "agree_on_split", "decline_split", "shard_arrays",
+    "split_context", "split_obstacle",
+]
 
 _SCOPE_CODES = {"auto": 0, "rank": 1, "node": 2, "world": 3}
 _HEADER = ("sampler epoch", "batch", "batches in the epoch", "seed", "rows")
@@ -118,26 +121,67 @@ def shard_arrays(
     split was asked for). Otherwise every rank must call this at the same point: the ranks check
     they agree (sizes, sampler, scope) and decide the scope from the smallest device room.
     """
-    context = context or current_context()
-    requested = settings.scope.value
-    if context is None or requested == "rank":
-        return None
-    if requested == "auto" and device.type != "cuda":
+    context = split_context(settings, device, context)
+    if context is None:
         return None
     num_samples = columns[0].shape[0]
-    why_not = None
-    if settings.mode.value not in ("auto", "device"):
-        why_not = f"cache={settings.mode.value!r} keeps no device tier to split"
-    else:
-        why_not = shardable_sampler(batch_sampler, num_samples, context.world_size, context.rank)
+    why_not = split_obstacle(settings, batch_sampler, num_samples, context)
     if why_not is not None:
-        if requested != "auto":
-            warnings.warn(
-                f"gpuload: cache_scope={requested!r} ({settings.scope.source}) is not used: {why_not}; "
-                "each rank caches the whole dataset", stacklevel=4,
-            )
+        decline_split(settings, why_not)
         return None
     bytes_per_sample = sum(c[0].numel() * c.element_size() for c in columns)
+    agreed = agree_on_split(settings, device, batch_sampler, owner, context, num_samples, bytes_per_sample)
+    if agreed is None:
+        return None
+    plan, groups = agreed
+    return ShardedArrayStore(columns, plan, device, groups, owner=owner)
+
+
+def split_context(
+    settings: CacheSettings, device: torch.device, context: DistributedContext | None = None
+) -> DistributedContext | None:
+    """The process group when ``cache_scope`` may split the dataset, else None: no initialized
+    group, ``cache_scope="rank"``, or ``auto`` on a CPU device (which means ``rank``)."""
+    context = context or current_context()
+    requested = settings.scope.value
+    if context is None or requested == "rank" or (requested == "auto" and device.type != "cuda"):
+        return None
+    return context
+
+
+def split_obstacle(settings: CacheSettings, batch_sampler: Any, num_samples: int,
+                   context: DistributedContext) -> str | None:
+    """Why the cache cannot be split whatever the sizes (for a warning), else None: a cache that
+    keeps no device tier, or a sampler whose every rank's batches cannot be computed here."""
+    if settings.mode.value not in ("auto", "device"):
+        return f"cache={settings.mode.value!r} keeps no device tier to split"
+    return shardable_sampler(batch_sampler, num_samples, context.world_size, context.rank)
+
+
+def decline_split(settings: CacheSettings, why_not: str, stacklevel: int = 5) -> None:
+    """Warn that an explicit ``node``/``world`` scope is not used, and why (``auto``: silent)."""
+    requested = settings.scope.value
+    if requested != "auto":
+        warnings.warn(
+            f"gpuload: cache_scope={requested!r} ({settings.scope.source}) is not used: {why_not}; "
+            "each rank caches the whole dataset", stacklevel=stacklevel,
+        )
+
+
+def agree_on_split(
+    settings: CacheSettings,
+    device: torch.device,
+    batch_sampler: Any,
+    owner: Hashable,
+    context: DistributedContext,
+    num_samples: int,
+    bytes_per_sample: int,
+) -> tuple[ShardPlan, tuple[Any, Any]] | None:
+    """The plan and the exchange's ``(control, data)`` groups when the ranks split the dataset,
+    else None (the groups released). Every rank must call this at the same point: the ranks
+    check they agree (sizes, sampler, scope) and decide the scope from the smallest device room.
+    """
+    requested = settings.scope.value
     room = settings.device_room(device, device_memory(device), owner) if device.type == "cuda" else -1
     control, data = exchange_groups(device, exchange_timeout())
     mine = [_SCOPE_CODES[requested], room, num_samples, bytes_per_sample, context.local_world_size,
@@ -164,19 +208,19 @@ def shard_arrays(
                             context.local_world_size, context.world_size)
     if not decision.sharded or decision.group_size == 1:
         if requested != "auto" and requested != decision.scope:
-            warnings.warn(f"gpuload: {decision.reason}", stacklevel=4)
+            warnings.warn(f"gpuload: {decision.reason}", stacklevel=5)
         release_groups((control, data))
         return None
     partition = Partition(num_samples, context.world_size, decision.group_size)
-    plan = ShardPlan(decision, partition, context.rank, bytes_per_sample, str(device))
-    return ShardedArrayStore(columns, plan, device, (control, data), owner=owner)
+    return ShardPlan(decision, partition, context.rank, bytes_per_sample, str(device)), (control, data)
 
 
 class ShardedArrayStore:
     """This rank's contiguous block of rows of every array, packed as bytes on ``device``.
 
     ``columns`` are the whole arrays (the source, on the host); only this rank's block is
-    copied. On CUDA the block is booked in ``ledger`` under ``owner`` until :meth:`close`.
+    copied (``local``: ``columns`` are that block already, see :meth:`from_block`). On CUDA the
+    block is booked in ``ledger`` under ``owner`` until :meth:`close`.
     """
 
     def __init__(
@@ -188,17 +232,18 @@ class ShardedArrayStore:
         *,
         owner: Hashable,
         ledger: BudgetLedger = LEDGER,
+        local: bool = False,
     ) -> None:
         self.plan = plan
         self.device = device
         self._control, self._data = groups
         self._rank = plan.rank
         self._shapes = [(tuple(c.shape[1:]), c.dtype) for c in columns]
-        self._row_bytes = [c[0].numel() * c.element_size() for c in columns]
+        self._row_bytes = [math.prod(c.shape[1:]) * c.element_size() for c in columns]
         self._ledger, self._owner = ledger, owner
         start, stop = plan.partition.rows_of(self._rank)
         self._start = start
-        packed = torch.cat([_as_bytes(c[start:stop]) for c in columns], dim=1)
+        packed = torch.cat([_as_bytes(c if local else c[start:stop]) for c in columns], dim=1)
         self._nbytes = packed.numel()
         if device.type == "cuda":
             ledger.reserve(self._nbytes, owner, device=device)
@@ -218,6 +263,26 @@ class ShardedArrayStore:
         self._closed = False
         self._hits = 0
         self.exchange_stats = ExchangeStats()
+
+    @classmethod
+    def from_block(
+        cls,
+        block: list[torch.Tensor],
+        plan: ShardPlan,
+        device: torch.device,
+        groups: tuple[Any, Any],
+        *,
+        owner: Hashable,
+        ledger: BudgetLedger = LEDGER,
+    ) -> ShardedArrayStore:
+        """A store over ``block``: this rank's rows of every column (``plan.partition.rows_of``,
+        in row order), read by the caller, for data that is never whole in one process (a
+        dataset's samples)."""
+        start, stop = plan.partition.rows_of(plan.rank)
+        sizes = {column.shape[0] for column in block}
+        if not block or sizes != {stop - start}:
+            raise ValueError(f"rank {plan.rank}'s block holds rows [{start}, {stop}): got columns of {sorted(sizes)} rows")
+        return cls(block, plan, device, groups, owner=owner, ledger=ledger, local=True)
 
     @property
     def shard_bytes(self) -> int:

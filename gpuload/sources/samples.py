@@ -5,7 +5,10 @@ data is the dataset's own samples. ``decide_samples`` (in ``gpuload.cache``) cho
 may be kept (the device, host memory, or nowhere) and why; ``CachedSamples`` fills a
 ``SampleCache`` while the first epoch runs and then builds batches from it, calling the dataset
 only for what it lacks. Without a cache (an IterableDataset, ``cache="off"``, auto declining),
-torch's own iterator makes every batch, workers included, and the loader moves it.
+torch's own iterator makes every batch, workers included, and the loader moves it. In a
+torch.distributed job whose ``cache_scope`` splits the dataset, ``shard_samples`` (in
+``gpuload.distributed``) reads this rank's share of the samples instead, once, and each batch
+comes from every rank's share over the exchange.
 
 Filling needs to know which sample each fetched batch holds. With ``num_workers=0`` gpuload
 fetches itself. With workers, a private torch DataLoader over the same dataset, sampler and
@@ -23,6 +26,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +37,7 @@ from torch.utils.data.dataloader import DataLoader as TorchDataLoader
 from gpuload.cache import CacheDecision, decide_samples, format_bytes
 from gpuload.cache.columns import Branch, Column, ColumnStore, Part, prepare
 from gpuload.device import cuda_available
+from gpuload.distributed.sharded_samples import ShardedSamples, shard_samples
 from gpuload.resume import stateful
 from gpuload.sources import Epoch, EpochRequest, Setup, Source
 from gpuload.transfer import batch_length, batch_nbytes, move_to_device
@@ -262,27 +267,17 @@ class CachedSamples:
             return 0
         batch_size = self.setup.batch_size or 1
         chunks = [todo[k : k + batch_size] for k in range(0, len(todo), batch_size)]
-        if num_workers > 0:
-            # torch's workers read in parallel; a private generator keeps the user's RNG untouched.
-            reader = TorchDataLoader(
-                self.dataset, batch_sampler=chunks, num_workers=num_workers, collate_fn=prepare,
-                generator=torch.Generator(), **worker_options,
-            )
-            fetched: Iterable[Part] = iter(reader)
-        else:
-            fetched = (prepare(self._fetch(chunk)) for chunk in chunks)
         read = 0
-        try:
-            with tqdm(total=len(todo), unit="sample", desc="gpuload warm", disable=not progress) as bar:
-                for chunk, part in zip(chunks, fetched):
-                    self._store(torch.tensor(chunk, dtype=torch.int64), part)
-                    read += len(chunk)
-                    bar.update(len(chunk))
-                    if not self.accepting:
-                        break
-        finally:
-            if hasattr(fetched, "_shutdown_workers"):  # torch's workers stop even on an error
-                fetched._shutdown_workers()
+        with (
+            read_prepared(self.dataset, chunks, num_workers, worker_options, self.batched) as fetched,
+            tqdm(total=len(todo), unit="sample", desc="gpuload warm", disable=not progress) as bar,
+        ):
+            for chunk, part in zip(chunks, fetched):
+                self._store(torch.tensor(chunk, dtype=torch.int64), part)
+                read += len(chunk)
+                bar.update(len(chunk))
+                if not self.accepting:
+                    break
         return read
 
     def end_of_epoch(self) -> None:
@@ -302,6 +297,27 @@ class CachedSamples:
             "the rest are read from the dataset every epoch",
             stacklevel=3,
         )
+
+
+@contextmanager
+def read_prepared(
+    dataset: Any, chunks: list[list[int]], num_workers: int, worker_options: dict[str, Any], batched: bool = True
+) -> Iterator[Iterable[Part]]:
+    """Each chunk of dataset indices read and prepared for the column store, in order: in this
+    process (``batched``: through ``__getitems__`` when the dataset has it, as torch's fetcher),
+    or by ``num_workers`` torch workers (with a private generator, so the user's random state is
+    untouched), stopped on leaving even after an error."""
+    if num_workers == 0:
+        yield (prepare(fetch(dataset, chunk, batched)) for chunk in chunks)
+        return
+    reader = iter(TorchDataLoader(
+        dataset, batch_sampler=chunks, num_workers=num_workers, collate_fn=prepare,
+        generator=torch.Generator(), **worker_options,
+    ))
+    try:
+        yield reader
+    finally:
+        reader._shutdown_workers()
 
 
 def _column_bytes(part: Part) -> int:
@@ -334,6 +350,7 @@ class SampleSource(Source):
         super().__init__(setup)
         self.torch = torch_loading
         self.cached: CachedSamples | None = None
+        self.sharded: ShardedSamples | None = None  # this rank's share, when cache_scope splits the samples
         self._decided = False
         self._released: dict[str, Any] | None = None
         self._fill_loader: TorchDataLoader | None = None
@@ -348,7 +365,10 @@ class SampleSource(Source):
     @property
     def streams(self) -> bool:  # type: ignore[override]
         # A stateful iterable dataset's own state must be the position of the batches handed
-        # to the loop (``state_dict``), so nothing reads it ahead.
+        # to the loop (``state_dict``), so nothing reads it ahead; nor does the exchange of a
+        # share split over ranks (each batch is a collective).
+        if self.sharded is not None:
+            return False
         return self.setup.map_style or not stateful(self.setup.dataset)
 
     def _decide_cache(self) -> CachedSamples | None:
@@ -357,6 +377,9 @@ class SampleSource(Source):
         if self._decided or not setup.map_style:
             return self.cached
         self._decided = True
+        self.sharded = self._shard()
+        if self.sharded is not None:
+            return None
         decision = decide_samples(
             setup.dataset, setup.settings, setup.device,
             default_collate=is_default_collate(setup.collate_fn), num_workers=self.torch.num_workers,
@@ -371,14 +394,41 @@ class SampleSource(Source):
             weakref.finalize(self, self.cached.store.close)
         return self.cached
 
+    def _shard(self) -> ShardedSamples | None:
+        """This rank's share of the samples when ``cache_scope`` splits them over the ranks of
+        torch.distributed (read now, with the loader's workers when it has them), else None."""
+        setup = self.setup
+        options = self._reader_options()
+        sharded = shard_samples(
+            setup.dataset, setup.settings, setup.device, setup.batch_sampler, setup.owner,
+            default_collate=setup.batched and setup.collate_fn is default_collate,
+            read=lambda chunks: read_prepared(setup.dataset, chunks, self.torch.num_workers, options),
+            chunk_size=setup.batch_size or 1,
+        )
+        if sharded is not None:
+            self.path = sharded.path
+            setup.stats.extra["sample_cache_decision"] = sharded.describe()
+            self._moved_bytes += sharded.store.stats.device_bytes
+        return sharded
+
+    def _reader_options(self) -> dict[str, Any]:
+        """The loader's options a private torch DataLoader reading its samples keeps."""
+        return {k: self.torch.options[k] for k in ("worker_init_fn", "multiprocessing_context", "timeout")
+                if k in self.torch.options}
+
     def begin_epoch(self) -> None:
         cached = self._decide_cache()
+        if self.sharded is not None:
+            self.path = self.sharded.path
+            return
         if cached is not None:
             cached.store.fit_reserve(self.setup.settings.keepable, "those samples are read from the dataset again")
         serves = cached is not None and (self.torch.num_workers == 0 or cached.complete)
         self.path = f"sample-cache ({cached.tier})" if serves else "torch"
 
     def epoch(self, request: EpochRequest) -> Epoch:
+        if self.sharded is not None:
+            return self._sharded_epoch(self.sharded, request)
         cached = self.cached
         finish = self._passed if request.ahead else self._moved
         if not self.setup.map_style:
@@ -398,6 +448,18 @@ class SampleSource(Source):
             epoch = self._worker_epoch(cached, seed_drawn=request.worker_seed_drawn)
         return Epoch(epoch, finish, length=epoch.length, from_torch=not request.resumed,
                      torch_iterator=epoch.torch_iterator)
+
+    def _sharded_epoch(self, sharded: ShardedSamples, request: EpochRequest) -> Epoch:
+        """Batches assembled from every rank's share, in the loop's thread (each is a collective)."""
+        drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.indices()]
+        store = sharded.store
+
+        def finish(item: tuple[list[torch.Tensor], torch.Tensor]) -> tuple[Any, int]:
+            rows, flat = item
+            self.setup.stats.extra["exchange"] = store.describe_exchange()
+            return sharded.batch(rows), flat.numel()
+
+        return Epoch(store.epoch(self.setup.batch_sampler, drawn), finish)
 
     def _fetched(self, indices: Iterator[Any]) -> Iterator[Any]:
         return PerBatch(indices, self._read_batch)
@@ -484,11 +546,13 @@ class SampleSource(Source):
     def warm(self, progress: bool) -> None:
         cached = self._decide_cache()
         if cached is not None:
-            options = {k: self.torch.options[k] for k in ("worker_init_fn", "multiprocessing_context", "timeout")
-                       if k in self.torch.options}
-            cached.warm(progress, self.torch.num_workers, options)
+            cached.warm(progress, self.torch.num_workers, self._reader_options())
 
     def stats(self) -> dict[str, Any]:
+        if self.sharded is not None:
+            store = self.sharded.store
+            return {"cache": store.stats.as_dict(), "cache_plan": store.plan.describe(),
+                    "sample_cache_decision": self.sharded.describe()}
         cached = self.cached
         if cached is not None:
             decision = f"{cached.tier}: {cached.reason}; {cached.layout}"
@@ -519,6 +583,9 @@ class SampleSource(Source):
 
     def close(self) -> None:
         self._drop_cache()
+        if self.sharded is not None:
+            self.sharded.close()
+            self.sharded = None
         self._decided = False
         self._stop_fill_workers()
         self._fill_loader = None

@@ -14,7 +14,16 @@ from torch.utils.data import default_collate
 
 from gpuload.cache import CacheFallbackWarning
 from gpuload.cache.budget import BudgetLedger
-from gpuload.cache.columns import Branch, Column, ColumnStore, Objects, prepare
+from gpuload.cache.columns import (
+    Branch,
+    Column,
+    ColumnStore,
+    Objects,
+    column_rows,
+    layout,
+    prepare,
+    rebuild,
+)
 
 Point = namedtuple("Point", ["x", "y"])
 
@@ -70,6 +79,28 @@ def test_prepared_and_gathered_batches_equal_default_collate(kind: str) -> None:
     views = store.views(slots)
     for view, k in zip(views, order):
         assert_same(view, samples[k], f"sample {k}")
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("dict", "string")])
+def test_columns_of_batches_of_one_layout_join_and_rebuild_as_default_collate(kind: str) -> None:
+    """What a sharded sample cache relies on: batches of one layout, joined column by column and
+    rebuilt in the template's structure, are default_collate of all their samples."""
+    samples = [_sample(kind, i) for i in range(9)]
+    first, second = prepare(samples[:3]), prepare(samples[3:])
+    assert layout(first) is not None and layout(first) == layout(second)
+    joined = [torch.cat(pair) for pair in zip(column_rows(first), column_rows(second))]
+    assert_same(rebuild(prepare(samples[:1]), joined), default_collate(samples))
+
+
+def test_a_layout_is_none_with_per_sample_leaves_and_differs_with_shape_or_dtype() -> None:
+    assert layout(prepare([_sample("dict", i) for i in range(3)])) is None  # strings and bytes
+    assert layout(prepare([_sample("string", i) for i in range(3)])) is None
+    x = torch.zeros(4)
+    base = layout(prepare([(x, 1)]))
+    assert layout(prepare([(torch.zeros(5), 1)])) != base
+    assert layout(prepare([(x.double(), 1)])) != base
+    assert layout(prepare([(x, 1.0)])) != base
+    assert layout(prepare([[x, 1]])) != base  # a list, not a tuple
 
 
 def test_a_column_holds_one_exact_type_dtype_and_shape() -> None:

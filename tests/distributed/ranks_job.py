@@ -10,6 +10,8 @@ import json
 import os
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -124,7 +126,10 @@ def stop_early(data: tud.Dataset, then_next_epoch: bool) -> dict:
     return {"error": error, "seconds": seconds}
 
 
-def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: int | None) -> None:
+@contextmanager
+def gloo_job(rank: int, world: int, init_file: str, local_world_size: int | None) -> Iterator[None]:
+    """This process as ``rank`` of a gloo group of ``world`` (a short exchange timeout; nodes of
+    ``local_world_size`` ranks when given), the group ended on leaving."""
     os.environ["GPULOAD_EXCHANGE_TIMEOUT"] = str(EXCHANGE_TIMEOUT_S)
     if local_world_size is not None:
         os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
@@ -132,6 +137,13 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: int | None) -> None:
+    with gloo_job(rank, world, init_file, local_world_size):
         data = dataset()
         found: dict = {"compare": {}, "total_bytes": sum(t.numel() * t.element_size() for t in data.tensors)}
         for scope in ("rank", "node", "world", "auto"):
@@ -144,20 +156,25 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
         found["stop_then_wait"] = stop_early(data, then_next_epoch=False)
         found["stop_then_next_epoch"] = stop_early(data, then_next_epoch=True)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
+
+
+@contextmanager
+def nccl_job(rank: int, world: int, init_file: str) -> Iterator[None]:
+    """This process as ``rank`` of an NCCL group of ``world``, on GPU ``rank``; ended on leaving."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        yield
     finally:
         dist.destroy_process_group()
 
 
 def run_nccl(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """The sharded scopes over NCCL, one GPU per rank."""
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with nccl_job(rank, world, init_file):
         data = dataset()
         found = {key: compare(data, scope, True, drop_last, batch_size=8, device=f"cuda:{rank}")
                  for scope in ("world", "node") for drop_last in (False, True)
                  for key in [f"{scope}/drop_last={drop_last}"]}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
-    finally:
-        dist.destroy_process_group()

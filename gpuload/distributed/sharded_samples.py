@@ -1,0 +1,196 @@
+"""A rank's share of a map-style dataset's samples, read once and exchanged like arrays.
+
+When ``cache_scope`` splits the dataset (the same decision as for arrays, from the sample's
+bytes as the probe read them) and the samples read the same twice and collate to fixed-shape
+tensor columns (``gpuload.cache.columns``), each rank reads only its partition's rows, once,
+and keeps them by column in a :class:`~gpuload.distributed.sharded_store.ShardedArrayStore`.
+Every batch then comes over the arrays' exchange and is rebuilt in the structure torch's
+``default_collate`` gives. Otherwise (random samples, leaves that are not fixed-shape columns,
+a custom ``collate_fn``, whatever stops arrays from splitting) each rank keeps its own sample
+cache as before, with a warning when a split was asked for.
+
+The probe sees a few samples only: one whose structure, dtype or shape differs from them shows
+up while a rank reads its block, after the ranks agreed to split. The ranks then agree once
+more (one small gloo ``all_gather`` after every read) and fall back all together; a read that
+raised falls back too, and raises again when torch's path reaches that sample's batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpuload.cache import CacheSettings, looks_deterministic
+from gpuload.cache.columns import Part, column_rows, layout, prepare, rebuild
+from gpuload.distributed.group import DistributedContext, ExchangeError, release_groups
+from gpuload.distributed.sharded_store import (
+    ShardedArrayStore,
+    agree_on_split,
+    decline_split,
+    split_context,
+    split_obstacle,
+)
+
+__all__ = ["ReadBlock", "ShardedSamples", "shard_samples"]
+
+#: Reads chunks of dataset indices; yields each chunk's samples prepared for the column store.
+ReadBlock = Callable[[list[list[int]]], AbstractContextManager[Iterable[Part]]]
+
+_READ_OK, _LAYOUT_DIFFERS, _READ_FAILED = 0, 1, 2
+
+
+class ShardedSamples:
+    """This rank's share of the samples (``store``) and the structure their batches take."""
+
+    def __init__(self, store: ShardedArrayStore, template: Part) -> None:
+        self.store = store
+        self._template = template
+
+    @property
+    def path(self) -> str:
+        return self.store.plan.kind
+
+    def describe(self) -> str:
+        """For ``loader.stats.extra["sample_cache_decision"]``."""
+        return self.store.plan.describe()
+
+    def batch(self, rows: list[torch.Tensor]) -> Any:
+        """The batch ``default_collate`` gives for one exchanged batch's columns."""
+        return rebuild(self._template, rows)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def shard_samples(
+    dataset: Any,
+    settings: CacheSettings,
+    device: torch.device,
+    batch_sampler: Any,
+    owner: Hashable,
+    *,
+    default_collate: bool,
+    read: ReadBlock,
+    chunk_size: int,
+    context: DistributedContext | None = None,
+    probe: Callable[[Any], tuple[bool, str]] = looks_deterministic,
+) -> ShardedSamples | None:
+    """This rank's share of ``dataset``'s samples when the scope splits them, else None.
+
+    ``default_collate``: the loader collates with torch's ``default_collate`` (auto-collation);
+    ``read`` reads this rank's rows in chunks of ``chunk_size`` (in this process, or with the
+    loader's workers). Every rank must call this at the same point, as for arrays.
+    """
+    context = split_context(settings, device, context)
+    if context is None:
+        return None
+    num_samples = len(dataset)
+    why_not = split_obstacle(settings, batch_sampler, num_samples, context)
+    template = None
+    if why_not is None:
+        why_not, template = _columns_of(dataset, settings, default_collate, probe)
+    if why_not is not None:
+        decline_split(settings, why_not, stacklevel=6)
+        return None
+    bytes_per_sample = sum(rows[0].numel() * rows.element_size() for rows in column_rows(template))
+    agreed = agree_on_split(settings, device, batch_sampler, owner, context, num_samples, bytes_per_sample)
+    if agreed is None:
+        return None
+    plan, groups = agreed
+    start, stop = plan.partition.rows_of(context.rank)
+    chunks = [list(range(first, min(first + chunk_size, stop))) for first in range(start, stop, chunk_size)]
+    raised = ""
+    try:
+        block = _read_block(template, stop - start, chunks, read)
+        outcome = _READ_OK if block is not None else _LAYOUT_DIFFERS
+    except Exception as error:  # noqa: BLE001 - torch's path raises it again, at that sample's batch
+        block, outcome, raised = None, _READ_FAILED, f": {type(error).__name__}: {error}"
+    failed = _failed_ranks(outcome, groups[0], context)
+    if failed:
+        release_groups(groups)
+        rank, code = failed[0]
+        what = ("has a sample whose structure, dtype or shape differs from the probed ones"
+                if code == _LAYOUT_DIFFERS else "could not read a sample of its share")
+        if rank == context.rank:
+            what += raised
+        first, end = plan.partition.rows_of(rank)
+        decline_split(settings, f"rank {rank} {what} (among rows [{first}, {end}))", stacklevel=6)
+        return None
+    return ShardedSamples(ShardedArrayStore.from_block(block, plan, device, groups, owner=owner), template)
+
+
+class _FirstReads:
+    """A dataset as the probe reads it, keeping the first read of each index."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self.samples: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        sample = self.dataset[index]
+        self.samples.setdefault(index, sample)
+        return sample
+
+
+def _columns_of(
+    dataset: Any, settings: CacheSettings, default_collate: bool, probe: Callable[[Any], tuple[bool, str]]
+) -> tuple[str | None, Part | None]:
+    """(None, a prepared batch of the probed samples) when the samples can be split by column,
+    else (why not, None)."""
+    off = settings.off_reason()
+    if off:
+        return off, None
+    if not default_collate:
+        return "its batches are not made by torch's default_collate (a custom collate_fn)", None
+    if len(dataset) == 0:
+        return "the dataset is empty", None
+    seen = _FirstReads(dataset)
+    try:
+        deterministic, why = probe(seen)
+    except Exception as error:  # noqa: BLE001 - reported, and raised again by torch's path
+        return f"reading its samples for the determinism probe failed ({type(error).__name__}: {error})", None
+    if not deterministic:
+        return why, None
+    template = prepare(list(seen.samples.values()))
+    if layout(template) is None:
+        return "its samples do not collate to fixed-shape tensors (a leaf is a string, an object or varies in shape)", None
+    return None, template
+
+
+def _read_block(template: Part, rows: int, chunks: list[list[int]], read: ReadBlock) -> list[torch.Tensor] | None:
+    """This rank's rows by column, read chunk by chunk; None when a chunk's layout differs from
+    ``template``'s."""
+    expected = layout(template)
+    block = [torch.empty((rows, *column.shape[1:]), dtype=column.dtype) for column in column_rows(template)]
+    at = 0
+    with read(chunks) as parts:
+        for chunk, part in zip(chunks, parts):
+            if layout(part) != expected:
+                return None
+            for column, values in zip(block, column_rows(part)):
+                column[at : at + len(chunk)] = values
+            at += len(chunk)
+    if at != rows:
+        raise RuntimeError(f"read {at} of this rank's {rows} samples")
+    return block
+
+
+def _failed_ranks(outcome: int, control: Any, context: DistributedContext) -> list[tuple[int, int]]:
+    """Every rank's read outcome (gloo), as ``(rank, outcome)`` of the ranks whose read failed."""
+    everyone = [torch.empty(1, dtype=torch.int64) for _ in range(context.world_size)]
+    try:
+        dist.all_gather(everyone, torch.tensor([outcome], dtype=torch.int64), group=control)
+    except RuntimeError as error:
+        raise ExchangeError(
+            f"gpuload: rank {context.rank} read its share of the samples but another rank did not "
+            f"report its own (it stopped or died). Cause: {error}"
+        ) from error
+    return [(rank, int(code)) for rank, code in enumerate(everyone) if int(code) != _READ_OK]
+

@@ -1,0 +1,157 @@
+"""The sample cache split over 2 and 4 gloo processes on the CPU: each rank reads and holds
+about 1/N of a map-style dataset's samples, gets exactly torch's batches (structure and dtypes
+included), fails clearly when a rank stops early, and keeps today's per-rank cache, with a
+warning, wherever the samples cannot be split."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.utils.data import BatchSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from gpuload.cache import CacheSettings
+from gpuload.distributed import DistributedContext
+from gpuload.distributed.sharded_samples import shard_samples
+
+sys.path.insert(0, str(Path(__file__).parent))
+import ranks_job
+import samples_job
+
+JOBS = {"two": (2, None), "four": (4, 2)}  # four: two pretended nodes of two ranks (LOCAL_WORLD_SIZE)
+
+
+@pytest.fixture(scope="module", params=["two", pytest.param("four", marks=pytest.mark.slow)])
+def job(request, tmp_path_factory):
+    """Every rank's findings, the world size and the node size (one spawn per world size)."""
+    world, local = JOBS[request.param]
+    folder = tmp_path_factory.mktemp(f"samples{world}")
+    mp.spawn(samples_job.run, args=(world, str(folder / "init"), str(folder), local), nprocs=world)
+    ranks = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
+    return ranks, world, local or world
+
+
+def test_every_rank_gets_torchs_batches_for_every_scope(job):
+    ranks, _, _ = job
+    for rank, found in enumerate(ranks):
+        for key, result in found["compare"].items():
+            assert result["equal"], f"rank {rank}, {key}: batches differ from torch's"
+            assert result["batches"] > 0 and result["warnings"] == [], (rank, key)
+
+
+def test_node_and_world_hold_a_share_and_exchange(job):
+    ranks, world, node = job
+    shares = {"node": node, "world": world}
+    total = ranks[0]["total_bytes"]
+    held = dict.fromkeys(shares, 0)
+    for found in ranks:
+        for key, result in found["compare"].items():
+            scope = key.split("/")[0]
+            if scope not in shares:  # rank, and auto on a CPU device: each rank as today
+                assert result["exchange"] is None and not result["path"].startswith("sharded"), key
+                continue
+            exchange = result["exchange"]
+            assert result["path"] == f"sharded-{scope}", key
+            assert exchange["ranks_per_copy"] == shares[scope], key
+            assert abs(exchange["shard_bytes"] - total / shares[scope]) <= samples_job.ROW_BYTES, key
+            assert len(exchange["bytes_received_per_epoch"]) == 3
+            assert all(b > 0 for b in exchange["bytes_received_per_epoch"]), key
+            if key.endswith("shuffle=True/drop_last=False"):
+                held[scope] += exchange["shard_bytes"]
+    for scope, group in shares.items():
+        assert held[scope] == total * world // group  # one whole copy per group of ranks
+
+
+def test_dicts_tuples_and_dtypes_come_back_as_torch_collates_them(job):
+    for found in job[0]:
+        records = found["records"]
+        assert records["equal"] and records["path"] == "sharded-world"
+        assert records["exchange"]["shard_bytes"] > 0
+
+
+def test_share_is_read_by_workers_or_warm(job):
+    for found in job[0]:
+        assert found["workers"]["equal"] and found["workers"]["path"] == "sharded-node"
+        warm = found["warm"]
+        assert warm["equal"] and warm["warmed"] == "sharded-world", warm
+        assert "holds rows" in warm["decision"]
+
+
+def test_all_ranks_stopping_at_one_batch_then_resuming_gives_torchs_batches(job):
+    ranks, world, _ = job
+    for rank, found in enumerate(ranks):
+        assert found["resume"]["equal"], rank
+        assert found["resume"]["exchange"]["ranks_per_copy"] == world
+
+
+@pytest.mark.parametrize("scenario, says", [
+    ("random", "it looks randomly augmented"),
+    ("strings", "do not collate to fixed-shape tensors"),
+    ("odd_one", "differs from the probed ones"),
+    ("broken", "could not read a sample of its share"),
+    ("collate_fn", "custom collate_fn"),
+    ("host", "cache='host' keeps no device tier"),
+    ("other_sampler", "not torch's DistributedSampler"),
+])
+def test_what_cannot_be_split_stays_per_rank_and_says_why(job, scenario, says):
+    for rank, found in enumerate(job[0]):
+        seen = found[scenario]
+        assert seen["exchange"] is None, (rank, scenario)
+        assert any(says in w and "is not used" in w for w in seen["warnings"]), seen["warnings"]
+        if scenario != "random":  # random samples differ from torch's by design
+            assert seen["equal"], (rank, scenario)
+    if scenario == "broken":  # the rank whose read raised says what it was
+        assert any("KeyError" in w and "row 5 is missing" in w for w in job[0][0]["broken"]["warnings"])
+
+
+def test_rank_that_stops_early_makes_the_others_fail_within_the_timeout(job):
+    ranks, _, _ = job
+    assert ranks[0]["stop_early"]["error"] is None  # it broke out; nothing more to exchange
+    for found in ranks[1:]:
+        seen = found["stop_early"]
+        assert seen["error"] is not None and "stopped this epoch early" in seen["error"]
+        assert seen["seconds"] < ranks_job.EXCHANGE_TIMEOUT_S + 20
+
+
+def _settings(scope: str, cache: str = "auto") -> CacheSettings:
+    return CacheSettings.resolve(cache=cache, cache_scope=scope, environ={})
+
+
+def test_without_a_process_group_nothing_is_split():
+    data = samples_job.Pairs()
+    batches = BatchSampler(DistributedSampler(data, num_replicas=2, rank=0), 8, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = shard_samples(data, _settings("world"), torch.device("cpu"), batches, "t",
+                              default_collate=True, read=None, chunk_size=8)
+    assert found is None
+
+
+def test_a_reason_found_before_any_collective_warns_on_its_own():
+    """Decided from this rank's own view (the probe), before the ranks talk: no process group needed."""
+    data = samples_job.Random()
+    batches = BatchSampler(DistributedSampler(data, num_replicas=2, rank=0), 8, False)
+    context = DistributedContext(rank=0, world_size=2, local_world_size=2, backend="gloo")
+    with pytest.warns(UserWarning, match="randomly augmented"):
+        found = shard_samples(data, _settings("node"), torch.device("cpu"), batches, "t",
+                              default_collate=True, read=None, chunk_size=8, context=context)
+    assert found is None
+
+
+@pytest.mark.gpu
+def test_nccl_ranks_get_torchs_batches_from_device_shares(tmp_path):
+    world = torch.cuda.device_count()
+    if world < 2:
+        pytest.skip(f"needs 2 CUDA devices for NCCL between ranks; this machine has {world}")
+    mp.spawn(samples_job.run_nccl, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    for rank in range(world):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for scope, result in found.items():
+            assert result["equal"] and result["path"] == f"sharded-{scope}", (rank, scope)
+            assert result["exchange"]["shard_bytes"] > 0
