@@ -2,7 +2,8 @@
 
 ``torchrun --standalone --nproc_per_node 2 lightning_scope_job.py OUT_DIR``: Lightning re-creates
 the loader on each rank with a ``DistributedSampler``; each rank writes ``OUT_DIR/rank-N.json``
-with the sample ids of each epoch's batches, in order, and what the loader it trained on was.
+(what ``lightning_job.RecordSamples`` records) and ``OUT_DIR/batches-N.json``: the sample ids
+of each epoch's batches, in order, and the scope and exchange of the loader it trained on.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import gpuload
+from lightning_job import RecordSamples  # beside this file, which is sys.path[0] when run as a script
 
 NUM_SAMPLES = 64
 BATCH_SIZE = 4
@@ -27,33 +29,24 @@ def dataset() -> TensorDataset:
     return TensorDataset(torch.arange(NUM_SAMPLES, dtype=torch.float32).unsqueeze(1), torch.arange(NUM_SAMPLES))
 
 
-class RecordBatches(pl.LightningModule):
+class RecordBatches(RecordSamples):
+    """``RecordSamples`` (its ``rank-N.json``), plus each epoch's batches in order and the loader's
+    scope and exchange counters in ``batches-N.json``."""
+
     def __init__(self, out_dir: str) -> None:
-        super().__init__()
-        self.out_dir = out_dir
-        self.layer = torch.nn.Linear(1, 1)
+        super().__init__(out_dir)
         self.batches: dict[int, list[list[int]]] = {}
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        features, ids = batch
-        self.batches.setdefault(self.current_epoch, []).append(ids.tolist())
-        return self.layer(features).pow(2).mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+        self.batches.setdefault(self.current_epoch, []).append(batch[1].tolist())
+        return super().training_step(batch, batch_idx)
 
     def on_train_end(self) -> None:
+        super().on_train_end()
         loader = self.trainer.train_dataloader
-        record = {
-            "rank": self.global_rank,
-            "batches": self.batches,
-            "loader": f"{type(loader).__module__}.{type(loader).__qualname__}",
-            "sampler": type(loader.sampler).__name__,
-            "sampler_seed": loader.sampler.seed,
-            "cache_scope": loader.cache_scope,
-            "exchange": loader.stats.extra.get("exchange"),
-        }
-        Path(self.out_dir, f"rank-{self.global_rank}.json").write_text(json.dumps(record))
+        record = {"batches": self.batches, "sampler_seed": loader.sampler.seed, "cache_scope": loader.cache_scope,
+                  "exchange": loader.stats.extra.get("exchange")}
+        Path(self.out_dir, f"batches-{self.global_rank}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

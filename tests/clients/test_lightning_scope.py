@@ -40,7 +40,8 @@ def test_ddp_fit_shards_the_arrays_and_gives_each_rank_torchs_batches(tmp_path: 
                job.__file__, str(tmp_path)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    records = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(2)]
+    records = [{**json.loads((tmp_path / f"rank-{rank}.json").read_text()),
+                **json.loads((tmp_path / f"batches-{rank}.json").read_text())} for rank in range(2)]
     sample_bytes = 4 + 8  # float32 feature, int64 id
     for rank, record in enumerate(records):
         assert record["loader"] == "gpuload.loader.DataLoader" and record["sampler"] == "DistributedSampler"
