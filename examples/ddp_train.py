@@ -55,7 +55,7 @@ def arguments() -> argparse.Namespace:
 
 def join_process_group() -> torch.device:
     """Join the job torchrun started (or a job of one process), on this rank's GPU or the CPU."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     on_gpus = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
     backend = "nccl" if on_gpus else "gloo"
     if "RANK" in os.environ:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK

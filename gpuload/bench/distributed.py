@@ -42,8 +42,8 @@ from gpuload.device import DeviceError, cuda_available, resolve_device
 from gpuload.transfer import move_to_device
 
 __all__ = [
-    "SCOPES", "DistributedConfig", "parse_scopes", "choose_device", "batch_checksum", "rank_main",
-    "gather_rows", "format_distributed", "distributed_headline", "run_distributed_bench",
+    "DistributedConfig", "SCOPES", "batch_checksum", "choose_device", "distributed_headline",
+    "format_distributed", "gather_rows", "parse_scopes", "rank_main", "run_distributed_bench",
 ]
 
 SCOPES = ("rank", "node", "world", "auto")
@@ -406,7 +406,7 @@ def run_distributed_bench(config: DistributedConfig, out: Path, environment: dic
         f"{', '.join(config.scopes)}, {config.threads} torch thread(s) per rank", WIDTH, subsequent_indent="    "))
     try:
         ranks = spawn_ranks(config, quiet)
-    except Exception as error:  # a rank's exception arrives as torch.multiprocessing's ProcessRaisedException
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:  # a rank raised, or died
         print(*_ranks_said(error), sep="\n", file=sys.stderr)
         return 1
     document = {"scenario": "distributed", "config": {**asdict(config), "backend": config.backend},

@@ -120,7 +120,12 @@ def _distributed_problem(args: argparse.Namespace, scenario: str) -> str | None:
 
 def _distributed_config(args: argparse.Namespace, config) -> Any:
     """The scenario's configuration from the arguments (checked here, before any rank starts)."""
-    from gpuload.bench.distributed import DEFAULT_SCOPES, DistributedConfig, choose_device, parse_scopes
+    from gpuload.bench.distributed import (
+        DEFAULT_SCOPES,
+        DistributedConfig,
+        choose_device,
+        parse_scopes,
+    )
     from gpuload.device import usable_cpu_count
 
     processes = args.processes or 2

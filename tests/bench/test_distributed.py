@@ -11,13 +11,16 @@ import pytest
 import torch
 
 from gpuload.bench.distributed import (
+    DistributedConfig,
     batch_checksum,
     choose_device,
     distributed_headline,
     format_distributed,
     gather_rows,
     parse_scopes,
+    run_distributed_bench,
 )
+from gpuload.bench.scenarios import BenchConfig
 from gpuload.cli import main
 from gpuload.device import DeviceError, cuda_available
 
@@ -52,6 +55,14 @@ def test_two_ranks_get_torchs_batches_and_the_sharded_scopes_hold_half(tmp_path:
     out = capsys.readouterr().out
     assert "gpuload (scope world)" in out and "BATCHES DIFFER" not in out
     assert out.rstrip().endswith(f"results: {tmp_path / 'bench.json'}")
+
+
+def test_a_rank_that_raises_fails_the_run_with_its_error(tmp_path: Path, capsys) -> None:
+    config = DistributedConfig(BenchConfig(num_samples=64, batch_size=16, epochs=1, torch_workers=(0,), step="spin"))
+    assert run_distributed_bench(config, tmp_path, {}, quiet=True) == 1
+    error = capsys.readouterr().err
+    assert "gpuload bench: a rank failed: ProcessRaisedException" in error and "unknown step 'spin'" in error
+    assert not (tmp_path / "bench.json").exists()
 
 
 def test_the_report_from_a_stored_run_fits_100_columns_and_says_each_scope() -> None:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
+from lightning_job import RecordSamples  # beside this file: sys.path[0] when run as a script
 from torch.utils.data import TensorDataset
 
 import gpuload
-from lightning_job import RecordSamples  # beside this file, which is sys.path[0] when run as a script
 
 NUM_SAMPLES = 64
 BATCH_SIZE = 4

@@ -18,7 +18,7 @@ from torch.utils.data.distributed import DistributedSampler
 pytest.importorskip("pytorch_lightning", reason="PyTorch Lightning is a test dependency: pip install -e '.[test]'")
 
 sys.path.insert(0, str(Path(__file__).parent))
-import lightning_scope_job as job  # noqa: E402
+import lightning_scope_job as job
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN_ENV = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
