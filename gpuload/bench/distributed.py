@@ -34,11 +34,11 @@ from torch.utils.data.distributed import DistributedSampler
 
 import gpuload
 from gpuload.bench.measure import count_samples, synchronize
-from gpuload.bench.report import WIDTH, write_json
+from gpuload.bench.report import WIDTH, busy_note, write_json
 from gpuload.bench.scenarios import BenchConfig, synthetic_cifar
 from gpuload.bench.steps import make_step
 from gpuload.cache import format_bytes
-from gpuload.device import DeviceError, cuda_available, resolve_device
+from gpuload.device import DeviceError, cuda_available, resolve_device, usable_cpu_count
 from gpuload.transfer import move_to_device
 
 __all__ = [
@@ -388,6 +388,10 @@ def spawn_ranks(config: DistributedConfig, quiet: bool) -> list[dict[str, Any]]:
         return [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(config.processes)]
 
 
+def _load_average() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
 def _ranks_said(error: Exception) -> Iterator[str]:
     yield f"gpuload bench: a rank failed: {type(error).__name__}"
     yield from str(error).strip().splitlines()[-6:]
@@ -404,14 +408,20 @@ def run_distributed_bench(config: DistributedConfig, out: Path, environment: dic
         f"{bench.num_samples:,} CIFAR-shaped samples split by DistributedSampler, batch {bench.batch_size}, "
         f"{bench.epochs} timed epochs after 1 warm-up, loaders interleaved epoch by epoch, scopes "
         f"{', '.join(config.scopes)}, {config.threads} torch thread(s) per rank", WIDTH, subsequent_indent="    "))
+    load_before = _load_average()
     try:
         ranks = spawn_ranks(config, quiet)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:  # a rank raised, or died
         print(*_ranks_said(error), sep="\n", file=sys.stderr)
         return 1
+    load = max(load_before or 0, _load_average() or 0) or None
     document = {"scenario": "distributed", "config": {**asdict(config), "backend": config.backend},
-                "environment": environment, "rows": gather_rows(ranks), "ranks": ranks}
+                "environment": {**environment, "load_average_during": load}, "rows": gather_rows(ranks),
+                "ranks": ranks}
     say("", format_distributed(document), "")
+    busy = busy_note(load, usable_cpu_count(), config.threads)
+    if busy:
+        say(busy, "")
     write_json(out / "bench.json", document)
     print(*textwrap.wrap(distributed_headline(document), WIDTH, subsequent_indent="    "), sep="\n")
     print(f"results: {out / 'bench.json'}")
