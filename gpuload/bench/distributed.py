@@ -227,21 +227,24 @@ def _same(expected: list[torch.Tensor], got: list[torch.Tensor]) -> bool:
 
 def measure_rank(config: DistributedConfig, rank: int, device: torch.device,
                  progress: Callable[[int, int], None] = lambda done, total: None) -> dict[str, Any]:
-    """Run every loader on this rank, interleaved epoch by epoch; every rank calls this together."""
+    """Run every loader on this rank, interleaved epoch by epoch (each epoch's order rotated by
+    one), each batch's checksum compared with torch's; every rank calls this together."""
     dataset = synthetic_cifar(config.bench)
     dataset_bytes = sum(t.numel() * t.element_size() for t in dataset.tensors)
     step = make_step(config.bench.step, device, config.bench.step_ms)
     loaders = _rank_loaders(config, dataset, device)
     try:
         for epoch in range(config.bench.epochs + 1):
-            expected: list[torch.Tensor] | None = None
-            for rank_loader in loaders:
+            checksums = {}
+            # Each epoch starts with the next loader, so that none always follows the same one.
+            first = epoch % len(loaders)
+            for rank_loader in loaders[first:] + loaders[:first]:
                 rank_loader.sampler.set_epoch(epoch)
                 dist.barrier()  # each loader's epoch starts together on every rank
-                checksums = [c.cpu() for c in _timed_epoch(rank_loader, device, step)]
-                if expected is None:
-                    expected = checksums
-                rank_loader.measured.equal &= _same(expected, checksums)
+                checksums[id(rank_loader)] = [c.cpu() for c in _timed_epoch(rank_loader, device, step)]
+            expected = checksums[id(loaders[0])]  # torch's, the baseline
+            for rank_loader in loaders:
+                rank_loader.measured.equal &= _same(expected, checksums[id(rank_loader)])
             progress(epoch + 1, config.bench.epochs + 1)
         for rank_loader in loaders:
             rank_loader.record_holdings(dataset_bytes, device)
