@@ -150,3 +150,21 @@ def test_bad_arguments_are_one_line_and_exit_2(args: list[str], message: str, tm
     error = capsys.readouterr().err
     assert message in error, error
     assert not (tmp_path / "bench.json").exists()
+
+
+@pytest.mark.gpu
+def test_nccl_ranks_with_a_gpu_each_hold_their_share_on_the_device(tmp_path: Path) -> None:
+    count = torch.cuda.device_count()
+    if count < 2:
+        pytest.skip(f"needs 2 CUDA devices for NCCL between ranks (one per rank); this machine has {count}")
+    args = ["bench", "--scenario", "distributed", "--samples", "1000", "--batch-size", "100", "--epochs", "1",
+            "--device", "cuda", "--out", str(tmp_path)]
+    assert main(args) == 0
+    document = json.loads((tmp_path / "bench.json").read_text())
+    assert document["config"]["backend"] == "nccl"
+    dataset_bytes = document["ranks"][0]["dataset_bytes"]
+    rows = {row["scope"] or "torch": row for row in document["rows"]}
+    assert all(row["equal"] == [True, True] for row in rows.values())
+    assert rows["rank"]["held_where"] == "device" and rows["rank"]["held_bytes"] == [dataset_bytes] * 2
+    for scope in ("node", "world"):
+        assert rows[scope]["held_where"] == "device" and sum(rows[scope]["held_bytes"]) == dataset_bytes
