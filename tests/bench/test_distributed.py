@@ -24,7 +24,7 @@ from gpuload.bench.scenarios import BenchConfig
 from gpuload.cli import main
 from gpuload.device import DeviceError, cuda_available
 
-STORED = Path(__file__).parent / "fixtures" / "distributed-cpu.json"  # a real default run, 2 CPU ranks
+STORED = Path(__file__).parent / "distributed-cpu.json"  # a real default run, 2 CPU ranks
 
 
 def test_two_ranks_get_torchs_batches_and_the_sharded_scopes_hold_half(tmp_path: Path, capsys) -> None:
