@@ -34,7 +34,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import gpuload
 from gpuload.bench.measure import count_samples, synchronize
-from gpuload.bench.report import WIDTH, busy_note, write_json
+from gpuload.bench.report import WIDTH, busy_note, display_name, write_json
 from gpuload.bench.scenarios import BenchConfig, synthetic_cifar
 from gpuload.bench.steps import make_step
 from gpuload.cache import format_bytes
@@ -235,16 +235,14 @@ def measure_rank(config: DistributedConfig, rank: int, device: torch.device,
     loaders = _rank_loaders(config, dataset, device)
     try:
         for epoch in range(config.bench.epochs + 1):
-            checksums = {}
+            checksums: dict[int, list[torch.Tensor]] = {}
             # Each epoch starts with the next loader, so that none always follows the same one.
-            first = epoch % len(loaders)
-            for rank_loader in loaders[first:] + loaders[:first]:
-                rank_loader.sampler.set_epoch(epoch)
+            for index in [(epoch + k) % len(loaders) for k in range(len(loaders))]:
+                loaders[index].sampler.set_epoch(epoch)
                 dist.barrier()  # each loader's epoch starts together on every rank
-                checksums[id(rank_loader)] = [c.cpu() for c in _timed_epoch(rank_loader, device, step)]
-            expected = checksums[id(loaders[0])]  # torch's, the baseline
-            for rank_loader in loaders:
-                rank_loader.measured.equal &= _same(expected, checksums[id(rank_loader)])
+                checksums[index] = [c.cpu() for c in _timed_epoch(loaders[index], device, step)]
+            for index, rank_loader in enumerate(loaders):  # against torch's, the baseline (first)
+                rank_loader.measured.equal &= _same(checksums[0], checksums[index])
             progress(epoch + 1, config.bench.epochs + 1)
         for rank_loader in loaders:
             rank_loader.record_holdings(dataset_bytes, device)
@@ -331,10 +329,6 @@ def _median(values: list[float | None]) -> float | None:
 NAME_WIDTH = 23
 
 
-def _short(name: str) -> str:
-    return name.replace("torch DataLoader", "torch").replace("gpuload DataLoader", "gpuload")
-
-
 def format_distributed(document: dict[str, Any]) -> str:
     """The table: one row per loader, the ranks' median and range, in at most 100 columns."""
     rows, config = document["rows"], document["config"]
@@ -347,7 +341,7 @@ def format_distributed(document: dict[str, Any]) -> str:
         waited = _median(row["exchange_wait_s_per_epoch"])
         holds = "-" if row["held_where"] == "-" else f"{format_bytes(_median(row['held_bytes']))} {row['held_where']}"
         lines.append(
-            f"{_short(row['name']):<{NAME_WIDTH}} {_rate(statistics.median(rates)):>14} "
+            f"{display_name(row['name']):<{NAME_WIDTH}} {_rate(statistics.median(rates)):>14} "
             f"{_rate(min(rates)) + '-' + _rate(max(rates)):>13} {statistics.median(row['x_torch']):>6.2f}x "
             f"{holds:>19} {'-' if received is None else format_bytes(received):>10} "
             f"{'-' if waited is None else f'{waited:.3f}s':>7}"
