@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 # What each example prints when it did its job; an example not listed must exit 0 and print.
-EXPECTED = {"train_loop.py": "epoch 1: loss", "train_images.py": "epoch 1: loss", "resume.py": "resumed exactly: True"}
+EXPECTED = {"train_loop.py": "epoch 1: loss", "train_images.py": "epoch 1: loss", "resume.py": "resumed exactly: True",
+            "ddp_train.py": "epoch 1: loss"}  # ddp_train.py without torchrun: a job of one process
 
 
 @pytest.mark.slow
@@ -41,3 +44,29 @@ def test_plan_job_example_with_its_own_model() -> None:
 def test_plan_job_example_with_resnet50_when_torchvision_is_installed() -> None:
     pytest.importorskip("torchvision", reason="torchvision is not installed: the example plans its own model")
     assert "torchvision ResNet-50" in _run_plan_example()
+
+
+def _torchrun_ddp_train(*args: str) -> str:
+    """``torchrun --standalone --nproc-per-node 2 examples/ddp_train.py ARGS``: rank 0's output."""
+    env = {name: value for name, value in os.environ.items()
+           if name not in {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLES.parent), os.environ.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(EXAMPLES / "ddp_train.py"), "--samples", "2048", "--batch-size", "64", *args]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_ddp_train_under_torchrun_stops_every_rank_together_and_resumes_where_it_stopped(tmp_path: Path) -> None:
+    """2 ranks, one copy of the data split over them: an agreed stop after the first batch saves
+    each rank's checkpoint; the resumed job trains the epoch's other 15 batches, then a whole one."""
+    stopped = _torchrun_ddp_train("--epochs", "2", "--stop-after-seconds", "0", "--checkpoint", str(tmp_path))
+    assert "epoch 0: loss" in stopped and "(mean over 2 rank(s), 1 batches each, stopped)" in stopped, stopped
+    assert "each rank holds 3.0 of the dataset's 6.0 MiB" in stopped  # cache_scope="node": half each
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.pt", "rank1.pt"]
+    resumed = _torchrun_ddp_train("--epochs", "2", "--checkpoint", str(tmp_path), "--resume")
+    assert "resumed at epoch 0" in resumed
+    batches = [int(n) for n in re.findall(r"epoch \d: loss [\d.]+ \(mean over 2 rank\(s\), (\d+) batches", resumed)]
+    assert batches == [15, 16], resumed  # 2048 samples / 2 ranks / batch 64 = 16 per epoch

@@ -104,6 +104,37 @@ def _options_problem(args: argparse.Namespace, scenario: str, device) -> str | N
     return None
 
 
+def _distributed_problem(args: argparse.Namespace, scenario: str) -> str | None:
+    """Why an option does not fit the distributed scenario (or its options another), or None."""
+    if scenario != "distributed":
+        given = [flag for flag, value in (("--processes", args.processes), ("--scopes", args.scopes)) if value]
+        return f"argument {given[0]}: only applies to --scenario distributed" if given else None
+    if args.data is not None:
+        return "argument --data: the distributed scenario makes its own CIFAR-shaped arrays (--samples N)"
+    if args.device_memory is not None:
+        return "argument --device-memory: the distributed scenario reports what each rank really holds"
+    if args.processes is not None and args.processes < 2:
+        return f"argument --processes: {args.processes} must be at least 2 (ranks that exchange batches)"
+    return None
+
+
+def _distributed_config(args: argparse.Namespace, config) -> Any:
+    """The scenario's configuration from the arguments (checked here, before any rank starts)."""
+    from gpuload.bench.distributed import (
+        DEFAULT_SCOPES,
+        DistributedConfig,
+        choose_device,
+        parse_scopes,
+    )
+    from gpuload.device import usable_cpu_count
+
+    processes = args.processes or 2
+    scopes = _checked(lambda: parse_scopes(args.scopes), "--scopes") if args.scopes else DEFAULT_SCOPES
+    device = _checked(lambda: choose_device(args.device, processes), "--device")
+    threads = args.threads or max(1, usable_cpu_count() // processes)
+    return DistributedConfig(config, processes, scopes, device, threads)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run ``gpuload bench`` with parsed arguments; 0 on success, 2 on a bad argument."""
     try:
@@ -195,7 +226,7 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
 
     device = _checked(lambda: resolve_device(args.device), "--device")
     scenario = _scenario(args)
-    problem = _options_problem(args, scenario, device)
+    problem = _distributed_problem(args, scenario) or _options_problem(args, scenario, device)
     if problem:
         raise UsageError(problem)
     if args.save_images is not None and scenario != "images":
@@ -212,7 +243,8 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
         num_samples=args.samples or (10_000 if args.quick else 50_000),
         batch_size=args.batch_size or (128 if scenario == "images" else 512),
         epochs=args.epochs or (2 if args.quick else 5),
-        torch_workers=tuple(args.torch_workers),
+        torch_workers=tuple(args.torch_workers) if args.torch_workers is not None
+        else (0,) if scenario == "distributed" else (0, 2),
         step=args.step,
         step_ms=args.step_ms,
         seed=args.seed,
@@ -222,6 +254,10 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
 
         return run_samples_bench(args.quick, args.samples, args.batch_size, device, out, environment(device),
                                  quiet=args.quiet)
+    if scenario == "distributed":
+        from gpuload.bench.distributed import run_distributed_bench
+
+        return run_distributed_bench(_distributed_config(args, config), out, environment(device), quiet=args.quiet)
     specs, described, extra = _scenario_loaders(args, scenario, config, device, cleanup)
     say = (lambda *lines: None) if args.quiet else (lambda *lines: print(*lines, sep="\n", flush=True))
     say(*textwrap.wrap(

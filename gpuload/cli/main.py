@@ -18,11 +18,12 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="time gpuload against torch's DataLoader, side by side")
     bench.add_argument("--quick", action="store_true", help="a smaller run, well under a minute on 2 cores")
-    bench.add_argument("--scenario", choices=["inmemory", "images", "partial", "samples", "augment"], default=None,
+    bench.add_argument("--scenario", choices=["inmemory", "images", "partial", "samples", "augment", "distributed"],
+                       default=None,
                        help="in-memory arrays (default), an image folder (default with a folder --data), "
                             "arrays larger than the cache budget (partial), many small samples of a generic "
                             "dataset through the sample cache (samples), or in-memory images with crop + flip "
-                            "+ normalize augmentation (augment)")
+                            "+ normalize augmentation (augment), or N processes on torch.distributed (distributed)")
     bench.add_argument("--data", default=None, metavar="PATH",
                        help="your own .npy/.npz (rows = samples) or image folder (class subfolders); only read")
     bench.add_argument("--save-images", default=None, metavar="DIR",
@@ -39,8 +40,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="synthetic dataset size (default 50000 arrays, 1024 images)")
     bench.add_argument("--batch-size", type=positive_int, default=None, help="default 512 (arrays), 128 (images)")
     bench.add_argument("--epochs", type=positive_int, default=None, help="timed epochs after the warm-up (default 5)")
-    bench.add_argument("--torch-workers", type=non_negative_int, nargs="+", default=[0, 2],
-                       help="num_workers to try for torch")
+    bench.add_argument("--torch-workers", type=non_negative_int, nargs="+", default=None,
+                       help="num_workers to try for torch (default 0 2; distributed: 0)")
+    bench.add_argument("--processes", type=positive_int, default=None, metavar="N",
+                       help="distributed: ranks to run (default 2), gloo on the CPU, NCCL with one GPU each")
+    bench.add_argument("--scopes", default=None, metavar="LIST",
+                       help="distributed: gpuload's cache_scope values to run, comma-separated (default "
+                            "rank,node,world; auto also)")
     bench.add_argument("--step", choices=["none", "sleep", "cnn"], default="none",
                        help="training step per batch: none, a synthetic one of --step-ms, or a small CNN")
     bench.add_argument("--step-ms", type=non_negative_float, default=5.0, help="duration of the sleep step")

@@ -1,0 +1,55 @@
+"""Lightning's ``ddp`` strategy under torchrun keeps a gpuload loader's ``cache_scope``: the loader
+it re-creates with a ``DistributedSampler`` splits one copy of the arrays over the 2 CPU ranks,
+each rank gets torch's batches in torch's order, and ``limit_train_batches`` stops every rank at
+the same batch, epoch after epoch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.utils.data import BatchSampler
+from torch.utils.data.distributed import DistributedSampler
+
+pytest.importorskip("pytorch_lightning", reason="PyTorch Lightning is a test dependency: pip install -e '.[test]'")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import lightning_scope_job as job
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN_ENV = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
+                "GROUP_RANK"}
+
+
+def torchs_batches(rank: int, epoch: int) -> list[list[int]]:
+    """What torch's DataLoader with Lightning's DistributedSampler (seed 0) gives ``rank``."""
+    sampler = DistributedSampler(job.dataset(), num_replicas=2, rank=rank, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    return list(BatchSampler(sampler, job.BATCH_SIZE, drop_last=False))[: job.LIMIT_BATCHES]
+
+
+@pytest.mark.slow
+def test_ddp_fit_shards_the_arrays_and_gives_each_rank_torchs_batches(tmp_path: Path) -> None:
+    env = {name: value for name, value in os.environ.items() if name not in TORCHRUN_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               job.__file__, str(tmp_path)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = [{**json.loads((tmp_path / f"rank-{rank}.json").read_text()),
+                **json.loads((tmp_path / f"batches-{rank}.json").read_text())} for rank in range(2)]
+    sample_bytes = 4 + 8  # float32 feature, int64 id
+    for rank, record in enumerate(records):
+        assert record["loader"] == "gpuload.loader.DataLoader" and record["sampler"] == "DistributedSampler"
+        assert record["cache_scope"] == "world" and record["sampler_seed"] == 0
+        for epoch in range(job.EPOCHS):
+            assert record["batches"][str(epoch)] == torchs_batches(rank, epoch), (rank, epoch)
+        exchange = record["exchange"]
+        assert exchange["scope"] == "world" and exchange["ranks_per_copy"] == 2
+        assert exchange["shard_bytes"] == job.NUM_SAMPLES // 2 * sample_bytes
+        assert len(exchange["bytes_received_per_epoch"]) == job.EPOCHS
+        assert exchange["local_rows"] + exchange["received_rows"] == job.EPOCHS * job.LIMIT_BATCHES * job.BATCH_SIZE
