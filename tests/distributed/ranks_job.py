@@ -146,6 +146,32 @@ def other_sampler(data: tud.Dataset) -> dict:
     return {"equal": equal, "warnings": [str(w.message) for w in caught], "exchange": ours.stats.extra.get("exchange")}
 
 
+def close_while_waiting(data: tud.Dataset) -> dict:
+    """Rank 0 starts an epoch whose exchange runs ahead; the other ranks only place their share
+    (``warm``), so rank 0's first collective never completes. Closing rank 0's loader abandons it
+    at once (not after the exchange timeout) and its thread ends."""
+    baseline = threads.snapshot()
+    loader = gpuload.DataLoader(data, 4, sampler=DistributedSampler(data, seed=SEED), device="cpu",
+                                cache_scope="world", prefetch_depth=2)
+    seconds, error, left = 0.0, None, []
+    if dist.get_rank() == 0:
+        iterator = iter(loader)
+        time.sleep(0.3)  # its thread now waits for the other ranks
+        began = time.perf_counter()
+        loader.close()
+        seconds = time.perf_counter() - began
+        left = sorted(t.name for t in threads.wait_threads(baseline, deadline_s=1.0))
+        try:
+            next(iterator)
+        except Exception as caught:  # noqa: BLE001 - what the loop sees is the finding
+            error = f"{type(caught).__name__}: {caught}"
+    else:
+        loader.warm(progress=False)
+    dist.barrier()
+    loader.close()
+    return {"seconds": seconds, "threads_left": left, "error": error}
+
+
 def stop_early(data: tud.Dataset, then_next_epoch: bool, prefetch_depth: int | None = None) -> dict:
     """Rank 0 breaks after two batches of epoch 0; the others go on. Returns what each saw."""
     loader = gpuload.DataLoader(data, 4, sampler=DistributedSampler(data, seed=SEED), device="cpu",
@@ -190,6 +216,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
         found["stop_then_wait"] = stop_early(data, then_next_epoch=False)
         found["stop_then_next_epoch"] = stop_early(data, then_next_epoch=True)
         found["stop_then_wait_depth4"] = stop_early(data, then_next_epoch=False, prefetch_depth=4)
+        found["close_while_waiting"] = close_while_waiting(data)
         found["all_stop"] = {f"{depth}/{end}": all_stop_together(data, depth, end)
                              for depth, end in ((2, "del"), (4, "close"))}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))

@@ -149,3 +149,10 @@ def test_rank_that_stops_early_with_a_deep_prefetch_still_makes_the_others_fail(
         seen = found["stop_then_wait_depth4"]
         assert seen["error"] is not None and "stopped this epoch early" in seen["error"]
         assert seen["seconds"] < ranks_job.EXCHANGE_TIMEOUT_S + 20
+
+
+def test_closing_a_loader_abandons_an_exchange_the_other_ranks_never_join(job):
+    seen = job[0][0]["close_while_waiting"]
+    assert seen["seconds"] < 1.5  # not the exchange timeout (3 s)
+    assert seen["threads_left"] == []
+    assert seen["error"] is not None and "closed" in seen["error"]
