@@ -329,13 +329,15 @@ class ShardedArrayStore:
             previous.cancel()
             previous.close()
         slot = self.exchange_stats.begin_epoch(loop_wait_s, ahead)
-        sampler = batch_sampler.sampler
+        # Read now: the steps may be made later (ahead, or completing a stopped epoch) than a
+        # set_epoch() the loop makes for its next epoch.
+        sampler_epoch, seed = int(batch_sampler.sampler.epoch), int(batch_sampler.sampler.seed)
 
         def make(step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
             if self._closed:
                 raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
             plan = plan_step(self._rank, [batches[step] for batches in everyone], self.plan.partition)
-            header = (int(sampler.epoch), step, len(mine), int(sampler.seed))
+            header = (sampler_epoch, step, len(mine), seed)
             return self._exchange(plan, header, slot), mine[step]
 
         self._steps = ExchangeSteps(range(skipped, len(mine)), make, self._issuing, ahead, lambda: self._closed)

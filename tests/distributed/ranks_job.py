@@ -77,31 +77,34 @@ def compare(
 
 
 def all_stop_together(data: tud.Dataset, prefetch_depth: int, end: str) -> dict:
-    """Every rank breaks at batch 2 of epoch 0 while the exchange runs ahead, runs epoch 1 on the
-    same loader (torch's batches: the ranks' exchanges stayed in step), breaks at batch 1 of
-    epoch 2, then ends the loader (``end``: "del" or "close"). Returns what this rank saw."""
+    """Every rank stops epoch 0 after its first batch while the exchange runs ahead (rank 0 at
+    once, its thread still running ahead; the others later, theirs as far ahead as allowed), runs
+    epoch 1 on the same loader (torch's batches: the ranks' exchanges stayed in step), stops
+    taking batches of epoch 2 after two, then ends the loader (``end``: "del" or "close") while
+    still holding that epoch's iterator. Returns what this rank saw."""
     baseline = threads.snapshot()
     theirs = tud.DataLoader(data, 4, sampler=DistributedSampler(data, seed=SEED))
     ours = gpuload.DataLoader(data, 4, sampler=DistributedSampler(data, seed=SEED), device="cpu",
                               cache_scope="world", prefetch_depth=prefetch_depth)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step, _ in enumerate(ours):
-            if step == 2:
-                break
+        for _ in ours:
+            if dist.get_rank() != 0:
+                time.sleep(0.3)
+            break
         theirs.sampler.set_epoch(1)
         ours.sampler.set_epoch(1)
         expected, got = list(theirs), list(ours)
         equal = len(expected) == len(got) and all(same(a, b) for a, b in zip(expected, got))
         ours.sampler.set_epoch(2)
         began = time.perf_counter()
-        for step, _ in enumerate(ours):
-            if step == 1:
-                break
+        held = iter(ours)
+        next(held), next(held)
         exchange = ours.stats.extra["exchange"]
         if end == "close":
             ours.close()
         del ours
+        del held
         gc.collect()
         seconds = time.perf_counter() - began
     left = threads.wait_threads(baseline, deadline_s=5.0)
