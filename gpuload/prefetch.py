@@ -452,6 +452,9 @@ class _Epoch(Iterator[Any]):
         self._stopped_by: str | None = None
         self._lock = threading.Lock()  # orders _stop_by (any thread) against the consumer
         self._next_index = 0
+        # A source that may wait for the consumer (a collective exchange running ahead) is told
+        # when the consumer stops, from the consumer's thread.
+        self._cancel_source = getattr(source, "cancel", None)
         self._thread = threading.Thread(
             target=_work,
             args=(source, ring, self._queue, self._tokens, self._stop),
@@ -543,6 +546,8 @@ class _Epoch(Iterator[Any]):
     def _signal_stop(self) -> None:
         self._finished = True
         self._stop.set()
+        if self._cancel_source is not None:
+            self._cancel_source()
         self._tokens.release(self._depth + 1)  # wake the thread if it waits for a free slot
         self._drain()
 

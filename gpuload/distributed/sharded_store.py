@@ -8,14 +8,20 @@ ranks that ran different numbers of batches fail here, with an :class:`ExchangeE
 wrong batch) and one ``all_to_all_single`` carrying the rows of every array at once, packed as
 bytes; the rows this rank holds itself are gathered locally. The batch is exactly the one
 torch's DataLoader with the same ``DistributedSampler`` gives.
+
+The steps may run ahead of the loop, in the prefetcher's thread and on its side stream
+(:mod:`gpuload.distributed.exchange_steps` keeps the ranks' collectives in step): on CUDA the
+NCCL exchange is issued on the current stream of the thread that runs it and waited for by
+that stream, never by the host.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 import warnings
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +33,11 @@ from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.oom import is_oom
 from gpuload.device import device_memory
 from gpuload.distributed.exchange_plan import StepPlan, plan_step
+from gpuload.distributed.exchange_steps import (
+    ExchangeSteps,
+    LoaderClosedError,
+    wait_work,
+)
 from gpuload.distributed.group import (
     EXCHANGE_TIMEOUT_ENV,
     DistributedContext,
@@ -49,33 +60,52 @@ __all__ = [
     "split_context", "split_obstacle",
 ]
 
+_LET_GO_S = 2.0  # how long close() waits for a thread inside the exchange to abandon it
 _SCOPE_CODES = {"auto": 0, "rank": 1, "node": 2, "world": 3}
 _HEADER = ("sampler epoch", "batch", "batches in the epoch", "seed", "rows")
 
 
 @dataclass
 class ExchangeStats:
-    """This rank's exchange counters: rows' bytes sent to and received from other ranks, and
-    the host time spent in the exchange (waiting for the other ranks included), per epoch."""
+    """This rank's exchange counters, per epoch: rows' bytes sent to and received from other
+    ranks; ``wait_s_per_epoch``: host time spent in the exchange itself, in whichever thread
+    made it (waiting for the other ranks included); the loop's own wait for its batches is
+    measured by the loader: ``loop_wait_marks`` holds its running total at each epoch start."""
 
     bytes_sent_per_epoch: list[int] = field(default_factory=list)
     bytes_received_per_epoch: list[int] = field(default_factory=list)
     wait_s_per_epoch: list[float] = field(default_factory=list)
     local_rows: int = 0
     received_rows: int = 0
+    loop_wait_marks: list[float] = field(default_factory=list)
+    ahead: bool = False
 
-    def begin_epoch(self) -> None:
+    def begin_epoch(self, loop_wait_s: float = 0.0, ahead: bool = False) -> int:
+        """Open the next epoch's counters; returns its position in the per-epoch lists."""
         self.bytes_sent_per_epoch.append(0)
         self.bytes_received_per_epoch.append(0)
         self.wait_s_per_epoch.append(0.0)
+        self.loop_wait_marks.append(loop_wait_s)
+        self.ahead = ahead
+        return len(self.wait_s_per_epoch) - 1
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, loop_wait_s: float | None = None) -> dict[str, Any]:
+        """The counters; ``loop_wait_s``: the loop's running wait total now, for the per-epoch
+        ``loop_wait_s_per_epoch`` (the time the loop waited for its batches in each epoch)."""
+        marks = self.loop_wait_marks
+        ends = [*marks[1:], loop_wait_s if loop_wait_s is not None else (marks[-1] if marks else 0.0)]
+        loop_wait = [max(end - start, 0.0) for start, end in zip(marks, ends)]
         return {
+            "ahead": self.ahead,
             "bytes_sent": sum(self.bytes_sent_per_epoch),
             "bytes_received": sum(self.bytes_received_per_epoch),
+            "exchange_s": sum(self.wait_s_per_epoch),
+            "loop_wait_s": sum(loop_wait),
             "wait_s": sum(self.wait_s_per_epoch),
             "bytes_sent_per_epoch": list(self.bytes_sent_per_epoch),
             "bytes_received_per_epoch": list(self.bytes_received_per_epoch),
+            "exchange_s_per_epoch": list(self.wait_s_per_epoch),
+            "loop_wait_s_per_epoch": loop_wait,
             "wait_s_per_epoch": list(self.wait_s_per_epoch),
             "local_rows": self.local_rows,
             "received_rows": self.received_rows,
@@ -263,6 +293,8 @@ class ShardedArrayStore:
         self._closed = False
         self._hits = 0
         self.exchange_stats = ExchangeStats()
+        self._issuing = threading.Lock()  # one thread at a time issues the exchange's collectives
+        self._steps: ExchangeSteps | None = None  # the latest epoch's
 
     @classmethod
     def from_block(
@@ -296,14 +328,15 @@ class ShardedArrayStore:
         copied = self._nbytes if self.device.type == "cuda" and not self._closed else 0
         return StoreStats(device_samples=rows, device_bytes=copied, fill_bytes=copied, device_hits=self._hits)
 
-    def describe_exchange(self) -> dict[str, Any]:
-        """For ``loader.stats.extra["exchange"]``."""
+    def describe_exchange(self, loop_wait_s: float | None = None) -> dict[str, Any]:
+        """For ``loader.stats.extra["exchange"]``; ``loop_wait_s``: the loader's running total of
+        the loop's wait (see :meth:`ExchangeStats.as_dict`)."""
         return {
             "scope": self.plan.decision.scope,
             "ranks_per_copy": self.plan.decision.group_size,
             "shard_rows": self.stats.device_samples,
             "shard_bytes": self._nbytes,
-            **self.exchange_stats.as_dict(),
+            **self.exchange_stats.as_dict(loop_wait_s),
         }
 
     def shrink_device_tier(self, max_bytes: int) -> int:
@@ -311,22 +344,39 @@ class ShardedArrayStore:
         return 0
 
     def close(self) -> None:
-        """Drop the share, its ledger booking and the exchange's groups. Safe to call twice."""
+        """Drop the share, its ledger booking and the exchange's groups. Safe to call twice.
+
+        An exchange waiting for other ranks in another thread (run ahead) is abandoned: it
+        notices within a fraction of a second, and the groups are released after it let go.
+        """
         if self._closed:
             return
         self._closed = True
-        self._shard = torch.empty((0, self._shard.shape[1]), dtype=torch.uint8, device=self.device)
-        if self.device.type == "cuda":
-            self._ledger.release(self._owner)
-        release_groups((self._control, self._data))
+        if self._steps is not None:
+            self._steps.cancel()
+        let_go = self._issuing.acquire(timeout=_LET_GO_S)
+        try:
+            self._shard = torch.empty((0, self._shard.shape[1]), dtype=torch.uint8, device=self.device)
+            if self.device.type == "cuda":
+                self._ledger.release(self._owner)
+            release_groups((self._control, self._data))
+        finally:
+            if let_go:
+                self._issuing.release()
 
-    def epoch(self, batch_sampler: Any, drawn: list[torch.Tensor]) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
-        """Yield ``(arrays of the batch, its indices)`` for each of ``drawn``, this rank's batches
-        of the epoch as its loader drew them (the last ones only, after a resume).
+    def epoch(
+        self, batch_sampler: Any, drawn: list[torch.Tensor], *, ahead: bool = False, loop_wait_s: float = 0.0
+    ) -> ExchangeSteps[tuple[list[torch.Tensor], torch.Tensor]]:
+        """``(arrays of the batch, its indices)`` for each of ``drawn``, this rank's batches of
+        the epoch as its loader drew them (the last ones only, after a resume).
 
         ``batch_sampler`` is the loader's, after ``set_epoch``: every rank's batches are
         computed from it. Each step exchanges with the other ranks, which must run the same
-        steps; the first ``next()`` already checks the epoch against them.
+        steps; the first ``next()`` already checks the epoch against them. ``ahead``: the steps
+        run in the prefetcher's thread, ahead of the loop, which calls ``handed_over()`` on the
+        result for each batch it receives (:class:`ExchangeSteps`). The previous epoch, if it
+        was stopped early, is completed first, the same way on every rank. ``loop_wait_s``: the
+        loader's running total of the loop's wait, at this epoch's start.
         """
         everyone = every_rank_batches(batch_sampler)
         mine = everyone[self._rank]
@@ -337,16 +387,29 @@ class ShardedArrayStore:
                 "gives; the sharded cache needs torch's BatchSampler over torch's DistributedSampler, "
                 "unchanged during the epoch"
             )
-        self.exchange_stats.begin_epoch()
-        sampler = batch_sampler.sampler
-        for step in range(skipped, len(mine)):
+        if self._closed:
+            raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
+        previous, self._steps = self._steps, None
+        if previous is not None:
+            previous.cancel()
+            previous.close()
+        slot = self.exchange_stats.begin_epoch(loop_wait_s, ahead)
+        # Read now: the steps may be made later (ahead, or completing a stopped epoch) than a
+        # set_epoch() the loop makes for its next epoch.
+        sampler_epoch, seed = int(batch_sampler.sampler.epoch), int(batch_sampler.sampler.seed)
+
+        def make(step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
             if self._closed:
                 raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
             plan = plan_step(self._rank, [batches[step] for batches in everyone], self.plan.partition)
-            header = (int(sampler.epoch), step, len(mine), int(sampler.seed))
-            yield self._exchange(plan, header), mine[step]
+            header = (sampler_epoch, step, len(mine), seed)
+            return self._exchange(plan, header, slot), mine[step]
 
-    def _exchange(self, plan: StepPlan, header: tuple[int, ...]) -> list[torch.Tensor]:
+        self._steps = ExchangeSteps(range(skipped, len(mine)), make, self._issuing, ahead, lambda: self._closed)
+        return self._steps
+
+    def _exchange(self, plan: StepPlan, header: tuple[int, ...], slot: int = -1) -> list[torch.Tensor]:
+        """One step's batch; on CUDA, ordered on the current stream (see the module docstring)."""
         began = time.perf_counter()
         self._check_peers(plan, header)
         to_device = self.device.type == "cuda"
@@ -358,8 +421,12 @@ class ShardedArrayStore:
         grouped = torch.empty((plan.batch_size, shard.shape[1]), dtype=torch.uint8, device=self.device)
         outgoing = shard.index_select(0, send_rows)
         try:
-            dist.all_to_all_single(grouped[: plan.received], outgoing, plan.recv_splits, plan.send_splits,
-                                   group=self._data)
+            work = dist.all_to_all_single(grouped[: plan.received], outgoing, plan.recv_splits, plan.send_splits,
+                                          group=self._data, async_op=True)
+            # NCCL: the current stream waits, and the work keeps outgoing/grouped alive until then.
+            wait_work(work, not to_device, lambda: self._closed)
+        except LoaderClosedError:
+            raise
         except RuntimeError as error:
             raise self._stopped(header, error) from error
         torch.index_select(shard, 0, local_rows, out=grouped[plan.received :])
@@ -369,11 +436,11 @@ class ShardedArrayStore:
             leaves.append(rows.view(dtype).view(plan.batch_size, *shape))
             offset += row_bytes
         stats = self.exchange_stats
-        stats.bytes_sent_per_epoch[-1] += plan.sent * shard.shape[1]
-        stats.bytes_received_per_epoch[-1] += plan.received * shard.shape[1]
+        stats.bytes_sent_per_epoch[slot] += plan.sent * shard.shape[1]
+        stats.bytes_received_per_epoch[slot] += plan.received * shard.shape[1]
         stats.received_rows += plan.received
         stats.local_rows += local_rows.numel()
-        stats.wait_s_per_epoch[-1] += time.perf_counter() - began
+        stats.wait_s_per_epoch[slot] += time.perf_counter() - began
         self._hits += local_rows.numel()
         return leaves
 
@@ -385,7 +452,10 @@ class ShardedArrayStore:
         outgoing = torch.tensor([[*header, plan.send_splits[r]] for r in peers], dtype=torch.int64).reshape(-1)
         incoming = torch.empty(len(peers) * width, dtype=torch.int64)
         try:
-            dist.all_to_all_single(incoming, outgoing, splits, splits, group=self._control)
+            work = dist.all_to_all_single(incoming, outgoing, splits, splits, group=self._control, async_op=True)
+            wait_work(work, True, lambda: self._closed)
+        except LoaderClosedError:
+            raise
         except RuntimeError as error:
             raise self._stopped(header, error) from error
         for peer, theirs in zip(peers, incoming.view(-1, width).tolist()):

@@ -29,7 +29,7 @@ from gpuload.distributed.shared_host import node_host_tier
 from gpuload.distributed.sharded_store import ShardedArrayStore, shard_arrays
 from gpuload.prefetch import Fill, TensorSpec, default_depth
 from gpuload.sampling import in_range
-from gpuload.sources import Epoch, EpochRequest, Setup, Source
+from gpuload.sources import DEFAULT_DEPTH, Epoch, EpochRequest, Setup, Source
 from gpuload.transfer import batch_length
 
 __all__ = ["ArrayColumns", "ArraySource", "ResidentColumns", "detect", "find_columns"]
@@ -298,7 +298,17 @@ class ArraySource(Source):
 
     @property
     def streams(self) -> bool:  # type: ignore[override]
-        return self.resident is not None and self.resident.copies_batches
+        """Host arrays copied each batch, or a sharded share whose exchange runs ahead."""
+        return self.resident is not None and (self.resident.copies_batches or self._sharded() is not None)
+
+    @property
+    def stages(self) -> bool:  # type: ignore[override]
+        """A sharded exchange makes its batches on the device itself: nothing to stage."""
+        return self._sharded() is None
+
+    def _sharded(self) -> ShardedArrayStore | None:
+        store = self.resident.store if self.resident is not None else None
+        return store if isinstance(store, ShardedArrayStore) else None
 
     def _place(self) -> bool:
         """Place the arrays where the cache plan says, once; False if they were placed already."""
@@ -371,15 +381,19 @@ class ArraySource(Source):
         return Epoch(fills, finish, depth=default_depth(sample_bytes * (self.setup.batch_size or 1)))
 
     def _sharded_epoch(self, store: ShardedArrayStore, request: EpochRequest) -> Epoch:
-        """Batches assembled from every rank's share, in the loop's thread (each is a collective)."""
+        """Batches assembled from every rank's share (each a collective), ahead of the loop in
+        the prefetcher's thread, on its side stream on CUDA, when the request runs ahead."""
         drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.indices()]
+        steps = store.epoch(self.setup.batch_sampler, drawn, ahead=request.ahead,
+                            loop_wait_s=self.setup.stats.wait_time_s)
 
         def finish(item: tuple[list[torch.Tensor], torch.Tensor]) -> tuple[Any, int]:
+            steps.handed_over()
             leaves, flat = item
-            self.setup.stats.extra["exchange"] = store.describe_exchange()
             return self._augmented(self.columns.build(leaves), flat, request.number), flat.numel()
 
-        return Epoch(store.epoch(self.setup.batch_sampler, drawn), finish)
+        # Double buffering: the exchange of the next batch while the loop computes this one.
+        return Epoch(steps, finish, depth=DEFAULT_DEPTH)
 
     def _augmented(self, batch: Any, flat: torch.Tensor, epoch: int) -> Any:
         if self.augment is None:
@@ -402,7 +416,10 @@ class ArraySource(Source):
         store = self.resident.store if self.resident is not None else None
         if store is None:
             return {}
-        return {"cache": store.stats.as_dict(), "cache_plan": store.plan.describe()}
+        found = {"cache": store.stats.as_dict(), "cache_plan": store.plan.describe()}
+        if isinstance(store, ShardedArrayStore) and store.exchange_stats.wait_s_per_epoch:
+            found["exchange"] = store.describe_exchange(loop_wait_s=self.setup.stats.wait_time_s)
+        return found
 
     def close(self) -> None:
         if self.resident is not None:

@@ -6,8 +6,10 @@ each rank writes its findings to ``rank<r>.json`` for the test process to check.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -22,6 +24,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 import gpuload
 from gpuload.distributed import ExchangeError
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+import threads
 
 NUM_SAMPLES = 103  # not a multiple of any world size: uneven shares, padded samplers
 SEED = 7
@@ -44,28 +49,69 @@ def same(torch_batch: list[torch.Tensor], ours: list[torch.Tensor]) -> bool:
 
 
 def compare(
-    data: tud.Dataset, scope: str, shuffle: bool, drop_last: bool, batch_size: int, device: str = "cpu"
+    data: tud.Dataset, scope: str, shuffle: bool, drop_last: bool, batch_size: int, device: str = "cpu",
+    prefetch_depth: int | None = None, compute_s: float = 0.0,
 ) -> dict:
-    """Three epochs of torch's loader and gpuload's (on ``device``) side by side on this rank."""
+    """Three epochs of torch's loader and gpuload's (on ``device``) side by side on this rank;
+    ``compute_s``: the loop's pretended compute per batch, which a run-ahead exchange overlaps."""
     def sampler() -> DistributedSampler:
         return DistributedSampler(data, shuffle=shuffle, seed=SEED, drop_last=drop_last)
 
     theirs = tud.DataLoader(data, batch_size, sampler=sampler(), drop_last=drop_last)
     ours = gpuload.DataLoader(data, batch_size, sampler=sampler(), drop_last=drop_last, device=device,
-                              cache_scope=scope)
+                              cache_scope=scope, prefetch_depth=prefetch_depth)
     batches, equal = 0, True
     for epoch in range(3):
         theirs.sampler.set_epoch(epoch)
         ours.sampler.set_epoch(epoch)
         expected = list(theirs)
-        got = [[leaf.cpu() for leaf in batch] for batch in ours]
+        got = []
+        for batch in ours:
+            got.append([leaf.cpu() for leaf in batch])
+            time.sleep(compute_s)
         batches += len(got)
         equal = equal and len(expected) == len(got) and all(same(a, b) for a, b in zip(expected, got))
     extra = ours.stats.extra
     result = {"equal": equal, "batches": batches, "exchange": extra.get("exchange"), "path": ours.stats.path,
-              "plan": extra.get("cache_plan")}
+              "plan": extra.get("cache_plan"), "prefetch": extra.get("prefetch")}
     ours.close()
     return result
+
+
+def all_stop_together(data: tud.Dataset, prefetch_depth: int, end: str) -> dict:
+    """Every rank stops epoch 0 after its first batch while the exchange runs ahead (rank 0 at
+    once, its thread still running ahead; the others later, theirs as far ahead as allowed), runs
+    epoch 1 on the same loader (torch's batches: the ranks' exchanges stayed in step), stops
+    taking batches of epoch 2 after two, then ends the loader (``end``: "del" or "close") while
+    still holding that epoch's iterator. Returns what this rank saw."""
+    baseline = threads.snapshot()
+    theirs = tud.DataLoader(data, 4, sampler=DistributedSampler(data, seed=SEED))
+    ours = gpuload.DataLoader(data, 4, sampler=DistributedSampler(data, seed=SEED), device="cpu",
+                              cache_scope="world", prefetch_depth=prefetch_depth)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in ours:
+            if dist.get_rank() != 0:
+                time.sleep(0.3)
+            break
+        theirs.sampler.set_epoch(1)
+        ours.sampler.set_epoch(1)
+        expected, got = list(theirs), list(ours)
+        equal = len(expected) == len(got) and all(same(a, b) for a, b in zip(expected, got))
+        ours.sampler.set_epoch(2)
+        began = time.perf_counter()
+        held = iter(ours)
+        next(held), next(held)
+        exchange = ours.stats.extra["exchange"]
+        if end == "close":
+            ours.close()
+        del ours
+        del held
+        gc.collect()
+        seconds = time.perf_counter() - began
+    left = threads.wait_threads(baseline, deadline_s=5.0)
+    return {"equal": equal, "seconds": seconds, "threads_left": sorted(t.name for t in left),
+            "warnings": [str(w.message) for w in caught], "exchange": exchange}
 
 
 def stop_together_and_resume(data: tud.Dataset) -> dict:
@@ -105,10 +151,36 @@ def other_sampler(data: tud.Dataset) -> dict:
     return {"equal": equal, "warnings": [str(w.message) for w in caught], "exchange": ours.stats.extra.get("exchange")}
 
 
-def stop_early(data: tud.Dataset, then_next_epoch: bool) -> dict:
+def close_while_waiting(data: tud.Dataset) -> dict:
+    """Rank 0 starts an epoch whose exchange runs ahead; the other ranks only place their share
+    (``warm``), so rank 0's first collective never completes. Closing rank 0's loader abandons it
+    at once (not after the exchange timeout) and its thread ends."""
+    baseline = threads.snapshot()
+    loader = gpuload.DataLoader(data, 4, sampler=DistributedSampler(data, seed=SEED), device="cpu",
+                                cache_scope="world", prefetch_depth=2)
+    seconds, error, left = 0.0, None, []
+    if dist.get_rank() == 0:
+        iterator = iter(loader)
+        time.sleep(0.3)  # its thread now waits for the other ranks
+        began = time.perf_counter()
+        loader.close()
+        seconds = time.perf_counter() - began
+        left = sorted(t.name for t in threads.wait_threads(baseline, deadline_s=1.0))
+        try:
+            next(iterator)
+        except Exception as caught:  # noqa: BLE001 - what the loop sees is the finding
+            error = f"{type(caught).__name__}: {caught}"
+    else:
+        loader.warm(progress=False)
+    dist.barrier()
+    loader.close()
+    return {"seconds": seconds, "threads_left": left, "error": error}
+
+
+def stop_early(data: tud.Dataset, then_next_epoch: bool, prefetch_depth: int | None = None) -> dict:
     """Rank 0 breaks after two batches of epoch 0; the others go on. Returns what each saw."""
     loader = gpuload.DataLoader(data, 4, sampler=DistributedSampler(data, seed=SEED), device="cpu",
-                                cache_scope="world")
+                                cache_scope="world", prefetch_depth=prefetch_depth)
     began = time.perf_counter()
     error = None
     try:
@@ -151,10 +223,17 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
                 for drop_last in (False, True):
                     key = f"{scope}/shuffle={shuffle}/drop_last={drop_last}"
                     found["compare"][key] = compare(data, scope, shuffle, drop_last, batch_size=8)
+        for depth in (0, 2, 4):
+            found["compare"][f"world/ahead={depth}"] = compare(data, "world", True, False, batch_size=8,
+                                                               prefetch_depth=depth, compute_s=0.005)
         found["resume"] = stop_together_and_resume(data)
         found["other_sampler"] = other_sampler(data)
         found["stop_then_wait"] = stop_early(data, then_next_epoch=False)
         found["stop_then_next_epoch"] = stop_early(data, then_next_epoch=True)
+        found["stop_then_wait_depth4"] = stop_early(data, then_next_epoch=False, prefetch_depth=4)
+        found["close_while_waiting"] = close_while_waiting(data)
+        found["all_stop"] = {f"{depth}/{end}": all_stop_together(data, depth, end)
+                             for depth, end in ((2, "del"), (4, "close"))}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
 
 
@@ -177,4 +256,7 @@ def run_nccl(rank: int, world: int, init_file: str, out_dir: str) -> None:
         found = {key: compare(data, scope, True, drop_last, batch_size=8, device=f"cuda:{rank}")
                  for scope in ("world", "node") for drop_last in (False, True)
                  for key in [f"{scope}/drop_last={drop_last}"]}
+        for depth in (0, 4):  # in the loop's thread, on its stream; ahead, on the side stream
+            found[f"world/ahead={depth}"] = compare(data, "world", True, False, batch_size=8, device=f"cuda:{rank}",
+                                                    prefetch_depth=depth, compute_s=0.002)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))

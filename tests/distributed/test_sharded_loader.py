@@ -109,3 +109,50 @@ def test_nccl_ranks_get_torchs_batches(tmp_path):
             assert result["equal"], f"rank {rank}, {key}"
             assert result["path"] == f"sharded-{key.split('/')[0]}"
             assert result["exchange"]["shard_bytes"] > 0
+            assert result["exchange"]["ahead"] is (key != "world/ahead=0")
+
+
+def test_exchange_runs_ahead_of_the_loop_and_reports_its_time_and_the_loops_wait(job):
+    ranks, _, _ = job
+    for rank, found in enumerate(ranks):
+        for depth in (0, 2, 4):
+            result = found["compare"][f"world/ahead={depth}"]
+            assert result["equal"], (rank, depth)
+            exchange = result["exchange"]
+            assert exchange["ahead"] is (depth > 0), (rank, depth)
+            assert (result["prefetch"] or {}).get("depth") == (depth or None), (rank, depth)
+            for key in ("exchange_s_per_epoch", "loop_wait_s_per_epoch", "bytes_sent_per_epoch"):
+                assert len(exchange[key]) == 3, key
+            assert all(s > 0 for s in exchange["exchange_s_per_epoch"])
+            assert all(s >= 0 for s in exchange["loop_wait_s_per_epoch"])
+            assert exchange["loop_wait_s"] == pytest.approx(sum(exchange["loop_wait_s_per_epoch"]))
+            if depth == 0:  # in the loop's thread, the loop waits for the whole exchange
+                assert all(wait >= own for wait, own in zip(exchange["loop_wait_s_per_epoch"],
+                                                            exchange["exchange_s_per_epoch"]))
+
+
+def test_ranks_stopping_at_one_batch_while_running_ahead_stay_in_step_and_leave_no_thread(job):
+    ranks, _, _ = job
+    for rank, found in enumerate(ranks):
+        for key, seen in found["all_stop"].items():
+            assert seen["equal"], (rank, key)  # the next epoch on the same loader is torch's
+            assert seen["exchange"]["ahead"], (rank, key)
+            assert seen["threads_left"] == [], (rank, key)
+            assert not seen["warnings"], (rank, key, seen["warnings"])
+            assert seen["seconds"] < ranks_job.EXCHANGE_TIMEOUT_S, (rank, key)  # no collective waited out
+
+
+def test_rank_that_stops_early_with_a_deep_prefetch_still_makes_the_others_fail(job):
+    ranks, _, _ = job
+    assert ranks[0]["stop_then_wait_depth4"]["error"] is None
+    for found in ranks[1:]:
+        seen = found["stop_then_wait_depth4"]
+        assert seen["error"] is not None and "stopped this epoch early" in seen["error"]
+        assert seen["seconds"] < ranks_job.EXCHANGE_TIMEOUT_S + 20
+
+
+def test_closing_a_loader_abandons_an_exchange_the_other_ranks_never_join(job):
+    seen = job[0][0]["close_while_waiting"]
+    assert seen["seconds"] < 1.5  # not the exchange timeout (3 s)
+    assert seen["threads_left"] == []
+    assert seen["error"] is not None and "closed" in seen["error"]
