@@ -376,6 +376,12 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def _prefetch(self, items: Iterator[Any], depth: int, stages: bool) -> Iterator[Any]:
         """One epoch of ``items`` through this loader's prefetcher (one side stream per loader)."""
+        if self._prefetcher is not None and self._prefetcher.stage != stages:
+            # the source's placement changed (a shrunk cache stages what it held on the device)
+            self._merge_counters()
+            self._prefetcher.close()
+            self._prefetcher = None
+            self._counted["prefetch"] = 0
         if self._prefetcher is None:
             depth = self.prefetch_depth if self.prefetch_depth is not None else depth
             self._prefetcher = Prefetcher(None, self.device, depth, timeout=self.timeout or None, stage=stages)

@@ -30,6 +30,7 @@ from gpuload.augment import BatchAugmenter
 from gpuload.cache import SampleCache, decide_images
 from gpuload.datasets.images import ImageSource, as_image_source
 from gpuload.decode import BatchDecoder, peek_size
+from gpuload.distributed.sharded_store import decline_split, split_context
 from gpuload.sampling import in_range
 from gpuload.sources import Epoch, EpochRequest, Setup, Source
 from gpuload.transforms.windows import Window
@@ -111,6 +112,8 @@ class ImageFileSource(Source):
             return
         self._decided = True
         setup = self.setup
+        if split_context(setup.settings, setup.device) is not None:
+            decline_split(setup.settings, "decoded images are not split over ranks yet", stacklevel=6)
         decision = decide_images(self.images, setup.settings, setup.device, owner=setup.owner)
         setup.stats.extra["image_cache_decision"] = f"{decision.holds or 'none'}: {decision.reason}"
         if not decision.caches:
