@@ -5,7 +5,7 @@ Its results are the reference's: bit-exact (crops, padding, flips, the value ops
 output cast are the same float32 operations in the same order; resizes call the same
 bilinear kernel on the same float32 window, mirrored first when a flip comes before it).
 
-The geometry is the kernels' per-sample map (``_kernels.geometry_plan``): a source window,
+The geometry is the kernels' per-sample map (``geometry.geometry_plan``): a source window,
 resized to a canvas, then an offset, a box of valid pixels (outside is the fill) and a final
 mirror. Without a resize the output is one gather from the uint8 batch, its flat indices built
 for the whole batch by broadcasting per-sample row and column offsets. A resize loops over the
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from gpuload.transforms import reference
-from gpuload.transforms._kernels import geometry_plan
+from gpuload.transforms.geometry import geometry_plan
 from gpuload.transforms.ops import (
     GEOMETRIC_OPS,
     Op,

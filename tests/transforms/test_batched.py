@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gpuload import transforms as T
-from gpuload.transforms import _kernels, apply, batched
+from gpuload.transforms import _kernels, apply, batched, geometry
 from gpuload.transforms.reference import apply_reference, batch_sizes
 from gpuload.transforms.windows import decode_windows
 
@@ -104,7 +104,7 @@ def test_fuzz_equals_the_reference_bit_for_bit(seed: int) -> None:
     expected = apply_reference(params, batch)
     got = batched.run(params, batch)
     if got is None:  # the geometries the per-sample map cannot express, and only those
-        assert _kernels.geometry_plan(params, params.sizes[0]) is None
+        assert geometry.geometry_plan(params, params.sizes[0]) is None
         return
     context = f"ops={list(ops)} layout={layout}"
     assert got.dtype == expected.dtype and got.shape == expected.shape, context
@@ -119,7 +119,7 @@ def test_the_fuzz_reaches_every_path() -> None:
     seen = set()
     for seed in range(120):
         _, batch, params, layout = _fuzz_case(seed)
-        plan = _kernels.geometry_plan(params, params.sizes[0])
+        plan = geometry.geometry_plan(params, params.sizes[0])
         if plan is None:
             seen.add("fallback")
             continue
