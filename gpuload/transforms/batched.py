@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from gpuload.transforms import reference
-from gpuload.transforms.geometry import geometry_plan
+from gpuload.transforms import reference, staging
+from gpuload.transforms.geometry import crop_windows, geometry_plan
 from gpuload.transforms.ops import (
     GEOMETRIC_OPS,
     Op,
@@ -61,21 +61,20 @@ def run(params: BatchParams, batch: reference.Batch) -> torch.Tensor | None:
     value_ops, value_params = ops[n_geo:], params.per_op[n_geo:]
     maps = _Maps(table, out_size, _mirrored_before_resize(params))
     if not maps.resizes:
-        pixels = _gather(images, maps.rows(from_window=True), maps.cols(from_window=True), fill)
+        windows = crop_windows(table, out_size, images.shape[-2:]) if isinstance(images, torch.Tensor) else None
+        if windows is not None:
+            pixels = _window_gather(images, *windows, out_size, fill)
+        else:
+            pixels = _gather(images, maps.rows(from_window=True), maps.cols(from_window=True), fill)
         if pixels.dtype == torch.uint8 and all(isinstance(op, ToChannelsLast) for op in value_ops):
             # uint8 out and nothing but layout: the pixels are the reference's rounded floats.
             return pixels.contiguous(memory_format=torch.channels_last) if value_ops else pixels
-        if pixels.dtype == torch.uint8 and not _scales_first(value_ops):
-            pixels = pixels.to(torch.float32)
+        # The reference's float32 copy of the pixels, made once, which the value ops then
+        # update in place (ToDtype's / 255 is the same float32 division either way).
+        pixels = pixels.to(torch.float32)
     else:
         pixels = _resized(images, maps, fill)
-    # uint8 pixels go in only to ToDtype(scale=True): pixels / 255 is the float32 division the
-    # reference does on its float copy, so the scale is the conversion.
-    return reference.apply_value_ops(value_ops, value_params, pixels, owned=pixels.dtype == torch.float32)
-
-
-def _scales_first(value_ops: Sequence[Op]) -> bool:
-    return bool(value_ops) and isinstance(value_ops[0], ToDtype) and value_ops[0].scale
+    return reference.apply_value_ops(value_ops, value_params, pixels, owned=True)
 
 
 class _Maps:
@@ -174,6 +173,70 @@ def _gather(
     if outside is not None:
         out = out.to(_fill_dtype(out.dtype, fill)).masked_fill_(outside.to(device, non_blocking=True), fill)
     return out
+
+
+def _window_gather(
+    images: torch.Tensor,
+    top: torch.Tensor,
+    left: torch.Tensor,
+    mirror: torch.Tensor,
+    out_size: tuple[int, int],
+    fill: float,
+) -> torch.Tensor:
+    """out[n] = the (OH, OW) window at (top[n], left[n]) of images[n], mirrored first where
+    ``mirror[n]``; ``fill`` outside the image (see ``geometry.crop_windows``).
+
+    One ``index_select`` of whole windows: the source (or a framed copy: the images in a
+    border of fill, mirrored images after the others) is viewed as one window per element
+    offset, and each sample's window is picked by its offset. No per-pixel index is built.
+    """
+    n, channels, h, w = images.shape
+    oh, ow = out_size
+    pads = (
+        max(0, -int(top.min())), max(0, int(top.max()) + oh - h),
+        max(0, -int(left.min())), max(0, int(left.max()) + ow - w),
+    )
+    slot = torch.arange(n)
+    source = images
+    if any(pads) or bool(mirror.any()):
+        source, slot = _framed(images, mirror, pads, fill)
+    flat, _ = _flat_source(source)
+    stride_n, stride_c, stride_y, stride_x = source.stride()
+    base = slot * stride_n + (top + pads[0]) * stride_y + (left + pads[2]) * stride_x
+    span = (channels - 1) * stride_c + (oh - 1) * stride_y + (ow - 1) * stride_x
+    starts = flat.as_strided((flat.numel() - span, channels, oh, ow), (1, stride_c, stride_y, stride_x))
+    (base,) = staging.to_device([base], flat.device)
+    return starts.index_select(0, base)
+
+
+def _framed(
+    images: torch.Tensor, mirror: torch.Tensor, pads: tuple[int, int, int, int], fill: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A contiguous copy of ``images`` inside a border of ``fill`` (top, bottom, left, right
+    ``pads``), the mirrored samples mirrored and after the others; and each sample's slot in it."""
+    n, channels, h, w = images.shape
+    top, bottom, left, right = pads
+    framed = torch.empty(
+        (n, channels, h + top + bottom, w + left + right),
+        dtype=_fill_dtype(images.dtype, fill), device=images.device,
+    )
+    if any(pads):
+        framed.fill_(fill)  # one pass: faster than filling the four borders (narrow strided strips)
+    inner = framed[:, :, top : top + h, left : left + w]
+    flipped = mirror.nonzero()[:, 0]
+    if not len(flipped):
+        inner.copy_(images)
+        return framed, torch.arange(n)
+    kept = (~mirror).nonzero()[:, 0]
+    device = images.device
+    kept_d, flipped_d = staging.to_device([kept, flipped], device)
+    if len(kept):
+        inner[: len(kept)].copy_(images.index_select(0, kept_d))
+    inner[len(kept) :].copy_(images.index_select(0, flipped_d).flip(-1))
+    slot = torch.empty(n, dtype=torch.int64)
+    slot[kept] = torch.arange(len(kept))
+    slot[flipped] = torch.arange(len(kept), n)
+    return framed, slot
 
 
 def _with_fill_border(

@@ -102,3 +102,39 @@ def geometry_plan(
     # A mirrored output reads the unmirrored map at OW - 1 - x; box and offsets stay as they are.
     table = torch.stack([*win, *canvas, *off, *box, flip.to(torch.int64)], dim=1)
     return table, (fills.pop() if fills else 0.0)
+
+
+def crop_windows(
+    table: torch.Tensor, out_size: tuple[int, int], image_size: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The plan of a batch of ``image_size`` (height, width) images as one window per sample,
+    or None when it is not one.
+
+    Returns (N,) int64 ``top``, ``left`` and bool ``mirror``: output pixel (y, x) of sample n is
+    pixel (top + y, left + x) of its image, mirrored left-right first where ``mirror``, and the
+    fill exactly where that pixel lies outside the image. A plan with a resize, or whose box
+    of valid pixels is not the image's extent (a crop of an earlier crop's padding), is None.
+    """
+    h, w = image_size
+    oh, ow = out_size
+    t = table
+    whole = torch.tensor([0, 0, h, w, h, w], dtype=t.dtype)
+    if not bool((t[:, :6] == whole).all()):
+        return None
+    top, left, flip = t[:, 6], t[:, 7], t[:, 12].bool()
+    # Rows: the box must be exactly where top + y lies in [0, h); columns likewise in the
+    # unmirrored output coordinate (the plan mirrors last).
+    if not (_box_is_extent(t[:, 8], t[:, 9], top, h, oh) and _box_is_extent(t[:, 10], t[:, 11], left, w, ow)):
+        return None
+    # Mirrored, column x reads unmirrored column ow - 1 - x, which is column
+    # w - 1 - (ow - 1 - x + left) = x + (w - ow - left) of the mirrored image.
+    return top, torch.where(flip, w - ow - left, left), flip
+
+
+def _box_is_extent(start: torch.Tensor, stop: torch.Tensor, offset: torch.Tensor, size: int, out: int) -> bool:
+    """Whether the box [start, stop) of every sample is where ``offset + i`` lies in [0, size),
+    for i in [0, out) (two empty ranges are equal)."""
+    lo, hi = (-offset).clamp(0, out), (size - offset).clamp(0, out)
+    start, stop = start.clamp(0, out), stop.clamp(0, out)
+    empty = (lo >= hi) & (start >= stop)
+    return bool((empty | ((lo == start) & (hi == stop))).all())

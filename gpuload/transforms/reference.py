@@ -18,6 +18,7 @@ Semantics (the CuPy kernels are tested against these):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -182,8 +183,11 @@ def apply_value_ops(
     return out
 
 
+@functools.lru_cache(maxsize=64)
 def normalize_constants(op: Normalize, scaled: bool, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel float32 (mean, std) in the tensor's values (rescaled per ``value_range``)."""
+    """Per-channel float32 (mean, std) in the tensor's values (rescaled per ``value_range``).
+
+    Cached per (op, scaled, channels), so the CPU tensors are shared: read them, never write."""
     if len(op.mean) not in (1, channels):
         raise ValueError(f"{op!r} has {len(op.mean)} means for {channels}-channel images")
     mean = torch.tensor(op.mean, dtype=torch.float64).expand(channels)
