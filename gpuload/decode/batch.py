@@ -129,9 +129,10 @@ def _screen(
     rois: Sequence[Sequence[int] | None] | None,
     limit: int | None,
     need_headers: bool,
+    known: Sequence[Header | None] | None = None,
 ) -> tuple[dict[int, str], dict[int, Header], dict[int, ROI]]:
     """Failures known before decoding (empty data, unreadable headers, over the pixel limit),
-    the headers read and the ROI windows clipped to them."""
+    the headers (``known[k]`` when given, else read) and the ROI windows clipped to them."""
     failures: dict[int, str] = {}
     headers: dict[int, Header] = {}
     windows: dict[int, ROI] = {}
@@ -142,7 +143,7 @@ def _screen(
         if rois is None and limit is None and not need_headers:
             continue
         try:
-            header = peek_header(data)
+            header = (known[k] if known is not None else None) or peek_header(data)
         except Exception as error:  # PIL raises many types for garbage
             failures[k] = f"not a readable image header ({describe_error(error)})"
             continue
@@ -241,6 +242,7 @@ class BatchDecoder:
         rois: Sequence[Sequence[int] | None] | None = None,
         on_error: str = "raise",
         max_pixels: MaxPixels = "default",
+        headers: Sequence[Header | None] | None = None,
     ) -> DecodeResult:
         """Decode ``encoded[k]`` (named ``names[k]``, dataset index ``indices[k]``) for each k.
 
@@ -249,9 +251,13 @@ class BatchDecoder:
         ``rois``, every header must be readable (the windows are clipped to the image's size).
         ``on_error="raise"`` raises :class:`ImageDecodeError` for the first bad sample;
         ``"skip"`` leaves bad ones out. ``max_pixels`` overrides the decoder's limit for this
-        call. A failing device raises :class:`DecodeDeviceError` either way.
+        call. ``headers[k]``, when given and not None, is image k's header as already read
+        (``HeaderTable``): it is not read again. A failing device raises
+        :class:`DecodeDeviceError` either way.
         """
         n = len(encoded)
+        if headers is not None and len(headers) != n:
+            raise ValueError(f"decode needs one header (or None) per image: got {n} images, {len(headers)} headers")
         if len(names) != n or len(indices) != n or (rois is not None and len(rois) != n):
             raise ValueError(
                 f"decode needs one name, index (and ROI) per image: got {n} images, "
@@ -264,7 +270,7 @@ class BatchDecoder:
 
         dali = self._dali_decoder(rois is not None) if self.backend.startswith("dali") else None
         backend = self.backend
-        failures, headers, windows = _screen(encoded, names, indices, rois, limit, backend == "nvjpeg")
+        failures, headers, windows = _screen(encoded, names, indices, rois, limit, backend == "nvjpeg", headers)
         todo = [k for k in range(n) if k not in failures]
         decoded: dict[int, torch.Tensor] = {}
         roi_mode = "none" if rois is None else ("decoder" if dali is not None else "crop")

@@ -61,3 +61,24 @@ def test_a_corrupt_file_names_itself_or_is_skipped(folder: ImageFolder, tmp_path
 def test_on_error_is_validated() -> None:
     with pytest.raises(ValueError, match="on_error"):
         gpuload.DataLoader(range(3), on_error="ignore")
+
+
+def test_each_files_header_is_read_once_per_dataset(folder: ImageFolder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Crop windows and the decoder's checks share one read per file, and later epochs none."""
+    from gpuload.decode import batch as batch_module
+    from gpuload.decode import headers
+
+    reads = []
+    peek = headers.peek_header
+
+    def counted(data: bytes):
+        reads.append(len(data))
+        return peek(data)
+
+    monkeypatch.setattr(headers, "peek_header", counted)
+    monkeypatch.setattr(batch_module, "peek_header", counted)
+    ops = [T.RandomResizedCrop(16), T.ToDtype(torch.float32)]
+    loader = gpuload.DataLoader(folder, batch_size=5, shuffle=True, device="cpu", transforms=ops, cache="off")
+    for _ in range(2):
+        assert sum(len(labels) for _, labels in loader) == 12
+    assert len(reads) == 12
