@@ -91,7 +91,11 @@ class ImageFileSource(Source):
         self.augment = (
             BatchAugmenter(setup.transforms, setup.seed, setup.device, 0) if setup.transforms else None
         )
-        self.decoder = BatchDecoder(setup.device, max_batch=setup.batch_size or 1)
+        # With transforms, DALI's HWC images go to them as they are (the transforms read any
+        # layout); without, the batch is the images stacked, contiguous as torch's would be.
+        self.decoder = BatchDecoder(
+            setup.device, max_batch=setup.batch_size or 1, channels_last=self.augment is not None
+        )
         self.headers = HeaderTable(len(images))  # each file's header read once, not per batch
         self.skipped = 0  # files skipped over the loader's life (one file once per epoch)
         self.skipped_files: dict[int, tuple[str, str]] = {}  # position -> (file, reason), bounded

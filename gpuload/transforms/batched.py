@@ -269,7 +269,9 @@ def _resized(images: torch.Tensor | Sequence[torch.Tensor], maps: _Maps, fill: f
     batch_canvas = None
     if uniform_canvas:
         ch, cw = (int(v) for v in table[0, 4:6])
-        batch_canvas = torch.empty((n, channels, ch, cw), dtype=torch.float32, device=device)
+        batch_canvas = torch.empty(
+            (n, channels, ch, cw), dtype=torch.float32, device=device, memory_format=_canvas_format(images)
+        )
     mirror_here = post_identity and batch_canvas is not None
     for ids, window, canvas_size in _window_groups(images, table):
         y0, x0, h, w = window
@@ -333,15 +335,23 @@ def _resize(
     when given."""
     same = tuple(source.shape[-2:]) == tuple(size)
     flips = mirror is not None and bool(mirror.any())
-    if not flips:
-        if out is None:
-            return source if same else _bilinear(source, size)
-        return out.copy_(source) if same else _bilinear(source, size, out)
-    resized = source if same else _bilinear(source, size)
-    if bool(mirror.all()) and out is not None:
-        return torch.ops.aten.flip.out(resized, [-1], out=out)
-    resized = _mirror_some(resized, mirror)
-    return resized if out is None else out.copy_(resized)
+    if out is None:
+        resized = source if same else _bilinear(source, size)
+        return _mirror_some(resized, mirror) if flips else resized
+    if same:
+        out.copy_(source)
+    else:
+        _bilinear(source, size, out)
+    return out.copy_(_mirror_some(out, mirror)) if flips else out
+
+
+def _canvas_format(images: torch.Tensor | Sequence[torch.Tensor]) -> torch.memory_format:
+    """The layout the bilinear kernel gives these images' windows: channels_last for images
+    stored channels-last (HWC decoder output), so that it writes the canvas directly; a
+    canvas of the other layout costs a transposing copy per image (C innermost, 3 wide)."""
+    first = images[:1] if isinstance(images, torch.Tensor) else images[0].unsqueeze(0)
+    channels_last = first.is_contiguous(memory_format=torch.channels_last) and not first.is_contiguous()
+    return torch.channels_last if channels_last else torch.contiguous_format
 
 
 def _bilinear(source: torch.Tensor, size: tuple[int, int], out: torch.Tensor | None = None) -> torch.Tensor:

@@ -151,6 +151,19 @@ def test_headers_read_before_are_not_read_again(decoder: BatchDecoder, monkeypat
         decoder.decode(encoded, ["a", "b"], [0, 1], headers=known[:1])
 
 
+@pytest.mark.parametrize("rois", [None, [(10, 21, 100, 120), (3, 5, 200, 150), (0, 0, 64, 64)]])
+def test_dali_hands_out_hwc_images_as_chw_views_when_asked(rois) -> None:
+    """channels_last=True: the same pixels, as (3, H, W) views of HWC memory (no transpose)."""
+    encoded = [F.jpeg("baseline-420"), F.png("RGBA"), F.jpeg_with_orientation(6)]
+    plain = BatchDecoder("cpu", backend="dali-cpu", max_batch=4).decode(encoded, ["a", "b", "c"], [0, 1, 2], rois=rois)
+    hwc = BatchDecoder("cpu", backend="dali-cpu", max_batch=4, channels_last=True).decode(
+        encoded, ["a", "b", "c"], [0, 1, 2], rois=rois
+    )
+    for a, b in zip(plain.images, hwc.images):
+        assert a.is_contiguous() and b.stride(0) == 1 and b.permute(1, 2, 0).is_contiguous()
+        assert torch.equal(a, b)
+
+
 def test_roi_is_clipped_to_the_image(decoder: BatchDecoder) -> None:
     data = F.jpeg("baseline-444")
     whole = decode_one(decoder, data)

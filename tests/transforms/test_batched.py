@@ -75,7 +75,10 @@ def _random_batch(rng: random.Random, channels: int, seed: int):
     h, w = rng.randint(6, 40), rng.randint(6, 40)
     layout = rng.choice(["contiguous", "channels_last", "sliced", "list", "list"])
     if layout == "list":
-        return [_images(1, channels, rng.randint(6, 40), rng.randint(6, 40), seed + k)[0] for k in range(n)], layout
+        images = [_images(1, channels, rng.randint(6, 40), rng.randint(6, 40), seed + k)[0] for k in range(n)]
+        if seed % 2:  # as decoders give them: HWC memory seen as CHW (channels-last strides)
+            images = [image.permute(1, 2, 0).contiguous().permute(2, 0, 1) for image in images]
+        return images, layout
     batch = _images(n, channels, h, w, seed)
     if layout == "channels_last":
         batch = batch.contiguous(memory_format=torch.channels_last)
@@ -214,6 +217,22 @@ def test_crops_and_flips_as_windows_equal_the_reference(geometry_ops, value_ops,
     assert got.is_contiguous(memory_format=torch.channels_last) == expected.is_contiguous(
         memory_format=torch.channels_last
     ) or got.shape[-2:] == (1, 1) or got.shape[1] == 1
+
+
+@pytest.mark.parametrize("jitter", [False, True])
+def test_decoder_shaped_images_equal_the_reference(jitter: bool) -> None:
+    """HWC images seen as CHW (what DALI and PIL give): the canvas takes their layout (no
+    transposing copy per image), the output is still the reference's, in its layout."""
+    ops = [T.RandomResizedCrop(20), T.RandomHorizontalFlip(),
+           *([T.ColorJitter(0.4, 0.4, 0.4)] if jitter else []), T.ToDtype(torch.float16), T.Normalize(MEAN, STD)]
+    hwc = [_images(1, 3, 24 + 5 * k, 40 - 3 * k, seed=k)[0].permute(1, 2, 0).contiguous() for k in range(9)]
+    images = [image.permute(2, 0, 1) for image in hwc]
+    params = T.sample_params(ops, 4, 0, torch.arange(9), batch_sizes(images))
+    assert bool(params.per_op[1]["flip"].any()) and not bool(params.per_op[1]["flip"].all())
+    expected = apply_reference(params, images)
+    got = batched.run(params, images)
+    assert got.is_contiguous() and expected.is_contiguous() and torch.equal(got, expected)
+    assert batched._canvas_format(images) == torch.channels_last
 
 
 def test_decoded_windows_give_what_whole_images_give() -> None:
