@@ -200,12 +200,13 @@ def _window_gather(
     source = images
     if any(pads) or bool(mirror.any()):
         source, slot = _framed(images, mirror, pads, fill)
-    flat, _ = _flat_source(source)
-    stride_n, stride_c, stride_y, stride_x = source.stride()
+    strides = source.stride()
+    stride_n, stride_c, stride_y, stride_x = strides
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(source.shape, strides))
     base = slot * stride_n + (top + pads[0]) * stride_y + (left + pads[2]) * stride_x
     span = (channels - 1) * stride_c + (oh - 1) * stride_y + (ow - 1) * stride_x
-    starts = flat.as_strided((flat.numel() - span, channels, oh, ow), (1, stride_c, stride_y, stride_x))
-    (base,) = staging.to_device([base], flat.device)
+    starts = source.as_strided((extent - span, channels, oh, ow), (1, stride_c, stride_y, stride_x))
+    (base,) = staging.to_device([base], source.device)
     return starts.index_select(0, base)
 
 
@@ -232,7 +233,11 @@ def _framed(
     kept_d, flipped_d = staging.to_device([kept, flipped], device)
     if len(kept):
         inner[: len(kept)].copy_(images.index_select(0, kept_d))
-    inner[len(kept) :].copy_(images.index_select(0, flipped_d).flip(-1))
+    mirrored = images.index_select(0, flipped_d)
+    if framed.dtype == images.dtype:
+        torch.ops.aten.flip.out(mirrored, [-1], out=inner[len(kept) :])  # no intermediate copy
+    else:  # uint8 images in a float32 frame (a fractional fill)
+        inner[len(kept) :].copy_(mirrored.flip(-1))
     slot = torch.empty(n, dtype=torch.int64)
     slot[kept] = torch.arange(len(kept))
     slot[flipped] = torch.arange(len(kept), n)
