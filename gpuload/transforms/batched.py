@@ -59,9 +59,9 @@ def run(params: BatchParams, batch: reference.Batch) -> torch.Tensor | None:
     ops = params.ops
     n_geo = sum(isinstance(op, GEOMETRIC_OPS) for op in ops)
     value_ops, value_params = ops[n_geo:], params.per_op[n_geo:]
-    maps = _Maps(table, out_size, _mirrored_before_resize(params))
-    if not maps.resizes:
-        windows = crop_windows(table, out_size, images.shape[-2:]) if isinstance(images, torch.Tensor) else None
+    windows = crop_windows(table, out_size, images.shape[-2:]) if isinstance(images, torch.Tensor) else None
+    maps = None if windows is not None else _Maps(table, out_size, _mirrored_before_resize(params))
+    if maps is None or not maps.resizes:
         if windows is not None:
             pixels = _window_gather(images, *windows, out_size, fill)
         else:

@@ -15,6 +15,7 @@ the mirrored image for a flipped sample, and the fill exactly where that lies ou
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from gpuload.transforms.ops import GEOMETRIC_OPS, RandomCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
@@ -117,24 +118,24 @@ def crop_windows(
     """
     h, w = image_size
     oh, ow = out_size
-    t = table
-    whole = torch.tensor([0, 0, h, w, h, w], dtype=t.dtype)
-    if not bool((t[:, :6] == whole).all()):
+    t = table.numpy()  # a few hundred rows: numpy's small-array ops cost less than torch's dispatch
+    if not (t[:, :6] == (0, 0, h, w, h, w)).all():
         return None
-    top, left, flip = t[:, 6], t[:, 7], t[:, 12].bool()
+    top, left, flip = t[:, 6], t[:, 7], t[:, 12].astype(bool)
     # Rows: the box must be exactly where top + y lies in [0, h); columns likewise in the
     # unmirrored output coordinate (the plan mirrors last).
     if not (_box_is_extent(t[:, 8], t[:, 9], top, h, oh) and _box_is_extent(t[:, 10], t[:, 11], left, w, ow)):
         return None
     # Mirrored, column x reads unmirrored column ow - 1 - x, which is column
     # w - 1 - (ow - 1 - x + left) = x + (w - ow - left) of the mirrored image.
-    return top, torch.where(flip, w - ow - left, left), flip
+    mirrored_left = np.where(flip, w - ow - left, left)
+    return torch.from_numpy(top.copy()), torch.from_numpy(mirrored_left), torch.from_numpy(flip)
 
 
-def _box_is_extent(start: torch.Tensor, stop: torch.Tensor, offset: torch.Tensor, size: int, out: int) -> bool:
+def _box_is_extent(start: np.ndarray, stop: np.ndarray, offset: np.ndarray, size: int, out: int) -> bool:
     """Whether the box [start, stop) of every sample is where ``offset + i`` lies in [0, size),
     for i in [0, out) (two empty ranges are equal)."""
-    lo, hi = (-offset).clamp(0, out), (size - offset).clamp(0, out)
-    start, stop = start.clamp(0, out), stop.clamp(0, out)
+    lo, hi = np.clip(-offset, 0, out), np.clip(size - offset, 0, out)
+    start, stop = np.clip(start, 0, out), np.clip(stop, 0, out)
     empty = (lo >= hi) & (start >= stop)
     return bool((empty | ((lo == start) & (hi == stop))).all())
