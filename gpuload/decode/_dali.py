@@ -2,7 +2,8 @@
 
 One pipeline per (device, ROI or not) is built on first use and reused: encoded bytes go in
 through ``external_source``, ``fn.decoders.image`` (or ``fn.decoders.image_slice`` for ROIs)
-decodes them, ``fn.transpose`` lays them out CHW. On a CUDA device the decoder runs as
+decodes them, ``fn.transpose`` lays them out CHW (or, with ``hwc=True``, they stay HWC in
+memory and are handed out as CHW views: channels-last strides, no transpose). On a CUDA device the decoder runs as
 ``device="mixed"`` (nvJPEG, the hardware JPEG decoder where the GPU has one); without one it
 runs on the CPU (libjpeg-turbo) in a pipeline with ``device_id=None``. DALI applies the EXIF
 orientation itself (``adjust_orientation=True``, the default); ROIs are in upright coordinates.
@@ -136,13 +137,15 @@ class DaliDecoder:
     """
 
     def __init__(
-        self, device: torch.device, max_batch: int = 256, num_threads: int | None = None, roi: bool = False
+        self, device: torch.device, max_batch: int = 256, num_threads: int | None = None, roi: bool = False,
+        hwc: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.device = device
         self.mixed = device.type == "cuda"
         self.roi = roi
+        self.hwc = hwc
         self.max_batch = max_batch
         # DALI's CPU stages (the whole decode on a CPU device, Huffman decoding with nvJPEG)
         # get one thread per usable core, up to 8.
@@ -156,7 +159,7 @@ class DaliDecoder:
     def _build(self, batch: int) -> None:
         fn, types, pipeline_def, _ = self._dali
         decoder_device = "mixed" if self.mixed else "cpu"
-        roi = self.roi
+        roi, hwc = self.roi, self.hwc
         options: dict[str, Any] = {"device": decoder_device, "output_type": types.RGB}
         if self.mixed:
             # nvJPEG's default upsampling of 4:2:x chroma differs from libjpeg-turbo's; the
@@ -178,7 +181,7 @@ class DaliDecoder:
                 image = fn.decoders.image_slice(data, anchor, shape, axis_names="HW", **options)
             else:
                 image = fn.decoders.image(data, **options)
-            return fn.transpose(image, perm=[2, 0, 1])
+            return image if hwc else fn.transpose(image, perm=[2, 0, 1])
 
         pipe = graph()
         pipe.build()
@@ -187,7 +190,8 @@ class DaliDecoder:
     def decode(
         self, encoded: Sequence[bytes], rois: Sequence[tuple[int, int, int, int]] | None = None
     ) -> list[torch.Tensor]:
-        """Decode a batch into uint8 (3, H, W) tensors on ``self.device``; DaliError on failure.
+        """Decode a batch into uint8 (3, H, W) tensors on ``self.device`` (views of (H, W, 3)
+        memory with ``hwc``); DaliError on failure.
 
         With ``roi=True`` each image is only decoded inside its ``(y0, x0, h, w)`` window, which
         must lie inside the upright image.
@@ -230,7 +234,7 @@ class DaliDecoder:
                 sample = batch[i]
                 out = torch.empty(tuple(sample.shape()), dtype=torch.uint8, device=self.device)
                 feed_ndarray(sample, out, cuda_stream=stream)
-                images.append(out)
+                images.append(out.permute(2, 0, 1) if self.hwc else out)
             return images
 
     @staticmethod

@@ -24,10 +24,13 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = [
     "ROI",
     "FOLLOW_PIL",
     "Header",
+    "HeaderTable",
     "PixelLimitError",
     "peek_header",
     "peek_size",
@@ -67,6 +70,42 @@ class Header:
     @property
     def pixels(self) -> int:
         return self.width * self.height
+
+
+class HeaderTable:
+    """The headers of a dataset's images by position, each read once for the dataset's life.
+
+    Every batch needs its images' headers twice (the crop windows, then the decoder's pixel
+    limit and ROI clipping), every epoch; the table keeps them in 16 bytes per image (a few
+    MiB for ImageNet) instead. A header that cannot be read is not kept: it fails again,
+    and is reported, where it is used. One thread at a time (the one decoding batches).
+    """
+
+    def __init__(self, num_images: int) -> None:
+        self._rows = np.zeros((num_images, 4), dtype=np.int32)  # width, height, orientation, format + 1
+        self._formats: list[str] = []
+
+    def get(self, position: int) -> Header | None:
+        """The header kept for ``position``, or None when it has not been read yet."""
+        if not 0 <= position < len(self._rows):
+            return None
+        width, height, orientation, fmt = self._rows[position].tolist()
+        return Header(width, height, orientation, self._formats[fmt - 1]) if fmt else None
+
+    def read(self, position: int, data: bytes) -> Header:
+        """``position``'s header: the kept one, else read from ``data`` (its file) and kept.
+
+        Raises what :func:`peek_header` raises for an unreadable header."""
+        header = self.get(position)
+        if header is not None:
+            return header
+        header = peek_header(data)
+        if 0 <= position < len(self._rows) and max(header.width, header.height) < 2**31:
+            if header.format not in self._formats:
+                self._formats.append(header.format)
+            fmt = self._formats.index(header.format) + 1
+            self._rows[position] = (header.width, header.height, header.orientation, fmt)
+        return header
 
 
 class _Unparsed(ValueError):

@@ -29,7 +29,7 @@ from torch.utils.data import default_collate, default_convert
 from gpuload.augment import BatchAugmenter
 from gpuload.cache import SampleCache, decide_images
 from gpuload.datasets.images import ImageSource, as_image_source
-from gpuload.decode import BatchDecoder, peek_size
+from gpuload.decode import BatchDecoder, Header, HeaderTable
 from gpuload.distributed.sharded_store import decline_split, split_context
 from gpuload.sampling import in_range
 from gpuload.sources import Epoch, EpochRequest, Setup, Source
@@ -92,7 +92,12 @@ class ImageFileSource(Source):
         self.augment = (
             BatchAugmenter(setup.transforms, setup.seed, setup.device, 0) if setup.transforms else None
         )
-        self.decoder = BatchDecoder(setup.device, max_batch=setup.batch_size or 1)
+        # With transforms, DALI's HWC images go to them as they are (the transforms read any
+        # layout); without, the batch is the images stacked, contiguous as torch's would be.
+        self.decoder = BatchDecoder(
+            setup.device, max_batch=setup.batch_size or 1, channels_last=self.augment is not None
+        )
+        self.headers = HeaderTable(len(images))  # each file's header read once, not per batch
         self.skipped = 0  # files skipped over the loader's life (one file once per epoch)
         self.skipped_files: dict[int, tuple[str, str]] = {}  # position -> (file, reason), bounded
         self._skipped_in_epoch = (-1, 0)  # (epoch number, files skipped in it)
@@ -252,10 +257,13 @@ class ImageFileSource(Source):
             readable.append(position)
             slots.append(slot)
         filling = keeps_decoded and cache.accepting
-        sizes, windows = (None, None) if filling else self._windows(encoded, readable, epoch)
+        headers = self._headers(encoded, readable)
+        sizes, windows = (None, None) if filling else self._windows(headers, readable, epoch)
         decoded: dict[int, tuple[torch.Tensor, Window | None, tuple[int, int] | None]] = {}
         if encoded:
-            result = self.decoder.decode(encoded, names, readable, rois=windows, on_error=self.setup.on_error)
+            result = self.decoder.decode(
+                encoded, names, readable, rois=windows, on_error=self.setup.on_error, headers=headers
+            )
             self._note_skipped(result.skipped, epoch)
             self.fallback_decoded += result.fallback_decoded
             self.cpu_decoded += result.cpu_decoded
@@ -316,23 +324,29 @@ class ImageFileSource(Source):
         labels = torch.tensor(kept_labels, dtype=torch.int64, device=self.setup.device)
         return [images, labels], len(kept), counters
 
+    def _headers(self, encoded: list[bytes], positions: list[int]) -> list[Header | None]:
+        """Each file's header, read once per dataset (``HeaderTable``); None where unreadable
+        (the decoder reads it again and reports the file)."""
+        headers: list[Header | None] = []
+        for position, data in zip(positions, encoded):
+            try:
+                headers.append(self.headers.read(position, data))
+            except Exception:  # PIL raises many types for garbage
+                headers.append(None)
+        return headers
+
     def _windows(
-        self, encoded: list[bytes], positions: list[int], epoch: int
+        self, headers: list[Header | None], positions: list[int], epoch: int
     ) -> tuple[list[tuple[int, int] | None] | None, list[Window | None] | None]:
         """Upright sizes from the headers and the windows the transforms read, when the list
         starts with a crop (else None, None). An unreadable header gets no window; the
         decoder reports it as a bad file."""
-        if self.augment is None or not self.augment.reads_windows or not encoded:
+        if self.augment is None or not self.augment.reads_windows or not headers:
             return None, None
-        sizes: list[tuple[int, int] | None] = []
-        for data in encoded:
-            try:
-                sizes.append(peek_size(data))
-            except Exception:
-                sizes.append(None)
+        sizes = [None if header is None else header.upright for header in headers]
         known = [k for k, size in enumerate(sizes) if size is not None]
         drawn = self.augment.windows(torch.tensor([positions[k] for k in known]), [sizes[k] for k in known], epoch)
-        windows: list[Window | None] = [None] * len(encoded)
+        windows: list[Window | None] = [None] * len(headers)
         for k, window in zip(known, drawn):
             windows[k] = window
         return sizes, windows

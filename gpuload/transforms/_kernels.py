@@ -6,12 +6,10 @@ reads the uint8 source directly (no intermediate batch). Source images are addre
 per-sample pointer and strides, so a uniform NCHW batch, a list of CHW images of different
 sizes, or HWC images all work without a copy.
 
-Any chain of crops, one resize and flips reduces to one map per sample (``geometry_plan``):
-a source window resized to a canvas, a crop of that canvas (an offset and the box where pixels
-are valid, outside is the fill), and a final mirror. Flips commute with the other ops once
-later crop offsets are mirrored, and bilinear resize with align_corners=False is symmetric.
-Batches the map cannot express (two resizes, padding before a resize, different fills) return
-None and the caller uses the torch reference.
+The kernel reads the per-sample map of ``geometry.geometry_plan`` (a source window resized to
+a canvas, a crop of it with a box of valid pixels, a final mirror). Batches the map cannot
+express (two resizes, padding before a resize, different fills) return None and the caller
+uses the torch reference.
 
 With ColorJitter the kernel runs twice: uint8 -> float32 canvas (geometry only), then the
 jitter in torch (it needs per-image means), then float32 -> output (values and layout).
@@ -30,18 +28,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from gpuload.transforms.ops import (
-    GEOMETRIC_OPS,
-    ColorJitter,
-    Normalize,
-    Op,
-    RandomCrop,
-    RandomErasing,
-    RandomHorizontalFlip,
-    RandomResizedCrop,
-    Resize,
-    ToDtype,
-)
+from gpuload.transforms.geometry import PLAN_COLUMNS, geometry_plan
+from gpuload.transforms.ops import GEOMETRIC_OPS, ColorJitter, Normalize, Op, RandomErasing, ToDtype
 from gpuload.transforms.params import BatchParams
 from gpuload.transforms import reference, staging
 
@@ -49,7 +37,6 @@ __all__ = [
     "GEOMETRY_COLUMNS",
     "KernelUnavailable",
     "available",
-    "geometry_plan",
     "erasing_columns",
     "value_constants",
     "kernel_source",
@@ -57,11 +44,7 @@ __all__ = [
 ]
 
 # Per-sample int64 row: source address and strides (elements), then the geometry.
-GEOMETRY_COLUMNS = (
-    "ptr", "stride_c", "stride_y", "stride_x",
-    "win_y0", "win_x0", "win_h", "win_w", "canvas_h", "canvas_w",
-    "off_y", "off_x", "box_y0", "box_y1", "box_x0", "box_x1", "flip",
-)  # fmt: skip
+GEOMETRY_COLUMNS = ("ptr", "stride_c", "stride_y", "stride_x", *PLAN_COLUMNS)
 _ERASE_COLUMNS = 5  # apply, top, left, height, width (per RandomErasing op)
 
 _OUT_KINDS = {torch.uint8: 0, torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
@@ -192,80 +175,7 @@ def kernel_source(in_dtype: torch.dtype, out_dtype: torch.dtype, channels_last: 
     )
 
 
-# ----------------------------------------------------------------------- plans (pure torch)
-
-
-def geometry_plan(
-    params: BatchParams, source_sizes: torch.Tensor
-) -> tuple[torch.Tensor, float] | None:
-    """Reduce the batch's geometric ops to one map per sample: ((N, 13) int64, fill) or None."""
-    ops = params.ops
-    geo = [k for k, op in enumerate(ops) if isinstance(op, GEOMETRIC_OPS)]
-    resizes = [k for k in geo if isinstance(ops[k], (RandomResizedCrop, Resize))]
-    if len(resizes) > 1:
-        return None
-    n = len(source_sizes)
-    i64 = dict(dtype=torch.int64)
-    h, w = source_sizes[:, 0].clone(), source_sizes[:, 1].clone()
-    zeros = torch.zeros(n, **i64)
-    win = [zeros.clone(), zeros.clone(), h.clone(), w.clone()]  # y0, x0, h, w (unmirrored)
-    flip = torch.zeros(n, dtype=torch.bool)
-    resize_at = resizes[0] if resizes else -1
-    # Before the resize: crops move the window and must stay inside the image.
-    for k in geo:
-        if k >= resize_at:
-            break
-        op, p = ops[k], params.per_op[k]
-        if isinstance(op, RandomHorizontalFlip):
-            flip ^= p["flip"]
-            continue
-        th, tw = torch.full((n,), op.size[0], **i64), torch.full((n,), op.size[1], **i64)
-        top, left = p["top"], p["left"]
-        if bool(((top < 0) | (left < 0) | (top + th > win[2]) | (left + tw > win[3])).any()):
-            return None  # padding before a resize: the map cannot express it
-        left = torch.where(flip, win[3] - left - tw, left)
-        win = [win[0] + top, win[1] + left, th, tw]
-    if resize_at >= 0:
-        op, p = ops[resize_at], params.per_op[resize_at]
-        if isinstance(op, RandomResizedCrop):
-            top, left, ch, cw = p["top"], p["left"], p["height"], p["width"]
-            left = torch.where(flip, win[3] - left - cw, left)
-            win = [win[0] + top, win[1] + left, ch, cw]
-            canvas = [torch.full((n,), op.size[0], **i64), torch.full((n,), op.size[1], **i64)]
-        else:
-            canvas = [p["height"].clone(), p["width"].clone()]
-    else:
-        canvas = [win[2].clone(), win[3].clone()]
-    # After the resize (or from the start without one): crops move an offset into the canvas
-    # and shrink the box of valid pixels; outside it is the fill.
-    off = [zeros.clone(), zeros.clone()]
-    box = [zeros.clone(), canvas[0].clone(), zeros.clone(), canvas[1].clone()]
-    cur = [canvas[0].clone(), canvas[1].clone()]
-    fills: set[float] = set()
-    for k in geo:
-        if k <= resize_at:
-            continue
-        op, p = ops[k], params.per_op[k]
-        if isinstance(op, RandomHorizontalFlip):
-            flip ^= p["flip"]
-            continue
-        th, tw = op.size
-        top, left = p["top"], p["left"]
-        left = torch.where(flip, cur[1] - left - tw, left)
-        pads = (top < 0) | (left < 0) | (top + th > cur[0]) | (left + tw > cur[1])
-        if bool(pads.any()):
-            fills.add(float(op.fill) if isinstance(op, RandomCrop) else 0.0)
-        off = [off[0] + top, off[1] + left]
-        box = [
-            (box[0] - top).clamp(min=0), torch.minimum(box[1] - top, torch.full_like(top, th)),
-            (box[2] - left).clamp(min=0), torch.minimum(box[3] - left, torch.full_like(left, tw)),
-        ]
-        cur = [torch.full((n,), th, **i64), torch.full((n,), tw, **i64)]
-    if len(fills) > 1:
-        return None
-    # A mirrored output reads the unmirrored map at OW - 1 - x; box and offsets stay as they are.
-    table = torch.stack([*win, *canvas, *off, *box, flip.to(torch.int64)], dim=1)
-    return table, (fills.pop() if fills else 0.0)
+# ------------------------------------------------------------------- constants (pure torch)
 
 
 def value_constants(ops: Sequence[Op], channels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -481,7 +391,7 @@ def _launch(
 
 def run(params: BatchParams, batch: reference.Batch, device: torch.device) -> torch.Tensor | None:
     """The transformed batch computed by the kernels on ``device``, or None when the batch's
-    geometry needs the reference (see ``geometry_plan``). ``batch`` must already be there."""
+    geometry needs the reference (see ``geometry.geometry_plan``). ``batch`` must already be there."""
     ops = params.ops
     sizes = params.sizes[0]
     plan = geometry_plan(params, sizes)

@@ -5,7 +5,7 @@ Its results are the reference's: bit-exact (crops, padding, flips, the value ops
 output cast are the same float32 operations in the same order; resizes call the same
 bilinear kernel on the same float32 window, mirrored first when a flip comes before it).
 
-The geometry is the kernels' per-sample map (``_kernels.geometry_plan``): a source window,
+The geometry is the kernels' per-sample map (``geometry.geometry_plan``): a source window,
 resized to a canvas, then an offset, a box of valid pixels (outside is the fill) and a final
 mirror. Without a resize the output is one gather from the uint8 batch, its flat indices built
 for the whole batch by broadcasting per-sample row and column offsets. A resize loops over the
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from gpuload.transforms import reference
-from gpuload.transforms._kernels import geometry_plan
+from gpuload.transforms import reference, staging
+from gpuload.transforms.geometry import crop_windows, geometry_plan
 from gpuload.transforms.ops import (
     GEOMETRIC_OPS,
     Op,
@@ -59,23 +59,22 @@ def run(params: BatchParams, batch: reference.Batch) -> torch.Tensor | None:
     ops = params.ops
     n_geo = sum(isinstance(op, GEOMETRIC_OPS) for op in ops)
     value_ops, value_params = ops[n_geo:], params.per_op[n_geo:]
-    maps = _Maps(table, out_size, _mirrored_before_resize(params))
-    if not maps.resizes:
-        pixels = _gather(images, maps.rows(from_window=True), maps.cols(from_window=True), fill)
+    windows = crop_windows(table, out_size, images.shape[-2:]) if isinstance(images, torch.Tensor) else None
+    maps = None if windows is not None else _Maps(table, out_size, _mirrored_before_resize(params))
+    if maps is None or not maps.resizes:
+        if windows is not None:
+            pixels = _window_gather(images, *windows, out_size, fill)
+        else:
+            pixels = _gather(images, maps.rows(from_window=True), maps.cols(from_window=True), fill)
         if pixels.dtype == torch.uint8 and all(isinstance(op, ToChannelsLast) for op in value_ops):
             # uint8 out and nothing but layout: the pixels are the reference's rounded floats.
             return pixels.contiguous(memory_format=torch.channels_last) if value_ops else pixels
-        if pixels.dtype == torch.uint8 and not _scales_first(value_ops):
-            pixels = pixels.to(torch.float32)
+        # The reference's float32 copy of the pixels, made once, which the value ops then
+        # update in place (ToDtype's / 255 is the same float32 division either way).
+        pixels = pixels.to(torch.float32)
     else:
         pixels = _resized(images, maps, fill)
-    # uint8 pixels go in only to ToDtype(scale=True): pixels / 255 is the float32 division the
-    # reference does on its float copy, so the scale is the conversion.
-    return reference.apply_value_ops(value_ops, value_params, pixels, owned=pixels.dtype == torch.float32)
-
-
-def _scales_first(value_ops: Sequence[Op]) -> bool:
-    return bool(value_ops) and isinstance(value_ops[0], ToDtype) and value_ops[0].scale
+    return reference.apply_value_ops(value_ops, value_params, pixels, owned=True)
 
 
 class _Maps:
@@ -176,6 +175,75 @@ def _gather(
     return out
 
 
+def _window_gather(
+    images: torch.Tensor,
+    top: torch.Tensor,
+    left: torch.Tensor,
+    mirror: torch.Tensor,
+    out_size: tuple[int, int],
+    fill: float,
+) -> torch.Tensor:
+    """out[n] = the (OH, OW) window at (top[n], left[n]) of images[n], mirrored first where
+    ``mirror[n]``; ``fill`` outside the image (see ``geometry.crop_windows``).
+
+    One ``index_select`` of whole windows: the source (or a framed copy: the images in a
+    border of fill, mirrored images after the others) is viewed as one window per element
+    offset, and each sample's window is picked by its offset. No per-pixel index is built.
+    """
+    n, channels, h, w = images.shape
+    oh, ow = out_size
+    pads = (
+        max(0, -int(top.min())), max(0, int(top.max()) + oh - h),
+        max(0, -int(left.min())), max(0, int(left.max()) + ow - w),
+    )
+    slot = torch.arange(n)
+    source = images
+    if any(pads) or bool(mirror.any()):
+        source, slot = _framed(images, mirror, pads, fill)
+    strides = source.stride()
+    stride_n, stride_c, stride_y, stride_x = strides
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(source.shape, strides))
+    base = slot * stride_n + (top + pads[0]) * stride_y + (left + pads[2]) * stride_x
+    span = (channels - 1) * stride_c + (oh - 1) * stride_y + (ow - 1) * stride_x
+    starts = source.as_strided((extent - span, channels, oh, ow), (1, stride_c, stride_y, stride_x))
+    (base,) = staging.to_device([base], source.device)
+    return starts.index_select(0, base)
+
+
+def _framed(
+    images: torch.Tensor, mirror: torch.Tensor, pads: tuple[int, int, int, int], fill: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A contiguous copy of ``images`` inside a border of ``fill`` (top, bottom, left, right
+    ``pads``), the mirrored samples mirrored and after the others; and each sample's slot in it."""
+    n, channels, h, w = images.shape
+    top, bottom, left, right = pads
+    framed = torch.empty(
+        (n, channels, h + top + bottom, w + left + right),
+        dtype=_fill_dtype(images.dtype, fill), device=images.device,
+    )
+    if any(pads):
+        framed.fill_(fill)  # one pass: faster than filling the four borders (narrow strided strips)
+    inner = framed[:, :, top : top + h, left : left + w]
+    flipped = mirror.nonzero()[:, 0]
+    if not len(flipped):
+        inner.copy_(images)
+        return framed, torch.arange(n)
+    kept = (~mirror).nonzero()[:, 0]
+    device = images.device
+    kept_d, flipped_d = staging.to_device([kept, flipped], device)
+    if len(kept):
+        inner[: len(kept)].copy_(images.index_select(0, kept_d))
+    mirrored = images.index_select(0, flipped_d)
+    if framed.dtype == images.dtype:
+        torch.ops.aten.flip.out(mirrored, [-1], out=inner[len(kept) :])  # no intermediate copy
+    else:  # uint8 images in a float32 frame (a fractional fill)
+        inner[len(kept) :].copy_(mirrored.flip(-1))
+    slot = torch.empty(n, dtype=torch.int64)
+    slot[kept] = torch.arange(len(kept))
+    slot[flipped] = torch.arange(len(kept), n)
+    return framed, slot
+
+
 def _with_fill_border(
     images: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, fill: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -206,7 +274,9 @@ def _resized(images: torch.Tensor | Sequence[torch.Tensor], maps: _Maps, fill: f
     batch_canvas = None
     if uniform_canvas:
         ch, cw = (int(v) for v in table[0, 4:6])
-        batch_canvas = torch.empty((n, channels, ch, cw), dtype=torch.float32, device=device)
+        batch_canvas = torch.empty(
+            (n, channels, ch, cw), dtype=torch.float32, device=device, memory_format=_canvas_format(images)
+        )
     mirror_here = post_identity and batch_canvas is not None
     for ids, window, canvas_size in _window_groups(images, table):
         y0, x0, h, w = window
@@ -270,15 +340,23 @@ def _resize(
     when given."""
     same = tuple(source.shape[-2:]) == tuple(size)
     flips = mirror is not None and bool(mirror.any())
-    if not flips:
-        if out is None:
-            return source if same else _bilinear(source, size)
-        return out.copy_(source) if same else _bilinear(source, size, out)
-    resized = source if same else _bilinear(source, size)
-    if bool(mirror.all()) and out is not None:
-        return torch.ops.aten.flip.out(resized, [-1], out=out)
-    resized = _mirror_some(resized, mirror)
-    return resized if out is None else out.copy_(resized)
+    if out is None:
+        resized = source if same else _bilinear(source, size)
+        return _mirror_some(resized, mirror) if flips else resized
+    if same:
+        out.copy_(source)
+    else:
+        _bilinear(source, size, out)
+    return out.copy_(_mirror_some(out, mirror)) if flips else out
+
+
+def _canvas_format(images: torch.Tensor | Sequence[torch.Tensor]) -> torch.memory_format:
+    """The layout the bilinear kernel gives these images' windows: channels_last for images
+    stored channels-last (HWC decoder output), so that it writes the canvas directly; a
+    canvas of the other layout costs a transposing copy per image (C innermost, 3 wide)."""
+    first = images[:1] if isinstance(images, torch.Tensor) else images[0].unsqueeze(0)
+    channels_last = first.is_contiguous(memory_format=torch.channels_last) and not first.is_contiguous()
+    return torch.channels_last if channels_last else torch.contiguous_format
 
 
 def _bilinear(source: torch.Tensor, size: tuple[int, int], out: torch.Tensor | None = None) -> torch.Tensor:

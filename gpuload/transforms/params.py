@@ -1,6 +1,6 @@
 """Per-sample random parameters by counter: a pure function of (seed, epoch, index, op, draw).
 
-Every random number is a SplitMix64 hash of its coordinates, computed with int64 tensor ops
+Every random number is a SplitMix64 hash of its coordinates, computed with uint64 arithmetic
 (wrapping multiply, logical shifts), so a sample's parameters do not depend on which batch it
 is in, its position there, the prefetch depth or the device; resuming at any batch is exact.
 Parameters are drawn on the CPU (a few numbers per sample) and applied anywhere.
@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gpuload.transforms.ops import (
@@ -44,22 +45,20 @@ _M2 = 0x94D049BB133111EB
 _ATTEMPTS = 10  # torchvision's RandomResizedCrop / RandomErasing tries
 
 
-def _signed(value: int) -> int:
-    """A 64-bit pattern as the int64 torch stores."""
-    value &= _MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
+_M1_U, _M2_U, _GOLDEN_U = np.uint64(_M1), np.uint64(_M2), np.uint64(_GOLDEN)
 
 
-def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
+def _mix64_np(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer on a uint64 array (numpy's uint64 arithmetic wraps as C's does)."""
+    x = (x ^ (x >> np.uint64(30))) * _M1_U
+    x = (x ^ (x >> np.uint64(27))) * _M2_U
+    return x ^ (x >> np.uint64(31))
 
 
 def mix64(x: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finalizer on int64 tensors (bit-exact with the uint64 original)."""
-    x = (x ^ _srl(x, 30)) * _signed(_M1)
-    x = (x ^ _srl(x, 27)) * _signed(_M2)
-    return x ^ _srl(x, 31)
+    """SplitMix64's finalizer on an int64 tensor (bit-exact with the uint64 original), on the CPU."""
+    bits = x.to(device="cpu", dtype=torch.int64).contiguous().numpy().view(np.uint64)
+    return torch.from_numpy(_mix64_np(bits).view(np.int64))
 
 
 def _mix64_int(x: int) -> int:
@@ -71,13 +70,16 @@ def _mix64_int(x: int) -> int:
 
 def uniform(seed: int, epoch: int, indices: torch.Tensor, op_pos: int, slots: int) -> torch.Tensor:
     """Uniform float64 numbers in [0, 1), shape (len(indices), slots): slot k of sample i is a
-    pure function of (seed, epoch, indices[i], op_pos, k)."""
+    pure function of (seed, epoch, indices[i], op_pos, k).
+
+    Computed in numpy: a few hundred numbers per op and batch, where each torch op would cost
+    more in dispatch than in arithmetic."""
     key = _mix64_int(_mix64_int(_mix64_int(seed + _GOLDEN) ^ (epoch * _M1)) ^ (op_pos * _M2))
-    idx = indices.to(device="cpu", dtype=torch.int64).reshape(-1, 1)
-    per_sample = mix64(idx * _signed(_GOLDEN) + _signed(key))
-    slot = torch.arange(1, slots + 1, dtype=torch.int64) * _signed(_GOLDEN)
-    bits = mix64(per_sample ^ slot)
-    return _srl(bits, 11).to(torch.float64) * (2.0**-53)
+    idx = indices.to(device="cpu", dtype=torch.int64).reshape(-1, 1).contiguous().numpy().view(np.uint64)
+    per_sample = _mix64_np(idx * _GOLDEN_U + np.uint64(key))
+    slot = np.arange(1, slots + 1, dtype=np.uint64) * _GOLDEN_U
+    bits = _mix64_np(per_sample ^ slot)
+    return torch.from_numpy((bits >> np.uint64(11)).astype(np.float64) * (2.0**-53))
 
 
 def _randint(u: torch.Tensor, high: torch.Tensor) -> torch.Tensor:

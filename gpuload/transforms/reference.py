@@ -18,6 +18,7 @@ Semantics (the CuPy kernels are tested against these):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -166,24 +167,37 @@ def apply_value_ops(
                 scaled = owned = True
         elif isinstance(op, Normalize):
             mean, std = staging.to_device(normalize_constants(op, scaled, x.shape[1]), x.device)
-            mean, std = mean.view(1, -1, 1, 1), std.view(1, -1, 1, 1)
+            mean, std = _per_channel(mean, x), _per_channel(std, x)
             x = (x.sub_(mean) if owned else x - mean).div_(std)  # same rounding as (x - m) / s
             owned = True
         elif isinstance(op, RandomErasing):
             x = erase(x, p, erase_values(op, x.shape[1]))
     if not cast_output:
         return x
+    layout = torch.channels_last if channels_last else torch.contiguous_format
     if dtype == torch.uint8:
-        out = x.round().clamp_(0, 255).to(torch.uint8)
-    else:
-        out = x.to(dtype)
-    if channels_last:
-        out = out.contiguous(memory_format=torch.channels_last)
-    return out
+        return x.round().clamp_(0, 255).to(torch.uint8, memory_format=layout)
+    return x.to(dtype, memory_format=layout)
 
 
+def _per_channel(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Per-channel ``values`` shaped to broadcast over the N, C, H, W batch ``x``.
+
+    For a channels-last ``x`` they are expanded to one whole image in its layout: a (1, C, 1, 1)
+    operand broadcast along the innermost dimension (C) makes the op go element by element,
+    measured 2.5x slower on a CPU. The values, and so the results, are the same.
+    """
+    values = values.view(1, -1, 1, 1)
+    if x.shape[1] > 1 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        values = values.expand(1, *x.shape[1:]).contiguous(memory_format=torch.channels_last)
+    return values
+
+
+@functools.lru_cache(maxsize=64)
 def normalize_constants(op: Normalize, scaled: bool, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel float32 (mean, std) in the tensor's values (rescaled per ``value_range``)."""
+    """Per-channel float32 (mean, std) in the tensor's values (rescaled per ``value_range``).
+
+    Cached per (op, scaled, channels), so the CPU tensors are shared: read them, never write."""
     if len(op.mean) not in (1, channels):
         raise ValueError(f"{op!r} has {len(op.mean)} means for {channels}-channel images")
     mean = torch.tensor(op.mean, dtype=torch.float64).expand(channels)

@@ -25,7 +25,8 @@ from gpuload.decode import (
     peek_size,
     resolve_backend,
 )
-from gpuload.decode import cpu
+from gpuload.decode import batch as batch_module
+from gpuload.decode import cpu, headers
 
 CPU_MEAN_TOL, CPU_MAX_TOL = 0.5, 4
 GPU_MEAN_TOL, GPU_MAX_TOL = 1.0, 24
@@ -132,6 +133,35 @@ def test_roi_decode_equals_crop_of_full_decode(decoder: BatchDecoder) -> None:
         assert window.shape == (3, h, w)
         mean, worst = F.diff_stats(window, whole[:, y0 : y0 + h, x0 : x0 + w])
         assert mean <= CPU_MEAN_TOL and worst <= CPU_MAX_TOL, (mean, worst)
+
+
+def test_headers_read_before_are_not_read_again(decoder: BatchDecoder, monkeypatch: pytest.MonkeyPatch) -> None:
+    encoded = [F.jpeg("baseline-420"), F.png("RGBA")]
+    known = [headers.peek_header(data) for data in encoded]
+    rois = [(10, 21, 100, 120), (3, 5, 200, 150)]
+    expected = decoder.decode(encoded, ["a", "b"], [0, 1], rois=rois)
+
+    def no_second_read(data: bytes):
+        raise AssertionError("a header given to decode was read again")
+
+    monkeypatch.setattr(batch_module, "peek_header", no_second_read)
+    got = decoder.decode(encoded, ["a", "b"], [0, 1], rois=rois, headers=known)
+    assert all(torch.equal(a, b) for a, b in zip(got.images, expected.images))
+    with pytest.raises(ValueError, match="one header"):
+        decoder.decode(encoded, ["a", "b"], [0, 1], headers=known[:1])
+
+
+@pytest.mark.parametrize("rois", [None, [(10, 21, 100, 120), (3, 5, 200, 150), (0, 0, 64, 64)]])
+def test_dali_hands_out_hwc_images_as_chw_views_when_asked(rois) -> None:
+    """channels_last=True: the same pixels, as (3, H, W) views of HWC memory (no transpose)."""
+    encoded = [F.jpeg("baseline-420"), F.png("RGBA"), F.jpeg_with_orientation(6)]
+    plain = BatchDecoder("cpu", backend="dali-cpu", max_batch=4).decode(encoded, ["a", "b", "c"], [0, 1, 2], rois=rois)
+    hwc = BatchDecoder("cpu", backend="dali-cpu", max_batch=4, channels_last=True).decode(
+        encoded, ["a", "b", "c"], [0, 1, 2], rois=rois
+    )
+    for a, b in zip(plain.images, hwc.images):
+        assert a.is_contiguous() and b.stride(0) == 1 and b.permute(1, 2, 0).is_contiguous()
+        assert torch.equal(a, b)
 
 
 def test_roi_is_clipped_to_the_image(decoder: BatchDecoder) -> None:

@@ -12,6 +12,7 @@ import image_fixtures as F
 from gpuload.decode import headers
 from gpuload.decode.headers import (
     FOLLOW_PIL,
+    HeaderTable,
     PixelLimitError,
     check_pixels,
     default_max_pixels,
@@ -112,3 +113,24 @@ def test_a_bomb_in_a_format_only_pil_reads_is_caught_by_pils_check() -> None:
     data[18:26] = (30000).to_bytes(4, "little") + (30000).to_bytes(4, "little")  # BITMAPINFOHEADER size
     with pytest.raises(PixelLimitError, match="PIL: .*exceeds limit"):
         check_pixels(bytes(data))
+
+
+def test_the_header_table_reads_each_header_once() -> None:
+    table = HeaderTable(3)
+    data = F.jpeg_with_orientation(6)
+    assert table.get(1) is None
+    first = table.read(1, data)
+    assert first == peek_header(data)
+    # Kept: the file's bytes are not parsed again (garbage would raise if they were).
+    assert table.read(1, b"not an image at all") == first == table.get(1)
+    png = table.read(2, F.png("RGB"))
+    assert png.format == "PNG" and table.get(2) == png and table.get(1).format == "JPEG"
+
+
+def test_the_header_table_keeps_no_unreadable_header_and_no_stray_position() -> None:
+    table = HeaderTable(2)
+    with pytest.raises(Exception):
+        table.read(0, b"not an image at all")
+    assert table.get(0) is None
+    data = F.jpeg("baseline-420")
+    assert table.read(5, data) == peek_header(data) and table.get(5) is None  # outside: read, not kept

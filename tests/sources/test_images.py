@@ -41,6 +41,8 @@ def test_batches_are_decoded_then_transformed_per_sample(folder: ImageFolder) ->
         expected = apply_transforms(ops, decoded, g.initial_seed(), 0, indices)
         torch.testing.assert_close(images, expected, atol=2e-3, rtol=2e-3)
     assert loader.stats.samples == 12 and loader.stats.extra["transform_backend"] == "batched"
+    # The transforms take the decoder's images in any layout: DALI's stay HWC (no transpose).
+    assert loader._source.decoder.channels_last
 
 
 def test_a_corrupt_file_names_itself_or_is_skipped(folder: ImageFolder, tmp_path: Path) -> None:
@@ -61,3 +63,24 @@ def test_a_corrupt_file_names_itself_or_is_skipped(folder: ImageFolder, tmp_path
 def test_on_error_is_validated() -> None:
     with pytest.raises(ValueError, match="on_error"):
         gpuload.DataLoader(range(3), on_error="ignore")
+
+
+def test_each_files_header_is_read_once_per_dataset(folder: ImageFolder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Crop windows and the decoder's checks share one read per file, and later epochs none."""
+    from gpuload.decode import batch as batch_module
+    from gpuload.decode import headers
+
+    reads = []
+    peek = headers.peek_header
+
+    def counted(data: bytes):
+        reads.append(len(data))
+        return peek(data)
+
+    monkeypatch.setattr(headers, "peek_header", counted)
+    monkeypatch.setattr(batch_module, "peek_header", counted)
+    ops = [T.RandomResizedCrop(16), T.ToDtype(torch.float32)]
+    loader = gpuload.DataLoader(folder, batch_size=5, shuffle=True, device="cpu", transforms=ops, cache="off")
+    for _ in range(2):
+        assert sum(len(labels) for _, labels in loader) == 12
+    assert len(reads) == 12

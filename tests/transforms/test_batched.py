@@ -13,9 +13,11 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuload import transforms as T
-from gpuload.transforms import _kernels, apply, batched
+from gpuload.transforms import _kernels, apply, batched, geometry
 from gpuload.transforms.reference import apply_reference, batch_sizes
 from gpuload.transforms.windows import decode_windows
 
@@ -73,7 +75,10 @@ def _random_batch(rng: random.Random, channels: int, seed: int):
     h, w = rng.randint(6, 40), rng.randint(6, 40)
     layout = rng.choice(["contiguous", "channels_last", "sliced", "list", "list"])
     if layout == "list":
-        return [_images(1, channels, rng.randint(6, 40), rng.randint(6, 40), seed + k)[0] for k in range(n)], layout
+        images = [_images(1, channels, rng.randint(6, 40), rng.randint(6, 40), seed + k)[0] for k in range(n)]
+        if seed % 2:  # as decoders give them: HWC memory seen as CHW (channels-last strides)
+            images = [image.permute(1, 2, 0).contiguous().permute(2, 0, 1) for image in images]
+        return images, layout
     batch = _images(n, channels, h, w, seed)
     if layout == "channels_last":
         batch = batch.contiguous(memory_format=torch.channels_last)
@@ -104,7 +109,7 @@ def test_fuzz_equals_the_reference_bit_for_bit(seed: int) -> None:
     expected = apply_reference(params, batch)
     got = batched.run(params, batch)
     if got is None:  # the geometries the per-sample map cannot express, and only those
-        assert _kernels.geometry_plan(params, params.sizes[0]) is None
+        assert geometry.geometry_plan(params, params.sizes[0]) is None
         return
     context = f"ops={list(ops)} layout={layout}"
     assert got.dtype == expected.dtype and got.shape == expected.shape, context
@@ -119,7 +124,7 @@ def test_the_fuzz_reaches_every_path() -> None:
     seen = set()
     for seed in range(120):
         _, batch, params, layout = _fuzz_case(seed)
-        plan = _kernels.geometry_plan(params, params.sizes[0])
+        plan = geometry.geometry_plan(params, params.sizes[0])
         if plan is None:
             seen.add("fallback")
             continue
@@ -138,6 +143,96 @@ def test_cifar_augmentation_equals_the_reference(dtype: torch.dtype) -> None:
     batch = _images(64, 3, 32, 32, seed=1)
     params = T.sample_params(ops, 7, 2, torch.arange(100, 164), batch_sizes(batch))
     assert torch.equal(batched.run(params, batch), apply_reference(params, batch))
+
+
+_CROPS_AND_FLIPS = st.lists(
+    st.one_of(
+        st.builds(
+            lambda size, pad, fill: T.RandomCrop(size, padding=pad, fill=fill),
+            st.tuples(st.integers(4, 20), st.integers(4, 20)),
+            st.one_of(st.integers(0, 5), st.tuples(st.integers(0, 4), st.integers(0, 4)),
+                      st.tuples(*[st.integers(0, 4)] * 4)),
+            st.sampled_from([0, 0, 17, 255, 99.5]),
+        ),
+        st.builds(lambda size: T.CenterCrop(size), st.tuples(st.integers(4, 24), st.integers(4, 24))),
+        st.builds(lambda p: T.RandomHorizontalFlip(p), st.sampled_from([0.0, 0.5, 1.0])),
+    ),
+    max_size=4,
+)
+_VALUES = st.sampled_from([
+    [],
+    [T.ToChannelsLast()],
+    [T.ToDtype(torch.float32)],
+    [T.ToDtype(torch.float32, scale=False)],
+    [T.ToDtype(torch.float16), T.Normalize(MEAN, STD)],
+    [T.ToDtype(torch.bfloat16), T.Normalize(MEAN, STD), T.ToChannelsLast()],
+    [T.ToDtype(torch.float32), T.Normalize(MEAN, STD), T.RandomErasing(p=0.5)],
+    [T.ColorJitter(brightness=0.3), T.ToDtype(torch.float32)],
+])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    geometry_ops=_CROPS_AND_FLIPS,
+    value_ops=_VALUES,
+    shape=st.tuples(st.integers(1, 9), st.sampled_from([1, 3]), st.integers(4, 24), st.integers(4, 24)),
+    layout=st.sampled_from(["contiguous", "channels_last", "sliced", "expanded"]),
+    seed=st.integers(0, 2**31),
+)
+def test_crops_and_flips_as_windows_equal_the_reference(geometry_ops, value_ops, shape, layout, seed) -> None:
+    """The window gather (no per-pixel indices) over pads, fills, flip probabilities, output
+    dtypes and batch layouts; the per-pixel gather is never used when the map is a window."""
+    n, c, h, w = shape
+    batch = _images(n, c, h + 2, w + 3, seed % 1000)
+    batch = {
+        "contiguous": batch[:, :, :h, :w].contiguous(),
+        "channels_last": batch[:, :, :h, :w].contiguous(memory_format=torch.channels_last),
+        "sliced": batch[:, :, 1 : 1 + h, 2 : 2 + w],
+        "expanded": batch[:1, :, :h, :w].expand(n, c, h, w),
+    }[layout]
+    value_ops = [op for op in value_ops if not isinstance(op, T.Normalize)] if c == 1 else value_ops
+    try:
+        params = T.sample_params([*geometry_ops, *value_ops], seed, 1, torch.arange(n) * 3, batch_sizes(batch))
+        params.output_size()
+    except ValueError:  # a crop larger than the padded image
+        return
+    expected = apply_reference(params, batch)
+    plan = geometry.geometry_plan(params, params.sizes[0])
+    windows = plan is not None and geometry.crop_windows(plan[0], params.output_size(), (h, w)) is not None
+    real_gather = batched._gather
+
+    def per_pixel_gather(*args):
+        assert not windows, "a window map went through the per-pixel gather"
+        return real_gather(*args)
+
+    batched._gather = per_pixel_gather
+    try:
+        got = batched.run(params, batch)
+    finally:
+        batched._gather = real_gather
+    if plan is None:  # crops with different fills: the reference's
+        assert got is None
+        return
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
+    assert got.is_contiguous(memory_format=torch.channels_last) == expected.is_contiguous(
+        memory_format=torch.channels_last
+    ) or got.shape[-2:] == (1, 1) or got.shape[1] == 1
+
+
+@pytest.mark.parametrize("jitter", [False, True])
+def test_decoder_shaped_images_equal_the_reference(jitter: bool) -> None:
+    """HWC images seen as CHW (what DALI and PIL give): the canvas takes their layout (no
+    transposing copy per image), the output is still the reference's, in its layout."""
+    ops = [T.RandomResizedCrop(20), T.RandomHorizontalFlip(),
+           *([T.ColorJitter(0.4, 0.4, 0.4)] if jitter else []), T.ToDtype(torch.float16), T.Normalize(MEAN, STD)]
+    hwc = [_images(1, 3, 24 + 5 * k, 40 - 3 * k, seed=k)[0].permute(1, 2, 0).contiguous() for k in range(9)]
+    images = [image.permute(2, 0, 1) for image in hwc]
+    params = T.sample_params(ops, 4, 0, torch.arange(9), batch_sizes(images))
+    assert bool(params.per_op[1]["flip"].any()) and not bool(params.per_op[1]["flip"].all())
+    expected = apply_reference(params, images)
+    got = batched.run(params, images)
+    assert got.is_contiguous() and expected.is_contiguous() and torch.equal(got, expected)
+    assert batched._canvas_format(images) == torch.channels_last
 
 
 def test_decoded_windows_give_what_whole_images_give() -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpuload import transforms as T
-from gpuload.transforms import _kernels
+from gpuload.transforms import _kernels, geometry
 from gpuload.transforms.reference import batch_sizes
 
 GEOMETRIES = {
@@ -109,7 +109,7 @@ def test_unfusable_geometry_is_reported():
     for ops in ([T.Resize(8), T.Resize(6)], [T.RandomCrop(12, padding=2), T.Resize(6)],
                 [T.Resize(8), T.RandomCrop(9, padding=2, fill=5), T.CenterCrop(12)]):
         params = T.sample_params(ops, 0, 0, torch.arange(4), batch_sizes(batch))
-        assert _kernels.geometry_plan(params, batch_sizes(batch)) is None, ops
+        assert geometry.geometry_plan(params, batch_sizes(batch)) is None, ops
 
 
 def _nvrtc_compile(source: str) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpuload import transforms as T
-from gpuload.transforms.params import _mix64_int, mix64, uniform
+from gpuload.transforms.params import _GOLDEN, _M1, _M2, _mix64_int, mix64, uniform
 
 OPS = [
     T.RandomResizedCrop(24),
@@ -27,6 +27,19 @@ def test_mix64_is_bit_exact_splitmix64():
     signed = [v - 2**64 if v >= 2**63 else v for v in values]
     got = mix64(torch.tensor(signed, dtype=torch.int64)).tolist()
     assert [g % 2**64 for g in got] == [_mix64_int(v) for v in values]
+
+
+def test_uniform_is_splitmix64_of_its_coordinates():
+    """Each number, worked out with Python ints: the wrapping uint64 arithmetic is exact, for
+    indices near 2**63 too (so the stream stays what earlier versions drew)."""
+    indices = [0, 1, 49_999, 2**40 + 7, 2**63 - 1]
+    seed, epoch, op_pos, slots = 2**62 + 5, 3, 4, 3
+    key = _mix64_int(_mix64_int(_mix64_int(seed + _GOLDEN) ^ (epoch * _M1)) ^ (op_pos * _M2))
+    expected = []
+    for index in indices:
+        per_sample = _mix64_int(index * _GOLDEN + key)
+        expected.append([(_mix64_int(per_sample ^ (k * _GOLDEN % 2**64)) >> 11) * 2.0**-53 for k in range(1, slots + 1)])
+    assert uniform(seed, epoch, torch.tensor(indices), op_pos, slots).tolist() == expected
 
 
 def test_uniform_is_in_unit_interval_and_looks_uniform():
