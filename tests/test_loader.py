@@ -380,3 +380,19 @@ class Subset_(torch.utils.data.Dataset):
 
 def test_the_class_is_generic_like_torchs() -> None:
     assert gpuload.DataLoader[list[torch.Tensor]] is not None
+
+
+def test_a_source_whose_staging_changes_gets_a_new_prefetcher_and_keeps_its_counts(monkeypatch) -> None:
+    data = TensorDataset(torch.arange(40.0).view(20, 2), torch.arange(20))
+    loader = gpuload.DataLoader(data, batch_size=4, device="cpu", cache="off", prefetch_depth=2)
+    first_epoch = list(loader)
+    first = loader._prefetcher
+    assert first is not None and first.stage
+    staged = first.stats.bytes_copied
+    monkeypatch.setattr(type(loader._source), "stages", property(lambda source: False))
+    second_epoch = list(loader)
+    assert loader._prefetcher is not first and not loader._prefetcher.stage
+    assert first._ring is None  # the old one was closed: its host slots are freed
+    assert loader.stats.extra["prefetch"]["bytes_staged"] == 0  # the new prefetcher staged nothing
+    assert staged > 0
+    assert len(second_epoch) == len(first_epoch) == 5

@@ -150,3 +150,15 @@ def test_decoded_images_stay_on_the_gpu(samples) -> None:
     images, _ = next(iter(cached))
     assert images.is_cuda and images.dtype == torch.float16
     cached.close()
+
+
+def test_an_explicit_split_scope_on_images_warns_that_each_rank_caches_its_own(samples, tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        with pytest.warns(UserWarning, match="cache_scope='node'.*decoded images are not split over ranks"):
+            batches = list(loader(ImageList(samples), "host", cache_scope="node"))
+    finally:
+        dist.destroy_process_group()
+    assert len(batches) == 4
