@@ -11,7 +11,8 @@ arguments), so who sends what is planned, not negotiated.
 - ``rank_batches``: every rank's batch indices for an epoch, from shadow samplers;
 - ``exchange_plan``: per batch step, what each rank sends to each other rank (pure);
 - ``exchange_steps``: one epoch's steps, made by one thread at a time, ahead of the loop by
-  the same bound on every rank, so ranks that stop at the same batch stay in step;
+  the same bound on every rank (gloo; NCCL's are issued from the loop's thread), so ranks that
+  stop at the same batch stay in step;
 - ``scope``: the ``auto`` decision (rank, node, world or today's tiers) from the cache budget;
 - ``scope_plan``: what each scope would hold and move on a pretended cluster (``gpuload plan``);
 - ``sharded_store``: a rank's share of the arrays and the exchange that assembles its batches;

@@ -9,10 +9,14 @@ wrong batch) and one ``all_to_all_single`` carrying the rows of every array at o
 bytes; the rows this rank holds itself are gathered locally. The batch is exactly the one
 torch's DataLoader with the same ``DistributedSampler`` gives.
 
-The steps may run ahead of the loop, in the prefetcher's thread and on its side stream
-(:mod:`gpuload.distributed.exchange_steps` keeps the ranks' collectives in step): on CUDA the
-NCCL exchange is issued on the current stream of the thread that runs it and waited for by
-that stream, never by the host.
+Over gloo (CPU tensors) the steps may run ahead of the loop, in the prefetcher's thread
+(:mod:`gpuload.distributed.exchange_steps` keeps the ranks' collectives in step). Over NCCL
+they are issued from the loop's thread, on its current stream, and waited for by that stream,
+never by the host: NCCL does not allow two threads to issue operations on two communicators of
+one device at once, and a thread running ahead would do so beside DDP's all-reduces, in an
+order that differs between ranks (NCCL user guide, "Thread Safety" and "Using multiple NCCL
+communicators concurrently"). From the loop's thread every rank issues the exchange and DDP's
+collectives in its program order, the same on every rank.
 """
 
 from __future__ import annotations
@@ -338,6 +342,12 @@ class ShardedArrayStore:
             "shard_bytes": self._nbytes,
             **self.exchange_stats.as_dict(loop_wait_s),
         }
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether the exchange may run in the prefetcher's thread: gloo's, not NCCL's (see the
+        module docstring)."""
+        return self.device.type != "cuda"
 
     def shrink_device_tier(self, max_bytes: int) -> int:
         """A share cannot shrink on one rank alone (the others plan on it): frees nothing."""

@@ -298,8 +298,11 @@ class ArraySource(Source):
 
     @property
     def streams(self) -> bool:  # type: ignore[override]
-        """Host arrays copied each batch, or a sharded share whose exchange runs ahead."""
-        return self.resident is not None and (self.resident.copies_batches or self._sharded() is not None)
+        """Host arrays copied each batch, or a sharded share whose exchange may run ahead."""
+        if self.resident is None:
+            return False
+        sharded = self._sharded()
+        return self.resident.copies_batches if sharded is None else sharded.runs_ahead
 
     @property
     def stages(self) -> bool:  # type: ignore[override]
@@ -382,7 +385,7 @@ class ArraySource(Source):
 
     def _sharded_epoch(self, store: ShardedArrayStore, request: EpochRequest) -> Epoch:
         """Batches assembled from every rank's share (each a collective), ahead of the loop in
-        the prefetcher's thread, on its side stream on CUDA, when the request runs ahead."""
+        the prefetcher's thread when the request runs ahead (gloo only: ``store.runs_ahead``)."""
         drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.indices()]
         steps = store.epoch(self.setup.batch_sampler, drawn, ahead=request.ahead,
                             loop_wait_s=self.setup.stats.wait_time_s)

@@ -256,7 +256,7 @@ def run_nccl(rank: int, world: int, init_file: str, out_dir: str) -> None:
         found = {key: compare(data, scope, True, drop_last, batch_size=8, device=f"cuda:{rank}")
                  for scope in ("world", "node") for drop_last in (False, True)
                  for key in [f"{scope}/drop_last={drop_last}"]}
-        for depth in (0, 4):  # in the loop's thread, on its stream; ahead, on the side stream
+        for depth in (0, 4):  # in the loop's thread, on its stream, whatever the depth
             found[f"world/ahead={depth}"] = compare(data, "world", True, False, batch_size=8, device=f"cuda:{rank}",
                                                     prefetch_depth=depth, compute_s=0.002)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))

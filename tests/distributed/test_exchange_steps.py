@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from gpuload.distributed.exchange_steps import (
     RUN_AHEAD_LIMIT,
@@ -170,3 +171,14 @@ def test_device_wait_is_the_streams_not_the_hosts():
 
     wait_work(NcclWork(), False, lambda: True)
     assert calls == [None]
+
+
+def test_only_gloos_exchange_runs_ahead_of_the_loop():
+    """NCCL forbids two threads issuing on two communicators of one GPU at once (DDP's and ours)."""
+    from gpuload.distributed.sharded_store import ShardedArrayStore
+
+    store = ShardedArrayStore.__new__(ShardedArrayStore)
+    store.device = torch.device("cpu")
+    assert store.runs_ahead
+    store.device = torch.device("cuda", 0)
+    assert not store.runs_ahead

@@ -109,7 +109,8 @@ def test_nccl_ranks_get_torchs_batches(tmp_path):
             assert result["equal"], f"rank {rank}, {key}"
             assert result["path"] == f"sharded-{key.split('/')[0]}"
             assert result["exchange"]["shard_bytes"] > 0
-            assert result["exchange"]["ahead"] is (key != "world/ahead=0")
+            # NCCL's exchange is issued from the loop's thread whatever the depth (ShardedArrayStore.runs_ahead)
+            assert result["exchange"]["ahead"] is False
 
 
 def test_exchange_runs_ahead_of_the_loop_and_reports_its_time_and_the_loops_wait(job):
