@@ -1,0 +1,110 @@
+"""The decoded image cache split over 2 and 4 gloo processes on the CPU: each rank decodes and
+holds about 1/N of the images, gets bit for bit the batches of a per-rank decoded cache in
+torch's DistributedSampler order, handles a corrupt file as the unsplit path does on every
+rank, falls back together when a share does not fit, and fails clearly (never hangs) when a
+rank stops early."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+import images_job
+import ranks_job
+
+JOBS = {"two": (2, None), "four": (4, 2)}  # four: two pretended nodes of two ranks (LOCAL_WORLD_SIZE)
+
+
+@pytest.fixture(scope="module", params=["two", pytest.param("four", marks=pytest.mark.slow)])
+def job(request, tmp_path_factory):
+    """Every rank's findings, the files, the world size and the node size."""
+    world, local = JOBS[request.param]
+    folder = tmp_path_factory.mktemp(f"images{world}")
+    files = images_job.write_images(folder)
+    (folder / "files.json").write_text(json.dumps(files))
+    mp.spawn(images_job.run, args=(world, str(folder / "init"), str(folder), local), nprocs=world)
+    ranks = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
+    return ranks, files, world, local or world
+
+
+def test_every_rank_gets_the_per_rank_caches_batches_in_torchs_order(job):
+    ranks, _, _, _ = job
+    for rank, found in enumerate(ranks):
+        for key, result in [*found["compare"].items(), ("ahead0", found["ahead0"])]:
+            assert result["equal"], f"rank {rank}, {key}: batches differ from cache_scope='rank'"
+            assert result["in_order"], f"rank {rank}, {key}: not torch's DistributedSampler order"
+            assert result["warnings"] == [], (rank, key)
+
+
+def test_each_rank_holds_its_share_and_exchanges_the_rest(job):
+    ranks, files, world, node = job
+    total = files["total_bytes"]
+    for scope, group in (("node", node), ("world", world)):
+        held = 0
+        for found in ranks:
+            result = found["compare"][scope]
+            assert result["path"] == f"sharded-{scope}"
+            assert result["cache"]["mode"] == "decoded" and result["cache"]["scope"] == scope
+            share = result["cache"]["bytes"]
+            assert 0.5 * total / group < share < 1.5 * total / group, (scope, share, total)
+            exchange = result["exchange"]
+            assert exchange["ranks_per_copy"] == group and exchange["shard_bytes"] == share
+            assert len(exchange["bytes_received_per_epoch"]) == 3
+            assert all(b > 0 for b in exchange["bytes_received_per_epoch"]), scope
+            assert len(exchange["loop_wait_s_per_epoch"]) == 3 and exchange["ahead"]
+            held += share
+        assert held == total * world // group  # one whole copy per group of ranks
+
+
+def test_in_the_loops_thread_the_exchange_does_not_run_ahead(job):
+    for found in job[0]:
+        assert found["ahead0"]["exchange"]["ahead"] is False
+
+
+def test_a_corrupt_file_is_skipped_as_on_the_unsplit_path(job):
+    ranks, _, _, _ = job
+    for rank, found in enumerate(ranks):
+        seen = found["skip"]
+        assert seen["equal"] and seen["in_order"] and seen["error"] is None, rank
+        assert seen["skipped"] == seen["reference_skipped"], rank
+        assert seen["cache"]["bad_files"] == 1
+    assert sum(found["skip"]["skipped"] for found in ranks) == 2  # once per epoch, on the rank reading it
+
+
+def test_a_corrupt_file_with_on_error_raise_stops_every_rank_at_that_batch(job):
+    ranks, _, _, _ = job
+    holders = [rank for rank, found in enumerate(ranks) if found["raise"]["reference_error"]]
+    assert len(holders) == 1  # the unsplit path raises on the rank whose batch holds the file
+    holder = holders[0]
+    expected = ranks[holder]["raise"]["reference_error"]
+    for rank, found in enumerate(ranks):
+        seen = found["raise"]
+        assert seen["equal"], rank  # the batches before it
+        assert seen["batches"] == ranks[holder]["raise"]["batches"], rank  # every rank stops at that batch
+        kind, message = seen["error"]
+        if rank == holder:
+            assert [kind, message] == expected and kind == "ImageDecodeError"
+        else:
+            assert kind == "ExchangeError" and "broken.jpg" in message and f"rank {holder}" in message
+
+
+def test_shares_that_do_not_fit_fall_back_on_every_rank_with_a_warning(job):
+    for found in job[0]:
+        seen = found["too_big"]
+        assert seen["equal"] and seen["exchange"] is None and not seen["path"].startswith("sharded")
+        assert any("does not fit" in w and "cache_scope='world'" in w for w in seen["warnings"]), seen["warnings"]
+
+
+def test_rank_that_stops_early_makes_the_others_fail_within_the_timeout(job):
+    ranks, _, _, _ = job
+    assert ranks[0]["stop_early"]["error"] is None
+    for found in ranks[1:]:
+        seen = found["stop_early"]
+        assert seen["error"] is not None and "stopped this epoch early" in seen["error"]
+        assert seen["seconds"] < ranks_job.EXCHANGE_TIMEOUT_S + 20
