@@ -277,6 +277,9 @@ def shard_images(
     if on_cuda:
         ledger.reserve(store.shard_bytes, owner, device=device)
         ledger.set_used(owner, store.shard_bytes, device=device)
+        # Once, before any step: the exchange reads the share on whichever stream it runs on
+        # (the prefetcher's side stream), so the decoding and packing must be done by then.
+        torch.cuda.current_stream(device).synchronize()
     return store
 
 

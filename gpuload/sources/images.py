@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import default_collate, default_convert
 
 from gpuload.augment import BatchAugmenter
-from gpuload.cache import SampleCache, decide_images, estimate_image_bytes
+from gpuload.cache import SampleCache, decide_images, estimate_image_bytes, format_bytes
 from gpuload.datasets.images import ImageSource, as_image_source
 from gpuload.decode import BatchDecoder, Header, HeaderTable, ImageDecodeError
 from gpuload.device import device_memory, host_memory
@@ -126,7 +126,10 @@ class ImageFileSource(Source):
         setup = self.setup
         self.sharded = self._shard()
         if self.sharded is not None:
-            setup.stats.extra["image_cache_decision"] = f"{self.sharded.plan.kind}: {self.sharded.plan.describe()}"
+            setup.stats.extra["image_cache_decision"] = (
+                f"{self.sharded.plan.kind}: {self.sharded.plan.describe()}; decoded here: "
+                f"{format_bytes(self.sharded.shard_bytes)}"
+            )
             return
         decision = decide_images(self.images, setup.settings, setup.device, owner=setup.owner)
         setup.stats.extra["image_cache_decision"] = f"{decision.holds or 'none'}: {decision.reason}"

@@ -57,9 +57,9 @@ def sampler(data: Any) -> DistributedSampler:
     return DistributedSampler(data, shuffle=True, seed=SEED)
 
 
-def loader(samples: list, scope: str, batch_size: int = BATCH, **options: Any) -> gpuload.DataLoader:
+def loader(samples: list, scope: str, batch_size: int = BATCH, device: str = "cpu", **options: Any) -> gpuload.DataLoader:
     data = ImageList([tuple(s) for s in samples])
-    return gpuload.DataLoader(data, batch_size, sampler=sampler(data), device="cpu", transforms=OPS,
+    return gpuload.DataLoader(data, batch_size, sampler=sampler(data), device=device, transforms=OPS,
                               cache_scope=scope, **options)
 
 
@@ -68,7 +68,7 @@ def outcomes(ours: gpuload.DataLoader) -> list[Any]:
     found = []
     try:
         for images, labels in ours:
-            found.append((images.clone(), labels.clone()))
+            found.append((images.cpu(), labels.cpu()))
     except (ImageDecodeError, ExchangeError) as error:
         found.append((type(error).__name__, str(error)))
     return found
@@ -153,3 +153,14 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
 
 
+
+
+def run_nccl(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """The split image cache over NCCL, one GPU per rank, decoded and exchanged on the devices,
+    in the loop's thread and ahead of it (on the side stream)."""
+    files = json.loads(Path(out_dir, "files.json").read_text())
+    with ranks_job.nccl_job(rank, world, init_file):
+        found = {f"{scope}/depth={depth}": compare(files["samples"], scope, device=f"cuda:{rank}", prefetch_depth=depth)
+                 for scope in ("world", "node") for depth in (0, 2)}
+        found["skip"] = compare(files["corrupt"], "world", epochs=2, device=f"cuda:{rank}", on_error="skip")
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -108,3 +108,20 @@ def test_rank_that_stops_early_makes_the_others_fail_within_the_timeout(job):
         seen = found["stop_early"]
         assert seen["error"] is not None and "stopped this epoch early" in seen["error"]
         assert seen["seconds"] < ranks_job.EXCHANGE_TIMEOUT_S + 20
+
+
+@pytest.mark.gpu
+def test_nccl_ranks_get_the_per_rank_caches_batches(tmp_path):
+    world = torch.cuda.device_count()
+    if world < 2:
+        pytest.skip(f"needs 2 CUDA devices for NCCL between ranks; this machine has {world}")
+    files = images_job.write_images(tmp_path)
+    (tmp_path / "files.json").write_text(json.dumps(files))
+    mp.spawn(images_job.run_nccl, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    for rank in range(world):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for key, result in found.items():
+            assert result["equal"] and result["in_order"], f"rank {rank}, {key}"
+            assert result["path"] == f"sharded-{key.split('/')[0] if key != 'skip' else 'world'}"
+            assert result["exchange"]["ahead"] is (not key.endswith("depth=0")), key
+            assert result["cache"]["bytes"] > 0
