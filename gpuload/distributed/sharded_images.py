@@ -90,7 +90,7 @@ class ShardedImageStore(ShardExchange):
     int64 rows of status, stored shape, layout; ``bad``: every bad file as ``position ->
     (backend, reason)``; ``on_error``: ``"skip"`` or ``"raise"``; ``name(position)``: the file,
     for messages; ``failure(bad files of this rank's batch, in batch order)``: the error this
-    rank raises for them (the unsplit path's).
+    rank raises for them (the unsplit path's); ``read_s``: the time the block took to decode.
     """
 
     def __init__(
@@ -108,9 +108,11 @@ class ShardedImageStore(ShardExchange):
         failure: Callable[[list[BadFile]], Exception],
         owner: Hashable,
         ledger: BudgetLedger = LEDGER,
+        read_s: float = 0.0,
     ) -> None:
         super().__init__(plan, device, groups, owner=owner, ledger=ledger)
         self._chunks, self._views = chunks, views
+        self.read_s = read_s  # seconds this rank spent reading and decoding its block
         self._shapes = [tuple(row[1:4]) for row in table.tolist()]
         self._layouts = table[:, 4].tolist()
         self._good = table[:, 0] == _GOOD
@@ -136,7 +138,7 @@ class ShardedImageStore(ShardExchange):
         return {"kind": "images", "mode": "decoded", "scope": self.plan.decision.scope,
                 "entries": self.stats.device_samples, "bytes": self.shard_bytes, "rows": [start, stop],
                 "num_samples": self.plan.partition.num_samples, "bad_files": len(self._bad),
-                "hits": self._hits, "complete": not self._closed}
+                "hits": self._hits, "read_s": self.read_s, "complete": not self._closed}
 
     def _share_tensors(self) -> list[torch.Tensor]:
         return self._chunks if self.device.type == "cuda" else []
@@ -247,10 +249,12 @@ def shard_images(
     on_cuda = device.type == "cuda"
     if on_cuda:
         ledger.reserve(limit, owner, device=device)
+    began = time.perf_counter()
     try:
         outcome, why, block = _read_block(read, start, stop, chunk_size, limit, device)
     except Exception as error:  # noqa: BLE001 - the unsplit path meets it again, at that batch
         outcome, why, block = _FAILED, f"{type(error).__name__}: {error}", None
+    read_s = time.perf_counter() - began
     control = groups[0]
     table, outcomes = _swap_tables(plan, context, control, outcome, block)
     failed = [(rank, code) for rank, code in enumerate(outcomes) if code != _OK]
@@ -273,7 +277,7 @@ def shard_images(
         for theirs in everyone:
             bad.update(theirs)
     store = ShardedImageStore(chunks, views, table, bad, plan, device, groups, on_error=on_error, name=name,
-                              failure=failure, owner=owner, ledger=ledger)
+                              failure=failure, owner=owner, ledger=ledger, read_s=read_s)
     if on_cuda:
         ledger.reserve(store.shard_bytes, owner, device=device)
         ledger.set_used(owner, store.shard_bytes, device=device)
