@@ -18,19 +18,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 import images_job
 import ranks_job
 
-JOBS = {"two": (2, None), "four": (4, 2)}  # four: two pretended nodes of two ranks (LOCAL_WORLD_SIZE)
-
-
 @pytest.fixture(scope="module", params=["two", pytest.param("four", marks=pytest.mark.slow)])
 def job(request, tmp_path_factory):
     """Every rank's findings, the files, the world size and the node size."""
-    world, local = JOBS[request.param]
+    world, local = ranks_job.JOBS[request.param]
     folder = tmp_path_factory.mktemp(f"images{world}")
     files = images_job.write_images(folder)
     (folder / "files.json").write_text(json.dumps(files))
-    mp.spawn(images_job.run, args=(world, str(folder / "init"), str(folder), local), nprocs=world)
-    ranks = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
-    return ranks, files, world, local or world
+    return ranks_job.spawn(images_job.run, folder, world, local), files, world, local or world
 
 
 def test_every_rank_gets_the_per_rank_caches_batches_in_torchs_order(job):
