@@ -138,6 +138,26 @@ def stop_early(samples: list) -> dict:
     return {"error": error, "seconds": seconds}
 
 
+def resume(samples: list) -> dict:
+    """Every rank stops epoch 0 after two batches (the exchange running ahead) and saves its
+    state; a new loader resumes from it: the epoch is the per-rank cache's, whole."""
+    reference = outcomes(loader(samples, "rank", batch_size=2, cache="device"))
+    first = loader(samples, "world", batch_size=2)
+    got = []
+    for images, labels in first:
+        got.append((images.clone(), labels.clone()))
+        if len(got) == 2:
+            break
+    state = first.state_dict()
+    first.close()
+    second = loader(samples, "world", batch_size=2)
+    second.load_state_dict(state)
+    got += outcomes(second)
+    result = {"equal": same(got, reference), "batches": len(got), "exchange": second.stats.extra.get("exchange")}
+    second.close()
+    return result
+
+
 def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: int | None) -> None:
     files = json.loads(Path(out_dir, "files.json").read_text())
     samples, corrupt = files["samples"], files["corrupt"]
@@ -149,6 +169,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
         found["skip"] = compare(corrupt, "world", epochs=2, on_error="skip")
         found["raise"] = compare(corrupt, "world", epochs=1)
         found["too_big"] = compare(samples, "world", epochs=1, cache_size="4KiB")
+        found["resume"] = resume(samples)
         found["stop_early"] = stop_early(samples)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
 

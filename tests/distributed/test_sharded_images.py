@@ -96,6 +96,14 @@ def test_shares_that_do_not_fit_fall_back_on_every_rank_with_a_warning(job):
         assert any("does not fit" in w and "cache_scope='world'" in w for w in seen["warnings"]), seen["warnings"]
 
 
+def test_all_ranks_stopping_at_one_batch_then_resuming_give_the_whole_epoch(job):
+    ranks, _, world, _ = job
+    for rank, found in enumerate(ranks):
+        seen = found["resume"]
+        assert seen["equal"] and seen["batches"] > 2, rank
+        assert seen["exchange"]["ranks_per_copy"] == world
+
+
 def test_rank_that_stops_early_makes_the_others_fail_within_the_timeout(job):
     ranks, _, _, _ = job
     assert ranks[0]["stop_early"]["error"] is None
