@@ -32,11 +32,13 @@ SEED = ranks_job.SEED
 BATCH = 4
 OPS = [T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToDtype(torch.float32), T.Normalize([0.5] * 3, [0.25] * 3)]
 BAD = 5  # the sample whose file is cut short in the corrupt dataset
+MISSING = 9  # the sample whose file is missing in the broken dataset
 
 
 def write_images(folder: Path) -> dict[str, Any]:
-    """The JPEGs (sizes 20-59 px, some portrait), a copy of the list with sample BAD cut short,
-    and the decoded bytes of the whole set."""
+    """The JPEGs (sizes 20-59 px, some portrait), a copy of the list with sample BAD cut short
+    (``corrupt``), one with sample MISSING missing too (``broken``), one with only that
+    (``missing``), and the decoded bytes of the whole set."""
     rng = np.random.default_rng(0)
     samples, total = [], 0
     for index in range(NUM_IMAGES):
@@ -50,7 +52,9 @@ def write_images(folder: Path) -> dict[str, Any]:
     broken.write_bytes(Path(samples[BAD][0]).read_bytes()[:200])
     corrupt = list(samples)
     corrupt[BAD] = (str(broken), BAD)
-    return {"samples": samples, "corrupt": corrupt, "total_bytes": total}
+    broken, missing = list(corrupt), list(samples)
+    broken[MISSING] = missing[MISSING] = (str(folder / "missing.jpg"), MISSING)
+    return {"samples": samples, "corrupt": corrupt, "broken": broken, "missing": missing, "total_bytes": total}
 
 
 def sampler(data: Any) -> DistributedSampler:
@@ -105,7 +109,8 @@ def compare(samples: list, scope: str, epochs: int = 3, **options: Any) -> dict:
             else:
                 equal = equal and same(got, expected)
             labels = [batch[1].tolist() for batch in got if not isinstance(batch[0], str)]
-            skipped = {BAD} if options.get("on_error") == "skip" and samples[BAD][0].endswith("broken.jpg") else set()
+            skipped = {i for i in (BAD, MISSING) if options.get("on_error") == "skip"
+                       and not Path(samples[i][0]).name.startswith("image")}
             torchs = [[i for i in b.tolist() if i not in skipped] for b in order]
             in_order = in_order and labels == torchs[: len(labels)]
     extra = ours.stats.extra
@@ -113,6 +118,8 @@ def compare(samples: list, scope: str, epochs: int = 3, **options: Any) -> dict:
               "exchange": extra.get("exchange"), "decision": extra.get("image_cache_decision"),
               "warnings": [str(w.message) for w in caught], "epoch_s": seconds,
               "skipped": extra.get("skipped"), "reference_skipped": reference.stats.extra.get("skipped"),
+              "skipped_files": extra.get("skipped_files"),
+              "reference_skipped_files": reference.stats.extra.get("skipped_files"),
               "error": got[-1] if isinstance(got[-1][0], str) else None,
               "reference_error": expected[-1] if isinstance(expected[-1][0], str) else None,
               "batches": sum(not isinstance(batch[0], str) for batch in got)}
@@ -166,8 +173,9 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
         for scope in ("node", "world"):
             found["compare"][scope] = compare(samples, scope)
         found["ahead0"] = compare(samples, "world", epochs=2, prefetch_depth=0)
-        found["skip"] = compare(corrupt, "world", epochs=2, on_error="skip")
+        found["skip"] = compare(files["broken"], "world", epochs=2, on_error="skip")
         found["raise"] = compare(corrupt, "world", epochs=1)
+        found["raise_missing"] = compare(files["missing"], "world", epochs=1)
         found["too_big"] = compare(samples, "world", epochs=1, cache_size="4KiB")
         found["resume"] = resume(samples)
         found["stop_early"] = stop_early(samples)

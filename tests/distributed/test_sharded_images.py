@@ -62,31 +62,35 @@ def test_in_the_loops_thread_the_exchange_does_not_run_ahead(job):
         assert found["ahead0"]["exchange"]["ahead"] is False
 
 
-def test_a_corrupt_file_is_skipped_as_on_the_unsplit_path(job):
+def test_a_corrupt_or_missing_file_is_skipped_as_on_the_unsplit_path(job):
     ranks, _, _, _ = job
     for rank, found in enumerate(ranks):
         seen = found["skip"]
         assert seen["equal"] and seen["in_order"] and seen["error"] is None, rank
         assert seen["skipped"] == seen["reference_skipped"], rank
-        assert seen["cache"]["bad_files"] == 1
-    assert sum(found["skip"]["skipped"] for found in ranks) == 2  # once per epoch, on the rank reading it
+        assert seen["skipped_files"] == seen["reference_skipped_files"], rank  # named, same reasons
+        assert seen["cache"]["bad_files"] == 2
+    assert sum(found["skip"]["skipped"] for found in ranks) == 4  # once per epoch, on the rank reading it
+    named = {entry[1].rsplit("/", 1)[-1] for found in ranks for entry in found["skip"]["skipped_files"] or []}
+    assert named == {"broken.jpg", "missing.jpg"}
 
 
-def test_a_corrupt_file_with_on_error_raise_stops_every_rank_at_that_batch(job):
+@pytest.mark.parametrize(("key", "file"), [("raise", "broken.jpg"), ("raise_missing", "missing.jpg")])
+def test_a_bad_file_with_on_error_raise_stops_every_rank_at_that_batch(job, key, file):
     ranks, _, _, _ = job
-    holders = [rank for rank, found in enumerate(ranks) if found["raise"]["reference_error"]]
+    holders = [rank for rank, found in enumerate(ranks) if found[key]["reference_error"]]
     assert len(holders) == 1  # the unsplit path raises on the rank whose batch holds the file
     holder = holders[0]
-    expected = ranks[holder]["raise"]["reference_error"]
+    expected = ranks[holder][key]["reference_error"]
     for rank, found in enumerate(ranks):
-        seen = found["raise"]
+        seen = found[key]
         assert seen["equal"], rank  # the batches before it
-        assert seen["batches"] == ranks[holder]["raise"]["batches"], rank  # every rank stops at that batch
+        assert seen["batches"] == ranks[holder][key]["batches"], rank  # every rank stops at that batch
         kind, message = seen["error"]
         if rank == holder:
-            assert [kind, message] == expected and kind == "ImageDecodeError"
+            assert [kind, message] == expected and kind == "ImageDecodeError" and file in message
         else:
-            assert kind == "ExchangeError" and "broken.jpg" in message and f"rank {holder}" in message
+            assert kind == "ExchangeError" and file in message and f"rank {holder}" in message
 
 
 def test_shares_that_do_not_fit_fall_back_on_every_rank_with_a_warning(job):
