@@ -119,6 +119,7 @@ class ShardedImageStore(ShardExchange):
         self._sizes = table[:, 1:4].prod(dim=1) * self._good
         self._bad, self._on_error, self._name, self._failure = bad, on_error, name, failure
         self._nbytes = sum(chunk.numel() for chunk in chunks)
+        self._rows = sum(view is not None for view in views)
 
     @property
     def shard_bytes(self) -> int:
@@ -128,7 +129,7 @@ class ShardedImageStore(ShardExchange):
     @property
     def stats(self) -> StoreStats:
         """The share as a cache tier (``device_bytes`` counts only what is held on CUDA)."""
-        rows = sum(view is not None for view in self._views) if not self._closed else 0
+        rows = self._rows if not self._closed else 0
         held = self.shard_bytes if self.device.type == "cuda" else 0
         return StoreStats(device_samples=rows, device_bytes=held, fill_bytes=held, device_hits=self._hits)
 
