@@ -85,15 +85,17 @@ def same(a: list[Any], b: list[Any]) -> bool:
     )
 
 
-def compare(samples: list, scope: str, epochs: int = 3, **options: Any) -> dict:
+def compare(samples: list, scope: str, epochs: int = 3, warm: bool = False, **options: Any) -> dict:
     """Epochs of gpuload's loader with ``scope`` against the same loader with
     ``cache_scope="rank"`` and a decoded cache (whole images, as a share holds them: bit-exact),
-    and its labels against torch's DataLoader order (the label is the sample's index)."""
+    and its labels against torch's DataLoader order (the label is the sample's index); ``warm``:
+    gpuload's loader is warmed first (its share decoded before the first epoch)."""
     order = tud.DataLoader(range(len(samples)), BATCH, sampler=sampler(range(len(samples))))
     reference = loader(samples, "rank", cache="device", **options)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ours = loader(samples, scope, **options)
+        warmed = ours.warm(progress=False).extra.get("cache") if warm else None
         equal = in_order = True
         seconds = []
         for epoch in range(epochs):
@@ -116,7 +118,7 @@ def compare(samples: list, scope: str, epochs: int = 3, **options: Any) -> dict:
     extra = ours.stats.extra
     result = {"equal": equal, "in_order": in_order, "path": ours.stats.path, "cache": extra.get("cache"),
               "exchange": extra.get("exchange"), "decision": extra.get("image_cache_decision"),
-              "warnings": [str(w.message) for w in caught], "epoch_s": seconds,
+              "warnings": [str(w.message) for w in caught], "epoch_s": seconds, "warmed": warmed,
               "skipped": extra.get("skipped"), "reference_skipped": reference.stats.extra.get("skipped"),
               "skipped_files": extra.get("skipped_files"),
               "reference_skipped_files": reference.stats.extra.get("skipped_files"),
@@ -173,6 +175,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
         for scope in ("node", "world"):
             found["compare"][scope] = compare(samples, scope)
         found["ahead0"] = compare(samples, "world", epochs=2, prefetch_depth=0)
+        found["warm"] = compare(samples, "world", epochs=1, warm=True)
         found["skip"] = compare(files["broken"], "world", epochs=2, on_error="skip")
         found["raise"] = compare(corrupt, "world", epochs=1)
         found["raise_missing"] = compare(files["missing"], "world", epochs=1)

@@ -57,6 +57,13 @@ def test_each_rank_holds_its_share_and_exchanges_the_rest(job):
         assert held == total * world // group  # one whole copy per group of ranks
 
 
+def test_warm_decodes_the_share_before_the_first_epoch(job):
+    for found in job[0]:
+        seen = found["warm"]
+        assert seen["equal"] and seen["in_order"] and seen["path"] == "sharded-world"
+        assert seen["warmed"]["bytes"] == seen["cache"]["bytes"] > 0 and seen["warmed"]["read_s"] > 0
+
+
 def test_in_the_loops_thread_the_exchange_does_not_run_ahead(job):
     for found in job[0]:
         assert found["ahead0"]["exchange"]["ahead"] is False
