@@ -1,9 +1,11 @@
 """Many GPUs on torch.distributed: one copy of a dataset split over the ranks' devices.
 
-With ``cache_scope="node"`` or ``"world"`` each rank keeps only its share of the rows, and each
-batch's rows held by other ranks come over one ``all_to_all`` per array. Every rank can compute
-every other rank's batches (torch's ``DistributedSampler`` order is a pure function of its
-arguments), so who sends what is planned, not negotiated.
+With ``cache_scope="node"`` or ``"world"`` each rank keeps only its share of the rows (arrays,
+a dataset's samples, or decoded images), and each batch's rows held by other ranks come over one
+``all_to_all``. Every rank can compute every other rank's batches (torch's ``DistributedSampler``
+order is a pure function of its arguments), and every row's size (fixed for arrays and samples;
+for images, from one table of decoded shapes swapped once), so who sends what is planned, not
+negotiated.
 
 - ``group``: the process group as gpuload sees it (rank, node size, the exchange's own groups
   and timeout);
@@ -15,9 +17,12 @@ arguments), so who sends what is planned, not negotiated.
   stop at the same batch stay in step;
 - ``scope``: the ``auto`` decision (rank, node, world or today's tiers) from the cache budget;
 - ``scope_plan``: what each scope would hold and move on a pretended cluster (``gpuload plan``);
-- ``sharded_store``: a rank's share of the arrays and the exchange that assembles its batches;
+- ``sharded_store``: the exchange every share uses (:class:`ShardExchange`: steps, header
+  check, collective, counters, close) and a rank's share of the arrays on it;
 - ``sharded_samples``: a rank's share of a map-style dataset's samples, read once by column and
   served through the same exchange;
+- ``sharded_images``: a rank's share of an image dataset's decoded images, decoded once, each
+  batch's images exchanged as ragged bytes sized from the shape table;
 - ``shared_host``: one pinned host tier per node, mapped by its ranks from shared memory.
 """
 
@@ -32,7 +37,8 @@ from gpuload.distributed.partition import Partition
 from gpuload.distributed.rank_batches import every_rank_batches, shardable_sampler
 from gpuload.distributed.scope import ScopeDecision, decide_scope
 from gpuload.distributed.scope_plan import EpochBytes, ScopePlan, ScopePlans, plan_scopes
-from gpuload.distributed.sharded_store import ShardedArrayStore
+from gpuload.distributed.sharded_images import ShardedImageStore
+from gpuload.distributed.sharded_store import ShardedArrayStore, ShardExchange
 
 __all__ = [
     "EXCHANGE_TIMEOUT_ENV",
@@ -43,7 +49,9 @@ __all__ = [
     "ScopeDecision",
     "ScopePlan",
     "ScopePlans",
+    "ShardExchange",
     "ShardedArrayStore",
+    "ShardedImageStore",
     "StepPlan",
     "current_context",
     "decide_scope",

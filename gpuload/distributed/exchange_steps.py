@@ -24,9 +24,10 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
-__all__ = ["RUN_AHEAD_LIMIT", "ExchangeSteps", "LoaderClosedError", "wait_work"]
+__all__ = ["RUN_AHEAD_LIMIT", "ExchangeSteps", "LoaderClosedError", "MappedSteps", "wait_work"]
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 #: The most steps the exchange runs past the batches the loop has received; also how far an
 #: epoch stopped early is completed. The same on every rank (never a per-rank choice such as
@@ -109,6 +110,10 @@ class ExchangeSteps(Iterator[T], Generic[T]):
             self._next += 1
             return item
 
+    def map(self, fn: Callable[[T], U]) -> MappedSteps[U]:
+        """These steps with ``fn`` applied to each item, in the thread that makes them."""
+        return MappedSteps(self, fn)
+
     def _may_go_on(self) -> bool:
         """Stopped, at the epoch's end, or fewer than the limit ahead of the loop."""
         return self._cancelled or self._next >= self._steps.stop or self._next < self._bound()
@@ -140,3 +145,26 @@ class ExchangeSteps(Iterator[T], Generic[T]):
             while self._next < bound and not self._closed():
                 self._make(self._next)
                 self._next += 1
+
+
+class MappedSteps(Iterator[U], Generic[U]):
+    """:class:`ExchangeSteps` whose items go through ``fn`` as they are made (decoding, counters);
+    the loop and the prefetcher tell the steps through it (``handed_over``, ``cancel``, ``close``)."""
+
+    def __init__(self, steps: ExchangeSteps[Any], fn: Callable[[Any], U]) -> None:
+        self._steps, self._fn = steps, fn
+
+    def __iter__(self) -> MappedSteps[U]:
+        return self
+
+    def __next__(self) -> U:
+        return self._fn(next(self._steps))
+
+    def handed_over(self) -> None:
+        self._steps.handed_over()
+
+    def cancel(self) -> None:
+        self._steps.cancel()
+
+    def close(self) -> None:
+        self._steps.close()

@@ -60,7 +60,7 @@ from gpuload.distributed.rank_batches import (
 from gpuload.distributed.scope import ScopeDecision, decide_scope
 
 __all__ = [
-    "ExchangeStats", "ShardPlan", "ShardedArrayStore", "agree_on_split", "decline_split", "shard_arrays",
+    "ExchangeStats", "ShardExchange", "ShardPlan", "ShardedArrayStore", "agree_on_split", "decline_split", "shard_arrays",
     "split_context", "split_obstacle",
 ]
 
@@ -210,13 +210,19 @@ def agree_on_split(
     context: DistributedContext,
     num_samples: int,
     bytes_per_sample: int,
+    room: int | None = None,
 ) -> tuple[ShardPlan, tuple[Any, Any]] | None:
     """The plan and the exchange's ``(control, data)`` groups when the ranks split the dataset,
     else None (the groups released). Every rank must call this at the same point: the ranks
-    check they agree (sizes, sampler, scope) and decide the scope from the smallest device room.
+    check they agree (sizes, sampler, scope) and decide the scope from the smallest room.
+    ``room``: the bytes a share may take on this rank; None: the device cache room on CUDA,
+    no limit on a CPU device (arrays are served in place there).
     """
     requested = settings.scope.value
-    room = settings.device_room(device, device_memory(device), owner) if device.type == "cuda" else -1
+    if room is None and device.type == "cuda":
+        room = settings.device_room(device, device_memory(device), owner)
+    limited = room is not None
+    room = room if room is not None else -1
     control, data = exchange_groups(device, exchange_timeout())
     mine = [_SCOPE_CODES[requested], room, num_samples, bytes_per_sample, context.local_world_size,
             *[v for i, v in enumerate(sampler_fingerprint(batch_sampler)) if i != 1]]
@@ -237,7 +243,7 @@ def agree_on_split(
             f"{context.rank} but {rows[differ[0]]} on rank {differ[0]}; every rank must build the "
             "loader with the same dataset, sampler and cache_scope"
         )
-    smallest_room = min(row[1] for row in rows) if device.type == "cuda" else None
+    smallest_room = min(row[1] for row in rows) if limited else None
     decision = decide_scope(requested, num_samples, bytes_per_sample, smallest_room,
                             context.local_world_size, context.world_size)
     if not decision.sharded or decision.group_size == 1:
@@ -249,88 +255,44 @@ def agree_on_split(
     return ShardPlan(decision, partition, context.rank, bytes_per_sample, str(device)), (control, data)
 
 
-class ShardedArrayStore:
-    """This rank's contiguous block of rows of every array, packed as bytes on ``device``.
+class ShardExchange:
+    """A rank's share of a dataset split over ranks, and the exchange that assembles each of its
+    batches from every rank's share.
 
-    ``columns`` are the whole arrays (the source, on the host); only this rank's block is
-    copied (``local``: ``columns`` are that block already, see :meth:`from_block`). On CUDA the
-    block is booked in ``ledger`` under ``owner`` until :meth:`close`.
+    What every kind of share has in common lives here: the epoch's steps (run ahead or not, kept
+    in step over ranks by :class:`ExchangeSteps`), the per-step header check, the collective that
+    carries the rows, the counters, and ``close``. A subclass holds the rows and says how one
+    step's rows are packed and unpacked (:meth:`_step`). On CUDA, the share's tensors are
+    protected on every stream the exchange ran on when they are dropped (``record_stream``), so
+    a step still queued there never reads freed memory.
     """
 
     def __init__(
-        self,
-        columns: list[torch.Tensor],
-        plan: ShardPlan,
-        device: torch.device,
-        groups: tuple[Any, Any],
-        *,
-        owner: Hashable,
+        self, plan: ShardPlan, device: torch.device, groups: tuple[Any, Any], *, owner: Hashable,
         ledger: BudgetLedger = LEDGER,
-        local: bool = False,
     ) -> None:
         self.plan = plan
         self.device = device
         self._control, self._data = groups
         self._rank = plan.rank
-        self._shapes = [(tuple(c.shape[1:]), c.dtype) for c in columns]
-        self._row_bytes = [math.prod(c.shape[1:]) * c.element_size() for c in columns]
+        self._start = plan.partition.rows_of(plan.rank)[0]
         self._ledger, self._owner = ledger, owner
-        start, stop = plan.partition.rows_of(self._rank)
-        self._start = start
-        packed = torch.cat([_as_bytes(c if local else c[start:stop]) for c in columns], dim=1)
-        self._nbytes = packed.numel()
-        if device.type == "cuda":
-            ledger.reserve(self._nbytes, owner, device=device)
-            try:
-                packed = packed.to(device)
-            except RuntimeError as error:
-                ledger.release(owner)
-                if is_oom(error):
-                    raise ExchangeError(
-                        f"gpuload: out of memory placing rank {self._rank}'s share of the dataset "
-                        f"({format_bytes(self._nbytes)}) on {device}; lower the model's memory, use "
-                        "cache_scope='world' (smaller shares) or 'rank'"
-                    ) from error
-                raise
-            ledger.set_used(owner, self._nbytes, device=device)
-        self._shard = packed
         self._closed = False
         self._hits = 0
+        self._streams: dict[int, Any] = {}  # the CUDA streams the exchange ran on
         self.exchange_stats = ExchangeStats()
         self._issuing = threading.Lock()  # one thread at a time issues the exchange's collectives
         self._steps: ExchangeSteps | None = None  # the latest epoch's
 
-    @classmethod
-    def from_block(
-        cls,
-        block: list[torch.Tensor],
-        plan: ShardPlan,
-        device: torch.device,
-        groups: tuple[Any, Any],
-        *,
-        owner: Hashable,
-        ledger: BudgetLedger = LEDGER,
-    ) -> ShardedArrayStore:
-        """A store over ``block``: this rank's rows of every column (``plan.partition.rows_of``,
-        in row order), read by the caller, for data that is never whole in one process (a
-        dataset's samples)."""
-        start, stop = plan.partition.rows_of(plan.rank)
-        sizes = {column.shape[0] for column in block}
-        if not block or sizes != {stop - start}:
-            raise ValueError(f"rank {plan.rank}'s block holds rows [{start}, {stop}): got columns of {sorted(sizes)} rows")
-        return cls(block, plan, device, groups, owner=owner, ledger=ledger, local=True)
-
     @property
     def shard_bytes(self) -> int:
         """Bytes of the dataset this rank holds."""
-        return self._nbytes
+        raise NotImplementedError
 
     @property
     def stats(self) -> StoreStats:
-        """The share as a device tier (``device_bytes`` counts only what was copied to CUDA)."""
-        rows = self._shard.shape[0] if not self._closed else 0
-        copied = self._nbytes if self.device.type == "cuda" and not self._closed else 0
-        return StoreStats(device_samples=rows, device_bytes=copied, fill_bytes=copied, device_hits=self._hits)
+        """The share as a device tier."""
+        raise NotImplementedError
 
     def describe_exchange(self, loop_wait_s: float | None = None) -> dict[str, Any]:
         """For ``loader.stats.extra["exchange"]``; ``loop_wait_s``: the loader's running total of
@@ -339,7 +301,7 @@ class ShardedArrayStore:
             "scope": self.plan.decision.scope,
             "ranks_per_copy": self.plan.decision.group_size,
             "shard_rows": self.stats.device_samples,
-            "shard_bytes": self._nbytes,
+            "shard_bytes": self.shard_bytes,
             **self.exchange_stats.as_dict(loop_wait_s),
         }
 
@@ -366,7 +328,10 @@ class ShardedArrayStore:
             self._steps.cancel()
         let_go = self._issuing.acquire(timeout=_LET_GO_S)
         try:
-            self._shard = torch.empty((0, self._shard.shape[1]), dtype=torch.uint8, device=self.device)
+            for tensor in self._share_tensors():
+                for stream in self._streams.values():
+                    tensor.record_stream(stream)
+            self._drop()
             if self.device.type == "cuda":
                 self._ledger.release(self._owner)
             release_groups((self._control, self._data))
@@ -374,11 +339,18 @@ class ShardedArrayStore:
             if let_go:
                 self._issuing.release()
 
-    def epoch(
-        self, batch_sampler: Any, drawn: list[torch.Tensor], *, ahead: bool = False, loop_wait_s: float = 0.0
-    ) -> ExchangeSteps[tuple[list[torch.Tensor], torch.Tensor]]:
-        """``(arrays of the batch, its indices)`` for each of ``drawn``, this rank's batches of
-        the epoch as its loader drew them (the last ones only, after a resume).
+    def _share_tensors(self) -> list[torch.Tensor]:
+        """The device tensors holding the share (protected on the exchange's streams at close)."""
+        raise NotImplementedError
+
+    def _drop(self) -> None:
+        """Let go of the share's tensors."""
+        raise NotImplementedError
+
+    def epoch(self, batch_sampler: Any, drawn: list[torch.Tensor], *, ahead: bool = False,
+              loop_wait_s: float = 0.0) -> ExchangeSteps[Any]:
+        """What :meth:`_step` makes for each of ``drawn``, this rank's batches of the epoch as
+        its loader drew them (the last ones only, after a resume).
 
         ``batch_sampler`` is the loader's, after ``set_epoch``: every rank's batches are
         computed from it. Each step exchanges with the other ranks, which must run the same
@@ -408,51 +380,47 @@ class ShardedArrayStore:
         # set_epoch() the loop makes for its next epoch.
         sampler_epoch, seed = int(batch_sampler.sampler.epoch), int(batch_sampler.sampler.seed)
 
-        def make(step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        def make(step: int) -> Any:
             if self._closed:
                 raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
-            plan = plan_step(self._rank, [batches[step] for batches in everyone], self.plan.partition)
             header = (sampler_epoch, step, len(mine), seed)
-            return self._exchange(plan, header, slot), mine[step]
+            return self._step([batches[step] for batches in everyone], header, slot)
 
         self._steps = ExchangeSteps(range(skipped, len(mine)), make, self._issuing, ahead, lambda: self._closed)
         return self._steps
 
-    def _exchange(self, plan: StepPlan, header: tuple[int, ...], slot: int = -1) -> list[torch.Tensor]:
-        """One step's batch; on CUDA, ordered on the current stream (see the module docstring)."""
-        began = time.perf_counter()
-        self._check_peers(plan, header)
-        to_device = self.device.type == "cuda"
-        send_rows, local_rows, inverse = (
-            (t.to(self.device, non_blocking=True) if to_device else t)
-            for t in (plan.send_rows, plan.local_rows, plan.inverse)
-        )
-        shard = self._shard
-        grouped = torch.empty((plan.batch_size, shard.shape[1]), dtype=torch.uint8, device=self.device)
-        outgoing = shard.index_select(0, send_rows)
+    def _step(self, batches: list[torch.Tensor], header: tuple[int, ...], slot: int) -> Any:
+        """One step's item, where rank ``r`` reads ``batches[r]``; ``header``: (sampler epoch,
+        step, steps in the epoch, seed); ``slot``: the epoch's place in the counters."""
+        raise NotImplementedError
+
+    def _swap(self, received: torch.Tensor, outgoing: torch.Tensor, recv_splits: list[int],
+              send_splits: list[int], header: tuple[int, ...]) -> None:
+        """The step's one collective: ``outgoing`` split by ``send_splits`` to the ranks, into
+        ``received`` split by ``recv_splits`` (on CUDA ordered on the current stream)."""
+        on_host = self.device.type != "cuda"
+        if not on_host:
+            stream = torch.cuda.current_stream(self.device)
+            self._streams.setdefault(id(stream), stream)
         try:
-            work = dist.all_to_all_single(grouped[: plan.received], outgoing, plan.recv_splits, plan.send_splits,
+            work = dist.all_to_all_single(received, outgoing, recv_splits, send_splits,
                                           group=self._data, async_op=True)
-            # NCCL: the current stream waits, and the work keeps outgoing/grouped alive until then.
-            wait_work(work, not to_device, lambda: self._closed)
+            # NCCL: the current stream waits, and the work keeps outgoing/received alive until then.
+            wait_work(work, on_host, lambda: self._closed)
         except LoaderClosedError:
             raise
         except RuntimeError as error:
             raise self._stopped(header, error) from error
-        torch.index_select(shard, 0, local_rows, out=grouped[plan.received :])
-        leaves, offset = [], 0
-        for (shape, dtype), row_bytes in zip(self._shapes, self._row_bytes):
-            rows = grouped[:, offset : offset + row_bytes].index_select(0, inverse)
-            leaves.append(rows.view(dtype).view(plan.batch_size, *shape))
-            offset += row_bytes
+
+    def _count(self, slot: int, plan: StepPlan, sent: int, received: int, began: float) -> None:
+        """One step's counters: ``sent``/``received`` bytes, since ``began`` (perf_counter)."""
         stats = self.exchange_stats
-        stats.bytes_sent_per_epoch[slot] += plan.sent * shard.shape[1]
-        stats.bytes_received_per_epoch[slot] += plan.received * shard.shape[1]
+        stats.bytes_sent_per_epoch[slot] += sent
+        stats.bytes_received_per_epoch[slot] += received
         stats.received_rows += plan.received
-        stats.local_rows += local_rows.numel()
+        stats.local_rows += plan.local_rows.numel()
         stats.wait_s_per_epoch[slot] += time.perf_counter() - began
-        self._hits += local_rows.numel()
-        return leaves
+        self._hits += plan.local_rows.numel()
 
     def _check_peers(self, plan: StepPlan, header: tuple[int, ...]) -> None:
         """Swap ``header`` and row counts with the ranks this step exchanges with (gloo, host)."""
@@ -496,6 +464,115 @@ class ShardedArrayStore:
             "each epoch; to stop early, stop all ranks at the same batch (README: Multi-GPU and "
             f"multi-node). Cause: {error}"
         )
+
+
+class ShardedArrayStore(ShardExchange):
+    """This rank's contiguous block of rows of every array, packed as bytes on ``device``.
+
+    ``columns`` are the whole arrays (the source, on the host); only this rank's block is
+    copied (``local``: ``columns`` are that block already, see :meth:`from_block`). On CUDA the
+    block is booked in ``ledger`` under ``owner`` until :meth:`close`. Each step carries the
+    rows of every array at once, packed as bytes, in one ``all_to_all_single``.
+    """
+
+    def __init__(
+        self,
+        columns: list[torch.Tensor],
+        plan: ShardPlan,
+        device: torch.device,
+        groups: tuple[Any, Any],
+        *,
+        owner: Hashable,
+        ledger: BudgetLedger = LEDGER,
+        local: bool = False,
+    ) -> None:
+        super().__init__(plan, device, groups, owner=owner, ledger=ledger)
+        self._shapes = [(tuple(c.shape[1:]), c.dtype) for c in columns]
+        self._row_bytes = [math.prod(c.shape[1:]) * c.element_size() for c in columns]
+        start, stop = plan.partition.rows_of(self._rank)
+        packed = torch.cat([_as_bytes(c if local else c[start:stop]) for c in columns], dim=1)
+        self._nbytes = packed.numel()
+        if device.type == "cuda":
+            ledger.reserve(self._nbytes, owner, device=device)
+            try:
+                packed = packed.to(device)
+            except RuntimeError as error:
+                ledger.release(owner)
+                if is_oom(error):
+                    raise ExchangeError(
+                        f"gpuload: out of memory placing rank {self._rank}'s share of the dataset "
+                        f"({format_bytes(self._nbytes)}) on {device}; lower the model's memory, use "
+                        "cache_scope='world' (smaller shares) or 'rank'"
+                    ) from error
+                raise
+            ledger.set_used(owner, self._nbytes, device=device)
+        self._shard = packed
+
+    @classmethod
+    def from_block(
+        cls,
+        block: list[torch.Tensor],
+        plan: ShardPlan,
+        device: torch.device,
+        groups: tuple[Any, Any],
+        *,
+        owner: Hashable,
+        ledger: BudgetLedger = LEDGER,
+    ) -> ShardedArrayStore:
+        """A store over ``block``: this rank's rows of every column (``plan.partition.rows_of``,
+        in row order), read by the caller, for data that is never whole in one process (a
+        dataset's samples)."""
+        start, stop = plan.partition.rows_of(plan.rank)
+        sizes = {column.shape[0] for column in block}
+        if not block or sizes != {stop - start}:
+            raise ValueError(f"rank {plan.rank}'s block holds rows [{start}, {stop}): got columns of {sorted(sizes)} rows")
+        return cls(block, plan, device, groups, owner=owner, ledger=ledger, local=True)
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes of the dataset this rank holds."""
+        return self._nbytes
+
+    @property
+    def stats(self) -> StoreStats:
+        """The share as a device tier (``device_bytes`` counts only what was copied to CUDA)."""
+        rows = self._shard.shape[0] if not self._closed else 0
+        copied = self._nbytes if self.device.type == "cuda" and not self._closed else 0
+        return StoreStats(device_samples=rows, device_bytes=copied, fill_bytes=copied, device_hits=self._hits)
+
+    def _share_tensors(self) -> list[torch.Tensor]:
+        return [self._shard] if self.device.type == "cuda" else []
+
+    def _drop(self) -> None:
+        self._shard = torch.empty((0, self._shard.shape[1]), dtype=torch.uint8, device=self.device)
+
+    def _step(self, batches: list[torch.Tensor], header: tuple[int, ...], slot: int) -> Any:
+        """``(arrays of this rank's batch, its indices)``."""
+        plan = plan_step(self._rank, batches, self.plan.partition)
+        return self._exchange(plan, header, slot), batches[self._rank]
+
+    def _exchange(self, plan: StepPlan, header: tuple[int, ...], slot: int = -1) -> list[torch.Tensor]:
+        """One step's batch; on CUDA, ordered on the current stream (see the module docstring)."""
+        began = time.perf_counter()
+        self._check_peers(plan, header)
+        to_device = self.device.type == "cuda"
+        send_rows, local_rows, inverse = (
+            (t.to(self.device, non_blocking=True) if to_device else t)
+            for t in (plan.send_rows, plan.local_rows, plan.inverse)
+        )
+        shard = self._shard
+        grouped = torch.empty((plan.batch_size, shard.shape[1]), dtype=torch.uint8, device=self.device)
+        outgoing = shard.index_select(0, send_rows)
+        self._swap(grouped[: plan.received], outgoing, plan.recv_splits, plan.send_splits, header)
+        torch.index_select(shard, 0, local_rows, out=grouped[plan.received :])
+        leaves, offset = [], 0
+        for (shape, dtype), row_bytes in zip(self._shapes, self._row_bytes):
+            rows = grouped[:, offset : offset + row_bytes].index_select(0, inverse)
+            leaves.append(rows.view(dtype).view(plan.batch_size, *shape))
+            offset += row_bytes
+        width = shard.shape[1]
+        self._count(slot, plan, plan.sent * width, plan.received * width, began)
+        return leaves
 
 
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,11 @@ epoch from the cache gives the same batches as one from the files. Encoded bytes
 pageable memory: DALI's ``external_source`` copies every input into its own staging buffers,
 so a pinned copy of ours would add a pinned allocation per image without saving a transfer.
 
+In a torch.distributed job whose ``cache_scope`` splits the dataset, the decoded images are
+split over the ranks instead (``gpuload.distributed.sharded_images``): each rank decodes its
+block once, and each batch's images held by other ranks come over the exchange, whole; the
+transforms then run here as above.
+
 Serves gpuload's image datasets (``gpuload.datasets.ImageFolder``, ``ImageList``, or a
 torchvision ImageFolder) with torch's default collation: batches have the structure
 default_collate gives ``(image, label)`` samples, ``[images, labels]``.
@@ -27,10 +32,11 @@ import torch
 from torch.utils.data import default_collate, default_convert
 
 from gpuload.augment import BatchAugmenter
-from gpuload.cache import SampleCache, decide_images
+from gpuload.cache import SampleCache, decide_images, estimate_image_bytes, format_bytes
 from gpuload.datasets.images import ImageSource, as_image_source
-from gpuload.decode import BatchDecoder, Header, HeaderTable
-from gpuload.distributed.sharded_store import decline_split, split_context
+from gpuload.decode import BatchDecoder, Header, HeaderTable, ImageDecodeError
+from gpuload.device import device_memory, host_memory
+from gpuload.distributed.sharded_images import BadFile, ExchangedImages, ShardedImageStore, WholeImages, shard_images
 from gpuload.sampling import in_range
 from gpuload.sources import Epoch, EpochRequest, Setup, Source
 from gpuload.transforms.windows import Window
@@ -105,6 +111,7 @@ class ImageFileSource(Source):
         self.cpu_decoded = 0  # non-JPEG files the GPU's nvjpeg backend left to the CPU
         self.roi = "none"  # how the last batch's decode windows were honoured (DecodeResult.roi)
         self.cache: SampleCache | None = None
+        self.sharded: ShardedImageStore | None = None  # this rank's share, when cache_scope splits the images
         self.keeps = ""  # what the cache keeps: "decoded" images or "encoded" bytes
         self._decided = False
         self._released: dict[str, Any] | None = None
@@ -117,8 +124,13 @@ class ImageFileSource(Source):
             return
         self._decided = True
         setup = self.setup
-        if split_context(setup.settings, setup.device) is not None:
-            decline_split(setup.settings, "decoded images are not split over ranks yet", stacklevel=6)
+        self.sharded = self._shard()
+        if self.sharded is not None:
+            setup.stats.extra["image_cache_decision"] = (
+                f"{self.sharded.plan.kind}: {self.sharded.plan.describe()}; decoded here: "
+                f"{format_bytes(self.sharded.shard_bytes)}"
+            )
+            return
         decision = decide_images(self.images, setup.settings, setup.device, owner=setup.owner)
         setup.stats.extra["image_cache_decision"] = f"{decision.holds or 'none'}: {decision.reason}"
         if not decision.caches:
@@ -131,12 +143,38 @@ class ImageFileSource(Source):
         self.keeps, self._reason = decision.holds, decision.reason
         weakref.finalize(self, self.cache.close)
 
+    def _shard(self) -> ShardedImageStore | None:
+        """This rank's share of the decoded images when ``cache_scope`` splits them over the
+        ranks of torch.distributed (decoded now), else None."""
+        setup = self.setup
+        device, settings = setup.device, setup.settings
+
+        def room() -> int:  # the budget decide_images gives decoded images
+            if device.type == "cuda":
+                return settings.device_room(device, device_memory(device), setup.owner)
+            return settings.host_room(host_memory())
+
+        return shard_images(
+            len(self.images), settings, device, setup.batch_sampler, setup.owner,
+            estimate=lambda: estimate_image_bytes(self.images)[0], room=room, read=self._read_whole,
+            chunk_size=setup.batch_size or 1, on_error=setup.on_error, name=self.images.path,
+            failure=self._failure,
+        )
+
+    @property
+    def ahead_on_cpu(self) -> bool:  # type: ignore[override]
+        """A share's exchange runs ahead (each step waits for other ranks); decoding does not."""
+        return self.sharded is not None
+
     @property
     def _keeps_encoded(self) -> bool:
         return self.cache is not None and self.keeps == "encoded"
 
     def begin_epoch(self) -> None:
         self._decide_cache()
+        if self.sharded is not None:
+            self.path = self.sharded.plan.kind
+            return
         if self.cache is not None:
             self.cache.fit_reserve(self.setup.settings.keepable, "those images are decoded from their files again")
         self.path = "image-decode" if self.cache is None else f"image-cache ({self.keeps})"
@@ -145,19 +183,26 @@ class ImageFileSource(Source):
         extra: dict[str, Any] = {}
         if self.skipped_files:
             extra["skipped_files"] = [(position, *entry) for position, entry in self.skipped_files.items()]
-        if self.cache is not None:
+        if self.sharded is not None:
+            extra["cache"] = self.sharded.summary()
+            if self.sharded.exchange_stats.wait_s_per_epoch:
+                extra["exchange"] = self.sharded.describe_exchange(loop_wait_s=self.setup.stats.wait_time_s)
+        elif self.cache is not None:
             extra["cache"] = self.cache.summary(kind="images", mode=self.keeps, reason=self._reason)
         elif self._released is not None:
             extra["cache"] = self._released
         return extra
 
     def device_cache_bytes(self) -> int:
+        if self.sharded is not None:
+            return self.sharded.stats.device_bytes
         cache = self.cache
         return cache.stats.bytes if cache is not None and cache.device == self.setup.device else 0
 
     def shrink_cache(self, max_device_bytes: int) -> int:
-        """The images cached last go first; they are read and decoded from their files again."""
-        return self.cache.shrink(max_device_bytes) if self.device_cache_bytes() else 0
+        """The images cached last go first; they are read and decoded from their files again
+        (a share frees nothing: the other ranks plan on it)."""
+        return self.cache.shrink(max_device_bytes) if self.cache is not None and self.device_cache_bytes() else 0
 
     def _note_skipped(self, entries: list[tuple[int, str, str]], epoch: int) -> None:
         """Count skipped files, in total and in ``epoch``; keep the first distinct ones named."""
@@ -173,6 +218,10 @@ class ImageFileSource(Source):
         return {"skipped": self.skipped, "skipped_epoch": count if number == epoch else 0}
 
     def close(self) -> None:
+        if self.sharded is not None:
+            self.sharded.close()
+            self._released = dict(self.sharded.summary(), released=True)
+            self.sharded = None
         if self.cache is not None:
             self.cache.close()
             self._released = dict(self.stats()["cache"], released=True)
@@ -183,7 +232,7 @@ class ImageFileSource(Source):
         """Fill the image cache in one pass over the files not cached yet."""
         from tqdm import tqdm
 
-        self._decide_cache()
+        self._decide_cache()  # a share is decoded here already
         cache = self.cache
         if cache is None or not cache.accepting:
             return
@@ -204,6 +253,8 @@ class ImageFileSource(Source):
     # -- an epoch ----------------------------------------------------------------------------
 
     def epoch(self, request: EpochRequest) -> Epoch:
+        if self.sharded is not None:
+            return self._sharded_epoch(self.sharded, request)
         number = request.number
         decoded = (self.decode(index, number) for index in request.indices())
         # On the CPU the transforms stay in the loop's thread: their batch-sized float buffers
@@ -212,6 +263,68 @@ class ImageFileSource(Source):
         if request.ahead and self.setup.device.type == "cuda":
             return Epoch((self.finish(d) for d in decoded), self._deliver)
         return Epoch(decoded, lambda d: self._deliver(self.finish(d)))
+
+    def _sharded_epoch(self, store: ShardedImageStore, request: EpochRequest) -> Epoch:
+        """Batches whose images come from every rank's share (each step a collective), ahead of
+        the loop in the prefetcher's thread when the request runs ahead; transforms as above."""
+        drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.indices()]
+        steps = store.epoch(self.setup.batch_sampler, drawn, ahead=request.ahead,
+                            loop_wait_s=self.setup.stats.wait_time_s)
+        number = request.number
+
+        def delivered(finished: tuple[Any, int, dict[str, Any]]) -> tuple[Any, int] | None:
+            steps.handed_over()  # every step counts, a batch whose files were all skipped too
+            return self._deliver(finished)
+
+        if request.ahead and self.setup.device.type == "cuda":
+            return Epoch(steps.map(lambda item: self.finish(self._exchanged(item, number))), delivered)
+        return Epoch(steps.map(lambda item: self._exchanged(item, number)), lambda d: delivered(self.finish(d)))
+
+    def _exchanged(self, item: ExchangedImages, epoch: int) -> DecodedBatch:
+        """An exchanged batch as a decoded one (whole images), its skipped files counted."""
+        if item.skipped:
+            self._note_skipped([(p, self.images.path(p), self._skip_reason(p, backend, reason))
+                                for p, backend, reason in item.skipped], epoch)
+        return DecodedBatch(
+            images=item.images, positions=item.positions, labels=[self.images.label(p) for p in item.positions],
+            epoch=epoch, windows=None, sizes=None, counters={
+                "decode_backend": self.decoder.backend, **self._skipped_counters(epoch),
+                "fallback_decoded": self.fallback_decoded, "cpu_decoded": self.cpu_decoded, "roi": self.roi,
+            },
+        )
+
+    def _read_whole(self, positions: list[int]) -> WholeImages:
+        """The files of ``positions`` read and decoded whole, bad ones listed (not raised): a
+        share's block, decoded before its first epoch."""
+        encoded, readable, bad = [], [], []
+        for position in positions:
+            try:
+                data, _ = self.images.read_encoded(position)
+            except ImageDecodeError as error:
+                bad.append((position, "read", error.reason))
+                continue
+            encoded.append(data)
+            readable.append(position)
+        result = self.decoder.decode(encoded, [self.images.path(p) for p in readable], readable,
+                                     on_error="skip", headers=self._headers(encoded, readable))
+        self.fallback_decoded += result.fallback_decoded
+        self.cpu_decoded += result.cpu_decoded
+        bad += [(position, result.backend, reason) for position, _, reason in result.skipped]
+        return WholeImages([readable[k] for k in result.kept_positions], result.images, bad)
+
+    def _skip_reason(self, position: int, backend: str, reason: str) -> str:
+        """What the unsplit path lists for a skipped file: a read error's whole message."""
+        return str(ImageDecodeError(position, self.images.path(position), "read", reason)) if backend == "read" else reason
+
+    def _failure(self, bad: list[BadFile]) -> ImageDecodeError:
+        """The error the unsplit path raises for a batch holding ``bad`` (in batch order): the
+        first unreadable file, else the first that did not decode, with the others counted."""
+        unreadable = [entry for entry in bad if entry[1] == "read"]
+        if unreadable:
+            position, _, reason = unreadable[0]
+            return ImageDecodeError(position, self.images.path(position), "read", reason)
+        position, backend, reason = bad[0]
+        return ImageDecodeError(position, self.images.path(position), backend, reason, len(bad) - 1)
 
     def _deliver(self, finished: tuple[Any, int, dict[str, Any]]) -> tuple[Any, int] | None:
         """In the loop's thread: the counters as of this batch (not of those decoded ahead)."""

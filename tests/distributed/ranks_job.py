@@ -16,9 +16,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.utils.data as tud
 from torch.utils.data.distributed import DistributedSampler
 
@@ -28,6 +30,8 @@ from gpuload.distributed import ExchangeError
 sys.path.insert(0, str(Path(__file__).parent.parent))
 import threads
 
+#: World sizes the tests spawn: (ranks, LOCAL_WORLD_SIZE); four: two pretended nodes of two ranks.
+JOBS = {"two": (2, None), "four": (4, 2)}
 NUM_SAMPLES = 103  # not a multiple of any world size: uneven shares, padded samplers
 SEED = 7
 EXCHANGE_TIMEOUT_S = 3
@@ -196,6 +200,13 @@ def stop_early(data: tud.Dataset, then_next_epoch: bool, prefetch_depth: int | N
     seconds = time.perf_counter() - began
     dist.barrier()  # rank 0 (when it saw nothing wrong) waits here until the others gave up
     return {"error": error, "seconds": seconds}
+
+
+def spawn(run: Any, folder: Path, world: int, local_world_size: int | None) -> list[dict]:
+    """``run(rank, world, init_file, folder, local_world_size)`` in ``world`` processes; every
+    rank's findings, from the ``rank<r>.json`` each writes into ``folder``."""
+    mp.spawn(run, args=(world, str(folder / "init"), str(folder), local_world_size), nprocs=world)
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
 @contextmanager

@@ -24,16 +24,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 import ranks_job
 import samples_job
 
-JOBS = {"two": (2, None), "four": (4, 2)}  # four: two pretended nodes of two ranks (LOCAL_WORLD_SIZE)
-
 
 @pytest.fixture(scope="module", params=["two", pytest.param("four", marks=pytest.mark.slow)])
 def job(request, tmp_path_factory):
     """Every rank's findings, the world size and the node size (one spawn per world size)."""
-    world, local = JOBS[request.param]
-    folder = tmp_path_factory.mktemp(f"samples{world}")
-    mp.spawn(samples_job.run, args=(world, str(folder / "init"), str(folder), local), nprocs=world)
-    ranks = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
+    world, local = ranks_job.JOBS[request.param]
+    ranks = ranks_job.spawn(samples_job.run, tmp_path_factory.mktemp(f"samples{world}"), world, local)
     return ranks, world, local or world
 
 

@@ -152,13 +152,29 @@ def test_decoded_images_stay_on_the_gpu(samples) -> None:
     cached.close()
 
 
-def test_an_explicit_split_scope_on_images_warns_that_each_rank_caches_its_own(samples, tmp_path: Path) -> None:
+def test_an_explicit_split_scope_on_one_rank_simply_caches_and_on_encoded_bytes_warns(samples, tmp_path: Path) -> None:
+    """One rank holds the whole copy: node/world is the per-rank cache, silently. The encoded
+    cache (cache='host') is never split over ranks: asking for it warns."""
+    import warnings
+
     import torch.distributed as dist
+    from torch.utils.data.distributed import DistributedSampler
+
+    def on_one_rank(cache: str, scope: str) -> gpuload.DataLoader:
+        data = ImageList(samples)
+        return gpuload.DataLoader(data, batch_size=4, sampler=DistributedSampler(data, seed=11), device="cpu",
+                                  transforms=OPS, cache=cache, cache_scope=scope)
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
-        with pytest.warns(UserWarning, match="cache_scope='node'.*decoded images are not split over ranks"):
-            batches = list(loader(ImageList(samples), "host", cache_scope="node"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            one = on_one_rank("device", "node")
+            batches = epochs(one, 2)
+        assert one.stats.path == "image-cache (decoded)" and one.stats.extra["cache"]["complete"]
+        with pytest.warns(UserWarning, match="cache_scope='world'.*cache='host' keeps no device tier to split"):
+            assert len(list(on_one_rank("host", "world"))) == 4
+        reference = epochs(on_one_rank("off", "rank"), 2)
     finally:
         dist.destroy_process_group()
-    assert len(batches) == 4
+    assert_close_epochs(batches, reference)

@@ -1,0 +1,141 @@
+"""The decoded image cache split over 2 and 4 gloo processes on the CPU: each rank decodes and
+holds about 1/N of the images, gets bit for bit the batches of a per-rank decoded cache in
+torch's DistributedSampler order, handles a corrupt file as the unsplit path does on every
+rank, falls back together when a share does not fit, and fails clearly (never hangs) when a
+rank stops early."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+import images_job
+import ranks_job
+
+@pytest.fixture(scope="module", params=["two", pytest.param("four", marks=pytest.mark.slow)])
+def job(request, tmp_path_factory):
+    """Every rank's findings, the files, the world size and the node size."""
+    world, local = ranks_job.JOBS[request.param]
+    folder = tmp_path_factory.mktemp(f"images{world}")
+    files = images_job.write_images(folder)
+    (folder / "files.json").write_text(json.dumps(files))
+    return ranks_job.spawn(images_job.run, folder, world, local), files, world, local or world
+
+
+def test_every_rank_gets_the_per_rank_caches_batches_in_torchs_order(job):
+    ranks, _, _, _ = job
+    for rank, found in enumerate(ranks):
+        for key, result in [*found["compare"].items(), ("ahead0", found["ahead0"])]:
+            assert result["equal"], f"rank {rank}, {key}: batches differ from cache_scope='rank'"
+            assert result["in_order"], f"rank {rank}, {key}: not torch's DistributedSampler order"
+            assert result["warnings"] == [], (rank, key)
+
+
+def test_each_rank_holds_its_share_and_exchanges_the_rest(job):
+    ranks, files, world, node = job
+    total = files["total_bytes"]
+    for scope, group in (("node", node), ("world", world)):
+        held = 0
+        for found in ranks:
+            result = found["compare"][scope]
+            assert result["path"] == f"sharded-{scope}"
+            assert result["cache"]["mode"] == "decoded" and result["cache"]["scope"] == scope
+            share = result["cache"]["bytes"]
+            assert 0.5 * total / group < share < 1.5 * total / group, (scope, share, total)
+            exchange = result["exchange"]
+            assert exchange["ranks_per_copy"] == group and exchange["shard_bytes"] == share
+            assert len(exchange["bytes_received_per_epoch"]) == 3
+            assert all(b > 0 for b in exchange["bytes_received_per_epoch"]), scope
+            assert len(exchange["loop_wait_s_per_epoch"]) == 3 and exchange["ahead"]
+            held += share
+        assert held == total * world // group  # one whole copy per group of ranks
+
+
+def test_warm_decodes_the_share_before_the_first_epoch(job):
+    for found in job[0]:
+        seen = found["warm"]
+        assert seen["equal"] and seen["in_order"] and seen["path"] == "sharded-world"
+        assert seen["warmed"]["bytes"] == seen["cache"]["bytes"] > 0 and seen["warmed"]["read_s"] > 0
+
+
+def test_in_the_loops_thread_the_exchange_does_not_run_ahead(job):
+    for found in job[0]:
+        assert found["ahead0"]["exchange"]["ahead"] is False
+
+
+def test_a_corrupt_or_missing_file_is_skipped_as_on_the_unsplit_path(job):
+    ranks, _, _, _ = job
+    for rank, found in enumerate(ranks):
+        seen = found["skip"]
+        assert seen["equal"] and seen["in_order"] and seen["error"] is None, rank
+        assert seen["skipped"] == seen["reference_skipped"], rank
+        assert seen["skipped_files"] == seen["reference_skipped_files"], rank  # named, same reasons
+        assert seen["cache"]["bad_files"] == 2
+    assert sum(found["skip"]["skipped"] for found in ranks) == 4  # once per epoch, on the rank reading it
+    named = {entry[1].rsplit("/", 1)[-1] for found in ranks for entry in found["skip"]["skipped_files"] or []}
+    assert named == {"broken.jpg", "missing.jpg"}
+
+
+@pytest.mark.parametrize(("key", "file"), [("raise", "broken.jpg"), ("raise_missing", "missing.jpg")])
+def test_a_bad_file_with_on_error_raise_stops_every_rank_at_that_batch(job, key, file):
+    ranks, _, _, _ = job
+    holders = [rank for rank, found in enumerate(ranks) if found[key]["reference_error"]]
+    assert len(holders) == 1  # the unsplit path raises on the rank whose batch holds the file
+    holder = holders[0]
+    expected = ranks[holder][key]["reference_error"]
+    for rank, found in enumerate(ranks):
+        seen = found[key]
+        assert seen["equal"], rank  # the batches before it
+        assert seen["batches"] == ranks[holder][key]["batches"], rank  # every rank stops at that batch
+        kind, message = seen["error"]
+        if rank == holder:
+            assert [kind, message] == expected and kind == "ImageDecodeError" and file in message
+        else:
+            assert kind == "ExchangeError" and file in message and f"rank {holder}" in message
+
+
+def test_shares_that_do_not_fit_fall_back_on_every_rank_with_a_warning(job):
+    for found in job[0]:
+        seen = found["too_big"]
+        assert seen["equal"] and seen["exchange"] is None and not seen["path"].startswith("sharded")
+        assert any("does not fit" in w and "cache_scope='world'" in w for w in seen["warnings"]), seen["warnings"]
+
+
+def test_all_ranks_stopping_at_one_batch_then_resuming_give_the_whole_epoch(job):
+    ranks, _, world, _ = job
+    for rank, found in enumerate(ranks):
+        seen = found["resume"]
+        assert seen["equal"] and seen["batches"] > 2, rank
+        assert seen["exchange"]["ranks_per_copy"] == world
+
+
+def test_rank_that_stops_early_makes_the_others_fail_within_the_timeout(job):
+    ranks, _, _, _ = job
+    assert ranks[0]["stop_early"]["error"] is None
+    for found in ranks[1:]:
+        seen = found["stop_early"]
+        assert seen["error"] is not None and "stopped this epoch early" in seen["error"]
+        assert seen["seconds"] < ranks_job.EXCHANGE_TIMEOUT_S + 20
+
+
+@pytest.mark.gpu
+def test_nccl_ranks_get_the_per_rank_caches_batches(tmp_path):
+    world = torch.cuda.device_count()
+    if world < 2:
+        pytest.skip(f"needs 2 CUDA devices for NCCL between ranks; this machine has {world}")
+    files = images_job.write_images(tmp_path)
+    (tmp_path / "files.json").write_text(json.dumps(files))
+    mp.spawn(images_job.run_nccl, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    for rank in range(world):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for key, result in found.items():
+            assert result["equal"] and result["in_order"], f"rank {rank}, {key}"
+            assert result["path"] == f"sharded-{key.split('/')[0] if key != 'skip' else 'world'}"
+            assert result["exchange"]["ahead"] is (not key.endswith("depth=0")), key
+            assert result["cache"]["bytes"] > 0
