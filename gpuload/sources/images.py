@@ -162,6 +162,11 @@ class ImageFileSource(Source):
         )
 
     @property
+    def streams(self) -> bool:  # type: ignore[override]
+        """Decoding runs ahead; a share's exchange only where it may (gloo: ``store.runs_ahead``)."""
+        return self.sharded is None or self.sharded.runs_ahead
+
+    @property
     def ahead_on_cpu(self) -> bool:  # type: ignore[override]
         """A share's exchange runs ahead (each step waits for other ranks); decoding does not."""
         return self.sharded is not None

@@ -137,5 +137,5 @@ def test_nccl_ranks_get_the_per_rank_caches_batches(tmp_path):
         for key, result in found.items():
             assert result["equal"] and result["in_order"], f"rank {rank}, {key}"
             assert result["path"] == f"sharded-{key.split('/')[0] if key != 'skip' else 'world'}"
-            assert result["exchange"]["ahead"] is (not key.endswith("depth=0")), key
+            assert result["exchange"]["ahead"] is False, key  # NCCL's is issued from the loop's thread
             assert result["cache"]["bytes"] > 0
