@@ -1,0 +1,220 @@
+"""What each rank of the batch-size tests runs (imported by name in the spawned processes):
+``set_batch_size`` with the data split over ranks, made on every rank together, on some only,
+through ``OOMRetry``; and ``shrink_cache`` on a split cache. One job runs every scenario, so the
+processes start once; each rank writes its findings to ``rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import ranks_job
+import samples_job
+import torch
+import torch.distributed as dist
+import torch.utils.data as tud
+from torch.utils.data.distributed import DistributedSampler
+
+import gpuload
+from gpuload.distributed import ExchangeError
+from gpuload.job import OOMRetry
+
+SEED = ranks_job.SEED
+BATCH = 8
+# After batch k of epoch e, set_batch_size(n) for each n listed (two at once: the second replaces
+# the first's rest before a batch of it arrived).
+CHANGES = {(0, 2): (5,), (1, 1): (4, 11)}
+
+
+def datasets() -> dict[str, tud.Dataset]:
+    """Arrays (gathered from the tensors) and a map-style dataset (the sample cache's columns)."""
+    return {"arrays": ranks_job.dataset(), "samples": samples_job.Pairs()}
+
+
+def expected_indices(data: tud.Dataset, epoch: int, shuffle: bool, drop_last: bool, size: int,
+                     changes: dict[tuple[int, int], tuple[int, ...]]) -> list[list[int]]:
+    """This rank's batches of ``epoch``: its DistributedSampler order cut at ``size``, then, after
+    each change, the rest of the order cut at the new size (torch's drop_last rule)."""
+    sampler = DistributedSampler(data, shuffle=shuffle, seed=SEED, drop_last=drop_last)
+    sampler.set_epoch(epoch)
+    order, batches, at = list(sampler), [], 0
+    while at < len(order) and not (drop_last and len(order) - at < size):
+        batches.append(order[at : at + size])
+        at += len(batches[-1])
+        size = changes.get((epoch, len(batches) - 1), (size,))[-1]
+    return batches
+
+
+def torch_batches(data: tud.Dataset, indices: list[list[int]]) -> list[Any]:
+    """torch's DataLoader's batches of exactly ``indices`` (its fetch and default collate)."""
+    return list(tud.DataLoader(data, batch_sampler=indices))
+
+
+def loader(data: tud.Dataset, scope: str, shuffle: bool = True, drop_last: bool = False,
+           **options: Any) -> gpuload.DataLoader:
+    sampler = DistributedSampler(data, shuffle=shuffle, seed=SEED, drop_last=drop_last)
+    return gpuload.DataLoader(data, BATCH, sampler=sampler, drop_last=drop_last, device="cpu",
+                              cache_scope=scope, **options)
+
+
+def on_cpu(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.cpu()
+    return type(batch)(on_cpu(leaf) for leaf in batch) if isinstance(batch, (list, tuple)) else batch
+
+
+def change_on_every_rank(data: tud.Dataset, scope: str, shuffle: bool, drop_last: bool,
+                         prefetch_depth: int | None) -> dict:
+    """Two epochs with every rank calling set_batch_size at the same batches (CHANGES)."""
+    ours = loader(data, scope, shuffle, drop_last, prefetch_depth=prefetch_depth)
+    equal, sizes, lengths = True, [], []
+    for epoch in range(2):
+        ours.sampler.set_epoch(epoch)
+        got, batches = [], iter(ours)
+        for k, batch in enumerate(batches):
+            got.append(on_cpu(batch))
+            for size in CHANGES.get((epoch, k), ()):
+                ours.set_batch_size(size)
+        lengths.append(len(batches))
+        indices = expected_indices(data, epoch, shuffle, drop_last, BATCH if epoch == 0 else 5, CHANGES)
+        sizes.append([len(i) for i in indices])
+        expected = torch_batches(data, indices)
+        equal = equal and len(got) == len(expected) and all(samples_job.same(a, b) for a, b in zip(expected, got))
+    result = {"equal": equal, "sizes": sizes, "lengths": lengths, "path": ours.stats.path,
+              "split": ours.cache_split_over_ranks, "exchange": ours.stats.extra.get("exchange")}
+    ours.close()
+    return result
+
+
+def change_then_resume(data: tud.Dataset, scope: str, prefetch_depth: int | None) -> dict:
+    """Every rank changes the size after batch 2 and saves its state after batch 4; a new loader
+    resumes from it: the rest of the epoch and the next one as without the stop."""
+    first = loader(data, scope, prefetch_depth=prefetch_depth)
+    got = []
+    for k, batch in enumerate(first):
+        got.append(on_cpu(batch))
+        if k == 2:
+            first.set_batch_size(5)
+        if k == 4:
+            break
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    first.close()
+    second = loader(data, scope, prefetch_depth=prefetch_depth)
+    second.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
+    got += [on_cpu(batch) for batch in second]
+    second.sampler.set_epoch(1)
+    got += [on_cpu(batch) for batch in second]
+    changes = {(0, 2): (5,)}
+    expected = torch_batches(data, expected_indices(data, 0, True, False, BATCH, changes)
+                             + expected_indices(data, 1, True, False, 5, changes))
+    equal = len(got) == len(expected) and all(samples_job.same(a, b) for a, b in zip(expected, got))
+    result = {"equal": equal, "split": second.cache_split_over_ranks, "batch_size": second.batch_size}
+    second.close()
+    return result
+
+
+def disagree(data: tud.Dataset, sizes: tuple[int | None, ...], at: int, prefetch_depth: int | None) -> dict:
+    """Rank r calls set_batch_size(sizes[r]) after batch ``at`` of epoch 0 (None: it does not),
+    then every rank goes on to epoch 1: what it raised, how soon, and how many batches it got."""
+    ours = loader(data, "world", prefetch_depth=prefetch_depth)
+    began, error, received = time.perf_counter(), None, 0
+    size = sizes[dist.get_rank()]
+    try:
+        for epoch in range(2):
+            ours.sampler.set_epoch(epoch)
+            for k, _ in enumerate(ours):
+                received += 1
+                if epoch == 0 and k == at and size is not None:
+                    ours.set_batch_size(size)
+    except ExchangeError as caught:
+        error = str(caught)
+    seconds = time.perf_counter() - began
+    ours.close()
+    dist.barrier()
+    return {"error": error, "seconds": seconds, "received": received}
+
+
+class RankRunsOut:
+    """A step that runs out of device memory above ``limit`` samples on rank 0 only."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.sizes, self.seen = limit, [], []
+
+    def __call__(self, batch: list[torch.Tensor]) -> int:
+        if dist.get_rank() == 0 and len(batch[2]) > self.limit:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (pretended)")
+        self.sizes.append(len(batch[2]))
+        self.seen += batch[2].tolist()
+        return len(batch[2])
+
+
+def oom_retry(data: tud.Dataset) -> dict:
+    """OOMRetry with a loader split over ranks: rank 0 runs out of memory; the loaders keep the
+    size on every rank (the epochs complete in step), rank 0 splits its batches and says why."""
+    ours = loader(data, "world")
+    step = RankRunsOut(limit=5)
+    retry = OOMRetry(step, loader=ours)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        error = None
+        try:
+            for epoch in range(2):
+                ours.sampler.set_epoch(epoch)
+                for batch in ours:
+                    retry(batch)
+        except ExchangeError as raised:
+            error = str(raised)
+    expected = []
+    for epoch in range(2):
+        expected += [i for batch in expected_indices(data, epoch, True, False, BATCH, {}) for i in batch]
+    result = {"error": error, "seen_in_order": step.seen == expected, "sizes": sorted(set(step.sizes)),
+              "loader_batch_size": ours.batch_size, "retry_batch_size": retry.batch_size,
+              "warnings": [str(w.message) for w in caught]}
+    ours.close()
+    return result
+
+
+def shrink(data: tud.Dataset) -> dict:
+    """shrink_cache on a split cache frees nothing, says why, and the batches stay torch's."""
+    ours = loader(data, "world")
+    list(ours)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        freed = ours.shrink_cache(0)
+    ours.sampler.set_epoch(1)
+    got = [on_cpu(batch) for batch in ours]
+    expected = torch_batches(data, expected_indices(data, 1, True, False, BATCH, {}))
+    equal = len(got) == len(expected) and all(samples_job.same(a, b) for a, b in zip(expected, got))
+    ours.close()
+    return {"freed": freed, "equal": equal, "warnings": [str(w.message) for w in caught]}
+
+
+def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: int | None) -> None:
+    with ranks_job.gloo_job(rank, world, init_file, local_world_size):
+        found: dict = {"every_rank": {}, "resume": {}}
+        for kind, data in datasets().items():
+            for scope in ("node", "world"):
+                for depth in (None, 0):
+                    key = f"{kind}/{scope}/depth={depth}"
+                    found["every_rank"][key] = change_on_every_rank(data, scope, True, False, depth)
+                    found["resume"][key] = change_then_resume(data, scope, depth)
+            for shuffle, drop_last in ((False, True), (True, True)):
+                found["every_rank"][f"{kind}/world/shuffle={shuffle}/drop_last={drop_last}"] = (
+                    change_on_every_rank(data, "world", shuffle, drop_last, None))
+            found[f"shrink/{kind}"] = shrink(data)
+        arrays = datasets()["arrays"]
+        one_rank, different = (5, *[None] * (world - 1)), (5, *[6] * (world - 1))
+        found["disagree"] = {
+            f"{name}/at={at}/depth={depth}": disagree(arrays, sizes, at, depth)
+            for name, sizes in (("one_rank", one_rank), ("different", different))
+            for at, depth in ((0, None), (0, 0), (2, None))
+        }
+        found["disagree"]["samples/one_rank/at=0"] = disagree(datasets()["samples"], one_rank, 0, None)
+        found["oom_retry"] = oom_retry(arrays)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
