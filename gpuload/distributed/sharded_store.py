@@ -3,8 +3,9 @@
 :func:`shard_arrays` decides, with every rank together, whether the dataset is split (the
 scope), and builds a :class:`ShardedArrayStore` holding this rank's contiguous block of rows on
 its device. :meth:`ShardedArrayStore.epoch` then makes each batch of the epoch with two
-collectives on the exchange's own groups: a small header over gloo (epoch, step, row counts:
-ranks that ran different numbers of batches fail here, with an :class:`ExchangeError`, never a
+collectives on the exchange's own groups: a small header over gloo (epoch, step, batch size,
+position in the epoch's order, row counts: ranks that ran different numbers of batches, or
+changed the batch size at different batches, fail here, with an :class:`ExchangeError`, never a
 wrong batch) and one ``all_to_all_single`` carrying the rows of every array at once, packed as
 bytes; the rows this rank holds itself are gathered locally. The batch is exactly the one
 torch's DataLoader with the same ``DistributedSampler`` gives.

@@ -82,7 +82,8 @@ class OOMRetry(Generic[T]):
 
     ``plan``: the job's plan, whose per-sample estimate sets the new size. ``loader``: the
     ``gpuload.DataLoader`` the batches come from: its batch size follows the lowered one, and
-    its device cache gives memory back when the plan says so (module docstring). ``free_bytes``:
+    its device cache gives memory back when the plan says so (module docstring), unless its data
+    is split over ranks (then it is left as it is, and the batches are split). ``free_bytes``:
     how much device memory is free now (default: asked of the batch's CUDA device); tests pass
     their own. Tensors are split along their first dimension; other values go to every piece.
     """
