@@ -69,24 +69,30 @@ def on_cpu(batch: Any) -> Any:
 
 
 def change_on_every_rank(data: tud.Dataset, scope: str, shuffle: bool, drop_last: bool,
-                         prefetch_depth: int | None) -> dict:
-    """Two epochs with every rank calling set_batch_size at the same batches (CHANGES)."""
+                         prefetch_depth: int | None, lag_s: float = 0.0) -> dict:
+    """Two epochs with every rank calling set_batch_size at the same batches (CHANGES); ranks
+    other than 0 wait ``lag_s`` before each change (rank 0's exchange ahead waits for them)."""
     ours = loader(data, scope, shuffle, drop_last, prefetch_depth=prefetch_depth)
     equal, sizes, lengths = True, [], []
-    for epoch in range(2):
-        ours.sampler.set_epoch(epoch)
-        got, batches = [], iter(ours)
-        for k, batch in enumerate(batches):
-            got.append(on_cpu(batch))
-            for size in CHANGES.get((epoch, k), ()):
-                ours.set_batch_size(size)
-        lengths.append(len(batches))
-        indices = expected_indices(data, epoch, shuffle, drop_last, BATCH if epoch == 0 else 5, CHANGES)
-        sizes.append([len(i) for i in indices])
-        expected = torch_batches(data, indices)
-        equal = equal and len(got) == len(expected) and all(samples_job.same(a, b) for a, b in zip(expected, got))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for epoch in range(2):
+            ours.sampler.set_epoch(epoch)
+            got, batches = [], iter(ours)
+            for k, batch in enumerate(batches):
+                got.append(on_cpu(batch))
+                if (epoch, k) in CHANGES and dist.get_rank() != 0:
+                    time.sleep(lag_s)
+                for size in CHANGES.get((epoch, k), ()):
+                    ours.set_batch_size(size)
+            lengths.append(len(batches))
+            indices = expected_indices(data, epoch, shuffle, drop_last, BATCH if epoch == 0 else 5, CHANGES)
+            sizes.append([len(i) for i in indices])
+            expected = torch_batches(data, indices)
+            equal = equal and len(got) == len(expected) and all(samples_job.same(a, b) for a, b in zip(expected, got))
     result = {"equal": equal, "sizes": sizes, "lengths": lengths, "path": ours.stats.path,
-              "split": ours.cache_split_over_ranks, "exchange": ours.stats.extra.get("exchange")}
+              "split": ours.cache_split_over_ranks, "exchange": ours.stats.extra.get("exchange"),
+              "warnings": [str(w.message) for w in caught]}
     ours.close()
     return result
 
@@ -208,6 +214,8 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
                 found["every_rank"][f"{kind}/world/shuffle={shuffle}/drop_last={drop_last}"] = (
                     change_on_every_rank(data, "world", shuffle, drop_last, None))
             found[f"shrink/{kind}"] = shrink(data)
+        found["every_rank"]["arrays/world/lagging"] = change_on_every_rank(
+            datasets()["arrays"], "world", True, False, None, lag_s=0.3)
         arrays = datasets()["arrays"]
         one_rank, different = (5, *[None] * (world - 1)), (5, *[6] * (world - 1))
         found["disagree"] = {

@@ -30,9 +30,10 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 def test_every_rank_changing_at_one_batch_gets_its_order_cut_at_the_new_size(ranks):
     for rank, found in enumerate(ranks):
-        assert len(found["every_rank"]) == 12
+        assert len(found["every_rank"]) == 13
         for key, seen in found["every_rank"].items():
             assert seen["equal"], (rank, key)
+            assert seen["warnings"] == [], (rank, key)
             assert seen["split"], (rank, key)  # the exchange, not a per-rank copy
             assert seen["path"].startswith("sharded-"), (rank, key)
             assert seen["lengths"] == [len(sizes) for sizes in seen["sizes"]], (rank, key)
