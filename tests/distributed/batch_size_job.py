@@ -98,15 +98,16 @@ def change_on_every_rank(data: tud.Dataset, scope: str, shuffle: bool, drop_last
 
 
 def change_then_resume(data: tud.Dataset, scope: str, prefetch_depth: int | None) -> dict:
-    """Every rank changes the size after batch 2 and saves its state after batch 4; a new loader
-    resumes from it: the rest of the epoch and the next one as without the stop."""
+    """Every rank changes the size after batch 1 and saves its state after batch 2 (the first at
+    the new size); a new loader resumes from it: the rest of the epoch and the next one as
+    without the stop."""
     first = loader(data, scope, prefetch_depth=prefetch_depth)
     got = []
     for k, batch in enumerate(first):
         got.append(on_cpu(batch))
-        if k == 2:
+        if k == 1:
             first.set_batch_size(5)
-        if k == 4:
+        if k == 2:
             break
     buffer = io.BytesIO()
     torch.save(first.state_dict(), buffer)
@@ -116,7 +117,7 @@ def change_then_resume(data: tud.Dataset, scope: str, prefetch_depth: int | None
     got += [on_cpu(batch) for batch in second]
     second.sampler.set_epoch(1)
     got += [on_cpu(batch) for batch in second]
-    changes = {(0, 2): (5,)}
+    changes = {(0, 1): (5,)}
     expected = torch_batches(data, expected_indices(data, 0, True, False, BATCH, changes)
                              + expected_indices(data, 1, True, False, 5, changes))
     equal = len(got) == len(expected) and all(samples_job.same(a, b) for a, b in zip(expected, got))

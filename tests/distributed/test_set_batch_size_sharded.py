@@ -18,14 +18,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 import batch_size_job
 import ranks_job
 
-WORLD = 2
+JOBS = {"two": (2, None), "four": (4, 2)}  # four: two pretended nodes of two ranks (LOCAL_WORLD_SIZE)
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    folder = tmp_path_factory.mktemp("batch_size")
-    mp.spawn(batch_size_job.run, args=(WORLD, str(folder / "init"), str(folder), None), nprocs=WORLD)
-    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+@pytest.fixture(scope="module", params=["two", pytest.param("four", marks=pytest.mark.slow)])
+def ranks(request, tmp_path_factory) -> list[dict]:
+    """Every rank's findings (one spawn per world size)."""
+    world, local = JOBS[request.param]
+    folder = tmp_path_factory.mktemp(f"batch_size{world}")
+    mp.spawn(batch_size_job.run, args=(world, str(folder / "init"), str(folder), local), nprocs=world)
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
 def test_every_rank_changing_at_one_batch_gets_its_order_cut_at_the_new_size(ranks):
@@ -40,11 +42,11 @@ def test_every_rank_changing_at_one_batch_gets_its_order_cut_at_the_new_size(ran
             exchange = seen["exchange"]
             assert len(exchange["bytes_received_per_epoch"]) == 2, (rank, key)  # a change opens no epoch
             assert exchange["ahead"] is ("depth=0" not in key and key.startswith("arrays")), (rank, key)
-    # the sizes changed where asked: 8 until batch 2, then 5; epoch 1: 5, 5, then 11
-    sizes = ranks[0]["every_rank"]["arrays/world/depth=None"]["sizes"]
-    assert sizes == [[8, 8, 8, 5, 5, 5, 5, 5, 3], [5, 5, 11, 11, 11, 9]]
-    dropped = ranks[0]["every_rank"]["arrays/world/shuffle=True/drop_last=True"]["sizes"]
-    assert dropped[0][-1] == 5 and dropped[1][-1] == 11  # torch's drop_last: no shorter last batch
+    if len(ranks) == 2:  # 52 samples a rank: 8 until batch 2, then 5; epoch 1: 5, 5, then 11
+        sizes = ranks[0]["every_rank"]["arrays/world/depth=None"]["sizes"]
+        assert sizes == [[8, 8, 8, 5, 5, 5, 5, 5, 3], [5, 5, 11, 11, 11, 9]]
+        dropped = ranks[0]["every_rank"]["arrays/world/shuffle=True/drop_last=True"]["sizes"]
+        assert dropped == [[8, 8, 8, 5, 5, 5, 5, 5], [5, 5, 11, 11, 11]]  # 51 a rank: no shorter last batch
 
 
 def test_a_state_saved_after_a_change_resumes_exactly(ranks):
@@ -76,7 +78,7 @@ def test_oom_retry_on_one_rank_keeps_the_split_loaders_in_step(ranks):
         assert seen["seen_in_order"], rank  # every sample once, in torch's order
         assert seen["loader_batch_size"] == 8, rank
     ran_out = ranks[0]["oom_retry"]
-    assert ran_out["retry_batch_size"] == 4 and ran_out["sizes"] == [4]
+    assert ran_out["retry_batch_size"] == 4 and max(ran_out["sizes"]) == 4
     assert len(ran_out["warnings"]) == 1
     assert "batch size stays 8" in ran_out["warnings"][0] and "all_reduce" in ran_out["warnings"][0]
     assert ranks[1]["oom_retry"]["warnings"] == [] and ranks[1]["oom_retry"]["retry_batch_size"] is None
