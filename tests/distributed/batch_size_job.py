@@ -29,6 +29,9 @@ BATCH = 8
 # After batch k of epoch e, set_batch_size(n) for each n listed (two at once: the second replaces
 # the first's rest before a batch of it arrived).
 CHANGES = {(0, 2): (5,), (1, 1): (4, 11)}
+# Set after the last batch of epoch 1: nothing of the epoch left to cut, or with drop_last the
+# samples a batch of 11 left out, now cut at 7; then epoch 2's size.
+LAST = 7
 
 
 def datasets() -> dict[str, tud.Dataset]:
@@ -70,13 +73,14 @@ def on_cpu(batch: Any) -> Any:
 
 def change_on_every_rank(data: tud.Dataset, scope: str, shuffle: bool, drop_last: bool,
                          prefetch_depth: int | None, lag_s: float = 0.0) -> dict:
-    """Two epochs with every rank calling set_batch_size at the same batches (CHANGES); ranks
-    other than 0 wait ``lag_s`` before each change (rank 0's exchange ahead waits for them)."""
+    """Three epochs with every rank calling set_batch_size at the same batches (CHANGES, and
+    LAST after epoch 1's last batch); ranks other than 0 wait ``lag_s`` before each change in
+    CHANGES (rank 0's exchange ahead waits for them)."""
     ours = loader(data, scope, shuffle, drop_last, prefetch_depth=prefetch_depth)
-    equal, sizes, lengths = True, [], []
+    equal, sizes, lengths, changes = True, [], [], dict(CHANGES)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for epoch in range(2):
+        for epoch, first_size in enumerate((BATCH, 5, LAST)):
             ours.sampler.set_epoch(epoch)
             got, batches = [], iter(ours)
             for k, batch in enumerate(batches):
@@ -85,8 +89,11 @@ def change_on_every_rank(data: tud.Dataset, scope: str, shuffle: bool, drop_last
                     time.sleep(lag_s)
                 for size in CHANGES.get((epoch, k), ()):
                     ours.set_batch_size(size)
+                if epoch == 1 and k == len(batches) - 1 and ours.batch_size != LAST:
+                    ours.set_batch_size(LAST)
+                    changes[(epoch, k)] = (LAST,)
             lengths.append(len(batches))
-            indices = expected_indices(data, epoch, shuffle, drop_last, BATCH if epoch == 0 else 5, CHANGES)
+            indices = expected_indices(data, epoch, shuffle, drop_last, first_size, changes)
             sizes.append([len(i) for i in indices])
             expected = torch_batches(data, indices)
             equal = equal and len(got) == len(expected) and all(samples_job.same(a, b) for a, b in zip(expected, got))

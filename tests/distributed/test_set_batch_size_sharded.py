@@ -31,6 +31,9 @@ def ranks(request, tmp_path_factory) -> list[dict]:
 
 
 def test_every_rank_changing_at_one_batch_gets_its_order_cut_at_the_new_size(ranks):
+    """Two changes at once, a change after an epoch's last batch, node and world, ahead and in
+    the loop's thread, drop_last, a rank that reaches the change later: each rank's batches are
+    its DistributedSampler order cut at the sizes in force, made by the exchange."""
     for rank, found in enumerate(ranks):
         assert len(found["every_rank"]) == 13
         for key, seen in found["every_rank"].items():
@@ -40,13 +43,14 @@ def test_every_rank_changing_at_one_batch_gets_its_order_cut_at_the_new_size(ran
             assert seen["path"].startswith("sharded-"), (rank, key)
             assert seen["lengths"] == [len(sizes) for sizes in seen["sizes"]], (rank, key)
             exchange = seen["exchange"]
-            assert len(exchange["bytes_received_per_epoch"]) == 2, (rank, key)  # a change opens no epoch
+            assert len(exchange["bytes_received_per_epoch"]) == 3, (rank, key)  # a change opens no epoch
             assert exchange["ahead"] is ("depth=0" not in key and key.startswith("arrays")), (rank, key)
-    if len(ranks) == 2:  # 52 samples a rank: 8 until batch 2, then 5; epoch 1: 5, 5, then 11
+    if len(ranks) == 2:  # 52 samples a rank: 8 until batch 2, then 5; epoch 1: 5, 5, then 11; then 7
         sizes = ranks[0]["every_rank"]["arrays/world/depth=None"]["sizes"]
-        assert sizes == [[8, 8, 8, 5, 5, 5, 5, 5, 3], [5, 5, 11, 11, 11, 9]]
+        assert sizes == [[8, 8, 8, 5, 5, 5, 5, 5, 3], [5, 5, 11, 11, 11, 9], [7] * 7 + [3]]
         dropped = ranks[0]["every_rank"]["arrays/world/shuffle=True/drop_last=True"]["sizes"]
-        assert dropped == [[8, 8, 8, 5, 5, 5, 5, 5], [5, 5, 11, 11, 11]]  # 51 a rank: no shorter last batch
+        # 51 a rank: no shorter last batch; the 8 samples a batch of 11 leaves out, cut at 7: one more
+        assert dropped == [[8, 8, 8, 5, 5, 5, 5, 5], [5, 5, 11, 11, 11, 7], [7] * 7]
 
 
 def test_a_state_saved_after_a_change_resumes_exactly(ranks):
