@@ -194,8 +194,8 @@ class DataLoader(tud.DataLoader[T_co]):
         self._progress = progress
         self._ahead, self._in_range = ahead, in_range
         seed_drawn = self._persistent_seed_drawn
-        request = EpochRequest(self._epoch, ahead, draw, in_range, resumed=resume is not None, worker_seed_drawn=seed_drawn,
-                               position=progress.position())
+        request = EpochRequest(self._epoch, ahead, draw, in_range, resumed=resume is not None,
+                               worker_seed_drawn=seed_drawn, position=progress.position())
         epoch = source.epoch(request)
         if epoch.from_torch and self.persistent_workers and self.num_workers > 0:
             self._persistent_seed_drawn = True  # torch drew its workers' seed, once

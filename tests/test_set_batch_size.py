@@ -322,7 +322,8 @@ def test_a_sampler_of_keys_that_are_not_integers_is_re_cut_as_lists() -> None:
     assert torch.cat(batches).tolist() == [ord(key) for key in sampler]
 
 
-@pytest.mark.parametrize("keywords", [{}, {"cache": "off", "prefetch_depth": 2}, {"dataset": Counted(30), "cache": "host"}],
+@pytest.mark.parametrize("keywords", [{}, {"cache": "off", "prefetch_depth": 2},
+                                      {"dataset": Counted(30), "cache": "host"}],
                          ids=["in-place", "prefetched", "sample-cache"])
 @pytest.mark.parametrize("batch_size", [4, 5])  # a shorter last batch, or a full one at the epoch's end
 def test_a_change_after_an_epochs_last_batch_leaves_nothing_to_cut(keywords: dict, batch_size: int) -> None:

@@ -58,6 +58,10 @@ def torch_batches(data: tud.Dataset, indices: list[list[int]]) -> list[Any]:
     return list(tud.DataLoader(data, batch_sampler=indices))
 
 
+def same_batches(expected: list[Any], got: list[Any]) -> bool:
+    return len(got) == len(expected) and all(samples_job.same(a, b) for a, b in zip(expected, got))
+
+
 def loader(data: tud.Dataset, scope: str, shuffle: bool = True, drop_last: bool = False,
            **options: Any) -> gpuload.DataLoader:
     sampler = DistributedSampler(data, shuffle=shuffle, seed=SEED, drop_last=drop_last)
@@ -96,7 +100,7 @@ def change_on_every_rank(data: tud.Dataset, scope: str, shuffle: bool, drop_last
             indices = expected_indices(data, epoch, shuffle, drop_last, first_size, changes)
             sizes.append([len(i) for i in indices])
             expected = torch_batches(data, indices)
-            equal = equal and len(got) == len(expected) and all(samples_job.same(a, b) for a, b in zip(expected, got))
+            equal = equal and same_batches(expected, got)
     result = {"equal": equal, "sizes": sizes, "lengths": lengths, "path": ours.stats.path,
               "split": ours.cache_split_over_ranks, "exchange": ours.stats.extra.get("exchange"),
               "warnings": [str(w.message) for w in caught]}
@@ -127,7 +131,7 @@ def change_then_resume(data: tud.Dataset, scope: str, prefetch_depth: int | None
     changes = {(0, 1): (5,)}
     expected = torch_batches(data, expected_indices(data, 0, True, False, BATCH, changes)
                              + expected_indices(data, 1, True, False, 5, changes))
-    equal = len(got) == len(expected) and all(samples_job.same(a, b) for a, b in zip(expected, got))
+    equal = same_batches(expected, got)
     result = {"equal": equal, "split": second.cache_split_over_ranks, "batch_size": second.batch_size}
     second.close()
     return result
@@ -204,7 +208,7 @@ def shrink(data: tud.Dataset) -> dict:
     ours.sampler.set_epoch(1)
     got = [on_cpu(batch) for batch in ours]
     expected = torch_batches(data, expected_indices(data, 1, True, False, BATCH, {}))
-    equal = len(got) == len(expected) and all(samples_job.same(a, b) for a, b in zip(expected, got))
+    equal = same_batches(expected, got)
     ours.close()
     return {"freed": freed, "equal": equal, "warnings": [str(w.message) for w in caught]}
 
