@@ -495,7 +495,9 @@ class ShardedArrayStore:
             raise self._stopped(header, error) from error
         for peer, theirs in zip(peers, incoming.view(-1, width).tolist()):
             expected = [*header, plan.recv_splits[peer]]
-            if theirs[4:6] != expected[4:6] and (theirs[0], theirs[3]) == (header[0], header[3]):
+            # the same epoch cut otherwise (not a rank that ran fewer batches at the same size)
+            cut_otherwise = theirs[4] != header[4] or (theirs[1] == header[1] and theirs[5] != header[5])
+            if cut_otherwise and (theirs[0], theirs[3]) == (header[0], header[3]):
                 raise ExchangeError(
                     f"gpuload: rank {self._rank} makes batch {header[1] + 1} of epoch {header[0]} at batch "
                     f"size {header[4]} (from sample {header[5]} of its epoch order) but rank {peer} makes "

@@ -158,6 +158,25 @@ def disagree(data: tud.Dataset, sizes: tuple[int | None, ...], at: int, prefetch
     return {"error": error, "seconds": seconds, "received": received}
 
 
+def restart_same_epoch(data: tud.Dataset) -> dict:
+    """Rank 0 stops after two batches and iterates again without set_epoch (the same sampler
+    epoch, the same size); the others go on: what each raised (not a batch-size error)."""
+    ours = loader(data, "world", prefetch_depth=0)
+    error = None
+    try:
+        for k, _ in enumerate(ours):
+            if dist.get_rank() == 0 and k == 1:
+                break
+        if dist.get_rank() == 0:
+            for _ in ours:
+                pass
+    except ExchangeError as caught:
+        error = str(caught)
+    ours.close()
+    dist.barrier()
+    return {"error": error}
+
+
 class RankRunsOut:
     """A step that runs out of device memory above ``limit`` samples on rank 0 only."""
 
@@ -236,5 +255,6 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
             for at, depth in ((0, None), (0, 0), (2, None))
         }
         found["disagree"]["samples/one_rank/at=0"] = disagree(datasets()["samples"], one_rank, 0, None)
+        found["restart_same_epoch"] = restart_same_epoch(arrays)
         found["oom_retry"] = oom_retry(arrays)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))

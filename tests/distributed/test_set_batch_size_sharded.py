@@ -75,6 +75,13 @@ def test_ranks_that_disagree_all_raise_an_error_naming_the_sizes_at_once(ranks, 
         assert seen["received"] <= 7, (rank, case)  # epoch 0's 7 batches at most: none of a mixed-up epoch
 
 
+def test_a_rank_that_runs_fewer_batches_at_the_same_size_is_not_blamed_on_set_batch_size(ranks):
+    for rank, found in enumerate(ranks):
+        error = found["restart_same_epoch"]["error"]
+        assert error is not None and "different numbers of batches" in error, (rank, error)
+        assert "set_batch_size" not in error, (rank, error)
+
+
 def test_oom_retry_on_one_rank_keeps_the_split_loaders_in_step(ranks):
     for rank, found in enumerate(ranks):
         seen = found["oom_retry"]
