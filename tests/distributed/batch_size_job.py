@@ -65,8 +65,8 @@ def same_batches(expected: list[Any], got: list[Any]) -> bool:
 def loader(data: tud.Dataset, scope: str, shuffle: bool = True, drop_last: bool = False,
            **options: Any) -> gpuload.DataLoader:
     sampler = DistributedSampler(data, shuffle=shuffle, seed=SEED, drop_last=drop_last)
-    return gpuload.DataLoader(data, BATCH, sampler=sampler, drop_last=drop_last, device="cpu",
-                              cache_scope=scope, **options)
+    return gpuload.DataLoader(data, BATCH, sampler=sampler, drop_last=drop_last, cache_scope=scope,
+                              **{"device": "cpu", **options})
 
 
 def on_cpu(batch: Any) -> Any:
@@ -76,11 +76,11 @@ def on_cpu(batch: Any) -> Any:
 
 
 def change_on_every_rank(data: tud.Dataset, scope: str, shuffle: bool, drop_last: bool,
-                         prefetch_depth: int | None, lag_s: float = 0.0) -> dict:
+                         prefetch_depth: int | None, lag_s: float = 0.0, device: str = "cpu") -> dict:
     """Three epochs with every rank calling set_batch_size at the same batches (CHANGES, and
     LAST after epoch 1's last batch); ranks other than 0 wait ``lag_s`` before each change in
     CHANGES (rank 0's exchange ahead waits for them)."""
-    ours = loader(data, scope, shuffle, drop_last, prefetch_depth=prefetch_depth)
+    ours = loader(data, scope, shuffle, drop_last, prefetch_depth=prefetch_depth, device=device)
     equal, sizes, lengths, changes = True, [], [], dict(CHANGES)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -108,11 +108,11 @@ def change_on_every_rank(data: tud.Dataset, scope: str, shuffle: bool, drop_last
     return result
 
 
-def change_then_resume(data: tud.Dataset, scope: str, prefetch_depth: int | None) -> dict:
+def change_then_resume(data: tud.Dataset, scope: str, prefetch_depth: int | None, device: str = "cpu") -> dict:
     """Every rank changes the size after batch 1 and saves its state after batch 2 (the first at
     the new size); a new loader resumes from it: the rest of the epoch and the next one as
     without the stop."""
-    first = loader(data, scope, prefetch_depth=prefetch_depth)
+    first = loader(data, scope, prefetch_depth=prefetch_depth, device=device)
     got = []
     for k, batch in enumerate(first):
         got.append(on_cpu(batch))
@@ -123,7 +123,7 @@ def change_then_resume(data: tud.Dataset, scope: str, prefetch_depth: int | None
     buffer = io.BytesIO()
     torch.save(first.state_dict(), buffer)
     first.close()
-    second = loader(data, scope, prefetch_depth=prefetch_depth)
+    second = loader(data, scope, prefetch_depth=prefetch_depth, device=device)
     second.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
     got += [on_cpu(batch) for batch in second]
     second.sampler.set_epoch(1)
@@ -257,4 +257,18 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
         found["disagree"]["samples/one_rank/at=0"] = disagree(datasets()["samples"], one_rank, 0, None)
         found["restart_same_epoch"] = restart_same_epoch(arrays)
         found["oom_retry"] = oom_retry(arrays)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
+
+
+def run_nccl(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Every rank changing the size together over NCCL, one GPU per rank: the exchange ahead on
+    the prefetcher's side stream (its old-size steps dropped) and in the loop's thread."""
+    with ranks_job.nccl_job(rank, world, init_file):
+        device = f"cuda:{rank}"
+        found: dict = {"every_rank": {}, "resume": {}}
+        for kind, data in datasets().items():
+            for depth in (None, 0):
+                key = f"{kind}/world/depth={depth}"
+                found["every_rank"][key] = change_on_every_rank(data, "world", True, False, depth, device=device)
+                found["resume"][key] = change_then_resume(data, "world", depth, device=device)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))

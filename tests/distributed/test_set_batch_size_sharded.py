@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -102,3 +103,18 @@ def test_shrink_cache_on_a_split_cache_frees_nothing_and_says_why(ranks, kind):
         assert seen["freed"] == 0 and seen["equal"], rank
         assert len(seen["warnings"]) == 1 and "freed nothing" in seen["warnings"][0], seen["warnings"]
         assert "split over ranks" in seen["warnings"][0]
+
+
+@pytest.mark.gpu
+def test_nccl_ranks_changing_together_get_their_order_cut_at_the_new_size(tmp_path):
+    world = torch.cuda.device_count()
+    if world < 2:
+        pytest.skip(f"needs 2 CUDA devices for NCCL between ranks; this machine has {world}")
+    mp.spawn(batch_size_job.run_nccl, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    for rank in range(world):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for key, seen in found["every_rank"].items():
+            assert seen["equal"] and seen["split"] and seen["warnings"] == [], (rank, key)
+            assert seen["exchange"]["ahead"] is (key == "arrays/world/depth=None"), (rank, key)
+        for key, seen in found["resume"].items():
+            assert seen["equal"] and seen["split"], (rank, key)
