@@ -137,9 +137,10 @@ def change_then_resume(data: tud.Dataset, scope: str, prefetch_depth: int | None
     return result
 
 
-def disagree(data: tud.Dataset, sizes: tuple[int | None, ...], at: int, prefetch_depth: int | None) -> dict:
-    """Rank r calls set_batch_size(sizes[r]) after batch ``at`` of epoch 0 (None: it does not),
-    then every rank goes on to epoch 1: what it raised, how soon, and how many batches it got."""
+def disagree(data: tud.Dataset, sizes: tuple[int | None, ...], at: int | None, prefetch_depth: int | None) -> dict:
+    """Rank r calls set_batch_size(sizes[r]) after batch ``at`` of epoch 0 (None: after the epoch;
+    a size None: it does not), then every rank goes on to epoch 1: what it raised, how soon, and
+    how many batches it got."""
     ours = loader(data, "world", prefetch_depth=prefetch_depth)
     began, error, received = time.perf_counter(), None, 0
     size = sizes[dist.get_rank()]
@@ -150,6 +151,8 @@ def disagree(data: tud.Dataset, sizes: tuple[int | None, ...], at: int, prefetch
                 received += 1
                 if epoch == 0 and k == at and size is not None:
                     ours.set_batch_size(size)
+            if epoch == 0 and at is None and size is not None:
+                ours.set_batch_size(size)
     except ExchangeError as caught:
         error = str(caught)
     seconds = time.perf_counter() - began
@@ -255,6 +258,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
             for at, depth in ((0, None), (0, 0), (2, None))
         }
         found["disagree"]["samples/one_rank/at=0"] = disagree(datasets()["samples"], one_rank, 0, None)
+        found["disagree"]["one_rank/between_epochs"] = disagree(arrays, one_rank, None, None)
         found["restart_same_epoch"] = restart_same_epoch(arrays)
         found["oom_retry"] = oom_retry(arrays)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))

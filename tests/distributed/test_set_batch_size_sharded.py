@@ -62,10 +62,12 @@ def test_a_state_saved_after_a_change_resumes_exactly(ranks):
 
 
 @pytest.mark.parametrize("case", [f"{name}/at={at}/depth={depth}" for name in ("one_rank", "different")
-                                  for at, depth in ((0, None), (0, 0), (2, None))] + ["samples/one_rank/at=0"])
+                                  for at, depth in ((0, None), (0, 0), (2, None))]
+                         + ["samples/one_rank/at=0", "one_rank/between_epochs"])
 def test_ranks_that_disagree_all_raise_an_error_naming_the_sizes_at_once(ranks, case):
     """A change at batch 0 meets the other ranks' batches of the same epoch; one at batch 2, made
-    ahead up to the epoch's end, meets their next epoch: either way every rank raises, at once."""
+    ahead up to the epoch's end, meets their next epoch, as one between epochs does: either way
+    every rank raises, at once."""
     other = 6 if case.startswith("different") else 8
     for rank, found in enumerate(ranks):
         seen = found["disagree"][case]
