@@ -12,13 +12,15 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.utils.data as tud
 from torch.utils.data.distributed import DistributedSampler
 
@@ -247,6 +249,13 @@ def nccl_job(rank: int, world: int, init_file: str) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def findings(run: Callable[..., None], world: int, out_dir: Path, *args: Any) -> list[dict]:
+    """Every rank's findings from ``run(rank, world, init_file, out_dir, *args)`` spawned as
+    ``world`` processes, each writing ``rank<r>.json`` into ``out_dir``."""
+    mp.spawn(run, args=(world, str(out_dir / "init"), str(out_dir), *args), nprocs=world)
+    return [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
 def run_nccl(rank: int, world: int, init_file: str, out_dir: str) -> None:

@@ -7,13 +7,11 @@ shrink_cache on a split cache frees nothing and says why."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import batch_size_job
@@ -27,8 +25,7 @@ def ranks(request, tmp_path_factory) -> list[dict]:
     """Every rank's findings (one spawn per world size)."""
     world, local = JOBS[request.param]
     folder = tmp_path_factory.mktemp(f"batch_size{world}")
-    mp.spawn(batch_size_job.run, args=(world, str(folder / "init"), str(folder), local), nprocs=world)
-    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
+    return ranks_job.findings(batch_size_job.run, world, folder, local)
 
 
 def test_every_rank_changing_at_one_batch_gets_its_order_cut_at_the_new_size(ranks):
@@ -112,9 +109,7 @@ def test_nccl_ranks_changing_together_get_their_order_cut_at_the_new_size(tmp_pa
     world = torch.cuda.device_count()
     if world < 2:
         pytest.skip(f"needs 2 CUDA devices for NCCL between ranks; this machine has {world}")
-    mp.spawn(batch_size_job.run_nccl, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
-    for rank in range(world):
-        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for rank, found in enumerate(ranks_job.findings(batch_size_job.run_nccl, world, tmp_path)):
         for key, seen in found["every_rank"].items():
             assert seen["equal"] and seen["split"] and seen["warnings"] == [], (rank, key)
             assert seen["exchange"]["ahead"] is (key == "arrays/world/depth=None"), (rank, key)
