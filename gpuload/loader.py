@@ -194,7 +194,8 @@ class DataLoader(tud.DataLoader[T_co]):
         self._progress = progress
         self._ahead, self._in_range = ahead, in_range
         seed_drawn = self._persistent_seed_drawn
-        request = EpochRequest(self._epoch, ahead, draw, in_range, resumed=resume is not None, worker_seed_drawn=seed_drawn)
+        request = EpochRequest(self._epoch, ahead, draw, in_range, resumed=resume is not None,
+                               worker_seed_drawn=seed_drawn, position=progress.position())
         epoch = source.epoch(request)
         if epoch.from_torch and self.persistent_workers and self.num_workers > 0:
             self._persistent_seed_drawn = True  # torch drew its workers' seed, once
@@ -238,10 +239,19 @@ class DataLoader(tud.DataLoader[T_co]):
         """Bytes of the cache held in the device's memory (0 with none there)."""
         return self._source.device_cache_bytes()
 
+    @property
+    def cache_split_over_ranks(self) -> bool:
+        """Whether this loader's data is split over ranks (``cache_scope`` node/world in force,
+        decided when the first epoch begins): every rank must then make the same batches, so the
+        batch size changes only on every rank together (README, multi-GPU)."""
+        return self._source.split_over_ranks()
+
     def shrink_cache(self, max_device_bytes: int) -> int:
         """Keep at most ``max_device_bytes`` of the cache in device memory and return the bytes
         freed. What goes first is what is cheapest to get back (array rows the host tier also
-        holds, the samples cached last); it is read from its next tier or the dataset again."""
+        holds, the samples cached last); it is read from its next tier or the dataset again.
+        A share of a cache split over ranks does not shrink (the other ranks read from it): 0,
+        with a warning saying so."""
         if isinstance(max_device_bytes, bool) or not isinstance(max_device_bytes, int) or max_device_bytes < 0:
             raise ValueError(f"max_device_bytes={max_device_bytes!r} must be a non-negative int")
         return self._source.shrink_cache(max_device_bytes)
@@ -441,7 +451,7 @@ class DataLoader(tud.DataLoader[T_co]):
         remaining = self._remaining_batches(progress)
         in_range = self._in_range and all(isinstance(batch, torch.Tensor) for batch in remaining)
         request = EpochRequest(progress.number, self._ahead, lambda: iter(remaining), in_range, resumed=True,
-                               worker_seed_drawn=self._persistent_seed_drawn)
+                               worker_seed_drawn=self._persistent_seed_drawn, position=progress.position())
         if self._prefetcher is not None:
             self._prefetcher.stop_epoch("the rest of this epoch at a new batch size (set_batch_size)")
         epoch = self._source.epoch(request)

@@ -165,6 +165,11 @@ class EpochProgress:
         batches, samples, size = self.cuts[-1] if self.cuts else (0, 0, self.batch_size or 1)
         return samples + (self.batches - batches) * size
 
+    def position(self) -> Cut | None:
+        """``(batches done, samples done, batch size)`` after a batch-size change (the rest of
+        the epoch is its order from there cut at that size), else None."""
+        return (self.batches, self.samples_done(), self.cuts[-1][2]) if self.cuts else None
+
     def cut(self, batch_size: int) -> None:
         """Note a change to ``batch_size`` here: the batches after it are the rest of the order
         cut at that size."""

@@ -167,7 +167,9 @@ def epoch_order(sampler: object) -> torch.Tensor | list[Any]:
 def cut_order(order: torch.Tensor | list[Any], size: int, drop_last: bool) -> list[Any]:
     """``order`` cut into batches of ``size`` (tensors, or lists of indices), as torch's
     BatchSampler cuts its sampler's indices: the last batch is shorter, or with ``drop_last``
-    left out when it is."""
+    left out when it is. An empty order has no batch (``split`` would give one empty piece)."""
+    if len(order) == 0:
+        return []
     batches = list(order.split(size)) if isinstance(order, torch.Tensor) else [
         order[start : start + size] for start in range(0, len(order), size)]
     if batches and drop_last and len(batches[-1]) < size:

@@ -320,3 +320,21 @@ def test_a_sampler_of_keys_that_are_not_integers_is_re_cut_as_lists() -> None:
     assert [len(b) for b in batches] == [4, 4, 10, 8]
     sampler.generator.manual_seed(SEED)
     assert torch.cat(batches).tolist() == [ord(key) for key in sampler]
+
+
+@pytest.mark.parametrize("keywords", [{}, {"cache": "off", "prefetch_depth": 2},
+                                      {"dataset": Counted(30), "cache": "host"}],
+                         ids=["in-place", "prefetched", "sample-cache"])
+@pytest.mark.parametrize("batch_size", [4, 5])  # a shorter last batch, or a full one at the epoch's end
+def test_a_change_after_an_epochs_last_batch_leaves_nothing_to_cut(keywords: dict, batch_size: int) -> None:
+    """Nothing of the epoch is left: it ends there (no empty batch), and the next one is cut at
+    the new size."""
+    keywords = {"dataset": images_uint8(30), **keywords}
+    loader = seeded(batch_size=batch_size, shuffle=True, **keywords)()
+    iterator, got = iter(loader), []
+    for k, batch in enumerate(iterator):
+        got.append(len(ids(batch)))
+        if k == len(iterator) - 1:
+            loader.set_batch_size(7)
+    assert got == expected_sizes(30, batch_size, {}, False) and len(iterator) == len(got)
+    assert [len(ids(batch)) for batch in loader] == [7, 7, 7, 7, 2]

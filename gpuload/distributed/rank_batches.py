@@ -3,7 +3,9 @@
 torch's ``DistributedSampler`` orders an epoch by ``(seed, epoch, num_replicas, rank, shuffle,
 drop_last, len(dataset))`` alone, so one rank can build a shadow sampler for each other rank
 and draw, with :func:`gpuload.sampling.epoch_batches`, exactly the batches that rank's loader
-will draw. Shadows never touch a random generator the loop uses.
+will draw. Shadows never touch a random generator the loop uses. After ``set_batch_size`` the
+rest of an epoch is each rank's sample order from the same position cut at the new size, which
+every rank computes alike too (the ranks change at the same batch).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from gpuload.sampling import epoch_batches
+from gpuload.sampling import cut_order, epoch_batches, epoch_order
 
 __all__ = ["every_rank_batches", "sampler_fingerprint", "shardable_sampler"]
 
@@ -49,11 +51,15 @@ def sampler_fingerprint(batch_sampler: BatchSampler) -> list[int]:
     ]
 
 
-def every_rank_batches(batch_sampler: BatchSampler) -> list[list[torch.Tensor]]:
+def every_rank_batches(
+    batch_sampler: BatchSampler, rest: tuple[int, int] | None = None
+) -> list[list[torch.Tensor]]:
     """This epoch's batches (int64 tensors) of every rank, in rank order.
 
     ``batch_sampler`` is this rank's (checked by :func:`shardable_sampler`), after the loop's
-    ``set_epoch``.
+    ``set_epoch``. ``rest``: ``(samples done, batch size)`` after a ``set_batch_size``: only
+    the batches of the rest of each rank's sample order, from that position, cut at that size
+    (as ``BatchSampler`` cuts: ``drop_last`` leaves out a shorter last batch).
     """
     mine = batch_sampler.sampler
     everyone = []
@@ -63,6 +69,11 @@ def every_rank_batches(batch_sampler: BatchSampler) -> list[list[torch.Tensor]]:
             seed=mine.seed, drop_last=mine.drop_last,
         )
         shadow.set_epoch(mine.epoch)
-        batches = BatchSampler(shadow, batch_sampler.batch_size, batch_sampler.drop_last)
-        everyone.append(list(epoch_batches(batches)))
+        if rest is None:
+            batches = list(epoch_batches(BatchSampler(shadow, batch_sampler.batch_size, batch_sampler.drop_last)))
+        else:
+            done, size = rest
+            order = torch.as_tensor(epoch_order(shadow), dtype=torch.int64)
+            batches = cut_order(order[done:], size, batch_sampler.drop_last)
+        everyone.append(batches)
     return everyone

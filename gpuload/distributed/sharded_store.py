@@ -3,8 +3,9 @@
 :func:`shard_arrays` decides, with every rank together, whether the dataset is split (the
 scope), and builds a :class:`ShardedArrayStore` holding this rank's contiguous block of rows on
 its device. :meth:`ShardedArrayStore.epoch` then makes each batch of the epoch with two
-collectives on the exchange's own groups: a small header over gloo (epoch, step, row counts:
-ranks that ran different numbers of batches fail here, with an :class:`ExchangeError`, never a
+collectives on the exchange's own groups: a small header over gloo (epoch, step, batch size,
+position in the epoch's order, row counts: ranks that ran different numbers of batches, or
+changed the batch size at different batches, fail here, with an :class:`ExchangeError`, never a
 wrong batch) and one ``all_to_all_single`` carrying the rows of every array at once, packed as
 bytes; the rows this rank holds itself are gathered locally. The batch is exactly the one
 torch's DataLoader with the same ``DistributedSampler`` gives.
@@ -66,7 +67,10 @@ __all__ = [
 
 _LET_GO_S = 2.0  # how long close() waits for a thread inside the exchange to abandon it
 _SCOPE_CODES = {"auto": 0, "rank": 1, "node": 2, "world": 3}
-_HEADER = ("sampler epoch", "batch", "batches in the epoch", "seed", "rows")
+# What each step swaps first (gloo, host): where every rank is, then the rows it sends. The batch
+# size and the step's first position in the epoch's sample order catch ranks that changed the
+# batch size at different batches, or only some of them (set_batch_size).
+_HEADER = ("sampler epoch", "batch", "batches in the epoch", "seed", "batch size", "first sample", "rows")
 
 
 @dataclass
@@ -83,9 +87,12 @@ class ExchangeStats:
     received_rows: int = 0
     loop_wait_marks: list[float] = field(default_factory=list)
     ahead: bool = False
+    epoch_numbers: list[int | None] = field(default_factory=list)
 
-    def begin_epoch(self, loop_wait_s: float = 0.0, ahead: bool = False) -> int:
-        """Open the next epoch's counters; returns its position in the per-epoch lists."""
+    def begin_epoch(self, loop_wait_s: float = 0.0, ahead: bool = False, number: int | None = None) -> int:
+        """Open the next epoch's counters (``number``: the loader's epoch); returns its position
+        in the per-epoch lists."""
+        self.epoch_numbers.append(number)
         self.bytes_sent_per_epoch.append(0)
         self.bytes_received_per_epoch.append(0)
         self.wait_s_per_epoch.append(0.0)
@@ -312,7 +319,17 @@ class ShardExchange:
         return self.device.type != "cuda"
 
     def shrink_device_tier(self, max_bytes: int) -> int:
-        """A share cannot shrink on one rank alone (the others plan on it): frees nothing."""
+        """A share cannot shrink on one rank alone (every rank's exchange plan reads rows from it
+        there): frees nothing, and warns when less than the share was asked for."""
+        if max_bytes < self.shard_bytes and not self._closed:
+            warnings.warn(
+                f"gpuload: shrink_cache({max_bytes}) freed nothing: rank {self._rank} holds "
+                f"{format_bytes(self.shard_bytes)} of a dataset split over ranks "
+                f"(cache_scope={self.plan.decision.scope!r}), and every rank's exchange reads its rows "
+                "from that share, so it cannot shrink on one rank. For less device memory per rank, build "
+                "the loaders with cache_scope='world' (smaller shares) or let each rank keep its own "
+                "tiers (cache_scope='rank')", stacklevel=4,
+            )
         return 0
 
     def close(self) -> None:
@@ -347,27 +364,40 @@ class ShardExchange:
         """Let go of the share's tensors."""
         raise NotImplementedError
 
-    def epoch(self, batch_sampler: Any, drawn: list[torch.Tensor], *, ahead: bool = False,
-              loop_wait_s: float = 0.0) -> ExchangeSteps[Any]:
+    def epoch(
+        self, batch_sampler: Any, drawn: list[torch.Tensor], *, position: tuple[int, int, int] | None = None,
+        ahead: bool = False, loop_wait_s: float = 0.0, number: int | None = None,
+    ) -> ExchangeSteps[Any]:
         """What :meth:`_step` makes for each of ``drawn``, this rank's batches of the epoch as
         its loader drew them (the last ones only, after a resume).
 
         ``batch_sampler`` is the loader's, after ``set_epoch``: every rank's batches are
-        computed from it. Each step exchanges with the other ranks, which must run the same
-        steps; the first ``next()`` already checks the epoch against them. ``ahead``: the steps
-        run in the prefetcher's thread, ahead of the loop, which calls ``handed_over()`` on the
-        result for each batch it receives (:class:`ExchangeSteps`). The previous epoch, if it
-        was stopped early, is completed first, the same way on every rank. ``loop_wait_s``: the
-        loader's running total of the loop's wait, at this epoch's start.
+        computed from it. ``position``: ``(batches done, samples done, batch size)`` when
+        ``drawn`` is the rest of the epoch's order from that sample cut at that size (after
+        ``set_batch_size``, which every rank makes at the same batch); every rank's rest is cut
+        alike, so the exchange is planned again without a message. Each step exchanges with the
+        other ranks, which must run the same steps; the first ``next()`` already checks the
+        epoch, the batch size and the position against them. ``ahead``: the steps run in the
+        prefetcher's thread, ahead of the loop, which calls ``handed_over()`` on the result for
+        each batch it receives (:class:`ExchangeSteps`). The previous steps, if they were stopped
+        early (an epoch, or the batches made ahead before a batch-size change), are completed
+        first, the same way on every rank. ``loop_wait_s``: the loader's running total of the
+        loop's wait, at this epoch's start; ``number``: the loader's epoch (the rest of an epoch
+        after a batch-size change is counted with it).
         """
-        everyone = every_rank_batches(batch_sampler)
+        if position is None:
+            done, first, size = 0, 0, int(batch_sampler.batch_size)
+            everyone = every_rank_batches(batch_sampler)
+        else:
+            done, first, size = position
+            everyone = every_rank_batches(batch_sampler, rest=(first, size))
         mine = everyone[self._rank]
         skipped = len(mine) - len(drawn)
         if skipped < 0 or any(not torch.equal(a, b) for a, b in zip(mine[skipped:], drawn)):
             raise ExchangeError(
                 f"gpuload: rank {self._rank}'s batches differ from the ones its DistributedSampler "
                 "gives; the sharded cache needs torch's BatchSampler over torch's DistributedSampler, "
-                "unchanged during the epoch"
+                "unchanged during the epoch (change the batch size with loader.set_batch_size)"
             )
         if self._closed:
             raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
@@ -375,23 +405,30 @@ class ShardExchange:
         if previous is not None:
             previous.cancel()
             previous.close()
-        slot = self.exchange_stats.begin_epoch(loop_wait_s, ahead)
+        stats = self.exchange_stats
+        if position is not None and number is not None and stats.epoch_numbers[-1:] == [number]:
+            slot = len(stats.epoch_numbers) - 1  # the same epoch goes on at another batch size
+        else:
+            slot = stats.begin_epoch(loop_wait_s, ahead, number)
         # Read now: the steps may be made later (ahead, or completing a stopped epoch) than a
         # set_epoch() the loop makes for its next epoch.
         sampler_epoch, seed = int(batch_sampler.sampler.epoch), int(batch_sampler.sampler.seed)
+        total = done + len(mine)
 
         def make(step: int) -> Any:
             if self._closed:
                 raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
-            header = (sampler_epoch, step, len(mine), seed)
-            return self._step([batches[step] for batches in everyone], header, slot)
+            at = step - done
+            header = (sampler_epoch, step, total, seed, size, first + at * size)
+            return self._step([batches[at] for batches in everyone], header, slot)
 
-        self._steps = ExchangeSteps(range(skipped, len(mine)), make, self._issuing, ahead, lambda: self._closed)
+        self._steps = ExchangeSteps(range(done + skipped, total), make, self._issuing, ahead, lambda: self._closed)
         return self._steps
 
     def _step(self, batches: list[torch.Tensor], header: tuple[int, ...], slot: int) -> Any:
         """One step's item, where rank ``r`` reads ``batches[r]``; ``header``: (sampler epoch,
-        step, steps in the epoch, seed); ``slot``: the epoch's place in the counters."""
+        step, steps in the epoch, seed, batch size, first sample of the step in the epoch's
+        order); ``slot``: the epoch's place in the counters."""
         raise NotImplementedError
 
     def _swap(self, received: torch.Tensor, outgoing: torch.Tensor, recv_splits: list[int],
@@ -438,6 +475,18 @@ class ShardExchange:
             raise self._stopped(header, error) from error
         for peer, theirs in zip(peers, incoming.view(-1, width).tolist()):
             expected = [*header, plan.recv_splits[peer]]
+            # the same epoch cut otherwise (not a rank that ran fewer batches at the same size)
+            cut_otherwise = theirs[4] != header[4] or (theirs[1] == header[1] and theirs[5] != header[5])
+            if cut_otherwise and (theirs[0], theirs[3]) == (header[0], header[3]):
+                raise ExchangeError(
+                    f"gpuload: rank {self._rank} makes batch {header[1] + 1} of epoch {header[0]} at batch "
+                    f"size {header[4]} (from sample {header[5]} of its epoch order) but rank {peer} makes "
+                    f"batch {theirs[1] + 1} at batch size {theirs[4]} (from sample {theirs[5]}): "
+                    "set_batch_size was called on some ranks only, at different batches or with different "
+                    "sizes. With a sharded cache, call loader.set_batch_size(n) on every rank at the same "
+                    "batch with the same n (agree on n with dist.all_reduce first; README: Multi-GPU and "
+                    "multi-node)"
+                )
             if theirs[:-1] != expected[:-1]:
                 raise ExchangeError(
                     f"gpuload: rank {self._rank} is at batch {header[1] + 1} of {header[2]} of epoch "
@@ -445,7 +494,10 @@ class ShardExchange:
                     f"{theirs[2]} of epoch {theirs[0]} (seed {theirs[3]}): the ranks ran different numbers "
                     "of batches (one stopped an epoch early) or their samplers differ (set_epoch on every "
                     "rank). With a sharded cache every rank runs every batch of each epoch; to stop early, "
-                    "stop all ranks at the same batch (README: Multi-GPU and multi-node)"
+                    "stop all ranks at the same batch (README: Multi-GPU and multi-node)" + (
+                        f". Rank {self._rank} cuts its batches at batch size {header[4]}, rank {peer} at batch "
+                        f"size {theirs[4]}: set_batch_size must be called on every rank at the same batch"
+                        if theirs[4] != header[4] else "")
                 )
             if theirs[-1] != expected[-1]:
                 raise ExchangeError(
@@ -459,10 +511,12 @@ class ShardExchange:
         return ExchangeError(
             f"gpuload: rank {self._rank} waited (up to {timeout:g} s, {EXCHANGE_TIMEOUT_ENV}) for the "
             f"other ranks at batch {header[1] + 1} of {header[2]} of epoch {header[0]} "
-            f"(cache_scope={self.plan.decision.scope}) and they did not come: a rank stopped this epoch "
-            "early (a break, an exception) or died. With a sharded cache every rank runs every batch of "
-            "each epoch; to stop early, stop all ranks at the same batch (README: Multi-GPU and "
-            f"multi-node). Cause: {error}"
+            f"at batch size {header[4]} (cache_scope={self.plan.decision.scope}) and they did not come: a "
+            "rank stopped this epoch early (a break, an exception) or died, or the ranks' set_batch_size "
+            "calls differ (a rank that did not make this one may have ended the epoch already). With a "
+            "sharded cache every rank runs every batch of each epoch; to stop early or change the batch "
+            "size, do it on all ranks at the same batch (README: Multi-GPU and multi-node). "
+            f"Cause: {error}"
         )
 
 

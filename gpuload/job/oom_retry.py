@@ -18,6 +18,12 @@ with a plan, it frees part of the loader's device cache when the plan says so: w
 holds more than the plan would give it beside the new batch, or when releasing some of it lets
 the new batch fit the free memory. The part that goes first is the cheapest to get back (array
 rows the host tier also holds, the samples cached last), and a warning says how much went.
+
+A loader whose data is split over ranks (``cache_scope`` node/world) is the exception: every
+rank must make the same batches, and only the rank that ran out of memory retries, so its
+loader keeps its batch size (and its share of the cache) and the retry splits the later batches
+on that rank instead, saying so and how to lower the size on every rank together. Agreeing here
+(an ``all_reduce`` at the retry) is not sound: the other ranks are not at a retry to join it.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class ResizableLoader(Protocol):
 
     batch_size: int | None
     device_cache_bytes: int
+    cache_split_over_ranks: bool
 
     def set_batch_size(self, batch_size: int) -> None: ...
 
@@ -75,7 +82,8 @@ class OOMRetry(Generic[T]):
 
     ``plan``: the job's plan, whose per-sample estimate sets the new size. ``loader``: the
     ``gpuload.DataLoader`` the batches come from: its batch size follows the lowered one, and
-    its device cache gives memory back when the plan says so (module docstring). ``free_bytes``:
+    its device cache gives memory back when the plan says so (module docstring), unless its data
+    is split over ranks (then it is left as it is, and the batches are split). ``free_bytes``:
     how much device memory is free now (default: asked of the batch's CUDA device); tests pass
     their own. Tensors are split along their first dimension; other values go to every piece.
     """
@@ -138,14 +146,21 @@ class OOMRetry(Generic[T]):
         self.retries += 1
         estimate = (f"; the plan estimates {format_bytes(self.plan.step.per_sample)} per sample"
                     if self.plan is not None else "")
-        freed = self._free_cache(free)
-        if freed:
-            estimate += (f"; freed {format_bytes(freed)} of the loader's device cache (the part cheapest "
-                         "to get back: it is read from its next tier or the dataset again)")
         loader = self.loader
-        if loader is not None and loader.batch_size is not None and self.batch_size < loader.batch_size:
-            loader.set_batch_size(self.batch_size)
-            estimate += "; the loader's next batches come at that size"
+        if loader is not None and loader.cache_split_over_ranks:
+            estimate += (f"; the loader's batch size stays {loader.batch_size} and this rank splits its later "
+                         "batches: its data is split over ranks (cache_scope), so every rank must change the "
+                         "size at the same batch. To lower it everywhere, agree on the size (dist.all_reduce "
+                         "with ReduceOp.MIN, made by every rank at the same step) and call "
+                         "loader.set_batch_size(n) on every rank (README: Multi-GPU and multi-node)")
+        else:
+            freed = self._free_cache(free)
+            if freed:
+                estimate += (f"; freed {format_bytes(freed)} of the loader's device cache (the part cheapest "
+                             "to get back: it is read from its next tier or the dataset again)")
+            if loader is not None and loader.batch_size is not None and self.batch_size < loader.batch_size:
+                loader.set_batch_size(self.batch_size)
+                estimate += "; the loader's next batches come at that size"
         warnings.warn(
             f"the step ran out of device memory at batch size {failed} ({message}); running the "
             f"same samples again in pieces of {self.batch_size}{estimate}",

@@ -83,6 +83,10 @@ class EpochRequest:
     (which would start the epoch from its beginning) makes batches from them instead.
     ``worker_seed_drawn``: persistent workers' base seed was drawn already in this run (torch
     draws it once, when its persistent iterator is first made; a resumed run must not again).
+    ``position``: ``(batches done, samples done, batch size)`` when ``draw`` yields the rest of
+    the epoch's sample order from that sample cut at that size (after ``set_batch_size``, in
+    the epoch or before a resume), so a source that computes other ranks' batches (the sharded
+    cache) cuts theirs alike; None when ``draw`` yields the epoch's batches as its sampler cuts them.
     """
 
     number: int
@@ -91,6 +95,7 @@ class EpochRequest:
     in_range: bool = False
     resumed: bool = False
     worker_seed_drawn: bool = False
+    position: tuple[int, int, int] | None = None
 
     def indices(self) -> Iterator[Any]:
         """This epoch's batch indices. Ahead of the loop they are all drawn now, in the loop's
@@ -169,6 +174,11 @@ class Source(ABC):
         """Keep at most ``max_device_bytes`` of the cache in the device's memory, letting go
         first of what is cheapest to get back; returns the bytes freed (0: nothing to free)."""
         return 0
+
+    def split_over_ranks(self) -> bool:
+        """Whether the data is split over ranks (``cache_scope`` node/world in force): each batch
+        is then a collective, and every rank must make the same batches."""
+        return False
 
     def close(self) -> None:
         """Give back device and pinned memory; the next epoch rebuilds what it needs."""

@@ -387,8 +387,8 @@ class ArraySource(Source):
         """Batches assembled from every rank's share (each a collective), ahead of the loop in
         the prefetcher's thread when the request runs ahead (gloo only: ``store.runs_ahead``)."""
         drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.indices()]
-        steps = store.epoch(self.setup.batch_sampler, drawn, ahead=request.ahead,
-                            loop_wait_s=self.setup.stats.wait_time_s)
+        steps = store.epoch(self.setup.batch_sampler, drawn, position=request.position, ahead=request.ahead,
+                            loop_wait_s=self.setup.stats.wait_time_s, number=request.number)
 
         def finish(item: tuple[list[torch.Tensor], torch.Tensor]) -> tuple[Any, int]:
             steps.handed_over()
@@ -411,9 +411,12 @@ class ArraySource(Source):
 
     def shrink_cache(self, max_device_bytes: int) -> int:
         """Device rows go first from the end of the device tier; the host tier or the arrays
-        still hold them (a sharded share frees nothing: the other ranks plan on it)."""
+        still hold them (a sharded share frees nothing, and warns: the other ranks read from it)."""
         store = self.resident.store if self.resident is not None else None
         return store.shrink_device_tier(max_device_bytes) if store is not None else 0
+
+    def split_over_ranks(self) -> bool:
+        return self._sharded() is not None
 
     def stats(self) -> dict[str, Any]:
         store = self.resident.store if self.resident is not None else None

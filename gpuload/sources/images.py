@@ -273,8 +273,8 @@ class ImageFileSource(Source):
         """Batches whose images come from every rank's share (each step a collective), ahead of
         the loop in the prefetcher's thread when the request runs ahead; transforms as above."""
         drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.indices()]
-        steps = store.epoch(self.setup.batch_sampler, drawn, ahead=request.ahead,
-                            loop_wait_s=self.setup.stats.wait_time_s)
+        steps = store.epoch(self.setup.batch_sampler, drawn, position=request.position, ahead=request.ahead,
+                            loop_wait_s=self.setup.stats.wait_time_s, number=request.number)
         number = request.number
 
         def delivered(finished: tuple[Any, int, dict[str, Any]]) -> tuple[Any, int] | None:

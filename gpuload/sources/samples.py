@@ -459,7 +459,8 @@ class SampleSource(Source):
             self.setup.stats.extra["exchange"] = store.describe_exchange()
             return sharded.batch(rows), flat.numel()
 
-        return Epoch(store.epoch(self.setup.batch_sampler, drawn), finish)
+        return Epoch(store.epoch(self.setup.batch_sampler, drawn, position=request.position, number=request.number),
+                     finish)
 
     def _fetched(self, indices: Iterator[Any]) -> Iterator[Any]:
         return PerBatch(indices, self._read_batch)
@@ -563,8 +564,14 @@ class SampleSource(Source):
         cached = self.cached
         return cached.store.stats.bytes if cached is not None and cached.store.device == self.setup.device else 0
 
+    def split_over_ranks(self) -> bool:
+        return self.sharded is not None
+
     def shrink_cache(self, max_device_bytes: int) -> int:
-        """The samples cached last go first (the store keeps its first slots)."""
+        """The samples cached last go first (the store keeps its first slots); a share split
+        over ranks does not shrink."""
+        if self.sharded is not None:
+            return self.sharded.store.shrink_device_tier(max_device_bytes)
         if not self.device_cache_bytes():
             return 0
         return self.cached.store.shrink(max_device_bytes)

@@ -167,6 +167,36 @@ def resume(samples: list) -> dict:
     return result
 
 
+def resized(samples: list, at: int = 2, size: int = 3) -> dict:
+    """Every rank calls ``set_batch_size(size)`` after batch ``at`` of epoch 0: the rest of the
+    epoch and the next one against the per-rank cache making the same change, and the labels
+    against torch's DistributedSampler order cut at the new size."""
+    ours, reference = loader(samples, "world"), loader(samples, "rank", cache="device")
+    equal, orders = True, []
+    for epoch in range(2):
+        got, expected = [], []
+        for each, found in ((ours, got), (reference, expected)):
+            each.sampler.set_epoch(epoch)
+            for images, labels in each:
+                found.append((images.cpu(), labels.cpu()))
+                if epoch == 0 and len(found) == at:
+                    each.set_batch_size(size)
+        equal = equal and same(got, expected)
+        orders.append([batch[1].tolist() for batch in got])
+    torchs = []
+    for epoch in range(2):
+        order = sampler(range(len(samples)))
+        order.set_epoch(epoch)
+        indices = list(order)
+        head = [indices[i : i + BATCH] for i in range(0, at * BATCH, BATCH)] if epoch == 0 else []
+        rest = indices[len(head) * BATCH :]
+        torchs.append(head + [rest[i : i + size] for i in range(0, len(rest), size)])
+    result = {"equal": equal, "in_order": orders == torchs, "path": ours.stats.path}
+    ours.close()
+    reference.close()
+    return result
+
+
 def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: int | None) -> None:
     files = json.loads(Path(out_dir, "files.json").read_text())
     samples, corrupt = files["samples"], files["corrupt"]
@@ -181,6 +211,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
         found["raise_missing"] = compare(files["missing"], "world", epochs=1)
         found["too_big"] = compare(samples, "world", epochs=1, cache_size="4KiB")
         found["resume"] = resume(samples)
+        found["resized"] = resized(samples)
         found["stop_early"] = stop_early(samples)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
 

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 import threads
 
 #: World sizes the tests spawn: (ranks, LOCAL_WORLD_SIZE); four: two pretended nodes of two ranks.
-JOBS = {"two": (2, None), "four": (4, 2)}
+JOBS = {"two": (2, None), "four": (4, 2)}  # four: two pretended nodes of two ranks (LOCAL_WORLD_SIZE)
 NUM_SAMPLES = 103  # not a multiple of any world size: uneven shares, padded samplers
 SEED = 7
 EXCHANGE_TIMEOUT_S = 3
@@ -202,13 +202,6 @@ def stop_early(data: tud.Dataset, then_next_epoch: bool, prefetch_depth: int | N
     return {"error": error, "seconds": seconds}
 
 
-def spawn(run: Any, folder: Path, world: int, local_world_size: int | None) -> list[dict]:
-    """``run(rank, world, init_file, folder, local_world_size)`` in ``world`` processes; every
-    rank's findings, from the ``rank<r>.json`` each writes into ``folder``."""
-    mp.spawn(run, args=(world, str(folder / "init"), str(folder), local_world_size), nprocs=world)
-    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
-
-
 @contextmanager
 def gloo_job(rank: int, world: int, init_file: str, local_world_size: int | None) -> Iterator[None]:
     """This process as ``rank`` of a gloo group of ``world`` (a short exchange timeout; nodes of
@@ -258,6 +251,13 @@ def nccl_job(rank: int, world: int, init_file: str) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def findings(run: Callable[..., None], world: int, out_dir: Path, *args: Any) -> list[dict]:
+    """Every rank's findings from ``run(rank, world, init_file, out_dir, *args)`` spawned as
+    ``world`` processes, each writing ``rank<r>.json`` into ``out_dir``."""
+    mp.spawn(run, args=(world, str(out_dir / "init"), str(out_dir), *args), nprocs=world)
+    return [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
 def run_nccl(rank: int, world: int, init_file: str, out_dir: str) -> None:

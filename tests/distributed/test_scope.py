@@ -50,6 +50,20 @@ def test_every_rank_batches_match_torchs_samplers():
             assert [b.tolist() for b in everyone[rank]] == list(BatchSampler(theirs, 4, drop_last))
 
 
+def test_every_rank_batches_after_a_batch_size_change_cut_the_rest_of_each_order():
+    data = TensorDataset(torch.arange(23))
+    for drop_last in (False, True):
+        mine = DistributedSampler(data, num_replicas=3, rank=2, seed=5, drop_last=drop_last)
+        mine.set_epoch(1)
+        everyone = every_rank_batches(BatchSampler(mine, 4, drop_last), rest=(4, 3))
+        for rank in range(3):
+            theirs = DistributedSampler(data, num_replicas=3, rank=rank, seed=5, drop_last=drop_last)
+            theirs.set_epoch(1)
+            order = list(theirs)[4:]  # 4 positions left (8 per rank), 3 with drop_last (7 per rank)
+            cut = [order[at : at + 3] for at in range(0, len(order), 3)]
+            assert [b.tolist() for b in everyone[rank]] == [b for b in cut if len(b) == 3 or not drop_last]
+
+
 def test_only_torchs_distributed_sampler_over_all_ranks_is_shardable():
     data = TensorDataset(torch.arange(20))
     good = BatchSampler(DistributedSampler(data, num_replicas=2, rank=1), 4, False)

@@ -25,7 +25,7 @@ def job(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"images{world}")
     files = images_job.write_images(folder)
     (folder / "files.json").write_text(json.dumps(files))
-    return ranks_job.spawn(images_job.run, folder, world, local), files, world, local or world
+    return ranks_job.findings(images_job.run, world, folder, local), files, world, local or world
 
 
 def test_every_rank_gets_the_per_rank_caches_batches_in_torchs_order(job):
@@ -139,3 +139,11 @@ def test_nccl_ranks_get_the_per_rank_caches_batches(tmp_path):
             assert result["path"] == f"sharded-{key.split('/')[0] if key != 'skip' else 'world'}"
             assert result["exchange"]["ahead"] is False, key  # NCCL's is issued from the loop's thread
             assert result["cache"]["bytes"] > 0
+
+
+def test_set_batch_size_on_every_rank_at_the_same_batch_cuts_the_rest_of_the_epoch(job):
+    for rank, found in enumerate(job[0]):
+        seen = found["resized"]
+        assert seen["path"] == "sharded-world"
+        assert seen["equal"], f"rank {rank}: batches differ from the per-rank cache's after the change"
+        assert seen["in_order"], f"rank {rank}: not torch's order cut at the new size"

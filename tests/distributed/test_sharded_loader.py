@@ -4,13 +4,11 @@ hangs) when a rank stops an epoch early."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ranks_job
@@ -18,17 +16,15 @@ import ranks_job
 
 def _run_job(tmp_path_factory: pytest.TempPathFactory, world: int, local_world_size: int | None) -> list[dict]:
     folder = tmp_path_factory.mktemp(f"world{world}")
-    mp.spawn(ranks_job.run, args=(world, str(folder / "init"), str(folder), local_world_size), nprocs=world)
-    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
+    return ranks_job.findings(ranks_job.run, world, folder, local_world_size)
 
 
-JOBS = {"two": (2, None), "four": (4, 2)}  # four: two pretended nodes of two ranks (LOCAL_WORLD_SIZE)
 
 
 @pytest.fixture(scope="module", params=["two", pytest.param("four", marks=pytest.mark.slow)])
 def job(request, tmp_path_factory):
     """Every rank's findings, the world size and the node size."""
-    world, local = JOBS[request.param]
+    world, local = ranks_job.JOBS[request.param]
     return _run_job(tmp_path_factory, world, local), world, local or world
 
 
@@ -102,9 +98,7 @@ def test_nccl_ranks_get_torchs_batches(tmp_path):
     world = torch.cuda.device_count()
     if world < 2:
         pytest.skip(f"needs 2 CUDA devices for NCCL between ranks; this machine has {world}")
-    mp.spawn(ranks_job.run_nccl, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
-    for rank in range(world):
-        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for rank, found in enumerate(ranks_job.findings(ranks_job.run_nccl, world, tmp_path)):
         for key, result in found.items():
             assert result["equal"], f"rank {rank}, {key}"
             assert result["path"] == f"sharded-{key.split('/')[0]}"

@@ -5,14 +5,12 @@ warning, wherever the samples cannot be split."""
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
@@ -29,7 +27,7 @@ import samples_job
 def job(request, tmp_path_factory):
     """Every rank's findings, the world size and the node size (one spawn per world size)."""
     world, local = ranks_job.JOBS[request.param]
-    ranks = ranks_job.spawn(samples_job.run, tmp_path_factory.mktemp(f"samples{world}"), world, local)
+    ranks = ranks_job.findings(samples_job.run, world, tmp_path_factory.mktemp(f"samples{world}"), local)
     return ranks, world, local or world
 
 
@@ -145,9 +143,7 @@ def test_nccl_ranks_get_torchs_batches_from_device_shares(tmp_path):
     world = torch.cuda.device_count()
     if world < 2:
         pytest.skip(f"needs 2 CUDA devices for NCCL between ranks; this machine has {world}")
-    mp.spawn(samples_job.run_nccl, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
-    for rank in range(world):
-        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for rank, found in enumerate(ranks_job.findings(samples_job.run_nccl, world, tmp_path)):
         for scope, result in found.items():
             assert result["equal"] and result["path"] == f"sharded-{scope}", (rank, scope)
             assert result["exchange"]["shard_bytes"] > 0

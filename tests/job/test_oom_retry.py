@@ -181,6 +181,7 @@ class FakeLoader:
 
     def __init__(self, held: int) -> None:
         self.batch_size, self.device_cache_bytes, self.shrunk = 64, held, []
+        self.cache_split_over_ranks = False
 
     def set_batch_size(self, batch_size: int) -> None:
         self.batch_size = batch_size
