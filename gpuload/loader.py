@@ -387,7 +387,8 @@ class DataLoader(tud.DataLoader[T_co]):
     def _prefetch(self, items: Iterator[Any], depth: int, stages: bool) -> Iterator[Any]:
         """One epoch of ``items`` through this loader's prefetcher (one side stream per loader)."""
         if self._prefetcher is not None and self._prefetcher.stage != stages:
-            # the source's placement changed (a shrunk cache stages what it held on the device)
+            # the source's placement changed (its cache planned again: a share split over ranks
+            # makes its batches itself, a per-rank cache has them staged)
             self._merge_counters()
             self._prefetcher.close()
             self._prefetcher = None
