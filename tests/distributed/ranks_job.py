@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -239,6 +240,14 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
         found["all_stop"] = {f"{depth}/{end}": all_stop_together(data, depth, end)
                              for depth, end in ((2, "del"), (4, "close"))}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
+
+
+def nccl_world() -> int:
+    """The CUDA devices here, one NCCL rank each; skips the calling test below two."""
+    world = torch.cuda.device_count()
+    if world < 2:
+        pytest.skip(f"needs 2 CUDA devices for NCCL between ranks; this machine has {world}")
+    return world
 
 
 @contextmanager

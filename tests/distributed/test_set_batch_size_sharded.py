@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import batch_size_job
@@ -105,9 +104,7 @@ def test_shrink_cache_on_a_split_cache_frees_nothing_and_says_why(ranks, kind):
 
 @pytest.mark.gpu
 def test_nccl_ranks_changing_together_get_their_order_cut_at_the_new_size(tmp_path):
-    world = torch.cuda.device_count()
-    if world < 2:
-        pytest.skip(f"needs 2 CUDA devices for NCCL between ranks; this machine has {world}")
+    world = ranks_job.nccl_world()
     for rank, found in enumerate(ranks_job.findings(batch_size_job.run_nccl, world, tmp_path)):
         for key, seen in found["every_rank"].items():
             assert seen["equal"] and seen["split"] and seen["warnings"] == [], (rank, key)

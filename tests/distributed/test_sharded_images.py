@@ -126,9 +126,7 @@ def test_rank_that_stops_early_makes_the_others_fail_within_the_timeout(job):
 
 @pytest.mark.gpu
 def test_nccl_ranks_get_the_per_rank_caches_batches(tmp_path):
-    world = torch.cuda.device_count()
-    if world < 2:
-        pytest.skip(f"needs 2 CUDA devices for NCCL between ranks; this machine has {world}")
+    world = ranks_job.nccl_world()
     files = images_job.write_images(tmp_path)
     (tmp_path / "files.json").write_text(json.dumps(files))
     mp.spawn(images_job.run_nccl, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)

@@ -140,9 +140,7 @@ def test_a_reason_found_before_any_collective_warns_on_its_own():
 
 @pytest.mark.gpu
 def test_nccl_ranks_get_torchs_batches_from_device_shares(tmp_path):
-    world = torch.cuda.device_count()
-    if world < 2:
-        pytest.skip(f"needs 2 CUDA devices for NCCL between ranks; this machine has {world}")
+    world = ranks_job.nccl_world()
     for rank, found in enumerate(ranks_job.findings(samples_job.run_nccl, world, tmp_path)):
         for scope, result in found.items():
             assert result["equal"] and result["path"] == f"sharded-{scope}", (rank, scope)
