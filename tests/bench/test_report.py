@@ -161,3 +161,13 @@ def test_measured_and_modelled_rows_side_by_side_are_told_apart() -> None:
         assert "where marked" in figure.axes[1].get_title()
     finally:
         plt.close(figure)
+
+
+def test_the_headline_adds_the_ratio_against_torch_with_workers_when_they_beat_the_baseline() -> None:
+    results = load(Path(__file__).parent / "fixtures" / "inmemory-cpu.json")["results"]
+    assert "with num_workers" not in headline(results)  # the fixture's 2 workers are slower than none
+    workers = next(r for r in results if r["name"] == "torch DataLoader (num_workers=2)")
+    workers["samples_per_s"] = 534_800
+    line = headline(results)
+    assert line.startswith("gpuload (device cache): 9.1x torch's DataLoader (num_workers=0), 5.0x with "
+                           "num_workers=2 on this machine; after the first epoch 0 B per epoch")

@@ -17,7 +17,9 @@ def test_bench_quick_prints_table_and_writes_json_and_chart(tmp_path: Path, caps
     assert main([*args, "--step", "sleep", "--step-ms", "1"]) == 0
     printed = capsys.readouterr().out
     assert "torch (num_workers=0)" in printed and "of ideal" in printed
-    assert "x torch's DataLoader (num_workers=0) on this machine" in printed
+    # torch with 2 workers may beat 0 workers on a busy machine; the headline then names both ratios
+    assert re.search(r"[\d.]+x torch's DataLoader \(num_workers=0\)(, [\d.]+x with num_workers=2)? on this machine",
+                     printed)
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     document = json.loads((tmp_path / "bench.json").read_text())
     names = [r["name"] for r in document["results"]]
