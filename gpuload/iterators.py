@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from gpuload.prefetch import EpochStoppedError
 from gpuload.resume import EpochProgress
 from gpuload.sources import Epoch
 from gpuload.stats import LoaderStats
@@ -43,6 +44,7 @@ class EpochIterator(Iterator[Any]):
         self._progress = progress
         self._on_end = on_end
         self._torch_iterator = epoch.torch_iterator
+        self._stopped_by: str | None = None
 
     def __getattr__(self, name: str) -> Any:
         # torch's iterator attributes (``_workers``, ...) for code that reads them; a gpuload
@@ -70,7 +72,18 @@ class EpochIterator(Iterator[Any]):
     def __len__(self) -> int:
         return self._length() - self._progress.skipped
 
+    def stop(self, cause: str) -> None:
+        """End this epoch before its end: the next ``next()`` raises :class:`EpochStoppedError`
+        naming ``cause`` (an epoch that ended already goes on ending)."""
+        if not self._progress.finished:
+            self._stopped_by = cause
+
     def __next__(self) -> Any:
+        if self._stopped_by is not None:
+            raise EpochStoppedError(
+                f"this epoch's iterator was stopped before its end (batch {self._progress.batches} and "
+                f"those after it were not delivered): {self._stopped_by}"
+            )
         started = time.perf_counter()
         try:
             finished = None

@@ -31,7 +31,7 @@ from gpuload.sampling import (
     epoch_order,
     start_epoch_like_torch,
 )
-from gpuload.sources import EpochRequest, Setup, Source, arrays, images
+from gpuload.sources import Epoch, EpochRequest, Setup, Source, arrays, images
 from gpuload.sources.samples import SampleSource, TorchLoading
 from gpuload.stats import LoaderStats
 
@@ -41,7 +41,7 @@ T_co = TypeVar("T_co", covariant=True)
 
 # Rebuilt on the next ``iter()``: never pickled (device memory, pinned slots, threads, streams,
 # and the epoch in progress: a copy starts its own).
-_RUNTIME_STATE = ("_source", "_prefetcher", "_iterator", "_progress", "_current")
+_RUNTIME_STATE = ("_source", "_prefetcher", "_iterator", "_progress", "_current", "_open_epochs", "_torch_iterators")
 
 # The largest batch size ``set_batch_size`` takes (index tensors and kernels count in int32).
 MAX_BATCH_SIZE = 2**31 - 1
@@ -137,6 +137,8 @@ class DataLoader(tud.DataLoader[T_co]):
         self._resume: EpochProgress | None = None  # a loaded position the next iter() takes up
         self._built_batch_size = self.batch_size
         self._current: weakref.ref[EpochIterator] | None = None  # the latest epoch's iterator
+        self._open_epochs: weakref.WeakSet[EpochIterator] = weakref.WeakSet()  # what close() stops
+        self._torch_iterators: weakref.WeakSet[Any] = weakref.WeakSet()  # whose workers close() stops
         self._ahead = self._in_range = False  # how the latest epoch runs (for set_batch_size)
         self._source = self._choose_source()
 
@@ -196,7 +198,7 @@ class DataLoader(tud.DataLoader[T_co]):
         seed_drawn = self._persistent_seed_drawn
         request = EpochRequest(self._epoch, ahead, draw, in_range, resumed=resume is not None,
                                worker_seed_drawn=seed_drawn, position=progress.position())
-        epoch = source.epoch(request)
+        epoch = self._started(source.epoch(request))
         if epoch.from_torch and self.persistent_workers and self.num_workers > 0:
             self._persistent_seed_drawn = True  # torch drew its workers' seed, once
         items = epoch.items
@@ -205,6 +207,7 @@ class DataLoader(tud.DataLoader[T_co]):
         length = length or epoch.length or self._index_sampler.__len__
         iterator = EpochIterator(epoch, items, self._stats, length, progress, self._epoch_ended)
         self._current = weakref.ref(iterator)
+        self._open_epochs.add(iterator)
         return iterator
 
     def set_batch_size(self, batch_size: int) -> None:
@@ -300,17 +303,23 @@ class DataLoader(tud.DataLoader[T_co]):
     def close(self) -> None:
         """Give back the cache's memory, stop the prefetcher and persistent workers; idempotent.
 
-        Iterators still open on this loader stop working; iterating the loader again places
-        the dataset again.
+        Iterators still open on this loader raise ``EpochStoppedError`` at their next batch;
+        iterating the loader again places the dataset again.
         """
         self._source.close()
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._merge_counters()
             self._prefetcher = None
-        iterator = self._iterator
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
+        for epoch in list(self._open_epochs):
+            epoch.stop("the loader was closed (DataLoader.close()); iterate it again for a new epoch")
+        # Shut down now, also the workers of an iterator that only a reference cycle keeps alive
+        # (an exception's traceback): torch's shutdown from the garbage collector finds their
+        # queues' feeder threads finalized first and waits 5 s for each worker.
+        for iterator in [*self._torch_iterators, self._iterator]:
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
+        self._open_epochs, self._torch_iterators = weakref.WeakSet(), weakref.WeakSet()
         self._iterator = None
 
     def __enter__(self) -> DataLoader[T_co]:
@@ -330,6 +339,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._prefetcher = None
         self._progress = None
         self._current = None
+        self._open_epochs, self._torch_iterators = weakref.WeakSet(), weakref.WeakSet()
         self._source = self._choose_source()
 
     # ----------------------------------------------------------------- internals
@@ -446,6 +456,12 @@ class DataLoader(tud.DataLoader[T_co]):
         order = progress.states.with_global(self._draw_order)
         return cut_order(order[progress.samples_done() :], progress.cuts[-1][2], self.drop_last)
 
+    def _started(self, epoch: Epoch) -> Epoch:
+        """``epoch``, its torch iterator (if any) noted for ``close()``."""
+        if epoch.torch_iterator is not None:
+            self._torch_iterators.add(epoch.torch_iterator)
+        return epoch
+
     def _rest_of_epoch(self, progress: EpochProgress) -> tuple[Any, Iterator[Any], Callable[[], int]]:
         """The source's work for the rest of the epoch in progress, after a batch-size change:
         made as for a resumed epoch, from the remaining batches (what ran ahead is dropped)."""
@@ -455,7 +471,7 @@ class DataLoader(tud.DataLoader[T_co]):
                                worker_seed_drawn=self._persistent_seed_drawn, position=progress.position())
         if self._prefetcher is not None:
             self._prefetcher.stop_epoch("the rest of this epoch at a new batch size (set_batch_size)")
-        epoch = self._source.epoch(request)
+        epoch = self._started(self._source.epoch(request))
         items = self._prefetch(epoch.items, epoch.depth, self._source.stages) if self._ahead else epoch.items
         done = progress.batches
         return epoch, items, lambda: done + len(remaining)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 
 import gpuload
 from gpuload.device import DeviceError
+from gpuload.prefetch import EpochStoppedError
 from equivalence import assert_same_epochs
 
 
@@ -209,6 +211,63 @@ def test_early_break_and_close_leave_no_threads_or_workers() -> None:
     with pytest.raises(RuntimeError, match="was closed"):
         next(still_open)
     assert len(list(fast)) == 5  # iterating again places the data again
+
+
+class Numbers(Dataset):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def failing_init(worker_id: int) -> None:
+    raise RuntimeError(f"init failed in worker {worker_id}")
+
+
+# An open epoch on each path: arrays, any dataset in the loop, through the prefetcher, with
+# torch's workers (their persistent iterator is reused, so a closed one once ended silently).
+OPEN_EPOCHS = {
+    "arrays": lambda: gpuload.DataLoader(dataset(), batch_size=2, device="cpu"),
+    "in-loop": lambda: gpuload.DataLoader(Numbers(), batch_size=4, device="cpu"),
+    "prefetcher": lambda: gpuload.DataLoader(Numbers(), batch_size=4, device="cpu", prefetch_depth=2),
+    "workers": lambda: gpuload.DataLoader(Numbers(), batch_size=4, device="cpu", num_workers=2),
+    "persistent-workers": lambda: gpuload.DataLoader(Numbers(), batch_size=4, device="cpu", num_workers=2,
+                                                     persistent_workers=True),
+}
+
+
+@pytest.mark.parametrize("path", OPEN_EPOCHS)
+def test_close_stops_every_open_epoch_and_its_workers_at_once(path: str) -> None:
+    loader = OPEN_EPOCHS[path]()
+    iterator = iter(loader)
+    next(iterator)
+    workers = list(iterator._workers)
+    loader.close()
+    assert not any(worker.is_alive() for worker in workers)  # joined by close(), not at a later GC
+    with pytest.raises(EpochStoppedError, match=r"batch 1 and those after it were not delivered\): "
+                       r"the loader was closed \(DataLoader.close\(\)\)"):
+        next(iterator)
+    assert len(list(loader)) == len(loader)  # iterating again starts a whole epoch
+    finished = iter(loader)
+    list(finished)
+    loader.close()
+    with pytest.raises(StopIteration):
+        next(finished)  # an epoch that ended stays ended
+    loader.close()
+
+
+def test_close_shuts_down_workers_that_only_an_exceptions_traceback_keeps_alive() -> None:
+    loader = gpuload.DataLoader(Numbers(), batch_size=4, device="cpu", num_workers=2, prefetch_depth=2,
+                                worker_init_fn=failing_init)
+    with pytest.raises(RuntimeError, match="init failed in worker"):
+        list(loader)  # the epoch's iterator is freed; torch's stays in its exception's reference cycle
+    workers = [p for p in torch.multiprocessing.active_children() if p.is_alive()]
+    assert workers
+    started = time.monotonic()
+    loader.close()
+    assert time.monotonic() - started < 2  # torch's shutdown from the garbage collector takes 5 s a worker
+    assert not any(worker.is_alive() for worker in workers)
 
 
 def test_cache_off_serves_identical_batches() -> None:
