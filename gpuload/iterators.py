@@ -16,7 +16,9 @@ from gpuload.resume import EpochProgress
 from gpuload.sources import Epoch
 from gpuload.stats import LoaderStats
 
-__all__ = ["EpochIterator"]
+__all__ = ["EpochIterator", "release_torch_frames"]
+
+_TORCH_LOADING = ("torch.utils.data", "torch._utils")  # modules of torch's iterators and its re-raise
 
 
 class EpochIterator(Iterator[Any]):
@@ -95,9 +97,40 @@ class EpochIterator(Iterator[Any]):
                 self._progress.finished = True
                 self._on_end(self._progress)
             raise
+        except Exception as error:
+            release_torch_frames(error)
+            raise
         finally:
             self._stats.wait_time_s += time.perf_counter() - started
         batch, count = finished
         self._stats.batches += 1
         self._stats.samples += count
         return batch
+
+
+def release_torch_frames(error: BaseException) -> None:
+    """Clear the locals of torch's loading frames in the tracebacks of ``error`` and its causes.
+
+    torch re-raises a worker's exception from a frame that keeps it in a local: a reference
+    cycle that holds torch's iterator, worker processes included, until the garbage collector
+    runs, and the collected iterator then waits 5 s for each worker (its queues are finalized
+    first), stalling whatever the program does at that moment. Cleared, the iterator ends with
+    its epoch. Tracebacks still print in full; only those frames' locals are gone.
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback = current.__traceback__
+        while traceback is not None:
+            frame = traceback.tb_frame
+            if str(frame.f_globals.get("__name__", "")).startswith(_TORCH_LOADING):
+                try:
+                    frame.clear()
+                except RuntimeError:  # a frame still running (torch's code calling ours)
+                    pass
+            traceback = traceback.tb_next
+        pending += [current.__cause__, current.__context__]

@@ -431,6 +431,7 @@ def _work(
         del source
         on_side_stream.close()
         _put(out, outcome, stop)
+        del outcome  # a failure's traceback holds this frame: no reference cycle through it
 
 
 class _Epoch(Iterator[Any]):
