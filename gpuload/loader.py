@@ -313,9 +313,8 @@ class DataLoader(tud.DataLoader[T_co]):
             self._prefetcher = None
         for epoch in list(self._open_epochs):
             epoch.stop("the loader was closed (DataLoader.close()); iterate it again for a new epoch")
-        # Shut down now, also the workers of an iterator that only a reference cycle keeps alive
-        # (an exception's traceback): torch's shutdown from the garbage collector finds their
-        # queues' feeder threads finalized first and waits 5 s for each worker.
+        # The workers of every torch iterator still alive (an open epoch, or one a kept exception's
+        # traceback holds) end now, not whenever that iterator is freed.
         for iterator in [*self._torch_iterators, self._iterator]:
             if iterator is not None and hasattr(iterator, "_shutdown_workers"):
                 iterator._shutdown_workers()
