@@ -258,12 +258,13 @@ def test_close_stops_every_open_epoch_and_its_workers_at_once(path: str) -> None
 
 
 def test_close_shuts_down_the_workers_of_an_epoch_a_kept_exception_holds() -> None:
+    before = set(torch.multiprocessing.active_children())
     loader = gpuload.DataLoader(Numbers(), batch_size=4, device="cpu", num_workers=2, prefetch_depth=2,
                                 worker_init_fn=failing_init)
     with pytest.raises(RuntimeError, match="init failed in worker") as kept:
         list(loader)  # the traceback of ``kept`` holds the epoch, and torch's iterator with it
-    workers = [p for p in torch.multiprocessing.active_children() if p.is_alive()]
-    assert workers
+    workers = [p for p in set(torch.multiprocessing.active_children()) - before if p.is_alive()]
+    assert len(workers) == 2
     loader.close()
     assert not any(worker.is_alive() for worker in workers)
     assert "init failed in worker" in str(kept.value)
@@ -292,12 +293,13 @@ WORKER_ERRORS = {
 
 @pytest.mark.parametrize("path", WORKER_ERRORS)
 def test_a_caught_worker_error_leaves_torchs_iterator_to_end_with_its_epoch(path: str) -> None:
+    before = set(torch.multiprocessing.active_children())
     loader = WORKER_ERRORS[path]()
     gc.disable()  # what ends here must end without the garbage collector
     try:
         with pytest.raises((RuntimeError, ValueError), match="broken|init failed in worker"):
             next(iter(loader))
-        assert not [p for p in torch.multiprocessing.active_children() if p.is_alive()]
+        assert not [p for p in set(torch.multiprocessing.active_children()) - before if p.is_alive()]
     finally:
         gc.enable()
     loader.close()
