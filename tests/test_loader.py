@@ -243,6 +243,7 @@ def test_close_stops_every_open_epoch_and_its_workers_at_once(path: str) -> None
     iterator = iter(loader)
     next(iterator)
     workers = list(iterator._workers)
+    assert len(workers) == (2 if "workers" in path else 0)
     loader.close()
     assert not any(worker.is_alive() for worker in workers)  # joined by close(), not at a later GC
     with pytest.raises(EpochStoppedError, match=r"batch 1 and those after it were not delivered\): "
@@ -411,7 +412,7 @@ def test_a_worker_init_fn_runs_in_torchs_workers_on_every_path(tmp_path) -> None
             next(iter(loader))
         assert loader.stats.path == "torch"
         assert len(iter(loader)._workers) == 2  # torch's iterator, as torch's own tests read it
-        loader.close()  # the failed epoch's workers now, not at a later garbage collection
+        loader.close()  # ends the workers of the iterators opened here
     fast = gpuload.DataLoader(dataset(), batch_size=2, num_workers=2, device="cpu")
     assert fast.stats.path == "" and iter(fast)._workers == []  # served in this process: no workers
 
