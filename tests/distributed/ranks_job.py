@@ -262,6 +262,17 @@ def nccl_job(rank: int, world: int, init_file: str) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def others_failed_within_the_timeout(ranks: list[dict], scenario: str) -> list[dict]:
+    """Check ``scenario`` where rank 0 stopped an epoch early: it raised nothing, and every other
+    rank raised the early-stop error within the exchange timeout; their findings, for more checks."""
+    assert ranks[0][scenario]["error"] is None  # it broke out; nothing more to exchange
+    others = [found[scenario] for found in ranks[1:]]
+    for seen in others:
+        assert seen["error"] is not None and "stopped this epoch early" in seen["error"]
+        assert seen["seconds"] < EXCHANGE_TIMEOUT_S + 20
+    return others
+
+
 def findings(run: Callable[..., None], world: int, out_dir: Path, *args: Any) -> list[dict]:
     """Every rank's findings from ``run(rank, world, init_file, out_dir, *args)`` spawned as
     ``world`` processes, each writing ``rank<r>.json`` into ``out_dir``."""

@@ -117,11 +117,7 @@ def test_all_ranks_stopping_at_one_batch_then_resuming_give_the_whole_epoch(job)
 
 def test_rank_that_stops_early_makes_the_others_fail_within_the_timeout(job):
     ranks, _, _, _ = job
-    assert ranks[0]["stop_early"]["error"] is None
-    for found in ranks[1:]:
-        seen = found["stop_early"]
-        assert seen["error"] is not None and "stopped this epoch early" in seen["error"]
-        assert seen["seconds"] < ranks_job.EXCHANGE_TIMEOUT_S + 20
+    ranks_job.others_failed_within_the_timeout(ranks, "stop_early")
 
 
 @pytest.mark.gpu
