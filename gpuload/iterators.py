@@ -82,10 +82,7 @@ class EpochIterator(Iterator[Any]):
 
     def __next__(self) -> Any:
         if self._stopped_by is not None:
-            raise EpochStoppedError(
-                f"this epoch's iterator was stopped before its end (batch {self._progress.batches} and "
-                f"those after it were not delivered): {self._stopped_by}"
-            )
+            raise EpochStoppedError.at(self._progress.batches, self._stopped_by)
         started = time.perf_counter()
         try:
             finished = None

@@ -112,6 +112,14 @@ class PrefetchError(RuntimeError):
 class EpochStoppedError(RuntimeError):
     """An epoch's iterator was stopped before its end (a newer epoch started, or ``close()``)."""
 
+    @classmethod
+    def at(cls, next_batch: int, cause: str) -> EpochStoppedError:
+        """The error for an epoch stopped by ``cause`` before batch ``next_batch`` (0-based)."""
+        return cls(
+            f"this epoch's iterator was stopped before its end (batch {next_batch} and those after it "
+            f"were not delivered): {cause}"
+        )
+
 
 def default_depth(
     batch_bytes: int, host_limit_bytes: int | None = None, max_depth: int = 4
@@ -515,10 +523,7 @@ class _Epoch(Iterator[Any]):
 
     def _raise_if_stopped(self) -> None:
         if self._stopped_by is not None:
-            raise EpochStoppedError(
-                f"this epoch's iterator was stopped before its end (batch {self._next_index} and "
-                f"those after it were not delivered): {self._stopped_by}"
-            )
+            raise EpochStoppedError.at(self._next_index, self._stopped_by)
 
     def _get(self) -> Any:
         waited = 0.0
