@@ -74,6 +74,10 @@ class EpochIterator(Iterator[Any]):
     def __len__(self) -> int:
         return self._length() - self._progress.skipped
 
+    def reads_from(self, torch_iterator: Any) -> bool:
+        """Whether this epoch's batches come from ``torch_iterator``."""
+        return self._torch_iterator is torch_iterator
+
     def stop(self, cause: str) -> None:
         """End this epoch before its end: the next ``next()`` raises :class:`EpochStoppedError`
         naming ``cause`` (an epoch that ended already goes on ending)."""

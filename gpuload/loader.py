@@ -21,7 +21,7 @@ from torch.utils.data.dataloader import _DatasetKind
 from gpuload.cache import CacheSettings
 from gpuload.device import resolve_device
 from gpuload.iterators import EpochIterator
-from gpuload.prefetch import Prefetcher
+from gpuload.prefetch import Prefetcher, one_epoch_at_a_time
 from gpuload.resume import EpochProgress, RandomStates, load_state, save_state
 from gpuload.sampling import (
     can_draw_whole_epoch,
@@ -42,6 +42,8 @@ T_co = TypeVar("T_co", covariant=True)
 # Rebuilt on the next ``iter()``: never pickled (device memory, pinned slots, threads, streams,
 # and the epoch in progress: a copy starts its own).
 _RUNTIME_STATE = ("_source", "_prefetcher", "_iterator", "_progress", "_current", "_open_epochs", "_torch_iterators")
+
+_NEW_EPOCH = "a new epoch of this DataLoader"  # what stops an older epoch that shares its reader
 
 # The largest batch size ``set_batch_size`` takes (index tensors and kernels count in int32).
 MAX_BATCH_SIZE = 2**31 - 1
@@ -177,7 +179,7 @@ class DataLoader(tud.DataLoader[T_co]):
         if self._prefetcher is not None:
             # The source's iterators (torch's persistent one, the cache) are reused below: no
             # thread may still be pulling from the last epoch.
-            self._prefetcher.stop_epoch("a new epoch of this DataLoader")
+            self._prefetcher.stop_epoch(_NEW_EPOCH)
         source = self._source
         source.begin_epoch()
         self._stats.path = source.path
@@ -199,6 +201,12 @@ class DataLoader(tud.DataLoader[T_co]):
         request = EpochRequest(self._epoch, ahead, draw, in_range, resumed=resume is not None,
                                worker_seed_drawn=seed_drawn, position=progress.position())
         epoch = self._started(source.epoch(request))
+        if epoch.torch_iterator is not None:
+            # torch's persistent workers serve every epoch through one iterator, which a new epoch
+            # resets: an older epoch still reading from it would end short without a word.
+            for older in list(self._open_epochs):
+                if older.reads_from(epoch.torch_iterator):
+                    older.stop(one_epoch_at_a_time(_NEW_EPOCH))
         if epoch.from_torch and self.persistent_workers and self.num_workers > 0:
             self._persistent_seed_drawn = True  # torch drew its workers' seed, once
         items = epoch.items
@@ -307,15 +315,18 @@ class DataLoader(tud.DataLoader[T_co]):
         iterating the loader again places the dataset again.
         """
         self._source.close()
+        inside_a_source = False
         if self._prefetcher is not None:
             self._prefetcher.close()
+            inside_a_source = self._prefetcher.running()
             self._merge_counters()
             self._prefetcher = None
         for epoch in list(self._open_epochs):
             epoch.stop("the loader was closed (DataLoader.close()); iterate it again for a new epoch")
         # The workers of every torch iterator still alive (an open epoch, or one a kept exception's
-        # traceback holds) end now, not whenever that iterator is freed.
-        for iterator in [*self._torch_iterators, self._iterator]:
+        # traceback holds) end now, not whenever that iterator is freed; but not under a thread that
+        # would not stop (it warned): inside torch's next() it would wait for them forever.
+        for iterator in [] if inside_a_source else [*self._torch_iterators, self._iterator]:
             if iterator is not None and hasattr(iterator, "_shutdown_workers"):
                 iterator._shutdown_workers()
         self._open_epochs, self._torch_iterators = weakref.WeakSet(), weakref.WeakSet()

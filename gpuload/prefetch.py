@@ -121,6 +121,14 @@ class EpochStoppedError(RuntimeError):
         )
 
 
+def one_epoch_at_a_time(reason: str) -> str:
+    """Why an epoch was stopped when ``reason`` (what started) reuses what it read from."""
+    return (
+        f"{reason} started. A loader runs one epoch at a time: iterate it from one thread, "
+        "or give each consumer its own loader"
+    )
+
+
 def default_depth(
     batch_bytes: int, host_limit_bytes: int | None = None, max_depth: int = 4
 ) -> int:
@@ -665,6 +673,7 @@ class Prefetcher:
         self._stream = new_side_stream(self.device)
         self._ring: _Ring | None = None
         self._ring_thread: threading.Thread | None = None
+        self._threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # every epoch's
         self._active: weakref.ref[_Epoch] | None = None
 
     @property
@@ -693,8 +702,14 @@ class Prefetcher:
         ring = self._ring if self.stage else _PassThrough(self.device, self._stream)
         current = _Epoch(self, iterator, ring)
         self._ring_thread = current.thread
+        self._threads.add(current.thread)
         self._active = weakref.ref(current)
         return current
+
+    def running(self) -> bool:
+        """Whether a thread of this prefetcher is still running: one that would not stop is
+        inside its source, which must not be torn down under it."""
+        return any(thread.is_alive() for thread in list(self._threads))
 
     def stop_epoch(self, reason: str) -> None:
         """Stop the epoch in progress, if any, before its source is reused elsewhere.
@@ -704,10 +719,7 @@ class Prefetcher:
         ``join_timeout``) for a thread left running by an abandoned epoch, since the source
         it is inside may be reused now.
         """
-        self._stop_active(
-            f"{reason} started. A loader runs one epoch at a time: iterate it from one thread, "
-            "or give each consumer its own loader"
-        )
+        self._stop_active(one_epoch_at_a_time(reason))
         thread, self._abandoned_thread = self._abandoned_thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(self.join_timeout)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import inspect
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -269,6 +270,52 @@ def test_close_shuts_down_the_workers_of_an_epoch_a_kept_exception_holds() -> No
     loader.close()
     assert not any(worker.is_alive() for worker in workers)
     assert "init failed in worker" in str(kept.value)
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_second_epoch_mid_epoch_stops_the_first_only_where_they_share_torchs_iterator(persistent: bool) -> None:
+    with gpuload.DataLoader(Numbers(), batch_size=4, device="cpu", num_workers=2,
+                            persistent_workers=persistent) as loader:
+        older = iter(loader)
+        first = next(older)
+        newer = iter(loader)
+        assert torch.cat(list(newer)).tolist() == list(range(40))  # the newer epoch is whole
+        if persistent:  # torch reset the one iterator both read: the older must not end short
+            with pytest.raises(EpochStoppedError, match="a new epoch of this DataLoader started"):
+                next(older)
+        else:  # two iterators, two sets of workers, as in torch
+            assert torch.cat([first, *older]).tolist() == list(range(40))
+
+
+class SlowFirst(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        if index == 0:
+            time.sleep(1.5)
+        return index
+
+
+def test_close_leaves_the_workers_of_a_thread_that_would_not_stop_to_finish_its_batch(monkeypatch) -> None:
+    import gpuload.loader
+    from gpuload.prefetch import Prefetcher
+
+    class QuickToGiveUp(Prefetcher):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, join_timeout=0.1, **kwargs)
+
+    monkeypatch.setattr(gpuload.loader, "Prefetcher", QuickToGiveUp)
+    baseline = snapshot()
+    loader = gpuload.DataLoader(SlowFirst(), batch_size=4, device="cpu", num_workers=1, prefetch_depth=1)
+    iterator = iter(loader)  # its thread is inside torch's next(), waiting 1.5 s for batch 0
+    with pytest.warns(RuntimeWarning, match="did not stop"):
+        loader.close()
+    with pytest.raises(EpochStoppedError, match="the loader was closed"):
+        next(iterator)
+    del iterator
+    # Shut down under it, the thread would wait for the workers forever; it gets its batch and ends.
+    assert not wait_threads(baseline, deadline_s=15)
 
 
 class Broken(Dataset):
