@@ -199,7 +199,8 @@ class DataLoader(tud.DataLoader[T_co]):
         self._ahead, self._in_range = ahead, in_range
         seed_drawn = self._persistent_seed_drawn
         request = EpochRequest(self._epoch, ahead, draw, in_range, resumed=resume is not None,
-                               worker_seed_drawn=seed_drawn, position=progress.position())
+                               worker_seed_drawn=seed_drawn, position=progress.position(),
+                               copy_now=self._copy_now)
         epoch = self._started(source.epoch(request))
         if epoch.torch_iterator is not None:
             # torch's persistent workers serve every epoch through one iterator, which a new epoch
@@ -296,7 +297,7 @@ class DataLoader(tud.DataLoader[T_co]):
     def warm(self, progress: bool = True) -> LoaderStats:
         """Fill the cache now, in one pass, instead of during the first epoch; returns ``stats``.
 
-        Array data is placed (device tier, pinned host tier); image files and other map-style
+        Array data is placed (device tier, host tier); image files and other map-style
         datasets have every sample not cached yet read into their cache (with this loader's
         workers when it has them), behind a progress bar (``progress=False`` hides it).
         Samplers and random generators are not touched, so batches and their order stay what
@@ -418,6 +419,14 @@ class DataLoader(tud.DataLoader[T_co]):
             self._prefetcher = Prefetcher(None, self.device, depth, timeout=self.timeout or None, stage=stages)
         return self._prefetcher.epoch(items)
 
+    def _copy_now(self, item: Any) -> Any:
+        """A batch copied to the device through this loader's prefetcher, in the caller's thread
+        (the one host-to-device path, for work that does not run ahead)."""
+        if self._prefetcher is None:
+            depth = self.prefetch_depth or 2
+            self._prefetcher = Prefetcher(None, self.device, depth, timeout=self.timeout or None)
+        return self._prefetcher.copy_now(item)
+
     def _merge_counters(self) -> None:
         """Add what the source and the prefetcher copied since the last look to ``bytes_h2d``.
 
@@ -478,7 +487,8 @@ class DataLoader(tud.DataLoader[T_co]):
         remaining = self._remaining_batches(progress)
         in_range = self._in_range and all(isinstance(batch, torch.Tensor) for batch in remaining)
         request = EpochRequest(progress.number, self._ahead, lambda: iter(remaining), in_range, resumed=True,
-                               worker_seed_drawn=self._persistent_seed_drawn, position=progress.position())
+                               worker_seed_drawn=self._persistent_seed_drawn, position=progress.position(),
+                               copy_now=self._copy_now)
         if self._prefetcher is not None:
             self._prefetcher.stop_epoch("the rest of this epoch at a new batch size (set_batch_size)")
         epoch = self._started(self._source.epoch(request))

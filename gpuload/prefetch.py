@@ -672,6 +672,8 @@ class Prefetcher:
         self.stage = stage
         self._stream = new_side_stream(self.device)
         self._ring: _Ring | None = None
+        self._inline_ring: _Ring | None = None  # copy_now's slots, never shared with a thread's
+        self._inline_count = 0
         self._ring_thread: threading.Thread | None = None
         self._threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # every epoch's
         self._active: weakref.ref[_Epoch] | None = None
@@ -680,6 +682,32 @@ class Prefetcher:
     def stream(self) -> Any:
         """The side CUDA stream the copies run on (None on the CPU)."""
         return self._stream
+
+    def copy_now(self, item: Any) -> Any:
+        """One batch (a host batch or a :class:`Fill`) staged and copied in the caller's thread,
+        through this prefetcher's own slots and side stream: for work that runs in the loop's
+        thread (``prefetch_depth=0``) or that must be copied after its epoch was planned. The
+        caller's current stream waits for the copy (no host sync) and the batch's device
+        tensors are protected on it (``record_stream``)."""
+        if self._inline_ring is None:
+            self._inline_ring = _Ring(self.depth, self.device, self._stream, self.stats)
+        ring = self._inline_ring
+        if not ring.cuda:
+            return ring.transfer(0, item).batch
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)  # device work the caller queued (rows gathered) comes first
+        with torch.cuda.stream(self._stream):
+            delivery = ring.transfer(self._inline_count, item)
+        self._inline_count += 1
+        current.wait_event(delivery.event)
+        for tensor in delivery.device_tensors:
+            tensor.record_stream(current)
+        return delivery.batch
+
+    def copy_staged(self, shapes: list[tuple[tuple[int, ...], torch.dtype]], fill: Callable[[Any], object]) -> Any:
+        """``copy_now`` of host tensors of ``shapes`` (``(shape, dtype)`` each) that ``fill``
+        writes in place (into the pinned slot): a cache's host rows, gathered straight there."""
+        return self.copy_now(Fill([TensorSpec(shape, dtype) for shape, dtype in shapes], fill))
 
     def __iter__(self) -> Iterator[Any]:
         if self.source is None:
@@ -733,7 +761,7 @@ class Prefetcher:
     def close(self) -> None:
         """Stop the running epoch, if any, and free the host slots; idempotent."""
         self._stop_active("the loader was closed (Prefetcher.close()); iterate it again for a new epoch")
-        self._ring = None
+        self._ring = self._inline_ring = None
 
     def __enter__(self) -> Prefetcher:
         return self

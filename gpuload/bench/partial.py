@@ -2,7 +2,7 @@
 
 The same in-memory arrays go through torch's DataLoader, gpuload with the whole dataset cached,
 and gpuload with ``cache_size`` smaller than the data. Its cache plan puts the first samples on
-the device and the rest in pinned host memory (``cache="auto"``) or leaves them at the source
+the device and the rest in host memory (``cache="auto"``) or leaves them at the source
 (``cache="device"``), so epoch 1 fills the device tier and every later epoch copies only the
 part that did not fit.
 
@@ -35,7 +35,7 @@ _FITS = ("auto", None, "whole dataset cached")
 
 def _cached_rows(cache_size: int) -> list[tuple[str, int | None, str]]:
     """(cache mode, cache_size, label) of each gpuload row with a cache; the header gives the size."""
-    return [_FITS, ("auto", cache_size, "part cached + pinned host"), ("device", cache_size, "part cached + source")]
+    return [_FITS, ("auto", cache_size, "part cached + host memory"), ("device", cache_size, "part cached + source")]
 
 
 def partial_loaders(

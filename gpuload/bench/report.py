@@ -195,7 +195,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 
 def _tiers(counts: dict[str, Any]) -> str:
-    return (f"{counts['device_samples']} samples on the device, {counts['host_samples']} in pinned host "
+    return (f"{counts['device_samples']} samples on the device, {counts['host_samples']} in host "
             f"memory, {counts['source_samples']} from the source")
 
 

@@ -3,13 +3,19 @@
 - ``settings``: what the user asked for (keyword > environment > gpuload.toml > default), and
   the budget arithmetic (room on the device, on the host, what a cache may keep);
 - ``budget``: sizes, reserves and the process-wide ledger that loaders share;
-- ``plan``: the pure placement plan of in-memory arrays over device / pinned host / source;
+- ``plan``: the pure placement plan of in-memory arrays: an ordered tuple of tier plans
+  (device, host), the rest read from the source;
 - ``decide``: whether and where a dataset's samples or images are kept, and why;
 - ``probe``: looking at a dataset first (does it read the same twice? how large are its images?);
-- ``array_store`` and ``sample_store``: the storage itself; ``oom``: telling OOM from other errors.
+- ``store``: the one interface of every store (``Store``: gather, shrink, stats, close; a
+  ``FillingStore`` also takes ``put``);
+- ``tiers``: the tiers of the array store, one class each, registered by name;
+- the stores: ``array_store`` (array rows over the tiers), ``sample_store`` (samples one by one,
+  and what the sample caches share), ``columns`` (a dataset's samples by column);
+- ``oom``: telling OOM from other errors.
 """
 
-from gpuload.cache.array_store import StoreStats, TieredArrayStore
+from gpuload.cache.array_store import TieredArrayStore
 from gpuload.cache.budget import (
     LEDGER,
     BudgetLedger,
@@ -24,10 +30,12 @@ from gpuload.cache.budget import (
 )
 from gpuload.cache.decide import CacheDecision, decide_images, decide_samples
 from gpuload.cache.oom import CacheFallbackWarning
-from gpuload.cache.plan import MODES, CachePlan, default_host_reserve, make_plan
+from gpuload.cache.plan import MODES, CachePlan, TierPlan, default_host_reserve, make_plan
 from gpuload.cache.probe import estimate_image_bytes, looks_deterministic
 from gpuload.cache.sample_store import SampleCache, SampleCacheStats
 from gpuload.cache.settings import CacheSettings, Setting
+from gpuload.cache.store import FillingStore, Store, StoreStats
+from gpuload.cache.tiers import TIERS, Tier, register_tier
 
 __all__ = [
     "LEDGER",
@@ -38,11 +46,16 @@ __all__ = [
     "CachePlan",
     "CacheSettingError",
     "CacheSettings",
+    "FillingStore",
     "SampleCache",
     "SampleCacheStats",
     "Setting",
     "SizeSpec",
+    "Store",
     "StoreStats",
+    "TIERS",
+    "Tier",
+    "TierPlan",
     "TieredArrayStore",
     "available_budget",
     "decide_images",
@@ -54,6 +67,7 @@ __all__ = [
     "looks_deterministic",
     "make_plan",
     "parse_size",
+    "register_tier",
     "resolve_budget",
     "resolve_reserve",
 ]

@@ -1,16 +1,19 @@
-"""In-memory arrays placed over three tiers (device / pinned host / source) by a plan.
+"""In-memory arrays placed over the tiers a plan names, served by one gather per batch.
 
 :class:`TieredArrayStore` holds a tuple, list or dict of tensors with one row per sample,
-placed as a :class:`~gpuload.cache.plan.CachePlan` says, and gathers batches from whichever
-tiers the indices fall in.
+placed as a :class:`~gpuload.cache.plan.CachePlan` says (``plan.tiers``, in order, each built
+by its class in :mod:`gpuload.cache.tiers`; the source arrays serve the rest). A batch is split
+by where its rows live (:meth:`TieredArrayStore.request`): rows on the device are gathered
+there, the others are gathered on the host into the loader's staging and copied by its
+prefetcher, the one host-to-device path; the store copies nothing per batch itself.
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable, Hashable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,12 +22,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.oom import CacheFallbackWarning, is_oom
 from gpuload.cache.plan import CachePlan
-from gpuload.device import cuda_available, new_side_stream
+from gpuload.cache.store import Store, StoreStats, TierCounts
+from gpuload.cache.tiers import TIERS, HostTier, SourceTier, Tier
 from gpuload.sampling import in_range
 
-__all__ = ["HostTier", "HostTierMaker", "StoreStats", "TieredArrayStore", "gatherable", "private_host_tier"]
-
-_DEVICE, _HOST, _SOURCE = 0, 1, 2
+__all__ = ["BatchRequest", "HostTier", "HostTierMaker", "StoreStats", "TieredArrayStore", "gatherable",
+           "private_host_tier"]
 
 # Unsigned dtypes torch has only partial kernels for (index_copy_ on the CPU, index_select
 # on CUDA): rows are moved through a signed view of the same width, bit for bit.
@@ -39,81 +42,60 @@ def gatherable(array: torch.Tensor) -> torch.Tensor:
     return array if signed is None else array.view(signed)
 
 
-def _host_copy(rows: torch.Tensor) -> torch.Tensor:
-    """A contiguous host copy of ``rows``, pinned when CUDA exists (pinning needs a driver)."""
-    if cuda_available():
-        return torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows)
-    return rows.contiguous().clone()
+HostTierMaker = Callable[[list[torch.Tensor], int, int, int], Tier]
+"""``(source columns, first row, rows wanted, host budget in bytes) -> Tier``: builds the host
+tier. A maker may hold other rows than asked (a node's shared copy); the store serves from it
+the rows past the tiers before it."""
 
 
-@dataclass
-class HostTier:
-    """Rows ``[first, first + rows)`` of every array in host memory, and how to let them go.
-
-    ``shared_by``: how many processes map this one copy (1: this process's own copy);
-    ``release``: called once by the store's ``close`` (e.g. to unpin a shared mapping).
-    """
-
-    first: int
-    columns: list[torch.Tensor]
-    shared_by: int = 1
-    release: Callable[[], None] | None = field(default=None, repr=False)
-
-    @property
-    def rows(self) -> int:
-        return self.columns[0].shape[0] if self.columns else 0
-
-
-HostTierMaker = Callable[[list[torch.Tensor], int, int, int], HostTier]
-"""``(source columns, first row, rows wanted, host budget in bytes) -> HostTier``: builds the
-pinned host tier. A maker may hold other rows than asked (a node's shared copy); the store
-serves from it the rows past its device tier that the tier holds."""
-
-
-def private_host_tier(source: list[torch.Tensor], first: int, rows: int, budget: int = 0) -> HostTier:
-    """This process's own copy of rows ``[first, first + rows)``, pinned when CUDA exists.
+def private_host_tier(source: list[torch.Tensor], first: int, rows: int, budget: int = 0) -> Tier:
+    """This process's own copy of rows ``[first, first + rows)`` in pageable host memory.
 
     ``budget`` is not needed: the plan already fitted ``rows`` to it."""
-    return HostTier(first, [_host_copy(leaf[first : first + rows]) for leaf in source] if rows else [])
+    return HostTier.allocate(source, first, rows, torch.device("cpu"))
 
 
 @dataclass
-class StoreStats:
-    """Bytes and samples per tier, gathered samples per tier, and host-to-device bytes.
+class BatchRequest:
+    """One batch split by where its rows live.
 
-    ``h2d_bytes`` counts sample data copied to the device by ``gather`` (indices are not
-    counted); ``fill_bytes`` the one-time copy that built the device tier; ``host_shared_ranks``
-    how many processes of the node map the host tier's one copy (1: its own; 0: no host tier).
+    ``on_device``: per column, the rows held on the device, already gathered there (on the
+    stream current when the request was made), in the batch's grouped order;
+    ``staged_shapes``: per column, the ``(shape, dtype)`` of the rows that must cross from host
+    memory (no rows: nothing to stage); ``fill_staged(views)`` gathers those rows into host
+    tensors of those shapes (the loader's pinned staging); ``assemble(on_device, staged)``
+    puts both back in the batch's order and structure, on the device.
     """
 
-    device_samples: int = 0
-    host_samples: int = 0
-    source_samples: int = 0
-    device_bytes: int = 0
-    host_bytes: int = 0
-    device_hits: int = 0
-    host_hits: int = 0
-    source_hits: int = 0
-    h2d_bytes: int = 0
-    fill_bytes: int = 0
-    fallbacks: int = 0
-    host_shared_ranks: int = 0
+    on_device: list[torch.Tensor]
+    staged_shapes: list[tuple[tuple[int, ...], torch.dtype]]
+    fill_staged: Callable[[list[torch.Tensor]], None]
+    assemble: Callable[[list[torch.Tensor], list[torch.Tensor]], Any]
 
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+    @property
+    def stages(self) -> bool:
+        """Whether some rows must cross from host memory."""
+        return bool(self.staged_shapes) and self.staged_shapes[0][0][0] > 0
 
 
-class TieredArrayStore:
-    """Array data placed over three tiers by a plan, served by ``gather``.
+Copier = Callable[[BatchRequest], list[torch.Tensor]]
+"""Copies a request's staged rows to the device (``fill_staged`` into staging, then the copy):
+the loader's prefetcher; tests pass a stand-in."""
 
-    Samples ``[0, plan.device_samples)`` are copied to ``device``, the next
-    ``plan.host_samples`` into pinned host memory, the rest stay in the source tensors. On a
-    CPU ``device`` the device tier is a view of the source (no copy). When a tier cannot be
-    allocated (out of memory) its samples go to the next tier, with one
+
+class TieredArrayStore(Store):
+    """Array data placed over the plan's tiers, served by ``gather`` / ``request``.
+
+    Samples go to the plan's tiers in order (``plan.tiers``); the rest stay in the source
+    tensors. On a CPU ``device`` the device tier is a view of the source (no copy). When a tier
+    cannot be allocated (out of memory) its samples go to the next tier (the host tier takes
+    what its budget holds in modes ``auto`` and ``host``), else to the source, with one
     :class:`CacheFallbackWarning` per store. The device bytes are booked in ``ledger`` under
-    ``owner`` until :meth:`close`. ``host_tier`` builds the host tier (always called, once, also
-    for no rows: a maker shared by a node's ranks is a collective); by default each store pins
-    its own copy.
+    ``owner`` until :meth:`close`. ``host_tier`` builds the host tier (always called, once,
+    also for no rows: a maker shared by a node's ranks is a collective); by default each store
+    keeps its own copy. ``tiers`` maps further tier names to their classes (default: the
+    registered ones). ``stage_host_rows``: whether host rows go through the loader's staging
+    (default: on any target but the CPU).
     """
 
     def __init__(
@@ -125,6 +107,8 @@ class TieredArrayStore:
         ledger: BudgetLedger = LEDGER,
         owner: Hashable | None = None,
         host_tier: HostTierMaker = private_host_tier,
+        tiers: Mapping[str, type[Tier]] | None = None,
+        stage_host_rows: bool | None = None,
     ) -> None:
         leaves, self._spec = tree_flatten(data)
         if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
@@ -153,11 +137,12 @@ class TieredArrayStore:
             )
         self._dtypes = [leaf.dtype for leaf in leaves]
         self._source = [gatherable(leaf if leaf.device.type == "cpu" else leaf.cpu()) for leaf in leaves]
-        self._device = torch.device(device)
-        self._copies = self._device.type != "cpu"
-        # Host rows go to the device on their own stream, so the copy overlaps the compute
-        # already queued on the loop's stream instead of waiting behind it.
-        self._copy_stream = new_side_stream(self._device) if self._copies else None
+        self.device = torch.device(device)
+        # Rows outside the device tiers cross to the device through the loader's staging; on a
+        # CPU target they are gathered in place unless ``stage_host_rows`` asks for the staging
+        # path there too (the same control flow, tested without a GPU).
+        self._on_card = self.device.type != "cpu"  # a device tier is a copy, booked in the ledger
+        self._copies = self._on_card if stage_host_rows is None else stage_host_rows
         self._plan = plan
         self._ledger = ledger
         self._owner: Hashable = owner if owner is not None else ("TieredArrayStore", id(self))
@@ -165,15 +150,16 @@ class TieredArrayStore:
         self._warned = False
         self._closed = False
         self._stats = StoreStats()
-        self._device_cols: list[torch.Tensor] = []
-        self._host_cols: list[torch.Tensor] = []
+        self._hits: list[int] = []
+        self._kinds = dict(TIERS if tiers is None else tiers)
         self._make_host_tier = host_tier
-        self._host_tier = HostTier(0, [])
-        self._device_count = 0
-        self._host_count = 0
-        self._loc = torch.full((self._num_samples,), _SOURCE, dtype=torch.int8)
+        self._tiers: list[Tier] = []  # the plan's tiers as placed, then the source
+        self._counts: list[int] = []  # rows each tier serves (a maker's tier may hold more)
+        self._ready: Any = None  # CUDA event: the device tier's rows are written
+        self._streams: dict[int, Any] = {}  # CUDA streams that gathered from the device tier
+        self._loc = torch.zeros(self._num_samples, dtype=torch.int8)  # position in self._tiers
         self._slot = torch.arange(self._num_samples, dtype=torch.long)
-        self._place(plan.device_samples, plan.host_samples)
+        self._place()
 
     # -- placement -------------------------------------------------------------------------
 
@@ -183,116 +169,155 @@ class TieredArrayStore:
             self._warned = True
             warnings.warn(f"gpuload cache: {message}", CacheFallbackWarning, stacklevel=4)
 
-    def _place(self, device_samples: int, host_samples: int) -> None:
+    def _room_for_more(self, name: str, planned: int) -> int:
+        """Rows the tier called ``name`` may take when an earlier tier fell back to it."""
+        if name == "host" and self._plan.mode in ("auto", "host"):
+            return max(planned, self._plan.host_budget // self._plan.bytes_per_sample)
+        return planned
+
+    def _place(self) -> None:
         bps = self._plan.bytes_per_sample
-        k = device_samples
-        if k and not self._copies:
-            self._device_cols = [leaf[:k] for leaf in self._source]
-        elif k:
-            self._ledger.reserve(k * bps, self._owner, device=self._device)
-            try:
-                self._device_cols = [leaf[:k].to(self._device) for leaf in self._source]
-            except RuntimeError as error:
-                if not is_oom(error):
-                    raise
-                self._device_cols = []
-                self._ledger.release(self._owner)
-                moved = k
-                k = 0
-                if self._plan.mode in ("auto", "host"):
-                    host_samples = min(self._num_samples, self._plan.host_budget // bps)
-                self._warn(
-                    f"out of memory placing {moved} samples ({format_bytes(moved * bps)}) on "
-                    f"{self._device}; they are served from "
-                    f"{'pinned host memory' if host_samples else 'the source'} instead"
-                )
-            else:
-                self._ledger.set_used(self._owner, k * bps, device=self._device)
-                self._stats.fill_bytes += k * bps
-        h = min(host_samples, self._num_samples - k)
-        tier = HostTier(k, [])
+        first, carried = 0, 0
+        for tier_plan in self._plan.tiers:
+            wanted = tier_plan.samples
+            if carried:
+                wanted = min(wanted + carried, self._room_for_more(tier_plan.name, wanted))
+            wanted = min(wanted, self._num_samples - first)
+            tier = self._allocate(tier_plan.name, first, wanted)
+            # A tier may hold rows before ``first`` (a node's shared copy starts at the smallest
+            # device tier of its ranks): those are served by the tiers before it.
+            start, stop = max(first, tier.first), tier.first + tier.rows
+            served = max(0, stop - start)
+            carried = wanted - served if wanted > served else 0
+            self._tiers.append(tier)
+            self._counts.append(served)
+            position = len(self._tiers) - 1
+            self._loc[start : start + served] = position
+            self._slot[start : start + served] = torch.arange(start - tier.first, start - tier.first + served)
+            first = start + served
+        self._tiers.append(SourceTier.allocate(self._source, 0, self._num_samples, self.device))
+        self._counts.append(self._num_samples - first)
+        self._loc[first:] = len(self._tiers) - 1
+        self._slot[first:] = torch.arange(first, self._num_samples)
+        self._hits = [0] * len(self._tiers)
+        device_rows = self._device_rows()
+        if self._on_card and device_rows:
+            self._ledger.set_used(self._owner, device_rows * bps, device=self.device)
+            self._stats.fill_bytes += device_rows * bps
+            self._ready = _record_event(self.device)
+
+    def _allocate(self, name: str, first: int, rows: int) -> Tier:
+        """The tier called ``name`` with rows ``[first, first + rows)``, or an empty one when
+        it does not fit (warned)."""
+        bps = self._plan.bytes_per_sample
+        kind = self._kinds.get(name)
+        if kind is None:
+            raise ValueError(f"the plan names a tier {name!r} that no class is registered for "
+                             f"(known: {', '.join(self._kinds)})")
+        on_device = kind.on_device and self._on_card
+        if on_device and rows:
+            self._ledger.reserve(rows * bps, self._owner, device=self.device)
         try:
-            tier = self._make_host_tier(self._source, k, h, self._plan.host_budget)
+            if name == "host":
+                return self._make_host_tier(self._source, first, rows, self._plan.host_budget)
+            return kind.allocate(self._source, first, rows, self.device)
         except RuntimeError as error:
             if not is_oom(error):
                 raise
-            self._warn(
-                f"out of host memory pinning {h} samples ({format_bytes(h * bps)}); they are "
-                "read from the source instead"
-            )
-        # The tier may hold rows below k (a node's copy starts at the smallest device tier of
-        # its ranks): those are served from the device here.
-        first, stop = max(k, tier.first), tier.first + tier.rows
-        h = max(0, stop - first)
-        self._host_tier, self._host_cols = tier, tier.columns
-        self._device_count, self._host_count = k, h
-        self._loc[:k] = _DEVICE
-        self._slot[:k] = torch.arange(k)
-        self._loc[first : first + h] = _HOST
-        self._slot[first : first + h] = torch.arange(first - tier.first, first - tier.first + h)
+            if on_device:
+                self._ledger.release(self._owner)
+                self._warn(f"out of memory placing {rows} samples ({format_bytes(rows * bps)}) on "
+                           f"{self.device}; they are served from the next tier instead")
+            else:
+                self._warn(f"out of host memory keeping {rows} samples ({format_bytes(rows * bps)}) "
+                           f"in the {name} tier; they are read from the source instead")
+            return kind(first, [])
 
-    def shrink_device_tier(self, max_bytes: int) -> int:
-        """Keep at most ``max_bytes`` on the device; the samples let go are read from the source.
+    def _device_rows(self) -> int:
+        return sum(count for tier, count in zip(self._tiers, self._counts) if tier.on_device)
 
-        Returns the device bytes freed. Call it when the model needs memory back (the loader
-        does at each epoch start, after re-checking the reserve). Safe while another thread
-        gathers: the index maps change before the storage does.
-        """
+    def shrink(self, max_device_bytes: int) -> int:
+        """Keep at most ``max_device_bytes`` on the device; the rows let go are read from the
+        source. Returns the device bytes freed. Safe while another thread gathers: the index
+        maps change before the storage does, and on CUDA the old storage stays protected on
+        every stream that gathered from it."""
         bps = self._plan.bytes_per_sample
-        old = self._device_count
-        keep = max(0, min(old, max_bytes // bps))
-        if keep >= old or self._closed:
+        device = [p for p, tier in enumerate(self._tiers) if tier.on_device]
+        if self._closed or not device:
+            return 0
+        position = device[0]
+        tier, old = self._tiers[position], self._counts[position]
+        keep = max(0, min(old, max_device_bytes // bps))
+        if keep >= old:
+            return 0
+        if not self._on_card:
+            self._set_device_rows(position, tier.columns, keep)
             return 0
         kept: list[torch.Tensor] = []
-        if not self._copies:
-            kept = [col[:keep] for col in self._device_cols]
-        elif keep:
+        self._wait_ready()
+        try:
+            kept = [column[:keep].clone() for column in tier.columns] if keep else []
+        except RuntimeError as error:
+            if not is_oom(error):
+                raise
+            # No room for both copies at once: serve from the source while the kept rows are
+            # staged on the host and copied back into a smaller allocation.
+            staged = [column[:keep].cpu() for column in tier.columns]
+            self._set_device_rows(position, [], 0)
             try:
-                kept = [col[:keep].clone() for col in self._device_cols]
-            except RuntimeError as error:
-                if not is_oom(error):
+                kept = [rows.to(self.device) for rows in staged]
+            except RuntimeError as again:
+                if not is_oom(again):
                     raise
-                # No room for both copies at once: serve from the source while the kept rows
-                # are staged on the host and copied back into a smaller allocation.
-                staged = [col[:keep].cpu() for col in self._device_cols]
-                self._set_device_tier([], 0)
-                try:
-                    kept = [rows.to(self._device) for rows in staged]
-                except RuntimeError as again:
-                    if not is_oom(again):
-                        raise
-                    kept, keep = [], 0
-                    self._warn(f"out of memory while shrinking the device tier on {self._device}; it is now empty")
-        self._set_device_tier(kept, keep)
-        if self._copies:
-            self._ledger.reserve(keep * bps, self._owner, device=self._device)
-            self._ledger.set_used(self._owner, keep * bps, device=self._device)
-        return (old - keep) * bps if self._copies else 0
+                kept, keep = [], 0
+                self._warn(f"out of memory while shrinking the device tier on {self.device}; it is now empty")
+        self._set_device_rows(position, kept, keep)
+        self._ready = _record_event(self.device) if keep else None
+        self._ledger.reserve(keep * bps, self._owner, device=self.device)
+        self._ledger.set_used(self._owner, keep * bps, device=self.device)
+        return (old - keep) * bps
 
-    def _set_device_tier(self, columns: list[torch.Tensor], count: int) -> None:
+    def _set_device_rows(self, position: int, columns: list[torch.Tensor], count: int) -> None:
+        source = len(self._tiers) - 1
         with self._lock:
-            old = self._device_count
+            tier, old = self._tiers[position], self._counts[position]
             if count < old:
-                self._loc[count:old] = _SOURCE
-                self._slot[count:old] = torch.arange(count, old)
-            self._loc[:count] = _DEVICE
-            self._slot[:count] = torch.arange(count)
-            self._device_cols = columns
-            self._device_count = count
+                rows = slice(tier.first + count, tier.first + old)
+                self._loc[rows] = source
+                self._slot[rows] = torch.arange(rows.start, rows.stop)
+            self._counts[source] += old - count
+            self._counts[position] = count
+            previous = tier.columns
+            tier.columns = columns
+        self._protect(previous)
+
+    def _protect(self, storage: list[torch.Tensor]) -> None:
+        """Device storage being dropped stays reserved until every stream that gathered from
+        it is done (``record_stream``), so a gather still queued never reads freed memory."""
+        for stream in self._streams.values():
+            for tensor in storage:
+                if tensor.is_cuda:
+                    tensor.record_stream(stream)
+
+    def _wait_ready(self) -> None:
+        """Order the current stream after the device tier's last write (no host sync)."""
+        if self._ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ready)
 
     def close(self) -> None:
-        """Drop the device and pinned copies and the ledger booking. Safe to call twice."""
+        """Drop every tier's rows and the ledger booking. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        self._device_cols = []
-        self._host_cols = []
+        with self._lock:
+            tiers, self._tiers = self._tiers, []
+            self._counts = []
+        for tier in tiers:
+            if tier.on_device:
+                self._protect(tier.columns)
+            tier.close()
         self._source = []
-        self._device_count = self._host_count = 0
         self._ledger.release(self._owner)
-        tier, self._host_tier = self._host_tier, HostTier(0, [])
-        if tier.release is not None:
-            tier.release()
 
     def __enter__(self) -> TieredArrayStore:
         return self
@@ -307,10 +332,6 @@ class TieredArrayStore:
         return self._num_samples
 
     @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -319,18 +340,46 @@ class TieredArrayStore:
         """The plan asked for (after fallbacks, ``stats`` says what was actually placed)."""
         return self._plan
 
+    def tier(self, name: str) -> Tier | None:
+        """The placed tier called ``name`` (None when the store has none)."""
+        with self._lock:
+            return next((tier for tier in self._tiers if tier.name == name), None)
+
+    @property
+    def copies(self) -> bool:
+        """Whether rows outside the device tiers must cross to the device (a CUDA target)."""
+        return self._copies
+
+    @property
+    def all_on_device(self) -> bool:
+        """Whether every row is served from the device's memory (no batch needs staging)."""
+        with self._lock:
+            return not self._copies or self._device_rows() == self._num_samples
+
+    @property
+    def device_bytes(self) -> int:
+        with self._lock:
+            return self._device_rows() * self._plan.bytes_per_sample if self._on_card else 0
+
     @property
     def stats(self) -> StoreStats:
         """A snapshot of the counters."""
         bps = self._plan.bytes_per_sample
         with self._lock:
-            snapshot = StoreStats(**self._stats.as_dict())
-        snapshot.device_samples = self._device_count
-        snapshot.host_samples = self._host_count
-        snapshot.source_samples = self._num_samples - self._device_count - self._host_count
-        snapshot.device_bytes = self._device_count * bps if self._copies else 0
-        snapshot.host_bytes = self._host_count * bps
-        snapshot.host_shared_ranks = self._host_tier.shared_by if self._host_count else 0
+            snapshot = StoreStats(**{k: v for k, v in self._stats.as_dict().items() if k != "tiers"})
+            tiers = [TierCounts(count, count * bps, hits) for count, hits in zip(self._counts, self._hits)]
+            names = [tier.name for tier in self._tiers]
+            shared = [tier.shared_by for tier in self._tiers]
+        snapshot.tiers = dict(zip(names, tiers))
+        for name, counts, shared_by in zip(names, tiers, shared):
+            if name == "device":
+                snapshot.device_samples, snapshot.device_hits = counts.samples, counts.hits
+                snapshot.device_bytes = counts.bytes if self._on_card else 0
+            elif name == "host":
+                snapshot.host_samples, snapshot.host_bytes, snapshot.host_hits = counts.samples, counts.bytes, counts.hits
+                snapshot.host_shared_ranks = shared_by if counts.samples else 0
+            elif name == "source":
+                snapshot.source_samples, snapshot.source_hits = counts.samples, counts.hits
         return snapshot
 
     def _check(self, indices: Any) -> torch.Tensor:
@@ -338,82 +387,112 @@ class TieredArrayStore:
             raise RuntimeError("this TieredArrayStore was closed; build a new one to gather again")
         return in_range(indices, self._num_samples)
 
-    def _from_tier(
-        self, tier: int, storage: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Rows ``slots`` of one tier's column ``storage``, on the target device (into ``out``).
+    def request(self, indices: Any) -> BatchRequest:
+        """Rows ``indices`` split by where they live (see :class:`BatchRequest`).
 
-        ``slots`` is already on ``storage``'s device. Host rows are gathered into pinned
-        memory so that the copy to the device is asynchronous.
-        """
-        if tier == _DEVICE or not self._copies:
-            if out is None:
-                return storage.index_select(0, slots)
-            return torch.index_select(storage, 0, slots, out=out)
-        pinned = cuda_available()
-        staged = torch.empty((slots.numel(), *storage.shape[1:]), dtype=storage.dtype, pin_memory=pinned)
-        torch.index_select(storage, 0, slots, out=staged)
-        if self._copy_stream is None:
-            return staged.to(self._device) if out is None else out.copy_(staged)
-        current = torch.cuda.current_stream(self._device)
-        with torch.cuda.stream(self._copy_stream):
-            moved = staged.to(self._device, non_blocking=True)  # from the side stream's memory pool
-        current.wait_stream(self._copy_stream)
-        moved.record_stream(current)  # used on the loop's stream from here on
-        return moved if out is None else out.copy_(moved)
-
-    def gather(self, indices: Any) -> Any:
-        """Rows ``indices`` of every array, in the data's structure, on the target device.
-
-        Each tier contributes its rows with one ``index_select`` per array: on one CPU core,
-        512 CIFAR rows (uint8) take 0.09 ms that way and 1.6 ms by advanced indexing. A batch
-        that spans tiers is gathered tier by tier into one buffer and put back in order with a
-        final ``index_select`` (0.05 ms for 512 rows): ``index_copy_`` of just 200 rows into
-        the output takes 1.0 ms.
+        Device rows are gathered now, on the current stream, with one ``index_select`` per
+        column and tier; host rows when the loader's staging calls ``fill_staged``. Rows are
+        grouped by tier and put back in order with one final ``index_select`` (0.05 ms for 512
+        rows on one CPU core, where ``index_copy_`` of 200 rows takes 1.0 ms).
         """
         flat = self._check(indices)
         with self._lock:
             loc = self._loc.index_select(0, flat)
             slot = self._slot.index_select(0, flat)
-            storages = (self._device_cols, self._host_cols, self._source)
-        counts = torch.bincount(loc.long(), minlength=3).tolist()
-        tiers = [t for t in range(3) if counts[t]] or [_SOURCE]
-
-        def on_tier_device(tier: int, slots: torch.Tensor) -> torch.Tensor:
-            return slots.to(self._device, non_blocking=True) if tier == _DEVICE and self._copies else slots
-
-        if len(tiers) == 1:
-            tier = tiers[0]
-            slots = on_tier_device(tier, slot)
-            leaves = [self._from_tier(tier, storage, slots) for storage in storages[tier]]
-        else:
-            order = torch.argsort(loc, stable=True)  # batch positions grouped by tier
-            inverse = torch.argsort(order).to(self._device, non_blocking=True)
-            grouped = slot.index_select(0, order)
-            parts, start = [], 0
-            for tier in tiers:
-                stop = start + counts[tier]
-                parts.append((tier, start, stop, on_tier_device(tier, grouped[start:stop])))
+            tiers = list(self._tiers)
+            if self._copies:
+                stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+                if stream is not None:
+                    self._streams.setdefault(id(stream), stream)
+        counts = torch.bincount(loc.long(), minlength=len(tiers)).tolist()
+        if len(counts) > len(tiers):
+            raise RuntimeError("this TieredArrayStore was closed while a batch was gathered")
+        on_device = [p for p in range(len(tiers)) if counts[p] and tiers[p].on_device and self._copies]
+        staged = [p for p in range(len(tiers)) if counts[p] and p not in on_device]
+        grouped = len(on_device) + len(staged) > 1
+        order = torch.argsort(loc, stable=True) if grouped else None
+        groups: dict[int, torch.Tensor] = {}
+        start = 0
+        for position in range(len(tiers)):
+            if counts[position]:
+                stop = start + counts[position]
+                groups[position] = slot if order is None else slot.index_select(0, order[start:stop])
                 start = stop
+        device_rows = sum(counts[p] for p in on_device)
+        staged_rows = flat.numel() - device_rows
+        columns = range(len(self._source))
+        device_leaves: list[torch.Tensor] = []
+        if on_device:
+            self._wait_ready()
+            for c in columns:
+                parts = [tiers[p].gather(c, groups[p].to(self.device, non_blocking=True)) for p in on_device]
+                device_leaves.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+
+        def fill_staged(views: list[torch.Tensor]) -> None:
+            for c, view in zip(columns, views):
+                begin = 0
+                for position in staged:
+                    end = begin + counts[position]
+                    tiers[position].gather(c, groups[position], out=view[begin:end])
+                    begin = end
+
+        shapes = [((staged_rows, *source.shape[1:]), source.dtype) for source in self._source] if staged else []
+        inverse = torch.argsort(order).to(self.device, non_blocking=True) if grouped else None
+
+        def assemble(device_part: list[torch.Tensor], staged_part: list[torch.Tensor]) -> Any:
             leaves = []
-            for c, source in enumerate(storages[_SOURCE]):
-                buffer = torch.empty((flat.numel(), *source.shape[1:]), dtype=source.dtype, device=self._device)
-                for tier, begin, end, slots in parts:
-                    self._from_tier(tier, storages[tier][c], slots, out=buffer[begin:end])
-                leaves.append(buffer.index_select(0, inverse))
-        moved = (counts[_HOST] + counts[_SOURCE]) * sum(self._row_bytes) if self._copies else 0
+            for c in columns:
+                pieces = ([device_part[c]] if device_part else []) + ([staged_part[c]] if staged_part else [])
+                if not pieces:  # an empty batch
+                    source = self._source[c]
+                    pieces = [torch.empty((0, *source.shape[1:]), dtype=source.dtype, device=self.device)]
+                leaf = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+                if inverse is not None:
+                    leaf = leaf.index_select(0, inverse)
+                leaves.append(leaf.view(self._dtypes[c]))
+            return tree_unflatten(leaves, self._spec)
+
+        moved = staged_rows * sum(self._row_bytes) if self._on_card else 0
         with self._lock:
-            self._stats.device_hits += counts[_DEVICE]
-            self._stats.host_hits += counts[_HOST]
-            self._stats.source_hits += counts[_SOURCE]
+            for position, count in enumerate(counts):
+                if position < len(self._hits):
+                    self._hits[position] += count
             self._stats.h2d_bytes += moved
-        leaves = [leaf.view(dtype) for leaf, dtype in zip(leaves, self._dtypes)]
-        return tree_unflatten(leaves, self._spec)
+        return BatchRequest(device_leaves, shapes, fill_staged, assemble)
+
+    def gather(self, indices: Any, copy: Copier | None = None) -> Any:
+        """Rows ``indices`` of every array, in the data's structure, on the target device.
+
+        Rows in host memory reach a CUDA device only through ``copy`` (the loader's
+        prefetcher staging them); on a CPU target they are gathered in place.
+        """
+        request = self.request(indices)
+        if not request.stages:
+            return request.assemble(request.on_device, [])
+        if self._copies:
+            if copy is None:
+                raise RuntimeError(
+                    f"rows of this batch are in host memory and must be copied to {self.device} through "
+                    "the loader's staging (gather(indices, copy=...)); the store copies nothing itself"
+                )
+            return request.assemble(request.on_device, copy(request))
+        views = [torch.empty(shape, dtype=dtype) for shape, dtype in request.staged_shapes]
+        request.fill_staged(views)
+        return request.assemble(request.on_device, views)
 
     def __repr__(self) -> str:
         s = self.stats
         return (
-            f"TieredArrayStore({self._num_samples} samples on {self._device}: device "
-            f"{s.device_samples}, pinned host {s.host_samples}, source {s.source_samples}"
-            f"{', closed' if self._closed else ''})"
+            f"TieredArrayStore({self._num_samples} samples on {self.device}: "
+            + ", ".join(f"{name} {counts.samples}" for name, counts in s.tiers.items())
+            + f"{', closed' if self._closed else ''})"
         )
+
+
+def _record_event(device: torch.device) -> Any:
+    """An event after the work queued so far on ``device``'s current stream (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

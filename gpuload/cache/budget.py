@@ -9,7 +9,7 @@ Default reserve for ``"auto"``: ``max(2 GiB, 10% of the card)`` is left for the 
 covers the CUDA context, cuBLAS/cuDNN workspaces and allocator fragmentation of a small model;
 10% scales with the card, because bigger cards carry bigger models and activations. The
 reserve is re-checked by the loader at each epoch start, so a model that grows past it gets
-memory back (``TieredArrayStore.shrink_device_tier``).
+memory back (``Store.shrink``).
 """
 
 from __future__ import annotations

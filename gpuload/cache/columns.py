@@ -375,7 +375,17 @@ class ColumnStore(BudgetedCache):
         self._stats.hits += hits
         self._stats.misses += misses
 
-    def gather(self, slots: torch.Tensor) -> Any:
+    def gather(self, indices: torch.Tensor) -> Any:
+        """``default_collate`` of the stored samples at dataset ``indices`` (int64); an index not
+        stored raises ``IndexError`` naming it."""
+        self._check_open()
+        slots = self.slots(indices)
+        missing = (slots < 0).nonzero().view(-1)
+        if missing.numel():
+            raise IndexError(f"dataset index {int(indices[missing[0]])} is not in this cache")
+        return self.gather_rows(slots)
+
+    def gather_rows(self, slots: torch.Tensor) -> Any:
         """``default_collate`` of the stored samples in rows ``slots`` (all >= 0): one
         ``index_select`` per column, on the store's device."""
         with self._lock:
@@ -606,7 +616,10 @@ class ColumnStore(BudgetedCache):
 
     # ------------------------------------------------------------ giving memory back
 
-    def shrink(self, max_bytes: int) -> int:
+    def shrink(self, max_device_bytes: int) -> int:
+        """Keep the first rows that fit ``max_device_bytes`` (in a new, smaller allocation) and
+        stop adding; returns the bytes freed. Dropped samples are read from the source again."""
+        max_bytes = max_device_bytes
         with self._lock:
             if self._root is None or self._stats.bytes <= max_bytes:
                 return 0

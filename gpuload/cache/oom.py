@@ -13,7 +13,7 @@ class CacheFallbackWarning(UserWarning):
 
 
 def is_oom(error: BaseException) -> bool:
-    """True for an out-of-memory error (device or pinned host), never for a CUDA fault or bad data."""
+    """True for an out-of-memory error (device or host), never for a CUDA fault or bad data."""
     if isinstance(error, torch.cuda.OutOfMemoryError):
         return True
     text = str(error).lower()

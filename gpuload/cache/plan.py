@@ -1,13 +1,14 @@
 """Where each sample's bytes live: a pure placement decision, printable, testable on any card size.
 
-``make_plan`` takes sizes and free memory as plain numbers and returns a :class:`CachePlan`:
-samples ``[0, k)`` on the device, the next ``h`` in pinned host memory, the rest read from the
-source each epoch. Nothing here allocates or asks a device anything.
+``make_plan`` takes sizes and free memory as plain numbers and returns a :class:`CachePlan`
+whose ``tiers`` are an ordered tuple of :class:`TierPlan`: samples ``[0, k)`` in the first tier
+(the device), the next ``h`` in the second (host memory), and so on; the rest are read from the
+source each epoch. Nothing here allocates or asks a device anything. A tier is named here and
+built by the class registered under that name (``gpuload.cache.tiers``).
 
-Host reserve: the pinned host tier leaves ``max(4 GiB, 10% of host RAM)`` available. Pinned
-pages cannot be swapped out, and the process still needs host memory for the interpreter,
-loader workers, checkpoints and the source data itself; running the host out of memory kills
-the job, which is worse than streaming.
+Host reserve: the host tier leaves ``max(4 GiB, 10% of host RAM)`` available: the process still
+needs host memory for the interpreter, loader workers, checkpoints and the source data itself;
+running the host out of memory kills the job, which is worse than streaming.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 from gpuload.cache.budget import format_bytes
 
-__all__ = ["MODES", "CachePlan", "make_plan", "default_host_reserve", "HOST_RESERVE_MIN_BYTES", "HOST_RESERVE_FRACTION"]
+__all__ = ["MODES", "CachePlan", "TierPlan", "make_plan", "default_host_reserve", "HOST_RESERVE_MIN_BYTES", "HOST_RESERVE_FRACTION"]
 
 HOST_RESERVE_MIN_BYTES = 4 << 30
 HOST_RESERVE_FRACTION = 0.10
@@ -25,26 +26,47 @@ MODES = ("auto", "device", "host", "off")
 
 
 def default_host_reserve(host_total: int) -> int:
-    """Host bytes the pinned tier leaves available: max(4 GiB, 10% of host RAM)."""
+    """Host bytes the host tier leaves available: max(4 GiB, 10% of host RAM)."""
     return max(HOST_RESERVE_MIN_BYTES, int(host_total * HOST_RESERVE_FRACTION))
+
+
+TIER_LABELS = {"device": "device tier", "host": "host tier"}
+"""How ``describe`` names a tier; a tier not listed is shown by its name."""
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """``samples`` consecutive samples from ``first`` kept in the tier called ``name``."""
+
+    name: str
+    first: int
+    samples: int
+    bytes_per_sample: int
+
+    @property
+    def stop(self) -> int:
+        return self.first + self.samples
+
+    @property
+    def bytes(self) -> int:
+        return self.samples * self.bytes_per_sample
 
 
 @dataclass(frozen=True)
 class CachePlan:
     """Placement of ``num_samples`` samples of ``bytes_per_sample`` bytes each.
 
-    Samples ``[0, device_samples)`` live on the device, the next ``host_samples`` in pinned
-    host memory, and the remaining ``source_samples`` are read from the source every epoch.
-    ``target`` is the device type batches are delivered to; on ``"cpu"`` nothing crosses PCIe
-    and the source itself serves every sample.
+    ``tiers`` in order, each holding the samples after the previous one's (fastest first: the
+    device, then host memory); the remaining ``source_samples`` are read from the source every
+    epoch. ``target`` is the device type batches are delivered to; on ``"cpu"`` nothing crosses
+    PCIe and the source itself serves every sample.
     """
 
     mode: str
     target: str
     bytes_per_sample: int
     num_samples: int
-    device_samples: int
-    host_samples: int
+    tiers: tuple[TierPlan, ...]
     budget: int
     reserve: int
     host_reserve: int
@@ -54,9 +76,21 @@ class CachePlan:
     host_total: int | None
     notes: tuple[str, ...] = field(default=())
 
+    def samples_in(self, name: str) -> int:
+        """Samples the tier called ``name`` holds (0 when the plan has no such tier)."""
+        return sum(tier.samples for tier in self.tiers if tier.name == name)
+
+    @property
+    def device_samples(self) -> int:
+        return self.samples_in("device")
+
+    @property
+    def host_samples(self) -> int:
+        return self.samples_in("host")
+
     @property
     def source_samples(self) -> int:
-        return self.num_samples - self.device_samples - self.host_samples
+        return self.num_samples - sum(tier.samples for tier in self.tiers)
 
     @property
     def device_bytes(self) -> int:
@@ -72,7 +106,7 @@ class CachePlan:
 
     @property
     def host_budget(self) -> int:
-        """Host bytes the pinned tier may take: free host memory minus the host reserve."""
+        """Host bytes the host tier may take: free host memory minus the host reserve."""
         return max(0, self.host_free - self.host_reserve)
 
     @property
@@ -95,12 +129,9 @@ class CachePlan:
         """``"device"``, ``"host"``, ``"stream"``, ``"cpu"``, or tiers joined by ``+``."""
         if self.target == "cpu":
             return "cpu"
-        parts = [
-            name
-            for name, count in (("device", self.device_samples), ("host", self.host_samples),
-                                ("stream", self.source_samples))
-            if count
-        ]
+        parts = [tier.name for tier in self.tiers if tier.samples]
+        if self.source_samples:
+            parts.append("stream")
         return "+".join(parts) if parts else "stream"
 
     def describe(self) -> str:
@@ -131,9 +162,9 @@ class CachePlan:
         if self.target == "cpu":
             lines.append(f"  source (host):  {share(n)}, served in place, nothing crosses PCIe")
         else:
+            lines += [f"  {TIER_LABELS.get(tier.name, tier.name) + ':':<15} {share(tier.samples)}"
+                      for tier in self.tiers]
             lines += [
-                f"  device tier:    {share(self.device_samples)}",
-                f"  pinned host:    {share(self.host_samples)}",
                 f"  from source:    {share(self.source_samples)}",
                 f"  host-to-device per epoch: {format_bytes(self.h2d_bytes_per_epoch_uncached)} "
                 f"without cache, {format_bytes(self.h2d_bytes_per_epoch_cached)} with it "
@@ -159,10 +190,10 @@ def make_plan(
     host_reserve: int | None = None,
     target: str = "cuda",
 ) -> CachePlan:
-    """Decide how many samples go on the device, in pinned host memory, and from the source.
+    """Decide how many samples go on the device, in host memory, and from the source.
 
     The device tier takes at most ``min(budget, device_free - reserve)`` bytes (modes ``auto``
-    and ``device``); the pinned tier at most ``host_free - host_reserve`` (modes ``auto`` and
+    and ``device``); the host tier at most ``host_free - host_reserve`` (modes ``auto`` and
     ``host``). Whole samples only. ``target="cpu"`` means batches are used on the host: the
     source serves every sample and no tier is built.
     """
@@ -206,18 +237,19 @@ def make_plan(
             host_samples = min(left, host_cap // bytes_per_sample)
             if host_samples < left:
                 notes.append(
-                    f"pinned host memory ({format_bytes(host_cap)} after the host reserve) holds "
+                    f"host memory ({format_bytes(host_cap)} after the host reserve) holds "
                     f"{host_samples} of the {left} samples left"
                 )
         if total and device_samples == num_samples:
             notes.append("the whole dataset fits on the device: epochs after the fill copy nothing")
+    tiers = (TierPlan("device", 0, device_samples, bytes_per_sample),
+             TierPlan("host", device_samples, host_samples, bytes_per_sample))
     return CachePlan(
         mode=mode,
         target=target,
         bytes_per_sample=bytes_per_sample,
         num_samples=num_samples,
-        device_samples=device_samples,
-        host_samples=host_samples,
+        tiers=tiers,
         budget=budget,
         reserve=reserve,
         host_reserve=host_reserve,

@@ -5,7 +5,8 @@ samples, decoded images, or image files' bytes.
 ledger, stops at the budget or when free memory reaches the reserve, and knows how many
 samples the dataset has, so it can say when it is complete. :class:`BudgetedCache` is what it
 shares with the column store (``gpuload.cache.columns``): the budget, the ledger booking, the
-room check, the counters, ``fit_reserve``, ``settle`` and ``close``.
+room check, the counters, ``settle`` and ``close``; both are filling stores
+(:class:`~gpuload.cache.store.FillingStore`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.oom import CacheFallbackWarning, is_oom
-from gpuload.device import device_memory
+from gpuload.cache.store import FillingStore
 
 __all__ = ["MISSING", "BudgetedCache", "SampleCache", "SampleCacheStats", "Uncacheable", "copy_value"]
 
@@ -80,11 +81,11 @@ def copy_value(value: Any, device: torch.device) -> tuple[Any, int]:
     raise Uncacheable(type(value).__name__)
 
 
-class BudgetedCache:
+class BudgetedCache(FillingStore):
     """What every sample-keyed cache shares: a byte budget (booked in ``ledger`` on a CUDA
     ``device``), a ``room`` check against free memory, counters, and giving memory back.
 
-    Subclasses store the samples and implement ``complete``, ``shrink`` and ``_drop``.
+    Subclasses store the samples and implement ``gather``, ``put``, ``shrink`` and ``_drop``.
     """
 
     def __init__(
@@ -103,7 +104,7 @@ class BudgetedCache:
         self._num_samples = num_samples
         self._room_left = -1  # bytes ``room`` allowed at its last call, less what was added since
         self._since_check = 0
-        self._device = torch.device(device)
+        self._device = self.device = torch.device(device)
         self._ledger = ledger
         self._owner: Hashable = owner if owner is not None else (type(self).__name__, id(self))
         self._on_device = self._device.type != "cpu"
@@ -114,10 +115,6 @@ class BudgetedCache:
         self._stats = SampleCacheStats(budget=self._budget)
         self._warned = False
         self._closed = False
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     def _has_room(self, nbytes: int) -> bool:
         """Whether ``room()`` (memory the cache may still take, e.g. free device memory above the
@@ -170,6 +167,11 @@ class BudgetedCache:
         return self._stats.full
 
     @property
+    def device_bytes(self) -> int:
+        """Bytes held in the memory of ``device`` (host memory for a CPU device)."""
+        return self.stats.bytes
+
+    @property
     def stats(self) -> SampleCacheStats:
         with self._lock:
             return SampleCacheStats(**self._stats.as_dict())
@@ -181,26 +183,6 @@ class BudgetedCache:
     def __len__(self) -> int:
         return self._stats.entries
 
-    def shrink(self, max_bytes: int) -> int:
-        """Drop the most recently added samples until at most ``max_bytes`` are held, and stop
-        adding; returns the bytes freed. Dropped samples are read from the source again."""
-        raise NotImplementedError
-
-    def fit_reserve(self, keepable: Any, refill: str) -> int:
-        """On a CUDA device: shrink to what ``keepable(device, memory, held)`` allows now
-        (``CacheSettings.keepable``: free memory must stay above the reserve), warning when it
-        does; ``refill`` says where the dropped samples come from instead. Bytes freed."""
-        if self._device.type != "cuda":
-            return 0
-        held = self.stats.bytes
-        freed = self.shrink(keepable(self._device, device_memory(self._device), held))
-        if freed:
-            warnings.warn(
-                f"gpuload: free memory on {self._device} fell below the reserve; the cache gave back "
-                f"{format_bytes(freed)} and {refill}",
-                stacklevel=4,
-            )
-        return freed
 
     def settle(self) -> None:
         """Stop adding and shrink the budget booking to the bytes held, freeing the rest for
@@ -251,7 +233,23 @@ class SampleCache(BudgetedCache):
         self._sizes: dict[int, int] = {}
         self._last_nbytes = 0
 
-    def put(self, index: int, sample: Any) -> bool:
+    def put(self, indices: Any, batch: Any) -> int:
+        """Store each sample of ``batch`` under its dataset index in ``indices``; how many were
+        stored (see :meth:`keep`)."""
+        return sum(self.keep(int(index), sample) for index, sample in zip(indices, batch))
+
+    def gather(self, indices: Any) -> list[Any]:
+        """The stored samples at ``indices`` (each a hit), in order; ``IndexError`` names the
+        first one not stored."""
+        with self._lock:
+            found = [self._entries.get(int(index), MISSING) for index in indices]
+            for index, sample in zip(indices, found):
+                if sample is MISSING:
+                    raise IndexError(f"dataset index {int(index)} is not in this cache")
+            self._stats.hits += len(found)
+        return found
+
+    def keep(self, index: int, sample: Any) -> bool:
         """Store ``sample`` for ``index``; False when full, closed, or not a cacheable type."""
         index = int(index)
         with self._lock:
@@ -319,10 +317,12 @@ class SampleCache(BudgetedCache):
     def __contains__(self, index: object) -> bool:
         return isinstance(index, (int, np.integer)) and int(index) in self._entries
 
-    def shrink(self, max_bytes: int) -> int:
+    def shrink(self, max_device_bytes: int) -> int:
+        """Drop the most recently added samples until at most ``max_device_bytes`` are held, and
+        stop adding; returns the bytes freed. Dropped samples are read from the source again."""
         with self._lock:
             freed = 0
-            while self._entries and self._stats.bytes > max_bytes:
+            while self._entries and self._stats.bytes > max_device_bytes:
                 index = next(reversed(self._entries))
                 nbytes = self._sizes.pop(index)
                 del self._entries[index]

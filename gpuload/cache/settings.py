@@ -74,8 +74,8 @@ class Setting:
 class CacheSettings:
     """The cache mode, size, reserve and scope one loader uses, each with its source.
 
-    ``mode``: ``"auto"`` (device tier, then pinned host, then the source), ``"device"`` (device
-    tier only), ``"host"`` (pinned host tier only) or ``"off"``. ``size`` bounds the device
+    ``mode``: ``"auto"`` (device tier, then host memory, then the source), ``"device"`` (device
+    tier only), ``"host"`` (host tier only) or ``"off"``. ``size`` bounds the device
     tier; ``reserve`` is device memory the cache never takes; ``scope`` (one of ``SCOPES``)
     says over which ranks of a torch.distributed job one copy of the dataset is split.
     """

@@ -11,7 +11,7 @@ card, and the batch size that fits.
 
 With ``--gpus-per-node N [--nodes M]`` it prints the scope plan of a torch.distributed job
 (:func:`gpuload.distributed.plan_scopes`): for each ``cache_scope``, the share on each GPU,
-the pinned host memory per node and the bytes each epoch moves over PCIe, NVLink and the
+the host memory per node and the bytes each epoch moves over PCIe, NVLink and the
 network, and what ``auto`` picks. With ``--model`` too, the per-GPU cache room is what the
 job plan's training step and prefetch slots leave.
 """

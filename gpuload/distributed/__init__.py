@@ -23,7 +23,7 @@ negotiated.
   served through the same exchange;
 - ``sharded_images``: a rank's share of an image dataset's decoded images, decoded once, each
   batch's images exchanged as ragged bytes sized from the shape table;
-- ``shared_host``: one pinned host tier per node, mapped by its ranks from shared memory.
+- ``shared_host``: one host tier per node, mapped by its ranks from shared memory.
 """
 
 from gpuload.distributed.exchange_plan import StepPlan, plan_step

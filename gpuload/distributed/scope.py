@@ -49,7 +49,7 @@ def decide_scope(
     served in place) and an explicit scope is taken as asked. On a device, an explicit scope
     whose share does not fit the room falls back to ``rank``. ``auto`` picks ``rank`` when the
     dataset fits one device's room, else ``node`` when it fits the node's devices together,
-    else ``world``, else ``rank`` (today's tiers: device, pinned host, source).
+    else ``world``, else ``rank`` (today's tiers: device, host, source).
     """
     total = format_bytes(num_samples * bytes_per_sample)
     sizes = {"rank": 1, "node": local_world_size, "world": world_size}
@@ -80,5 +80,5 @@ def decide_scope(
     return ScopeDecision(
         "auto", "rank", 1,
         f"the dataset ({total}) does not fit {world_size} devices of {format_bytes(room)} room: each "
-        "rank caches in its own tiers (device, pinned host, source)",
+        "rank caches in its own tiers (device, host, source)",
     )

@@ -3,7 +3,7 @@
 For a dataset of ``num_samples`` rows of ``bytes_per_sample`` bytes on ``nodes`` nodes of
 ``gpus_per_node`` GPUs, :func:`plan_scopes` says for ``rank``, ``node`` and ``world`` whether
 the scope fits the per-GPU cache room (resolved from the cache settings as a loader resolves
-it, or given: the room beside a training step), each GPU's share, the pinned host memory per
+it, or given: the room beside a training step), each GPU's share, the host memory per
 node, and the bytes one node moves per epoch: over PCIe (host to device), between the node's
 GPUs (NVLink) and between nodes (network). It marks what ``auto`` picks
 (:func:`~gpuload.distributed.scope.decide_scope`, the loader's own decision).
@@ -14,11 +14,11 @@ repeats the permutation's first indices, uniform too), so a rank reads ``R * s_o
 from the rank ``o`` holding a block of ``s_o`` rows, where ``R`` is the rows a rank reads per
 epoch. Figures are per node, the mean over nodes (blocks differ by one row at most).
 
-Host memory: ``rank`` keeps each rank's own tiers (device, pinned host, source), as
+Host memory: ``rank`` keeps each rank's own tiers (device, host, source), as
 :meth:`~gpuload.cache.CacheSettings.array_plan` places them on each rank; ``node`` and
-``world`` keep the whole dataset on the devices and pin nothing. Each rank's pinned tier is its
+``world`` keep the whole dataset on the devices and keep nothing in host memory. Each rank's host tier is its
 own copy (``host_shared=False``, what the README's multi-GPU section says today), so a node
-pins ``gpus_per_node`` copies; ``host_shared=True`` counts one copy per node, as a pinned tier
+pins ``gpus_per_node`` copies; ``host_shared=True`` counts one copy per node, as a host tier
 shared by the node's ranks would. The source arrays every process holds are not counted.
 """
 
@@ -35,7 +35,7 @@ from gpuload.distributed.scope import ScopeDecision, decide_scope
 __all__ = ["HOST_TIER_SHARED", "EpochBytes", "ScopePlan", "ScopePlans", "plan_scopes", "rows_per_rank"]
 
 HOST_TIER_SHARED = True
-"""Whether a node's ranks share one pinned host tier (the default of ``plan_scopes``)."""
+"""Whether a node's ranks share one host tier (the default of ``plan_scopes``)."""
 
 _SCOPES = ("rank", "node", "world")
 
@@ -70,8 +70,8 @@ class ScopePlan:
     ``group_size``: ranks one copy is split over. ``fits``: the whole dataset lives on the
     devices (for ``rank``: a whole copy on every GPU; when it does not, ``rank`` still runs on
     its tiers, the others fall back to ``rank``). ``device_samples``: rows on each GPU (the
-    largest share); ``host_samples``: rows in each rank's pinned tier; ``source_samples``: rows
-    each rank reads from the source every epoch; ``host_bytes_per_node``: pinned host memory a
+    largest share); ``host_samples``: rows in each rank's host tier; ``source_samples``: rows
+    each rank reads from the source every epoch; ``host_bytes_per_node``: host memory a
     node takes. ``first_epoch`` / ``later_epochs``: the traffic, None for a scope that does not
     run as itself. ``note``: why not, or what to watch.
     """
@@ -151,15 +151,15 @@ class ScopePlans:
             ))
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         table = ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-        copies = "one pinned tier per node, shared by its ranks" if self.host_shared else (
-            "each rank pins its own host tier")
+        copies = "one host tier per node, shared by its ranks" if self.host_shared else (
+            "each rank keeps its own host tier")
         lines = [
             f"scope plan: {self.nodes} node(s) x {self.gpus_per_node} GPU(s) = {self.world_size} ranks; "
             f"{n} samples x {format_bytes(bps)} = {format_bytes(self.total_bytes)}",
             f"  per GPU: {format_bytes(self.device.free)} free of {format_bytes(self.device.total)}, reserve "
             f"{format_bytes(self.reserve)}; cache room {format_bytes(self.room)} ({self.room_note})",
-            f"  per node: host {format_bytes(self.host.free)} free of {format_bytes(self.host.total)}, pinned "
-            f"budget {format_bytes(self.host_budget)} ({copies})",
+            f"  per node: host {format_bytes(self.host.free)} free of {format_bytes(self.host.total)}, host "
+            f"tier budget {format_bytes(self.host_budget)} ({copies})",
             f"  per epoch each rank reads {self.rows_per_rank} rows (DistributedSampler, shuffle=True); "
             "bytes below are per node, expected, mean over nodes",
             "  scope (ranks per copy); per GPU: bytes (samples) of the dataset on each GPU; PCIe: host to "
@@ -258,7 +258,7 @@ def plan_scopes(
     elif room < 0:
         raise ValueError(f"room must be >= 0 bytes, got {room}")
     reserve = 0 if reserve is None else reserve
-    # Each rank's own tiers, as the loader places them (whole samples, device then pinned host).
+    # Each rank's own tiers, as the loader places them (whole samples, device then host).
     tiers = make_plan(bytes_per_sample, num_samples, room, host.free, room, 0, mode,
                       device_total=device.total, host_total=host.total)
     rows = rows_per_rank(num_samples, gpus_per_node * nodes, sampler_drop_last=sampler_drop_last,
@@ -287,7 +287,7 @@ def _decision(requested: str, n: int, bps: int, room: int, local: int, nodes: in
 
 
 def _rank_scope(tiers: CachePlan, local: int, rows: int, shared: bool) -> ScopePlan:
-    """Every rank its own tiers: device rows ``[0, k)``, then pinned host, then the source."""
+    """Every rank its own tiers: device rows ``[0, k)``, then host memory, then the source."""
     n, bps = tiers.num_samples, tiers.bytes_per_sample
     k = tiers.device_samples
     sampled = local * rows * bps
@@ -298,13 +298,13 @@ def _rank_scope(tiers: CachePlan, local: int, rows: int, shared: bool) -> ScopeP
     host_per_node = host_per_rank if shared else local * host_per_rank
     notes = []
     if k < n:
-        where = f"{tiers.host_samples} in pinned host memory" if tiers.host_samples else ""
+        where = f"{tiers.host_samples} in host memory" if tiers.host_samples else ""
         source = f"{tiers.source_samples} read from the source every epoch" if tiers.source_samples else ""
         notes.append(f"each GPU holds {k} of {n} rows; " + ", ".join(filter(None, (where, source))))
     if not shared and local > 1 and host_per_node > tiers.host_budget:
         notes.append(
             f"{local} ranks each pin {format_bytes(host_per_rank)}: {format_bytes(host_per_node)} on the node, "
-            f"over its pinned budget of {format_bytes(tiers.host_budget)} (a tier shared by the node's ranks "
+            f"over its host budget of {format_bytes(tiers.host_budget)} (a tier shared by the node's ranks "
             f"would pin {format_bytes(host_per_rank)})"
         )
     return ScopePlan(

@@ -147,6 +147,17 @@ class ShardedImageStore(ShardExchange):
     def _drop(self) -> None:
         self._chunks, self._views = [], [None] * len(self._views)
 
+    def gather(self, indices: Any) -> list[torch.Tensor]:
+        """The decoded images of this rank's share at dataset ``indices`` (CHW views, as the
+        decoder gave them); ``IndexError`` for a bad file or an index outside the share."""
+        images = []
+        for row in self._share_positions(indices).tolist():
+            view = self._views[row]
+            if view is None:
+                raise IndexError(f"dataset index {row + self._start} is a bad file: {self._name(row + self._start)}")
+            images.append(self._image(view, row + self._start))
+        return images
+
     def _image(self, data: torch.Tensor, position: int) -> torch.Tensor:
         """Bytes of ``position``'s image as the decoder gave it (shape and memory layout)."""
         image = data.view(self._shapes[position])

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from gpuload.cache import LEDGER, CacheSettings, StoreStats, format_bytes
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.oom import is_oom
+from gpuload.cache.store import Store
 from gpuload.device import device_memory
 from gpuload.distributed.exchange_plan import StepPlan, plan_step
 from gpuload.distributed.exchange_steps import (
@@ -262,7 +263,7 @@ def agree_on_split(
     return ShardPlan(decision, partition, context.rank, bytes_per_sample, str(device)), (control, data)
 
 
-class ShardExchange:
+class ShardExchange(Store):
     """A rank's share of a dataset split over ranks, and the exchange that assembles each of its
     batches from every rank's share.
 
@@ -273,6 +274,8 @@ class ShardExchange:
     protected on every stream the exchange ran on when they are dropped (``record_stream``), so
     a step still queued there never reads freed memory.
     """
+
+    split_over_ranks = True
 
     def __init__(
         self, plan: ShardPlan, device: torch.device, groups: tuple[Any, Any], *, owner: Hashable,
@@ -301,6 +304,23 @@ class ShardExchange:
         """The share as a device tier."""
         raise NotImplementedError
 
+    @property
+    def device_bytes(self) -> int:
+        return self.stats.device_bytes
+
+    def _share_positions(self, indices: Any) -> torch.Tensor:
+        """``indices`` as rows of this rank's share; ``IndexError`` for one outside it (the
+        other ranks hold it: a batch of them is an exchange, see :meth:`epoch`)."""
+        if self._closed:
+            raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
+        start, stop = self.plan.partition.rows_of(self._rank)
+        flat = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+        outside = ((flat < start) | (flat >= stop)).nonzero().view(-1)
+        if outside.numel():
+            raise IndexError(f"dataset index {int(flat[outside[0]])} is not in rank {self._rank}'s share "
+                             f"[{start}, {stop}); the other ranks' rows come through the exchange")
+        return flat - start
+
     def describe_exchange(self, loop_wait_s: float | None = None) -> dict[str, Any]:
         """For ``loader.stats.extra["exchange"]``; ``loop_wait_s``: the loader's running total of
         the loop's wait (see :meth:`ExchangeStats.as_dict`)."""
@@ -318,7 +338,7 @@ class ShardExchange:
         module docstring)."""
         return self.device.type != "cuda"
 
-    def shrink_device_tier(self, max_bytes: int) -> int:
+    def shrink(self, max_bytes: int) -> int:
         """A share cannot shrink on one rank alone (every rank's exchange plan reads rows from it
         there): frees nothing, and warns when less than the share was asked for."""
         if max_bytes < self.shard_bytes and not self._closed:
@@ -597,6 +617,22 @@ class ShardedArrayStore(ShardExchange):
     def _share_tensors(self) -> list[torch.Tensor]:
         return [self._shard] if self.device.type == "cuda" else []
 
+    def gather(self, indices: Any) -> list[torch.Tensor]:
+        """Rows of this rank's share at dataset ``indices``, one tensor per array."""
+        rows = self._shard.index_select(0, self._share_positions(indices).to(self.device))
+        return self._unpacked(rows)
+
+    def _unpacked(self, grouped: torch.Tensor, order: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The arrays' rows from packed byte rows (rows ``order`` of them, if given), one
+        contiguous tensor per array (each its own allocation: aligned for its dtype)."""
+        leaves, offset = [], 0
+        for (shape, dtype), row_bytes in zip(self._shapes, self._row_bytes):
+            rows = grouped[:, offset : offset + row_bytes]
+            rows = rows.index_select(0, order) if order is not None else rows.contiguous()
+            leaves.append(rows.view(dtype).view(rows.shape[0], *shape))
+            offset += row_bytes
+        return leaves
+
     def _drop(self) -> None:
         self._shard = torch.empty((0, self._shard.shape[1]), dtype=torch.uint8, device=self.device)
 
@@ -619,11 +655,7 @@ class ShardedArrayStore(ShardExchange):
         outgoing = shard.index_select(0, send_rows)
         self._swap(grouped[: plan.received], outgoing, plan.recv_splits, plan.send_splits, header)
         torch.index_select(shard, 0, local_rows, out=grouped[plan.received :])
-        leaves, offset = [], 0
-        for (shape, dtype), row_bytes in zip(self._shapes, self._row_bytes):
-            rows = grouped[:, offset : offset + row_bytes].index_select(0, inverse)
-            leaves.append(rows.view(dtype).view(plan.batch_size, *shape))
-            offset += row_bytes
+        leaves = self._unpacked(grouped, inverse)
         width = shard.shape[1]
         self._count(slot, plan, plan.sent * width, plan.received * width, began)
         return leaves

@@ -1,13 +1,15 @@
-"""One pinned host tier per node: the node's ranks map one copy of it in shared memory.
+"""One host tier per node: the node's ranks map one copy of it in shared memory.
 
-Without this, each rank of a node pins its own copy of the arrays' host tier (8 ranks, 8
+Without this, each rank of a node keeps its own copy of the arrays' host tier (8 ranks, 8
 copies). :class:`NodeHostTier` is a :data:`~gpuload.cache.array_store.HostTierMaker` that every
 rank calls at the same point (when its ``TieredArrayStore`` places its tiers). Over a gloo group
 of its own, the ranks of each node agree on one range of rows; the node's lowest rank (its
 leader) creates a file in ``/dev/shm``, every rank that needs rows opens it, the leader unlinks
 it at once, sizes it (``posix_fallocate``: a full ``/dev/shm`` fails here, cleanly, instead of
 with SIGBUS on a write later) and fills it; then each rank maps it through its open descriptor
-(``/proc/self/fd``) and, on CUDA, registers the mapping as pinned memory. Nothing is left in
+(``/proc/self/fd``). The mapping is not pinned (no ``cudaHostRegister``): a batch's rows are
+gathered from it into the prefetcher's pinned staging slots, which are the only host memory a
+copy to the device reads. Nothing is left in
 ``/dev/shm`` after the first two messages of the setup, so a rank killed later (even with
 SIGKILL) leaves nothing behind: the memory goes when the last rank holding it exits.
 
@@ -24,7 +26,7 @@ containers that do not share ``/dev/shm``, share less, never wrongly.
 
 The host budget is the node's, counted once: the shared copy holds at most the smallest
 budget the node's ranks saw. When sharing is not possible (``/dev/shm`` too small, the ranks'
-arrays differ, a rank cannot open the segment) each rank keeps its own pinned copy of its rows,
+arrays differ, a rank cannot open the segment) each rank keeps its own copy of its rows,
 in ``1/ranks`` of that budget, with one :class:`~gpuload.cache.CacheFallbackWarning`: a job
 that runs today (docker's default ``/dev/shm`` is 64 MiB) keeps running.
 
@@ -40,9 +42,7 @@ import os
 import secrets
 import socket
 import warnings
-import weakref
 import zlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,17 +69,12 @@ SEGMENT_PREFIX = "gpuload-host-"
 _ALIGN = 64  # each array's block starts on a cache line (and on any element size)
 _SAMPLED_ROWS = 16  # rows per array compared across ranks: catches ranks loading different data
 _OK, _NO_SPACE, _FAILED = 0, 1, 2
-_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch does
 
 
 def shm_free_bytes(directory: str = SHM_DIR) -> int:
     """Bytes free in the shared-memory file system (what a new segment may take)."""
     stats = os.statvfs(directory)
     return stats.f_bavail * stats.f_frsize
-
-
-def _cudart() -> Any:
-    return torch.cuda.cudart()
 
 
 def _int63(text: bytes) -> int:
@@ -135,7 +130,7 @@ def node_host_tier(
     sampler = getattr(batch_sampler, "sampler", None)
     if not isinstance(sampler, DistributedSampler) or sampler.num_replicas != context.world_size:
         return None
-    return NodeHostTier(context, pin=True)
+    return NodeHostTier(context)
 
 
 class _Setup:
@@ -163,13 +158,11 @@ class _Setup:
 class NodeHostTier:
     """Builds a host tier shared by the ranks of this node (see the module's docstring).
 
-    Call it on every rank of the process group at the same point; ``pin``: register each
-    rank's mapping with CUDA as pinned memory (unregistered by the tier's ``release``).
+    Call it on every rank of the process group at the same point.
     """
 
-    def __init__(self, context: DistributedContext, *, pin: bool) -> None:
+    def __init__(self, context: DistributedContext) -> None:
         self.context = context
-        self.pin = pin
 
     def __call__(self, source: list[torch.Tensor], first: int, rows: int, budget: int) -> HostTier:
         group = dist.new_group(backend="gloo", timeout=exchange_timeout())
@@ -206,7 +199,7 @@ class NodeHostTier:
             if reason is not None:
                 warnings.warn(
                     f"gpuload cache: the node's {copies} ranks do not share one host tier: {reason}; each "
-                    f"keeps its own pinned copy of at most {fit} samples ({format_bytes(fit * bps)}, 1/{copies} "
+                    f"keeps its own copy of at most {fit} samples ({format_bytes(fit * bps)}, 1/{copies} "
                     f"of the node's host budget of {format_bytes(node_budget)})",
                     CacheFallbackWarning, stacklevel=5,
                 )
@@ -252,16 +245,7 @@ class NodeHostTier:
     def _map(self, fd: int, size: int, source: list[torch.Tensor], offsets: list[int], start: int,
              rows: int, shared_by: int) -> HostTier:
         segment = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
-        tier = HostTier(start, _views(segment, source, offsets, rows), shared_by=shared_by)
-        if self.pin:
-            unpin = _pin(segment)
-            if unpin is not None:
-                # Unpinned once: at the store's close, or when the tier is collected unclosed;
-                # the finalizer holds the mapping until then. At exit the driver unpins.
-                finalizer = weakref.finalize(tier, unpin)
-                finalizer.atexit = False
-                tier.release = finalizer
-        return tier
+        return HostTier(start, _views(segment, source, offsets, rows), shared_by=shared_by)
 
 
 def _create(path: str, size: int) -> tuple[list[int], int]:
@@ -307,28 +291,3 @@ def _views(segment: torch.Tensor, source: list[torch.Tensor], offsets: list[int]
         views.append(segment[offset : offset + nbytes].view(column.dtype).view(rows, *column.shape[1:]))
     return views
 
-
-def _pin(segment: torch.Tensor) -> Callable[[], None] | None:
-    """Register this process's mapping of ``segment`` as pinned memory; return what unregisters it.
-
-    A failed registration warns and leaves the tier unpinned (copies from it still work, through
-    the store's pinned staging buffers). No asynchronous copy reads the tier itself (the store
-    gathers rows into a staging buffer first), so unregistering at close needs no sync.
-    """
-    cudart = _cudart()
-    size = segment.numel()
-    code = int(cudart.cudaHostRegister(segment.data_ptr(), size, _REGISTER_PORTABLE))
-    if code != 0:
-        warnings.warn(
-            f"gpuload cache: pinning the node's shared host tier ({format_bytes(size)}) failed with cudaError "
-            f"{code}; it is served unpinned", CacheFallbackWarning, stacklevel=6,
-        )
-        return None
-
-    def release() -> None:  # holds the mapping (segment) until it has unpinned it
-        code = int(cudart.cudaHostUnregister(segment.data_ptr()))
-        if code != 0:
-            warnings.warn(f"gpuload cache: unpinning the shared host tier failed with cudaError {code}",
-                          CacheFallbackWarning, stacklevel=3)
-
-    return release

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from gpuload.cache import CacheSettings
+from gpuload.cache import CacheSettings, Store
 from gpuload.stats import LoaderStats
 
 __all__ = ["DEFAULT_DEPTH", "Epoch", "EpochRequest", "Setup", "Source"]
@@ -87,6 +87,9 @@ class EpochRequest:
     the epoch's sample order from that sample cut at that size (after ``set_batch_size``, in
     the epoch or before a resume), so a source that computes other ranks' batches (the sharded
     cache) cuts theirs alike; None when ``draw`` yields the epoch's batches as its sampler cuts them.
+    ``copy_now``: copies a host batch (or a prefetcher ``Fill``) to the device through the
+    loader's staging in the caller's thread, for batches made in the loop's thread: the one
+    host-to-device path (``Prefetcher.copy_now``).
     """
 
     number: int
@@ -96,6 +99,7 @@ class EpochRequest:
     resumed: bool = False
     worker_seed_drawn: bool = False
     position: tuple[int, int, int] | None = None
+    copy_now: Callable[[Any], Any] | None = None
 
     def indices(self) -> Iterator[Any]:
         """This epoch's batch indices. Ahead of the loop they are all drawn now, in the loop's
@@ -166,19 +170,31 @@ class Source(ABC):
         """Entries for ``loader.stats.extra`` (cache counters, decisions)."""
         return {}
 
+    @abstractmethod
+    def cache_store(self) -> Store | None:
+        """The store serving this source's batches now (None: no cache). The loader's questions
+        about the cache (its device bytes, shrinking it, whether it is split over ranks) are
+        answered from it, the same way for every source."""
+
     def device_cache_bytes(self) -> int:
         """Bytes this source's cache holds in the memory of the loader's device (0: none)."""
-        return 0
+        store = self.cache_store()
+        return store.device_bytes if store is not None and store.device == self.setup.device else 0
 
     def shrink_cache(self, max_device_bytes: int) -> int:
         """Keep at most ``max_device_bytes`` of the cache in the device's memory, letting go
-        first of what is cheapest to get back; returns the bytes freed (0: nothing to free)."""
-        return 0
+        first of what is cheapest to get back; returns the bytes freed (0: nothing to free; a
+        share split over ranks frees nothing, and says why)."""
+        store = self.cache_store()
+        if store is None or not (store.split_over_ranks or self.device_cache_bytes()):
+            return 0
+        return store.shrink(max_device_bytes)
 
     def split_over_ranks(self) -> bool:
         """Whether the data is split over ranks (``cache_scope`` node/world in force): each batch
         is then a collective, and every rank must make the same batches."""
-        return False
+        store = self.cache_store()
+        return store is not None and store.split_over_ranks
 
     def close(self) -> None:
         """Give back device and pinned memory; the next epoch rebuilds what it needs."""

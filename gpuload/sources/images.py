@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import default_collate, default_convert
 
 from gpuload.augment import BatchAugmenter
-from gpuload.cache import SampleCache, decide_images, estimate_image_bytes, format_bytes
+from gpuload.cache import SampleCache, Store, decide_images, estimate_image_bytes, format_bytes
 from gpuload.datasets.images import ImageSource, as_image_source
 from gpuload.decode import BatchDecoder, Header, HeaderTable, ImageDecodeError
 from gpuload.device import device_memory, host_memory
@@ -181,7 +181,7 @@ class ImageFileSource(Source):
             self.path = self.sharded.plan.kind
             return
         if self.cache is not None:
-            self.cache.fit_reserve(self.setup.settings.keepable, "those images are decoded from their files again")
+            self.cache.shrink_to_reserve(self.setup.settings.keepable, "those images are decoded from their files again")
         self.path = "image-decode" if self.cache is None else f"image-cache ({self.keeps})"
 
     def stats(self) -> dict[str, Any]:
@@ -198,16 +198,10 @@ class ImageFileSource(Source):
             extra["cache"] = self._released
         return extra
 
-    def device_cache_bytes(self) -> int:
-        if self.sharded is not None:
-            return self.sharded.stats.device_bytes
-        cache = self.cache
-        return cache.stats.bytes if cache is not None and cache.device == self.setup.device else 0
-
-    def shrink_cache(self, max_device_bytes: int) -> int:
-        """The images cached last go first; they are read and decoded from their files again
-        (a share frees nothing: the other ranks plan on it)."""
-        return self.cache.shrink(max_device_bytes) if self.cache is not None and self.device_cache_bytes() else 0
+    def cache_store(self) -> Store | None:
+        """This rank's share of the decoded images, or the image cache (the images cached last
+        go first when it shrinks: they are read and decoded from their files again)."""
+        return self.sharded if self.sharded is not None else self.cache
 
     def _note_skipped(self, entries: list[tuple[int, str, str]], epoch: int) -> None:
         """Count skipped files, in total and in ``epoch``; keep the first distinct ones named."""
@@ -352,7 +346,7 @@ class ImageFileSource(Source):
             self._note_skipped([(position, self.images.path(position), str(error))], epoch)
             return None
         if cache is not None:
-            cache.put(position, data)
+            cache.keep(position, data)
         return data
 
     def decode(self, indices: Any, epoch: int) -> DecodedBatch:
@@ -388,7 +382,7 @@ class ImageFileSource(Source):
             self.roi = result.roi
             for k, image in zip(result.kept_positions, result.images):
                 if filling:
-                    cache.put(readable[k], image)
+                    cache.keep(readable[k], image)
                 window = None if windows is None else windows[k]
                 decoded[slots[k]] = (image, window, None if sizes is None else sizes[k])
         order = sorted([*hits, *decoded])

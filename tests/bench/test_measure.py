@@ -116,7 +116,7 @@ def test_format_details_reports_measured_tiers_and_the_model() -> None:
     ]
     model = {"device": "cpu", "state_bytes": 2**20, "saved_activation_bytes": 3 * 2**20, "activation_peak_bytes": None}
     text = format_details(rows, model)
-    assert "gpuload part: path tiered (device+host); measured: 6 samples on the device, 4 in pinned host" in text
+    assert "gpuload part: path tiered (device+host); measured: 6 samples on the device, 4 in host" in text
     assert "torch" not in text.splitlines()[0]
     assert "1.00 MiB" in text and "3.0 MiB per step" in text and "n/a on the CPU" in text
     assert format_details([{"name": "torch"}], None) == ""

@@ -54,7 +54,7 @@ def test_partial_scenario_quick_on_cpu_writes_json_and_chart(tmp_path: Path, cap
     assert rows["torch DataLoader (num_workers=0)"]["h2d_bytes_first_epoch"] == 0
     whole = rows["gpuload DataLoader (whole dataset cached)"]["cache_plan_modelled"]
     assert whole["kind"] == "device" and whole["h2d_bytes_first_epoch"] == 2048 * ROW_BYTES
-    for name in ("gpuload DataLoader (part cached + pinned host)", "gpuload DataLoader (part cached + source)"):
+    for name in ("gpuload DataLoader (part cached + host memory)", "gpuload DataLoader (part cached + source)"):
         row = rows[name]
         assert row["path"] == "device-gather"  # on the CPU the arrays are served in place
         assert row["h2d_bytes_per_epoch"] == 0 and row["loader_device_peak_bytes"] is None
@@ -90,7 +90,7 @@ def test_partial_rows_on_a_gpu_fill_the_device_tier_once_then_copy_the_rest() ->
     whole = rows["gpuload DataLoader (whole dataset cached)"]
     assert whole["path"] == "device-gather" and whole["cache"]["device_samples"] == 1024
     assert whole["h2d_bytes_first_epoch"] == everything and whole["h2d_bytes_per_epoch"] == 0
-    for name, tier in (("part cached + pinned host", "host_samples"), ("part cached + source", "source_samples")):
+    for name, tier in (("part cached + host memory", "host_samples"), ("part cached + source", "source_samples")):
         row = rows[f"gpuload DataLoader ({name})"]
         assert row["path"].startswith("tiered (device+") and row["cache"]["device_samples"] == 512
         assert row["cache"][tier] == 512

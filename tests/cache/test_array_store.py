@@ -1,4 +1,4 @@
-"""TieredArrayStore: gathers across device / pinned host / source equal a plain index_select."""
+"""TieredArrayStore: gathers across device / host / source equal a plain index_select."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import gpuload.cache.array_store as array_store
 from gpuload.cache import CacheFallbackWarning, TieredArrayStore
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.plan import make_plan
+from gpuload.cache.tiers import HostTier
+from gpuload.prefetch import Prefetcher
 
 GiB = 2**30
 N = 1000
@@ -44,6 +46,24 @@ def forced_plan(data, device_samples: int, host_samples: int, mode: str = "auto"
     )
     assert plan.device_samples == device_samples and plan.host_samples == min(host_samples, n - device_samples)
     return plan
+
+
+def copy_to(device):
+    """A stand-in for the loader's staging: the request's host rows gathered, then moved."""
+
+    def copy(request):
+        views = [torch.empty(shape, dtype=dtype) for shape, dtype in request.staged_shapes]
+        request.fill_staged(views)
+        return [view.to(device) for view in views]
+
+    return copy
+
+
+def staged_by_a_prefetcher(device):
+    """The loader's own copier: the request's host rows gathered into a prefetcher's pinned
+    slot and copied on its side stream."""
+    prefetcher = Prefetcher(None, device)
+    return lambda request: prefetcher.copy_staged(request.staged_shapes, request.fill_staged)
 
 
 def expected(data, index: torch.Tensor):
@@ -78,8 +98,8 @@ def test_batch_spanning_all_three_tiers_counts_each():
     stats = store.stats
     assert (stats.device_hits, stats.host_hits, stats.source_hits) == (3, 3, 3)
     # the device tier on the CPU is a view of the source; the host tier is a separate copy
-    assert store._device_cols[0].data_ptr() == data["image"].data_ptr()
-    assert store._host_cols[0].data_ptr() != data["image"][100].data_ptr()
+    assert store.tier("device").columns[0].data_ptr() == data["image"].data_ptr()
+    assert store.tier("host").columns[0].data_ptr() != data["image"][100].data_ptr()
 
 
 def test_tuple_and_single_tensor_structures():
@@ -115,17 +135,17 @@ def test_plan_must_match_data():
         TieredArrayStore({"a": np.zeros(3)}, forced_plan(other, 5, 0), "cpu")
 
 
-def test_shrink_device_tier_keeps_results():
+def test_shrink_keeps_results():
     data = arrays()
     store = TieredArrayStore(data, forced_plan(data, 600, 200), "cpu", ledger=BudgetLedger())
     bps = bytes_per_sample(data)
-    store.shrink_device_tier(250 * bps + 7)
+    store.shrink(250 * bps + 7)
     assert store.stats.device_samples == 250
     assert store.stats.source_samples == N - 250 - 200
     index = torch.randperm(N)[:300]
     assert torch.equal(store.gather(index)["image"], data["image"].index_select(0, index))
-    assert store.shrink_device_tier(10**12) == 0  # growing is not shrinking
-    store.shrink_device_tier(0)
+    assert store.shrink(10**12) == 0  # growing is not shrinking
+    store.shrink(0)
     assert store.stats.device_samples == 0
     assert torch.equal(store.gather(index)["label"], index)
 
@@ -134,7 +154,7 @@ def test_close_releases_memory_and_ledger():
     ledger = BudgetLedger()
     data = arrays()
     store = TieredArrayStore(data, forced_plan(data, 100, 300), "cpu", ledger=ledger, owner="train")
-    host_copy = weakref.ref(store._host_cols[0])
+    host_copy = weakref.ref(store.tier("host").columns[0])
     ledger.reserve(123, "train", device="cuda:0")  # as if its device tier were booked
     store.close()
     gc.collect()
@@ -147,12 +167,12 @@ def test_close_releases_memory_and_ledger():
 
 
 def test_host_oom_falls_back_to_source_with_one_warning(monkeypatch):
-    def fail(rows):
+    def fail(cls, *args):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
 
-    monkeypatch.setattr(array_store, "_host_copy", fail)
+    monkeypatch.setattr(HostTier, "allocate", classmethod(fail))
     data = arrays()
-    with pytest.warns(CacheFallbackWarning, match="pinning 500 samples") as caught:
+    with pytest.warns(CacheFallbackWarning, match="keeping 500 samples") as caught:
         store = TieredArrayStore(data, forced_plan(data, 0, 500), "cpu", ledger=BudgetLedger())
     assert len(caught) == 1
     assert store.stats.host_samples == 0 and store.stats.fallbacks == 1
@@ -161,7 +181,7 @@ def test_host_oom_falls_back_to_source_with_one_warning(monkeypatch):
 
 
 def test_other_errors_are_not_swallowed(monkeypatch):
-    monkeypatch.setattr(array_store, "_host_copy", lambda rows: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(HostTier, "allocate", classmethod(lambda cls, *a: (_ for _ in ()).throw(RuntimeError("boom"))))
     data = arrays()
     with pytest.raises(RuntimeError, match="boom"):
         TieredArrayStore(data, forced_plan(data, 0, 500), "cpu", ledger=BudgetLedger())
@@ -175,15 +195,16 @@ def test_cuda_device_tier_gather_and_ledger():
     bps = bytes_per_sample(data)
     assert ledger.owners("cuda:0") == {"t": 300 * bps} and ledger.used("cuda:0") == 300 * bps
     index = torch.randperm(N)[:256]
-    batch = store.gather(index)
+    copy = staged_by_a_prefetcher("cuda")
+    batch = store.gather(index, copy=copy)
     assert batch["image"].device.type == "cuda"
     assert torch.equal(batch["image"].cpu(), data["image"].index_select(0, index))
     stats = store.stats
     assert stats.h2d_bytes == (stats.host_hits + stats.source_hits) * bps
-    assert store._host_cols[0].is_pinned()
-    freed = store.shrink_device_tier(100 * bps)
+    assert not store.tier("host").columns[0].is_pinned()  # pageable: only the staging slots are pinned
+    freed = store.shrink(100 * bps)
     assert freed == 200 * bps and ledger.owners("cuda:0") == {"t": 100 * bps}
-    assert torch.equal(store.gather(index)["label"].cpu(), index)
+    assert torch.equal(store.gather(index, copy=copy)["label"].cpu(), index)
     store.close()
     assert ledger.owners("cuda:0") == {}
 
@@ -201,7 +222,8 @@ def test_cuda_device_oom_falls_back_to_host_with_one_warning(monkeypatch):
     assert store.stats.device_samples == 0 and store.stats.host_samples == N
     assert ledger.owners("cuda:0") == {}
     index = torch.randperm(N)[:64]
-    assert torch.equal(store.gather(index)["image"].cpu(), data["image"].index_select(0, index))
+    batch = store.gather(index, copy=staged_by_a_prefetcher("cuda"))
+    assert torch.equal(batch["image"].cpu(), data["image"].index_select(0, index))
     store.close()
 
 
@@ -238,7 +260,7 @@ def test_device_oom_fallback_logic_on_meta_device(monkeypatch, mode, host_after)
     assert len(caught) == 1
     assert store.stats.device_samples == 0 and store.stats.host_samples == host_after
     assert ledger.owners("meta") == {}
-    batch = store.gather(torch.arange(0, N, 10))
+    batch = store.gather(torch.arange(0, N, 10), copy=copy_to("meta"))
     assert batch["image"].device.type == "meta" and batch["image"].shape == (100, 3, 4, 4)
     assert store.stats.h2d_bytes == 100 * bytes_per_sample(data)
 
@@ -250,11 +272,11 @@ def test_meta_device_tier_books_ledger_and_shrinks():
     store = TieredArrayStore(data, forced_plan(data, 300, 200), "meta", ledger=ledger, owner="m")
     assert ledger.owners("meta") == {"m": 300 * bps} and ledger.used("meta") == 300 * bps
     assert store.stats.fill_bytes == 300 * bps
-    store.gather(torch.tensor([0, 1, 400, 900]))
+    store.gather(torch.tensor([0, 1, 400, 900]), copy=copy_to("meta"))
     assert store.stats.h2d_bytes == 2 * bps  # one host-tier row, one source row
-    assert store.shrink_device_tier(120 * bps) == 180 * bps
+    assert store.shrink(120 * bps) == 180 * bps
     assert ledger.owners("meta") == {"m": 120 * bps}
-    assert store.gather(torch.arange(N))["label"].shape == (N,)
+    assert store.gather(torch.arange(N), copy=copy_to("meta"))["label"].shape == (N,)
     store.close()
     assert ledger.owners("meta") == {}
 
@@ -263,10 +285,11 @@ def test_meta_device_tier_books_ledger_and_shrinks():
 def test_cuda_host_rows_copied_on_the_side_stream_arrive_in_order():
     data = arrays()
     store = TieredArrayStore(data, forced_plan(data, N // 3, N // 3), "cuda", ledger=BudgetLedger())
+    copy = staged_by_a_prefetcher("cuda")
     for _ in range(5):
         torch.cuda._sleep(50_000_000)  # keep the loop's stream busy while the copies run beside it
         index = torch.randperm(N)[:200]
-        batch = store.gather(index)
+        batch = store.gather(index, copy=copy)
         expected = data["image"].index_select(0, index)
         assert torch.equal(batch["image"].cpu(), expected)
     store.close()

@@ -75,7 +75,7 @@ def test_prepared_and_gathered_batches_equal_default_collate(kind: str) -> None:
     assert store.complete and not store.accepting
     order = [13, 2, 19, 2, 0, 7]
     slots = store.slots(torch.tensor(order))
-    assert_same(store.gather(slots), default_collate([samples[k] for k in order]))
+    assert_same(store.gather_rows(slots), default_collate([samples[k] for k in order]))
     views = store.views(slots)
     for view, k in zip(views, order):
         assert_same(view, samples[k], f"sample {k}")
@@ -142,12 +142,12 @@ def test_a_leaf_that_changes_becomes_per_sample_and_batches_stay_exact() -> None
             theirs = default_collate(expected)
         except RuntimeError as error:  # torch cannot stack different lengths: neither can we
             with pytest.raises(type(error)):
-                store.gather(slots)
+                store.gather_rows(slots)
             continue
-        assert_same(store.gather(slots), theirs)
+        assert_same(store.gather_rows(slots), theirs)
     assert _put(store, [16], ["not a dict"]) == 1  # the whole tree becomes per-sample
     slots = store.slots(torch.tensor([16]))
-    assert store.gather(slots) == ["not a dict"]
+    assert store.gather_rows(slots) == ["not a dict"]
     assert_same(store.views(store.slots(torch.tensor([4])))[0], samples[4])
 
 
@@ -218,7 +218,7 @@ def test_duplicates_out_of_range_keys_and_uncacheable_values() -> None:
     assert _put(store, [5, 6], [(torch.tensor([5]), object()), (torch.tensor([6]), "ok")]) == 1
     assert store.stats.uncacheable == 1 and 5 not in store and 6 in store
     slots = store.slots(torch.tensor([2, 1, 6]))
-    assert_same(store.gather(slots), default_collate([samples[2], samples[1], (torch.tensor([6]), "ok")]))
+    assert_same(store.gather_rows(slots), default_collate([samples[2], samples[1], (torch.tensor([6]), "ok")]))
 
 
 def test_stored_values_are_copies() -> None:
@@ -227,11 +227,11 @@ def test_stored_values_are_copies() -> None:
     _put(store, [0], [(x, a, "s")])
     x += 1
     a += 1
-    gathered = store.gather(store.slots(torch.tensor([0])))
+    gathered = store.gather_rows(store.slots(torch.tensor([0])))
     assert gathered[0].sum() == 0 and gathered[1].sum() == 0
     view = store.views(store.slots(torch.tensor([0])))[0]
     view[0].add_(5)
-    assert store.gather(store.slots(torch.tensor([0])))[0].sum() == 0
+    assert store.gather_rows(store.slots(torch.tensor([0])))[0].sum() == 0
 
 
 def test_shrink_keeps_the_first_rows_settle_and_close() -> None:
@@ -241,7 +241,7 @@ def test_shrink_keeps_the_first_rows_settle_and_close() -> None:
     freed = store.shrink(10 * 4 + 3 * 16)
     assert freed == held - (10 * 4 + 3 * 16) and len(store) == 3 and store.full
     assert store.slots(torch.tensor([0, 2, 3])).tolist() == [0, 2, -1]
-    assert store.gather(store.slots(torch.tensor([2])))[0, 0] == 2
+    assert store.gather_rows(store.slots(torch.tensor([2])))[0, 0] == 2
     store.settle()
     assert store.stats.budget == store.stats.bytes
     store.close()
@@ -282,7 +282,7 @@ def test_device_columns_are_one_allocation_per_leaf() -> None:
     assert ledger.used("cuda:0") == store.stats.bytes
     store.put(torch.arange(50, 100), prepare(samples[50:]))
     order = torch.tensor([5, 99, 0, 42])
-    batch = store.gather(store.slots(order))
+    batch = store.gather_rows(store.slots(order))
     assert batch["x"].is_cuda and batch["y"].is_cuda
     assert_same(batch, default_collate([samples[k] for k in order.tolist()]))
     store.close()

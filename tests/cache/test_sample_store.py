@@ -22,7 +22,7 @@ def test_sample_cache_budget_and_counts():
     per_sample = 10 + 8 + 1
     cache = SampleCache(per_sample * 3 + 5)
     for i in range(5):
-        cache.put(i, sample)
+        cache.keep(i, sample)
     assert len(cache) == 3 and cache.full
     assert 3 not in cache and 2 in cache
     stats = cache.stats
@@ -37,25 +37,25 @@ def test_sample_cache_copies_and_keeps_structure():
     tensor = torch.arange(4)
     array = np.arange(3)
     cache = SampleCache(10**6)
-    assert cache.put(0, (tensor, [array, 1.5], {"k": tensor}))
+    assert cache.keep(0, (tensor, [array, 1.5], {"k": tensor}))
     tensor += 100  # the dataset reuses its buffer
     array += 100
     got = cache.get(0)
     assert isinstance(got, tuple) and isinstance(got[1], list) and isinstance(got[2], dict)
     assert torch.equal(got[0], torch.arange(4)) and np.array_equal(got[1][0], np.arange(3))
-    assert not cache.put(1, object())  # not a cacheable type
+    assert not cache.keep(1, object())  # not a cacheable type
     assert cache.stats.uncacheable == 1
 
 
 def test_sample_cache_close():
     ledger = BudgetLedger()
     cache = SampleCache(100, ledger=ledger)
-    cache.put(0, torch.zeros(4))
+    cache.keep(0, torch.zeros(4))
     stored = weakref.ref(cache.get(0))
     cache.close()
     gc.collect()
     assert stored() is None and len(cache) == 0
-    assert not cache.put(1, torch.zeros(1))
+    assert not cache.keep(1, torch.zeros(1))
     cache.close()
 
 
@@ -63,7 +63,7 @@ def test_sample_cache_close():
 def test_cuda_sample_cache_books_ledger():
     ledger = BudgetLedger()
     cache = SampleCache(1000, "cuda", ledger=ledger, owner="s")
-    cache.put(0, torch.zeros(100, dtype=torch.uint8))
+    cache.keep(0, torch.zeros(100, dtype=torch.uint8))
     assert cache.get(0).device.type == "cuda"
     assert ledger.used("cuda:0") == 100
     cache.close()
@@ -72,10 +72,10 @@ def test_cuda_sample_cache_books_ledger():
 
 def test_sample_cache_settle_stops_adding_and_shrinks_the_budget():
     cache = SampleCache(1000)
-    assert cache.put(0, torch.zeros(100, dtype=torch.uint8))
+    assert cache.keep(0, torch.zeros(100, dtype=torch.uint8))
     cache.settle()
     assert cache.stats.budget == 100 and cache.full
-    assert not cache.put(1, torch.zeros(1, dtype=torch.uint8))
+    assert not cache.keep(1, torch.zeros(1, dtype=torch.uint8))
     assert cache.peek(0) is not None and cache.stats.hits == 0  # peek counts nothing
 
 
@@ -83,7 +83,7 @@ def test_sample_cache_settle_stops_adding_and_shrinks_the_budget():
 def test_cuda_sample_cache_settle_gives_the_unused_booking_back():
     ledger = BudgetLedger()
     cache = SampleCache(1000, "cuda", ledger=ledger, owner="s")
-    cache.put(0, torch.zeros(100, dtype=torch.uint8))
+    cache.keep(0, torch.zeros(100, dtype=torch.uint8))
     assert ledger.reserved("cuda:0") == 1000
     cache.settle()
     assert ledger.reserved("cuda:0") == 100 and ledger.used("cuda:0") == 100
@@ -94,11 +94,11 @@ def test_cuda_sample_cache_settle_gives_the_unused_booking_back():
 def test_sample_cache_shrink_drops_the_newest_and_stops_adding():
     cache = SampleCache(1000)
     for index in range(5):
-        cache.put(index, torch.zeros(100, dtype=torch.uint8))
+        cache.keep(index, torch.zeros(100, dtype=torch.uint8))
     assert cache.shrink(250) == 300
     assert sorted(i for i in range(5) if i in cache) == [0, 1]
     assert cache.stats.bytes == 200 and cache.full
-    assert not cache.put(9, torch.zeros(1, dtype=torch.uint8))
+    assert not cache.keep(9, torch.zeros(1, dtype=torch.uint8))
     assert cache.shrink(1000) == 0
 
 
@@ -110,22 +110,22 @@ def test_sample_cache_asks_for_room_before_adding_and_stops_with_one_warning():
         return 250 if len(calls) == 1 else 50
 
     cache = SampleCache(10_000, room=ask)
-    assert cache.put(0, torch.zeros(100, dtype=torch.uint8))
-    assert cache.put(1, torch.zeros(100, dtype=torch.uint8))
+    assert cache.keep(0, torch.zeros(100, dtype=torch.uint8))
+    assert cache.keep(1, torch.zeros(100, dtype=torch.uint8))
     assert len(calls) == 1  # the first answer covered both
     with pytest.warns(CacheFallbackWarning, match="reached the reserve after caching 2 samples"):
-        assert not cache.put(2, torch.zeros(100, dtype=torch.uint8))  # 50 bytes left, 100 asked
+        assert not cache.keep(2, torch.zeros(100, dtype=torch.uint8))  # 50 bytes left, 100 asked
     assert len(calls) == 2 and cache.full and cache.stats.entries == 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not cache.put(3, torch.zeros(1, dtype=torch.uint8))
+        assert not cache.keep(3, torch.zeros(1, dtype=torch.uint8))
 
 
 def test_keeps_decoded_images_until_the_budget() -> None:
     image = torch.randint(0, 256, (3, 8, 6), dtype=torch.uint8)
     cache = SampleCache(2 * image.numel(), num_samples=3, ledger=BudgetLedger())
-    assert cache.put(0, image) and cache.put(1, image)
-    assert not cache.put(2, image)  # over the budget
+    assert cache.keep(0, image) and cache.keep(1, image)
+    assert not cache.keep(2, image)  # over the budget
     assert torch.equal(cache.get(0), image) and cache.get(2) is None
     assert not cache.complete and not cache.accepting
     summary = cache.summary(mode="decoded")
@@ -138,6 +138,6 @@ def test_keeps_encoded_bytes_completes_and_settles() -> None:
     blobs = [b"\xff\xd8" + bytes(10), b"\xff\xd8" + bytes(20)]
     cache = SampleCache(GiB, num_samples=2, ledger=BudgetLedger())
     for index, data in enumerate(blobs):
-        assert cache.accepting and cache.put(index, data)
+        assert cache.accepting and cache.keep(index, data)
     assert cache.complete and not cache.accepting and cache.get(1) == blobs[1]
     assert cache.summary()["budget"] == sum(map(len, blobs))  # settled to what it holds

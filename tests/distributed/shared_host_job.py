@@ -25,7 +25,6 @@ from torch.utils.data.distributed import DistributedSampler
 
 import gpuload
 from gpuload.cache import BudgetLedger, CacheFallbackWarning, TieredArrayStore, make_plan
-from gpuload.cache.array_store import gatherable
 from gpuload.distributed import current_context, shared_host
 from gpuload.distributed.shared_host import SEGMENT_PREFIX, SHM_DIR, NodeHostTier
 
@@ -90,7 +89,7 @@ def torchs_batches_equal(data: tuple[torch.Tensor, ...], store: TieredArrayStore
 
 def describe(store: TieredArrayStore, data, pids: list[int]) -> dict:
     stats = store.stats
-    host = store._host_cols  # the tier's tensors, to find their mapping
+    host = store.tier("host").columns  # the tier's tensors, to find their mapping
     return {
         "equal": torchs_batches_equal(data, store),
         "device_samples": stats.device_samples,
@@ -105,7 +104,7 @@ def describe(store: TieredArrayStore, data, pids: list[int]) -> dict:
 def shared(pids: list[int], device_rows: int, budget_rows: int) -> dict:
     """Ranks with different device tiers build one node tier; report what each sees."""
     data = dataset()
-    store = build(data, device_rows, budget_rows, NodeHostTier(current_context(), pin=False))
+    store = build(data, device_rows, budget_rows, NodeHostTier(current_context()))
     dist.barrier()  # every rank has set up
     found = describe(store, data, pids)
     inode = found["mapping"]["inode"] if found["mapping"] else None
@@ -130,7 +129,7 @@ def no_room(pids: list[int]) -> dict:
     shared_host.shm_free_bytes = lambda directory=SHM_DIR: 1000
     try:
         data = dataset()
-        store, messages = caught(lambda: build(data, 0, 60, NodeHostTier(current_context(), pin=False)))
+        store, messages = caught(lambda: build(data, 0, 60, NodeHostTier(current_context())))
     finally:
         shared_host.shm_free_bytes = real
     found = describe(store, data, pids)
@@ -142,67 +141,26 @@ def arrays_differ(pids: list[int]) -> dict:
     """Each rank loads other values: no sharing, each serves its own."""
     rank = dist.get_rank()
     data = dataset(shift=rank)
-    store, messages = caught(lambda: build(data, 0, NUM_SAMPLES, NodeHostTier(current_context(), pin=False)))
+    store, messages = caught(lambda: build(data, 0, NUM_SAMPLES, NodeHostTier(current_context())))
     found = describe(store, data, pids)
     store.close()
     return {**found, "warnings": messages}
 
 
-class RecordingCudart:
-    """Stands in for ``torch.cuda.cudart()``: records the registrations, answers ``code``."""
-
-    def __init__(self, code: int) -> None:
-        self.code, self.calls = code, []
-
-    def cudaHostRegister(self, pointer: int, size: int, flags: int) -> int:  # noqa: N802 - CUDA's name
-        self.calls.append(["register", pointer, size, flags])
-        return self.code
-
-    def cudaHostUnregister(self, pointer: int) -> int:  # noqa: N802
-        self.calls.append(["unregister", pointer])
-        return 0
-
-
-def pinned(pids: list[int], code: int) -> dict:
-    """``pin=True`` with a recording stand-in for CUDA: what was registered, and unregistered."""
-    recorder = RecordingCudart(code)
-    real = shared_host._cudart
-    shared_host._cudart = lambda: recorder
-    try:
-        data = dataset()
-        store, messages = caught(lambda: build(data, 0, NUM_SAMPLES, NodeHostTier(current_context(), pin=True)))
-        mapping = mapping_of(store._host_cols[0].data_ptr())
-        registered = list(recorder.calls)
-        store.close()
-        store.close()
-        gc.collect()
-    finally:
-        shared_host._cudart = real
-    size = shared_host._layout([gatherable(t) for t in data], NUM_SAMPLES)[1]
-    return {"registered": registered, "all_calls": recorder.calls, "mapping": mapping, "warnings": messages,
-            "segment_size": size}
-
-
-def pinned_unclosed(pids: list[int]) -> dict:
-    """A store dropped without ``close``: its mapping is unpinned when the tier is collected."""
-    recorder = RecordingCudart(0)
-    real = shared_host._cudart
-    shared_host._cudart = lambda: recorder
-    try:
-        store = build(dataset(), 0, NUM_SAMPLES, NodeHostTier(current_context(), pin=True))
-        pointer = mapping_of(store._host_cols[0].data_ptr())["start"]
-        del store
-        gc.collect()
-    finally:
-        shared_host._cudart = real
+def unclosed(pids: list[int]) -> dict:
+    """A store dropped without ``close``: its mapping goes when the tier is collected."""
+    store = build(dataset(), 0, NUM_SAMPLES, NodeHostTier(current_context()))
+    pointer = mapping_of(store.tier("host").columns[0].data_ptr())["start"]
+    del store
+    gc.collect()
     mapped = any(f"{pointer:x}-" in line and SEGMENT_PREFIX in line for line in open("/proc/self/maps"))
-    return {"calls": recorder.calls, "pointer": pointer, "still_mapped": mapped}
+    return {"pointer": pointer, "still_mapped": mapped}
 
 
 def killed_after_setup(pids: list[int]) -> dict:
     """The last rank is SIGKILLed after setup; the others keep serving, and /dev/shm stays clean."""
     data = dataset()
-    store = build(data, 0, NUM_SAMPLES, NodeHostTier(current_context(), pin=False))
+    store = build(data, 0, NUM_SAMPLES, NodeHostTier(current_context()))
     dist.barrier()
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == world - 1:
@@ -238,7 +196,7 @@ def killed_during_setup(pids: list[int]) -> dict:
     began = time.perf_counter()
     error = None
     try:
-        build(dataset(), 0, NUM_SAMPLES, NodeHostTier(current_context(), pin=False))
+        build(dataset(), 0, NUM_SAMPLES, NodeHostTier(current_context()))
     except Exception as failure:  # noqa: BLE001 - the test checks its type and message
         error = f"{type(failure).__name__}: {failure}"
     return {"error": error, "seconds": time.perf_counter() - began, "in_shm": segments_in_shm(pids)}
@@ -286,9 +244,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str, scenario: str) -> N
             found["budget"] = shared(pids, device_rows=10 * local, budget_rows=40)
             found["no_room"] = no_room(pids)
             found["differ"] = arrays_differ(pids)
-            found["pinned"] = pinned(pids, code=0)
-            found["pin_failed"] = pinned(pids, code=2)
-            found["pinned_unclosed"] = pinned_unclosed(pids)
+            found["unclosed"] = unclosed(pids)
             Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
             found["killed"] = killed_after_setup(pids)
             ended = True  # a peer is gone: do not wait for it at shutdown

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import scope_plan_job
 
 GiB = 1 << 30
-HOST = MemoryInfo(free=8 * GiB, total=8 * GiB)  # pinned budget 4 GiB: a small dataset's tier fits
+HOST = MemoryInfo(free=8 * GiB, total=8 * GiB)  # host tier budget 4 GiB: a small dataset's tier fits
 IMAGENET = (1_281_167, 3 * 224 * 224 + 8)
 PINNED = {"environ": {}, "cwd": Path(__file__).parent}  # no GPULOAD_* variables, no gpuload.toml
 
@@ -43,7 +43,7 @@ def test_two_nodes_of_two_gpus_by_hand(defaults):
     assert plans.rows_per_rank == 2  # 8 rows over 4 ranks
     rank, node, world = plans["rank"], plans["node"], plans["world"]
 
-    # rank: rows [0, 4) on each GPU, [4, 8) in each rank's pinned tier; half of what it reads crosses PCIe.
+    # rank: rows [0, 4) on each GPU, [4, 8) in each rank's host tier; half of what it reads crosses PCIe.
     assert (rank.fits, rank.runs, rank.device_samples, rank.host_samples) == (False, True, 4, 4)
     assert rank.host_bytes_per_node == 2 * 4 * 10  # each of the node's 2 ranks pins its own copy
     assert vars(rank.later_epochs) == dict(sampled=40, local=20, pcie=20, nvlink=0, network=0, fill=0)
@@ -62,7 +62,7 @@ def test_two_nodes_of_two_gpus_by_hand(defaults):
     assert (plans.auto.scope, plans.auto.group_size) == ("node", 2)
     shared = plan_scopes(8, 10, gpus_per_node=2, nodes=2, device_memory="1GiB", host_memory_per_node=HOST,
                          settings=defaults, room=40, host_shared=True)
-    assert shared["rank"].host_bytes_per_node == 4 * 10  # one pinned copy per node
+    assert shared["rank"].host_bytes_per_node == 4 * 10  # one host copy per node
 
 
 def test_the_issues_example_eight_h200_per_node_two_nodes_imagenet(defaults):
@@ -83,7 +83,7 @@ def test_the_issues_example_eight_h200_per_node_two_nodes_imagenet(defaults):
     assert plans.describe().splitlines()[1:] == [
         "  per GPU: 141.00 GiB free of 141.00 GiB, reserve 14.10 GiB; cache room 126.90 GiB (cache_size=auto, "
         "under free minus the reserve)",
-        "  per node: host 2.00 TiB free of 2.00 TiB, pinned budget 1.80 TiB (each rank pins its own host tier)",
+        "  per node: host 2.00 TiB free of 2.00 TiB, host tier budget 1.80 TiB (each rank keeps its own host tier)",
         "  per epoch each rank reads 80073 rows (DistributedSampler, shuffle=True); bytes below are per node, "
         "expected, mean over nodes",
         "  scope (ranks per copy); per GPU: bytes (samples) of the dataset on each GPU; PCIe: host to device, 1st "
@@ -92,7 +92,7 @@ def test_the_issues_example_eight_h200_per_node_two_nodes_imagenet(defaults):
         "  rank (1)    tiers  126.90 GiB (905151)  421.73 GiB  1.02 TiB    26.36 GiB   0 B        0 B",
         "  node (8)    yes    22.45 GiB (160146)   0 B         179.62 GiB  0 B         78.58 GiB  0 B <- auto",
         "  world (16)  yes    11.23 GiB (80073)    0 B         89.81 GiB   0 B         39.29 GiB  44.90 GiB",
-        "  rank: each GPU holds 905151 of 1281167 rows; 376016 in pinned host memory",
+        "  rank: each GPU holds 905151 of 1281167 rows; 376016 in host memory",
         "auto picks node: the dataset (179.62 GiB) fits 8 device(s) of 126.90 GiB room each (22.45 GiB per rank)",
     ]
 
@@ -104,7 +104,7 @@ def test_smaller_cards_fall_back_and_say_so(defaults):
     for scope in ("node", "world"):
         assert not plans[scope].runs and plans[scope].later_epochs is None
         assert "falls back to rank" in plans[scope].note
-    assert "over its pinned budget" in plans["rank"].note  # 8 private pinned copies do not fit the node
+    assert "over its host budget" in plans["rank"].note  # 8 private host copies do not fit the node
     text = plans.describe()
     assert "auto picks rank:" in text and "rank (1)    tiers" in text and "<- auto" in text
 

@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader as TorchDataLoader
-from torch.utils.data import TensorDataset
+from torch.utils.data import TensorDataset, default_collate, default_convert
 
 import gpuload
 from gpuload.cache import TieredArrayStore
 from gpuload.cache.array_store import gatherable
 from gpuload.cache.plan import make_plan
 from gpuload.datasets import ArrayDataset
+from gpuload.prefetch import Prefetcher
+from gpuload.sources.placed_arrays import ResidentColumns, find_columns
 from equivalence import assert_same_epochs
 
 # Every dtype torch's default_collate stacks (it accepts any tensor dtype).
@@ -71,6 +73,36 @@ def test_the_tiered_store_gathers_across_tiers_for_unsigned_dtypes(dtype: torch.
     assert stats.device_samples and stats.host_samples and stats.source_samples
     for key, array in data.items():
         assert got[key].dtype == dtype and torch.equal(got[key], array[index])
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_tiered_cache_reaches_the_loop_through_the_prefetchers_staging(batched: bool) -> None:
+    """The CUDA path of a tiered cache, run on the CPU: each batch's device-tier rows are
+    gathered in the prefetcher's thread, its host and source rows straight into a staging slot,
+    and the loop's finish puts them back in order: the batches torch's fetch + collate gives.
+    The same requests copied in the loop's thread (``copy_now``: ``prefetch_depth=0``) agree."""
+    data = [column(torch.uint16, 60, width=3), column(torch.float32, 60)]
+    dataset = TensorDataset(*data)
+    columns = find_columns(dataset, default_collate if batched else default_convert, batched)
+    bps = sum(c[0].numel() * c.element_size() for c in data)
+    plan = make_plan(bps, 60, device_free=2**30, host_free=20 * bps, budget=25 * bps, reserve=0, mode="auto",
+                     host_reserve=0)
+    store = TieredArrayStore(list(columns.columns), plan, "cpu", stage_host_rows=True)
+    resident = ResidentColumns(columns, columns.columns, torch.device("cpu"), "tiered", False, store=store)
+    assert resident.copies_batches  # host and source rows: the source streams its batches
+    batches = [torch.tensor([59, 0, 30, 24, 25, 45, 46, 3]), torch.tensor([1, 2]), torch.tensor([50, 51])]
+    if not batched:
+        batches = [torch.tensor([k]) for k in (0, 30, 59)]
+    prefetcher = Prefetcher(None, "cpu", depth=2)
+    delivered = list(prefetcher.epoch(resident.request(index, batched) for index in batches))
+    inline = [resident.gather(index, batched, copy=prefetcher.copy_now)[0] for index in batches]
+    for index, ahead, now in zip(batches, delivered, inline):
+        theirs = default_collate([dataset[k] for k in index.tolist()]) if batched else dataset[int(index)]
+        for got in (resident.finished(ahead), now):
+            for mine, expected in zip(got, theirs):
+                assert mine.dtype == expected.dtype and torch.equal(mine, expected)
+    assert prefetcher.stats.bytes_copied > 0
+    store.close()
 
 
 # ------------------------------------------------------------------- arrays changed later

@@ -14,7 +14,7 @@ from counting import Counted
 from equivalence import assert_same, assert_same_epochs
 from gpuload.cache import CacheSettings
 from gpuload.device import MemoryInfo
-from gpuload.sources.samples import RecordingSampler
+from gpuload.sources.torch_fetch import RecordingSampler
 
 GiB = 1 << 30
 

@@ -1,0 +1,128 @@
+"""The tiers of the array cache, one class each: where a run of rows lives and how it is read.
+
+A :class:`~gpuload.cache.plan.CachePlan` names its tiers in order (``plan.tiers``); the store
+builds each with the class registered under that name (:func:`register_tier`), and the source's
+own arrays serve every row no tier holds (:class:`SourceTier`). A tier holds rows
+``[first, first + rows)`` of every array, and says whether they live on the loader's device
+(``on_device``: gathered there) or in host memory (gathered on the host into the loader's
+staging, then copied by the prefetcher: the one host-to-device path). A new tier (e.g. a disk
+tier) is one subclass plus its registration.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+__all__ = ["DeviceTier", "HostTier", "SourceTier", "TIERS", "Tier", "register_tier"]
+
+
+class Tier(ABC):
+    """Rows ``[first, first + rows)`` of every array, in one place.
+
+    ``shared_by``: how many processes map this one copy (1: this process's own);
+    ``release``: called once by :meth:`close` (e.g. to unmap a node's shared copy).
+    """
+
+    #: The name plans use for this tier (``TierPlan.name``).
+    name: ClassVar[str] = ""
+    #: True when the rows live on the loader's device (gathered there, nothing crosses PCIe).
+    on_device: ClassVar[bool] = False
+
+    def __init__(
+        self, first: int, columns: list[torch.Tensor], *, shared_by: int = 1,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        self.first = first
+        self.columns = columns
+        self.shared_by = shared_by
+        self._release = release
+
+    @classmethod
+    @abstractmethod
+    def allocate(cls, source: list[torch.Tensor], first: int, rows: int, device: torch.device) -> Tier:
+        """This tier holding rows ``[first, first + rows)`` of ``source`` (host arrays); raises
+        torch's out-of-memory error when they do not fit."""
+
+    @property
+    def rows(self) -> int:
+        return self.columns[0].shape[0] if self.columns else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(column.numel() * column.element_size() for column in self.columns)
+
+    def gather(self, column: int, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``slots`` (positions in this tier, on its memory's device) of one column."""
+        storage = self.columns[column]
+        return storage.index_select(0, slots) if out is None else torch.index_select(storage, 0, slots, out=out)
+
+    def keep(self, rows: int) -> None:
+        """Keep only the first ``rows`` rows (their own, smaller allocation)."""
+        self.columns = [column[:rows].clone() for column in self.columns] if rows else []
+
+    def close(self) -> None:
+        """Drop the rows; calls ``release`` once."""
+        self.columns = []
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+TIERS: dict[str, type[Tier]] = {}
+"""The tier classes by name, in the order of registration."""
+
+
+def register_tier(cls: type[Tier]) -> type[Tier]:
+    """Make ``cls`` the tier that plans name ``cls.name`` (a class decorator)."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a name to be registered as a tier")
+    TIERS[cls.name] = cls
+    return cls
+
+
+@register_tier
+class DeviceTier(Tier):
+    """Rows copied once to the loader's device; a batch gathers them there."""
+
+    name = "device"
+    on_device = True
+
+    @classmethod
+    def allocate(cls, source: list[torch.Tensor], first: int, rows: int, device: torch.device) -> DeviceTier:
+        if device.type == "cpu":  # host memory is the device: a view, no copy
+            return cls(first, [leaf[first : first + rows] for leaf in source] if rows else [])
+        return cls(first, [leaf[first : first + rows].to(device) for leaf in source] if rows else [])
+
+
+@register_tier
+class HostTier(Tier):
+    """This process's own copy of the rows in pageable host memory.
+
+    Not pinned: a batch's host rows are gathered into the prefetcher's pinned staging slots
+    first, so pinning the whole tier would buy nothing, and torch's pinned allocator rounds
+    each block up to a power of two (a 40 GiB tier would pin 64 GiB).
+    """
+
+    name = "host"
+
+    @classmethod
+    def allocate(cls, source: list[torch.Tensor], first: int, rows: int, device: torch.device) -> HostTier:
+        return cls(first, [leaf[first : first + rows].contiguous().clone() for leaf in source] if rows else [])
+
+
+class SourceTier(Tier):
+    """The source arrays themselves (host memory): every row, read where it is. Not a cache
+    tier (nothing is allocated), so not registered; the store's last resort."""
+
+    name = "source"
+
+    @classmethod
+    def allocate(cls, source: list[torch.Tensor], first: int, rows: int, device: torch.device) -> SourceTier:
+        return cls(0, list(source))
+
+    def keep(self, rows: int) -> None:
+        """The source is never shrunk."""

@@ -1,0 +1,244 @@
+"""The sample cache of a map-style dataset while it serves: filled as the first epoch passes,
+then batches built from it, calling the dataset only for what it lacks.
+
+``decide_samples`` (in ``gpuload.cache``) chooses where the samples may be kept; a
+:class:`CachedSamples` holds the store that keeps them (by column, ``ColumnStore``) and answers
+each batch from it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from gpuload.cache import CacheDecision, format_bytes
+from gpuload.cache.columns import Branch, Column, ColumnStore, Part, prepare
+from gpuload.device import cuda_available
+from gpuload.sources import Setup
+from gpuload.sources.torch_fetch import KeepSamples, PerBatch, fetch, read_prepared
+from gpuload.transfer import batch_nbytes, move_to_device
+
+__all__ = ["CachedSamples"]
+
+
+def _keys(indices: Any, batched: bool) -> torch.Tensor | None:
+    """Cache keys of one index batch as an int64 tensor, or None if an index is not an integer."""
+    if isinstance(indices, torch.Tensor) and indices.dtype == torch.int64:
+        return indices if indices.dim() == 1 else indices.reshape(-1)
+    items = indices if batched else [indices]
+    if isinstance(items, torch.Tensor):
+        items = items.view(-1).tolist()
+    if isinstance(items, list) and set(map(type, items)) <= {int}:  # torch's BatchSampler: a list of ints
+        return torch.tensor(items, dtype=torch.int64)
+    keys = []
+    for index in items:
+        if isinstance(index, torch.Tensor) and index.numel() == 1:
+            index = index.item()
+        if isinstance(index, bool) or not hasattr(index, "__index__"):
+            return None
+        keys.append(int(index))
+    return torch.tensor(keys, dtype=torch.int64)
+
+
+class CachedSamples:
+    """A dataset's samples cached by index in a ``ColumnStore``, and batches built from it as
+    torch would build them.
+
+    ``tier="device"``: the columns live on ``device`` and batches are gathered there (nothing
+    crosses PCIe once cached); ``"host"``: in host memory (pinned when the loader's device is
+    CUDA). With torch's default_collate a cached batch is one gather per column; with any
+    other collate_fn (or ``batch_size=None``) the collate_fn gets fresh per-sample copies.
+    Every byte this cache copies host-to-device is added to ``h2d_bytes``.
+    """
+
+    def __init__(self, setup: Setup, decision: CacheDecision) -> None:
+        self.dataset = setup.dataset
+        self.setup = setup
+        self.tier = decision.tier
+        self.reason = decision.reason
+        self.device = setup.device
+        self.collate_fn = setup.collate_fn
+        self.batched = setup.batched
+        self.by_column = setup.batched and setup.collate_fn is default_collate
+        self.num_samples = len(setup.dataset)
+        where = setup.device if decision.tier == "device" else torch.device("cpu")
+        self.store = ColumnStore(
+            decision.budget, self.num_samples, where, owner=setup.owner, room=setup.settings.room_check(where),
+            pin=setup.device.type == "cuda" and cuda_available(),
+        )
+        self.unkeyed = False  # an index that is not an int was seen: nothing more is cached
+        self.fill_epochs = 0
+        self._counts_copies = decision.tier == "device" and setup.device.type != "cpu"
+        self.h2d_bytes = 0  # samples put on the device tier, and misses moved there to be collated
+
+    @property
+    def complete(self) -> bool:
+        """Every sample is cached: epochs need no dataset reads."""
+        return self.store.complete
+
+    @property
+    def accepting(self) -> bool:
+        return self.store.accepting and not self.unkeyed
+
+    @property
+    def layout(self) -> str:
+        """How the samples are stored (by column or per sample), for the decision line."""
+        return self.store.describe()
+
+    def stats(self) -> dict[str, Any]:
+        return self.store.summary(kind="samples", tier=self.tier, reason=self.reason)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def take(self, indices: Any, part: Part | None, keep: KeepSamples) -> None:
+        """Cache a worker batch's prepared samples (``part``) for its ``indices``; tell the workers
+        to stop sending once the cache takes no more."""
+        if part is not None and indices is not None:
+            keys = self._keys_of(indices)
+            if keys is not None:
+                self._store(keys, part)
+        if not self.accepting:
+            keep.sending.value = 0
+
+    def _keys_of(self, indices: Any) -> torch.Tensor | None:
+        """Cache keys of one index batch; None (and no more caching) once one is not an integer."""
+        keys = None if self.unkeyed else _keys(indices, self.batched)
+        if keys is None:
+            self.unkeyed = True
+        return keys
+
+    def _store(self, keys: torch.Tensor, part: Part, unseen: bool = False) -> int:
+        """Put a prepared batch in the store; how many of its samples were stored now."""
+        stored = self.store.put(keys, part, unseen=unseen) if self.accepting else 0
+        if stored and self._counts_copies:
+            self.h2d_bytes += _column_bytes(part)
+        return stored
+
+    def _fetch(self, indices: list[Any]) -> list[Any]:
+        return fetch(self.dataset, indices, self.batched)
+
+    def batch(self, indices: Any, in_range: bool = False) -> Any:
+        """The batch torch's fetch + collate gives for ``indices`` (device-tier leaves on the
+        device; anything collated from host samples still on the host). ``in_range``: the
+        indices are int64 tensors known to lie in ``[0, len(dataset))``."""
+        keys = self._keys_of(indices)
+        if keys is None or not keys.numel():  # torch's fetch and collate (and its error if empty)
+            items = list(indices) if self.batched else [indices]
+            return self._collate(self._fetch(items))
+        store = self.store
+        slots = store.slots(keys, in_range)
+        if self.complete and in_range:
+            store.count(keys.numel(), 0)
+            return self._from_store(slots)
+        rows = slots.numpy()  # numpy's min/max: no thread pool to wake for a few hundred rows
+        low, high = int(rows.min()), int(rows.max())
+        if low >= 0:
+            store.count(keys.numel(), 0)
+            return self._from_store(slots)
+        items = indices.view(-1).tolist() if isinstance(indices, torch.Tensor) else (
+            list(indices) if self.batched else [indices])
+        if high < 0:  # nothing cached: the filling epoch's usual batch
+            missing, positions = keys, list(range(len(items)))
+        else:
+            where = (slots < 0).nonzero().view(-1)
+            missing, positions = keys.index_select(0, where), where.tolist()
+        store.count(keys.numel() - len(positions), len(positions))
+        fetched = self._fetch(items if high < 0 else [items[p] for p in positions])
+        part = prepare(fetched)
+        if self.accepting and self._store(missing, part, unseen=True) == len(positions):
+            if high < 0 and self.by_column and not self._counts_copies:
+                return part.batch()  # every sample was read now: the columns just written
+            return self._from_store(store.slots(keys))
+        return self._partial(store.slots(keys), positions, fetched)
+
+    def _from_store(self, slots: torch.Tensor) -> Any:
+        """A batch of stored samples only."""
+        if self.by_column:
+            return self.store.gather_rows(slots)
+        return self._collate(self.store.views(slots))
+
+    def _partial(self, slots: torch.Tensor, positions: list[int], fetched: list[Any]) -> Any:
+        """A batch of stored samples and samples read now (``fetched``, at ``positions``), in order."""
+        read = (slots < 0).nonzero().view(-1).tolist()
+        if read != positions:  # only some were stored just now: keep the rest
+            kept = dict(zip(positions, fetched))
+            fetched = [kept[p] for p in read]
+        if not read:  # a sample drawn twice: all were stored after all
+            return self._from_store(slots)
+        if len(read) == slots.numel():
+            return self._collate(fetched)
+        if self.by_column:
+            if self._counts_copies:
+                self.h2d_bytes += sum(batch_nbytes(sample) for sample in fetched)
+            batch = self.store.assemble(slots, prepare(fetched))
+            if batch is not None:
+                return batch
+        cached = iter(self.store.views(slots[slots >= 0]))
+        extra = iter(fetched)
+        samples = [next(extra) if s < 0 else next(cached) for s in slots.tolist()]
+        if self._counts_copies:
+            samples = [move_to_device(sample, self.device) for sample in samples]
+        return self._collate(samples)
+
+    def _collate(self, samples: list[Any]) -> Any:
+        return self.collate_fn(samples) if self.batched else self.collate_fn(samples[0])
+
+    def batches(self, indices: Iterator[Any], in_range: bool = False, whole: bool = True) -> Iterator[Any]:
+        """An epoch's batches from the cache (and the dataset for what it lacks); ``whole``: not
+        the rest of a resumed epoch, which cannot have filled the cache."""
+        return PerBatch(indices, lambda index: self.batch(index, in_range), self.end_of_epoch if whole else None)
+
+    def warm(self, progress: bool, num_workers: int, worker_options: dict[str, Any]) -> int:
+        """Read every sample not cached yet into the cache, in index order; returns how many."""
+        from tqdm import tqdm
+
+        everything = torch.arange(self.num_samples, dtype=torch.int64)
+        todo = (self.store.slots(everything, in_range=True) < 0).nonzero().view(-1).tolist()
+        if not todo or not self.accepting:
+            return 0
+        batch_size = self.setup.batch_size or 1
+        chunks = [todo[k : k + batch_size] for k in range(0, len(todo), batch_size)]
+        read = 0
+        with (
+            read_prepared(self.dataset, chunks, num_workers, worker_options, self.batched) as fetched,
+            tqdm(total=len(todo), unit="sample", desc="gpuload warm", disable=not progress) as bar,
+        ):
+            for chunk, part in zip(chunks, fetched):
+                self._store(torch.tensor(chunk, dtype=torch.int64), part)
+                read += len(chunk)
+                bar.update(len(chunk))
+                if not self.accepting:
+                    break
+        return read
+
+    def end_of_epoch(self) -> None:
+        """After a whole epoch: say once why samples stay uncached."""
+        self.fill_epochs += 1
+        if self.fill_epochs != 1 or self.complete:
+            return
+        stats = self.store.stats
+        if self.unkeyed:
+            why = "its sampler yields indices that are not integers"
+        elif stats.uncacheable:
+            why = f"{stats.uncacheable} samples are of types gpuload cannot copy (tensors, arrays, numbers, strings and containers of them)"
+        else:
+            why = f"the budget ({format_bytes(stats.budget)}) holds {stats.entries} of {self.num_samples} samples"
+        warnings.warn(
+            f"gpuload: the {self.tier} sample cache of this {type(self.dataset).__name__} is partial: {why}; "
+            "the rest are read from the dataset every epoch",
+            stacklevel=3,
+        )
+
+
+def _column_bytes(part: Part) -> int:
+    """Bytes of a prepared batch's tensors (what writing it to device columns copies)."""
+    if isinstance(part, Column):
+        return part.rows.numel() * part.rows.element_size()
+    if isinstance(part, Branch):
+        return sum(_column_bytes(child) for child in part.children)
+    return batch_nbytes(list(part.values))

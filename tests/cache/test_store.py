@@ -1,0 +1,145 @@
+"""One contract, every store: written once against ``gpuload.cache.store.Store`` and run against
+array rows over tiers (on the CPU in place, through the loader's staging path, with a toy tier
+added in one class), a map-style dataset's samples by column and one by one, and a rank's
+share of arrays or decoded images split over ranks. The ``gpu`` variants run the same checks
+with the device tier and the prefetcher's staging on CUDA."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from gpuload.cache import TieredArrayStore
+from gpuload.cache.budget import BudgetLedger
+from gpuload.cache.sample_store import SampleCache
+from gpuload.cache.store import FillingStore, Store
+from gpuload.cache.tiers import TIERS, Tier
+from store_cases import (
+    CASES, N, Case, SlowHostTier, _arrays, array_case, columns, columns_case, planned, sample_cache_case,
+)
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+@pytest.fixture(params=list(CASES))
+def case(request) -> Case:
+    made = CASES[request.param]()
+    yield made
+    made.store.close()
+
+
+def test_every_store_is_a_store(case):
+    assert isinstance(case.store, Store)
+    assert not type(case.store).__abstractmethods__
+
+
+def test_gather_returns_the_held_samples_in_order(case):
+    g = torch.Generator().manual_seed(11)
+    for _ in range(4):
+        index = case.held[torch.randperm(case.held.numel(), generator=g)[:37]]
+        assert same(case.batch(index), case.expected(index))
+
+
+def test_an_index_not_held_is_an_index_error(case):
+    missing = sorted(set(range(N)) - set(case.held.tolist()))
+    index = torch.tensor([int(case.held[0]), missing[0] if missing else N + 5])
+    with pytest.raises(IndexError):
+        case.batch(index)
+
+
+def test_shrink_keeps_what_is_held_correct(case):
+    before = case.store.device_bytes
+    freed = case.store.shrink(0)
+    assert isinstance(freed, int) and 0 <= freed <= before
+    assert case.store.device_bytes == before - freed  # what it freed is what it no longer holds
+    still = [k for k in case.held.tolist() if _holds(case.store, k)]
+    if still:
+        index = torch.tensor(still[:20])
+        assert same(case.batch(index), case.expected(index))
+
+
+def _holds(store: Store, index: int) -> bool:
+    try:
+        store.gather(torch.tensor([index]))
+    except IndexError:
+        return False
+    except RuntimeError:  # a copying store gathers only through its staging: it holds the row
+        return True
+    return True
+
+
+def test_stats_and_close(case):
+    counters = case.store.stats.as_dict()
+    assert isinstance(counters, dict) and counters
+    case.store.close()
+    case.store.close()  # twice is fine
+    with pytest.raises((RuntimeError, IndexError)):
+        case.batch(case.held[:2])
+
+
+def test_filling_stores_say_when_they_are_complete():
+    cache = SampleCache(1 << 30, ledger=BudgetLedger(), num_samples=4)
+    assert isinstance(cache, FillingStore) and not cache.complete
+    cache.put(torch.arange(4), ["a", "b", "c", "d"])
+    assert cache.complete and cache.gather(torch.tensor([3, 0])) == ["d", "a"]
+
+
+def test_a_toy_tier_serves_its_rows_and_reports_them():
+    SlowHostTier.reads = 0
+    case = array_case("toy-tier")
+    store = case.store
+    stats = store.stats
+    assert list(stats.tiers) == ["device", "slow-host", "source"]
+    assert (stats.tiers["device"].samples, stats.tiers["slow-host"].samples, stats.tiers["source"].samples) == (
+        50, 120, N - 170)
+    index = torch.tensor([0, 60, 200, 49, 169, 170])
+    assert same(store.gather(index), case.expected(index))
+    assert SlowHostTier.reads == len(columns())  # one gather per column from the toy tier
+    hits = store.stats.tiers
+    assert (hits["device"].hits, hits["slow-host"].hits, hits["source"].hits) == (2, 2, 2)
+    assert "slow-host 120" in repr(store)
+    store.close()
+
+
+def test_a_plan_naming_an_unknown_tier_is_a_clear_error():
+    data = columns()
+    with pytest.raises(ValueError, match="'nvme' that no class is registered"):
+        _arrays(data, planned(data, [("device", 10), ("nvme", 20)]))
+
+
+def test_registered_tiers_are_classes_with_a_name():
+    assert {"device", "host"} <= set(TIERS)
+    assert all(issubclass(kind, Tier) and kind.name == name for name, kind in TIERS.items())
+
+
+def test_a_copying_store_never_copies_by_itself():
+    """Host rows reach a device only through the loader's staging: without it, a clear error."""
+    data = columns()
+    store = TieredArrayStore(list(data), planned(data, [("device", 10), ("host", 10)]), "meta",
+                             ledger=BudgetLedger())
+    with pytest.raises(RuntimeError, match="through the loader's staging"):
+        store.gather(torch.tensor([0, 15]))
+    assert store.gather(torch.tensor([0, 5]))[1].device.type == "meta"  # device rows only: no copy
+    store.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["staged", "columns", "samples"])
+def test_the_contract_on_cuda(kind):
+    case = array_case("staged", "cuda") if kind == "staged" else (
+        columns_case("cuda") if kind == "columns" else sample_cache_case("cuda"))
+    index = case.held[torch.randperm(case.held.numel())[:50]]
+    assert same(case.batch(index), case.expected(index))
+    held = case.store.device_bytes
+    assert held > 0
+    assert case.store.shrink(0) == held and case.store.device_bytes == 0
+    case.store.close()

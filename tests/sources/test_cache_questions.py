@@ -1,0 +1,55 @@
+"""The loader's questions about a source's cache (device bytes, shrinking, split over ranks) are
+answered by the Source contract from the source's store, the same way for every source: no
+source can answer them otherwise (a split image cache once said it was not split, so OOMRetry
+changed the batch size on one rank only)."""
+
+from __future__ import annotations
+
+import torch
+
+from gpuload.sources import Source
+from gpuload.sources.arrays import ArraySource
+from gpuload.sources.images import ImageFileSource
+from gpuload.sources.samples import SampleSource
+from store_cases import sample_cache_case, sharded_images_case
+
+SOURCES = (ArraySource, ImageFileSource, SampleSource)
+
+
+def test_no_source_answers_the_cache_questions_itself():
+    for source in SOURCES:
+        for question in ("device_cache_bytes", "shrink_cache", "split_over_ranks"):
+            assert getattr(source, question) is getattr(Source, question), (source.__name__, question)
+
+
+class _Serving(Source):
+    """A source whose store is given: the contract's answers, without a loader."""
+
+    def __init__(self, store, device: str = "cpu") -> None:
+        self._store = store
+        self.setup = type("Setup", (), {"device": torch.device(device)})()
+
+    def cache_store(self):
+        return self._store
+
+    def epoch(self, request):  # pragma: no cover - not asked here
+        raise NotImplementedError
+
+
+def test_a_share_of_decoded_images_is_split_over_ranks():
+    case = sharded_images_case()
+    source = _Serving(case.store)
+    assert source.split_over_ranks()
+    assert source.shrink_cache(0) == 0  # a share frees nothing on one rank
+    case.store.close()
+
+
+def test_a_cache_on_the_loaders_device_counts_and_shrinks():
+    case = sample_cache_case()
+    source = _Serving(case.store)
+    held = source.device_cache_bytes()
+    assert held > 0 and not source.split_over_ranks()
+    assert source.shrink_cache(0) == held and source.device_cache_bytes() == 0
+    elsewhere = sample_cache_case()
+    assert _Serving(elsewhere.store, "meta").device_cache_bytes() == 0  # not the loader's device
+    assert _Serving(None).shrink_cache(0) == 0 and not _Serving(None).split_over_ranks()
