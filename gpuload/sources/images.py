@@ -25,7 +25,6 @@ default_collate gives ``(image, label)`` samples, ``[images, labels]``.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,33 +33,13 @@ from torch.utils.data import default_collate, default_convert
 from gpuload.augment import BatchAugmenter
 from gpuload.cache import SampleCache, Store, decide_images, estimate_image_bytes, format_bytes
 from gpuload.datasets.images import ImageSource, as_image_source
-from gpuload.decode import BatchDecoder, Header, HeaderTable, ImageDecodeError
+from gpuload.decode import BatchDecoder, HeaderTable
 from gpuload.device import device_memory, host_memory
-from gpuload.distributed.sharded_images import BadFile, ExchangedImages, ShardedImageStore, WholeImages, shard_images
-from gpuload.sampling import in_range
+from gpuload.distributed.sharded_images import ExchangedImages, ShardedImageStore, shard_images
 from gpuload.sources import Epoch, EpochRequest, Setup, Source
-from gpuload.transforms.windows import Window
+from gpuload.sources.image_decoding import DecodedBatch, ImageDecoding
 
-__all__ = ["DecodedBatch", "ImageFileSource", "detect"]
-
-# Distinct skipped files kept with their reasons in ``stats.extra["skipped_files"]``; the
-# counts go on past it (a folder of bad files must not grow memory each epoch).
-_KEEP_SKIPPED = 100
-
-
-@dataclass
-class DecodedBatch:
-    """A batch after decoding, before the transforms: the kept samples' images (whole, or
-    their ``windows`` of images of ``sizes``), dataset positions and labels, and the decode
-    counters as they stood after it (for ``stats.extra``)."""
-
-    images: list[torch.Tensor]
-    positions: list[int]
-    labels: list[int]
-    epoch: int
-    windows: list[Window] | None
-    sizes: list[tuple[int, int]] | None
-    counters: dict[str, Any]
+__all__ = ["ImageFileSource", "detect"]
 
 
 def detect(setup: Setup, strict: bool) -> ImageFileSource | None:
@@ -84,7 +63,7 @@ def detect(setup: Setup, strict: bool) -> ImageFileSource | None:
     return ImageFileSource(setup, images) if images is not None else None
 
 
-class ImageFileSource(Source):
+class ImageFileSource(ImageDecoding, Source):
     """Batches of dataset indices turned into device batches of decoded (and transformed) images."""
 
     stages = False  # batches are made on the device; the prefetcher only runs this ahead
@@ -203,19 +182,6 @@ class ImageFileSource(Source):
         go first when it shrinks: they are read and decoded from their files again)."""
         return self.sharded if self.sharded is not None else self.cache
 
-    def _note_skipped(self, entries: list[tuple[int, str, str]], epoch: int) -> None:
-        """Count skipped files, in total and in ``epoch``; keep the first distinct ones named."""
-        number, count = self._skipped_in_epoch
-        self._skipped_in_epoch = (epoch, (count if number == epoch else 0) + len(entries))
-        self.skipped += len(entries)
-        for position, path, reason in entries:
-            if position in self.skipped_files or len(self.skipped_files) < _KEEP_SKIPPED:
-                self.skipped_files[position] = (path, reason)
-
-    def _skipped_counters(self, epoch: int) -> dict[str, int]:
-        number, count = self._skipped_in_epoch
-        return {"skipped": self.skipped, "skipped_epoch": count if number == epoch else 0}
-
     def close(self) -> None:
         if self.sharded is not None:
             self.sharded.close()
@@ -292,125 +258,11 @@ class ImageFileSource(Source):
             },
         )
 
-    def _read_whole(self, positions: list[int]) -> WholeImages:
-        """The files of ``positions`` read and decoded whole, bad ones listed (not raised): a
-        share's block, decoded before its first epoch."""
-        encoded, readable, bad = [], [], []
-        for position in positions:
-            try:
-                data, _ = self.images.read_encoded(position)
-            except ImageDecodeError as error:
-                bad.append((position, "read", error.reason))
-                continue
-            encoded.append(data)
-            readable.append(position)
-        result = self.decoder.decode(encoded, [self.images.path(p) for p in readable], readable,
-                                     on_error="skip", headers=self._headers(encoded, readable))
-        self.fallback_decoded += result.fallback_decoded
-        self.cpu_decoded += result.cpu_decoded
-        bad += [(position, result.backend, reason) for position, _, reason in result.skipped]
-        return WholeImages([readable[k] for k in result.kept_positions], result.images, bad)
-
-    def _skip_reason(self, position: int, backend: str, reason: str) -> str:
-        """What the unsplit path lists for a skipped file: a read error's whole message."""
-        return str(ImageDecodeError(position, self.images.path(position), "read", reason)) if backend == "read" else reason
-
-    def _failure(self, bad: list[BadFile]) -> ImageDecodeError:
-        """The error the unsplit path raises for a batch holding ``bad`` (in batch order): the
-        first unreadable file, else the first that did not decode, with the others counted."""
-        unreadable = [entry for entry in bad if entry[1] == "read"]
-        if unreadable:
-            position, _, reason = unreadable[0]
-            return ImageDecodeError(position, self.images.path(position), "read", reason)
-        position, backend, reason = bad[0]
-        return ImageDecodeError(position, self.images.path(position), backend, reason, len(bad) - 1)
-
     def _deliver(self, finished: tuple[Any, int, dict[str, Any]]) -> tuple[Any, int] | None:
         """In the loop's thread: the counters as of this batch (not of those decoded ahead)."""
         batch, count, counters = finished
         self.setup.stats.extra.update(counters)
         return (batch, count) if count else None
-
-    def _read(self, position: int, epoch: int) -> bytes | None:
-        """The file's bytes (from the encoded cache when it has them); None if skipped."""
-        cache = self.cache if self._keeps_encoded else None
-        if cache is not None:
-            data = cache.get(position)
-            if data is not None:
-                return data
-        try:
-            data, _ = self.images.read_encoded(position)
-        except Exception as error:  # unreadable file: ImageDecodeError names it
-            if self.setup.on_error != "skip":
-                raise
-            self._note_skipped([(position, self.images.path(position), str(error))], epoch)
-            return None
-        if cache is not None:
-            cache.keep(position, data)
-        return data
-
-    def decode(self, indices: Any, epoch: int) -> DecodedBatch:
-        """Read and decode the files of ``indices`` (only the transforms' windows, if any)."""
-        positions = in_range(indices, len(self.images)).tolist()
-        cache = self.cache
-        keeps_decoded = cache is not None and self.keeps == "decoded"
-        hits: dict[int, torch.Tensor] = {}  # batch slot -> cached decoded image
-        encoded, names, readable, slots = [], [], [], []
-        for slot, position in enumerate(positions):
-            image = cache.get(position) if keeps_decoded else None
-            if image is not None:
-                hits[slot] = image
-                continue
-            data = self._read(position, epoch)
-            if data is None:
-                continue
-            encoded.append(data)
-            names.append(self.images.path(position))
-            readable.append(position)
-            slots.append(slot)
-        filling = keeps_decoded and cache.accepting
-        headers = self._headers(encoded, readable)
-        sizes, windows = (None, None) if filling else self._windows(headers, readable, epoch)
-        decoded: dict[int, tuple[torch.Tensor, Window | None, tuple[int, int] | None]] = {}
-        if encoded:
-            result = self.decoder.decode(
-                encoded, names, readable, rois=windows, on_error=self.setup.on_error, headers=headers
-            )
-            self._note_skipped(result.skipped, epoch)
-            self.fallback_decoded += result.fallback_decoded
-            self.cpu_decoded += result.cpu_decoded
-            self.roi = result.roi
-            for k, image in zip(result.kept_positions, result.images):
-                if filling:
-                    cache.keep(readable[k], image)
-                window = None if windows is None else windows[k]
-                decoded[slots[k]] = (image, window, None if sizes is None else sizes[k])
-        order = sorted([*hits, *decoded])
-        images, kept_windows, kept_sizes = [], [], []
-        for slot in order:
-            image, window, size = (hits[slot], None, None) if slot in hits else decoded[slot]
-            if window is None:  # a whole image is the window (0, 0, H, W) of itself
-                size = (image.shape[-2], image.shape[-1])
-                window = (0, 0, *size)
-            images.append(image)
-            kept_windows.append(window)
-            kept_sizes.append(size)
-        any_window = windows is not None
-        return DecodedBatch(
-            images=images,
-            positions=[positions[slot] for slot in order],
-            labels=[self.images.label(positions[slot]) for slot in order],
-            epoch=epoch,
-            windows=kept_windows if any_window else None,
-            sizes=kept_sizes if any_window else None,
-            counters={
-                "decode_backend": self.decoder.backend,
-                **self._skipped_counters(epoch),
-                "fallback_decoded": self.fallback_decoded,
-                "cpu_decoded": self.cpu_decoded,
-                "roi": self.roi,
-            },
-        )
 
     def finish(self, decoded: DecodedBatch) -> tuple[Any, int, dict[str, Any]]:
         """Transform and collate a decoded batch: (batch, sample count, counters as of it);
@@ -436,29 +288,4 @@ class ImageFileSource(Source):
         labels = torch.tensor(kept_labels, dtype=torch.int64, device=self.setup.device)
         return [images, labels], len(kept), counters
 
-    def _headers(self, encoded: list[bytes], positions: list[int]) -> list[Header | None]:
-        """Each file's header, read once per dataset (``HeaderTable``); None where unreadable
-        (the decoder reads it again and reports the file)."""
-        headers: list[Header | None] = []
-        for position, data in zip(positions, encoded):
-            try:
-                headers.append(self.headers.read(position, data))
-            except Exception:  # PIL raises many types for garbage
-                headers.append(None)
-        return headers
 
-    def _windows(
-        self, headers: list[Header | None], positions: list[int], epoch: int
-    ) -> tuple[list[tuple[int, int] | None] | None, list[Window | None] | None]:
-        """Upright sizes from the headers and the windows the transforms read, when the list
-        starts with a crop (else None, None). An unreadable header gets no window; the
-        decoder reports it as a bad file."""
-        if self.augment is None or not self.augment.reads_windows or not headers:
-            return None, None
-        sizes = [None if header is None else header.upright for header in headers]
-        known = [k for k, size in enumerate(sizes) if size is not None]
-        drawn = self.augment.windows(torch.tensor([positions[k] for k in known]), [sizes[k] for k in known], epoch)
-        windows: list[Window | None] = [None] * len(headers)
-        for k, window in zip(known, drawn):
-            windows[k] = window
-        return sizes, windows
