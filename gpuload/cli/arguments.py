@@ -96,6 +96,8 @@ def setting_error(error: CacheSettingError) -> str:
     if error.source != f"keyword {error.setting}=":
         return text
     problem = text.removeprefix(f"{error.setting}={error.value!r} (from {error.source}) ")
+    if error.setting == "job":  # the advice in the command line's words
+        problem = problem.replace("or unset the job", "or leave --job out")
     return f"argument --{error.setting.replace('_', '-')}: {error.value!r} {problem}"
 
 

@@ -15,7 +15,8 @@ import torch
 from PIL import Image
 
 from gpuload.cli import main
-from gpuload.cli.plan import add_plan_arguments, run_plan
+from gpuload.cli.plan import add_arguments as add_plan_arguments
+from gpuload.cli.plan import run as run_plan
 
 
 @pytest.fixture(autouse=True)
@@ -298,7 +299,7 @@ def test_bad_scope_flags_are_refused_by_the_parser(argv, message, capsys):
 
 
 def test_scope_plan_needs_a_card_size_on_a_cpu_machine(capsys, monkeypatch):
-    monkeypatch.setattr("gpuload.cli.plan.resolve_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr("gpuload.cli.plan_print.command_device", lambda device: torch.device("cpu"))
     assert main(["plan", "--gpus-per-node", "8", "--nodes", "2"]) == 2
     line = one_error(capsys)
     assert "this machine has none: pass --device-memory" in line and "--device-memory 141GiB" in line
