@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -60,9 +59,8 @@ def join_process_group() -> torch.device:
     backend = "nccl" if on_gpus else "gloo"
     if "RANK" in os.environ:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK
         dist.init_process_group(backend)
-    else:
-        rendezvous = Path(tempfile.mkdtemp(prefix="ddp-train-"), "init")
-        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=1)
+    else:  # a job of one process: an in-memory store, no file or port to leave behind
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if on_gpus:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)

@@ -33,7 +33,8 @@ def choose_model():
 
             return resnet50, "torchvision ResNet-50"
         except ImportError:
-            pass
+            print("# torchvision is not installed: planning the small CNN defined here instead "
+                  "(pip install 'gpuload[torchvision]' for ResNet-50)")
     return small_cnn, "a small CNN (defined in this example)"
 
 

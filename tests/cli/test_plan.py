@@ -403,3 +403,24 @@ def test_size_settings_are_checked_when_the_arguments_parse(argv: list[str], mes
     except SystemExit as exited:
         code = exited.code
     assert code == 2 and message in one_error(capsys)
+
+
+def test_the_readmes_job_plan_is_what_the_command_prints_beside_its_gpuload_toml(tmp_path, capsys) -> None:
+    """The README's `--job train` command, run beside the gpuload.toml the README shows above it."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    toml = readme[readme.index("```toml\ncache_reserve") + len("```toml\n"):]
+    (tmp_path / "gpuload.toml").write_text(toml[: toml.index("```")])
+    block = readme[readme.index("```console\n$ gpuload plan --synthetic imagenet") + len("```console\n"):]
+    command, *shown = block[: block.index("```")].splitlines()
+    assert main(command.removeprefix("$ gpuload ").split()) == 0  # the test's working directory is tmp_path
+    out = capsys.readouterr().out.splitlines()
+    for line in shown:
+        assert any(printed.startswith(line.removesuffix(" ...")) for printed in out), line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_asked_for_without_cuda_names_the_flag(capsys) -> None:
+    assert main(["plan", "--device", "cuda"]) == 2
+    line = one_error(capsys)
+    assert line.startswith("gpuload plan: error: argument --device: cuda was asked for but CUDA is not available")
+    assert "pass --device cpu" in line and "device=" not in line
