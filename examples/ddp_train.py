@@ -19,6 +19,11 @@ every rank (each batch is an exchange between them): ``--max-steps`` is a limit 
 shares, ``--stop-after-seconds`` a stop flag the ranks agree on with ``all_reduce`` before the
 next batch. The agreed stop saves a checkpoint per rank (model, optimizer, the loader's
 position); ``--resume`` continues from it exactly where it stopped.
+
+It writes files only with ``--checkpoint DIR`` (``DIR/rank<r>.pt``, kept for ``--resume``); a
+job of one process meets in memory, with no rendezvous file. ``python examples/ddp_train.py``
+takes about 55 s on the shared 2-core CPU machine the tests run on (load average 10 when
+measured).
 """
 
 from __future__ import annotations
