@@ -21,7 +21,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpuload.cli.arguments import command_device, device_argument, non_negative_float, non_negative_int, positive_int, size_argument
+from gpuload.cli.arguments import (
+    command_device,
+    device_argument,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    size_argument,
+)
 
 __all__ = ["add_arguments", "run", "run_bench", "UsageError"]
 
@@ -179,11 +186,11 @@ def _data_problem(args: argparse.Namespace, scenario: str) -> str | None:
     return None
 
 
-def _options_problem(args: argparse.Namespace, scenario: str, device) -> str | None:
-    """Why --cache-size / --device-memory do not fit this run, or None when they do."""
+def _options_problem(args: argparse.Namespace, scenario: str, device=None) -> str | None:
+    """Why --cache-size / --device-memory do not fit this run (``device``: once it is known), or None."""
     if scenario != "partial" and args.cache_size is not None:
         return "argument --cache-size: only applies to --scenario partial"
-    if args.device_memory is not None and device.type == "cuda":
+    if args.device_memory is not None and device is not None and device.type == "cuda":
         return ("argument --device-memory: it models the bytes on a CPU; on a GPU the real card decides "
                 "(--cache-size gives the cache less of it)")
     return None
@@ -303,7 +310,8 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
         raise UsageError("argument --save-images: only applies to --scenario images")
     if args.save_images is not None and args.data is not None:
         raise UsageError("argument --save-images: it writes generated images; with --data your own are used")
-    problem = _distributed_problem(args, scenario) or _data_problem(args, scenario) or out_problem(args.out)
+    problem = (_distributed_problem(args, scenario) or _options_problem(args, scenario) or _data_problem(args, scenario)
+               or out_problem(args.out))
     if problem:
         raise UsageError(problem)
     import torch
