@@ -46,9 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a well-known dataset shape instead of a path (default cifar)")
     parser.add_argument("--cache", choices=CACHE_MODES, default=None,
                         help="cache mode (default: settings, else auto)")
-    parser.add_argument("--cache-size", type=size_choice, default=None,
+    parser.add_argument("--cache-size", type=size_choice, default=None, metavar="SIZE",
                         help="device budget: '40GiB', 0.8, 'auto', 'off'")
-    parser.add_argument("--cache-reserve", type=size_choice, default=None,
+    parser.add_argument("--cache-reserve", type=size_choice, default=None, metavar="SIZE",
                         help="device memory kept for the model (default max(2 GiB, 10%%))")
     parser.add_argument("--job", default=None, metavar="NAME",
                         help="the settings of a [jobs.NAME] table of gpuload.toml (in this folder, or the file "
