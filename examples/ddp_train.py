@@ -19,13 +19,17 @@ every rank (each batch is an exchange between them): ``--max-steps`` is a limit 
 shares, ``--stop-after-seconds`` a stop flag the ranks agree on with ``all_reduce`` before the
 next batch. The agreed stop saves a checkpoint per rank (model, optimizer, the loader's
 position); ``--resume`` continues from it exactly where it stopped.
+
+It writes files only with ``--checkpoint DIR`` (``DIR/rank<r>.pt``, kept for ``--resume``); a
+job of one process meets in memory, with no rendezvous file. ``python examples/ddp_train.py``
+takes about 55 s on the shared 2-core CPU machine the tests run on (load average 10 when
+measured).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -60,9 +64,8 @@ def join_process_group() -> torch.device:
     backend = "nccl" if on_gpus else "gloo"
     if "RANK" in os.environ:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK
         dist.init_process_group(backend)
-    else:
-        rendezvous = Path(tempfile.mkdtemp(prefix="ddp-train-"), "init")
-        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=1)
+    else:  # a job of one process: an in-memory store, no file or port to leave behind
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if on_gpus:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)

@@ -1,10 +1,13 @@
 """Plan a training job's GPU memory before running it: the step, gpuload's prefetch slots, the cache.
 
 Run: python examples/plan_job.py          (torchvision's ResNet-50 when it is installed, else a small CNN)
-     python examples/plan_job.py --small  (the small CNN defined here: a few seconds)
+     python examples/plan_job.py --small  (the small CNN defined here)
 
-Runs on any machine: the card is pretended (device_memory="80GiB") and the training step is traced
-on fake tensors, so nothing is allocated and no GPU is needed.
+It prints three plans from one trace: the batch size recommended for ImageNet, a fixed batch of
+256, and ImageNet-100. Runs on any machine: the card is pretended (device_memory="80GiB") and the
+training step is traced on fake tensors, so nothing is allocated and no GPU is needed. On the
+shared 2-core CPU machine the tests run on (load average 9 to 10 when measured) it takes about
+60 s for ResNet-50 (42 s of it tracing four batch sizes) and about 25 s with --small.
 """
 
 import sys
@@ -33,7 +36,8 @@ def choose_model():
 
             return resnet50, "torchvision ResNet-50"
         except ImportError:
-            pass
+            print("# torchvision is not installed: planning the small CNN defined here instead "
+                  "(pip install 'gpuload[torchvision]' for ResNet-50)")
     return small_cnn, "a small CNN (defined in this example)"
 
 

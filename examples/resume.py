@@ -4,7 +4,9 @@ Run: python examples/resume.py   (uses the GPU when there is one, else the CPU)
 
 The run is cut after 7 batches of epoch 1 (a preemption), saved with torch.save, then a new
 loader and model built with the same arguments load the checkpoint and finish the run. The
-samples seen, and their random crops and flips, are those of an uninterrupted run.
+samples seen, and their random crops and flips, are those of an uninterrupted run. About 35 s
+on the shared 2-core CPU machine the tests run on (load average 8 to 10 when measured); the
+checkpoint is kept in memory, nothing is written.
 """
 
 import io

@@ -1,6 +1,10 @@
 """A training loop fed by gpuload.DataLoader: the only change from torch is the import.
 
 Run: python examples/train_loop.py   (uses the GPU when there is one, else the CPU)
+
+It shows 10,000 CIFAR-shaped uint8 images kept on the loader's device, converted to float
+there, two epochs of a linear model, and the loader's counters. About 35 s on the shared
+2-core CPU machine the tests run on (load average 8 when measured); it writes nothing.
 """
 
 import torch

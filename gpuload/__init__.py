@@ -1,20 +1,33 @@
 """gpuload: a drop-in replacement for torch's DataLoader that keeps data on the GPU."""
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpuload.loader import DataLoader
-from gpuload.datasets.arrays import ArrayDataset
+if TYPE_CHECKING:
+    from gpuload.datasets.arrays import ArrayDataset
+    from gpuload.job.plan import JobPlan, plan_job
+    from gpuload.loader import DataLoader
 
 __all__ = ["DataLoader", "ArrayDataset", "JobPlan", "plan_job", "__version__"]
 __version__ = "0.1.0"
 
-_LAZY = {"plan_job": "gpuload.job.plan", "JobPlan": "gpuload.job.plan"}
+# Loaded on first use, so that ``import gpuload`` (and the ``gpuload`` command's --help) does
+# not import torch.
+_LAZY = {"DataLoader": "gpuload.loader", "ArrayDataset": "gpuload.datasets.arrays",
+         "plan_job": "gpuload.job.plan", "JobPlan": "gpuload.job.plan"}
 
 
 def __getattr__(name: str) -> Any:
-    """``plan_job`` and ``JobPlan`` load on first use: ``import gpuload`` stays fast."""
-    if name in _LAZY:
-        import importlib
+    """The public names and the subpackages (``gpuload.datasets``, ...) load on first use."""
+    import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_"):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
     raise AttributeError(f"module 'gpuload' has no attribute {name!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -20,10 +21,23 @@ EXPECTED = {"train_loop.py": "epoch 1: loss", "train_images.py": "epoch 1: loss"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "plan_job.py"))
-def test_example_runs(script: str) -> None:
-    done = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=300)
+def test_example_runs_and_leaves_nothing_in_the_temporary_folder(script: str, tmp_path: Path) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    done = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TMPDIR": str(scratch)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert EXPECTED.get(script, "") in done.stdout and done.stdout.strip()
+    # torch.optim's import makes torch's own compile cache folder (torchinductor_<user>), examples or not
+    assert [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")] == []
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_each_example_says_what_it_shows_how_to_run_it_and_how_long_it_takes(script: str) -> None:
+    docstring = ast.get_docstring(ast.parse((EXAMPLES / script).read_text()))
+    assert docstring and len(docstring.splitlines()[0]) > 20, script
+    assert "python examples/" in docstring or "examples/" + script in docstring, script
+    assert re.search(r"\b(about|under) \d+(\.\d+)? (s|seconds|minutes?)\b", docstring, re.IGNORECASE), script
 
 
 def _run_plan_example(*args: str) -> str:

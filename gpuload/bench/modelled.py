@@ -39,9 +39,11 @@ def modelled_plan(dataset: TensorDataset, mode: str, cache_size: int | None, dev
     The same steps as the loader's own placement: the settings (keyword, environment,
     gpuload.toml), the reserve, the budget, then ``make_plan`` with this host's free memory.
     """
+    num_samples = len(dataset)
+    if num_samples == 0:
+        raise ValueError("the dataset holds no samples: there is nothing to place")
     settings = CacheSettings.resolve(cache=mode, cache_size=cache_size)
     memory = MemoryInfo(free=device_memory, total=device_memory)
-    num_samples = len(dataset)
     return settings.array_plan(dataset_nbytes(dataset) // num_samples, num_samples, memory, host_memory(),
                                device=pretended_card(device_memory), shared=False)
 

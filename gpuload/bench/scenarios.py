@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import TensorDataset
 
 import gpuload
+from gpuload.array_files import read_array_file
 from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, modelled_h2d, plan_notes
 from gpuload.transfer import batch_nbytes, move_to_device
 
@@ -185,18 +186,18 @@ def _ideal_replay_spec(dataset: TensorDataset, config: BenchConfig, device: torc
 def load_arrays(path: str) -> TensorDataset:
     """A user's .npy (one array, one row per sample) or .npz (several aligned arrays).
 
-    Raises ``ValueError`` naming the file when it is missing, unreadable or holds no usable arrays.
+    Raises ``ValueError`` naming the file when it is missing, not NumPy's format, or holds no
+    usable arrays (:func:`gpuload.array_files.read_array_file` says which).
     """
     import zipfile
 
     import numpy as np
 
+    arrays = read_array_file(path)
     try:
         loaded = np.load(path, allow_pickle=False)
-        arrays = [loaded[key] for key in loaded.files] if hasattr(loaded, "files") else [loaded]
-        if not arrays:
-            raise ValueError("it holds no arrays")
-        return TensorDataset(*gpuload.ArrayDataset(*arrays).columns.values())
+        columns = [loaded[key] for key in arrays.columns] if hasattr(loaded, "files") else [loaded]
+        return TensorDataset(*gpuload.ArrayDataset(*columns).columns.values())
     except (OSError, ValueError, TypeError, EOFError, zipfile.BadZipFile) as error:
         raise ValueError(f"cannot load {path} as .npy/.npz arrays: {error}") from None
 

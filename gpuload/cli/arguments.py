@@ -1,8 +1,10 @@
 """Argument types of the ``gpuload`` command: each bad value is one line naming it, exit 2.
 
 argparse calls these as ``type=``; an ``ArgumentTypeError`` becomes
-``gpuload bench: error: argument --epochs: ...`` before anything runs. ``setting_error``
-words a cache setting's error as the command line's, not as a keyword argument's.
+``gpuload bench: error: argument --epochs: ...`` before anything runs. They import nothing
+heavy (no torch), so that a bad value is refused at once. ``setting_error`` words a cache
+setting's error as the command line's, not as a keyword argument's; ``command_device`` checks
+``--device`` against the machine, in the command line's words.
 """
 
 from __future__ import annotations
@@ -11,11 +13,16 @@ import argparse
 import math
 import re
 
-from gpuload.cache.budget import CacheSettingError, parse_size
+from typing import TYPE_CHECKING
+
+from gpuload.sizes import CacheSettingError, parse_size
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "positive_int", "non_negative_int", "non_negative_float", "device_argument", "size_argument",
-    "setting_error",
+    "setting_error", "command_device", "size_choice",
 ]
 
 
@@ -61,14 +68,26 @@ def device_argument(text: str) -> str:
 
 
 def size_argument(text: str) -> int:
-    """An absolute size such as ``80GiB``, in bytes."""
+    """An absolute size such as ``80GiB``, in bytes (a memory to pretend: no fraction, no 'auto')."""
+    how = "write a size with a unit, e.g. 80GiB, 512MiB or 1.5TB (or a byte count)"
     try:
         spec = parse_size(text, setting="memory", source="command line")
-    except CacheSettingError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    if spec.kind != "bytes":
-        raise argparse.ArgumentTypeError(f"{text!r}: give an absolute size such as 80GiB")
+    except CacheSettingError:
+        spec = None
+    if spec is None or spec.kind != "bytes":
+        problem = "is negative" if text.strip().startswith("-") else "is not a size of memory"
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}; {how}")
     return int(spec.amount)
+
+
+def size_choice(text: str) -> str:
+    """A cache size or reserve as the loader takes it ('40GiB', 0.8, '80%', 'auto', 'off'), checked now."""
+    try:
+        parse_size(text, setting="size", source="command line")
+    except CacheSettingError as error:
+        problem = str(error).removeprefix(f"{error.setting}={error.value!r} (from {error.source}) ")
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}") from None
+    return text
 
 
 def setting_error(error: CacheSettingError) -> str:
@@ -77,4 +96,29 @@ def setting_error(error: CacheSettingError) -> str:
     if error.source != f"keyword {error.setting}=":
         return text
     problem = text.removeprefix(f"{error.setting}={error.value!r} (from {error.source}) ")
+    if error.setting == "job":  # the advice in the command line's words
+        problem = problem.replace("or unset the job", "or leave --job out")
     return f"argument --{error.setting.replace('_', '-')}: {error.value!r} {problem}"
+
+
+def command_device(text: str | None, flag: str = "--device") -> "torch.device":
+    """``--device`` resolved on this machine (imports torch); ``ValueError`` in the command line's words."""
+    import torch
+
+    from gpuload.device import DeviceError, cuda_available, resolve_device
+
+    if text is not None and text.startswith("cuda"):
+        if not cuda_available():
+            raise ValueError(
+                f"argument {flag}: {text} was asked for but CUDA is not available on this machine (torch "
+                f"{torch.__version__}, built for CUDA {torch.version.cuda}); pass {flag} cpu, or leave {flag} "
+                "out to use the CPU")
+        count = torch.cuda.device_count()
+        index = int(text.partition(":")[2] or torch.cuda.current_device())
+        if index >= count:
+            raise ValueError(f"argument {flag}: {text} does not exist: this machine has {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1}")
+    try:
+        return resolve_device(text)
+    except DeviceError as error:
+        raise ValueError(f"argument {flag}: {error}") from None

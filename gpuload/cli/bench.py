@@ -1,8 +1,10 @@
 """``gpuload bench``: run the benchmark scenarios side by side with torch's DataLoader, report them.
 
-Every argument is checked before anything is measured: a bad value, a ``--data`` that is
-missing or empty, or an ``--out`` that cannot be written is one line and exit 2. ``--data`` is
-only read; generated images go to a temporary folder unless ``--save-images`` names one.
+Every argument is checked before anything is measured or written: a bad value, a ``--data``
+that is missing, empty or not usable arrays, a ``--device`` this machine lacks, or an ``--out``
+that cannot be written is one line naming the argument and exit 2, and ``--out`` is created
+only once all of them hold. ``--data`` is only read; generated images go to a temporary folder
+unless ``--save-images`` names one. torch is imported only once the arguments have parsed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,62 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_bench", "UsageError"]
+from gpuload.cli.arguments import (
+    command_device,
+    device_argument,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    size_argument,
+)
+
+__all__ = ["add_arguments", "run", "run_bench", "UsageError"]
+
+SCENARIOS = ("inmemory", "images", "partial", "samples", "augment", "distributed")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``gpuload bench`` options, added to ``parser``."""
+    parser.add_argument("--quick", action="store_true", help="a smaller run, well under a minute on 2 cores")
+    parser.add_argument("--scenario", choices=SCENARIOS, default=None,
+                        help="in-memory arrays (default), an image folder (default with a folder --data), "
+                             "arrays larger than the cache budget (partial), many small samples of a generic "
+                             "dataset through the sample cache (samples), or in-memory images with crop + flip "
+                             "+ normalize augmentation (augment), or N processes on torch.distributed (distributed)")
+    parser.add_argument("--data", default=None, metavar="PATH",
+                        help="your own .npy/.npz (rows = samples) or image folder (class subfolders); only read")
+    parser.add_argument("--save-images", default=None, metavar="DIR",
+                        help="images: write the generated photographs to this new or empty folder and keep them "
+                             "(default: a temporary folder, removed after the run)")
+    parser.add_argument("--cache-size", type=size_argument, default=None, metavar="SIZE",
+                        help="partial: the device cache budget, e.g. 12MiB (default: half the data)")
+    parser.add_argument("--device-memory", type=size_argument, default=None, metavar="SIZE",
+                        help="on a CPU: the card the modelled host-to-device bytes pretend (default 16GiB)")
+    parser.add_argument("--image-size", type=positive_int, default=224, help="crop size of the images scenario")
+    parser.add_argument("--device", type=device_argument, default=None,
+                        help="cuda, cuda:N or cpu (default: cuda if present)")
+    parser.add_argument("--samples", type=positive_int, default=None,
+                        help="synthetic dataset size (default 50000 arrays, 1024 images)")
+    parser.add_argument("--batch-size", type=positive_int, default=None, help="default 512 (arrays), 128 (images)")
+    parser.add_argument("--epochs", type=positive_int, default=None, help="timed epochs after the warm-up (default 5)")
+    parser.add_argument("--torch-workers", type=non_negative_int, nargs="+", default=None,
+                        help="num_workers to try for torch (default 0 2; distributed: 0)")
+    parser.add_argument("--processes", type=positive_int, default=None, metavar="N",
+                        help="distributed: ranks to run (default 2), gloo on the CPU, NCCL with one GPU each")
+    parser.add_argument("--scopes", default=None, metavar="LIST",
+                        help="distributed: gpuload's cache_scope values to run, comma-separated (default "
+                             "rank,node,world; auto also)")
+    parser.add_argument("--step", choices=["none", "sleep", "cnn"], default="none",
+                        help="training step per batch: none, a synthetic one of --step-ms, or a small CNN")
+    parser.add_argument("--step-ms", type=non_negative_float, default=5.0, help="duration of the sleep step")
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                        help="torch's intra-op threads for the run (default: 1 on 2 cores or fewer, else torch's "
+                             "choice; in the JSON)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench-results", metavar="DIR", help="where bench.json and bench.png go")
+    parser.add_argument("--quiet", action="store_true",
+                        help="print two lines only: the result in words, then where bench.json and bench.png are "
+                             "(no settings line, no progress, no tables)")
 
 
 class UsageError(ValueError):
@@ -61,6 +118,18 @@ def _progress(quiet: bool) -> Callable[[str, int, int], None]:
     return _tqdm_progress() if sys.stderr.isatty() else _line_progress()
 
 
+def out_problem(text: str) -> str | None:
+    """Why ``--out`` cannot be written, found without creating anything; None when it looks writable."""
+    existing = Path(text)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"argument --out: cannot write in {text}: {existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"argument --out: cannot write in {text}: permission denied in {existing}"
+    return None
+
+
 def writable_out(text: str) -> Path:
     """The ``--out`` folder, created if needed; ``UsageError`` when nothing can be written in it."""
     out = Path(text)
@@ -94,11 +163,34 @@ def _scenario(args: argparse.Namespace) -> str:
     return "images" if data.is_dir() else "inmemory"
 
 
-def _options_problem(args: argparse.Namespace, scenario: str, device) -> str | None:
-    """Why --cache-size / --device-memory do not fit this run, or None when they do."""
+def _data_problem(args: argparse.Namespace, scenario: str) -> str | None:
+    """What is wrong with ``--data`` that shows without torch (an array file's headers, a folder
+    without class subfolders), or None; the image folder's files are checked when it is opened."""
+    if args.data is None or scenario not in ("inmemory", "partial", "augment", "images"):
+        return None
+    if scenario == "images":
+        folder = Path(args.data)
+        if folder.is_dir() and not any(entry.is_dir() for entry in folder.iterdir()):
+            return (f"argument --data: {args.data} holds no class subfolders; the images scenario reads "
+                    "root/<class>/<images>")
+        return None
+    from gpuload.array_files import read_array_file
+
+    if Path(args.data).is_dir():
+        return (f"argument --data: {args.data} is a folder; --scenario {scenario} reads an .npy/.npz file "
+                "(an image folder: --scenario images)")
+    try:
+        read_array_file(args.data)
+    except ValueError as error:
+        return f"argument --data: {error}"
+    return None
+
+
+def _options_problem(args: argparse.Namespace, scenario: str, device=None) -> str | None:
+    """Why --cache-size / --device-memory do not fit this run (``device``: once it is known), or None."""
     if scenario != "partial" and args.cache_size is not None:
         return "argument --cache-size: only applies to --scenario partial"
-    if args.device_memory is not None and device.type == "cuda":
+    if args.device_memory is not None and device is not None and device.type == "cuda":
         return ("argument --device-memory: it models the bytes on a CPU; on a GPU the real card decides "
                 "(--cache-size gives the cache less of it)")
     return None
@@ -108,7 +200,11 @@ def _distributed_problem(args: argparse.Namespace, scenario: str) -> str | None:
     """Why an option does not fit the distributed scenario (or its options another), or None."""
     if scenario != "distributed":
         given = [flag for flag, value in (("--processes", args.processes), ("--scopes", args.scopes)) if value]
-        return f"argument {given[0]}: only applies to --scenario distributed" if given else None
+        if given:
+            return f"argument {given[0]}: only applies to --scenario distributed"
+        if scenario == "samples" and args.data is not None:
+            return "argument --data: the samples scenario makes its own dataset (--samples N)"
+        return None
     if args.data is not None:
         return "argument --data: the distributed scenario makes its own CIFAR-shaped arrays (--samples N)"
     if args.device_memory is not None:
@@ -135,7 +231,7 @@ def _distributed_config(args: argparse.Namespace, config) -> Any:
     return DistributedConfig(config, processes, scopes, device, threads)
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run ``gpuload bench`` with parsed arguments; 0 on success, 2 on a bad argument."""
     try:
         with contextlib.ExitStack() as cleanup:
@@ -143,6 +239,9 @@ def run_bench(args: argparse.Namespace) -> int:
     except UsageError as error:
         print(f"gpuload bench: error: {error}", file=sys.stderr)
         return 2
+
+
+run_bench = run
 
 
 def _checked(make: Callable[[], Any], argument: str = "") -> Any:
@@ -206,6 +305,15 @@ def _scenario_loaders(
 
 
 def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
+    scenario = _scenario(args)
+    if args.save_images is not None and scenario != "images":
+        raise UsageError("argument --save-images: only applies to --scenario images")
+    if args.save_images is not None and args.data is not None:
+        raise UsageError("argument --save-images: it writes generated images; with --data your own are used")
+    problem = (_distributed_problem(args, scenario) or _options_problem(args, scenario) or _data_problem(args, scenario)
+               or out_problem(args.out))
+    if problem:
+        raise UsageError(problem)
     import torch
 
     from gpuload.bench.ceilings import measure_ceilings
@@ -222,18 +330,11 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     from gpuload.bench.run import environment, run_loaders, steady_host_allocator
     from gpuload.bench.scenarios import BenchConfig
     from gpuload.bench.steps import make_step
-    from gpuload.device import resolve_device
 
-    device = _checked(lambda: resolve_device(args.device), "--device")
-    scenario = _scenario(args)
-    problem = _distributed_problem(args, scenario) or _options_problem(args, scenario, device)
+    device = _checked(lambda: command_device(args.device))
+    problem = _options_problem(args, scenario, device)
     if problem:
         raise UsageError(problem)
-    if args.save_images is not None and scenario != "images":
-        raise UsageError("argument --save-images: only applies to --scenario images")
-    if args.save_images is not None and args.data is not None:
-        raise UsageError("argument --save-images: it writes generated images; with --data your own are used")
-    out = writable_out(args.out)
     fixed_allocator = steady_host_allocator()
     threads = args.threads or default_threads()
     if threads is not None:
@@ -252,13 +353,15 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     if scenario == "samples":
         from gpuload.bench.samples import run_samples_bench
 
-        return run_samples_bench(args.quick, args.samples, args.batch_size, device, out, environment(device),
-                                 quiet=args.quiet)
+        return run_samples_bench(args.quick, args.samples, args.batch_size, device, writable_out(args.out),
+                                 environment(device), quiet=args.quiet)
     if scenario == "distributed":
         from gpuload.bench.distributed import run_distributed_bench
 
-        return run_distributed_bench(_distributed_config(args, config), out, environment(device), quiet=args.quiet)
+        distributed = _distributed_config(args, config)
+        return run_distributed_bench(distributed, writable_out(args.out), environment(device), quiet=args.quiet)
     specs, described, extra = _scenario_loaders(args, scenario, config, device, cleanup)
+    out = writable_out(args.out)  # only now: a run refused above leaves nothing behind
     say = (lambda *lines: None) if args.quiet else (lambda *lines: print(*lines, sep="\n", flush=True))
     say(*textwrap.wrap(
         f"gpuload bench: {described}, batch {config.batch_size}, shuffled, "

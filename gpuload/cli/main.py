@@ -1,71 +1,117 @@
 """The ``gpuload`` command: ``gpuload bench`` measures loaders side by side; ``gpuload plan``
-prints where a dataset's bytes would live."""
+prints where a dataset's bytes would live.
+
+Each subcommand is a row of ``COMMANDS``: its name, its help line and the module that defines
+it. That module has ``add_arguments(parser)`` and ``run(args) -> int`` and imports nothing heavy
+at its top (torch, NumPy's users, DALI: inside ``run`` only), so ``gpuload --help``, ``gpuload
+CMD --help`` and every argument error answer at once. Only the named command's module is
+imported. A typo gets the command's usage and the closest option or choice.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from gpuload.cli.arguments import device_argument, non_negative_float, non_negative_int, positive_int, size_argument
-from gpuload.cli.bench import run_bench
-from gpuload.cli.plan import add_plan_arguments, run_plan
+__all__ = ["main", "Command", "COMMANDS"]
 
-__all__ = ["main"]
+DESCRIPTION = "gpuload's command line: time loaders side by side (bench), plan memory before a run (plan)."
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpuload", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+@dataclass(frozen=True)
+class Command:
+    """One ``gpuload`` subcommand; ``module`` defines ``add_arguments(parser)`` and ``run(args)``."""
 
-    bench = commands.add_parser("bench", help="time gpuload against torch's DataLoader, side by side")
-    bench.add_argument("--quick", action="store_true", help="a smaller run, well under a minute on 2 cores")
-    bench.add_argument("--scenario", choices=["inmemory", "images", "partial", "samples", "augment", "distributed"],
-                       default=None,
-                       help="in-memory arrays (default), an image folder (default with a folder --data), "
-                            "arrays larger than the cache budget (partial), many small samples of a generic "
-                            "dataset through the sample cache (samples), or in-memory images with crop + flip "
-                            "+ normalize augmentation (augment), or N processes on torch.distributed (distributed)")
-    bench.add_argument("--data", default=None, metavar="PATH",
-                       help="your own .npy/.npz (rows = samples) or image folder (class subfolders); only read")
-    bench.add_argument("--save-images", default=None, metavar="DIR",
-                       help="images: write the generated photographs to this new or empty folder and keep them "
-                            "(default: a temporary folder, removed after the run)")
-    bench.add_argument("--cache-size", type=size_argument, default=None, metavar="SIZE",
-                       help="partial: the device cache budget, e.g. 12MiB (default: half the data)")
-    bench.add_argument("--device-memory", type=size_argument, default=None, metavar="SIZE",
-                       help="on a CPU: the card the modelled host-to-device bytes pretend (default 16GiB)")
-    bench.add_argument("--image-size", type=positive_int, default=224, help="crop size of the images scenario")
-    bench.add_argument("--device", type=device_argument, default=None,
-                       help="cuda, cuda:N or cpu (default: cuda if present)")
-    bench.add_argument("--samples", type=positive_int, default=None,
-                       help="synthetic dataset size (default 50000 arrays, 1024 images)")
-    bench.add_argument("--batch-size", type=positive_int, default=None, help="default 512 (arrays), 128 (images)")
-    bench.add_argument("--epochs", type=positive_int, default=None, help="timed epochs after the warm-up (default 5)")
-    bench.add_argument("--torch-workers", type=non_negative_int, nargs="+", default=None,
-                       help="num_workers to try for torch (default 0 2; distributed: 0)")
-    bench.add_argument("--processes", type=positive_int, default=None, metavar="N",
-                       help="distributed: ranks to run (default 2), gloo on the CPU, NCCL with one GPU each")
-    bench.add_argument("--scopes", default=None, metavar="LIST",
-                       help="distributed: gpuload's cache_scope values to run, comma-separated (default "
-                            "rank,node,world; auto also)")
-    bench.add_argument("--step", choices=["none", "sleep", "cnn"], default="none",
-                       help="training step per batch: none, a synthetic one of --step-ms, or a small CNN")
-    bench.add_argument("--step-ms", type=non_negative_float, default=5.0, help="duration of the sleep step")
-    bench.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                       help="torch's intra-op threads for the run (default: 1 on 2 cores or fewer, else torch's "
-                            "choice; in the JSON)")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--out", default="bench-results", metavar="DIR", help="where bench.json and bench.png go")
-    bench.add_argument("--quiet", action="store_true", help="print only the closing line (no progress, no tables)")
-    bench.set_defaults(run=run_bench)
+    name: str
+    help: str
+    module: str
 
-    plan = commands.add_parser("plan", help="print where a dataset's bytes would live under a cache budget")
-    add_plan_arguments(plan)
-    plan.set_defaults(run=run_plan)
-    return parser
+
+COMMANDS: tuple[Command, ...] = (
+    Command("bench", "time gpuload against torch's DataLoader, side by side", "gpuload.cli.bench"),
+    Command("plan", "print where a dataset's bytes would live under a cache budget, or a job's memory",
+            "gpuload.cli.plan"),
+)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose error for a typo suggests the closest choice (difflib)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        chosen = re.search(r"invalid choice: '(.*?)' \(choose from (.*)\)$", message)
+        if chosen:
+            choices = re.findall(r"'(.*?)'", chosen.group(2))
+            message += _suggestion(chosen.group(1), choices)
+        super().error(message)
+
+
+def _suggestion(word: str, candidates: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _unknown_arguments(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """argparse's "unrecognized arguments" message, with the closest option for the first typo."""
+    options = [option for action in parser._actions for option in action.option_strings]
+    hint = ""
+    for extra in extras:
+        if extra.startswith("-"):
+            hint = _suggestion(extra.partition("=")[0], options)
+            if hint:
+                break
+    return f"unrecognized arguments: {' '.join(extras)}{hint}"
+
+
+def _negative_values_joined(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--device-memory -80GiB`` as ``--device-memory=-80GiB``: argparse would take ``-80GiB`` for
+    an option and say "expected one argument"; joined, the value reaches its type's check."""
+    takes_one = {option for action in parser._actions if action.nargs is None and action.option_strings
+                 for option in action.option_strings}
+    joined: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        if token in takes_one:
+            value = next(tokens, None)
+            if value is not None and re.match(r"-[\d.]", value):
+                joined.append(f"{token}={value}")
+                continue
+            joined.append(token)
+            if value is not None:
+                joined.append(value)
+            continue
+        joined.append(token)
+    return joined
+
+
+def _chosen(argv: list[str]) -> Command | None:
+    """The command argv names (its first word that is not an option), if any."""
+    first = next((token for token in argv if not token.startswith("-")), None)
+    return next((command for command in COMMANDS if command.name == first), None)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gpuload`` console script."""
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = ArgumentParser(prog="gpuload", description=DESCRIPTION)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                     parser_class=ArgumentParser)
+    chosen = _chosen(argv)
+    subparser = None
+    for command in COMMANDS:
+        added = commands.add_parser(command.name, help=command.help, description=command.help)
+        if command is chosen:
+            module = importlib.import_module(command.module)
+            module.add_arguments(added)
+            added.set_defaults(run=module.run)
+            subparser = added
+    if subparser is not None:
+        argv = _negative_values_joined(subparser, argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        (subparser or parser).error(_unknown_arguments(subparser or parser, extras))
     return args.run(args)
-

@@ -9,7 +9,6 @@ its header; a synthetic name from a table; an in-memory dataset from a few of it
 from __future__ import annotations
 
 import math
-import zipfile
 from collections.abc import Sized
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuload.array_files import read_array_file
 from gpuload.cache.budget import format_bytes
 from gpuload.cache.probe import probe_images
 from gpuload.datasets.images import ImageFolder
@@ -80,44 +80,9 @@ def _image_folder(path: Path, probes: int) -> DatasetShape:
     )
 
 
-def _npy_header(handle) -> tuple[tuple[int, ...], np.dtype]:
-    version = np.lib.format.read_magic(handle)
-    reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-    shape, _, dtype = reader(handle)
-    return tuple(shape), np.dtype(dtype)
-
-
-def _array_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Each array's shape and dtype, read from the file's headers; ValueError naming a bad file."""
-    try:
-        if path.suffix == ".npy":
-            array = np.load(path, mmap_mode="r")
-            return {path.name: (tuple(array.shape), array.dtype)}
-        columns = {}
-        with zipfile.ZipFile(path) as archive:
-            for name in archive.namelist():
-                if name.endswith(".npy"):
-                    with archive.open(name) as member:
-                        columns[name.removesuffix(".npy")] = _npy_header(member)
-        return columns
-    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as error:
-        raise ValueError(f"cannot read {path} as {path.suffix} arrays: {error}") from None
-
-
 def _array_file(path: Path) -> DatasetShape:
-    columns = _array_headers(path)
-    if not columns:
-        raise ValueError(f"{path} holds no arrays")
-    for name, (shape, _) in columns.items():
-        if len(shape) == 0:
-            raise ValueError(f"array {name!r} in {path} is 0-dimensional; each array needs one row per sample")
-    lengths = {name: shape[0] for name, (shape, _) in columns.items()}
-    if len(set(lengths.values())) != 1:
-        listed = ", ".join(f"{n}: {k}" for n, k in lengths.items())
-        raise ValueError(f"the arrays in {path} must have the same number of rows; got {listed}")
-    per_sample = sum(int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize for shape, dtype in columns.values())
-    listed = ", ".join(f"{n} {shape} {dtype}" for n, (shape, dtype) in columns.items())
-    return DatasetShape(next(iter(lengths.values())), per_sample, f"arrays in {path}: {listed}")
+    arrays = read_array_file(path)
+    return DatasetShape(arrays.rows, arrays.bytes_per_row, arrays.describe())
 
 
 def estimate_dataset(path: str | None, synthetic: str | None, probes: int = 16) -> DatasetShape:

@@ -67,10 +67,64 @@ def test_bad_array_files_and_devices_are_one_line(tmp_path: Path, capsys) -> Non
     corrupt = tmp_path / "data.npz"
     corrupt.write_bytes(b"PK\x03\x04 not really a zip")
     line = run_failing(["--data", str(corrupt), *TINY, *out], capsys)
-    assert line.startswith("gpuload bench: error: argument --data: cannot load ") and str(corrupt) in line
-    if not torch.cuda.is_available():
-        line = run_failing([*TINY, "--device", "cuda", *out], capsys)
-        assert line.startswith("gpuload bench: error: argument --device: ") and "CUDA is not available" in line
+    assert line.startswith(f"gpuload bench: error: argument --data: cannot read {corrupt} as .npz arrays: ")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_asked_for_without_cuda_names_the_flag_not_the_keyword(tmp_path: Path, capsys) -> None:
+    line = run_failing([*TINY, "--device", "cuda", "--out", str(tmp_path / "out")], capsys)
+    assert line.startswith("gpuload bench: error: argument --device: cuda was asked for but CUDA is not available")
+    assert line.endswith("pass --device cpu, or leave --device out to use the CPU") and "device=" not in line
+    assert not (tmp_path / "out").exists()
+
+
+def _zero_rows(path: Path) -> None:
+    np.save(path, np.zeros((0, 3), dtype=np.float32))
+
+
+def _mixed_rows(path: Path) -> None:
+    np.savez(path, images=np.zeros((4, 3), dtype=np.uint8), labels=np.zeros(5, dtype=np.int64))
+
+
+def _text(path: Path) -> None:
+    path.write_text("hello, not an array\n")
+
+
+def _objects(path: Path) -> None:
+    np.save(path, np.array([{}, 1], dtype=object), allow_pickle=True)
+
+
+def _scalar(path: Path) -> None:
+    np.save(path, np.float32(3.0))
+
+
+def _empty_folder(path: Path) -> None:
+    path.mkdir()
+
+
+@pytest.mark.parametrize("name, make, says", [
+    ("zero.npy", _zero_rows, "zero.npy holds 0 rows: each row is a sample and there must be at least one"),
+    ("mixed.npz", _mixed_rows, "must have the same number of rows (one per sample); got images: 4, labels: 5"),
+    ("fake.npy", _text, "fake.npy as .npy arrays: the file is not a NumPy array (it does not start with NumPy's"),
+    ("objects.npy", _objects, "holds Python objects (dtype object); give numeric arrays"),
+    ("scalar.npy", _scalar, "is 0-dimensional; each array needs one row per sample"),
+    ("emptydir", _empty_folder, "emptydir holds no class subfolders; the images scenario reads root/<class>/<images>"),
+])
+@pytest.mark.parametrize("scenario", [[], ["--scenario", "partial"], ["--scenario", "augment"]])
+def test_unusable_data_is_one_line_naming_it_and_leaves_no_output(
+    name: str, make, says: str, scenario: list[str], tmp_path: Path, capsys
+) -> None:
+    """A zero-row .npy (once a ZeroDivisionError), a mixed .npz, a text file named .npy (once NumPy's
+    pickle message), objects, a 0-d array, an empty folder: one line, exit 2, no --out folder."""
+    data = tmp_path / name
+    make(data)
+    if name == "emptydir" and scenario:
+        says = f"emptydir is a folder; --scenario {scenario[1]} reads an .npy/.npz file"
+    line = run_failing([*TINY, *scenario, "--data", str(data), "--out", str(tmp_path / "out")], capsys)
+    assert line.startswith("gpuload bench: error: argument --data: ") and says in line, line
+    assert "Traceback" not in line and "pickle" not in line
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_unwritable_out_is_found_before_the_benchmark(tmp_path: Path, capsys) -> None:

@@ -1,13 +1,23 @@
-"""The gpuload command runs end to end on the CPU, and CI runs the README's test command."""
+"""The gpuload command runs end to end on the CPU, answers --help and bad arguments before importing
+torch, suggests the closest option for a typo, and CI runs the README's test command."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from gpuload.cli import main
+from gpuload.cli.main import COMMANDS, Command
+
+cli_main = importlib.import_module("gpuload.cli.main")  # the module: gpuload.cli.main is also the function
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,3 +103,93 @@ def test_plan_names_bombs_and_unreadable_files_instead_of_crashing(tmp_path: Pat
     (tmp_path / "a" / "junk.png").unlink()
     assert main(["plan", str(tmp_path)]) == 2
     assert "none of the 1 probed images can be loaded" in capsys.readouterr().err
+
+
+# -- the command answers at once: no torch before the arguments parse ------------------------
+
+def _run_cli(*argv: str) -> tuple[subprocess.CompletedProcess, bool]:
+    """``python -m gpuload.cli ARGV`` in a fresh process; its result and whether it imported torch."""
+    code = ("import sys\nfrom gpuload.cli import main\ntry:\n    code = main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    code = e.code\nprint('torch imported:', 'torch' in sys.modules, file=sys.stderr)\nsys.exit(code)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=120)
+    return done, "torch imported: True" in done.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["--help"], *[[command.name, "--help"] for command in COMMANDS],
+    ["bench", "--quikc"], ["bench", "--epochs", "0"], ["bench", "--device-memory", "-80GiB"],
+    ["bench", "--scenario", "imgaes"], ["bnech"], ["plan", "--cache-size", "lots"], ["plan", "--cache", "gpu"],
+    ["plan", "--nodes", "2"], ["plan", "--model", "resnet50", "--input-shape", "3,224,224"],
+    ["plan", "--gpus-per-node", "100000", "--nodes", "100000", "--device-memory", "80GiB"],
+])
+def test_help_and_argument_errors_do_not_import_torch(argv: list[str]) -> None:
+    """torch takes 3 to 9 s to import: --help and a bad argument answer before it (< 1 s)."""
+    done, imported_torch = _run_cli(*argv)
+    assert done.returncode == (0 if "--help" in argv else 2), done.stderr
+    assert not imported_torch, argv
+
+
+def test_a_typo_gets_the_subcommands_usage_and_the_closest_option(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "--quikc"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: gpuload bench ")
+    assert err.splitlines()[-1] == "gpuload bench: error: unrecognized arguments: --quikc; did you mean --quick?"
+    with pytest.raises(SystemExit):
+        main(["plan", "--gpus-per-mode=2"])
+    assert capsys.readouterr().err.splitlines()[-1].endswith("did you mean --gpus-per-node?")
+    with pytest.raises(SystemExit):
+        main(["bnech", "--quick"])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "gpuload: error: argument COMMAND: invalid choice: 'bnech' (choose from 'bench', 'plan'); did you mean bench?")
+    with pytest.raises(SystemExit):
+        main(["bench", "--scenario", "imgaes"])
+    assert capsys.readouterr().err.splitlines()[-1].endswith("; did you mean images?")
+    with pytest.raises(SystemExit):
+        main(["bench", "--xyz"])  # nothing close: no suggestion
+    assert capsys.readouterr().err.splitlines()[-1] == "gpuload bench: error: unrecognized arguments: --xyz"
+
+
+@pytest.mark.parametrize("argv", [["--device-memory", "-80GiB"], ["--device-memory=-80GiB"]])
+@pytest.mark.parametrize("command", ["bench", "plan"])
+def test_a_negative_size_is_named_as_negative_with_the_flags_own_advice(command: str, argv: list[str],
+                                                                         capsys) -> None:
+    """Not argparse's "expected one argument", nor advice ('auto', fractions) that the flag refuses."""
+    with pytest.raises(SystemExit) as exited:
+        main([command, *argv])
+    assert exited.value.code == 2
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line == (f"gpuload {command}: error: argument --device-memory: '-80GiB' is negative; write a size with a "
+                    "unit, e.g. 80GiB, 512MiB or 1.5TB (or a byte count)")
+    for refused in ("auto", "0.5"):
+        with pytest.raises(SystemExit):
+            main([command, "--device-memory", refused])
+        line = capsys.readouterr().err.splitlines()[-1]
+        assert f"'{refused}' is not a size of memory" in line and "auto" not in line.split(";")[1]
+
+
+def test_quiet_says_what_it_prints(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--quiet print two lines only: the result in words, then where bench.json and bench.png are" in help_text
+
+
+def test_a_command_is_a_row_of_the_table_and_its_module_loads_only_when_named(monkeypatch, capsys) -> None:
+    """How another command registers: a Command row naming a module with add_arguments and run."""
+    import types
+
+    module = types.ModuleType("gpuload_test_hello")
+    module.add_arguments = lambda parser: parser.add_argument("--name", default="world")
+    module.run = lambda args: print(f"hello {args.name}") or 0
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(cli_main, "COMMANDS", (*cli_main.COMMANDS, Command("hello", "say hello", module.__name__)))
+    assert main(["hello", "--name", "gpuload"]) == 0
+    assert capsys.readouterr().out == "hello gpuload\n"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "hello" in capsys.readouterr().out
+    monkeypatch.setitem(sys.modules, "gpuload.cli.bench", None)  # importing it would fail
+    assert main(["hello"]) == 0  # only the named command's module is imported

@@ -15,7 +15,8 @@ import torch
 from PIL import Image
 
 from gpuload.cli import main
-from gpuload.cli.plan import add_plan_arguments, run_plan
+from gpuload.cli.plan import add_arguments as add_plan_arguments
+from gpuload.cli.plan import run as run_plan
 
 
 @pytest.fixture(autouse=True)
@@ -298,7 +299,7 @@ def test_bad_scope_flags_are_refused_by_the_parser(argv, message, capsys):
 
 
 def test_scope_plan_needs_a_card_size_on_a_cpu_machine(capsys, monkeypatch):
-    monkeypatch.setattr("gpuload.cli.plan.resolve_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr("gpuload.cli.plan_print.command_device", lambda device: torch.device("cpu"))
     assert main(["plan", "--gpus-per-node", "8", "--nodes", "2"]) == 2
     line = one_error(capsys)
     assert "this machine has none: pass --device-memory" in line and "--device-memory 141GiB" in line
@@ -316,3 +317,110 @@ def test_the_readmes_scope_plan_is_what_the_command_prints(capsys):
     assert main(command.removeprefix("$ gpuload ").split()) == 0
     out = capsys.readouterr().out
     assert out[out.index("scope plan:"):] == printed
+
+
+# -- what the README and the issues tried: install advice, --job advice, nothing allocated -------
+
+class _NoTorchvision:
+    """A meta path finder that makes torchvision look not installed."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.partition(".")[0] == "torchvision":
+            raise ModuleNotFoundError(f"No module named {name.partition('.')[0]!r}", name="torchvision")
+        return None
+
+
+def test_a_torchvision_model_without_torchvision_says_how_to_install_it(monkeypatch, capsys) -> None:
+    import sys
+
+    for name in [name for name in sys.modules if name.partition(".")[0] == "torchvision"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_NoTorchvision, *sys.meta_path])
+    argv = ["plan", "--model", "torchvision.models:resnet50", "--input-shape", "3,224,224", "--optimizer", "adamw",
+            "--batch-size", "256", "--device-memory", "80GiB", "--synthetic", "imagenet"]
+    assert main(argv) == 2
+    line = one_error(capsys)
+    assert line == ("gpuload plan: error: --model 'torchvision.models:resnet50': cannot import 'torchvision.models': "
+                    "No module named 'torchvision' (pip install 'gpuload[torchvision]', or pip install torchvision)")
+
+
+def test_a_job_without_a_config_file_says_what_to_do_in_the_flags_terms(capsys) -> None:
+    assert main(["plan", "--synthetic", "imagenet", "--device-memory", "80GiB", "--host-memory", "256GiB",
+                 "--job", "train"]) == 2
+    line = one_error(capsys)
+    assert line.startswith("gpuload plan: error: argument --job: 'train' names a job but there is no config file")
+    assert line.endswith("create one with a [jobs.train] table, or leave --job out")
+
+
+def test_the_input_is_a_fake_tensor_nothing_of_the_planned_size_is_allocated(monkeypatch, capsys) -> None:
+    """3x1000000x1000000 float32 is 12 TB: a real tensor cannot be made, a fake one plans (#25)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    made = []
+    real_empty = torch.empty
+
+    def watched_empty(*size, **kwargs):
+        tensor = real_empty(*size, **kwargs)
+        real = tensor.device.type != "meta" and not isinstance(tensor, FakeTensor)
+        made.append(("real" if real else "fake", tensor.numel()))
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", watched_empty)
+    assert main(["plan", "--model", "job_models:cnn", "--input-shape", "3,1000000,1000000", "--optimizer", "sgd",
+                 "--device-memory", "80GiB", "--batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "model: job_models:cnn, input 3x1000000x1000000 float32" in out and "TiB" in out
+    assert made[0] == ("fake", 3 * 10**12)  # the input
+    assert max([numel for kind, numel in made if kind == "real"], default=0) < 10**6  # nothing real of its size
+
+
+def test_a_scope_plan_past_any_cluster_is_refused_in_one_line_before_anything_is_made(capsys) -> None:
+    assert main(["plan", "--gpus-per-node", "100000", "--nodes", "100000", "--device-memory", "80GiB"]) == 2
+    assert one_error(capsys) == ("gpuload plan: error: --gpus-per-node 100000 x --nodes 100000 = 10,000,000,000 "
+                                 "ranks: plan at most 131,072")
+    assert main(["plan", "--gpus-per-node", "128", "--nodes", "1024", "--device-memory", "80GiB",
+                 "--host-memory", "1TiB"]) == 0  # the largest allowed is planned
+    assert "world (131072)" in capsys.readouterr().out
+
+
+def test_the_choices_the_parser_offers_are_the_packages_own() -> None:
+    from gpuload.cache import MODES
+    from gpuload.cli.plan import CACHE_MODES, SYNTHETIC_NAMES
+    from gpuload.job.dataset_size import SYNTHETIC
+
+    assert CACHE_MODES == MODES and sorted(SYNTHETIC_NAMES) == sorted(SYNTHETIC)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cache-size", "lots"], "argument --cache-size: 'lots' is not a size; "),
+    (["--cache-reserve", "2.5"], "argument --cache-reserve: '2.5' is a number outside [0, 1]"),
+    (["--device-free", "8GiB"], "--device-free needs --device-memory (the card it is part of)"),
+])
+def test_size_settings_are_checked_when_the_arguments_parse(argv: list[str], message: str, capsys) -> None:
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as exited:
+        code = exited.code
+    assert code == 2 and message in one_error(capsys)
+
+
+def test_the_readmes_job_plan_is_what_the_command_prints_beside_its_gpuload_toml(tmp_path, capsys) -> None:
+    """The README's `--job train` command, run beside the gpuload.toml the README shows above it."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    toml = readme[readme.index("```toml\ncache_reserve") + len("```toml\n"):]
+    (tmp_path / "gpuload.toml").write_text(toml[: toml.index("```")])
+    block = readme[readme.index("```console\n$ gpuload plan --synthetic imagenet") + len("```console\n"):]
+    command, *shown = block[: block.index("```")].splitlines()
+    assert main(command.removeprefix("$ gpuload ").split()) == 0  # the test's working directory is tmp_path
+    out = capsys.readouterr().out.splitlines()
+    for line in shown:
+        assert any(printed.startswith(line.removesuffix(" ...")) for printed in out), line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_asked_for_without_cuda_names_the_flag(capsys) -> None:
+    assert main(["plan", "--device", "cuda"]) == 2
+    line = one_error(capsys)
+    assert line.startswith("gpuload plan: error: argument --device: cuda was asked for but CUDA is not available")
+    assert "pass --device cpu" in line and "device=" not in line
