@@ -200,7 +200,9 @@ def _check_cupy(versions: dict[str, Any], torch_cuda: str | None) -> Finding:
         return Finding("cupy", "WARN", f"{summary}: two CUDA majors in one process (CuPy's runtime "
                        f"{_major(runtime_version)}, NVRTC {major}); kernels are compiled by the newer one",
                        f"for one CUDA major, take the extra that matches torch (CUDA {torch_cuda}): pip uninstall "
-                       f"{packages[0].split('==')[0] if packages else 'cupy'} and install gpuload[cuda{major}]")
+                       f"the CUDA {_major(runtime_version)} CuPy and DALI "
+                       f"({packages[0].split('==')[0] if packages else 'cupy'}, nvidia-dali-cuda"
+                       f"{_major(runtime_version)}0), then pip install 'gpuload[cuda{major}]'")
     return Finding("cupy", "OK", summary)
 
 
