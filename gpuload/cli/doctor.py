@@ -123,6 +123,17 @@ def read_memlock() -> int | None:
 # --- the checks -------------------------------------------------------------------------------
 
 
+def _driver_too_old(versions: dict[str, Any], built: str, what: str) -> Finding | None:
+    """A FAIL when the driver supports an older CUDA major than ``what`` was built for."""
+    driver = versions.get("driver_cuda")
+    if driver and (_major(driver) or 0) < (_major(built) or 0):
+        return Finding(what.split()[0].lower(), "FAIL", f"{what} is built for CUDA {built}, the driver supports "
+                       f"CUDA {driver}: it cannot run on this GPU",
+                       f"upgrade the NVIDIA driver to one for CUDA {_major(built)}, or install the "
+                       f"gpuload[cuda{_major(driver)}] extra if there is one")
+    return None
+
+
 def _check_driver(driver: dict[str, Any]) -> Finding:
     if not driver.get("cuda"):
         where = f"driver {driver['version']} is installed but libcuda.so.1 does not load" if driver.get("version") \
@@ -187,6 +198,9 @@ def _check_cupy(versions: dict[str, Any], torch_cuda: str | None) -> Finding:
         return Finding("cupy", "FAIL", f"CuPy does not import ({type(error).__name__}: {error})",
                        f"reinstall it: {INSTALL_GPU}")
     summary = f"CuPy {cupy.__version__}, CUDA runtime {runtime_version}"
+    too_old = _driver_too_old(versions, runtime_version, f"CuPy {cupy.__version__}")
+    if too_old is not None:
+        return too_old
     try:
         major, minor = nvrtc.getVersion()
     except Exception as error:
@@ -228,6 +242,9 @@ def _check_dali(versions: dict[str, Any], torch_cuda: str | None) -> Finding:
     cuda = f"{build[1]}.{build[2]}" if build else "unknown"
     versions["dali"], versions["dali_cuda"] = dali.__version__, cuda
     summary = f"DALI {dali.__version__}, built for CUDA {cuda} ({packages[0].split('==')[0] if packages else '?'})"
+    too_old = _driver_too_old(versions, cuda, f"DALI {dali.__version__}") if build else None
+    if too_old is not None:
+        return too_old
     if torch_cuda and build and _major(cuda) != _major(torch_cuda):
         summary += (f"; beside torch's CUDA {torch_cuda} it uses its own CUDA {build[1]} libraries (fine on a "
                     f"driver for CUDA {max(int(build[1]), _major(torch_cuda) or 0)}; gpuload[cuda{_major(torch_cuda)}] "

@@ -185,3 +185,15 @@ def test_the_launcher_line_names_the_device_local_rank_gives(monkeypatch: pytest
     monkeypatch.delenv("LOCAL_RANK")
     line = doctor._check_launcher({"WORLD_SIZE": "2"}, torch)
     assert line.status == "WARN" and "without LOCAL_RANK: device=None means cuda:0 on every rank" in line.summary
+
+
+@pytest.mark.skipif(not doctor._installed("nvidia.dali") or not doctor._installed("cupy"),
+                    reason="needs DALI and CuPy installed (pip install 'gpuload[cuda12]')")
+def test_dali_and_cupy_built_for_a_newer_cuda_than_the_driver_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    found = findings(doctor.collect(read_driver=lambda: {"version": "470.256.02", "cuda": "11.4"},
+                                    read_memlock=lambda: None))
+    for topic in ("dali", "cupy"):
+        assert found[topic]["status"] == "FAIL", found[topic]
+        assert "the driver supports CUDA 11.4: it cannot run on this GPU" in found[topic]["summary"]
+        assert "upgrade the NVIDIA driver" in found[topic]["fix"]
