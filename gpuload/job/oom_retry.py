@@ -116,20 +116,22 @@ def _whole(value: Any) -> bool:
     return value is None or isinstance(value, (str, bytes, bytearray, numbers.Number))
 
 
-def _fields(value: Any, total: int) -> bool:
-    """True when the sequence ``value`` is a list of fields (``default_collate`` of a tuple
-    sample): each item runs along the batch or is a per-batch value, at least one the former."""
-    return any(_batched(v, total) for v in value) and all(_batched(v, total) or _whole(v) for v in value)
+def _fields(values: Any, total: int) -> bool:
+    """True when ``values`` (a sequence's items, a mapping's values) are fields of a batch, as
+    ``default_collate`` lays them out: each runs along the batch or is a per-batch value, and at
+    least one runs along the batch."""
+    values = list(values)
+    return any(_batched(v, total) for v in values) and all(_batched(v, total) or _whole(v) for v in values)
 
 
 def _batched(value: Any, total: int) -> bool:
     """True when ``value`` runs along the batch: an array of ``total`` rows, a sequence of
-    ``total`` items, or a container (mapping, sequence) made only of such values."""
+    ``total`` items, or a container (mapping, sequence) of fields (:func:`_fields`)."""
     leading = _leading(value)
     if leading is not None:
         return leading == total
     if isinstance(value, collections.abc.Mapping):
-        return len(value) > 0 and all(_batched(v, total) for v in value.values())
+        return _fields(value.values(), total)
     if _is_sequence(value):
         return len(value) == total or _fields(value, total)
     return False

@@ -254,6 +254,16 @@ def test_every_kind_of_per_sample_leaf_is_split_and_per_batch_values_go_whole() 
     assert all(p["step"].item() == 7 and p["epoch"] == 2 and p["split"] == "train" for p in step.pieces)
 
 
+def test_fields_nested_in_mappings_beside_per_batch_values_are_split() -> None:
+    batch = [{"x": torch.arange(8), "tag": "run", "names": [f"n{i}" for i in range(8)]}, torch.arange(8) * 10]
+    step = RunsOutAboveOn(4, lambda b: len(b[1]))
+    with pytest.warns(BatchSizeLoweredWarning):
+        OOMRetry(step)(batch)
+    (first, labels), _ = step.pieces
+    assert first["x"].tolist() == [0, 1, 2, 3] and first["tag"] == "run" and first["names"] == ["n0", "n1", "n2", "n3"]
+    assert labels.tolist() == [0, 10, 20, 30]
+
+
 def test_a_0d_tensor_first_does_not_make_the_batch_one_sample() -> None:
     step = RunsOutAboveOn(4, lambda b: len(b[1]))
     with pytest.warns(BatchSizeLoweredWarning, match="batch size 8"):
