@@ -82,9 +82,10 @@ def endless(loader: tud.DataLoader) -> Iterator[Any]:
         yield from loader
 
 
-def h2d_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
-    """This machine's pinned host-to-device GB/s: back-to-back copies timed with events."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def h2d_bandwidth(device: torch.device, nbytes: int, repeats: int, pinned: bool = True) -> float:
+    """This machine's host-to-device GB/s from pinned (or pageable) memory: back-to-back copies
+    timed with events."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
     target.copy_(host, non_blocking=True)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -204,12 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = (16 if args.quick else 64) << 20
         repeats = 20 if args.quick else 50
         peak = h2d_bandwidth(device, nbytes, repeats)
+        pageable = h2d_bandwidth(device, nbytes, repeats, pinned=False)
         through = prefetcher_bandwidth(device, nbytes, repeats, gather=False)
         gathered = prefetcher_bandwidth(device, nbytes, repeats, gather=True)
-        result["h2d"] = {"pinned_peak_gbps": peak, "prefetcher_gbps": through,
+        result["h2d"] = {"pinned_peak_gbps": peak, "pageable_gbps": pageable, "prefetcher_gbps": through,
                          "prefetcher_with_gather_gbps": gathered, "batch_bytes": nbytes}
         print(f"\nhost-to-device, {nbytes >> 20} MiB batches:")
         print(f"  pinned copy peak (this machine)      {peak:7.2f} GB/s")
+        print(f"  pageable copy (this machine)         {pageable:7.2f} GB/s")
         print(f"  prefetcher, slot copy only           {through:7.2f} GB/s "
               f"({100 * through / peak:.0f}% of peak; target >= 85%)")
         print(f"  prefetcher, host gather + copy       {gathered:7.2f} GB/s "

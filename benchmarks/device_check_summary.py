@@ -1,7 +1,7 @@
 """One JSON of what ``benchmarks/device_check.sh`` found: steps, test counts, benchmark numbers.
 
 Reads the folder the check wrote (``steps.tsv``, junit XML of the test steps, the benchmarks'
-JSON, ``machine.log``) and writes ``summary.json`` beside them. Every part is read on its own:
+JSON, ``machine.log``, ``doctor.json``) and writes ``summary.json`` beside them. Every part is read on its own:
 a missing or broken file becomes an ``"error"`` entry in its section, never a missing summary.
 
 Usage: python benchmarks/device_check_summary.py OUT_DIR
@@ -97,6 +97,53 @@ def machine_info(path: Path) -> dict[str, Any]:
     raise ValueError("no MACHINE_JSON line")
 
 
+def doctor_findings(path: Path) -> dict[str, Any]:
+    """``gpuload doctor --json``: each topic's status and line, and what was not OK."""
+    document = json.loads(path.read_text(encoding="utf-8"))
+    findings = document.get("findings", [])
+    return {
+        "ok": document.get("ok"),
+        "lines": [f"{f['status']} {f['topic']}: {f['summary']}" for f in findings],
+        "not_ok": [f"{f['status']} {f['topic']}: {f['fix']}" for f in findings if f.get("status") != "OK"],
+        "versions": document.get("versions", {}),
+    }
+
+
+def _rate(loader: dict[str, Any]) -> float | None:
+    rate = loader.get("samples_per_s")
+    return float(rate) if isinstance(rate, (int, float)) else None
+
+
+def headline(summary: dict[str, Any]) -> dict[str, Any]:
+    """The numbers a reader wants first: host-to-device GB/s pinned against pageable, the loop's
+    wait with and without prefetching, and gpuload's samples/s against torch's best per scenario."""
+    numbers: dict[str, Any] = {}
+    prefetch = summary.get("prefetch") or {}
+    h2d = prefetch.get("h2d") or {}
+    if h2d:
+        numbers["h2d_gbps"] = {"pinned": h2d.get("pinned_peak_gbps"), "pageable": h2d.get("pageable_gbps"),
+                               "prefetcher": h2d.get("prefetcher_gbps")}
+    waits = {row["feed"]: row.get("wait_share") for row in prefetch.get("feeds", []) if row.get("feed")}
+    if waits:
+        numbers["loop_wait_share"] = {
+            "without prefetching": {k: v for k, v in waits.items() if k.startswith("torch DataLoader")},
+            "with gpuload's prefetcher": {k: v for k, v in waits.items() if k.startswith("gpuload Prefetcher")},
+        }
+    for name, bench in (summary.get("bench") or {}).items():
+        loaders = bench.get("loaders", []) if isinstance(bench, dict) else []
+        torch_rates = [r for r in (_rate(row) for row in loaders if str(row.get("name", "")).startswith("torch")) if r]
+        best = max(torch_rates) if torch_rates else None
+        rows = {}
+        for row in loaders:
+            rate = _rate(row)
+            if str(row.get("name", "")).startswith("gpuload") and rate is not None:
+                rows[row["name"]] = {"samples_per_s": rate, "x_torch": rate / best if best else None,
+                                     **({"decode_backend": row["decode_backend"]} if row.get("decode_backend") else {})}
+        if rows or best:
+            numbers[f"{name}_samples_per_s"] = {"torch_best": best, "gpuload": rows}
+    return numbers
+
+
 def _guarded(read: Callable[[Path], Any], path: Path) -> Any:
     if not path.exists():
         return {"error": f"{path.name} was not written"}
@@ -116,6 +163,8 @@ def summarize(out: Path) -> dict[str, Any]:
         summary["steps_error"] = f"steps.tsv: {type(error).__name__}: {error}"
     summary["steps"] = {row["step"]: {k: v for k, v in row.items() if k != "step"} for row in steps}
     summary["machine"] = _guarded(machine_info, out / "machine.log")
+    ran_machine = any(row["step"] == "machine" for row in steps)
+    summary["doctor"] = _guarded(doctor_findings, out / "doctor.json") if ran_machine else None
     ran = {row["step"] for row in steps}
     summary["tests"] = {name: _guarded(junit_counts, out / f"{name}.xml") for name in TEST_STEPS if name in ran}
     summary["prefetch"] = _guarded(prefetch_numbers, out / "prefetch.json") if "prefetch" in ran else None
@@ -125,6 +174,7 @@ def summarize(out: Path) -> dict[str, Any]:
     images = summary["bench"].get("images", {})
     backends = sorted({row.get("decode_backend") for row in images.get("loaders", []) if row.get("decode_backend")})
     summary["images_decode_backends"] = backends
+    summary["headline"] = headline(summary)
     tests = [counts for counts in summary["tests"].values() if "tests" in counts]
     summary["totals"] = {
         "steps": len(steps),

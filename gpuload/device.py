@@ -38,6 +38,13 @@ class MemoryInfo:
     total: int
     torch_cached: int = 0
 
+    @property
+    def free_to_torch(self) -> int:
+        """What a torch allocation in this process can get now: the driver's free memory plus
+        the blocks torch's caching allocator holds unused (a failed step's activations, just
+        released, sit there; they are not the driver's to report)."""
+        return self.free + self.torch_cached
+
 
 def cuda_available() -> bool:
     """True when torch sees at least one usable CUDA device."""
@@ -47,12 +54,15 @@ def cuda_available() -> bool:
 def resolve_device(device: str | int | torch.device | None) -> torch.device:
     """Turn the user's ``device=`` into a concrete ``torch.device``, or raise a clear error.
 
-    ``None`` means the current CUDA device when there is one, else the CPU. A CUDA device that
-    this machine does not have raises :class:`DeviceError` saying what exists.
+    ``None`` means, when CUDA is available: the current CUDA device if the process chose one
+    (``torch.cuda.set_device``), else ``cuda:$LOCAL_RANK`` when the launcher (torchrun, SLURM
+    wrappers) set ``LOCAL_RANK``, else cuda:0; without CUDA, the CPU. ``cuda`` without an
+    index is the same choice. A CUDA device that this machine does not have raises
+    :class:`DeviceError` saying what exists.
     """
     if device is None:
         if cuda_available():
-            return torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cuda", _default_cuda_index(device))
         return torch.device("cpu")
     resolved = _as_torch_device(device)
     if resolved.type == "cuda":
@@ -63,7 +73,7 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device:
                 "pass device='cpu' or leave device unset to use the CPU"
             )
         count = torch.cuda.device_count()
-        index = torch.cuda.current_device() if resolved.index is None else resolved.index
+        index = _default_cuda_index(device) if resolved.index is None else resolved.index
         if not 0 <= index < count:
             raise DeviceError(
                 f"device={str(device)!r} does not exist: this machine has {count} CUDA "
@@ -75,6 +85,35 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device:
             f"device={str(device)!r} is not supported: gpuload runs on 'cuda' or 'cpu'"
         )
     return resolved
+
+
+def _default_cuda_index(device: object) -> int:
+    """The CUDA device a ``device=`` without an index means (see :func:`resolve_device`).
+
+    Under torchrun every rank's current device is cuda:0 until the job calls
+    ``torch.cuda.set_device``; taking it would put every rank on one GPU (NCCL then fails
+    with a duplicate-GPU error), so ``LOCAL_RANK`` decides while the current device is still
+    cuda:0. A process that sees one GPU (a launcher that sets ``CUDA_VISIBLE_DEVICES`` per
+    rank) has only cuda:0 to take.
+    """
+    current = torch.cuda.current_device()
+    text = os.environ.get("LOCAL_RANK")
+    if current != 0 or text is None:
+        return current
+    count = torch.cuda.device_count()
+    if count == 1:
+        return 0
+    try:
+        local_rank = int(text)
+    except ValueError:
+        local_rank = -1
+    if not 0 <= local_rank < count:
+        raise DeviceError(
+            f"device={device!r} means cuda:$LOCAL_RANK under a launcher, but LOCAL_RANK={text!r} "
+            f"is not a CUDA device of this machine ({count} devices, cuda:0 to cuda:{count - 1}); "
+            "pass device='cuda:N', or call torch.cuda.set_device(N) first"
+        )
+    return local_rank
 
 
 def _as_torch_device(device: object) -> torch.device:

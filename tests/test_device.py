@@ -50,3 +50,62 @@ def test_the_cpu_has_no_device_memory() -> None:
 def test_host_memory_reads_proc_meminfo() -> None:
     memory = device_module.host_memory()
     assert 0 < memory.free <= memory.total and memory.torch_cached == 0
+
+
+# --- device=None under a launcher (LOCAL_RANK) --------------------------------------------------
+
+
+@pytest.fixture
+def pretend_gpus(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """A pretended machine with 4 CUDA devices; set ``current`` in the returned dict to pretend
+    ``torch.cuda.set_device``. LOCAL_RANK starts unset."""
+    state = {"count": 4, "current": 0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: state["count"])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: state["current"])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    return state
+
+
+def test_without_a_launcher_none_is_the_current_device(pretend_gpus: dict) -> None:
+    assert device_module.resolve_device(None) == torch.device("cuda", 0)
+    pretend_gpus["current"] = 2
+    assert device_module.resolve_device(None) == torch.device("cuda", 2)
+
+
+@pytest.mark.parametrize("device", [None, "cuda", torch.device("cuda")])
+def test_under_torchrun_none_is_the_local_rank(pretend_gpus: dict, monkeypatch: pytest.MonkeyPatch, device) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert device_module.resolve_device(device) == torch.device("cuda", 3)
+    assert device_module.resolve_device("cuda:1") == torch.device("cuda", 1)  # an index is the user's
+
+
+def test_a_device_the_job_set_wins_over_local_rank(pretend_gpus: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    pretend_gpus["current"] = 1  # torch.cuda.set_device(1)
+    assert device_module.resolve_device(None) == torch.device("cuda", 1)
+
+
+def test_one_visible_gpu_per_rank_is_cuda0_whatever_the_local_rank(pretend_gpus: dict,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    pretend_gpus["count"] = 1  # the launcher set CUDA_VISIBLE_DEVICES to this rank's GPU
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert device_module.resolve_device(None) == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("value", ["7", "-1", "first"])
+def test_a_local_rank_that_is_no_device_here_is_one_clear_error(pretend_gpus: dict, monkeypatch: pytest.MonkeyPatch,
+                                                                 value: str) -> None:
+    monkeypatch.setenv("LOCAL_RANK", value)
+    with pytest.raises(DeviceError, match=rf"LOCAL_RANK='{value}' is not a CUDA device of this machine \(4 devices"):
+        device_module.resolve_device(None)
+
+
+def test_off_cuda_local_rank_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert device_module.resolve_device(None) == torch.device("cpu")
+
+
+def test_free_to_torch_counts_the_allocators_unused_blocks(pretend_card: dict) -> None:
+    assert device_memory(CUDA0).free_to_torch == 62 * GiB

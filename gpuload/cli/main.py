@@ -1,5 +1,6 @@
 """The ``gpuload`` command: ``gpuload bench`` measures loaders side by side; ``gpuload plan``
-prints where a dataset's bytes would live.
+prints where a dataset's bytes would live; ``gpuload doctor`` checks what this machine gives
+gpuload.
 
 Each subcommand is a row of ``COMMANDS``: its name, its help line and the module that defines
 it. That module has ``add_arguments(parser)`` and ``run(args) -> int`` and imports nothing heavy
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 
 __all__ = ["main", "Command", "COMMANDS"]
 
-DESCRIPTION = "gpuload's command line: time loaders side by side (bench), plan memory before a run (plan)."
+DESCRIPTION = ("gpuload's command line: time loaders side by side (bench), plan memory before a run (plan), "
+               "check this machine (doctor).")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("bench", "time gpuload against torch's DataLoader, side by side", "gpuload.cli.bench"),
     Command("plan", "print where a dataset's bytes would live under a cache budget, or a job's memory",
             "gpuload.cli.plan"),
+    Command("doctor", "check the driver, torch, CuPy, DALI, memory and settings gpuload uses", "gpuload.cli.doctor"),
 )
 
 

@@ -17,7 +17,8 @@ are allocated on that stream too, so the caller's later work on it is ordered af
 **Errors.** DALI raises ``RuntimeError`` for a bad file and for a failing device alike;
 :class:`DaliError` keeps DALI's reason and ``device`` says which it was
 (:func:`gpuload.decode.errors.is_device_failure`): an out-of-memory or CUDA error must never be
-taken for a bad file.
+taken for a bad file. A pipeline that cannot be built is a device failure whatever DALI's text
+says: no file has reached it yet.
 
 **Console.** DALI prints its own ``[ERROR]`` line for every file it rejects; those lines are
 kept off the console during a run and logged to ``gpuload.decode.dali`` instead, and the last
@@ -75,7 +76,7 @@ def _import_dali() -> tuple[Any, Any, Any, Any]:
     except Exception as error:  # a broken install raises all sorts
         raise DaliUnavailable(
             f"nvidia.dali could not be imported ({type(error).__name__}: {error}); install "
-            "nvidia-dali-cuda120, or decode with backend='torchvision' or backend='pil'"
+            "gpuload[cuda12] (or gpuload[cuda13]), or decode with backend='torchvision' or backend='pil'"
         ) from error
     from nvidia.dali import Pipeline, __version__
 
@@ -83,7 +84,7 @@ def _import_dali() -> tuple[Any, Any, Any, Any]:
         raise DaliUnavailable(
             f"nvidia.dali {__version__} is too old: gpuload binds each run to torch's stream "
             "(Pipeline.run(cuda_stream), exec_dynamic), which DALI has since 1.44; upgrade "
-            "nvidia-dali-cuda120, or decode with backend='nvjpeg', 'torchvision' or 'pil'"
+            "it: pip install -U 'gpuload[cuda12]' (or [cuda13]), or decode with backend='nvjpeg', 'torchvision' or 'pil'"
         )
     return fn, types, pipeline_def, feed_ndarray
 
@@ -123,6 +124,25 @@ def _dali_error(failure: Exception, logged: list[str]) -> DaliError:
     if logged:
         reason += f" (DALI logged: {'; '.join(logged[-3:])})"
     error = DaliError(reason, device=is_device_failure(f"{reason} {failure}"))
+    error.__cause__ = failure
+    return error
+
+
+def _build_error(failure: Exception, logged: list[str], name: str, batch: int) -> DaliError:
+    """The DaliError for a pipeline DALI could not build: a device failure whatever its text.
+
+    No input has reached the pipeline, so no file can be to blame; decoding the batch again
+    sample by sample would only build the same failing pipeline once per sample.
+    """
+    reason = _reason(failure)
+    if logged:
+        reason += f" (DALI logged: {'; '.join(logged[-3:])})"
+    error = DaliError(
+        f"DALI could not build its {name} decoding pipeline (batch size {batch}): {reason}; no "
+        "file is to blame. Check the install with `gpuload doctor`, or decode with "
+        "backend='nvjpeg', 'torchvision' or 'pil'",
+        device=True,
+    )
     error.__cause__ = failure
     return error
 
@@ -207,17 +227,20 @@ class DaliDecoder:
             raise ValueError(f"{len(rois)} ROIs for {len(encoded)} images; pass one per image")
         _, _, _, feed_ndarray = self._dali
         with self._lock:
-            if self._pipe is None or len(encoded) > self._pipe_batch:
-                self._build(max(self.max_batch, len(encoded), self._pipe_batch))
-            pipe = self._pipe
             stream = torch.cuda.current_stream(self.device) if self.mixed else None
             # The error is kept in a list and popped, never in a local: a local holding it would
             # make a cycle through its traceback (frame -> error -> traceback -> frame) that keeps
             # the dead pipeline for the garbage collector, which may then run in a forked worker,
             # where DALI's destructor waits forever for threads the child does not have.
             failed: list[Exception] = []
+            building = False
             with quiet_native_stderr():
                 try:
+                    if self._pipe is None or len(encoded) > self._pipe_batch:
+                        building = True
+                        self._build(max(self.max_batch, len(encoded), self._pipe_batch))
+                        building = False
+                    pipe = self._pipe
                     pipe.feed_input("encoded", [np.frombuffer(data, dtype=np.uint8) for data in encoded])
                     if rois is not None:
                         pipe.feed_input("anchor", [np.array(r[:2], dtype=np.int32) for r in rois])
@@ -228,6 +251,8 @@ class DaliDecoder:
             logged = take_native_lines()
             if failed:
                 self._pipe = pipe = None  # DALI says the pipeline is no longer valid: rebuild next time
+                if building:
+                    raise _build_error(failed.pop(), logged, self.name, len(encoded))
                 raise _dali_error(failed.pop(), logged)
             images = []
             for i in range(len(batch)):

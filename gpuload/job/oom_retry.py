@@ -28,19 +28,22 @@ on that rank instead, saying so and how to lower the size on every rank together
 
 from __future__ import annotations
 
+import collections.abc
 import math
+import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from gpuload.cache.budget import format_bytes
 from gpuload.device import device_memory
 from gpuload.job.plan import JobPlan
-from gpuload.transfer import batch_length, map_leaves
+from gpuload.transfer import map_leaves
 
-__all__ = ["OOMRetry", "BatchSizeLoweredWarning", "ResizableLoader"]
+__all__ = ["OOMRetry", "BatchSizeLoweredWarning", "BatchSplitError", "ResizableLoader"]
 
 T = TypeVar("T")
 _SAFETY = 0.9  # of the free memory the retry plans to fill: the estimate leaves out workspaces
@@ -69,10 +72,125 @@ def _first_device(batch: Any) -> torch.device | None:
 
 
 def _free_on(device: torch.device | None) -> int | None:
-    """Device bytes free now (the caching allocator's unused blocks count), or None off CUDA."""
+    """Device bytes a retry can use now, or None off CUDA: the driver's free memory and the
+    blocks torch's caching allocator holds unused, where the failed step's tensors went."""
     if device is None or device.type != "cuda":
         return None
-    return device_memory(device).free
+    return device_memory(device).free_to_torch
+
+
+class BatchSplitError(ValueError):
+    """A batch cannot be split into pieces of samples: a part of it does not say which of its
+    values belong to which sample."""
+
+
+def _leading(value: Any) -> int | None:
+    """The first dimension of a tensor or NumPy array with one, else None (0-d, or not an array)."""
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim > 0:
+        return int(value.shape[0])
+    return None
+
+
+def _is_sequence(value: Any) -> bool:
+    return isinstance(value, collections.abc.Sequence) and not isinstance(value, (str, bytes, bytearray))
+
+
+def _samples_in(batch: Any) -> int | None:
+    """The batch's number of samples: the first dimension of its first tensor (or array) that
+    has one, in the order ``default_collate`` lays out fields; None when it holds none."""
+    found = _leading(batch)
+    if found is not None:
+        return found
+    values = batch.values() if isinstance(batch, collections.abc.Mapping) else batch if _is_sequence(batch) else ()
+    for value in values:
+        found = _samples_in(value)
+        if found is not None:
+            return found
+    return None
+
+
+def _whole(value: Any) -> bool:
+    """A per-batch value that every piece gets whole: a 0-d tensor or array, a number, a string, None."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return value.ndim == 0
+    return value is None or isinstance(value, (str, bytes, bytearray, numbers.Number))
+
+
+def _fields(values: Any, total: int) -> bool:
+    """True when ``values`` (a sequence's items, a mapping's values) are fields of a batch, as
+    ``default_collate`` lays them out: each runs along the batch or is a per-batch value, and at
+    least one runs along the batch."""
+    values = list(values)
+    return any(_batched(v, total) for v in values) and all(_batched(v, total) or _whole(v) for v in values)
+
+
+def _batched(value: Any, total: int) -> bool:
+    """True when ``value`` runs along the batch: an array of ``total`` rows, a sequence of
+    ``total`` items, or a container (mapping, sequence) of fields (:func:`_fields`)."""
+    leading = _leading(value)
+    if leading is not None:
+        return leading == total
+    if isinstance(value, collections.abc.Mapping):
+        return _fields(value.values(), total)
+    if _is_sequence(value):
+        return len(value) == total or _fields(value, total)
+    return False
+
+
+def _name(path: str, value: Any) -> str:
+    shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else (
+        f" of {len(value)} items" if isinstance(value, collections.abc.Sized) else "")
+    return f"{path} ({type(value).__name__}{shape})"
+
+
+def _piece(value: Any, start: int, stop: int, total: int, path: str) -> Any:
+    """Samples ``start:stop`` of ``value``, a batch (or part of one) of ``total`` samples.
+
+    Arrays of ``total`` rows are sliced; a sequence of ``total`` items that is not a container
+    of batched fields (the list of file names ``default_collate`` makes) is sliced as well;
+    mappings, namedtuples and ``default_collate``'s lists of fields are split field by field.
+    Values with no batch dimension (0-d tensors, numbers, strings, None) go to every piece.
+    Anything else is a :class:`BatchSplitError` naming it: handing it whole to every piece
+    would pair it with the wrong samples.
+    """
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if value.ndim == 0:
+            return value
+        if value.shape[0] != total:
+            raise BatchSplitError(f"{_name(path, value)} has {value.shape[0]} rows, not the batch's {total} samples")
+        return value[start:stop]
+    if _whole(value):
+        return value
+    if isinstance(value, collections.abc.Mapping):
+        parts = {k: _piece(v, start, stop, total, f"{path}[{k!r}]") for k, v in value.items()}
+        try:
+            return type(value)(parts)
+        except TypeError:
+            return parts
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_piece(v, start, stop, total, f"{path}.{f}") for f, v in zip(value._fields, value)))
+    if _is_sequence(value):
+        if _fields(value, total):
+            parts_list = [_piece(v, start, stop, total, f"{path}[{i}]") for i, v in enumerate(value)]
+            try:
+                return type(value)(parts_list)
+            except TypeError:
+                return parts_list
+        if len(value) == total:  # one item per sample
+            return value[start:stop]
+        raise BatchSplitError(f"{_name(path, value)} has {len(value)} items, not the batch's {total} samples")
+    raise BatchSplitError(f"{_name(path, value)} has no batch dimension to split along")
+
+
+def _split(batch: Any, start: int, stop: int, total: int) -> Any:
+    try:
+        return _piece(batch, start, stop, total, "batch")
+    except BatchSplitError as error:
+        raise BatchSplitError(
+            f"OOMRetry cannot split this batch of {total} samples into smaller pieces: {error}. "
+            "Give every part of the batch one entry per sample (or make a per-batch value a "
+            "0-d tensor, a number or a string, which every piece gets whole)"
+        ) from None
 
 
 class OOMRetry(Generic[T]):
@@ -84,8 +202,14 @@ class OOMRetry(Generic[T]):
     ``gpuload.DataLoader`` the batches come from: its batch size follows the lowered one, and
     its device cache gives memory back when the plan says so (module docstring), unless its data
     is split over ranks (then it is left as it is, and the batches are split). ``free_bytes``:
-    how much device memory is free now (default: asked of the batch's CUDA device); tests pass
-    their own. Tensors are split along their first dimension; other values go to every piece.
+    how much device memory a retry can use now (default: asked of the batch's CUDA device, the
+    caching allocator's unused blocks included); tests pass their own.
+
+    A batch is split sample by sample: tensors and arrays along their first dimension (the
+    first one that has a first dimension gives the batch's size), lists with one item per
+    sample (file names, captions) by item; 0-d tensors, numbers and strings go whole to every
+    piece. A part that has no per-sample layout (a tensor of another length, say) is a
+    :class:`BatchSplitError` naming it, raised when a split is needed.
     """
 
     def __init__(
@@ -97,25 +221,28 @@ class OOMRetry(Generic[T]):
         free_bytes: Callable[[], int | None] | None = None,
         loader: ResizableLoader | None = None,
     ) -> None:
-        if min_batch_size < 1:
-            raise ValueError(f"min_batch_size must be at least 1, got {min_batch_size}")
+        if isinstance(min_batch_size, bool) or not isinstance(min_batch_size, numbers.Integral) \
+                or min_batch_size < 1:
+            raise ValueError(f"min_batch_size must be a whole number of samples, at least 1; got {min_batch_size!r}")
         if loader is not None:
             loader.set_batch_size(loader.batch_size)  # a loader that cannot change says so now, not mid-step
         self.loader = loader
         self.step = step
         self.plan = plan
-        self.min_batch_size = min_batch_size
+        self.min_batch_size = int(min_batch_size)
         self._free_bytes = free_bytes
         self.batch_size: int | None = None  # None: whole batches, no out-of-memory error yet
         self.retries = 0
 
     def __call__(self, batch: Any) -> list[T]:
-        total = batch_length(batch)
+        total = _samples_in(batch)
+        if total is None:
+            total = len(batch) if _is_sequence(batch) else 1
         results: list[T] = []
         start = 0
         while start < total:
             size = min(total - start, self.batch_size or total)
-            piece = batch if size == total else map_leaves(batch, lambda t, a=start, b=start + size: t[a:b])
+            piece = batch if size == total else _split(batch, start, start + size, total)
             try:
                 results.append(self.step(piece))
             except torch.cuda.OutOfMemoryError as error:

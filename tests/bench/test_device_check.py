@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,9 +57,18 @@ def fake_check(out: Path) -> None:
     (out / "gpu-tests.xml").write_text(JUNIT)
     # kernel-parity timed out: no XML
     (out / "prefetch.json").write_text(json.dumps({
-        "device": "cuda:0", "rows": [{"feed": "step alone", "wait_share": 0.0, "overhead": 0.0, "batches_per_s": 250.0}],
-        "h2d": {"pinned_peak_gbps": 50.0, "prefetcher_gbps": 45.0, "prefetcher_with_gather_gbps": 20.0},
+        "device": "cuda:0", "rows": [
+            {"feed": "step alone", "wait_share": 0.0, "overhead": 0.0, "batches_per_s": 250.0},
+            {"feed": "torch DataLoader(num_workers=0, pin_memory=True)", "wait_share": 0.4, "batches_per_s": 150.0},
+            {"feed": "gpuload Prefetcher(depth=3) over DataLoader(num_workers=0)", "wait_share": 0.02},
+        ],
+        "h2d": {"pinned_peak_gbps": 50.0, "pageable_gbps": 12.5, "prefetcher_gbps": 45.0,
+                "prefetcher_with_gather_gbps": 20.0},
     }))
+    (out / "doctor.json").write_text(json.dumps({"ok": True, "versions": {"torch": "2.11.0"}, "findings": [
+        {"topic": "torch", "status": "OK", "summary": "torch 2.11.0, built for CUDA 13.0", "fix": ""},
+        {"topic": "dali", "status": "WARN", "summary": "DALI is not installed", "fix": "pip install 'gpuload[cuda13]'"},
+    ]}))
     (out / "cache-device").mkdir()
     (out / "cache-device" / "bench.json").write_text("{ broken")
     (out / "images").mkdir()
@@ -86,6 +96,16 @@ def test_the_summary_reads_every_part_and_reports_broken_ones(tmp_path: Path) ->
     assert "JSONDecodeError" in summary["bench"]["cache-device"]["error"]
     assert summary["bench"]["images"]["loaders"][1]["samples_per_s"] == 5400.0
     assert summary["images_decode_backends"] == ["nvjpeg"]
+    assert summary["doctor"]["not_ok"] == ["WARN dali: pip install 'gpuload[cuda13]'"]
+    assert summary["headline"] == {
+        "h2d_gbps": {"pinned": 50.0, "pageable": 12.5, "prefetcher": 45.0},
+        "loop_wait_share": {
+            "without prefetching": {"torch DataLoader(num_workers=0, pin_memory=True)": 0.4},
+            "with gpuload's prefetcher": {"gpuload Prefetcher(depth=3) over DataLoader(num_workers=0)": 0.02},
+        },
+        "images_samples_per_s": {"torch_best": 900.0, "gpuload": {
+            "gpuload DataLoader": {"samples_per_s": 5400.0, "x_torch": 6.0, "decode_backend": "nvjpeg"}}},
+    }
     assert "cache-partial" not in summary["bench"] or "error" in summary["bench"]["cache-partial"]
     assert summary["totals"] == {
         "steps": 7, "steps_passed": 4, "steps_not_passed": ["gpu-tests", "kernel-parity", "cache-partial"],
@@ -100,7 +120,7 @@ def test_the_summary_survives_a_folder_with_nothing_in_it(tmp_path: Path) -> Non
     assert "steps_error" in summary and summary["totals"]["steps"] == 0
 
 
-def run_check(out: Path, steps: str, budget: int = 440) -> subprocess.CompletedProcess[str]:
+def run_check(out: Path, steps: str, budget: int = 320) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "GPULOAD_CHECK_STEPS": steps, "GPULOAD_CHECK_PYTHON": sys.executable,
            "GPULOAD_CHECK_BUDGET_S": str(budget)}
     return subprocess.run(["bash", str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=240)
@@ -114,6 +134,7 @@ def test_the_script_writes_the_summary_when_a_step_fails(tmp_path: Path) -> None
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"]["machine"]["status"] == "passed"
     assert summary["machine"]["cuda_available"] is False
+    assert {line.split(":")[0] for line in summary["doctor"]["lines"]} >= {"OK torch", "OK launcher"}
     assert summary["steps"]["prefetch"]["status"] == "failed"
     assert "error" in summary["prefetch"]
     assert summary["totals"]["steps_not_passed"] == ["prefetch"]
@@ -126,3 +147,19 @@ def test_the_script_skips_what_no_longer_fits_and_still_writes_the_summary(tmp_p
     assert {name: s["status"] for name, s in summary["steps"].items()} == {
         "machine": "skipped", "gpu-tests": "skipped", "images": "skipped"
     }
+
+
+def test_the_whole_check_fits_six_minutes_so_a_rerun_fits_the_lease() -> None:
+    script = SCRIPT.read_text()
+    budget = int(re.search(r'budget_s="\$\{GPULOAD_CHECK_BUDGET_S:-(\d+)\}"', script)[1])
+    summary_limit = re.search(r"timeout -k (\d+) (\d+) \"\$python\" benchmarks/device_check_summary.py", script)
+    # every step ends within the budget (limits are cut to what is left), then the summary and packing
+    assert budget + int(summary_limit[1]) + int(summary_limit[2]) + 10 <= 6 * 60
+
+
+@pytest.mark.slow
+def test_the_dry_run_of_the_machine_step_passes_here(tmp_path: Path) -> None:
+    done = run_check(tmp_path, "machine")
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["totals"]["steps_not_passed"] == [] and summary["doctor"]["versions"]["torch"]

@@ -77,7 +77,7 @@ def test_bench_images_scenario_on_generated_photos(tmp_path: Path, capsys, monke
         "gpuload DataLoader (decoded image cache)",
     ]
     gpuload_row, cached_row = document["results"][1:]
-    assert gpuload_row["batches_per_epoch"] == 2 and gpuload_row["decode_backend"] in ("dali-cpu", "pil")
+    assert gpuload_row["batches_per_epoch"] == 2 and gpuload_row["decode_backend"] in ("dali-cpu", "torchvision", "pil")
     assert gpuload_row["of_ideal"] is None and "image_cache" not in gpuload_row
     assert cached_row["image_cache"] == "decoded" and cached_row["cached_images"] == 12
     torch_bytes = 12 * 3 * 32 * 32 * 2 + 12 * 8  # float16 crops and int64 labels, copied every epoch
@@ -143,7 +143,7 @@ def test_a_typo_gets_the_subcommands_usage_and_the_closest_option(capsys) -> Non
     with pytest.raises(SystemExit):
         main(["bnech", "--quick"])
     assert capsys.readouterr().err.splitlines()[-1] == (
-        "gpuload: error: argument COMMAND: invalid choice: 'bnech' (choose from 'bench', 'plan'); did you mean bench?")
+        "gpuload: error: argument COMMAND: invalid choice: 'bnech' (choose from 'bench', 'plan', 'doctor'); did you mean bench?")
     with pytest.raises(SystemExit):
         main(["bench", "--scenario", "imgaes"])
     assert capsys.readouterr().err.splitlines()[-1].endswith("; did you mean images?")

@@ -27,12 +27,16 @@ from gpuload.decode import (
 )
 from gpuload.decode import batch as batch_module
 from gpuload.decode import cpu, headers
+from gpuload.decode._dali import dali_installed
 
 CPU_MEAN_TOL, CPU_MAX_TOL = 0.5, 4
 GPU_MEAN_TOL, GPU_MAX_TOL = 1.0, 24
 
-# torchvision joins where installed; test_torchvision_backend says so where it is not.
-CPU_BACKENDS = ["dali-cpu", "pil"] + (["torchvision"] if cpu.torchvision_available() else [])
+requires_dali = pytest.mark.skipif(not dali_installed(), reason="needs nvidia.dali (DALI), which is not installed here")
+
+# DALI and torchvision join where installed; test_torchvision_backend says so where torchvision
+# is not, the tests marked requires_dali where DALI is not.
+CPU_BACKENDS = (["dali-cpu"] if dali_installed() else []) + ["pil"] + (["torchvision"] if cpu.torchvision_available() else [])
 
 CPU = torch.device("cpu")
 
@@ -151,6 +155,7 @@ def test_headers_read_before_are_not_read_again(decoder: BatchDecoder, monkeypat
         decoder.decode(encoded, ["a", "b"], [0, 1], headers=known[:1])
 
 
+@requires_dali
 @pytest.mark.parametrize("rois", [None, [(10, 21, 100, 120), (3, 5, 200, 150), (0, 0, 64, 64)]])
 def test_dali_hands_out_hwc_images_as_chw_views_when_asked(rois) -> None:
     """channels_last=True: the same pixels, as (3, H, W) views of HWC memory (no transpose)."""
@@ -240,6 +245,7 @@ def test_bad_roi_header_is_reported_like_a_bad_file(decoder: BatchDecoder) -> No
     assert result.images[0].shape == (3, 8, 8)
 
 
+@requires_dali
 def test_dali_falls_back_to_pil_for_formats_dali_cannot_read() -> None:
     # DALI has no GIF decoder; PIL has. The sample is kept and counted.
     gif = F.encode(F.photo(), "GIF")
@@ -251,6 +257,7 @@ def test_dali_falls_back_to_pil_for_formats_dali_cannot_read() -> None:
 # --- backend choice, reuse, arguments --------------------------------------------------------
 
 
+@requires_dali
 def test_backend_resolution() -> None:
     assert resolve_backend(CPU, "auto") == "dali-cpu"
     assert resolve_backend(CPU, "dali") == "dali-cpu"
@@ -281,6 +288,7 @@ def test_backend_resolution_without_dali(monkeypatch: pytest.MonkeyPatch) -> Non
     assert decode_batch([F.jpeg("baseline-420")], ["a"], [0], device="cpu", backend="pil").backend == "pil"
 
 
+@requires_dali
 def test_auto_warns_and_falls_back_when_dali_cannot_import(monkeypatch: pytest.MonkeyPatch) -> None:
     import gpuload.decode._dali as dali_module
 
@@ -295,6 +303,7 @@ def test_auto_warns_and_falls_back_when_dali_cannot_import(monkeypatch: pytest.M
     assert result.backend == decoder.backend and decoder.backend in ("pil", "torchvision")
 
 
+@requires_dali
 def test_dali_pipeline_is_built_once_and_handles_smaller_and_larger_batches() -> None:
     decoder = BatchDecoder("cpu", backend="dali-cpu", max_batch=4)
     data = F.jpeg("baseline-420")
@@ -308,6 +317,7 @@ def test_dali_pipeline_is_built_once_and_handles_smaller_and_larger_batches() ->
     assert dali._pipe_batch == 6
 
 
+@requires_dali
 def test_concurrent_calls_are_serialized() -> None:
     decoder = BatchDecoder("cpu", backend="dali-cpu", max_batch=2)
     data = [F.jpeg("baseline-420"), F.jpeg("grayscale")]
@@ -329,6 +339,7 @@ def test_concurrent_calls_are_serialized() -> None:
     assert not errors, errors
 
 
+@requires_dali
 def test_decode_batch_shares_a_decoder_and_reports_the_backend() -> None:
     data = F.jpeg("baseline-420")
     first = decode_batch([data], ["a"], [0], device="cpu")
@@ -351,6 +362,7 @@ def test_argument_errors() -> None:
 # --- GPU: DALI's mixed (nvJPEG) decoder --------------------------------------------------------
 
 
+@requires_dali
 @pytest.mark.gpu
 def test_mixed_decoder_matches_pil_on_every_kind() -> None:
     decoder = BatchDecoder("cuda", backend="auto", max_batch=16)
@@ -372,6 +384,7 @@ def test_mixed_decoder_matches_pil_on_every_kind() -> None:
         assert mean <= GPU_MEAN_TOL and worst <= GPU_MAX_TOL, (mean, worst)
 
 
+@requires_dali
 @pytest.mark.gpu
 def test_mixed_decoder_reports_bad_files_and_keeps_the_rest() -> None:
     decoder = BatchDecoder("cuda", backend="dali-mixed", max_batch=4)
@@ -483,6 +496,7 @@ def broken_dali_run(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
     return script
 
 
+@requires_dali
 @pytest.mark.parametrize("which", range(len(DEVICE_MESSAGES)))
 def test_a_dali_device_failure_raises_even_with_skip_and_decodes_nothing_on_the_cpu(
     broken_dali_run: list, which: int, monkeypatch: pytest.MonkeyPatch
@@ -503,6 +517,7 @@ def test_a_dali_device_failure_raises_even_with_skip_and_decodes_nothing_on_the_
     assert decoder.decode(encoded, ["a", "b"], [0, 1]).kept_positions == [0, 1]
 
 
+@requires_dali
 def test_a_device_failure_found_while_bisecting_raises_too(broken_dali_run: list) -> None:
     from gpuload.decode import DecodeDeviceError
 
@@ -512,6 +527,7 @@ def test_a_device_failure_found_while_bisecting_raises_too(broken_dali_run: list
         decoder.decode([F.jpeg("grayscale"), F.jpeg("baseline-420")], ["a", "b"], [0, 1], on_error="skip")
 
 
+@requires_dali
 def test_a_file_error_still_bisects_and_names_the_file() -> None:
     decoder = BatchDecoder("cpu", backend="dali-cpu", max_batch=4)
     bad = F.corrupt_inputs()["truncated.jpg"]
@@ -537,6 +553,7 @@ def test_gpu_decoders_output_is_ordered_on_the_callers_stream(backend: str, need
     assert int(total) == 4 * int(expected)
 
 
+@requires_dali
 def test_a_dali_without_stream_bound_runs_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     from nvidia.dali import Pipeline
 
@@ -553,6 +570,7 @@ def test_a_dali_without_stream_bound_runs_is_unavailable(monkeypatch: pytest.Mon
     assert result.backend in ("torchvision", "pil")
 
 
+@requires_dali
 def test_a_failed_dali_run_leaves_no_reference_cycle_holding_the_pipeline() -> None:
     """A dead pipeline kept for the garbage collector could be destroyed in a forked worker,
     where DALI's destructor hangs; it must be freed at once, by reference counting."""

@@ -10,6 +10,7 @@ import pytest
 
 import image_fixtures as F
 from gpuload.decode import BatchDecoder
+from gpuload.decode._dali import dali_installed
 from gpuload.decode._stderr import quiet_native_stderr, take_native_lines
 
 NATIVE = b"\x1b[0;31m[ERROR] \x1b[0m[libjpeg_turbo_decoder] Could not decode jpeg code stream\n"
@@ -60,6 +61,7 @@ def test_keep_leaves_the_console_alone(monkeypatch: pytest.MonkeyPatch, capfd: p
     assert "libjpeg_turbo_decoder" in capfd.readouterr().err
 
 
+@pytest.mark.skipif(not dali_installed(), reason="needs nvidia.dali (DALI), which is not installed here")
 def test_dali_rejecting_files_with_skip_prints_nothing_and_logs_why(
     capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:

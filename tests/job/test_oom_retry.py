@@ -3,6 +3,7 @@ order, on a batch size lowered by the plan's estimate."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
@@ -13,7 +14,7 @@ from equivalence import assert_same
 from gpuload.cache.settings import CacheSettings
 from gpuload.device import MemoryInfo
 from gpuload.job.dataset_size import DatasetShape
-from gpuload.job.oom_retry import BatchSizeLoweredWarning, OOMRetry
+from gpuload.job.oom_retry import BatchSizeLoweredWarning, BatchSplitError, OOMRetry
 from gpuload.job.plan import plan_from_step
 from gpuload.job.step_memory import StepMemory, StepTrace
 
@@ -203,3 +204,115 @@ def test_shrinks_the_cache_to_what_the_plan_gives_it_beside_the_new_batch() -> N
     with pytest.warns(BatchSizeLoweredWarning, match=r"freed 512.00 MiB"):
         retry(_batch(26))
     assert retry.batch_size == new and loader.batch_size == new and loader.shrunk == [beside]
+
+
+# --- what a split hands each piece ---------------------------------------------------------------
+
+
+class RunsOutAboveOn:
+    """A step that records every piece it got and runs out of memory above ``limit`` samples of ``field``."""
+
+    def __init__(self, limit: int, size) -> None:  # type: ignore[no-untyped-def]
+        self.limit, self.size, self.pieces = limit, size, []
+
+    def __call__(self, batch):  # type: ignore[no-untyped-def]
+        if self.size(batch) > self.limit:
+            raise torch.cuda.OutOfMemoryError("out of memory")
+        self.pieces.append(batch)
+
+
+def test_default_collates_names_are_split_with_the_images() -> None:
+    samples = [(torch.full((3, 2, 2), float(i)), f"img{i}.jpg") for i in range(8)]
+    batch = tud.default_collate(samples)  # [images (8, 3, 2, 2), ('img0.jpg', ..., 'img7.jpg')]
+    step = RunsOutAboveOn(4, lambda b: len(b[0]))
+    with pytest.warns(BatchSizeLoweredWarning, match="batch size 8"):
+        OOMRetry(step)(batch)
+    assert [(images[:, 0, 0, 0].tolist(), list(names)) for images, names in step.pieces] == [
+        ([0.0, 1.0, 2.0, 3.0], ["img0.jpg", "img1.jpg", "img2.jpg", "img3.jpg"]),
+        ([4.0, 5.0, 6.0, 7.0], ["img4.jpg", "img5.jpg", "img6.jpg", "img7.jpg"]),
+    ]
+
+
+def test_every_kind_of_per_sample_leaf_is_split_and_per_batch_values_go_whole() -> None:
+    batch = {
+        "images": torch.arange(6),
+        "captions": tuple(f"caption {i}" for i in range(6)),  # a tuple of one item per sample
+        "boxes": [torch.zeros(i + 1, 4) for i in range(6)],  # a custom collate's list of per-sample tensors
+        "arrays": np.arange(12).reshape(6, 2),
+        "step": torch.tensor(7),  # 0-d: per batch
+        "epoch": 2,
+        "split": "train",
+    }
+    step = RunsOutAboveOn(3, lambda b: len(b["images"]))
+    with pytest.warns(BatchSizeLoweredWarning):
+        OOMRetry(step)(batch)
+    first, second = step.pieces
+    assert first["images"].tolist() == [0, 1, 2] and second["images"].tolist() == [3, 4, 5]
+    assert second["captions"] == ("caption 3", "caption 4", "caption 5")
+    assert [len(b) for b in second["boxes"]] == [4, 5, 6]
+    assert second["arrays"].tolist() == [[6, 7], [8, 9], [10, 11]]
+    assert all(p["step"].item() == 7 and p["epoch"] == 2 and p["split"] == "train" for p in step.pieces)
+
+
+def test_fields_nested_in_mappings_beside_per_batch_values_are_split() -> None:
+    batch = [{"x": torch.arange(8), "tag": "run", "names": [f"n{i}" for i in range(8)]}, torch.arange(8) * 10]
+    step = RunsOutAboveOn(4, lambda b: len(b[1]))
+    with pytest.warns(BatchSizeLoweredWarning):
+        OOMRetry(step)(batch)
+    (first, labels), _ = step.pieces
+    assert first["x"].tolist() == [0, 1, 2, 3] and first["tag"] == "run" and first["names"] == ["n0", "n1", "n2", "n3"]
+    assert labels.tolist() == [0, 10, 20, 30]
+
+
+def test_a_0d_tensor_first_does_not_make_the_batch_one_sample() -> None:
+    step = RunsOutAboveOn(4, lambda b: len(b[1]))
+    with pytest.warns(BatchSizeLoweredWarning, match="batch size 8"):
+        OOMRetry(step)((torch.tensor(0.5), torch.arange(8)))
+    assert [(p[0].item(), p[1].tolist()) for p in step.pieces] == [(0.5, [0, 1, 2, 3]), (0.5, [4, 5, 6, 7])]
+
+
+@pytest.mark.parametrize("leaf, named", [
+    (torch.ones(10), r"batch\['weights'\] \(Tensor of shape \(10,\)\) has 10 rows, not the batch's 8 samples"),
+    (["a", "b", "c"], r"batch\['weights'\] \(list of 3 items\) has 3 items, not the batch's 8 samples"),
+    (object(), r"batch\['weights'\] \(object\) has no batch dimension"),
+])
+def test_a_leaf_that_cannot_be_split_is_one_error_naming_it(leaf, named: str) -> None:
+    step = RunsOutAboveOn(4, lambda b: len(b["x"]))
+    with pytest.warns(BatchSizeLoweredWarning), pytest.raises(BatchSplitError, match=named):
+        OOMRetry(step)({"x": torch.arange(8), "weights": leaf})
+    assert step.pieces == []  # no piece ran with a misaligned part
+
+
+def test_an_unsplit_batch_is_handed_over_as_it_is() -> None:
+    batch = {"x": torch.arange(8), "weights": torch.ones(10)}
+    step = RunsOutAboveOn(100, lambda b: len(b["x"]))
+    OOMRetry(step)(batch)
+    assert step.pieces == [batch] and step.pieces[0] is batch
+
+
+@pytest.mark.parametrize("value", [2.5, 0, -1, True, "2", None])
+def test_min_batch_size_must_be_a_whole_number_of_samples(value) -> None:
+    with pytest.raises(ValueError, match=rf"min_batch_size must be a whole number of samples, at least 1; got {value!r}"):
+        OOMRetry(RunsOutAbove(4), min_batch_size=value)
+
+
+# --- free memory after an out-of-memory error ----------------------------------------------------
+
+
+def test_the_failed_steps_memory_in_torchs_pool_counts_as_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the error, the failed step's activations are back in torch's caching allocator:
+    reserved but not allocated. The driver sees 200 MiB free, torch can reuse 800 MiB more."""
+    import gpuload.job.oom_retry as oom_module
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (200 * MiB, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 1500 * MiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 700 * MiB)
+    monkeypatch.setattr(oom_module, "_first_device", lambda batch: torch.device("cuda", 0))
+    loader = FakeLoader(held=2 * 2**30)
+    retry = OOMRetry(RunsOutAbove(26), plan=_plan(), loader=loader)
+    with pytest.warns(BatchSizeLoweredWarning) as caught:
+        retry(_batch(64))
+    # 0.9 x 1000 MiB + 300 MiB resident - 400 MiB fixed = 800 MiB: 26 samples of 30 MiB, as with
+    # free_bytes=1000 MiB; counting only the driver's 200 MiB would give 2 and free cache for nothing
+    assert retry.batch_size == 26 and len(caught) == 1
+    assert loader.shrunk == [] and "freed" not in str(caught[0].message)

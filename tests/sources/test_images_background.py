@@ -13,6 +13,7 @@ import gpuload
 from gpuload import transforms as T
 from gpuload.datasets import ImageFolder, ImageList, make_sample_image_folder
 from gpuload.decode import ImageDecodeError
+from gpuload.decode._dali import dali_installed
 from gpuload.sources.images import ImageFileSource
 from equivalence import assert_same
 
@@ -128,6 +129,7 @@ def test_early_break_and_close_leave_no_threads(folder: ImageFolder) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not dali_installed(), reason="needs nvidia.dali (DALI), which is not installed here")
 def test_on_cuda_batches_are_decoded_and_transformed_ahead_on_the_side_stream(folder: ImageFolder) -> None:
     """CUDA: the thread runs DALI mixed and the kernels on the prefetcher's stream; the loop's
     stream waits on an event per batch. Same batches as made in the loop, and as on the CPU

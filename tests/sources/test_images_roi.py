@@ -21,6 +21,7 @@ from gpuload.sources import images as image_source
 from gpuload import transforms as T
 from gpuload.datasets import ImageList
 from gpuload.decode import BatchDecoder, ImageDecodeError
+from gpuload.decode._dali import dali_installed
 from gpuload.transforms import apply_transforms, sample_params
 from gpuload.transforms.reference import apply_reference
 from gpuload.transforms.windows import decode_windows, params_in_windows, starts_with_crop
@@ -131,7 +132,11 @@ def test_windows_that_do_not_match_the_images_are_a_clear_error() -> None:
 # --- the loader ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["dali-cpu", "pil"])
+@pytest.mark.parametrize("backend", [
+    pytest.param("dali-cpu", marks=pytest.mark.skipif(not dali_installed(), reason="needs nvidia.dali (DALI), "
+                                                                                   "which is not installed here")),
+    "pil",
+])
 def test_loader_decodes_only_the_windows_and_matches_whole_decoding(
     mixed: ImageList, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
