@@ -734,8 +734,9 @@ class DiskCache:
                     f"column {spec.name!r}: write needs a tensor of shape {(len(array), *spec.shape)} and dtype "
                     f"{spec.dtype}, got {got}"
                 )
-            flat = value.detach().cpu().contiguous().reshape(len(array), -1)
-            records[:, offset:offset + spec.row_bytes] = flat.view(torch.uint8) if spec.row_bytes else flat[:, :0].to(torch.uint8)
+            if spec.row_bytes and len(array):
+                flat = value.detach().cpu().contiguous().reshape(len(array), -1)
+                records[:, offset:offset + spec.row_bytes] = flat.view(torch.uint8)
         return records.numpy()
 
     def _part(self, block: int) -> int | None:

@@ -1,5 +1,5 @@
 """The ``gpuload`` command: ``gpuload bench`` measures loaders side by side; ``gpuload plan``
-prints where a dataset's bytes would live."""
+prints where a dataset's bytes would live; ``gpuload cache`` lists or clears the disk tier."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 
 from gpuload.cli.arguments import device_argument, non_negative_float, non_negative_int, positive_int, size_argument
 from gpuload.cli.bench import run_bench
+from gpuload.cli.cache import add_cache_arguments, run_cache
 from gpuload.cli.plan import add_plan_arguments, run_plan
 
 __all__ = ["main"]
@@ -61,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="print where a dataset's bytes would live under a cache budget")
     add_plan_arguments(plan)
     plan.set_defaults(run=run_plan)
+
+    cache = commands.add_parser("cache", help="list or clear the disk tier's entries (cache_dir)")
+    add_cache_arguments(cache)
+    cache.set_defaults(run=run_cache)
     return parser
 
 
