@@ -14,9 +14,9 @@ bytes)::
     block-000012.bin    rows [12*B, 13*B): one record per row, the columns side by side
     block-000013.part   a block being filled (any process may write its rows into it)
     rows.fill           one byte per row: 1 once that row's bytes are in its .part
+    entry.json          what the entry is (fingerprint, columns, rows), for ``gpuload cache ls``
     lock                flock'ed (exclusive, briefly) around every write and publication
-    users               flock'ed (shared) by every open DiskCache; exclusive means "nobody"
-    used                its mtime is when the entry was last opened
+    users               flock'ed (shared) by every open DiskCache; its mtime: the last open
 
 A row is a record of ``record_bytes``; a block file holds ``B`` consecutive records, so a run of
 consecutive rows is one sequential read of one memory map. Filling follows the epoch's order:
@@ -32,6 +32,10 @@ Several processes of a node share one entry: writes happen under the entry lock,
 bytes are written once and each block is published once; rows another process has not
 published yet are simply absent (the caller reads them from the source). Nothing is written
 outside ``cache_dir``; folders and files are created with the process's umask.
+
+A DiskCache belongs to the process that opened it (its locks are per open file): a worker
+process opens its own. Do not edit an entry's files while a job has it open: a block truncated
+under a live memory map faults its reader (SIGBUS); ``gpuload cache clear`` skips entries in use.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ import numpy as np
 import torch
 
 from gpuload.cache.budget import SizeSpec, format_bytes
+from gpuload.cache.settings import CacheSettings
 from gpuload.datasets.arrays import ArrayDataset
 from gpuload.datasets.images import ImageSource
 
@@ -413,6 +418,7 @@ class DiskCache:
         self._parts: OrderedDict[int, tuple[int, int]] = OrderedDict()  # block -> (fd, inode)
         self._stats = DiskCacheStats(path=str(root), budget=budget, rows=num_rows)
         self._closed = False
+        self._pid = os.getpid()
         self._lock_fd = self._users_fd = self._flags_fd = -1
         try:
             self._lock_fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o666)
@@ -481,6 +487,19 @@ class DiskCache:
             return None
         cache._write_description()
         return cache
+
+    @classmethod
+    def from_settings(
+        cls, settings: CacheSettings, fingerprint: Fingerprint,
+        columns: Sequence[ColumnSpec] | Mapping[str, tuple[Sequence[int], torch.dtype]], num_rows: int,
+        **options: Any,
+    ) -> DiskCache | None:
+        """:meth:`open` with the resolved ``cache_dir`` and ``disk_cache_size``; None when no
+        folder is set or the size is ``off`` (no disk tier), or the folder cannot be used."""
+        folder, size = settings.disk_dir.value, settings.disk_size.value
+        if folder is None or size.kind == "off":
+            return None
+        return cls.open(folder, fingerprint, columns, num_rows, size, **options)
 
     def _write_description(self) -> None:
         """A small ``entry.json`` (what the entry is) for ``gpuload cache ls``; written once."""
@@ -562,6 +581,11 @@ class DiskCache:
         return self.root / f"block-{block:06d}.{suffix}"
 
     def _as_rows(self, rows: Any) -> np.ndarray:
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this DiskCache ({self.root}) was opened by process {self._pid}; its file locks do not "
+                "hold across fork: open the cache again in this process"
+            )
         array = rows.detach().cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
         array = array.astype(np.int64, copy=False).reshape(-1)
         if array.size and (array.min() < 0 or array.max() >= self.num_rows):

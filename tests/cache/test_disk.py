@@ -234,6 +234,33 @@ def test_the_budget_bounds_what_is_stored_without_a_warning(tmp_path: Path) -> N
     cache.close()
 
 
+def test_from_settings_opens_the_folder_the_settings_name(tmp_path: Path) -> None:
+    fingerprint, columns = Fingerprint.of("arrays", "x", {}), [ColumnSpec("x", torch.int32, (2,))]
+    none = CacheSettings.resolve(environ={}, cwd=tmp_path)
+    assert DiskCache.from_settings(none, fingerprint, columns, 10) is None
+    off = CacheSettings.resolve(cache_dir=tmp_path / "c", disk_cache_size="off", environ={}, cwd=tmp_path)
+    assert DiskCache.from_settings(off, fingerprint, columns, 10) is None and not (tmp_path / "c").exists()
+    sized = CacheSettings.resolve(environ={"GPULOAD_CACHE_DIR": str(tmp_path / "c"), "GPULOAD_DISK_CACHE_SIZE": "1MiB"},
+                                  cwd=tmp_path)
+    cache = DiskCache.from_settings(sized, fingerprint, columns, 10)
+    assert cache is not None and cache.budget == 2**20 and cache.root.parent == tmp_path / "c"
+    cache.close()
+
+
+def test_a_forked_process_must_open_its_own_cache(tmp_path: Path) -> None:
+    cache = _open(tmp_path, 8)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            cache.present(torch.arange(8))
+        except RuntimeError as error:
+            os._exit(7 if "open the cache again in this process" in str(error) else 1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 7
+    cache.close()
+
+
 # ---------------------------------------------------------------- identity
 
 
