@@ -93,7 +93,7 @@ DEFAULT_BLOCK_BYTES = 64 << 20
 MANIFEST = "manifest.json"
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{32}$")
 _BLOCK_NAME = re.compile(r"^block-(\d{6,})\.(bin|part)$")
-_OPEN_MAPS = 256  # memory maps (each holds a file descriptor) kept open per cache
+_OPEN_MAPS = 64  # memory maps (each holds a file descriptor) kept open per cache
 _OPEN_PARTS = 64
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -224,7 +224,9 @@ def fingerprint_dataset(dataset: Any, settings: Mapping[str, Any] | None = None,
     try:
         parts["length"] = len(dataset)
     except TypeError:
-        raise TypeError(f"the disk cache stores map-style datasets with a length; {type(dataset).__name__} has none") from None
+        raise TypeError(
+            f"the disk cache stores map-style datasets with a length; {type(dataset).__name__} has none"
+        ) from None
     source = sys.modules.get(type(dataset).__module__)
     source_file = getattr(source, "__file__", None)
     if source_file and os.path.exists(source_file):
@@ -264,9 +266,10 @@ def fingerprint_for(dataset: Any, settings: Mapping[str, Any] | None = None, *, 
     """
     if isinstance(dataset, ImageSource) or _has_image_samples(dataset):
         return fingerprint_images(dataset, settings)
+    parts = dataset.values() if isinstance(dataset, Mapping) else dataset
     if isinstance(dataset, (ArrayDataset, torch.Tensor, np.ndarray)) or (
         isinstance(dataset, (tuple, list, Mapping)) and dataset
-        and all(isinstance(a, (torch.Tensor, np.ndarray)) for a in (dataset.values() if isinstance(dataset, Mapping) else dataset))
+        and all(isinstance(a, (torch.Tensor, np.ndarray)) for a in parts)
     ):
         return fingerprint_arrays(dataset, settings)
     return fingerprint_dataset(dataset, settings, key=key)
@@ -308,12 +311,16 @@ def _columns(spec: Any) -> tuple[ColumnSpec, ...]:
         spec = [ColumnSpec(str(n), d, tuple(s)) for n, (s, d) in spec.items()]
     columns = tuple(spec)
     if not columns or not all(isinstance(c, ColumnSpec) for c in columns):
-        raise TypeError("columns must be ColumnSpec(name, dtype, shape)s or a dict name -> (shape, dtype), at least one")
+        raise TypeError(
+            "columns must be ColumnSpec(name, dtype, shape)s or a dict name -> (shape, dtype), at least one"
+        )
     for column in columns:
         if not isinstance(column.dtype, torch.dtype):
             raise TypeError(f"column {column.name!r}: dtype {column.dtype!r} is not a torch.dtype")
         if any(not isinstance(d, int) or d < 0 for d in column.shape):
-            raise ValueError(f"column {column.name!r}: shape {column.shape} must be non-negative ints (fixed-size rows)")
+            raise ValueError(
+                f"column {column.name!r}: shape {column.shape} must be non-negative ints (fixed-size rows)"
+            )
     if len({c.name for c in columns}) != len(columns):
         raise ValueError(f"column names repeat: {[c.name for c in columns]}")
     return columns
@@ -619,7 +626,9 @@ class DiskCache:
             ok = self.present(array).numpy()
             if not ok.all():
                 self._stats.misses += int((~ok).sum())
-                raise LookupError(f"row {int(array[~ok][0])} is not in the disk cache {self.root} (present() says which are)")
+                raise LookupError(
+                    f"row {int(array[~ok][0])} is not in the disk cache {self.root} (present() says which are)"
+                )
             out = torch.empty((len(array), self.record_bytes), dtype=torch.uint8)
             target = out.numpy()
             if len(array):
@@ -660,7 +669,8 @@ class DiskCache:
             with open(path, "rb") as file:
                 actual = os.fstat(file.fileno()).st_size
                 if actual != size or size != expected:
-                    return self._drop(block, f"{path} is {actual} bytes, the manifest says {size} (expected {expected})")
+                    problem = f"{path} is {actual} bytes, the manifest says {size} (expected {expected})"
+                    return self._drop(block, problem)
                 mapped = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_READ) if size else None
         except OSError as error:
             return self._drop(block, f"{path} cannot be read ({error.strerror or error})")
@@ -752,10 +762,11 @@ class DiskCache:
                              f"({', '.join(c.name for c in self.columns)})")
         records = torch.empty((len(array), self.record_bytes), dtype=torch.uint8)
         for spec, offset, value in zip(self.columns, self.offsets, columns):
-            if not isinstance(value, torch.Tensor) or value.dtype != spec.dtype or tuple(value.shape) != (len(array), *spec.shape):
+            want = (len(array), *spec.shape)
+            if not isinstance(value, torch.Tensor) or value.dtype != spec.dtype or tuple(value.shape) != want:
                 got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(
-                    f"column {spec.name!r}: write needs a tensor of shape {(len(array), *spec.shape)} and dtype "
+                    f"column {spec.name!r}: write needs a tensor of shape {want} and dtype "
                     f"{spec.dtype}, got {got}"
                 )
             if spec.row_bytes and len(array):
@@ -1042,7 +1053,8 @@ def list_entries(cache_dir: str | os.PathLike[str]) -> list[EntryInfo]:
         problem, description, digest, kind, num_rows, block_rows, published = "", "?", "?", "?", 0, 1, 0
         try:
             info = json.loads((root / "entry.json").read_bytes())
-            description, digest, kind = info["fingerprint"]["description"], info["fingerprint"]["digest"], info["fingerprint"]["kind"]
+            fingerprint = info["fingerprint"]
+            description, digest, kind = fingerprint["description"], fingerprint["digest"], fingerprint["kind"]
             num_rows, block_rows = int(info["num_rows"]), int(info["block_rows"])
         except (OSError, ValueError, KeyError, TypeError) as error:
             problem = f"no readable entry.json ({type(error).__name__})"
@@ -1058,7 +1070,9 @@ def list_entries(cache_dir: str | os.PathLike[str]) -> list[EntryInfo]:
             status = file.stat(follow_symlinks=False)
             size += status.st_blocks * 512
             used = max(used, status.st_mtime) if file.name in ("users", MANIFEST) else used
-        entries.append(EntryInfo(root, description, digest, kind, num_rows, published, size, used, _in_use(root), problem))
+        entries.append(
+            EntryInfo(root, description, digest, kind, num_rows, published, size, used, _in_use(root), problem)
+        )
     return sorted(entries, key=lambda e: -e.last_used)
 
 

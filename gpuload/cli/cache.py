@@ -78,7 +78,8 @@ def run_cache(args: argparse.Namespace) -> int:
         print(f"{folder}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
               f"{format_bytes(sum(e.bytes_on_disk for e in entries))}")
         for e in entries:
-            state = "complete" if e.num_rows and e.published_rows == e.num_rows else f"{e.published_rows}/{e.num_rows} rows"
+            complete = e.num_rows and e.published_rows == e.num_rows
+            state = "complete" if complete else f"{e.published_rows}/{e.num_rows} rows"
             notes = "".join(f", {n}" for n in (("in use" if e.in_use else ""), e.problem) if n)
             print(f"  {e.path.name}  {e.description} [{e.kind}]  {state}  {format_bytes(e.bytes_on_disk)}  "
                   f"fingerprint {e.fingerprint}  last used {_age(now - e.last_used)}{notes}")

@@ -27,7 +27,6 @@ from gpuload.cache.budget import CacheSettingError, SizeSpec
 from gpuload.cache.disk import (
     ColumnSpec,
     DiskCache,
-    DiskCacheWarning,
     Fingerprint,
     default_disk_reserve,
     disk_budget,
