@@ -218,7 +218,9 @@ def fingerprint_dataset(dataset: Any, settings: Mapping[str, Any] | None = None,
     the size and mtime of every existing file or folder an attribute names.
 
     A dataset whose attributes cannot be pickled (open files, locks, lambdas) needs ``key=``:
-    raising is better than a fingerprint that would not notice the data change.
+    raising is better than a fingerprint that would not notice the data change. Data the
+    dataset reads from elsewhere (a database, files under a folder it names) is only seen
+    through ``key=``.
     """
     parts: dict[str, Any] = {"class": _class_name(dataset), "settings": dict(settings or {})}
     try:
@@ -238,7 +240,12 @@ def fingerprint_dataset(dataset: Any, settings: Mapping[str, Any] | None = None,
     else:
         state = getattr(dataset, "__dict__", {})
         try:
-            hasher.update(pickle.dumps(state, protocol=4))
+            for name, value in sorted(state.items()):
+                hasher.update(_canonical(name))
+                if isinstance(value, (torch.Tensor, np.ndarray)):
+                    _hash_array(hasher, value)  # streamed: no pickled copy of a large array
+                else:
+                    hasher.update(pickle.dumps(value, protocol=4))
         except Exception as error:
             raise ValueError(
                 f"the disk cache cannot fingerprint {type(dataset).__name__}: its attributes do not pickle "
@@ -468,7 +475,8 @@ class DiskCache:
             raise ValueError(f"block_bytes={block_bytes!r} must be a positive int")
         folder = Path(cache_dir).expanduser()
         key_hash = hashlib.blake2b(digest_size=16)
-        key_hash.update(_canonical([fingerprint.digest, [c.as_json() for c in spec], num_rows]))
+        block_rows = max(1, block_bytes // max(1, _layout(spec)[1]))  # the layout is part of the key
+        key_hash.update(_canonical([fingerprint.digest, [c.as_json() for c in spec], num_rows, block_rows]))
         root = folder / key_hash.hexdigest()
         try:
             if folder.exists() and not folder.is_dir():

@@ -275,7 +275,9 @@ def test_a_different_fingerprint_never_reads_old_bytes(tmp_path: Path) -> None:
     assert new.root != old.root and not new.present(torch.arange(16)).any()
     other_columns = DiskCache.open(tmp_path, fingerprint_for((images, labels)), columns[:1], 16, 1 << 20)
     assert other_columns.root != old.root and not other_columns.present(torch.arange(16)).any()
-    for cache in (old, new, other_columns):
+    other_blocks = DiskCache.open(tmp_path, fingerprint_for((images, labels)), columns, 16, 1 << 20, block_bytes=4096)
+    assert other_blocks.root != old.root and not other_blocks.present(torch.arange(16)).any()
+    for cache in (old, new, other_columns, other_blocks):
         cache.close()
 
 
@@ -342,6 +344,11 @@ def test_generic_dataset_fingerprints_follow_attributes_and_the_files_they_name(
     base = fingerprint_for(_Samples(str(data), 1.0))
     assert base.kind == "dataset" and base == fingerprint_for(_Samples(str(data), 1.0))
     assert fingerprint_for(_Samples(str(data), 2.0)).digest != base.digest
+    with_array = _Samples(str(data), 1.0)
+    with_array.table = np.zeros(5)
+    changed = _Samples(str(data), 1.0)
+    changed.table = np.ones(5)
+    assert fingerprint_for(with_array).digest != fingerprint_for(changed).digest != base.digest
     data.write_text("1,2,3\n")
     assert fingerprint_for(_Samples(str(data), 1.0)).digest != base.digest
     unpicklable = _Samples(str(data), 1.0)
