@@ -4,11 +4,12 @@ What it stores is exactly the host tier's bytes: fixed-shape rows of one or more
 rows, the sample cache's columns, decoded images at their cached size). Random-augmentation
 outputs are never stored, only their inputs, so an epoch read from disk gives the batches an
 uncached epoch gives. A column whose rows vary in shape (whole decoded images of different
-sizes) is not supported: the tier stores fixed-size records.
+sizes) is not supported: the tier stores fixed-size records (such images can be stored padded
+to the largest size, beside a column holding each one's shape).
 
 Layout of one entry, ``<cache_dir>/<key>/`` (``key``: a digest of the dataset's
-:class:`Fingerprint`, the columns and the row count, so another fingerprint never reads these
-bytes)::
+:class:`Fingerprint`, the columns, the row count and the rows per block, so another
+fingerprint or layout never reads these bytes)::
 
     manifest.json       published state, replaced atomically; written last
     block-000012.bin    rows [12*B, 13*B): one record per row, the columns side by side
