@@ -10,6 +10,7 @@ ahead of it in the prefetcher's, and merges the counters.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -61,6 +62,8 @@ class DataLoader(tud.DataLoader[T_co]):
       and the cache (see the README); ``cache="off"`` keeps array data on the host and copies
       each batch. ``cache_scope``: in a torch.distributed job, over which ranks one copy of the
       dataset is split (``"rank"``, ``"node"``, ``"world"``, ``"auto"``; README, multi-GPU).
+      ``cache_dir``, ``disk_cache_size``: the local-disk tier's folder and size (README, "Disk
+      tier"); resolved and checked here, not used by the loader yet.
     - ``prefetch_depth``: batches made ahead of the loop (0: none, in the loop's thread).
     - ``on_error``: ``"skip"`` leaves out image files that cannot be decoded.
 
@@ -94,6 +97,8 @@ class DataLoader(tud.DataLoader[T_co]):
         cache_size: int | float | str | None = None,
         cache_reserve: int | float | str | None = None,
         cache_scope: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        disk_cache_size: int | float | str | None = None,
         job: str | None = None,
         prefetch_depth: int | None = None,
         on_error: str = "raise",
@@ -116,7 +121,8 @@ class DataLoader(tud.DataLoader[T_co]):
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error={on_error!r} must be 'raise' or 'skip' (bad image files)")
         self._cache_settings = CacheSettings.resolve(
-            cache=cache, cache_size=cache_size, cache_reserve=cache_reserve, job=job, cache_scope=cache_scope
+            cache=cache, cache_size=cache_size, cache_reserve=cache_reserve, job=job, cache_scope=cache_scope,
+            cache_dir=cache_dir, disk_cache_size=disk_cache_size,
         )
         # Public attributes with the constructor's names, so wrappers can rebuild the loader.
         self.device = resolve_device(device)
@@ -125,6 +131,8 @@ class DataLoader(tud.DataLoader[T_co]):
         self.cache_size = cache_size
         self.cache_reserve = cache_reserve
         self.cache_scope = cache_scope
+        self.cache_dir = cache_dir  # the disk tier (gpuload.cache.disk); resolved, not used yet
+        self.disk_cache_size = disk_cache_size
         self.job = job
         self.prefetch_depth = prefetch_depth
         self.on_error = on_error

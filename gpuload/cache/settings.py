@@ -46,6 +46,8 @@ ENV_VARS = {
     "cache_size": "GPULOAD_CACHE_SIZE",
     "cache_reserve": "GPULOAD_CACHE_RESERVE",
     "cache_scope": "GPULOAD_CACHE_SCOPE",
+    "cache_dir": "GPULOAD_CACHE_DIR",
+    "disk_cache_size": "GPULOAD_DISK_CACHE_SIZE",
 }
 SCOPES = ("auto", "rank", "node", "world")
 """Where a torch.distributed job keeps the dataset: each rank its own copy (``rank``), one copy
@@ -54,7 +56,10 @@ from the sizes (``auto``). Without an initialized process group every scope mean
 ENV_CONFIG = "GPULOAD_CONFIG"
 ENV_JOB = "GPULOAD_JOB"
 _FILE_KEYS = tuple(ENV_VARS)
-_DEFAULTS: dict[str, Any] = {"cache": "auto", "cache_size": "auto", "cache_reserve": "auto", "cache_scope": "auto"}
+_DEFAULTS: dict[str, Any] = {
+    "cache": "auto", "cache_size": "auto", "cache_reserve": "auto", "cache_scope": "auto",
+    "cache_dir": None, "disk_cache_size": "auto",
+}
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,8 @@ class CacheSettings:
     tier only), ``"host"`` (host tier only) or ``"off"``. ``size`` bounds the device
     tier; ``reserve`` is device memory the cache never takes; ``scope`` (one of ``SCOPES``)
     says over which ranks of a torch.distributed job one copy of the dataset is split.
+    ``disk_dir``: the disk tier's folder (a ``Path``, or None: no disk tier); ``disk_size``:
+    its :class:`SizeSpec` (``auto``: the file system's free space less a reserve).
     """
 
     mode: Setting
@@ -86,6 +93,8 @@ class CacheSettings:
     job: str | None = None
     config_path: Path | None = None
     scope: Setting = Setting("auto", "default", "auto")
+    disk_dir: Setting = Setting(None, "default", None)
+    disk_size: Setting = Setting(SizeSpec("auto", text="auto"), "default", "auto")
 
     @property
     def size_spec(self) -> SizeSpec:
@@ -104,6 +113,8 @@ class CacheSettings:
         cache_reserve: SizeValue = None,
         job: str | None = None,
         cache_scope: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        disk_cache_size: SizeValue = None,
         environ: Mapping[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
     ) -> CacheSettings:
@@ -126,6 +137,7 @@ class CacheSettings:
             )
         keywords = {
             "cache": cache, "cache_size": cache_size, "cache_reserve": cache_reserve, "cache_scope": cache_scope,
+            "cache_dir": cache_dir, "disk_cache_size": disk_cache_size,
         }
         chosen: dict[str, tuple[Any, str]] = {}
         for key in _FILE_KEYS:
@@ -141,6 +153,9 @@ class CacheSettings:
         size_raw, size_source = chosen["cache_size"]
         reserve_raw, reserve_source = chosen["cache_reserve"]
         scope_raw, scope_source = chosen["cache_scope"]
+        dir_raw, dir_source = chosen["cache_dir"]
+        disk_raw, disk_source = chosen["disk_cache_size"]
+        base = path.parent if path is not None and dir_source.startswith(str(path)) else Path(cwd or Path.cwd())
         return cls(
             mode=Setting(_parse_mode(mode_raw, mode_source), mode_source, mode_raw),
             size=Setting(parse_size(size_raw, setting="cache_size", source=size_source), size_source, size_raw),
@@ -152,6 +167,10 @@ class CacheSettings:
             job=job,
             config_path=path,
             scope=Setting(_parse_scope(scope_raw, scope_source), scope_source, scope_raw),
+            disk_dir=Setting(_parse_folder(dir_raw, dir_source, base), dir_source, dir_raw),
+            disk_size=Setting(
+                parse_size(disk_raw, setting="disk_cache_size", source=disk_source), disk_source, disk_raw
+            ),
         )
 
     def off_reason(self) -> str | None:
@@ -246,6 +265,9 @@ class CacheSettings:
             f"cache_reserve={self.reserve.value} ({self.reserve.source})",
             f"cache_scope={self.scope.value} ({self.scope.source})",
         ]
+        if self.disk_dir.value is not None:
+            lines.append(f"cache_dir={self.disk_dir.value} ({self.disk_dir.source})")
+            lines.append(f"disk_cache_size={self.disk_size.value} ({self.disk_size.source})")
         if self.job is not None:
             lines.append(f"job={self.job}")
         if self.config_path is not None:
@@ -274,6 +296,24 @@ def _parse_scope(value: Any, source: str) -> str:
         "cache_scope", value, source,
         f"is not a cache scope; use one of {', '.join(repr(s) for s in SCOPES)}",
     )
+
+
+def _parse_folder(value: Any, source: str, base: Path) -> Path | None:
+    """The disk tier's folder: None or "" for none; a relative path is taken from ``base`` (the
+    working directory, or the config file's folder for a path written there)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise CacheSettingError(
+            "cache_dir", value, source, f"is a {type(value).__name__}, not a folder path; give a path such as '/scratch/gpuload'"
+        )
+    path = Path(os.fspath(value)).expanduser()
+    path = path if path.is_absolute() else base / path
+    if path.exists() and not path.is_dir():
+        raise CacheSettingError(
+            "cache_dir", value, source, "is a file, not a folder; point it at a folder (created if missing)"
+        )
+    return path
 
 
 def _config_path(env: Mapping[str, str], cwd: Path) -> Path | None:

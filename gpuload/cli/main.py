@@ -1,6 +1,6 @@
 """The ``gpuload`` command: ``gpuload bench`` measures loaders side by side; ``gpuload plan``
 prints where a dataset's bytes would live; ``gpuload doctor`` checks what this machine gives
-gpuload.
+gpuload; ``gpuload cache`` lists or clears the disk tier.
 
 Each subcommand is a row of ``COMMANDS``: its name, its help line and the module that defines
 it. That module has ``add_arguments(parser)`` and ``run(args) -> int`` and imports nothing heavy
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 __all__ = ["main", "Command", "COMMANDS"]
 
 DESCRIPTION = ("gpuload's command line: time loaders side by side (bench), plan memory before a run (plan), "
-               "check this machine (doctor).")
+               "check this machine (doctor), list or clear the disk tier (cache).")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("plan", "print where a dataset's bytes would live under a cache budget, or a job's memory",
             "gpuload.cli.plan"),
     Command("doctor", "check the driver, torch, CuPy, DALI, memory and settings gpuload uses", "gpuload.cli.doctor"),
+    Command("cache", "list or clear the disk tier's entries in a cache_dir", "gpuload.cli.cache"),
 )
 
 

@@ -1,0 +1,1125 @@
+"""The local-disk tier: rows the host tier would keep, spilled to a folder, memory-mapped back.
+
+What it stores is exactly the host tier's bytes: fixed-shape rows of one or more columns (array
+rows, the sample cache's columns, decoded images at their cached size). Random-augmentation
+outputs are never stored, only their inputs, so an epoch read from disk gives the batches an
+uncached epoch gives. A column whose rows vary in shape (whole decoded images of different
+sizes) is not supported: the tier stores fixed-size records (such images can be stored padded
+to the largest size, beside a column holding each one's shape).
+
+Layout of one entry, ``<cache_dir>/<key>/`` (``key``: a digest of the dataset's
+:class:`Fingerprint`, the columns, the row count and the rows per block, so another
+fingerprint or layout never reads these bytes)::
+
+    manifest.json       published state, replaced atomically; written last
+    block-000012.bin    rows [12*B, 13*B): one record per row, the columns side by side
+    block-000013.part   a block being filled (any process may write its rows into it)
+    rows.fill           one byte per row: 1 once that row's bytes are in its .part
+    entry.json          what the entry is (fingerprint, columns, rows), for ``gpuload cache ls``
+    lock                flock'ed (exclusive, briefly) around every write and publication
+    users               flock'ed (shared) by every open DiskCache; its mtime: the last open
+
+A row is a record of ``record_bytes``; a block file holds ``B`` consecutive records, so a run of
+consecutive rows is one sequential read of one memory map. Filling follows the epoch's order:
+a row goes into its block's ``.part`` at its offset (``pwrite``), its flag is set, and when a
+block's last row arrives the block is fsync'ed, checksummed (CRC-32), renamed to ``.bin`` and
+only then listed in the manifest (itself written to a temporary name, fsync'ed and renamed). A
+reader trusts only blocks the manifest lists, after checking each one's size and checksum the
+first time this process maps it; a block that fails is reported once (naming the file), dropped
+from the manifest and filled again. A process killed mid-fill leaves ``.part`` files and flags
+that the next process to open the entry alone discards.
+
+Several processes of a node share one entry: writes happen under the entry lock, so a row's
+bytes are written once and each block is published once; rows another process has not
+published yet are simply absent (the caller reads them from the source). Nothing is written
+outside ``cache_dir``; folders and files are created with the process's umask.
+
+A DiskCache belongs to the process that opened it (its locks are per open file): a worker
+process opens its own. Do not edit an entry's files while a job has it open: a block truncated
+under a live memory map faults its reader (SIGBUS); ``gpuload cache clear`` skips entries in use.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import mmap
+import os
+import pickle
+import re
+import shutil
+import sys
+import threading
+import time
+import warnings
+import zlib
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpuload.cache.budget import SizeSpec, format_bytes
+from gpuload.cache.settings import CacheSettings
+from gpuload.datasets.arrays import ArrayDataset
+from gpuload.datasets.images import ImageSource
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ColumnSpec",
+    "DiskCache",
+    "DiskCacheStats",
+    "DiskCacheWarning",
+    "EntryInfo",
+    "Fingerprint",
+    "default_disk_reserve",
+    "disk_budget",
+    "fingerprint_arrays",
+    "fingerprint_dataset",
+    "fingerprint_for",
+    "fingerprint_images",
+    "list_entries",
+    "remove_entry",
+]
+
+FORMAT_VERSION = 1
+"""Bumped whenever the bytes on disk change meaning; part of every fingerprint."""
+
+DEFAULT_BLOCK_BYTES = 64 << 20
+MANIFEST = "manifest.json"
+_ENTRY_NAME = re.compile(r"^[0-9a-f]{32}$")
+_BLOCK_NAME = re.compile(r"^block-(\d{6,})\.(bin|part)$")
+_OPEN_MAPS = 64  # memory maps (each holds a file descriptor) kept open per cache
+_OPEN_PARTS = 64
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class DiskCacheWarning(UserWarning):
+    """The disk tier cannot be used, stopped growing, or found a damaged file (named)."""
+
+
+# ---------------------------------------------------------------- identity
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What produced an entry's bytes: ``kind`` (``arrays``, ``images``, ``dataset``), a short
+    human ``description`` and ``digest``, a hash of everything that identifies the bytes
+    (class, length, files with sizes and mtimes, settings, :data:`FORMAT_VERSION`)."""
+
+    kind: str
+    description: str
+    digest: str
+
+    @classmethod
+    def of(cls, kind: str, description: str, parts: Any) -> Fingerprint:
+        """The fingerprint of ``parts`` (JSON-like data, or a blake2b hasher already fed)."""
+        hasher = hashlib.blake2b(digest_size=16)
+        hasher.update(json.dumps({"format": FORMAT_VERSION, "kind": kind}, sort_keys=True).encode())
+        if isinstance(parts, type(hasher)):
+            hasher.update(parts.digest())
+        else:
+            hasher.update(_canonical(parts))
+        return cls(kind, description, hasher.hexdigest())
+
+
+def _canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, default=_stable_repr, separators=(",", ":")).encode()
+
+
+def _stable_repr(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(map(repr, value))
+    if isinstance(value, (os.PathLike,)):
+        return os.fspath(value)
+    if isinstance(value, (torch.dtype, np.dtype, torch.device)):
+        return str(value)
+    text = repr(value)
+    if " at 0x" in text:
+        raise ValueError(
+            f"the disk cache's fingerprint cannot use {text}: its repr changes from run to run; pass "
+            "settings made of numbers, strings, lists and dicts (or objects with a stable repr)"
+        )
+    return f"{type(value).__module__}.{type(value).__qualname__}:{text}"
+
+
+def _class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _hash_array(hasher: Any, array: torch.Tensor | np.ndarray) -> None:
+    if isinstance(array, torch.Tensor):
+        tensor = array.detach().cpu().contiguous()
+        hasher.update(_canonical([str(tensor.dtype), list(tensor.shape)]))
+        data = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)
+    else:
+        data_array = np.ascontiguousarray(array)
+        hasher.update(_canonical([str(data_array.dtype), list(data_array.shape)]))
+        data = data_array.reshape(-1).view(np.uint8)
+    step = 64 << 20
+    for start in range(0, data.size, step):
+        hasher.update(memoryview(data[start:start + step]))
+
+
+def fingerprint_arrays(arrays: Any, settings: Mapping[str, Any] | None = None) -> Fingerprint:
+    """The fingerprint of in-memory arrays (a tensor, an ndarray, a tuple/list/dict of them, or
+    an :class:`~gpuload.datasets.ArrayDataset`): their dtypes, shapes and contents (hashed; about
+    a second per GB on one core)."""
+    columns = arrays.columns if isinstance(arrays, ArrayDataset) else arrays
+    if isinstance(columns, (torch.Tensor, np.ndarray)):
+        columns = {"#0": columns}
+    elif isinstance(columns, (tuple, list)):
+        columns = {f"#{i}": a for i, a in enumerate(columns)}
+    if not isinstance(columns, Mapping) or not columns or not all(
+        isinstance(a, (torch.Tensor, np.ndarray)) for a in columns.values()
+    ):
+        raise TypeError(
+            f"fingerprint_arrays takes tensors or numpy arrays (one, or a tuple/list/dict of them), "
+            f"not {type(arrays).__name__}"
+        )
+    hasher = hashlib.blake2b(digest_size=16)
+    hasher.update(_canonical({"class": _class_name(arrays), "settings": dict(settings or {})}))
+    for name in sorted(columns):
+        hasher.update(_canonical(name))
+        _hash_array(hasher, columns[name])
+    first = next(iter(columns.values()))
+    return Fingerprint.of("arrays", f"{type(arrays).__name__}({len(first)} rows, {len(columns)} columns)", hasher)
+
+
+def fingerprint_images(dataset: Any, settings: Mapping[str, Any] | None = None) -> Fingerprint:
+    """The fingerprint of image files (a gpuload ImageFolder/ImageList or anything with a
+    torchvision-style ``samples`` list of ``(path, label)``): the class, each file's absolute
+    path, label, size and mtime, and ``settings`` (decode size, pre-cache transforms). Changing,
+    adding or removing a file changes it."""
+    samples = getattr(dataset, "samples", None)
+    if not isinstance(samples, Sequence) or isinstance(samples, (str, bytes)):
+        raise TypeError(f"fingerprint_images needs a dataset with a samples list of (path, label), not {dataset!r}")
+    hasher = hashlib.blake2b(digest_size=16)
+    hasher.update(_canonical({"class": _class_name(dataset), "length": len(samples), "settings": dict(settings or {})}))
+    for path, label in samples:
+        full = os.path.abspath(os.fspath(path))
+        try:
+            status = os.stat(full)
+            identity = [status.st_size, status.st_mtime_ns]
+        except OSError as error:
+            identity = [f"unreadable: {error.strerror}"]
+        hasher.update(_canonical([full, int(label), *identity]))
+    return Fingerprint.of("images", f"{type(dataset).__name__}({len(samples)} images)", hasher)
+
+
+def fingerprint_dataset(dataset: Any, settings: Mapping[str, Any] | None = None, key: str | None = None) -> Fingerprint:
+    """The fingerprint of any map-style dataset: its class, its length, the size and mtime of
+    the file that defines the class, and either ``key`` (a string the caller promises changes
+    with the data, e.g. a dataset version) or a hash of the dataset's pickled attributes plus
+    the size and mtime of every existing file or folder an attribute names.
+
+    A dataset whose attributes cannot be pickled (open files, locks, lambdas) needs ``key=``:
+    raising is better than a fingerprint that would not notice the data change. Data the
+    dataset reads from elsewhere (a database, files under a folder it names) is only seen
+    through ``key=``.
+    """
+    parts: dict[str, Any] = {"class": _class_name(dataset), "settings": dict(settings or {})}
+    try:
+        parts["length"] = len(dataset)
+    except TypeError:
+        raise TypeError(
+            f"the disk cache stores map-style datasets with a length; {type(dataset).__name__} has none"
+        ) from None
+    source = sys.modules.get(type(dataset).__module__)
+    source_file = getattr(source, "__file__", None)
+    if source_file and os.path.exists(source_file):
+        status = os.stat(source_file)
+        parts["code"] = [os.path.abspath(source_file), status.st_size, status.st_mtime_ns]
+    hasher = hashlib.blake2b(digest_size=16)
+    if key is not None:
+        parts["key"] = str(key)
+    else:
+        state = getattr(dataset, "__dict__", {})
+        try:
+            for name, value in sorted(state.items()):
+                hasher.update(_canonical(name))
+                if isinstance(value, (torch.Tensor, np.ndarray)):
+                    _hash_array(hasher, value)  # streamed: no pickled copy of a large array
+                else:
+                    hasher.update(pickle.dumps(value, protocol=4))
+        except Exception as error:
+            raise ValueError(
+                f"the disk cache cannot fingerprint {type(dataset).__name__}: its attributes do not pickle "
+                f"({type(error).__name__}: {error}); pass key= (a string that changes whenever its data does)"
+            ) from None
+        files = []
+        for name, value in sorted(state.items()):
+            if isinstance(value, (str, os.PathLike)) and len(os.fspath(value)) < 4096:
+                path = os.fspath(value)
+                if os.path.exists(path):
+                    status = os.stat(path)
+                    files.append([name, os.path.abspath(path), status.st_size, status.st_mtime_ns])
+        parts["files"] = files
+    hasher.update(_canonical(parts))
+    return Fingerprint.of("dataset", f"{type(dataset).__name__}({parts['length']} samples)", hasher)
+
+
+def fingerprint_for(dataset: Any, settings: Mapping[str, Any] | None = None, *, key: str | None = None) -> Fingerprint:
+    """The fingerprint of ``dataset``: image files (:func:`fingerprint_images`), arrays
+    (:func:`fingerprint_arrays`) or any other dataset (:func:`fingerprint_dataset`).
+
+    ``settings``: what else shapes the stored bytes, e.g. ``{"decode_size": [224, 224],
+    "pre_cache": ["Resize(256)", "CenterCrop(224)"]}``. Random augmentations run after the
+    cache and are never part of it.
+    """
+    if isinstance(dataset, ImageSource) or _has_image_samples(dataset):
+        return fingerprint_images(dataset, settings)
+    parts = dataset.values() if isinstance(dataset, Mapping) else dataset
+    if isinstance(dataset, (ArrayDataset, torch.Tensor, np.ndarray)) or (
+        isinstance(dataset, (tuple, list, Mapping)) and dataset
+        and all(isinstance(a, (torch.Tensor, np.ndarray)) for a in parts)
+    ):
+        return fingerprint_arrays(dataset, settings)
+    return fingerprint_dataset(dataset, settings, key=key)
+
+
+def _has_image_samples(dataset: Any) -> bool:
+    samples = getattr(dataset, "samples", None)
+    return (
+        isinstance(samples, Sequence) and not isinstance(samples, (str, bytes)) and len(samples) > 0
+        and all(isinstance(s, Sequence) and len(s) == 2 and isinstance(s[0], (str, os.PathLike)) for s in samples[:16])
+    )
+
+
+# ---------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    """One column of a record: its name, torch dtype and the shape of one row."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * _itemsize(self.dtype)
+
+    def as_json(self) -> list[Any]:
+        return [self.name, str(self.dtype).removeprefix("torch."), list(self.shape)]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _columns(spec: Any) -> tuple[ColumnSpec, ...]:
+    if isinstance(spec, Mapping):
+        spec = [ColumnSpec(str(n), d, tuple(s)) for n, (s, d) in spec.items()]
+    columns = tuple(spec)
+    if not columns or not all(isinstance(c, ColumnSpec) for c in columns):
+        raise TypeError(
+            "columns must be ColumnSpec(name, dtype, shape)s or a dict name -> (shape, dtype), at least one"
+        )
+    for column in columns:
+        if not isinstance(column.dtype, torch.dtype):
+            raise TypeError(f"column {column.name!r}: dtype {column.dtype!r} is not a torch.dtype")
+        if any(not isinstance(d, int) or d < 0 for d in column.shape):
+            raise ValueError(
+                f"column {column.name!r}: shape {column.shape} must be non-negative ints (fixed-size rows)"
+            )
+    if len({c.name for c in columns}) != len(columns):
+        raise ValueError(f"column names repeat: {[c.name for c in columns]}")
+    return columns
+
+
+def _layout(columns: tuple[ColumnSpec, ...]) -> tuple[list[int], int]:
+    """Each column's byte offset in a record (aligned to its item size) and the record size
+    (aligned to the largest item size, so every row of every column stays aligned)."""
+    offsets, at, align = [], 0, 1
+    for column in columns:
+        size = _itemsize(column.dtype)
+        align = max(align, size)
+        at = -(-at // size) * size
+        offsets.append(at)
+        at += column.row_bytes
+    return offsets, max(align, -(-at // align) * align)
+
+
+# ---------------------------------------------------------------- budget
+
+
+def default_disk_reserve(total_bytes: int) -> int:
+    """Bytes of the file system the default budget leaves free: 5% of it, at least 64 MiB and
+    at most 8 GiB (other programs, logs and checkpoints need room to write)."""
+    return max(64 << 20, min(8 << 30, int(total_bytes * 0.05)))
+
+
+def disk_budget(path: str | os.PathLike[str], spec: SizeSpec) -> int:
+    """Bytes the disk tier may hold under ``path``: ``auto``: the file system's free space less
+    :func:`default_disk_reserve`; a fraction: of the free space; bytes: as given; off: 0."""
+    if spec.kind == "off":
+        return 0
+    if spec.kind == "bytes":
+        return int(spec.amount)
+    status = os.statvfs(path)
+    free, total = status.f_bavail * status.f_frsize, status.f_blocks * status.f_frsize
+    if spec.kind == "fraction":
+        return int(free * spec.amount)
+    return max(0, free - default_disk_reserve(total))
+
+
+# ---------------------------------------------------------------- the cache
+
+
+@dataclass
+class DiskCacheStats:
+    """Rows and bytes published, rows read (hits) and asked for but absent (misses), rows this
+    process wrote, blocks that failed their check and were dropped, and whether it is full or
+    stopped (``stopped``: why it no longer writes)."""
+
+    path: str = ""
+    budget: int = 0
+    rows: int = 0
+    published_rows: int = 0
+    published_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    rows_written: int = 0
+    blocks_published: int = 0
+    blocks_dropped: int = 0
+    full: bool = False
+    stopped: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Manifest:
+    blocks: dict[int, tuple[int, int]] = field(default_factory=dict)  # block -> (bytes, crc32)
+    identity: tuple[int, int] | None = None  # (inode, mtime_ns) of the file this came from
+
+
+class DiskCache:
+    """One dataset's rows on local disk, shared by a node's processes; see the module doc.
+
+    Use: ``cache = DiskCache.open(folder, fingerprint, columns, num_rows, budget)``; then
+    ``cache.present(rows)`` says which rows are published (a bool tensor), ``cache.read(rows)``
+    returns their columns (one tensor per column, ``len(rows)`` rows each), ``cache.write(rows,
+    columns)`` stores rows during the fill (published block by block as blocks complete),
+    ``cache.stats()`` and ``cache.close()``. ``open`` returns None, with one warning, when the
+    folder cannot be used (read-only, not a folder): the job then runs without a disk tier.
+    """
+
+    def __init__(
+        self, root: Path, fingerprint: Fingerprint, columns: tuple[ColumnSpec, ...], num_rows: int, budget: int,
+        block_bytes: int, auto_budget: bool,
+    ) -> None:
+        self.root = root
+        self.fingerprint = fingerprint
+        self.columns = columns
+        self.num_rows = num_rows
+        self.offsets, self.record_bytes = _layout(columns)
+        self.block_rows = max(1, block_bytes // max(1, self.record_bytes))
+        self.num_blocks = -(-num_rows // self.block_rows) if num_rows else 0
+        self.budget = budget
+        self._auto_budget = auto_budget
+        self._mutex = threading.RLock()
+        self._manifest = _Manifest()
+        self._verified: set[int] = set()
+        self._maps: OrderedDict[int, tuple[mmap.mmap, np.ndarray]] = OrderedDict()
+        self._parts: OrderedDict[int, tuple[int, int]] = OrderedDict()  # block -> (fd, inode)
+        self._stats = DiskCacheStats(path=str(root), budget=budget, rows=num_rows)
+        self._closed = False
+        self._pid = os.getpid()
+        self._lock_fd = self._users_fd = self._flags_fd = -1
+        try:
+            self._lock_fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o666)
+            self._users_fd = os.open(root / "users", os.O_RDWR | os.O_CREAT, 0o666)
+            self._recover()
+            self._flags_fd = os.open(root / "rows.fill", os.O_RDWR | os.O_CREAT, 0o666)
+            if os.fstat(self._flags_fd).st_size < num_rows:
+                os.ftruncate(self._flags_fd, num_rows)
+            os.utime(root / "users")
+            self._reload(force=True)
+        except BaseException:
+            self.close()
+            raise
+        if auto_budget:  # what is published counts as room: the free space is beside it
+            self.budget = self._stats.budget = budget + self._stats.published_bytes
+
+    # -- opening ------------------------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        cache_dir: str | os.PathLike[str],
+        fingerprint: Fingerprint,
+        columns: Sequence[ColumnSpec] | Mapping[str, tuple[Sequence[int], torch.dtype]],
+        num_rows: int,
+        budget_bytes: int | SizeSpec | None = None,
+        *,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+    ) -> DiskCache | None:
+        """The entry for ``fingerprint`` under ``cache_dir`` (created if missing), or None with
+        one :class:`DiskCacheWarning` when the folder cannot be written.
+
+        ``budget_bytes``: bytes this entry may hold; None (or ``SizeSpec("auto")``) is the file
+        system's free space less :func:`default_disk_reserve`, re-checked before each new block.
+        """
+        spec = _columns(columns)
+        if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
+            raise ValueError(f"num_rows={num_rows!r} must be a non-negative int")
+        if not isinstance(block_bytes, int) or block_bytes < 1:
+            raise ValueError(f"block_bytes={block_bytes!r} must be a positive int")
+        folder = Path(cache_dir).expanduser()
+        key_hash = hashlib.blake2b(digest_size=16)
+        block_rows = max(1, block_bytes // max(1, _layout(spec)[1]))  # the layout is part of the key
+        key_hash.update(_canonical([fingerprint.digest, [c.as_json() for c in spec], num_rows, block_rows]))
+        root = folder / key_hash.hexdigest()
+        try:
+            if folder.exists() and not folder.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(folder))
+            root.mkdir(parents=True, exist_ok=True)  # mode 0o777 less the umask
+            probe = root / f".probe-{os.getpid()}-{threading.get_ident()}"
+            with open(probe, "wb"):
+                pass
+            probe.unlink()
+            auto = budget_bytes is None or (isinstance(budget_bytes, SizeSpec) and budget_bytes.kind == "auto")
+            if isinstance(budget_bytes, SizeSpec) or budget_bytes is None:
+                budget = disk_budget(root, budget_bytes or SizeSpec("auto"))
+            else:
+                budget = int(budget_bytes)
+            cache = cls(root, fingerprint, spec, num_rows, budget, block_bytes, auto)
+        except OSError as error:
+            warnings.warn(
+                f"gpuload disk cache: cannot use {error.filename or folder} ({error.strerror or error}); "
+                "running without a disk tier. Point cache_dir= (or GPULOAD_CACHE_DIR) at a writable "
+                "local folder, or unset it",
+                DiskCacheWarning, stacklevel=2,
+            )
+            return None
+        cache._write_description()
+        return cache
+
+    @classmethod
+    def from_settings(
+        cls, settings: CacheSettings, fingerprint: Fingerprint,
+        columns: Sequence[ColumnSpec] | Mapping[str, tuple[Sequence[int], torch.dtype]], num_rows: int,
+        **options: Any,
+    ) -> DiskCache | None:
+        """:meth:`open` with the resolved ``cache_dir`` and ``disk_cache_size``; None when no
+        folder is set or the size is ``off`` (no disk tier), or the folder cannot be used."""
+        folder, size = settings.disk_dir.value, settings.disk_size.value
+        if folder is None or size.kind == "off":
+            return None
+        return cls.open(folder, fingerprint, columns, num_rows, size, **options)
+
+    def _write_description(self) -> None:
+        """A small ``entry.json`` (what the entry is) for ``gpuload cache ls``; written once."""
+        path = self.root / "entry.json"
+        if path.exists():
+            return
+        document = {
+            "format": FORMAT_VERSION, "fingerprint": asdict(self.fingerprint), "num_rows": self.num_rows,
+            "columns": [c.as_json() for c in self.columns], "record_bytes": self.record_bytes,
+            "block_rows": self.block_rows, "created": time.time(),
+        }
+        try:
+            _atomic_write(path, json.dumps(document, indent=1).encode())
+        except OSError:
+            pass  # only descriptive; a full disk is reported by the first write
+
+    def _recover(self) -> None:
+        """If no other process has this entry open, discard what a killed one left (parts,
+        flags, temporary manifests, blocks the manifest does not list); then join as a user."""
+        try:
+            fcntl.flock(self._users_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fcntl.flock(self._users_fd, fcntl.LOCK_SH)
+            return
+        with self._entry_lock():
+            listed = set(_read_manifest(self.root, self)[0].blocks)
+            for entry in os.scandir(self.root):
+                match = _BLOCK_NAME.match(entry.name)
+                stale = entry.name.startswith((MANIFEST + ".tmp", ".probe-")) or entry.name == "rows.fill"
+                if match and (match.group(2) == "part" or int(match.group(1)) not in listed):
+                    stale = True
+                if stale:
+                    os.unlink(entry.path)
+        fcntl.flock(self._users_fd, fcntl.LOCK_SH)
+
+    # -- locks and the manifest ---------------------------------------------------------------
+
+    def _entry_lock(self) -> _Flock:
+        return _Flock(self._lock_fd)
+
+    def _reload(self, force: bool = False) -> None:
+        """Read the manifest again if another process replaced it since."""
+        try:
+            status = os.stat(self.root / MANIFEST)
+            identity = (status.st_ino, status.st_mtime_ns)
+        except FileNotFoundError:
+            identity = None
+        if not force and identity == self._manifest.identity:
+            return
+        manifest, problem = _read_manifest(self.root, self)
+        if problem and identity != getattr(self, "_reported_manifest", None):
+            self._reported_manifest = identity
+            warnings.warn(f"gpuload disk cache: {problem}; its blocks are filled again", DiskCacheWarning, stacklevel=3)
+        for block in set(self._manifest.blocks) - set(manifest.blocks):
+            self._forget(block)
+        self._manifest = manifest
+        self._stats.published_rows = sum(self._rows_in(b) for b in manifest.blocks)
+        self._stats.published_bytes = sum(size for size, _ in manifest.blocks.values())
+
+    def _write_manifest(self) -> None:
+        document = {
+            "format": FORMAT_VERSION, "fingerprint": self.fingerprint.digest, "num_rows": self.num_rows,
+            "record_bytes": self.record_bytes, "block_rows": self.block_rows,
+            "columns": [c.as_json() for c in self.columns],
+            "blocks": [[b, size, crc] for b, (size, crc) in sorted(self._manifest.blocks.items())],
+        }
+        _atomic_write(self.root / MANIFEST, json.dumps(document, separators=(",", ":")).encode())
+        status = os.stat(self.root / MANIFEST)
+        self._manifest.identity = (status.st_ino, status.st_mtime_ns)
+        self._stats.published_rows = sum(self._rows_in(b) for b in self._manifest.blocks)
+        self._stats.published_bytes = sum(size for size, _ in self._manifest.blocks.values())
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _rows_in(self, block: int) -> int:
+        return min(self.block_rows, self.num_rows - block * self.block_rows)
+
+    def _block_path(self, block: int, suffix: str) -> Path:
+        return self.root / f"block-{block:06d}.{suffix}"
+
+    def _as_rows(self, rows: Any) -> np.ndarray:
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this DiskCache ({self.root}) was opened by process {self._pid}; its file locks do not "
+                "hold across fork: open the cache again in this process"
+            )
+        array = rows.detach().cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
+        array = array.astype(np.int64, copy=False).reshape(-1)
+        if array.size and (array.min() < 0 or array.max() >= self.num_rows):
+            bad = array[(array < 0) | (array >= self.num_rows)][0]
+            raise IndexError(f"row {bad} is outside the disk cache's {self.num_rows} rows")
+        return array
+
+    def present(self, rows: Any) -> torch.Tensor:
+        """Which of ``rows`` are published and intact (a bool tensor, one per row). The first
+        look at a block in this process checks its size and checksum."""
+        array = self._as_rows(rows)
+        with self._mutex:
+            if self._closed:
+                return torch.zeros(len(array), dtype=torch.bool)
+            blocks = array // self.block_rows
+            wanted = np.unique(blocks)
+            if any(int(b) not in self._manifest.blocks for b in wanted):
+                self._reload()
+            good = np.zeros(len(array), dtype=bool)
+            for block in wanted.tolist():
+                if block in self._verified or (block in self._manifest.blocks and self._map(block) is not None):
+                    good[blocks == block] = True
+            return torch.from_numpy(good)
+
+    def read(self, rows: Any) -> list[torch.Tensor]:
+        """The columns of ``rows`` (published ones; LookupError names an absent row), one tensor
+        of ``len(rows)`` rows per column. Each run of consecutive rows is one copy from one
+        memory map."""
+        array = self._as_rows(rows)
+        with self._mutex:
+            ok = self.present(array).numpy()
+            if not ok.all():
+                self._stats.misses += int((~ok).sum())
+                raise LookupError(
+                    f"row {int(array[~ok][0])} is not in the disk cache {self.root} (present() says which are)"
+                )
+            out = torch.empty((len(array), self.record_bytes), dtype=torch.uint8)
+            target = out.numpy()
+            if len(array):
+                blocks = array // self.block_rows
+                cuts = np.flatnonzero((np.diff(array) != 1) | (np.diff(blocks) != 0)) + 1
+                starts = np.concatenate(([0], cuts))
+                ends = np.concatenate((cuts, [len(array)]))
+                for start, end in zip(starts.tolist(), ends.tolist()):
+                    block = int(blocks[start])
+                    first = int(array[start]) - block * self.block_rows
+                    records = self._map(block)
+                    if records is None:
+                        raise LookupError(f"block {block} of the disk cache {self.root} was dropped while reading")
+                    target[start:end] = records[first:first + end - start]
+            self._stats.hits += len(array)
+        return self._split(out)
+
+    def _split(self, records: torch.Tensor) -> list[torch.Tensor]:
+        n = records.shape[0]
+        if len(self.columns) == 1 and self.offsets[0] == 0 and self.columns[0].row_bytes == self.record_bytes:
+            return [records.view(self.columns[0].dtype).reshape(n, *self.columns[0].shape)]
+        result = []
+        for column, offset in zip(self.columns, self.offsets):
+            part = records[:, offset:offset + column.row_bytes].contiguous()
+            result.append(part.view(column.dtype).reshape(n, *column.shape))
+        return result
+
+    def _map(self, block: int) -> np.ndarray | None:
+        """Block ``block``'s records, memory-mapped; checked (size, CRC-32) at first use. None
+        (and the block dropped, with a warning naming the file) if it fails the check."""
+        if block in self._maps:
+            self._maps.move_to_end(block)
+            return self._maps[block][1]
+        size, crc = self._manifest.blocks[block]
+        path = self._block_path(block, "bin")
+        expected = self._rows_in(block) * self.record_bytes
+        try:
+            with open(path, "rb") as file:
+                actual = os.fstat(file.fileno()).st_size
+                if actual != size or size != expected:
+                    problem = f"{path} is {actual} bytes, the manifest says {size} (expected {expected})"
+                    return self._drop(block, problem)
+                mapped = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_READ) if size else None
+        except OSError as error:
+            return self._drop(block, f"{path} cannot be read ({error.strerror or error})")
+        view = np.frombuffer(mapped, dtype=np.uint8) if mapped is not None else np.empty(0, np.uint8)
+        if block not in self._verified:
+            if _crc32(view) != crc:
+                del view, mapped  # unmapped when the last reference goes
+                return self._drop(block, f"{path} fails its checksum (its bytes changed after it was written)")
+            self._verified.add(block)
+        records = view.reshape(self._rows_in(block), self.record_bytes)
+        self._maps[block] = (mapped, records)
+        while len(self._maps) > _OPEN_MAPS:
+            self._maps.popitem(last=False)  # unmapped when the last reference goes
+        return records
+
+    def _drop(self, block: int, problem: str) -> None:
+        """Unpublish a damaged block so it is filled again; one warning naming the file."""
+        warnings.warn(
+            f"gpuload disk cache: {problem}; its rows are read from the source and the block is written again",
+            DiskCacheWarning, stacklevel=4,
+        )
+        self._stats.blocks_dropped += 1
+        try:
+            with self._entry_lock():
+                self._reload()
+                if self._manifest.blocks.get(block) is not None:
+                    del self._manifest.blocks[block]
+                    self._write_manifest()
+                    first = block * self.block_rows
+                    os.pwrite(self._flags_fd, bytes(self._rows_in(block)), first)
+                    self._block_path(block, "bin").unlink(missing_ok=True)
+        except OSError as error:
+            self._manifest.blocks.pop(block, None)  # at least this process reads it no more
+            self._stop(error, self.root / MANIFEST)
+        self._forget(block)
+        return None
+
+    def _forget(self, block: int) -> None:
+        self._verified.discard(block)
+        self._maps.pop(block, None)
+
+    # -- writing ------------------------------------------------------------------------------
+
+    @property
+    def accepting(self) -> bool:
+        """Whether ``write`` still stores rows (not closed, not stopped by an error)."""
+        return not self._closed and not self._stats.stopped
+
+    def write(self, rows: Any, columns: Sequence[torch.Tensor]) -> int:
+        """Store ``rows`` (their ``columns``, one tensor per column with ``len(rows)`` rows of the
+        column's shape and dtype); rows already stored or beyond the budget are skipped. Returns
+        how many rows were written. A full disk, a read-only folder or another I/O error stops
+        the tier from growing, with one warning; what was published stays readable."""
+        array = self._as_rows(rows)
+        records = self._pack(array, columns)
+        if not len(array):
+            return 0
+        order = np.argsort(array, kind="stable")
+        array, records = array[order], records[order]
+        keep = np.concatenate(([True], np.diff(array) != 0))
+        array, records = array[keep], records[keep]
+        written = 0
+        with self._mutex:
+            if not self.accepting:
+                return 0
+            blocks = array // self.block_rows
+            path: Path = self.root
+            try:
+                with self._entry_lock():
+                    self._reload()
+                    for block in np.unique(blocks).tolist():
+                        if block in self._manifest.blocks:
+                            continue
+                        path = self._block_path(block, "part")
+                        fd = self._part(block)
+                        if fd is None:
+                            continue
+                        written += self._write_rows(block, fd, array[blocks == block], records[blocks == block])
+                        path = self._block_path(block, "bin")
+                        self._publish_if_complete(block, fd)
+            except OSError as error:
+                self._stop(error, Path(error.filename) if error.filename else path)
+            self._stats.rows_written += written
+        return written
+
+    def _pack(self, array: np.ndarray, columns: Sequence[torch.Tensor]) -> np.ndarray:
+        if len(columns) != len(self.columns):
+            raise ValueError(f"write got {len(columns)} columns, the disk cache has {len(self.columns)} "
+                             f"({', '.join(c.name for c in self.columns)})")
+        records = torch.empty((len(array), self.record_bytes), dtype=torch.uint8)
+        for spec, offset, value in zip(self.columns, self.offsets, columns):
+            want = (len(array), *spec.shape)
+            if not isinstance(value, torch.Tensor) or value.dtype != spec.dtype or tuple(value.shape) != want:
+                got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(
+                    f"column {spec.name!r}: write needs a tensor of shape {want} and dtype "
+                    f"{spec.dtype}, got {got}"
+                )
+            if spec.row_bytes and len(array):
+                flat = value.detach().cpu().contiguous().reshape(len(array), -1)
+                records[:, offset:offset + spec.row_bytes] = flat.view(torch.uint8)
+        return records.numpy()
+
+    def _part(self, block: int) -> int | None:
+        """A descriptor of block ``block``'s ``.part`` (opened, or created within the budget);
+        None when the budget or the disk's reserve has no room for it. Entry lock held."""
+        path = self._block_path(block, "part")
+        cached = self._parts.get(block)
+        try:
+            inode = os.stat(path).st_ino
+        except FileNotFoundError:
+            inode = None
+        if cached is not None and cached[1] == inode:
+            self._parts.move_to_end(block)
+            return cached[0]
+        if cached is not None:
+            self._close_part(block)
+        size = self._rows_in(block) * self.record_bytes
+        if inode is None:
+            if not self._room_for(size):
+                self._stats.full = True
+                return None
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+            try:
+                _preallocate(fd, size)
+            except OSError:
+                os.close(fd)
+                path.unlink(missing_ok=True)
+                raise
+            first = block * self.block_rows
+            os.pwrite(self._flags_fd, bytes(self._rows_in(block)), first)  # no row of it is written yet
+        else:
+            fd = os.open(path, os.O_RDWR)
+        self._parts[block] = (fd, os.fstat(fd).st_ino)
+        while len(self._parts) > _OPEN_PARTS:
+            self._close_part(next(iter(self._parts)))
+        return fd
+
+    def _room_for(self, size: int) -> bool:
+        """Whether a new block of ``size`` bytes fits: the budget (what is published plus the
+        parts being filled), and with the default budget the disk's reserve, checked now."""
+        if self._auto_budget:
+            status = os.statvfs(self.root)
+            free = status.f_bavail * status.f_frsize
+            return free - size >= default_disk_reserve(status.f_blocks * status.f_frsize)
+        parts = sum(1 for e in os.scandir(self.root) if e.name.endswith(".part"))
+        held = self._stats.published_bytes + parts * self.block_rows * self.record_bytes
+        return held + size <= self.budget
+
+    def _write_rows(self, block: int, fd: int, rows: np.ndarray, records: np.ndarray) -> int:
+        first = block * self.block_rows
+        flags = np.frombuffer(os.pread(self._flags_fd, self._rows_in(block), first), dtype=np.uint8)
+        todo = flags[rows - first] == 0
+        rows, records = rows[todo], records[todo]
+        if not len(rows):
+            return 0
+        cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+        for run_rows, run_records in zip(np.split(rows, cuts), np.split(records, cuts)):
+            offset = (int(run_rows[0]) - first) * self.record_bytes
+            _pwrite_all(fd, memoryview(np.ascontiguousarray(run_records)).cast("B"), offset)
+        for run_rows in np.split(rows, cuts):  # flags after the bytes: a set flag means written
+            os.pwrite(self._flags_fd, b"\x01" * len(run_rows), int(run_rows[0]))
+        return len(rows)
+
+    def _publish_if_complete(self, block: int, fd: int) -> None:
+        """fsync, checksum, rename to ``.bin`` and list in the manifest once every row of the
+        block is written. Entry lock held."""
+        first = block * self.block_rows
+        if os.pread(self._flags_fd, self._rows_in(block), first).count(0):
+            return
+        os.fsync(fd)
+        size = self._rows_in(block) * self.record_bytes
+        if size:
+            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
+                crc = _crc32(np.frombuffer(mapped, dtype=np.uint8))
+        else:
+            crc = 0
+        target = self._block_path(block, "bin")
+        os.rename(self._block_path(block, "part"), target)
+        _fsync_folder(self.root)
+        self._close_part(block)
+        self._manifest.blocks[block] = (size, crc)
+        try:
+            self._write_manifest()
+        except OSError:
+            del self._manifest.blocks[block]
+            target.unlink(missing_ok=True)
+            os.pwrite(self._flags_fd, bytes(self._rows_in(block)), first)
+            raise
+        self._verified.add(block)
+        self._stats.blocks_published += 1
+
+    def _close_part(self, block: int) -> None:
+        entry = self._parts.pop(block, None)
+        if entry is not None:
+            os.close(entry[0])
+
+    def _stop(self, error: OSError, path: Path) -> None:
+        """Stop writing, with one warning naming the file and the reason."""
+        if self._stats.stopped:
+            return
+        full = error.errno in _NO_SPACE
+        reason = "the disk is full" if full else (error.strerror or str(error))
+        self._stats.stopped = f"{path}: {reason}"
+        self._stats.full = self._stats.full or full
+        for block in list(self._parts):
+            self._close_part(block)
+        warnings.warn(
+            f"gpuload disk cache: writing {path} failed ({reason}); the disk tier stops growing. "
+            f"The {self._stats.published_rows} rows already published are still read from it; the rest come "
+            "from the source",
+            DiskCacheWarning, stacklevel=4,
+        )
+
+    # -- the rest -----------------------------------------------------------------------------
+
+    def stats(self) -> DiskCacheStats:
+        """The counters (a copy)."""
+        with self._mutex:
+            return DiskCacheStats(**self._stats.as_dict())
+
+    @property
+    def complete(self) -> bool:
+        """Every row is published."""
+        with self._mutex:
+            self._reload()
+            return len(self._manifest.blocks) == self.num_blocks
+
+    def close(self) -> None:
+        """Unmap, close the files and leave the entry (its published blocks stay for later
+        jobs; parts another process is filling stay for it). Safe to call twice."""
+        with self._mutex:
+            if self._closed:
+                return
+            self._closed = True
+            for block in list(self._parts):
+                self._close_part(block)
+            self._maps.clear()  # read() copies out of the maps: nothing points into them
+            for fd in (self._flags_fd, self._lock_fd, self._users_fd):
+                if fd >= 0:
+                    os.close(fd)  # closing releases this descriptor's flocks
+
+    def __enter__(self) -> DiskCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        s = self._stats
+        return (f"DiskCache({self.root}, {s.published_rows}/{self.num_rows} rows published, "
+                f"{format_bytes(s.published_bytes)} of {format_bytes(self.budget)})")
+
+
+class _Flock:
+    """An exclusive flock held for a ``with`` block."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __enter__(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+
+def _read_manifest(root: Path, cache: DiskCache) -> tuple[_Manifest, str]:
+    """The manifest's blocks, or an empty one and the problem when it does not describe this
+    entry (damaged, another format, other columns)."""
+    path = root / MANIFEST
+    try:
+        status = os.stat(path)
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return _Manifest(), ""
+    identity = (status.st_ino, status.st_mtime_ns)
+    try:
+        document = json.loads(data)
+        expected = {
+            "format": FORMAT_VERSION, "fingerprint": cache.fingerprint.digest, "num_rows": cache.num_rows,
+            "record_bytes": cache.record_bytes, "block_rows": cache.block_rows,
+            "columns": [c.as_json() for c in cache.columns],
+        }
+        for name, value in expected.items():
+            if document[name] != value:
+                return _Manifest(identity=identity), f"{path} is for another {name} ({document[name]!r}, not {value!r})"
+        blocks = {int(b): (int(size), int(crc)) for b, size, crc in document["blocks"]}
+        if any(not 0 <= b < cache.num_blocks for b in blocks):
+            raise ValueError("a block number is out of range")
+    except (ValueError, KeyError, TypeError) as error:
+        return _Manifest(identity=identity), f"{path} is damaged ({type(error).__name__}: {error})"
+    return _Manifest(blocks, identity), ""
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary name: write, fsync, rename, fsync the folder."""
+    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            _pwrite_all(fd, memoryview(data), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        done = os.pwrite(fd, data, offset)
+        data, offset = data[done:], offset + done
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve ``size`` bytes now, so a full disk shows at the block's start, not halfway."""
+    if size == 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, size)
+
+
+def _crc32(data: np.ndarray) -> int:
+    crc, step = 0, 16 << 20
+    for start in range(0, data.size, step):
+        crc = zlib.crc32(memoryview(data[start:start + step]), crc)
+    return crc
+
+
+# ---------------------------------------------------------------- entries (the CLI)
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """One entry of a cache folder as ``gpuload cache ls`` shows it."""
+
+    path: Path
+    description: str
+    fingerprint: str
+    kind: str
+    num_rows: int
+    published_rows: int
+    bytes_on_disk: int
+    last_used: float
+    in_use: bool
+    problem: str = ""
+
+
+def list_entries(cache_dir: str | os.PathLike[str]) -> list[EntryInfo]:
+    """The gpuload entries in ``cache_dir`` (folders named by a 32-hex key), newest use first;
+    other files and folders there are not gpuload's and are left out."""
+    folder = Path(cache_dir).expanduser()
+    entries = []
+    for item in sorted(os.scandir(folder), key=lambda e: e.name) if folder.is_dir() else []:
+        if not item.is_dir(follow_symlinks=False) or not _ENTRY_NAME.match(item.name):
+            continue
+        root = Path(item.path)
+        problem, description, digest, kind, num_rows, block_rows, published = "", "?", "?", "?", 0, 1, 0
+        try:
+            info = json.loads((root / "entry.json").read_bytes())
+            fingerprint = info["fingerprint"]
+            description, digest, kind = fingerprint["description"], fingerprint["digest"], fingerprint["kind"]
+            num_rows, block_rows = int(info["num_rows"]), int(info["block_rows"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            problem = f"no readable entry.json ({type(error).__name__})"
+        try:
+            manifest = json.loads((root / MANIFEST).read_bytes())
+            published = sum(min(block_rows, num_rows - b * block_rows) for b, _, _ in manifest["blocks"])
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            problem = problem or f"damaged manifest ({type(error).__name__})"
+        size, used = 0, 0.0
+        for file in os.scandir(root):
+            status = file.stat(follow_symlinks=False)
+            size += status.st_blocks * 512
+            used = max(used, status.st_mtime) if file.name in ("users", MANIFEST) else used
+        entries.append(
+            EntryInfo(root, description, digest, kind, num_rows, published, size, used, _in_use(root), problem)
+        )
+    return sorted(entries, key=lambda e: -e.last_used)
+
+
+def _in_use(root: Path) -> bool:
+    try:
+        fd = os.open(root / "users", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def remove_entry(entry: EntryInfo | str | os.PathLike[str]) -> bool:
+    """Delete one entry folder unless a process has it open (then False). Holds its ``users``
+    lock exclusively while deleting, so no process can open it halfway."""
+    root = Path(entry.path if isinstance(entry, EntryInfo) else entry)
+    if not _ENTRY_NAME.match(root.name):
+        raise ValueError(f"{root} is not a gpuload disk cache entry (a folder named by a 32-hex key)")
+    try:
+        fd = os.open(root / "users", os.O_RDONLY)
+    except FileNotFoundError:
+        shutil.rmtree(root, ignore_errors=True)
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        for item in os.scandir(root):
+            if item.name != "users":
+                os.unlink(item.path) if not item.is_dir(follow_symlinks=False) else shutil.rmtree(item.path)
+        os.unlink(root / "users")
+        root.rmdir()
+        return True
+    finally:
+        os.close(fd)

@@ -1,0 +1,646 @@
+"""The disk tier (gpuload/cache/disk.py): settings, identity, round trips, and its faults.
+
+Fault tests run the process that fills or reads the cache as a subprocess (killed with
+SIGKILL, on a full or read-only file system, with a chosen umask), so each starts with nothing
+in memory: what it reads, it reads from the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import gpuload
+from gpuload.cache.budget import CacheSettingError, SizeSpec
+from gpuload.cache.disk import (
+    ColumnSpec,
+    DiskCache,
+    Fingerprint,
+    default_disk_reserve,
+    disk_budget,
+    fingerprint_for,
+)
+from gpuload.cache.settings import CacheSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+SHAPE = (16, 16, 3)
+RECORD = 16 * 16 * 3 + 8  # image bytes, then an int64 label (aligned to 8)
+BLOCK_ROWS = 8
+
+# What every child process shares: the dataset (seeded), its fingerprint, the columns.
+CHILD = textwrap.dedent(
+    f"""
+    import json, os, sys, time, warnings
+    import numpy as np, torch
+    from gpuload.cache.disk import ColumnSpec, DiskCache, DiskCacheWarning, Fingerprint
+    warnings.simplefilter("always")
+    FOLDER, N = sys.argv[1], int(sys.argv[2])
+    images = torch.randint(0, 256, (N, *{SHAPE}), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    labels = torch.arange(N) * 7
+    FP = Fingerprint.of("arrays", "test rows", {{"seed": 0, "rows": N}})
+    COLUMNS = [ColumnSpec("image", torch.uint8, {SHAPE}), ColumnSpec("label", torch.int64, ())]
+
+    def open_cache(budget=1 << 30):
+        return DiskCache.open(FOLDER, FP, COLUMNS, N, budget, block_bytes={BLOCK_ROWS * RECORD})
+
+    def epoch(cache, order, batch=8):
+        '''One epoch as the loader would run it: rows from the disk where published, the rest
+        from the source (and written); True if every batch equals the source's.'''
+        same = True
+        for start in range(0, len(order), batch):
+            rows = torch.as_tensor(order[start:start + batch])
+            got_images, got_labels = images[rows].clone(), labels[rows].clone()
+            hit = cache.present(rows)
+            if hit.any():
+                got_images[hit], got_labels[hit] = cache.read(rows[hit])
+            cache.write(rows[~hit], [images[rows[~hit]], labels[rows[~hit]]])
+            same &= torch.equal(got_images, images[rows]) and torch.equal(got_labels, labels[rows])
+        return same
+    """
+)
+
+
+def _data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    images = torch.randint(0, 256, (n, *SHAPE), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    return images, torch.arange(n) * 7
+
+
+def _open(folder: Path, n: int, budget: int = 1 << 30) -> DiskCache:
+    cache = DiskCache.open(
+        folder, Fingerprint.of("arrays", "test rows", {"seed": 0, "rows": n}),
+        [ColumnSpec("image", torch.uint8, SHAPE), ColumnSpec("label", torch.int64, ())], n, budget,
+        block_bytes=BLOCK_ROWS * RECORD,
+    )
+    assert cache is not None
+    return cache
+
+
+def _child(script: str, folder: Path, n: int, *, prefix: list[str] | None = None, cwd: Path | None = None,
+           env: dict[str, str] | None = None, wait: bool = True, timeout: float = 120):
+    """Run CHILD + ``script`` in a new interpreter; its last stdout line is JSON."""
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    command = [*(prefix or []), sys.executable, "-c", CHILD + textwrap.dedent(script), str(folder), str(n)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
+                               cwd=cwd)
+    if not wait:
+        return process
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, f"child failed ({process.returncode}):\n{err}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _entry(folder: Path) -> Path:
+    (entry,) = [p for p in folder.iterdir() if p.is_dir()]
+    return entry
+
+
+def _block_rows(block: int) -> list[int]:
+    return list(range(block * BLOCK_ROWS, (block + 1) * BLOCK_ROWS))
+
+
+# ---------------------------------------------------------------- settings
+
+
+def test_cache_dir_and_disk_size_resolve_keyword_then_environment_then_file(tmp_path: Path) -> None:
+    (tmp_path / "gpuload.toml").write_text('cache_dir = "spill"\ndisk_cache_size = "20GiB"\n')
+    from_file = CacheSettings.resolve(environ={}, cwd=tmp_path)
+    assert from_file.disk_dir.value == tmp_path / "spill"  # relative to the file's folder
+    assert from_file.disk_dir.source == str(tmp_path / "gpuload.toml")
+    assert from_file.disk_size.value == SizeSpec("bytes", 20 * 2**30, "20GiB")
+    env = {"GPULOAD_CACHE_DIR": "/scratch/a", "GPULOAD_DISK_CACHE_SIZE": "1TB"}
+    from_env = CacheSettings.resolve(environ=env, cwd=tmp_path)
+    assert from_env.disk_dir.value == Path("/scratch/a")
+    assert from_env.disk_size.source == "environment variable GPULOAD_DISK_CACHE_SIZE"
+    keyword = CacheSettings.resolve(cache_dir=tmp_path / "k", disk_cache_size="off", environ=env, cwd=tmp_path)
+    assert keyword.disk_dir.value == tmp_path / "k" and keyword.disk_dir.source == "keyword cache_dir="
+    assert keyword.disk_size.value.kind == "off"
+    assert "cache_dir=" in keyword.describe() and "disk_cache_size=" in keyword.describe()
+    default = CacheSettings.resolve(environ={}, cwd="/")
+    assert default.disk_dir.value is None and default.disk_size.value.kind == "auto"
+    assert "cache_dir" not in default.describe()  # no folder: no disk tier, nothing new to print
+
+
+def test_cache_dir_and_disk_size_errors_name_their_source(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(CacheSettingError, match=r"cache_dir=.*environment variable GPULOAD_CACHE_DIR.*is a file"):
+        CacheSettings.resolve(environ={"GPULOAD_CACHE_DIR": str(tmp_path / "a-file")}, cwd=tmp_path)
+    with pytest.raises(CacheSettingError, match=r"disk_cache_size='lots' \(from environment variable GPULOAD_DISK"):
+        CacheSettings.resolve(environ={"GPULOAD_DISK_CACHE_SIZE": "lots"}, cwd=tmp_path)
+    with pytest.raises(CacheSettingError, match=r"cache_dir=3 \(from keyword cache_dir=\) is a int"):
+        CacheSettings.resolve(cache_dir=3, environ={}, cwd=tmp_path)
+    (tmp_path / "gpuload.toml").write_text('disk_cache_size = "12 parsecs"\n')
+    with pytest.raises(CacheSettingError, match=r"disk_cache_size=.*gpuload.toml\) has an unknown unit"):
+        CacheSettings.resolve(environ={}, cwd=tmp_path)
+
+
+def test_the_loader_keeps_the_disk_settings_and_checks_them(tmp_path: Path, monkeypatch) -> None:
+    dataset = gpuload.datasets.ArrayDataset(torch.zeros(4, 2))
+    loader = gpuload.DataLoader(dataset, cache_dir=tmp_path, disk_cache_size="1GiB", device="cpu")
+    assert loader.cache_dir == tmp_path and loader.disk_cache_size == "1GiB"
+    assert loader._cache_settings.disk_dir.value == tmp_path
+    monkeypatch.setenv("GPULOAD_DISK_CACHE_SIZE", "-1")
+    with pytest.raises(CacheSettingError, match="GPULOAD_DISK_CACHE_SIZE"):
+        gpuload.DataLoader(dataset, device="cpu")
+
+
+def test_default_budget_is_the_free_space_less_a_reserve(tmp_path: Path, monkeypatch) -> None:
+    class Status:
+        f_frsize, f_bavail, f_blocks = 4096, 50 * 2**30 // 4096, 400 * 2**30 // 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Status)
+    assert default_disk_reserve(400 * 2**30) == 8 * 2**30  # 5% of 400 GiB, at most 8 GiB
+    assert disk_budget(tmp_path, SizeSpec("auto")) == 42 * 2**30
+    assert disk_budget(tmp_path, SizeSpec("fraction", 0.5)) == 25 * 2**30
+    assert disk_budget(tmp_path, SizeSpec("bytes", 123)) == 123 and disk_budget(tmp_path, SizeSpec("off")) == 0
+
+
+# ---------------------------------------------------------------- storing and reading
+
+
+def test_rows_written_in_shuffled_batches_read_back_exactly(tmp_path: Path) -> None:
+    columns = [ColumnSpec("x", torch.bfloat16, (3,)), ColumnSpec("flag", torch.bool, ()),
+               ColumnSpec("y", torch.float64, (2, 2)), ColumnSpec("id", torch.int16, ())]
+    n = 301
+    x = torch.randn(n, 3).to(torch.bfloat16)
+    flag, y, ids = torch.arange(n) % 3 == 0, torch.randn(n, 2, 2, dtype=torch.float64), torch.arange(n, dtype=torch.int16)
+    cache = DiskCache.open(tmp_path, Fingerprint.of("arrays", "mixed", {"n": n}), columns, n, 1 << 20, block_bytes=1000)
+    assert cache is not None and cache.record_bytes % 8 == 0 and cache.offsets[2] % 8 == 0
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(1))
+    for start in range(0, n, 64):
+        rows = order[start:start + 64]
+        assert not cache.present(rows).any()
+        assert cache.write(rows, [x[rows], flag[rows], y[rows], ids[rows]]) == len(rows)
+    assert cache.complete and cache.stats().published_rows == n and cache.stats().rows_written == n
+    assert cache.write(order[:10], [x[order[:10]], flag[order[:10]], y[order[:10]], ids[order[:10]]]) == 0
+    for rows in (torch.arange(n), order, torch.tensor([300, 0, 5, 6, 7, 7, 299]), torch.tensor([], dtype=torch.long)):
+        got = cache.read(rows)
+        for value, want in zip(got, (x, flag, y, ids)):
+            assert value.dtype == want.dtype and torch.equal(value, want[rows])
+    assert not (tmp_path / cache.root.name / "block-000000.part").exists()
+    cache.close()
+    again = _open_like(tmp_path, columns, n)
+    assert again.present(torch.arange(n)).all() and torch.equal(again.read(order)[2], y[order])
+    again.close()
+
+
+def _open_like(folder: Path, columns: list[ColumnSpec], n: int) -> DiskCache:
+    cache = DiskCache.open(folder, Fingerprint.of("arrays", "mixed", {"n": n}), columns, n, 1 << 20, block_bytes=1000)
+    assert cache is not None
+    return cache
+
+
+def test_bad_rows_and_columns_get_clear_errors(tmp_path: Path) -> None:
+    images, labels = _data(20)
+    cache = _open(tmp_path, 20)
+    with pytest.raises(ValueError, match=r"column 'image': write needs a tensor of shape \(2, 16, 16, 3\) and dtype torch.uint8"):
+        cache.write(torch.tensor([0, 1]), [images[:2].float(), labels[:2]])
+    with pytest.raises(ValueError, match="write got 1 columns, the disk cache has 2"):
+        cache.write(torch.tensor([0]), [images[:1]])
+    with pytest.raises(IndexError, match="row 20 is outside the disk cache's 20 rows"):
+        cache.present(torch.tensor([20]))
+    with pytest.raises(LookupError, match="row 3 is not in the disk cache"):
+        cache.read(torch.tensor([3]))
+    with pytest.raises(ValueError, match="rows repeat|column names repeat"):
+        DiskCache.open(tmp_path, Fingerprint.of("arrays", "x", {}), [ColumnSpec("a", torch.uint8, ()),
+                                                                       ColumnSpec("a", torch.uint8, ())], 3)
+    cache.close()
+
+
+def test_the_budget_bounds_what_is_stored_without_a_warning(tmp_path: Path) -> None:
+    images, labels = _data(80)
+    cache = _open(tmp_path, 80, budget=3 * BLOCK_ROWS * RECORD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for start in range(0, 80, 8):
+            rows = torch.arange(start, start + 8)
+            cache.write(rows, [images[rows], labels[rows]])
+    stats = cache.stats()
+    assert stats.published_rows == 3 * BLOCK_ROWS and stats.full and not stats.stopped
+    assert cache.present(torch.arange(80)).sum() == 24
+    assert torch.equal(cache.read(torch.arange(24))[0], images[:24])
+    cache.close()
+
+
+def test_from_settings_opens_the_folder_the_settings_name(tmp_path: Path) -> None:
+    fingerprint, columns = Fingerprint.of("arrays", "x", {}), [ColumnSpec("x", torch.int32, (2,))]
+    none = CacheSettings.resolve(environ={}, cwd=tmp_path)
+    assert DiskCache.from_settings(none, fingerprint, columns, 10) is None
+    off = CacheSettings.resolve(cache_dir=tmp_path / "c", disk_cache_size="off", environ={}, cwd=tmp_path)
+    assert DiskCache.from_settings(off, fingerprint, columns, 10) is None and not (tmp_path / "c").exists()
+    sized = CacheSettings.resolve(environ={"GPULOAD_CACHE_DIR": str(tmp_path / "c"), "GPULOAD_DISK_CACHE_SIZE": "1MiB"},
+                                  cwd=tmp_path)
+    cache = DiskCache.from_settings(sized, fingerprint, columns, 10)
+    assert cache is not None and cache.budget == 2**20 and cache.root.parent == tmp_path / "c"
+    cache.close()
+
+
+def test_a_forked_process_must_open_its_own_cache(tmp_path: Path) -> None:
+    cache = _open(tmp_path, 8)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            cache.present(torch.arange(8))
+        except RuntimeError as error:
+            os._exit(7 if "open the cache again in this process" in str(error) else 1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 7
+    cache.close()
+
+
+# ---------------------------------------------------------------- identity
+
+
+def test_a_different_fingerprint_never_reads_old_bytes(tmp_path: Path) -> None:
+    images, labels = _data(16)
+    columns = [ColumnSpec("image", torch.uint8, SHAPE), ColumnSpec("label", torch.int64, ())]
+    old = DiskCache.open(tmp_path, fingerprint_for((images, labels)), columns, 16, 1 << 20)
+    old.write(torch.arange(16), [images, labels])
+    assert old.complete
+    changed = images.clone()
+    changed[5, 0, 0, 0] ^= 1
+    new = DiskCache.open(tmp_path, fingerprint_for((changed, labels)), columns, 16, 1 << 20)
+    assert new.root != old.root and not new.present(torch.arange(16)).any()
+    other_columns = DiskCache.open(tmp_path, fingerprint_for((images, labels)), columns[:1], 16, 1 << 20)
+    assert other_columns.root != old.root and not other_columns.present(torch.arange(16)).any()
+    other_blocks = DiskCache.open(tmp_path, fingerprint_for((images, labels)), columns, 16, 1 << 20, block_bytes=4096)
+    assert other_blocks.root != old.root and not other_blocks.present(torch.arange(16)).any()
+    for cache in (old, new, other_columns, other_blocks):
+        cache.close()
+
+
+def test_array_fingerprints_follow_contents_dtypes_and_settings() -> None:
+    a = np.arange(12, dtype=np.float32).reshape(4, 3)
+    base = fingerprint_for(a)
+    assert base.kind == "arrays" and fingerprint_for(a.copy()) == base
+    assert fingerprint_for(a.astype(np.float64)).digest != base.digest
+    b = a.copy()
+    b[3, 2] += 1
+    assert fingerprint_for(b).digest != base.digest
+    assert fingerprint_for(a, {"normalize": False}).digest != base.digest
+    assert fingerprint_for({"x": a, "y": a[:, 0]}).digest != fingerprint_for({"x": a, "z": a[:, 0]}).digest
+    with pytest.raises(ValueError, match="repr changes from run to run"):
+        fingerprint_for(a, {"transform": object()})
+
+
+def _photos(folder: Path, count: int = 4) -> None:
+    from PIL import Image
+
+    for i in range(count):
+        (folder / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((8, 8, 3), i * 40, np.uint8)).save(folder / f"c{i % 2}" / f"{i}.jpg")
+
+
+def test_image_folder_fingerprints_follow_files_sizes_mtimes_and_decode_settings(tmp_path: Path) -> None:
+    from gpuload.datasets import ImageFolder
+
+    _photos(tmp_path / "data")
+    folder = ImageFolder(tmp_path / "data")
+    base = fingerprint_for(folder, {"size": [224, 224]})
+    assert base.kind == "images" and base == fingerprint_for(ImageFolder(tmp_path / "data"), {"size": [224, 224]})
+    assert fingerprint_for(folder, {"size": [256, 256]}).digest != base.digest
+    path = Path(folder.path(0))
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    touched = fingerprint_for(ImageFolder(tmp_path / "data"), {"size": [224, 224]})
+    assert touched.digest != base.digest
+    path.write_bytes(path.read_bytes() + b"\0")
+    assert fingerprint_for(ImageFolder(tmp_path / "data"), {"size": [224, 224]}).digest not in (base.digest, touched.digest)
+    listed = gpuload.datasets.ImageList([(folder.path(i), folder.label(i)) for i in range(len(folder))])
+    assert fingerprint_for(listed).kind == "images" and fingerprint_for(listed).digest != fingerprint_for(folder).digest
+    torchvision = pytest.importorskip("torchvision")
+    tv = torchvision.datasets.ImageFolder(str(tmp_path / "data"))
+    before = fingerprint_for(tv)
+    assert before.kind == "images" and "ImageFolder(4 images)" == before.description
+    _photos(tmp_path / "data", count=5)  # one more file
+    assert fingerprint_for(torchvision.datasets.ImageFolder(str(tmp_path / "data"))).digest != before.digest
+
+
+class _Samples(torch.utils.data.Dataset):
+    def __init__(self, path: str, scale: float) -> None:
+        self.path, self.scale = path, scale
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((2,), index * self.scale)
+
+
+def test_generic_dataset_fingerprints_follow_attributes_and_the_files_they_name(tmp_path: Path) -> None:
+    data = tmp_path / "table.csv"
+    data.write_text("1,2\n")
+    base = fingerprint_for(_Samples(str(data), 1.0))
+    assert base.kind == "dataset" and base == fingerprint_for(_Samples(str(data), 1.0))
+    assert fingerprint_for(_Samples(str(data), 2.0)).digest != base.digest
+    with_array = _Samples(str(data), 1.0)
+    with_array.table = np.zeros(5)
+    changed = _Samples(str(data), 1.0)
+    changed.table = np.ones(5)
+    assert fingerprint_for(with_array).digest != fingerprint_for(changed).digest != base.digest
+    data.write_text("1,2,3\n")
+    assert fingerprint_for(_Samples(str(data), 1.0)).digest != base.digest
+    unpicklable = _Samples(str(data), 1.0)
+    unpicklable.handle = lambda: None
+    with pytest.raises(ValueError, match="pass key="):
+        fingerprint_for(unpicklable)
+    assert fingerprint_for(unpicklable, key="v1").digest != fingerprint_for(unpicklable, key="v2").digest
+
+
+# ---------------------------------------------------------------- faults, each in a subprocess
+
+
+def test_killed_mid_fill_leaves_nothing_read_as_valid(tmp_path: Path) -> None:
+    n = 200
+    child = _child(
+        """
+        cache = open_cache()
+        for start in range(0, N, 5):  # 5 rows a batch, 8 a block: a block is always half written
+            rows = torch.arange(start, min(N, start + 5))
+            cache.write(rows, [images[rows], labels[rows]])
+            time.sleep(0.03)
+        print("finished")
+        """,
+        tmp_path, n, wait=False,
+    )
+    deadline = time.monotonic() + 60
+    published = 0
+    while time.monotonic() < deadline and child.poll() is None:
+        entries = [p for p in tmp_path.iterdir() if p.is_dir()]
+        if entries and (entries[0] / "manifest.json").exists():
+            try:
+                published = len(json.loads((entries[0] / "manifest.json").read_bytes())["blocks"])
+            except ValueError:
+                published = 0
+            if published >= 3 and any(p.suffix == ".part" for p in entries[0].iterdir()):
+                break
+        time.sleep(0.005)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert child.returncode == -signal.SIGKILL and published >= 3
+    entry = _entry(tmp_path)
+    assert any(p.suffix == ".part" for p in entry.iterdir())  # killed halfway through a block
+    result = _child(
+        """
+        cache = open_cache()
+        present = cache.present(torch.arange(N)).numpy()
+        parts = sorted(p for p in os.listdir(cache.root) if p.endswith(".part"))
+        same = epoch(cache, list(range(N)))
+        print(json.dumps({"present": present.tolist(), "parts": parts, "same": same, "complete": cache.complete,
+                          "again": epoch(cache, np.random.default_rng(0).permutation(N).tolist())}))
+        """,
+        tmp_path, n,
+    )
+    present = np.array(result["present"])
+    manifest_blocks = [b for b, _, _ in json.loads((entry / "manifest.json").read_bytes())["blocks"]]
+    assert present.sum() > 0 and not present.all()
+    assert present.sum() % BLOCK_ROWS == 0 and all(present[_block_rows(b)].all() for b in range(present.sum() // 8))
+    assert result["parts"] == [] and result["same"] and result["again"] and result["complete"]
+    assert sorted(manifest_blocks) == list(range(n // BLOCK_ROWS))
+
+
+def test_killed_between_rename_and_manifest_the_block_is_not_read(tmp_path: Path) -> None:
+    n = 64
+    crashed = _child(
+        """
+        import signal
+        from gpuload.cache import disk
+        calls = []
+        real = disk.DiskCache._write_manifest
+        def crash_on_third(self):
+            calls.append(1)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGKILL)  # block 2 is renamed to .bin, not listed yet
+            real(self)
+        disk.DiskCache._write_manifest = crash_on_third
+        cache = open_cache()
+        cache.write(torch.arange(N), [images, labels])
+        """,
+        tmp_path, n, wait=False,
+    )
+    crashed.wait(timeout=120)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr.read()
+    entry = _entry(tmp_path)
+    assert (entry / "block-000002.bin").exists()
+    result = _child(
+        """
+        cache = open_cache()
+        present = cache.present(torch.arange(N)).numpy()
+        left = os.path.exists(os.path.join(cache.root, "block-000002.bin"))
+        print(json.dumps({"present": int(present.sum()), "first": bool(present[:16].all()), "left": left,
+                          "same": epoch(cache, list(range(N))), "complete": cache.complete}))
+        """,
+        tmp_path, n,
+    )
+    assert result == {"present": 16, "first": True, "left": False, "same": True, "complete": True}
+
+
+def test_truncated_or_garbage_blocks_are_detected_refilled_and_named(tmp_path: Path) -> None:
+    n = 64
+    assert _child("cache = open_cache(); cache.write(torch.arange(N), [images, labels]); print(json.dumps(cache.complete))",
+                  tmp_path, n) is True
+    entry = _entry(tmp_path)
+    with open(entry / "block-000003.bin", "r+b") as file:
+        file.truncate(100)
+    data = bytearray((entry / "block-000005.bin").read_bytes())
+    data[10:20] = b"garbage!!!"
+    (entry / "block-000005.bin").write_bytes(bytes(data))
+    check = """
+        with warnings.catch_warnings(record=True) as caught:
+            cache = open_cache()
+            present = cache.present(torch.arange(N)).numpy()
+            same = epoch(cache, list(range(N)))
+        print(json.dumps({"warnings": [str(w.message) for w in caught if w.category is DiskCacheWarning],
+                          "missing": np.flatnonzero(~present).tolist(), "same": same, "complete": cache.complete,
+                          "dropped": cache.stats().blocks_dropped}))
+        """
+    first = _child(check, tmp_path, n)
+    assert first["missing"] == _block_rows(3) + _block_rows(5) and first["same"] and first["complete"]
+    assert first["dropped"] == 2 and len(first["warnings"]) == 2
+    assert "block-000003.bin is 100 bytes" in first["warnings"][0]
+    assert "block-000005.bin fails its checksum" in first["warnings"][1]
+    second = _child(check, tmp_path, n)  # refilled: a clean read, no warning
+    assert second == {"warnings": [], "missing": [], "same": True, "complete": True, "dropped": 0}
+
+
+def test_a_damaged_manifest_is_named_and_its_rows_filled_again(tmp_path: Path) -> None:
+    n = 32
+    _child("cache = open_cache(); cache.write(torch.arange(N), [images, labels]); print(1)", tmp_path, n)
+    (_entry(tmp_path) / "manifest.json").write_bytes(b'{"format": 1, "blocks": [[0, 1')
+    result = _child(
+        """
+        with warnings.catch_warnings(record=True) as caught:
+            cache = open_cache()
+            present = int(cache.present(torch.arange(N)).sum())
+            same = epoch(cache, list(range(N)))
+        print(json.dumps({"warnings": [str(w.message) for w in caught], "present": present, "same": same,
+                          "complete": cache.complete}))
+        """,
+        tmp_path, n,
+    )
+    assert result["present"] == 0 and result["same"] and result["complete"]
+    assert len(result["warnings"]) == 1 and "manifest.json is damaged" in result["warnings"][0]
+
+
+def test_nothing_is_written_outside_the_folder_and_the_umask_is_kept(tmp_path: Path) -> None:
+    cache_dir, elsewhere = tmp_path / "deep" / "cache", tmp_path / "cwd"
+    elsewhere.mkdir()
+    result = _child(
+        """
+        os.umask(0o077)
+        cache = open_cache()
+        epoch(cache, np.random.default_rng(0).permutation(N).tolist())
+        modes = {name: os.stat(os.path.join(cache.root, name)).st_mode & 0o777 for name in os.listdir(cache.root)}
+        modes["<entry>"] = os.stat(cache.root).st_mode & 0o777
+        modes["<folder>"] = os.stat(FOLDER).st_mode & 0o777
+        print(json.dumps(modes))
+        """,
+        cache_dir, 40, cwd=elsewhere, env={"TMPDIR": str(elsewhere), "HOME": str(elsewhere)},
+    )
+    assert list(elsewhere.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "deep"]
+    assert all(mode & 0o077 == 0 for mode in result.values()), result  # the umask, not 0o777/0o666
+    assert result["<entry>"] == 0o700 and result["block-000000.bin"] == 0o600
+
+
+def test_two_processes_starting_at_once_make_one_copy_and_both_read_correct_rows(tmp_path: Path) -> None:
+    n = 240
+    start = time.time() + 2.0
+    script = f"""
+        seed = int(os.environ["SEED"])
+        while time.time() < {start}:
+            time.sleep(0.001)
+        cache = open_cache()
+        order = np.random.default_rng(seed).permutation(N).tolist()
+        same = epoch(cache, order)
+        deadline = time.time() + 60
+        while not cache.complete and time.time() < deadline:
+            time.sleep(0.01)
+        read = cache.read(torch.as_tensor(order))
+        same &= torch.equal(read[0], images[order]) and torch.equal(read[1], labels[order])
+        print(json.dumps({{"same": same, "written": cache.stats().rows_written, "complete": cache.complete}}))
+    """
+    children = [_child(script, tmp_path, n, wait=False, env={"SEED": str(seed)}) for seed in (1, 2)]
+    results = []
+    for child in children:
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(r["same"] and r["complete"] for r in results)
+    assert sum(r["written"] for r in results) == n  # each row written once, by one of them
+    entry = _entry(tmp_path)
+    blocks = sorted(p.name for p in entry.iterdir() if p.name.startswith("block-"))
+    assert blocks == [f"block-{b:06d}.bin" for b in range(n // BLOCK_ROWS)]  # no second copy, no .part left
+    assert sum((entry / b).stat().st_size for b in blocks) == n * RECORD
+
+
+def test_full_disk_injected_the_tier_stops_growing_with_one_warning(tmp_path: Path) -> None:
+    result = _child(
+        """
+        import errno
+        real, calls = os.posix_fallocate, []
+        def fill_up(fd, offset, length):
+            calls.append(1)
+            if len(calls) > 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real(fd, offset, length)
+        os.posix_fallocate = fill_up
+        with warnings.catch_warnings(record=True) as caught:
+            cache = open_cache()
+            first = epoch(cache, list(range(N)))
+            second = epoch(cache, np.random.default_rng(0).permutation(N).tolist())
+        stats = cache.stats()
+        print(json.dumps({"warnings": [str(w.message) for w in caught], "first": first, "second": second,
+                          "published": stats.published_rows, "stopped": stats.stopped, "full": stats.full,
+                          "hits": stats.hits, "parts": [p for p in os.listdir(cache.root) if p.endswith(".part")]}))
+        """,
+        tmp_path, 64,
+    )
+    assert result["first"] and result["second"] and result["published"] == 3 * BLOCK_ROWS
+    assert len(result["warnings"]) == 1 and "the disk is full" in result["warnings"][0]
+    assert "block-000003.part" in result["warnings"][0] and "stops growing" in result["warnings"][0]
+    assert result["full"] and result["hits"] == 3 * BLOCK_ROWS and result["parts"] == []
+
+
+def _namespace() -> list[str]:
+    """A private mount namespace (``unshare -rm``) where this user may mount a tmpfs."""
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs `unshare -rm` (a user and mount namespace) to mount a small tmpfs")
+    return [unshare, "-rm", "sh", "-c"]
+
+
+def test_full_tmpfs_the_tier_stops_growing_and_the_epoch_completes(tmp_path: Path) -> None:
+    prefix = _namespace()
+    script = """
+        with warnings.catch_warnings(record=True) as caught:
+            cache = open_cache()
+            first = epoch(cache, list(range(N)))
+            second = epoch(cache, list(range(N)))
+        stats = cache.stats()
+        print(json.dumps({"warnings": [str(w.message) for w in caught], "first": first, "second": second,
+                          "published": stats.published_rows, "hits": stats.hits, "full": stats.full}))
+    """
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = (f'mount -t tmpfs -o size=64k tmpfs "$0" && exec {sys.executable} -c "$1" "$0" 200')
+    done = subprocess.run([*prefix, command, str(tmp_path), CHILD + textwrap.dedent(script)],
+                          capture_output=True, text=True, env=environment, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["first"] and result["second"] and result["full"]
+    assert 0 < result["published"] < 200 and result["hits"] == result["published"]
+    assert len(result["warnings"]) == 1 and "the disk is full" in result["warnings"][0]
+
+
+def test_read_only_folder_one_warning_and_no_disk_tier(tmp_path: Path) -> None:
+    prefix = _namespace()
+    script = """
+        with warnings.catch_warnings(record=True) as caught:
+            cache = open_cache()
+        print(json.dumps({"none": cache is None, "warnings": [str(w.message) for w in caught]}))
+    """
+    fill = "cache = open_cache(); epoch(cache, list(range(N))); print(json.dumps(cache.complete))"
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = (f'mount -t tmpfs tmpfs "$0" && {sys.executable} -c "$2" "$0" 16 && mount -o remount,ro "$0" && '
+               f'exec {sys.executable} -c "$1" "$0" 16')
+    done = subprocess.run([*prefix, command, str(tmp_path), CHILD + textwrap.dedent(script), CHILD + fill],
+                          capture_output=True, text=True, env=environment, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == "true"
+    result = json.loads(lines[-1])
+    assert result["none"] and len(result["warnings"]) == 1
+    assert "cannot use" in result["warnings"][0] and "Read-only file system" in result["warnings"][0]
+    assert "without a disk tier" in result["warnings"][0]
+
+
+def test_unwritable_folder_one_warning_and_no_disk_tier(tmp_path: Path) -> None:
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        result = _child(
+            """
+            if os.geteuid() == 0:  # root writes anywhere: be nobody here
+                os.setgid(65534); os.setuid(65534)
+            with warnings.catch_warnings(record=True) as caught:
+                cache = open_cache()
+            print(json.dumps({"none": cache is None, "warnings": [str(w.message) for w in caught]}))
+            """,
+            folder, 8,
+        )
+    finally:
+        folder.chmod(0o755)
+    assert result["none"] and len(result["warnings"]) == 1 and "Permission denied" in result["warnings"][0]
+    assert list(folder.iterdir()) == []
