@@ -3,9 +3,9 @@
 It subclasses ``torch.utils.data.DataLoader``, so argument checking, ``len()``, samplers,
 collation and worker processes are torch's own, and wrappers that re-create a loader from its
 constructor arguments (Lightning, Accelerate) keep working. The loader only orchestrates: it
-chooses the Source that serves the dataset (``gpuload.sources``), draws each epoch's batch
-indices exactly as torch would, decides whether the source's work runs in the loop's thread or
-ahead of it in the prefetcher's, and merges the counters.
+chooses the Source (``gpuload.sources.choose``), has each epoch's indices drawn as torch draws
+them (``gpuload.sampling``) or taken up where a state left them (``gpuload.resume``), starts the
+source's schedule in the thread ``runs_ahead`` picks, and adds up the counters (``gpuload.stats``).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from gpuload.cache import CacheSettings
 from gpuload.device import resolve_device
 from gpuload.iterators import EpochIterator, OpenEpochs, close_when_idle, shut_down_workers
 from gpuload.prefetch import Prefetcher
-from gpuload.resume import Position, RandomStates, begin_epoch, load_state, remaining_batches, save_state
+from gpuload.resume import Position, RandomStates, begin_epoch, load_state, save_state
 from gpuload.sampling import MAX_BATCH_SIZE, checked_batch_size, draws_in_range
 from gpuload.sources import Indices, Schedule, Setup, Source, Work, runs_ahead
 from gpuload.sources.choose import choose_source
-from gpuload.stats import LoaderStats
+from gpuload.stats import LoaderStats, Tally
 
 __all__ = ["DataLoader"]
 
@@ -95,10 +95,9 @@ class DataLoader(tud.DataLoader[T_co]):
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, in_order=in_order,
         )
-        if prefetch_depth is not None and (
-            isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int)
-            or not 0 <= prefetch_depth <= Prefetcher.MAX_DEPTH
-        ):
+        depth = prefetch_depth
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)
+                                  or not 0 <= depth <= Prefetcher.MAX_DEPTH):
             raise ValueError(
                 f"prefetch_depth={prefetch_depth!r} must be an int from 1 to {Prefetcher.MAX_DEPTH} "
                 "(batches in flight, each held in host memory), 0 to copy in the loop without a "
@@ -115,10 +114,9 @@ class DataLoader(tud.DataLoader[T_co]):
         self.cache_scope, self.job, self.prefetch_depth, self.on_error = cache_scope, job, prefetch_depth, on_error
         self._transform_seed = generator.initial_seed() if generator is not None else torch.initial_seed()
         self._stats = LoaderStats(device=str(self.device))
+        self._tally = Tally(self._stats)  # what the source and prefetcher counted, added once
         self._epoch = -1
         self._persistent_seed_drawn = False
-        self._epoch_start_bytes: list[int] = []
-        self._counted = {"source": 0, "prefetch": 0}  # what was already added to stats.bytes_h2d
         self._prefetcher: Prefetcher | None = None
         self._position: Position | None = None  # the latest epoch's, for state_dict()
         self._resume: Position | None = None  # a loaded position the next iter() takes up
@@ -128,8 +126,6 @@ class DataLoader(tud.DataLoader[T_co]):
         self._in_range = False  # the latest epoch's indices need no check (for set_batch_size)
         self._source = self._choose_source()
 
-    # ----------------------------------------------------------------- public surface
-
     @property
     def stats(self) -> LoaderStats:
         """Counters over this loader's life: path, batches, samples, bytes copied, wait time.
@@ -137,11 +133,7 @@ class DataLoader(tud.DataLoader[T_co]):
         With a cache, ``stats.extra["cache"]`` has its bytes, samples and hits (per tier for
         arrays, with ``stats.extra["cache_plan"]`` the placement plan that was chosen).
         """
-        self._merge_counters()
-        if self._epoch_start_bytes:
-            ends = [*self._epoch_start_bytes[1:], self._stats.bytes_h2d]
-            self._stats.bytes_h2d_per_epoch = [end - start for start, end in zip(self._epoch_start_bytes, ends)]
-        return self._stats
+        return self._tally.merge(self._source, self._prefetcher, self.device.type)
 
     @property
     def cache_settings(self) -> CacheSettings:
@@ -149,28 +141,20 @@ class DataLoader(tud.DataLoader[T_co]):
         return self._cache_settings
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration epoch ``epoch`` (0-based) for the transforms' randomness.
-
-        Epochs count up by one per ``iter()``; set this when resuming a run so that every
-        sample gets the augmentation it would have had. Samplers keep their own ``set_epoch``.
-        """
+        """Make the next iteration epoch ``epoch`` (0-based) for the transforms' randomness (epochs
+        count up by one per ``iter()``); samplers keep their own ``set_epoch``."""
         self._epoch = int(epoch) - 1
 
     def __iter__(self) -> Iterator[T_co]:
-        self._epoch_start_bytes.append(self.stats.bytes_h2d)
-        self._stats.epochs += 1
+        self._tally.begin_epoch(self._source, self._prefetcher, self.device.type)
         self._epoch += 1
-        if self._prefetcher is not None:
-            # The source's iterators (torch's persistent one, the cache) are reused below: no
-            # thread may still be pulling from the last epoch.
+        if self._prefetcher is not None:  # no thread may still pull from the source's iterators
             self._prefetcher.stop_epoch(_NEW_EPOCH)
         source = self._source
         source.begin_epoch()
         self._stats.path = source.path
-        self._in_range = (
-            self._dataset_kind == _DatasetKind.Map and self._auto_collation
-            and draws_in_range(self.batch_sampler, len(self.dataset))
-        )
+        map_style = self._dataset_kind == _DatasetKind.Map
+        self._in_range = map_style and draws_in_range(self.batch_sampler, len(self.dataset))
         resume, self._resume = self._resume, None
         position, draw, length = begin_epoch(self, self._epoch, resume)
         self._position = position
@@ -188,17 +172,11 @@ class DataLoader(tud.DataLoader[T_co]):
     def set_batch_size(self, batch_size: int) -> None:
         """Make batches of ``batch_size`` samples from the next one the loop asks for.
 
-        The epoch in progress keeps its sample order: its remaining samples are cut into
-        batches of the new size (none skipped, none repeated; with ``drop_last`` a last batch
-        shorter than the new size is left out, as torch leaves it out). Batches made ahead with
-        the old size are dropped and made again. Later epochs use the new size;
-        ``len(loader)`` is an epoch's batch count at it, and ``len()`` of the epoch's
-        iterator counts the epoch's batches given the change. ``state_dict()`` keeps the
-        change, and a resumed epoch goes on with the same batches.
-
-        Raises ValueError for a size that is not a positive int, without automatic batching
-        (``batch_size=None``), with a ``batch_sampler=`` (it makes the batches), and for an
-        IterableDataset (it makes its own batches).
+        The epoch in progress keeps its sample order, its remaining samples cut at the new size
+        (none skipped or repeated; batches made ahead are made again); later epochs, ``len()``
+        and ``state_dict()`` follow the change (README). ValueError for a size that is not a
+        positive int, and for loaders whose batches are not cut by size (``batch_size=None``,
+        a ``batch_sampler=``, an IterableDataset).
         """
         size = checked_batch_size(self, batch_size, self._built_batch_size)
         if size == self.batch_size:
@@ -225,32 +203,24 @@ class DataLoader(tud.DataLoader[T_co]):
         return self._source.split_over_ranks()
 
     def shrink_cache(self, max_device_bytes: int) -> int:
-        """Keep at most ``max_device_bytes`` of the cache in device memory and return the bytes
-        freed. What goes first is what is cheapest to get back (array rows the host tier also
-        holds, the samples cached last); it is read from its next tier or the dataset again.
-        A share of a cache split over ranks does not shrink (the other ranks read from it): 0,
-        with a warning saying so."""
+        """Keep at most ``max_device_bytes`` of the cache in device memory; the bytes freed. What is
+        cheapest to get back goes first (read again from its next tier or the dataset); a share
+        of a cache split over ranks does not shrink (0, with a warning)."""
         if isinstance(max_device_bytes, bool) or not isinstance(max_device_bytes, int) or max_device_bytes < 0:
             raise ValueError(f"max_device_bytes={max_device_bytes!r} must be a non-negative int")
         return self._source.shrink_cache(max_device_bytes)
 
     def state_dict(self) -> dict[str, Any]:
-        """This loader's position: after the batches already handed to the loop (not those made
-        ahead), as a small dict of Python values and CPU tensors (``torch.save`` it).
-
-        ``load_state_dict`` on a loader built with the same arguments continues from there, and
-        the epochs after it follow as in an uninterrupted run. See the README's resume section.
-        """
+        """This loader's position after the batches handed to the loop (not those made ahead): a
+        small dict of Python values and CPU tensors that ``load_state_dict`` on a loader built
+        with the same arguments continues from (README, resume)."""
         return save_state(self, self._resume or self._position, self._epoch, self._transform_seed)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a ``state_dict()``: the next ``iter()`` takes the epoch up where it was
-        saved, without reading, decoding or transforming the batches before that point.
-
-        Raises :class:`gpuload.resume.ResumeError` naming what differs when the state was saved
-        by a loader with other arguments, another dataset, other generators or another
-        DistributedSampler seed, and when ``state`` is not a whole ``state_dict()``.
-        """
+        saved, reading nothing before that point. :class:`gpuload.resume.ResumeError` names
+        what differs (arguments, dataset, generators, a DistributedSampler's seed) or what a
+        malformed state lacks."""
         loaded = load_state(self, state, iterable=self._dataset_kind != _DatasetKind.Map)
         if loaded.transform_seed != self._transform_seed:
             self._transform_seed = loaded.transform_seed
@@ -262,15 +232,10 @@ class DataLoader(tud.DataLoader[T_co]):
             self._apply_batch_size(loaded.batch_size)  # a set_batch_size before the save
 
     def warm(self, progress: bool = True) -> LoaderStats:
-        """Fill the cache now, in one pass, instead of during the first epoch; returns ``stats``.
-
-        Array data is placed (device tier, pinned host tier); image files and other map-style
-        datasets have every sample not cached yet read into their cache (with this loader's
-        workers when it has them), behind a progress bar (``progress=False`` hides it).
-        Samplers and random generators are not touched, so batches and their order stay what
-        they would have been. Without a cache (``cache="off"``, or auto declining) nothing is
-        read; ``stats.extra`` says why.
-        """
+        """Fill the cache now, in one pass (with this loader's workers, behind a progress bar),
+        instead of during the first epoch; returns ``stats``. Samplers and generators are not
+        touched: batches stay what they would have been. Without a cache nothing is read
+        (``stats.extra`` says why)."""
         self._source.warm(progress)
         if self._source.path:
             self._stats.path = self._source.path
@@ -287,7 +252,7 @@ class DataLoader(tud.DataLoader[T_co]):
         prefetcher, self._prefetcher = self._prefetcher, None
         if prefetcher is not None:
             prefetcher.close()  # first: its thread stops pulling from the source
-            self._merge_counters(prefetcher)
+        self._tally.merge(self._source, prefetcher, self.device.type)
         wait_s = prefetcher.join_timeout if prefetcher is not None else 5.0
         busy, torch_iterators = self._open.stop(_CLOSED, wait_s)
         torch_iterators.append(self._iterator)
@@ -295,8 +260,8 @@ class DataLoader(tud.DataLoader[T_co]):
         if busy or (prefetcher is not None and prefetcher.running()):
             # Torn down under a thread inside it, torch's iterator would wait for its workers
             # forever or end short: the old source closes when that thread is done.
-            self._merge_counters()
-            old, self._source, self._counted["source"] = self._source, self._choose_source(), 0
+            old, self._source = self._source, self._choose_source()
+            self._tally.forget(source=True)
             close_when_idle(old, torch_iterators, busy, prefetcher)
         else:
             self._source.close()
@@ -309,17 +274,14 @@ class DataLoader(tud.DataLoader[T_co]):
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {key: value for key, value in self.__dict__.items() if key not in _RUNTIME_STATE}
-        state["_counted"] = {"source": 0, "prefetch": 0}
-        return state
+        return {key: value for key, value in self.__dict__.items() if key not in _RUNTIME_STATE}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._iterator = self._prefetcher = self._position = self._current = None
         self._open = OpenEpochs()
+        self._tally.forget(source=True, prefetcher=True)
         self._source = self._choose_source()
-
-    # ----------------------------------------------------------------- internals
 
     def _choose_source(self) -> Source:
         """The Source that serves this dataset (``gpuload.sources.choose``)."""
@@ -340,9 +302,9 @@ class DataLoader(tud.DataLoader[T_co]):
         return super().__iter__()
 
     def _start(self, schedule: Schedule, stopping: str) -> tuple[Work, Iterator[Any]]:
-        """Start ``schedule``'s work in the thread :func:`runs_ahead` chooses: its items, through
-        this loader's prefetcher (one side stream per loader) when it runs ahead. ``stopping``:
-        what stops the prefetcher's epoch in progress first (empty: nothing runs)."""
+        """Start ``schedule``'s work in the thread :func:`runs_ahead` picks (ahead: through this
+        loader's prefetcher, one side stream per loader); ``stopping``: what stops the
+        prefetcher's epoch in progress first (empty: none runs)."""
         ahead = runs_ahead(schedule, self.device, self.prefetch_depth)
         if stopping and self._prefetcher is not None:
             self._prefetcher.stop_epoch(stopping)
@@ -352,37 +314,15 @@ class DataLoader(tud.DataLoader[T_co]):
         if self._prefetcher is not None and self._prefetcher.stage != schedule.staged:
             # the source's placement changed (its cache planned again: a share split over ranks
             # makes its batches itself, a per-rank cache has them staged)
-            self._merge_counters()
+            self._tally.merge(self._source, self._prefetcher, self.device.type)
             self._prefetcher.close()
             self._prefetcher = None
-            self._counted["prefetch"] = 0
+            self._tally.forget(prefetcher=True)
         if self._prefetcher is None:
             depth = self.prefetch_depth if self.prefetch_depth is not None else schedule.depth
             self._prefetcher = Prefetcher(None, self.device, depth, timeout=self.timeout or None,
                                           stage=schedule.staged)
         return work, self._prefetcher.epoch(work.items)
-
-    def _merge_counters(self, prefetcher: Prefetcher | None = None) -> None:
-        """Add what the source and the prefetcher (this loader's, or ``prefetcher`` it just let
-        go) copied since the last look to ``bytes_h2d``. On a CPU device the prefetcher's
-        staging is a host copy, not a transfer, and is not counted."""
-        source_bytes = self._source.h2d_bytes
-        self._stats.bytes_h2d += source_bytes - self._counted["source"]
-        self._counted["source"] = source_bytes
-        self._stats.extra.update(self._source.stats())
-        prefetcher = prefetcher or self._prefetcher
-        if prefetcher is None:
-            return
-        prefetch = prefetcher.stats
-        if self.device.type != "cpu":
-            self._stats.bytes_h2d += prefetch.bytes_copied - self._counted["prefetch"]
-        self._counted["prefetch"] = prefetch.bytes_copied
-        self._stats.extra["prefetch"] = {
-            "depth": prefetcher.depth,
-            "bytes_staged": prefetch.bytes_copied,
-            "copy_time_s": prefetch.copy_time_s,
-            "slot_allocations": prefetch.slot_allocations,
-        }
 
     def _epoch_ended(self, position: Position) -> None:
         position.end_states = RandomStates.capture(self)
@@ -390,18 +330,14 @@ class DataLoader(tud.DataLoader[T_co]):
     def _rest_of_epoch(self, position: Position) -> tuple[Work, Iterator[Any], Callable[[], int]]:
         """The source's work for the rest of the epoch in progress, after a batch-size change:
         made as for a resumed epoch, from the remaining batches (what ran ahead is dropped)."""
-        remaining = remaining_batches(self, position)
-        in_range = self._in_range and all(isinstance(batch, torch.Tensor) for batch in remaining)
-        indices = Indices(position.number, lambda: iter(remaining), in_range, resumed=True,
+        _, draw, length = begin_epoch(self, position.number, position)  # the rest of its order, cut
+        indices = Indices(position.number, draw, self._in_range, resumed=True,
                           worker_seed_drawn=self._persistent_seed_drawn, position=position.after_cut())
-        work, items = self._start(self._source.epoch(indices),
-                                  "the rest of this epoch at a new batch size (set_batch_size)")
-        done = position.batches
-        return work, items, lambda: done + len(remaining)
+        work, items = self._start(self._source.epoch(indices), "the rest of this epoch at a new batch size (set_batch_size)")
+        return work, items, length
 
     def _apply_batch_size(self, size: int) -> None:
-        """The batch size in force: torch's attribute and the BatchSampler the loader made
-        (shared by the sources, and by torch's iterators for later epochs)."""
+        """The batch size in force: torch's attribute and the BatchSampler the sources share."""
         object.__setattr__(self, "batch_size", size)
         self.batch_sampler.batch_size = size
 

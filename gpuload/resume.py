@@ -224,7 +224,8 @@ def begin_epoch(
 ) -> tuple[Position, Callable[[], Iterator[Any]], Callable[[], int] | None]:
     """An epoch's position, its index draw, and its length when that is not the index
     sampler's: a new epoch ``number`` drawn as torch draws it, or ``resume`` taken up where it
-    was saved (the batches done dropped, nothing of them read)."""
+    was saved (the batches done dropped, nothing of them read; after a batch-size change, in
+    the epoch or before the save, the rest of its sample order cut at the new size)."""
     if resume is None:
         position = Position(number, RandomStates.capture(loader), batch_size=loader.batch_size)
         return position, lambda: _NotesFirstPull(draw_epoch(loader), position), None
