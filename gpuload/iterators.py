@@ -84,6 +84,10 @@ class EpochIterator(Iterator[Any]):
         """Whether this epoch's batches come from ``torch_iterator``."""
         return self._torch_iterator is torch_iterator
 
+    def reads_torch(self) -> bool:
+        """Whether this epoch's batches come from one of torch's iterators (its workers)."""
+        return self._torch_iterator is not None
+
     def stop(self, cause: str) -> None:
         """End this epoch before its end: the next ``next()`` (or the one a thread waits in)
         raises :class:`EpochStoppedError` naming ``cause``; an epoch that ended goes on ending."""
@@ -157,6 +161,14 @@ class OpenEpochs:
                     older.stop(one_epoch_at_a_time(new_epoch))
         self._epochs.add(iterator)
 
+    def mark_stopped(self, cause: str) -> bool:
+        """Stop every open epoch for ``cause`` (a thread entering ``next()`` from here on raises
+        at once); whether any of them reads one of torch's iterators."""
+        epochs = list(self._epochs)
+        for epoch in epochs:
+            epoch.stop(cause)
+        return any(epoch.reads_torch() for epoch in epochs)
+
     def stop(self, cause: str, wait_s: float) -> tuple[list[EpochIterator], list[Any]]:
         """Stop every open epoch for ``cause`` and forget them; wait up to ``wait_s`` s for each
         ``next()`` in progress in another thread. Returns the epochs still inside their source
@@ -170,15 +182,17 @@ class OpenEpochs:
 
 
 def close_when_idle(source: Any, torch_iterators: list[Any], busy: list[EpochIterator], prefetcher: Any) -> None:
-    """Close ``source`` and shut down the workers of ``torch_iterators`` once the ``busy`` epochs'
-    ``next()`` calls and ``prefetcher``'s threads have left them, in a thread that ends then."""
+    """Close ``source`` (None: closed already) and shut down the workers of ``torch_iterators``
+    once the ``busy`` epochs' ``next()`` calls and ``prefetcher``'s threads have left them, in a
+    thread that ends then."""
 
     def close() -> None:
         while prefetcher is not None and prefetcher.running():
             time.sleep(0.05)
         for epoch in busy:
             epoch.wait_idle(-1)
-        source.close()
+        if source is not None:
+            source.close()
         shut_down_workers(torch_iterators)
 
     threading.Thread(target=close, name="gpuload-close", daemon=True).start()

@@ -24,7 +24,7 @@ from gpuload.iterators import EpochIterator, OpenEpochs, close_when_idle, shut_d
 from gpuload.prefetch import Prefetcher
 from gpuload.resume import Position, RandomStates, begin_epoch, load_state, save_state
 from gpuload.sampling import MAX_BATCH_SIZE, checked_batch_size, draws_in_range
-from gpuload.sources import Indices, Schedule, Setup, Source, Work, runs_ahead
+from gpuload.sources import Indices, Schedule, Source, Work, runs_ahead
 from gpuload.sources.choose import choose_source
 from gpuload.stats import LoaderStats, Tally
 
@@ -197,9 +197,8 @@ class DataLoader(tud.DataLoader[T_co]):
 
     @property
     def cache_split_over_ranks(self) -> bool:
-        """Whether this loader's data is split over ranks (``cache_scope`` node/world in force,
-        decided when the first epoch begins): every rank must then make the same batches, so the
-        batch size changes only on every rank together (README, multi-GPU)."""
+        """Whether this loader's data is split over ranks (``cache_scope`` node/world, decided at the
+        first epoch): every rank then makes the same batches, and changes batch size together."""
         return self._source.split_over_ranks()
 
     def shrink_cache(self, max_device_bytes: int) -> int:
@@ -245,27 +244,32 @@ class DataLoader(tud.DataLoader[T_co]):
         """Give back the cache's memory, stop the prefetcher and persistent workers; idempotent.
 
         Iterators still open on this loader, in any thread, raise ``EpochStoppedError`` at their
-        next batch (also one waiting inside ``next()``). A thread still inside the source after
-        a few seconds (a slow sample) is not torn down under: the memory and workers it uses are
-        given back when its batch is done. Iterating the loader again places the dataset again.
+        next batch, also one waiting inside ``next()`` (README, prefetching). Iterating the
+        loader again places the dataset again.
         """
         prefetcher, self._prefetcher = self._prefetcher, None
+        # torch's workers are shut down only once no thread is inside its iterator (under one it
+        # would hang or end short); any other source closes first, letting go of a thread that
+        # waits inside it (an exchange waiting for other ranks).
+        in_torch = self._open.mark_stopped(_CLOSED)
+        if not in_torch:
+            self._source.close()
         if prefetcher is not None:
-            prefetcher.close()  # first: its thread stops pulling from the source
+            prefetcher.close()
         self._tally.merge(self._source, prefetcher, self.device.type)
-        wait_s = prefetcher.join_timeout if prefetcher is not None else 5.0
-        busy, torch_iterators = self._open.stop(_CLOSED, wait_s)
+        busy, torch_iterators = self._open.stop(_CLOSED, prefetcher.join_timeout if prefetcher else 5.0)
         torch_iterators.append(self._iterator)
         self._iterator = None
-        if busy or (prefetcher is not None and prefetcher.running()):
-            # Torn down under a thread inside it, torch's iterator would wait for its workers
-            # forever or end short: the old source closes when that thread is done.
-            old, self._source = self._source, self._choose_source()
-            self._tally.forget(source=True)
+        if busy or (prefetcher is not None and prefetcher.running()):  # closed once that thread is done
+            old = self._source if in_torch else None
+            if in_torch:  # the next epoch gets a new source
+                self._source = self._choose_source()
+                self._tally.forget(source=True)
             close_when_idle(old, torch_iterators, busy, prefetcher)
-        else:
+            return
+        if in_torch:
             self._source.close()
-            shut_down_workers(torch_iterators)
+        shut_down_workers(torch_iterators)
 
     def __enter__(self) -> DataLoader[T_co]:
         return self
@@ -285,17 +289,8 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def _choose_source(self) -> Source:
         """The Source that serves this dataset (``gpuload.sources.choose``)."""
-        setup = Setup(
-            dataset=self.dataset, map_style=self._dataset_kind == _DatasetKind.Map, device=self.device,
-            settings=self._cache_settings, batched=self._auto_collation, batch_size=self.batch_size,
-            collate_fn=self.collate_fn, stats=self._stats, owner=f"loader-{id(self)}", transforms=self.transforms,
-            seed=self._transform_seed, on_error=self.on_error,
-            worker_code=self.num_workers > 0 and self.worker_init_fn is not None, batch_sampler=self.batch_sampler,
-        )
-        # A weak reference: the source must not keep the loader alive (torch's loader is freed, and
-        # its workers stopped, as soon as the last reference to it goes).
-        torch_epoch = weakref.WeakMethod(self._torch_epoch)
-        return choose_source(self, setup, lambda: torch_epoch()())
+        torch_epoch = weakref.WeakMethod(self._torch_epoch)  # the source must not keep the loader alive
+        return choose_source(self, self._cache_settings, self._stats, self._transform_seed, lambda: torch_epoch()())
 
     def _torch_epoch(self) -> Iterator[Any]:
         """torch's own iterator for one epoch (fetch, collate, worker processes)."""

@@ -5,16 +5,29 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from torch.utils.data.dataloader import _DatasetKind
+
+from gpuload.cache import CacheSettings
 from gpuload.sources import Setup, Source, arrays, images
 from gpuload.sources.samples import SampleSource, TorchLoading
+from gpuload.stats import LoaderStats
 
 __all__ = ["choose_source"]
 
 
-def choose_source(loader: Any, setup: Setup, torch_epoch: Callable[[], Iterator[Any]]) -> Source:
-    """The Source for ``setup``'s dataset: in-memory arrays, else image files, else any dataset
+def choose_source(loader: Any, settings: CacheSettings, stats: LoaderStats, seed: int,
+                  torch_epoch: Callable[[], Iterator[Any]]) -> Source:
+    """The Source for ``loader``'s dataset: in-memory arrays, else image files, else any dataset
     through torch's fetch, collate and workers (``torch_epoch``: the loader's own torch
-    iterator for one epoch; ``loader``: a torch DataLoader whose options those workers keep)."""
+    iterator for one epoch). ``settings``, ``stats``, ``seed``: the loader's cache settings,
+    counters and transforms' seed."""
+    setup = Setup(
+        dataset=loader.dataset, map_style=loader._dataset_kind == _DatasetKind.Map, device=loader.device,
+        settings=settings, batched=loader._auto_collation, batch_size=loader.batch_size,
+        collate_fn=loader.collate_fn, stats=stats, owner=f"loader-{id(loader)}", transforms=loader.transforms,
+        seed=seed, on_error=loader.on_error, batch_sampler=loader.batch_sampler,
+        worker_code=loader.num_workers > 0 and loader.worker_init_fn is not None,
+    )
     source = arrays.detect(setup) or images.detect(setup, strict=bool(setup.transforms))
     if source is not None:
         return source
