@@ -1,6 +1,6 @@
 """The Source contract: one data path turns an epoch's batch indices into batches on a device.
 
-Three implementations, chosen by the loader in this order:
+Three implementations, chosen in this order (``choose.choose_source``):
 
 - ``arrays.ArraySource``: in-memory arrays (``TensorDataset``, ``gpuload.ArrayDataset``, a tensor
   or numpy array) placed by the cache plan; one gather per batch;
@@ -10,11 +10,9 @@ Three implementations, chosen by the loader in this order:
 
 A Source is built once per loader (each module's ``detect`` says whether it can serve the
 dataset; ``SampleSource`` serves any) and answers the loader's questions: fill the cache now
-(``warm``), get ready for an epoch (``begin_epoch``: place data, decide or shrink caches), make
-this epoch's work (``epoch``), report counters (``stats``), give memory back (``close``, or
-part of the device cache: ``shrink_cache``). The loader owns the
-epochs: it draws the batch indices as torch would, decides whether the work runs in the loop's
-thread or ahead of it in the prefetcher's, and counts what the loop waited.
+(``warm``), get ready for an epoch (``begin_epoch``: place data, decide or shrink caches), say
+how this epoch's work runs (``epoch``), report counters (``stats``), give memory back
+(``close``, or part of the device cache: ``shrink_cache``). The loader owns the epochs.
 
 ``Source.epoch`` answers with a :class:`Schedule`: whether the work may run ahead of the loop
 (and on a CPU device by default), whether the prefetcher stages its host batches, and how many
