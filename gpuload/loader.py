@@ -23,7 +23,7 @@ from gpuload.device import resolve_device
 from gpuload.iterators import EpochIterator, OpenEpochs, close_when_idle, shut_down_workers
 from gpuload.prefetch import Prefetcher
 from gpuload.resume import Position, RandomStates, begin_epoch, load_state, save_state
-from gpuload.sampling import MAX_BATCH_SIZE, checked_batch_size, draws_in_range
+from gpuload.sampling import checked_batch_size, draws_in_range
 from gpuload.sources import Indices, Schedule, Source, Work, runs_ahead
 from gpuload.sources.choose import choose_source
 from gpuload.stats import LoaderStats, Tally

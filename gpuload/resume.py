@@ -41,8 +41,19 @@ from torch.utils.data.distributed import DistributedSampler
 from gpuload.sampling import cut_order, draw_epoch, draw_order
 
 __all__ = [
-    "LoadedState", "Position", "RandomStates", "ResumeError", "STATE_VERSION", "begin_epoch", "built_batch_size",
-    "load_state", "remaining_batches", "save_state", "signature", "stateful", "unrestorable",
+    "STATE_VERSION",
+    "LoadedState",
+    "Position",
+    "RandomStates",
+    "ResumeError",
+    "begin_epoch",
+    "built_batch_size",
+    "load_state",
+    "remaining_batches",
+    "save_state",
+    "signature",
+    "stateful",
+    "unrestorable",
 ]
 
 STATE_VERSION = 1

@@ -45,7 +45,7 @@ def close_while_looping(prefetch_depth: int | None, warm: bool) -> tuple[str, in
             outcome.append(("complete", got))
         except EpochStoppedError:
             outcome.append(("stopped", got))
-        except BaseException as error:  # the defect: anything else (FileNotFoundError, ...)
+        except BaseException as error:  # noqa: BLE001 - the defect: anything else (FileNotFoundError, ...)
             outcome.append((repr(error), got))
 
     thread = threading.Thread(target=loop)
