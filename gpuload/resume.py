@@ -38,7 +38,7 @@ import torch.utils.data as tud
 from torch.utils.data.dataloader import _DatasetKind
 from torch.utils.data.distributed import DistributedSampler
 
-from gpuload.sampling import cut_order, draw_epoch, draw_order
+from gpuload.sampling import begin_drawing, cut_order, draw_epoch, draw_order, epoch_order
 
 __all__ = [
     "STATE_VERSION",
@@ -262,7 +262,11 @@ def remaining_batches(loader: tud.DataLoader, position: Position) -> list[Any]:
     then stand where a whole epoch leaves them), after the samples done, cut at the last
     batch size set."""
     position.states.restore_explicit(loader)
-    order = position.states.with_global(lambda: draw_order(loader))
+    if position.sampler_started:
+        order = position.states.with_global(lambda: draw_order(loader))
+    else:  # the sampler draws now, from the live global generator (see begin_epoch)
+        position.states.with_global(lambda: begin_drawing(loader))
+        order, position.sampler_started = epoch_order(loader.batch_sampler.sampler), True
     return cut_order(order[position.samples_done() :], position.cuts[-1][2], loader.drop_last)
 
 

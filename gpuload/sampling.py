@@ -31,7 +31,7 @@ from torch.utils.data.dataloader import _DatasetKind
 from torch.utils.data.distributed import DistributedSampler
 
 __all__ = [
-    "MAX_BATCH_SIZE", "can_draw_whole_epoch", "checked_batch_size", "cut_order", "draw_epoch", "draw_order",
+    "MAX_BATCH_SIZE", "begin_drawing", "can_draw_whole_epoch", "checked_batch_size", "cut_order", "draw_epoch", "draw_order",
     "draws_in_range", "epoch_batches", "epoch_order", "in_range", "start_epoch_like_torch",
 ]
 
@@ -75,11 +75,17 @@ def start_epoch_like_torch(loader: Any, seed_drawn: bool) -> tuple[Iterator[Any]
     return sampler_iter, seed_drawn
 
 
+def begin_drawing(loader: Any) -> Iterator[Any]:
+    """:func:`start_epoch_like_torch` for ``loader``, noting on it whether its persistent
+    workers' seed has been drawn (``_persistent_seed_drawn``, drawn once in a run)."""
+    indices, loader._persistent_seed_drawn = start_epoch_like_torch(loader, loader._persistent_seed_drawn)
+    return indices
+
+
 def draw_epoch(loader: Any) -> Iterator[Any]:
     """``loader``'s next epoch of index batches, drawn as torch's iterator draws them (as int64
-    tensors for torch's samplers); notes on the loader whether its persistent workers' seed
-    has been drawn (``_persistent_seed_drawn``, drawn once in a run)."""
-    indices, loader._persistent_seed_drawn = start_epoch_like_torch(loader, loader._persistent_seed_drawn)
+    tensors for torch's samplers)."""
+    indices = begin_drawing(loader)
     if loader._auto_collation and can_draw_whole_epoch(loader.batch_sampler):
         return epoch_batches(loader.batch_sampler)
     return indices
@@ -88,7 +94,7 @@ def draw_epoch(loader: Any) -> Iterator[Any]:
 def draw_order(loader: Any) -> torch.Tensor | list[Any]:
     """``loader``'s next epoch as one flat sample order, drawn as torch's iterator and
     BatchSampler draw it (for cutting at another batch size)."""
-    _, loader._persistent_seed_drawn = start_epoch_like_torch(loader, loader._persistent_seed_drawn)
+    begin_drawing(loader)
     return epoch_order(loader.batch_sampler.sampler)
 
 
