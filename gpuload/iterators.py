@@ -1,52 +1,58 @@
-"""The epoch iterator the loader hands out: a source's epoch, in the loop's thread or ahead.
+"""The epoch iterator the loader hands out, and the open epochs a new epoch or ``close()`` stops.
 
 One class serves every path. It pulls the epoch's items (made in the loop's thread, or by the
 prefetcher's thread ahead of it), finishes each in the loop's thread, and counts batches,
-samples and the time the loop waited inside ``next()``.
+samples and the time the loop waited inside ``next()``. An epoch stopped from another thread
+(``close()``, a newer epoch sharing torch's persistent iterator) raises
+:class:`EpochStoppedError` at its next batch, also from inside the ``next()`` it waits in: it
+never ends early as if complete.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gpuload.prefetch import EpochStoppedError
-from gpuload.resume import EpochProgress
-from gpuload.sources import Epoch
+from gpuload.prefetch import EpochStoppedError, one_epoch_at_a_time
+from gpuload.resume import Position
+from gpuload.sources import Work
 from gpuload.stats import LoaderStats
 
-__all__ = ["EpochIterator", "release_torch_frames"]
+__all__ = ["EpochIterator", "OpenEpochs", "close_when_idle", "release_torch_frames", "shut_down_workers"]
 
 _TORCH_LOADING = ("torch.utils.data", "torch._utils")  # modules of torch's iterators and its re-raise
 
 
 class EpochIterator(Iterator[Any]):
-    """One epoch of batches: ``epoch.finish`` applied to each of ``items`` in the loop's thread.
+    """One epoch of batches: ``work.finish`` applied to each of ``items`` in the loop's thread.
 
-    ``items`` is ``epoch.items`` itself, or the prefetcher's epoch over it; ``length`` gives
-    ``len()`` as torch's iterators report it (less the batches a resumed epoch skips);
-    ``progress`` counts the index batches done, for ``state_dict()``, and ``on_end(progress)``
-    runs once when the epoch ends.
+    ``items`` is ``work.items`` itself, or the prefetcher's epoch over it; ``length`` gives
+    ``len()`` as torch's iterators report it (less the batches a resumed epoch skips), fixed
+    for the epoch; ``position`` counts the index batches done, for ``state_dict()``, and
+    ``on_end(position)`` runs once when the epoch ends.
     """
 
     def __init__(
         self,
-        epoch: Epoch,
+        work: Work,
         items: Iterator[Any],
         stats: LoaderStats,
         length: Callable[[], int],
-        progress: EpochProgress,
-        on_end: Callable[[EpochProgress], None],
+        position: Position,
+        on_end: Callable[[Position], None],
     ) -> None:
         self._items = items
-        self._finish = epoch.finish
+        self._finish = work.finish
         self._stats = stats
         self._length = length
-        self._progress = progress
+        self._position = position
         self._on_end = on_end
-        self._torch_iterator = epoch.torch_iterator
+        self._torch_iterator = work.torch_iterator
         self._stopped_by: str | None = None
+        self._inside = threading.Lock()  # held while a thread pulls from the items (see wait_idle)
 
     def __getattr__(self, name: str) -> Any:
         # torch's iterator attributes (``_workers``, ...) for code that reads them; a gpuload
@@ -62,44 +68,66 @@ class EpochIterator(Iterator[Any]):
         return self
 
     @property
-    def progress(self) -> EpochProgress:
-        return self._progress
+    def position(self) -> Position:
+        return self._position
 
-    def replace(self, epoch: Epoch, items: Iterator[Any], length: Callable[[], int]) -> None:
-        """Go on with another epoch's work from the next batch (the rest of this epoch, cut at
-        another batch size); the items made ahead for the old one are never delivered."""
-        self._items, self._finish, self._length = items, epoch.finish, length
-        self._torch_iterator = epoch.torch_iterator
+    def replace(self, work: Work, items: Iterator[Any], length: Callable[[], int]) -> None:
+        """Go on with other work from the next batch (the rest of this epoch, cut at another
+        batch size); the items made ahead for the old work are never delivered."""
+        self._items, self._finish, self._length = items, work.finish, length
+        self._torch_iterator = work.torch_iterator
 
     def __len__(self) -> int:
-        return self._length() - self._progress.skipped
+        return self._length() - self._position.skipped
 
     def reads_from(self, torch_iterator: Any) -> bool:
         """Whether this epoch's batches come from ``torch_iterator``."""
         return self._torch_iterator is torch_iterator
 
+    def reads_torch(self) -> bool:
+        """Whether this epoch's batches come from one of torch's iterators (its workers)."""
+        return self._torch_iterator is not None
+
     def stop(self, cause: str) -> None:
-        """End this epoch before its end: the next ``next()`` raises :class:`EpochStoppedError`
-        naming ``cause`` (an epoch that ended already goes on ending)."""
-        if not self._progress.finished:
+        """End this epoch before its end: the next ``next()`` (or the one a thread waits in)
+        raises :class:`EpochStoppedError` naming ``cause``; an epoch that ended goes on ending."""
+        if not self._position.finished:
             self._stopped_by = cause
 
-    def __next__(self) -> Any:
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for a ``next()`` in progress in another thread to return;
+        False if it did not (its thread is still inside the source: a slow sample)."""
+        if not self._inside.acquire(timeout=timeout):
+            return False
+        self._inside.release()
+        return True
+
+    def _raise_if_stopped(self, cause: BaseException | None = None) -> None:
         if self._stopped_by is not None:
-            raise EpochStoppedError.at(self._progress.batches, self._stopped_by)
+            raise EpochStoppedError.at(self._position.batches, self._stopped_by) from cause
+
+    def __next__(self) -> Any:
         started = time.perf_counter()
         try:
-            finished = None
-            while finished is None:
-                finished = self._finish(next(self._items))
-                self._progress.batches += 1  # also a batch whose every file was skipped
+            with self._inside:  # a stop marked before this is seen here; close() waits for the rest
+                self._raise_if_stopped()
+                finished = None
+                while finished is None:
+                    item = next(self._items)
+                    self._raise_if_stopped()  # stopped while it waited: never deliver, never end short
+                    finished = self._finish(item)
+                    self._position.batches += 1  # also a batch whose every file was skipped
         except StopIteration:
-            if not self._progress.finished:
-                self._progress.finished = True
-                self._on_end(self._progress)
+            self._raise_if_stopped()
+            if not self._position.finished:
+                self._position.finished = True
+                self._on_end(self._position)
+            raise
+        except EpochStoppedError:
             raise
         except Exception as error:
             release_torch_frames(error)
+            self._raise_if_stopped(error)  # torch's iterator torn down under it: the stop is the cause
             raise
         finally:
             self._stats.wait_time_s += time.perf_counter() - started
@@ -107,6 +135,74 @@ class EpochIterator(Iterator[Any]):
         self._stats.batches += 1
         self._stats.samples += count
         return batch
+
+
+class OpenEpochs:
+    """A loader's unfinished epoch iterators and the torch iterators they read (weakly held):
+    what a new epoch and ``close()`` stop."""
+
+    def __init__(self) -> None:
+        self._epochs: weakref.WeakSet[EpochIterator] = weakref.WeakSet()
+        self._torch: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def note(self, work: Work) -> Work:
+        """``work``'s torch iterator, if any, noted for ``close()``."""
+        if work.torch_iterator is not None:
+            self._torch.add(work.torch_iterator)
+        return work
+
+    def add(self, iterator: EpochIterator, work: Work, new_epoch: str) -> None:
+        """A new epoch's ``iterator``. torch's persistent workers serve every epoch through one
+        iterator, which a new epoch resets: an older epoch still reading from it would end short
+        without a word, so it is stopped, naming ``new_epoch``."""
+        if work.torch_iterator is not None:
+            for older in list(self._epochs):
+                if older.reads_from(work.torch_iterator):
+                    older.stop(one_epoch_at_a_time(new_epoch))
+        self._epochs.add(iterator)
+
+    def mark_stopped(self, cause: str) -> bool:
+        """Stop every open epoch for ``cause`` (a thread entering ``next()`` from here on raises
+        at once); whether any of them reads one of torch's iterators."""
+        epochs = list(self._epochs)
+        for epoch in epochs:
+            epoch.stop(cause)
+        return any(epoch.reads_torch() for epoch in epochs)
+
+    def stop(self, cause: str, wait_s: float) -> tuple[list[EpochIterator], list[Any]]:
+        """Stop every open epoch for ``cause`` and forget them; wait up to ``wait_s`` s for each
+        ``next()`` in progress in another thread. Returns the epochs still inside their source
+        and the torch iterators they read."""
+        epochs, torch_iterators = list(self._epochs), list(self._torch)
+        for epoch in epochs:
+            epoch.stop(cause)  # first: a thread that enters next() from here on raises at once
+        busy = [epoch for epoch in epochs if not epoch.wait_idle(wait_s)]
+        self._epochs, self._torch = weakref.WeakSet(), weakref.WeakSet()
+        return busy, torch_iterators
+
+
+def close_when_idle(source: Any, torch_iterators: list[Any], busy: list[EpochIterator], prefetcher: Any) -> None:
+    """Close ``source`` (None: closed already) and shut down the workers of ``torch_iterators``
+    once the ``busy`` epochs' ``next()`` calls and ``prefetcher``'s threads have left them, in a
+    thread that ends then."""
+
+    def close() -> None:
+        while prefetcher is not None and prefetcher.running():
+            time.sleep(0.05)
+        for epoch in busy:
+            epoch.wait_idle(-1)
+        if source is not None:
+            source.close()
+        shut_down_workers(torch_iterators)
+
+    threading.Thread(target=close, name="gpuload-close", daemon=True).start()
+
+
+def shut_down_workers(torch_iterators: list[Any]) -> None:
+    """End the worker processes of each of torch's iterators now (not when it is freed)."""
+    for iterator in torch_iterators:
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
 
 
 def release_torch_frames(error: BaseException) -> None:

@@ -450,7 +450,7 @@ def _work(
         del outcome  # a failure's traceback holds this frame: no reference cycle through it
 
 
-class _Epoch(Iterator[Any]):
+class _Handoff(Iterator[Any]):
     """One pass over a source: the consuming side of the hand-off."""
 
     def __init__(self, owner: Prefetcher, source: Iterator[Any], ring: _Ring | _PassThrough) -> None:
@@ -484,7 +484,7 @@ class _Epoch(Iterator[Any]):
     def thread(self) -> threading.Thread:
         return self._thread
 
-    def __iter__(self) -> _Epoch:
+    def __iter__(self) -> _Handoff:
         return self
 
     def __next__(self) -> Any:
@@ -676,7 +676,7 @@ class Prefetcher:
         self._inline_count = 0
         self._ring_thread: threading.Thread | None = None
         self._threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # every epoch's
-        self._active: weakref.ref[_Epoch] | None = None
+        self._active: weakref.ref[_Handoff] | None = None
 
     @property
     def stream(self) -> Any:
@@ -728,7 +728,7 @@ class Prefetcher:
             # placed): the side stream starts after everything the caller has queued so far.
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
         ring = self._ring if self.stage else _PassThrough(self.device, self._stream)
-        current = _Epoch(self, iterator, ring)
+        current = _Handoff(self, iterator, ring)
         self._ring_thread = current.thread
         self._threads.add(current.thread)
         self._active = weakref.ref(current)

@@ -13,6 +13,12 @@ drawn from the same states, and the batches after each change are the rest of th
 at the new size. The state records each change (batches done, samples done, new size), so a
 resumed epoch lands on the same sample with the same batches.
 
+What cannot be restored is said, never passed over: a sampler that keeps a random generator
+of its own that gpuload cannot read (any attribute but ``generator``, without
+``state_dict``/``load_state_dict``) gets one warning naming it and what to do; a state that
+does not fit the loader (another dataset, arguments, DistributedSampler seed, generators)
+raises :class:`ResumeError` at ``load_state_dict``.
+
 The state is a plain dict of Python scalars, lists and CPU tensors (a few kilobytes: never the
 data, never an index list that can be drawn again), so it loads on another machine and on
 another device type.
@@ -20,16 +26,35 @@ another device type.
 
 from __future__ import annotations
 
+import random
 import warnings
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 import torch.utils.data as tud
+from torch.utils.data.dataloader import _DatasetKind
 from torch.utils.data.distributed import DistributedSampler
 
-__all__ = ["EpochProgress", "LoadedState", "RandomStates", "ResumeError", "STATE_VERSION", "built_batch_size", "load_state", "save_state", "signature", "stateful"]
+from gpuload.sampling import begin_drawing, cut_order, draw_epoch, draw_order, epoch_order
+
+__all__ = [
+    "STATE_VERSION",
+    "LoadedState",
+    "Position",
+    "RandomStates",
+    "ResumeError",
+    "begin_epoch",
+    "built_batch_size",
+    "load_state",
+    "remaining_batches",
+    "save_state",
+    "signature",
+    "stateful",
+    "unrestorable",
+]
 
 STATE_VERSION = 1
 
@@ -45,14 +70,20 @@ def stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
+def _samplers(loader: tud.DataLoader) -> list[Any]:
+    """The index sampler and the samplers it draws from (``.sampler``), outermost first."""
+    chain: list[Any] = []
+    sampler: Any = _index_sampler(loader)
+    while sampler is not None and all(sampler is not seen for seen in chain):
+        chain.append(sampler)
+        sampler = getattr(sampler, "sampler", None)
+    return chain
+
+
 def _generators(loader: tud.DataLoader) -> list[torch.Generator]:
     """The explicit generators an epoch's index order draws from, in a fixed order, each once."""
     found: list[torch.Generator] = []
-    sampler: Any = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-    candidates = [loader.generator]
-    while sampler is not None:
-        candidates.append(getattr(sampler, "generator", None))
-        sampler = getattr(sampler, "sampler", None)
+    candidates = [loader.generator, *(getattr(sampler, "generator", None) for sampler in _samplers(loader))]
     for generator in candidates:
         if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
             found.append(generator)
@@ -69,43 +100,50 @@ class RandomStates:
 
     generators: list[torch.Tensor]
     global_state: torch.Tensor
-    sampler: Any = None  # the index sampler's own state_dict(), when it has one
+    samplers: list[Any] = field(default_factory=list)  # each sampler's own state_dict(), or None
     distributed_epoch: int | None = None
     worker_seed_drawn: bool = False  # persistent workers' base seed already drawn (drawn once)
 
     @classmethod
     def capture(cls, loader: tud.DataLoader) -> RandomStates:
-        sampler = _index_sampler(loader)
-        inner = getattr(sampler, "sampler", None)
-        distributed = sampler if isinstance(sampler, DistributedSampler) else inner
+        chain = _samplers(loader)
+        distributed = next((s for s in chain if isinstance(s, DistributedSampler)), None)
         return cls(
             generators=[g.get_state() for g in _generators(loader)],
             global_state=torch.get_rng_state(),
-            sampler=sampler.state_dict() if stateful(sampler) else None,
-            distributed_epoch=distributed.epoch if isinstance(distributed, DistributedSampler) else None,
+            samplers=[sampler.state_dict() if stateful(sampler) else None for sampler in chain],
+            distributed_epoch=distributed.epoch if distributed is not None else None,
             worker_seed_drawn=getattr(loader, "_persistent_seed_drawn", False),
         )
 
-    def restore_explicit(self, loader: tud.DataLoader) -> None:
-        """Set the loader's and samplers' own generators (and stateful samplers) back; the
-        global generator is left alone (see :meth:`draw_with_global`)."""
+    def check_fits(self, loader: tud.DataLoader) -> None:
+        """Raise :class:`ResumeError` when ``loader`` has another number of generators (loader
+        and samplers) than the state saved: their states would set the wrong ones."""
         generators = _generators(loader)
         if len(generators) != len(self.generators):
             raise ResumeError(
                 f"the saved state has {len(self.generators)} random generator(s) (loader and samplers) "
-                f"but this loader has {len(generators)}; build it with the same generator/sampler arguments"
+                f"but this loader has {len(generators)}; build it with the same generator/sampler arguments "
+                "(a generator= passed or not, to the loader and to its sampler)"
             )
-        for generator, state in zip(generators, self.generators):
+
+    def restore_explicit(self, loader: tud.DataLoader) -> None:
+        """Set the loader's and samplers' own generators (and stateful samplers) back; the
+        global generator is left alone (see :meth:`draw_with_global`)."""
+        self.check_fits(loader)
+        for generator, state in zip(_generators(loader), self.generators):
             generator.set_state(state)
         if hasattr(loader, "_persistent_seed_drawn"):
             loader._persistent_seed_drawn = self.worker_seed_drawn
-        sampler = _index_sampler(loader)
-        if self.sampler is not None:
-            sampler.load_state_dict(self.sampler)
+        chain = _samplers(loader)
+        for sampler, state in zip(chain, self.samplers):
+            if state is not None:
+                sampler.load_state_dict(state)
         if self.distributed_epoch is not None:
-            target = sampler if isinstance(sampler, DistributedSampler) else getattr(sampler, "sampler", None)
-            if isinstance(target, DistributedSampler):
-                target.set_epoch(self.distributed_epoch)
+            for sampler in chain:
+                if isinstance(sampler, DistributedSampler):
+                    sampler.set_epoch(self.distributed_epoch)
+                    break
 
     def draw_with_global(self, draw: Callable[[], Iterator[Any]]) -> list[Any]:
         """The whole of ``draw()``, made with torch's global generator as it was captured; the
@@ -123,7 +161,7 @@ class RandomStates:
         return {
             "generators": list(self.generators),
             "global": self.global_state,
-            "sampler": self.sampler,
+            "samplers": list(self.samplers),
             "distributed_epoch": self.distributed_epoch,
             "worker_seed_drawn": self.worker_seed_drawn,
         }
@@ -133,7 +171,7 @@ class RandomStates:
         return cls(
             generators=[torch.as_tensor(s, dtype=torch.uint8) for s in state["generators"]],
             global_state=torch.as_tensor(state["global"], dtype=torch.uint8),
-            sampler=state.get("sampler"),
+            samplers=list(state.get("samplers", [state.get("sampler")])),
             distributed_epoch=state.get("distributed_epoch"),
             worker_seed_drawn=bool(state.get("worker_seed_drawn", False)),
         )
@@ -144,11 +182,14 @@ Cut = tuple[int, int, int]
 
 
 @dataclass
-class EpochProgress:
+class Position:
     """How far the loop got in one epoch: its number, the index batches done (handed to the
     loop, or dropped because every file in them was skipped), whether it ended, and the random
     states it began from (the ones after it, once it ended); ``batch_size``: the size its
-    batches began with, and ``cuts``: each batch-size change made during it."""
+    batches began with, and ``cuts``: each batch-size change made during it.
+    ``sampler_started``: the sampler had begun drawing the epoch's order (False between
+    ``iter()`` and the first batch of an epoch drawn in the loop: its draws from torch's global
+    generator come after that point, and a resumed epoch makes them from the live one)."""
 
     number: int
     states: RandomStates
@@ -158,6 +199,7 @@ class EpochProgress:
     end_states: RandomStates | None = field(default=None, repr=False)
     batch_size: int | None = None
     cuts: list[Cut] = field(default_factory=list)
+    sampler_started: bool = True
 
     def samples_done(self) -> int:
         """Positions of the epoch's flat sample order done (past its end once the last, shorter
@@ -165,7 +207,7 @@ class EpochProgress:
         batches, samples, size = self.cuts[-1] if self.cuts else (0, 0, self.batch_size or 1)
         return samples + (self.batches - batches) * size
 
-    def position(self) -> Cut | None:
+    def after_cut(self) -> Cut | None:
         """``(batches done, samples done, batch size)`` after a batch-size change (the rest of
         the epoch is its order from there cut at that size), else None."""
         return (self.batches, self.samples_done(), self.cuts[-1][2]) if self.cuts else None
@@ -176,11 +218,67 @@ class EpochProgress:
         self.cuts.append((self.batches, self.samples_done(), batch_size))
 
 
+class _NotesFirstPull(Iterator[Any]):
+    """``inner``, noting on ``position`` when the sampler begins to draw (its first pull)."""
+
+    def __init__(self, inner: Iterator[Any], position: Position) -> None:
+        self._inner, self._position = inner, position
+        position.sampler_started = False
+
+    def __next__(self) -> Any:
+        self._position.sampler_started = True
+        return next(self._inner)
+
+
+def begin_epoch(
+    loader: tud.DataLoader, number: int, resume: Position | None
+) -> tuple[Position, Callable[[], Iterator[Any]], Callable[[], int] | None]:
+    """An epoch's position, its index draw, and its length when that is not the index
+    sampler's: a new epoch ``number`` drawn as torch draws it, or ``resume`` taken up where it
+    was saved (the batches done dropped, nothing of them read; after a batch-size change, in
+    the epoch or before the save, the rest of its sample order cut at the new size)."""
+    if resume is None:
+        position = Position(number, RandomStates.capture(loader), batch_size=loader.batch_size)
+        return position, lambda: _NotesFirstPull(draw_epoch(loader), position), None
+    if loader._dataset_kind != _DatasetKind.Map:
+        return resume, lambda: draw_epoch(loader), None  # an iterable dataset continues from its own state
+    if resume.cuts:
+        remaining = remaining_batches(loader, resume)
+    else:
+        resume.states.restore_explicit(loader)
+        if not resume.sampler_started:
+            # Saved before the sampler drew: what ``iter()`` drew (the workers' base seed) comes
+            # from the saved global state, the sampler's own draws from the live generator, as
+            # in the uninterrupted run, which made them after the save.
+            drawn = resume.states.with_global(lambda: draw_epoch(loader))
+            return resume, lambda: _NotesFirstPull(drawn, resume), None
+        remaining = resume.states.draw_with_global(lambda: draw_epoch(loader))[resume.batches :]
+    done = resume.batches
+    return resume, lambda: iter(remaining), lambda: done + len(remaining)
+
+
+def remaining_batches(loader: tud.DataLoader, position: Position) -> list[Any]:
+    """The epoch's sample order drawn again from the states it began with (the generators
+    then stand where a whole epoch leaves them), after the samples done, cut at the last
+    batch size set."""
+    position.states.restore_explicit(loader)
+    if position.sampler_started:
+        order = position.states.with_global(lambda: draw_order(loader))
+    else:  # the sampler draws now, from the live global generator (see begin_epoch)
+        position.states.with_global(lambda: begin_drawing(loader))
+        order, position.sampler_started = epoch_order(loader.batch_sampler.sampler), True
+    return cut_order(order[position.samples_done() :], position.cuts[-1][2], loader.drop_last)
+
+
 def _length(obj: Any) -> int | None:
     try:
         return len(obj)
     except TypeError:
         return None
+
+
+# Signature entries added after STATE_VERSION 1 first shipped: a state without them still loads.
+_ADDED_LATER = ("sampler_seed", "sampler_shuffle")
 
 
 def signature(loader: tud.DataLoader) -> dict[str, Any]:
@@ -192,6 +290,7 @@ def signature(loader: tud.DataLoader) -> dict[str, Any]:
     if type(sampler) is tud.BatchSampler and built != loader.batch_size and _length(inner) is not None:
         whole, rest = divmod(len(inner), built)  # what it was before set_batch_size changed it
         batches = whole + (1 if rest and not loader.drop_last else 0)
+    distributed = next((s for s in _samplers(loader) if isinstance(s, DistributedSampler)), None)
     return {
         "dataset": type(loader.dataset).__name__,
         "dataset_length": _length(loader.dataset),
@@ -200,6 +299,9 @@ def signature(loader: tud.DataLoader) -> dict[str, Any]:
         "sampler": type(sampler).__name__ + (f"({type(inner).__name__})" if inner is not None else ""),
         "batches_per_epoch": batches,
         "transforms": repr(getattr(loader, "transforms", None)),
+        # a DistributedSampler's order is its seed's (and the epoch's): another seed, other samples
+        "sampler_seed": distributed.seed if distributed is not None else None,
+        "sampler_shuffle": distributed.shuffle if distributed is not None else None,
     }
 
 
@@ -213,7 +315,7 @@ def check_signature(saved: dict[str, Any], current: dict[str, Any]) -> None:
     differs = [
         f"{key}: saved {saved.get(key)!r}, now {current.get(key)!r}"
         for key in sorted(set(saved) | set(current))
-        if saved.get(key) != current.get(key)
+        if saved.get(key) != current.get(key) and (key in saved or key not in _ADDED_LATER)
     ]
     if differs:
         raise ResumeError(
@@ -222,10 +324,54 @@ def check_signature(saved: dict[str, Any], current: dict[str, Any]) -> None:
         )
 
 
-def save_state(loader: tud.DataLoader, progress: EpochProgress | None, epoch: int, transform_seed: int) -> dict[str, Any]:
+# torch's samplers whose randomness the state captures (their ``generator``, a
+# DistributedSampler's seed and epoch); any other sampler is looked into for generators of its own.
+_KNOWN_SAMPLERS = (tud.BatchSampler, tud.SequentialSampler, tud.RandomSampler, tud.SubsetRandomSampler,
+                   tud.WeightedRandomSampler, DistributedSampler)
+
+
+def _is_rng(value: Any) -> bool:
+    return isinstance(value, (torch.Generator, random.Random)) or (
+        type(value).__module__.startswith("numpy.random") and type(value).__name__ in ("Generator", "RandomState"))
+
+
+def unrestorable(loader: tud.DataLoader) -> str | None:
+    """Why a resumed epoch of ``loader`` could draw another order than the saved one, or None:
+    a sampler without ``state_dict``/``load_state_dict`` that keeps a random generator the state
+    does not capture (one under another name than ``generator``, NumPy's or Python's)."""
+    for sampler in _samplers(loader):
+        if type(sampler) in _KNOWN_SAMPLERS or stateful(sampler):
+            continue
+        attributes = getattr(sampler, "__dict__", {})
+        kept = [name for name, value in attributes.items()
+                if _is_rng(value) and not (name == "generator" and isinstance(value, torch.Generator))]
+        if kept:
+            name = type(sampler).__name__
+            return (
+                f"{name} keeps a random generator of its own ({', '.join(kept)}) that gpuload cannot save, "
+                f"so a resumed epoch would draw another order than the saved one: give {name} "
+                "state_dict()/load_state_dict() methods that save and restore it (gpuload calls them), "
+                "or let it draw from a torch.Generator in its `generator` attribute"
+            )
+    return None
+
+
+_warned: weakref.WeakSet[Any] = weakref.WeakSet()  # loaders already warned by warn_unrestorable
+
+
+def warn_unrestorable(loader: tud.DataLoader) -> None:
+    """Warn once per loader when its resume cannot be exact (see :func:`unrestorable`)."""
+    reason = unrestorable(loader)
+    if reason is not None and loader not in _warned:
+        _warned.add(loader)
+        warnings.warn(f"gpuload: resume is not exact: {reason}", RuntimeWarning, stacklevel=3)
+
+
+def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, transform_seed: int) -> dict[str, Any]:
     """The state dict of ``loader`` at ``progress`` (None: no epoch begun; ``epoch`` is then
     the epoch counter as it stands)."""
-    epoch_batch_size, cuts = loader.batch_size, []
+    warn_unrestorable(loader)
+    epoch_batch_size, cuts, started = loader.batch_size, [], True
     if progress is None:
         number, batches, finished, states = epoch, 0, True, RandomStates.capture(loader)
     else:
@@ -233,6 +379,7 @@ def save_state(loader: tud.DataLoader, progress: EpochProgress | None, epoch: in
         states = progress.end_states if finished and progress.end_states is not None else progress.states
         if not finished:
             epoch_batch_size, cuts = progress.batch_size, [list(cut) for cut in progress.cuts]
+            started = progress.sampler_started
     return {
         "version": STATE_VERSION,
         "signature": signature(loader),
@@ -244,6 +391,7 @@ def save_state(loader: tud.DataLoader, progress: EpochProgress | None, epoch: in
         "batch_size": loader.batch_size,  # in force now (set_batch_size); the signature's is the built one
         "epoch_batch_size": epoch_batch_size,
         "cuts": cuts,
+        "sampler_started": started,
         "dataset": loader.dataset.state_dict() if stateful(loader.dataset) else None,
     }
 
@@ -255,22 +403,46 @@ class LoadedState:
     batch size in force when it was saved."""
 
     epoch: int
-    resume: EpochProgress | None
+    resume: Position | None
     transform_seed: int
     batch_size: int | None = None
+
+
+_REQUIRED = ("signature", "epoch", "batches", "finished", "transform_seed", "random", "dataset")
+
+
+def _checked(state: Any) -> dict[str, Any]:
+    """``state`` if it is a whole state of this version, else the ResumeError saying what it lacks."""
+    if not isinstance(state, Mapping):
+        raise ResumeError(
+            f"load_state_dict takes the dict that gpuload.DataLoader.state_dict() returned, not "
+            f"{type(state).__name__}"
+        )
+    if state.get("version") != STATE_VERSION:
+        raise ResumeError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}")
+    missing = [key for key in _REQUIRED if key not in state]
+    missing += [f"random.{key}" for key in ("generators", "global")
+                if isinstance(state.get("random"), Mapping) and key not in state["random"]]
+    if missing or not isinstance(state["signature"], Mapping) or not isinstance(state["random"], Mapping):
+        raise ResumeError(
+            f"this loader state lacks {', '.join(missing) or 'a dict signature/random'}: it is not a whole "
+            "gpuload.DataLoader.state_dict() (cut short, or made by another loader class)"
+        )
+    return dict(state)
 
 
 def load_state(loader: tud.DataLoader, state: dict[str, Any], *, iterable: bool) -> LoadedState:
     """Check ``state`` against ``loader`` and restore what is restored at once: the dataset's own
     state and, when the saved epoch had ended, the generators. A position inside an epoch is
     returned for the next ``iter()`` to take up."""
-    if state.get("version") != STATE_VERSION:
-        raise ResumeError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}")
+    state = _checked(state)
     check_signature(state["signature"], signature(loader))
+    states = RandomStates.from_dict(state["random"])
+    states.check_fits(loader)
+    warn_unrestorable(loader)
     if state["dataset"] is not None:
         loader.dataset.load_state_dict(state["dataset"])
-    states = RandomStates.from_dict(state["random"])
-    batch_size = state.get("batch_size", state["signature"]["batch_size"])
+    batch_size = state.get("batch_size", state["signature"].get("batch_size"))
     if state["finished"]:
         states.restore_explicit(loader)
         return LoadedState(state["epoch"], None, state["transform_seed"], batch_size)
@@ -284,6 +456,7 @@ def load_state(loader: tud.DataLoader, state: dict[str, Any], *, iterable: bool)
         )
         done = 0
     cuts = [(int(b), int(n), int(size)) for b, n, size in state.get("cuts", [])] if done else []
-    progress = EpochProgress(state["epoch"], states, batches=done, skipped=done,
-                             batch_size=state.get("epoch_batch_size", batch_size), cuts=cuts)
+    progress = Position(state["epoch"], states, batches=done, skipped=done,
+                        batch_size=state.get("epoch_batch_size", batch_size), cuts=cuts,
+                        sampler_started=bool(state.get("sampler_started", True)) or done > 0)
     return LoadedState(state["epoch"], progress, state["transform_seed"], batch_size)

@@ -27,12 +27,16 @@ from torch.utils.data import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
+from torch.utils.data.dataloader import _DatasetKind
 from torch.utils.data.distributed import DistributedSampler
 
 __all__ = [
-    "can_draw_whole_epoch", "cut_order", "draws_in_range", "epoch_batches", "epoch_order", "in_range",
-    "start_epoch_like_torch",
+    "MAX_BATCH_SIZE", "begin_drawing", "can_draw_whole_epoch", "checked_batch_size", "cut_order", "draw_epoch", "draw_order",
+    "draws_in_range", "epoch_batches", "epoch_order", "in_range", "start_epoch_like_torch",
 ]
+
+# The largest batch size ``set_batch_size`` takes (index tensors and kernels count in int32).
+MAX_BATCH_SIZE = 2**31 - 1
 
 # torch samplers that draw everything at their first index (or draw nothing): draining them
 # into one tensor at the first batch is exactly what BatchSampler's first pull does.
@@ -43,8 +47,9 @@ _SINGLE_DRAW_SAMPLERS = (
     DistributedSampler,
 )
 
-# (start position, draw): ``draw`` runs when BatchSampler would pull index ``start``.
-Part = tuple[int, Callable[[], torch.Tensor]]
+# One random draw of a sampler's pass: (start position, draw); ``draw`` runs when BatchSampler
+# would pull index ``start``.
+Draw = tuple[int, Callable[[], torch.Tensor]]
 
 _replay_matches: dict[tuple[bool, bool, bool, bool], bool] = {}
 
@@ -68,6 +73,56 @@ def start_epoch_like_torch(loader: Any, seed_drawn: bool) -> tuple[Iterator[Any]
     else:
         sampler_iter = iter(loader._index_sampler)
     return sampler_iter, seed_drawn
+
+
+def begin_drawing(loader: Any) -> Iterator[Any]:
+    """:func:`start_epoch_like_torch` for ``loader``, noting on it whether its persistent
+    workers' seed has been drawn (``_persistent_seed_drawn``, drawn once in a run)."""
+    indices, loader._persistent_seed_drawn = start_epoch_like_torch(loader, loader._persistent_seed_drawn)
+    return indices
+
+
+def draw_epoch(loader: Any) -> Iterator[Any]:
+    """``loader``'s next epoch of index batches, drawn as torch's iterator draws them (as int64
+    tensors for torch's samplers)."""
+    indices = begin_drawing(loader)
+    if loader._auto_collation and can_draw_whole_epoch(loader.batch_sampler):
+        return epoch_batches(loader.batch_sampler)
+    return indices
+
+
+def draw_order(loader: Any) -> torch.Tensor | list[Any]:
+    """``loader``'s next epoch as one flat sample order, drawn as torch's iterator and
+    BatchSampler draw it (for cutting at another batch size)."""
+    begin_drawing(loader)
+    return epoch_order(loader.batch_sampler.sampler)
+
+
+def checked_batch_size(loader: Any, batch_size: Any, built_batch_size: int | None) -> int:
+    """``batch_size`` if ``loader`` (built with ``built_batch_size``) can change to it, else the
+    ValueError saying why."""
+    if loader._dataset_kind != _DatasetKind.Map:
+        raise ValueError(
+            f"set_batch_size: an IterableDataset ({type(loader.dataset).__name__}) makes its own "
+            "batches from its stream; gpuload cannot re-cut them (build a new DataLoader)"
+        )
+    if built_batch_size is None:
+        if loader.batch_sampler is not None:
+            raise ValueError(
+                "set_batch_size: batch_sampler option is mutually exclusive with batch_size, "
+                "shuffle, sampler, and drop_last; this loader's batch_sampler= makes its batches, "
+                "so change the size there (or build the loader with batch_size= and sampler=)"
+            )
+        raise ValueError(
+            "set_batch_size: this loader was built with batch_size=None (no automatic batching: "
+            "each item is one sample); build it with a batch_size to change it later"
+        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= MAX_BATCH_SIZE:
+        raise ValueError(
+            f"batch_size should be a positive integer value up to {MAX_BATCH_SIZE}, but got "
+            f"batch_size={batch_size!r}"
+        )
+    return batch_size
 
 
 def can_draw_whole_epoch(batch_sampler: object) -> bool:
@@ -129,14 +184,14 @@ def epoch_batches(batch_sampler: BatchSampler) -> Iterator[torch.Tensor]:
     sampler = batch_sampler.sampler
     total = len(sampler)
     size = batch_sampler.batch_size
-    parts = list(_parts(sampler))
+    draws = list(_draws(sampler))
     pending: list[torch.Tensor] = []
     buffered = torch.empty(0, dtype=torch.int64)
     start = 0
     while True:
         last_pulled = min(start + size - 1, total)
-        while parts and parts[0][0] <= last_pulled:
-            pending.append(parts.pop(0)[1]())
+        while draws and draws[0][0] <= last_pulled:
+            pending.append(draws.pop(0)[1]())
         if pending:
             buffered = torch.cat([buffered, *pending])
             pending.clear()
@@ -144,7 +199,7 @@ def epoch_batches(batch_sampler: BatchSampler) -> Iterator[torch.Tensor]:
         if remaining <= 0 or (remaining < size and batch_sampler.drop_last):
             return
         # Full batches that pull no position a pending draw starts at are cut in one go.
-        next_draw = parts[0][0] if parts else total + 1
+        next_draw = draws[0][0] if draws else total + 1
         run = max(1, min((next_draw - start) // size, remaining // size))
         chunk, buffered = buffered[: run * size], buffered[run * size :]
         start += run * size
@@ -157,7 +212,7 @@ def epoch_order(sampler: object) -> torch.Tensor | list[Any]:
     int64 tensor, or a list when the sampler yields indices that are not all integers."""
     if type(sampler) in (*_SINGLE_DRAW_SAMPLERS, RandomSampler) and (
             type(sampler) is not SubsetRandomSampler or _integers(sampler.indices)):
-        return torch.cat([draw() for _, draw in _parts(sampler)])
+        return torch.cat([draw() for _, draw in _draws(sampler)])
     order = list(iter(sampler))  # type: ignore[call-overload]
     if all(type(index) is int for index in order):
         return torch.tensor(order, dtype=torch.int64)
@@ -177,17 +232,17 @@ def cut_order(order: torch.Tensor | list[Any], size: int, drop_last: bool) -> li
     return batches
 
 
-def _parts(sampler: object) -> Iterator[Part]:
+def _draws(sampler: object) -> Iterator[Draw]:
     if type(sampler) is SequentialSampler:
         yield 0, lambda: torch.arange(len(sampler.data_source), dtype=torch.int64)
     elif type(sampler) is RandomSampler and _replay_is_exact(sampler):
-        yield from _random_sampler_parts(sampler)
+        yield from _random_sampler_draws(sampler)
     else:
         yield 0, lambda: torch.tensor(list(iter(sampler)), dtype=torch.int64)
 
 
-def _random_sampler_parts(sampler: RandomSampler) -> list[Part]:
-    """torch's ``RandomSampler.__iter__``, one Part per random draw it makes."""
+def _random_sampler_draws(sampler: RandomSampler) -> list[Draw]:
+    """torch's ``RandomSampler.__iter__``, one Draw per random draw it makes."""
     n = len(sampler.data_source)
     num_samples = sampler.num_samples
     state: dict[str, torch.Generator] = {}
@@ -210,11 +265,11 @@ def _random_sampler_parts(sampler: RandomSampler) -> list[Part]:
 
     if sampler.replacement:
         chunks = num_samples // 32
-        parts = [(32 * i, randint(32)) for i in range(chunks)]
-        return parts + [(32 * chunks, randint(num_samples % 32))]
+        draws = [(32 * i, randint(32)) for i in range(chunks)]
+        return draws + [(32 * chunks, randint(num_samples % 32))]
     passes = num_samples // n
-    parts = [(n * i, randperm(None)) for i in range(passes)]
-    return parts + [(n * passes, randperm(num_samples % n))]
+    draws = [(n * i, randperm(None)) for i in range(passes)]
+    return draws + [(n * passes, randperm(num_samples % n))]
 
 
 def _replay_is_exact(sampler: RandomSampler) -> bool:
@@ -245,7 +300,7 @@ def _replay_is_exact(sampler: RandomSampler) -> bool:
                 generator.set_state(own_state)
             shadow = RandomSampler(range(small), sampler.replacement, small_samples, generator)
             if replay:
-                order = torch.cat([draw() for _, draw in _random_sampler_parts(shadow)])
+                order = torch.cat([draw() for _, draw in _random_sampler_draws(shadow)])
             else:
                 order = torch.tensor(list(iter(shadow)), dtype=torch.int64)
             after = torch.get_rng_state() if generator is None else generator.get_state()

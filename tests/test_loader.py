@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import inspect
 import sys
@@ -532,7 +533,9 @@ def test_a_source_whose_staging_changes_gets_a_new_prefetcher_and_keeps_its_coun
     first = loader._prefetcher
     assert first is not None and first.stage
     staged = first.stats.bytes_copied
-    monkeypatch.setattr(type(loader._source), "stages", property(lambda source: False))
+    schedule = type(loader._source).epoch  # the source's schedule, now unstaged
+    monkeypatch.setattr(type(loader._source), "epoch",
+                        lambda source, indices: dataclasses.replace(schedule(source, indices), staged=False))
     second_epoch = list(loader)
     assert loader._prefetcher is not first and not loader._prefetcher.stage
     assert first._ring is None  # the old one was closed: its host slots are freed

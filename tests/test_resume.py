@@ -240,3 +240,125 @@ def test_an_iterable_dataset_without_state_restarts_its_epoch_with_a_warning() -
 def test_persistent_workers_resume_exactly_from_their_first_epoch() -> None:
     make = seeded(dataset=Counted(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
     assert_resumes_exactly(make, [(0, 3), (1, 2)])
+
+
+# -- what cannot be restored is said; what can be is restored exactly -------------------------
+
+
+class PrivateShuffle(tud.Sampler):
+    """A sampler with a random generator of its own under a name of its own, and no state_dict."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.rng = n, torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=self.rng).tolist())
+
+
+class SavedShuffle(PrivateShuffle):
+    """The same sampler, saving and restoring its generator itself."""
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.set_state(state["rng"])
+
+
+def test_a_sampler_with_its_own_state_dict_under_a_batch_sampler_resumes_exactly() -> None:
+    data = images_uint8(30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_resumes_exactly(lambda: gpuload.DataLoader(data, batch_size=4, sampler=SavedShuffle(30, 1)), STOPS)
+
+
+def test_a_sampler_with_a_generator_gpuload_cannot_save_is_named_once() -> None:
+    data = images_uint8(30)
+    loader = gpuload.DataLoader(data, batch_size=4, sampler=PrivateShuffle(30, 1))
+    iterator = iter(loader)
+    next(iterator)
+    with pytest.warns(RuntimeWarning, match=r"PrivateShuffle keeps a random generator of its own \(rng\).*"
+                                            r"state_dict\(\)/load_state_dict\(\)"):
+        state = loader.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader.state_dict()  # once per loader
+    with pytest.warns(RuntimeWarning, match="PrivateShuffle"):
+        gpuload.DataLoader(data, batch_size=4, sampler=PrivateShuffle(30, 1)).load_state_dict(state)
+
+
+@pytest.mark.parametrize("dataset", ["arrays", "samples"])
+def test_a_state_saved_before_the_first_batch_keeps_the_global_generators_later_epochs(dataset: str) -> None:
+    data = images_uint8(30) if dataset == "arrays" else Counted(30)
+
+    def make():
+        return gpuload.DataLoader(data, batch_size=4, shuffle=True)  # no generator: torch's global one
+
+    torch.manual_seed(5)
+    uninterrupted = make()
+    whole = [batch for _ in range(EPOCHS) for batch in uninterrupted]
+    torch.manual_seed(5)
+    loader = make()
+    before = list(loader)
+    iter(loader)  # epoch 1 begun, no batch taken
+    saved, rng = loader.state_dict(), torch.get_rng_state()
+    torch.manual_seed(123)  # a new process, the training's checkpoint restored
+    torch.set_rng_state(rng)
+    resumed = make()
+    resumed.load_state_dict(saved)
+    after = [batch for _ in range(1, EPOCHS) for batch in resumed]
+    for ours, theirs in zip(before + after, whole, strict=True):
+        assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("keywords", [{}, {"cache": "off", "prefetch_depth": 2}, {"num_workers": 2}],
+                         ids=["arrays", "prefetched", "workers"])
+def test_len_of_a_resumed_epochs_iterator_stays_fixed(keywords: dict) -> None:
+    data = images_uint8(30) if not keywords.get("num_workers") else Counted(30)
+    make = seeded(dataset=data, batch_size=4, shuffle=True, **keywords)
+    _, saved = run(make, 1, (0, 2))
+    loader = make()
+    loader.load_state_dict(torch.load(io.BytesIO(saved), weights_only=False))
+    iterator = iter(loader)
+    lengths = [len(iterator)]
+    for _ in iterator:
+        lengths.append(len(iterator))
+    assert lengths == [len(loader) - 3] * (len(loader) - 2)  # the batches left, as it began
+
+
+def test_a_distributed_samplers_seed_is_part_of_the_state() -> None:
+    data = images_uint8(30)
+
+    def make(seed: int):
+        sampler = tud.DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=seed)
+        return gpuload.DataLoader(data, batch_size=4, sampler=sampler)
+
+    loader = make(0)
+    next(iter(loader))
+    state = loader.state_dict()
+    with pytest.raises(ResumeError, match="sampler_seed: saved 0, now 1"):
+        make(1).load_state_dict(state)
+    make(0).load_state_dict(state)
+
+
+def test_a_state_that_is_not_one_is_one_clear_error() -> None:
+    data = images_uint8(30)
+    with pytest.raises(ResumeError, match="takes the dict that gpuload.DataLoader.state_dict.. returned, not NoneType"):
+        gpuload.DataLoader(data, batch_size=4).load_state_dict(None)
+    state = gpuload.DataLoader(data, batch_size=4).state_dict()
+    del state["signature"]
+    with pytest.raises(ResumeError, match="lacks signature"):
+        gpuload.DataLoader(data, batch_size=4).load_state_dict(state)
+
+
+def test_a_generator_passed_or_not_is_refused_at_load_state_dict() -> None:
+    data = images_uint8(30)
+    loader = seeded(dataset=data, batch_size=4, shuffle=True)()
+    next(iter(loader))  # mid-epoch: the generators are set only at the next iter()
+    state = loader.state_dict()
+    unseeded = gpuload.DataLoader(data, batch_size=4, shuffle=True)
+    with pytest.raises(ResumeError, match=r"1 random generator\(s\).*this loader has 0"):
+        unseeded.load_state_dict(state)

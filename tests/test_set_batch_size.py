@@ -338,3 +338,16 @@ def test_a_change_after_an_epochs_last_batch_leaves_nothing_to_cut(keywords: dic
             loader.set_batch_size(7)
     assert got == expected_sizes(30, batch_size, {}, False) and len(iterator) == len(got)
     assert [len(ids(batch)) for batch in loader] == [7, 7, 7, 7, 2]
+
+
+def test_a_change_before_the_first_batch_keeps_the_global_generators_later_epochs() -> None:
+    data = tud.TensorDataset(torch.arange(30))
+    torch.manual_seed(5)
+    built = gpuload.DataLoader(data, batch_size=3, shuffle=True, device="cpu")  # torch's global generator
+    expected = [batch for _ in range(3) for batch in built]
+    torch.manual_seed(5)
+    changed = gpuload.DataLoader(data, batch_size=4, shuffle=True, device="cpu")
+    iterator = iter(changed)
+    changed.set_batch_size(3)  # before the sampler drew the epoch's order
+    got = list(iterator) + [batch for _ in range(2) for batch in changed]
+    assert [b[0].tolist() for b in got] == [b[0].tolist() for b in expected]

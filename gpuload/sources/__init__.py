@@ -1,25 +1,27 @@
 """The Source contract: one data path turns an epoch's batch indices into batches on a device.
 
-Three implementations, chosen by the loader in this order:
+Three implementations, chosen in this order (``choose.choose_source``):
 
 - ``arrays.ArraySource``: in-memory arrays (``TensorDataset``, ``gpuload.ArrayDataset``, a tensor
   or numpy array) placed by the cache plan; one gather per batch;
-- ``images.ImageSource``: image files, read, decoded a batch at once and transformed;
+- ``images.ImageFileSource``: image files, read, decoded a batch at once and transformed;
 - ``samples.SampleSource``: any other dataset: torch fetches and collates (its workers too),
   with a sample cache in front when the cache settings allow.
 
 A Source is built once per loader (each module's ``detect`` says whether it can serve the
 dataset; ``SampleSource`` serves any) and answers the loader's questions: fill the cache now
-(``warm``), get ready for an epoch (``begin_epoch``: place data, decide or shrink caches), make
-this epoch's work (``epoch``), report counters (``stats``), give memory back (``close``, or
-part of the device cache: ``shrink_cache``). The loader owns the
-epochs: it draws the batch indices as torch would, decides whether the work runs in the loop's
-thread or ahead of it in the prefetcher's, and counts what the loop waited.
+(``warm``), get ready for an epoch (``begin_epoch``: place data, decide or shrink caches), say
+how this epoch's work runs (``epoch``), report counters (``stats``), give memory back
+(``close``, or part of the device cache: ``shrink_cache``). The loader owns the epochs.
 
-An :class:`Epoch` splits a source's work in two: ``items`` may run in the prefetcher's thread
-(reading, decoding, gathering into pinned slots), ``finish`` always runs in the loop's thread
-(what must happen in order with the loop: transforms on CPU tensors, counters, device copies
-when nothing runs ahead).
+``Source.epoch`` answers with a :class:`Schedule`: whether the work may run ahead of the loop
+(and on a CPU device by default), whether the prefetcher stages its host batches, and how many
+batches it holds in flight. The loader decides from it, in one place (:func:`runs_ahead`),
+which thread runs the work, then starts it: a :class:`Work` splits it in two. ``items`` may run
+in the prefetcher's thread (reading, decoding, gathering into pinned slots), ``finish`` always
+runs in the loop's thread (what must happen in order with the loop: transforms on CPU tensors,
+counters, device copies when nothing runs ahead). A source receives indices only: the loader
+draws them (``gpuload.sampling``) and takes a resumed epoch up where it was (``gpuload.resume``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from gpuload.cache import CacheSettings, Store
 from gpuload.stats import LoaderStats
 
-__all__ = ["DEFAULT_DEPTH", "Epoch", "EpochRequest", "Setup", "Source"]
+__all__ = ["DEFAULT_DEPTH", "Indices", "Schedule", "Setup", "Source", "Work", "ahead_on_device", "runs_ahead"]
 
 # Batches in flight when their size is unknown before the first one: double buffering, one
 # being copied (or made) while the next is made.
@@ -69,23 +71,22 @@ class Setup:
 
 
 @dataclass(frozen=True)
-class EpochRequest:
-    """One epoch as the loader asks for it.
+class Indices:
+    """One epoch's batch indices as the loader draws them, and what a source must know of them.
 
-    ``number`` counts epochs from 0 (the transforms' randomness depends on it); ``ahead`` says
-    the work will run in the prefetcher's thread; ``draw`` makes this epoch's index iterator
-    exactly as torch's iterator would (consuming the generator the same way), and must be
-    called at most once, only by sources that make batches from indices; ``in_range``: the
-    drawn indices are int64 tensors already known to lie in ``[0, len(dataset))`` (torch's
-    Random and Sequential samplers over the whole dataset), so they need no check.
-    ``resumed``: the epoch is taken up mid-way after ``load_state_dict``; ``draw`` yields only
-    the batches after the saved position, so a source that otherwise runs torch's own iterator
-    (which would start the epoch from its beginning) makes batches from them instead.
-    ``worker_seed_drawn``: persistent workers' base seed was drawn already in this run (torch
-    draws it once, when its persistent iterator is first made; a resumed run must not again).
-    ``position``: ``(batches done, samples done, batch size)`` when ``draw`` yields the rest of
-    the epoch's sample order from that sample cut at that size (after ``set_batch_size``, in
-    the epoch or before a resume), so a source that computes other ranks' batches (the sharded
+    ``number`` counts epochs from 0 (the transforms' randomness depends on it); ``draw`` makes
+    this epoch's index iterator exactly as torch's iterator would (consuming the generator the
+    same way), and must be called at most once, only by sources that make batches from
+    indices; ``in_range``: the drawn indices are int64 tensors already known to lie in
+    ``[0, len(dataset))`` (torch's Random and Sequential samplers over the whole dataset), so
+    they need no check. ``resumed``: the epoch is taken up mid-way (``load_state_dict``, or the
+    rest of an epoch after ``set_batch_size``); ``draw`` yields only the batches after that
+    point, so a source that otherwise runs torch's own iterator (which would start the epoch
+    from its beginning) makes batches from them instead. ``worker_seed_drawn``: persistent
+    workers' base seed was drawn already in this run (torch draws it once, when its persistent
+    iterator is first made; a resumed run must not again). ``position``: ``(batches done,
+    samples done, batch size)`` when ``draw`` yields the rest of the epoch's sample order from
+    that sample cut at that size, so a source that computes other ranks' batches (the sharded
     cache) cuts theirs alike; None when ``draw`` yields the epoch's batches as its sampler cuts them.
     ``copy_now``: copies a host batch (or a prefetcher ``Fill``) to the device through the
     loader's staging in the caller's thread, for batches made in the loop's thread: the one
@@ -93,7 +94,6 @@ class EpochRequest:
     """
 
     number: int
-    ahead: bool
     draw: Callable[[], Iterator[Any]]
     in_range: bool = False
     resumed: bool = False
@@ -101,35 +101,77 @@ class EpochRequest:
     position: tuple[int, int, int] | None = None
     copy_now: Callable[[Any], Any] | None = None
 
-    def indices(self) -> Iterator[Any]:
+    def batches(self, ahead: bool) -> Iterator[Any]:
         """This epoch's batch indices. Ahead of the loop they are all drawn now, in the loop's
         thread, so the samplers' random draws never race the loop's own use of torch's
         generator; in the loop they are drawn batch by batch, as torch draws them."""
         drawn = self.draw()
-        return iter(list(drawn)) if self.ahead else drawn
+        return iter(list(drawn)) if ahead else drawn
 
 
 @dataclass
-class Epoch:
-    """A source's work for one epoch.
+class Work:
+    """A source's work for one epoch, started for one thread placement.
 
-    ``items`` run ahead in the prefetcher's thread when the request was ``ahead`` (else in the
-    loop's thread);
-    ``finish`` turns each item into ``(batch, sample count)`` in the loop's thread, or None
-    when the item holds nothing to deliver (every file of an image batch skipped).
-    ``length``: gives ``len()`` of the epoch when it is not the index sampler's;
-    ``depth``: the batches the prefetcher should hold in flight unless the user chose
-    (``prefetch_depth``); ``from_torch``: torch's own iterator made this epoch (it drew its
-    workers' base seed); ``torch_iterator``: that iterator, whose attributes (``_workers``...)
-    the loader's iterator shows.
+    ``items`` run ahead in the prefetcher's thread when the work was started ahead (else in
+    the loop's thread); ``finish`` turns each item into ``(batch, sample count)`` in the loop's
+    thread, or None when the item holds nothing to deliver (every file of an image batch
+    skipped). ``length``: gives ``len()`` of the epoch when it is not the index sampler's;
+    ``from_torch``: torch's own iterator made this epoch (it drew its workers' base seed);
+    ``torch_iterator``: that iterator, whose attributes (``_workers``...) the loader's
+    iterator shows.
     """
 
     items: Iterator[Any]
     finish: Callable[[Any], tuple[Any, int] | None]
     length: Callable[[], int] | None = None
-    depth: int = DEFAULT_DEPTH
     from_torch: bool = False
     torch_iterator: Any = None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a source's epoch may run, and how to start it.
+
+    ``start(ahead)`` makes the :class:`Work` for the thread the loader chose (called once).
+    ``ahead``: the work may run ahead of the loop at all (False: batches are served in place,
+    arrays already on the device, or a stream whose own state must stay the loop's position);
+    ``ahead_on_cpu``: it runs ahead on a CPU device too when ``prefetch_depth`` is not set
+    (decoding and collating already use every core there, DALI's threads and torch's, so
+    running them ahead measured no faster: 332 vs 352 images/s on 2 cores); ``staged``: the
+    prefetcher packs host batches into pinned slots and copies them (False: the source makes
+    its batches on the device itself, the prefetcher only runs it ahead); ``depth``: the
+    batches the prefetcher holds in flight unless the user chose (``prefetch_depth``).
+    """
+
+    start: Callable[[bool], Work]
+    ahead: bool = True
+    ahead_on_cpu: bool = False
+    staged: bool = True
+    depth: int = DEFAULT_DEPTH
+
+
+def runs_ahead(schedule: Schedule, device: torch.device, prefetch_depth: int | None) -> bool:
+    """Whether an epoch's work runs in the prefetcher's thread, ahead of the loop: the one place
+    that decides it.
+
+    ``prefetch_depth=0`` keeps it in the loop's thread, and so does a schedule with nothing to
+    run ahead. On a GPU the copies, reads and decoding overlap the loop's compute; on a CPU
+    device the schedule says (``ahead_on_cpu``) unless ``prefetch_depth`` is set.
+    """
+    if prefetch_depth == 0 or not schedule.ahead:
+        return False
+    if device.type == "cpu" and prefetch_depth is None:
+        return schedule.ahead_on_cpu
+    return True
+
+
+def ahead_on_device(ahead: bool, device: torch.device) -> bool:
+    """Whether batch-sized transforms run in the prefetcher's thread: only ahead on a GPU (on
+    the side stream). On a CPU they stay in the loop's thread: their float buffers page-fault
+    afresh each batch when allocated from a background thread's malloc arena (measured 30%
+    slower)."""
+    return ahead and device.type == "cuda"
 
 
 class Source(ABC):
@@ -137,16 +179,6 @@ class Source(ABC):
 
     #: What ``loader.stats.path`` says while this source serves.
     path: str = ""
-    #: True when the prefetcher packs host batches into pinned slots and copies them; False
-    #: when the source makes its batches on the device itself (it only runs ahead).
-    stages: bool = True
-    #: False when batches are served in place (arrays already on the device): nothing to run
-    #: ahead. Read by the loader after ``begin_epoch``.
-    streams: bool = True
-    #: Whether the work runs ahead of the loop on a CPU device when ``prefetch_depth`` is not
-    #: set: decoding and collating already use every core there (DALI's threads, torch's), so
-    #: running them ahead measured no faster (332 vs 352 images/s on 2 cores).
-    ahead_on_cpu: bool = False
     #: Bytes this source copied host-to-device so far (cache fills, batches copied in the
     #: loop's thread); the loader adds them to ``stats.bytes_h2d``. Only the thread making
     #: the items writes it.
@@ -160,8 +192,9 @@ class Source(ABC):
         later, give memory back if the model has grown into the reserve."""
 
     @abstractmethod
-    def epoch(self, request: EpochRequest) -> Epoch:
-        """This epoch's work (see :class:`Epoch`)."""
+    def epoch(self, indices: Indices) -> Schedule:
+        """How this epoch's work runs, and how to start it (see :class:`Schedule`); called
+        after ``begin_epoch``."""
 
     def warm(self, progress: bool) -> None:
         """Fill the cache now, in one pass, without touching samplers or random generators."""

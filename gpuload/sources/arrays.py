@@ -17,7 +17,7 @@ from gpuload.augment import BatchAugmenter, image_column
 from gpuload.cache import Store, TieredArrayStore
 from gpuload.distributed.sharded_store import ShardedArrayStore
 from gpuload.prefetch import default_depth
-from gpuload.sources import DEFAULT_DEPTH, Epoch, EpochRequest, Setup, Source
+from gpuload.sources import Indices, Schedule, Setup, Source, Work
 from gpuload.sources.placed_arrays import ArrayColumns, ResidentColumns, find_columns, raw_columns, same_arrays
 from gpuload.transfer import batch_length
 
@@ -44,8 +44,6 @@ class ArraySource(Source):
     on a CPU device too: that is what ``cache="off"`` asks for.
     """
 
-    ahead_on_cpu = True
-
     def __init__(self, setup: Setup, columns: ArrayColumns) -> None:
         super().__init__(setup)
         self.columns = columns
@@ -54,19 +52,6 @@ class ArraySource(Source):
         if setup.transforms:
             leaf = image_column(columns.columns)
             self.augment = BatchAugmenter(setup.transforms, setup.seed, setup.device, leaf)
-
-    @property
-    def streams(self) -> bool:  # type: ignore[override]
-        """Host arrays copied each batch, or a sharded share whose exchange may run ahead."""
-        if self.resident is None:
-            return False
-        sharded = self._sharded()
-        return self.resident.copies_batches if sharded is None else sharded.runs_ahead
-
-    @property
-    def stages(self) -> bool:  # type: ignore[override]
-        """A sharded exchange makes its batches on the device itself: nothing to stage."""
-        return self._sharded() is None
 
     def _sharded(self) -> ShardedArrayStore | None:
         store = self.resident.store if self.resident is not None else None
@@ -113,12 +98,24 @@ class ArraySource(Source):
         self.close()  # the old placement and its cache hold the old arrays
         self.columns = columns
 
-    def epoch(self, request: EpochRequest) -> Epoch:
+    def epoch(self, indices: Indices) -> Schedule:
+        """Host rows copied each batch (``cache="off"``, or tiers that leave rows in host memory)
+        run ahead (on a CPU device too: ``cache="off"`` asks for the pinned staging), and so may
+        a sharded share's exchange (gloo only: ``runs_ahead``), which makes its batches on the
+        device itself; arrays on the device are served in place."""
+        sharded = self._sharded()
+        if sharded is not None:
+            # Double buffering: the exchange of the next batch while the loop computes this one.
+            return Schedule(lambda ahead: self._sharded_epoch(sharded, indices, ahead), ahead=sharded.runs_ahead,
+                            ahead_on_cpu=True, staged=False)
+        sample_bytes = self.columns.nbytes // max(self.columns.num_samples, 1)
+        return Schedule(lambda ahead: self._work(indices, ahead), ahead=self.resident.copies_batches,
+                        ahead_on_cpu=True, depth=default_depth(sample_bytes * (self.setup.batch_size or 1)))
+
+    def _work(self, request: Indices, ahead: bool) -> Work:
         resident, batched = self.resident, self.setup.batched
-        if isinstance(resident.store, ShardedArrayStore):
-            return self._sharded_epoch(resident.store, request)
-        indices = request.indices()
-        if not request.ahead:
+        indices = request.batches(ahead)
+        if not ahead:
             checked = request.in_range
 
             def gather(index: Any) -> tuple[Any, int]:
@@ -126,7 +123,7 @@ class ArraySource(Source):
                 self.h2d_bytes += moved_bytes
                 return self._augmented(batch, flat, request.number), flat.numel()
 
-            return Epoch(indices, gather)
+            return Work(indices, gather)
         # The check runs once in the prefetcher's thread (the gather needs it) and once here,
         # in order, for the transforms' per-sample randomness: a bad index fails after the
         # batches before it either way.
@@ -143,14 +140,13 @@ class ArraySource(Source):
                 batch = self._augmented(batch, next(positions), request.number)
             return batch, batch_length(batch) if batched else 1
 
-        sample_bytes = self.columns.nbytes // max(self.columns.num_samples, 1)
-        return Epoch(fills, finish, depth=default_depth(sample_bytes * (self.setup.batch_size or 1)))
+        return Work(fills, finish)
 
-    def _sharded_epoch(self, store: ShardedArrayStore, request: EpochRequest) -> Epoch:
+    def _sharded_epoch(self, store: ShardedArrayStore, request: Indices, ahead: bool) -> Work:
         """Batches assembled from every rank's share (each a collective), ahead of the loop in
         the prefetcher's thread when the request runs ahead (gloo only: ``store.runs_ahead``)."""
-        drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.indices()]
-        steps = store.epoch(self.setup.batch_sampler, drawn, position=request.position, ahead=request.ahead,
+        drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.batches(ahead)]
+        steps = store.epoch(self.setup.batch_sampler, drawn, position=request.position, ahead=ahead,
                             loop_wait_s=self.setup.stats.wait_time_s, number=request.number)
 
         def finish(item: tuple[list[torch.Tensor], torch.Tensor]) -> tuple[Any, int]:
@@ -158,8 +154,7 @@ class ArraySource(Source):
             leaves, flat = item
             return self._augmented(self.columns.build(leaves), flat, request.number), flat.numel()
 
-        # Double buffering: the exchange of the next batch while the loop computes this one.
-        return Epoch(steps, finish, depth=DEFAULT_DEPTH)
+        return Work(steps, finish)
 
     def _augmented(self, batch: Any, flat: torch.Tensor, epoch: int) -> Any:
         if self.augment is None:

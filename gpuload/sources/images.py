@@ -36,7 +36,7 @@ from gpuload.datasets.images import ImageSource, as_image_source
 from gpuload.decode import BatchDecoder, HeaderTable
 from gpuload.device import device_memory, host_memory
 from gpuload.distributed.sharded_images import ExchangedImages, ShardedImageStore, shard_images
-from gpuload.sources import Epoch, EpochRequest, Setup, Source
+from gpuload.sources import Indices, Schedule, Setup, Source, Work, ahead_on_device
 from gpuload.sources.image_decoding import DecodedBatch, ImageDecoding
 
 __all__ = ["ImageFileSource", "detect"]
@@ -66,7 +66,7 @@ def detect(setup: Setup, strict: bool) -> ImageFileSource | None:
 class ImageFileSource(ImageDecoding, Source):
     """Batches of dataset indices turned into device batches of decoded (and transformed) images."""
 
-    stages = False  # batches are made on the device; the prefetcher only runs this ahead
+    # Batches are made on the device (the prefetcher only runs the work ahead, nothing staged).
     # Ahead of the loop, DEFAULT_DEPTH batches: one being made while the loop uses the one
     # before, one more to absorb jitter in file sizes. Each holds a finished batch (38 MiB at
     # 128 x 224^2 float16), so more buys nothing but memory.
@@ -141,16 +141,6 @@ class ImageFileSource(ImageDecoding, Source):
         )
 
     @property
-    def streams(self) -> bool:  # type: ignore[override]
-        """Decoding runs ahead; a share's exchange only where it may (gloo: ``store.runs_ahead``)."""
-        return self.sharded is None or self.sharded.runs_ahead
-
-    @property
-    def ahead_on_cpu(self) -> bool:  # type: ignore[override]
-        """A share's exchange runs ahead (each step waits for other ranks); decoding does not."""
-        return self.sharded is not None
-
-    @property
     def _keeps_encoded(self) -> bool:
         return self.cache is not None and self.keeps == "encoded"
 
@@ -217,23 +207,28 @@ class ImageFileSource(ImageDecoding, Source):
 
     # -- an epoch ----------------------------------------------------------------------------
 
-    def epoch(self, request: EpochRequest) -> Epoch:
-        if self.sharded is not None:
-            return self._sharded_epoch(self.sharded, request)
-        number = request.number
-        decoded = (self.decode(index, number) for index in request.indices())
-        # On the CPU the transforms stay in the loop's thread: their batch-sized float buffers
-        # page-fault afresh each batch when allocated from a background thread's malloc arena
-        # (measured 30% slower); on a GPU the thread runs them too, on the side stream.
-        if request.ahead and self.setup.device.type == "cuda":
-            return Epoch((self.finish(d) for d in decoded), self._deliver)
-        return Epoch(decoded, lambda d: self._deliver(self.finish(d)))
+    def epoch(self, indices: Indices) -> Schedule:
+        """Decoding runs ahead (on a CPU device only when ``prefetch_depth`` asks); a share's
+        exchange runs ahead where it may (gloo: ``store.runs_ahead``), on a CPU device too:
+        each step waits for other ranks."""
+        sharded = self.sharded
+        if sharded is not None:
+            return Schedule(lambda ahead: self._sharded_epoch(sharded, indices, ahead), ahead=sharded.runs_ahead,
+                            ahead_on_cpu=True, staged=False)
+        return Schedule(lambda ahead: self._work(indices, ahead), staged=False)
 
-    def _sharded_epoch(self, store: ShardedImageStore, request: EpochRequest) -> Epoch:
+    def _work(self, request: Indices, ahead: bool) -> Work:
+        number = request.number
+        decoded = (self.decode(index, number) for index in request.batches(ahead))
+        if ahead_on_device(ahead, self.setup.device):
+            return Work((self.finish(d) for d in decoded), self._deliver)
+        return Work(decoded, lambda d: self._deliver(self.finish(d)))
+
+    def _sharded_epoch(self, store: ShardedImageStore, request: Indices, ahead: bool) -> Work:
         """Batches whose images come from every rank's share (each step a collective), ahead of
         the loop in the prefetcher's thread when the request runs ahead; transforms as above."""
-        drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.indices()]
-        steps = store.epoch(self.setup.batch_sampler, drawn, position=request.position, ahead=request.ahead,
+        drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.batches(ahead)]
+        steps = store.epoch(self.setup.batch_sampler, drawn, position=request.position, ahead=ahead,
                             loop_wait_s=self.setup.stats.wait_time_s, number=request.number)
         number = request.number
 
@@ -241,9 +236,9 @@ class ImageFileSource(ImageDecoding, Source):
             steps.handed_over()  # every step counts, a batch whose files were all skipped too
             return self._deliver(finished)
 
-        if request.ahead and self.setup.device.type == "cuda":
-            return Epoch(steps.map(lambda item: self.finish(self._exchanged(item, number))), delivered)
-        return Epoch(steps.map(lambda item: self._exchanged(item, number)), lambda d: delivered(self.finish(d)))
+        if ahead_on_device(ahead, self.setup.device):
+            return Work(steps.map(lambda item: self.finish(self._exchanged(item, number))), delivered)
+        return Work(steps.map(lambda item: self._exchanged(item, number)), lambda d: delivered(self.finish(d)))
 
     def _exchanged(self, item: ExchangedImages, epoch: int) -> DecodedBatch:
         """An exchanged batch as a decoded one (whole images), its skipped files counted."""

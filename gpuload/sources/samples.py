@@ -31,10 +31,10 @@ from torch.utils.data.dataloader import DataLoader as TorchDataLoader
 from gpuload.cache import Store, decide_samples
 from gpuload.distributed.sharded_samples import ShardedSamples, shard_samples
 from gpuload.resume import stateful
-from gpuload.sources import Epoch, EpochRequest, Setup, Source
+from gpuload.sources import Indices, Schedule, Setup, Source, Work
 from gpuload.sources.sample_cache import CachedSamples
 from gpuload.sources.torch_fetch import (
-    KeepSamples, PerBatch, RecordingSampler, TorchEpoch, TorchLoading, WorkerBatches, fetch, is_default_collate,
+    KeepSamples, PerBatch, RecordingSampler, TorchBatches, TorchLoading, WorkerBatches, fetch, is_default_collate,
     read_prepared,
 )
 from gpuload.transfer import batch_length, batch_nbytes, move_to_device
@@ -60,15 +60,6 @@ class SampleSource(Source):
     @property
     def h2d_bytes(self) -> int:  # type: ignore[override]
         return self._moved_bytes + (self.cached.h2d_bytes if self.cached is not None else 0)
-
-    @property
-    def streams(self) -> bool:  # type: ignore[override]
-        # A stateful iterable dataset's own state must be the position of the batches handed
-        # to the loop (``state_dict``), so nothing reads it ahead; nor does the exchange of a
-        # share split over ranks (each batch is a collective).
-        if self.sharded is not None:
-            return False
-        return self.setup.map_style or not stateful(self.setup.dataset)
 
     def _decide_cache(self) -> CachedSamples | None:
         """The sample cache, decided at the first epoch (again after ``close``); None: no cache."""
@@ -125,32 +116,40 @@ class SampleSource(Source):
         serves = cached is not None and (self.torch.num_workers == 0 or cached.complete)
         self.path = f"sample-cache ({cached.tier})" if serves else "torch"
 
-    def epoch(self, request: EpochRequest) -> Epoch:
-        if self.sharded is not None:
-            return self._sharded_epoch(self.sharded, request)
+    def epoch(self, indices: Indices) -> Schedule:
+        """Runs ahead on a GPU (or with ``prefetch_depth``), except a stateful iterable dataset,
+        whose own state must be the position of the batches handed to the loop (``state_dict``),
+        and the exchange of a share split over ranks (each batch is a collective)."""
+        sharded = self.sharded
+        if sharded is not None:
+            return Schedule(lambda ahead: self._sharded_epoch(sharded, indices), ahead=False)
+        may_run_ahead = self.setup.map_style or not stateful(self.setup.dataset)
+        return Schedule(lambda ahead: self._work(indices, ahead), ahead=may_run_ahead)
+
+    def _work(self, request: Indices, ahead: bool) -> Work:
         cached = self.cached
-        finish = self._passed if request.ahead else self._moved
+        finish = self._passed if ahead else self._moved
         if not self.setup.map_style:
             batches = self.torch.iterate()  # an iterable dataset: torch's own iterator, workers included
-            return Epoch(batches, finish, length=batches.__len__, from_torch=True, torch_iterator=batches)
+            return Work(batches, finish, length=batches.__len__, from_torch=True, torch_iterator=batches)
         if self.torch.num_workers == 0 or (cached is not None and cached.complete):
             # Read in this process as torch's fetcher reads (dataset[i] or __getitems__, then
             # collate_fn), from the sample cache when there is one.
             self._stop_fill_workers()
-            indices = request.indices()
+            indices = request.batches(ahead)
             if cached is not None:
-                return Epoch(cached.batches(indices, request.in_range, whole=not request.resumed), finish)
-            return Epoch(self._fetched(indices), finish)
+                return Work(cached.batches(indices, request.in_range, whole=not request.resumed), finish)
+            return Work(self._fetched(indices), finish)
         if request.resumed:
-            epoch = self._worker_epoch(cached, list(request.indices()))
+            epoch = self._worker_epoch(cached, list(request.batches(ahead)))
         else:
             epoch = self._worker_epoch(cached, seed_drawn=request.worker_seed_drawn)
-        return Epoch(epoch, finish, length=epoch.length, from_torch=not request.resumed,
-                     torch_iterator=epoch.torch_iterator)
+        return Work(epoch, finish, length=epoch.length, from_torch=not request.resumed,
+                    torch_iterator=epoch.torch_iterator)
 
-    def _sharded_epoch(self, sharded: ShardedSamples, request: EpochRequest) -> Epoch:
+    def _sharded_epoch(self, sharded: ShardedSamples, request: Indices) -> Work:
         """Batches assembled from every rank's share, in the loop's thread (each is a collective)."""
-        drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.indices()]
+        drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.batches(False)]
         store = sharded.store
 
         def finish(item: tuple[list[torch.Tensor], torch.Tensor]) -> tuple[Any, int]:
@@ -158,8 +157,8 @@ class SampleSource(Source):
             self.setup.stats.extra["exchange"] = store.describe_exchange()
             return sharded.batch(rows), flat.numel()
 
-        return Epoch(store.epoch(self.setup.batch_sampler, drawn, position=request.position, number=request.number),
-                     finish)
+        return Work(store.epoch(self.setup.batch_sampler, drawn, position=request.position, number=request.number),
+                    finish)
 
     def _fetched(self, indices: Iterator[Any]) -> Iterator[Any]:
         return PerBatch(indices, self._read_batch)
@@ -174,7 +173,7 @@ class SampleSource(Source):
 
     def _worker_epoch(
         self, cached: CachedSamples | None, remaining: list[Any] | None = None, seed_drawn: bool = False
-    ) -> TorchEpoch:
+    ) -> TorchBatches:
         """An epoch read by torch's worker processes, through a private torch DataLoader over the
         same dataset, sampler and generator (it draws what the loader's own iterator would),
         its index batches recorded and its samples kept for the cache while it accepts them.
@@ -212,7 +211,7 @@ class SampleSource(Source):
         at_end = self._end_of_worker_epoch if cached is not None and remaining is None else None
         batches = WorkerBatches(pairs, recorder, lambda indices, part: cached is not None and cached.take(
             indices, part, keep), at_end)
-        return TorchEpoch(batches, pairs.__len__, pairs)
+        return TorchBatches(batches, pairs.__len__, pairs)
 
     def _torch_loader(self, keep: KeepSamples, recorder: RecordingSampler, options: dict[str, Any]) -> TorchDataLoader:
         placement = {"batch_sampler": recorder} if self.setup.batched else {"batch_size": None, "sampler": recorder}

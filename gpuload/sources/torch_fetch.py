@@ -24,7 +24,7 @@ from torch.utils.data.dataloader import DataLoader as TorchDataLoader
 
 from gpuload.cache.columns import Part, prepare
 
-__all__ = ["KeepSamples", "PerBatch", "RecordingSampler", "TorchEpoch", "TorchLoading", "WorkerBatches", "add_note",
+__all__ = ["KeepSamples", "PerBatch", "RecordingSampler", "TorchBatches", "TorchLoading", "WorkerBatches", "add_note",
            "fetch", "is_default_collate", "read_prepared"]
 
 
@@ -107,7 +107,7 @@ class TorchLoading:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-class TorchEpoch(Iterator[Any]):
+class TorchBatches(Iterator[Any]):
     """An epoch of batches with the length of the torch iterator that makes them."""
 
     def __init__(self, inner: Iterator[Any], length: Callable[[], int], torch_iterator: Any) -> None:

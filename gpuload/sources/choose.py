@@ -1,0 +1,47 @@
+"""Which Source serves a loader's dataset: arrays, else image files, else torch's own path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data.dataloader import _DatasetKind
+
+from gpuload.cache import CacheSettings
+from gpuload.sources import Setup, Source, arrays, images
+from gpuload.sources.samples import SampleSource, TorchLoading
+from gpuload.stats import LoaderStats
+
+__all__ = ["choose_source"]
+
+
+def choose_source(loader: Any, settings: CacheSettings, stats: LoaderStats, seed: int,
+                  torch_epoch: Callable[[], Iterator[Any]]) -> Source:
+    """The Source for ``loader``'s dataset: in-memory arrays, else image files, else any dataset
+    through torch's fetch, collate and workers (``torch_epoch``: the loader's own torch
+    iterator for one epoch). ``settings``, ``stats``, ``seed``: the loader's cache settings,
+    counters and transforms' seed."""
+    setup = Setup(
+        dataset=loader.dataset, map_style=loader._dataset_kind == _DatasetKind.Map, device=loader.device,
+        settings=settings, batched=loader._auto_collation, batch_size=loader.batch_size,
+        collate_fn=loader.collate_fn, stats=stats, owner=f"loader-{id(loader)}", transforms=loader.transforms,
+        seed=seed, on_error=loader.on_error, batch_sampler=loader.batch_sampler,
+        worker_code=loader.num_workers > 0 and loader.worker_init_fn is not None,
+    )
+    source = arrays.detect(setup) or images.detect(setup, strict=bool(setup.transforms))
+    if source is not None:
+        return source
+    if setup.transforms:
+        raise ValueError(
+            "transforms= runs on images gpuload serves itself: uint8 arrays (TensorDataset, "
+            "gpuload.ArrayDataset, a tensor or numpy array) or image files "
+            "(gpuload.datasets.ImageFolder/ImageList, torchvision's ImageFolder), with the "
+            f"default collate_fn; for a {type(setup.dataset).__name__}, apply transforms inside the dataset"
+        )
+    options = {
+        "worker_init_fn": loader.worker_init_fn, "multiprocessing_context": loader.multiprocessing_context,
+        "timeout": loader.timeout, "generator": loader.generator, "prefetch_factor": loader.prefetch_factor,
+        "persistent_workers": loader.persistent_workers, "pin_memory": loader.pin_memory,
+        "pin_memory_device": loader.pin_memory_device, "in_order": loader.in_order,
+    }
+    return SampleSource(setup, TorchLoading(torch_epoch, loader._index_sampler, loader.num_workers, options))
