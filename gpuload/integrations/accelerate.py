@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.data_loader import DataLoaderShard
+from accelerate.data_loader import DataLoaderShard, SeedableRandomSampler
 from accelerate.state import GradientState
 from accelerate.data_loader import prepare_data_loader as _accelerate_prepare_data_loader
 from accelerate.utils import DistributedType
@@ -62,6 +62,7 @@ class GpuloadShard(DataLoaderShard):
     @classmethod
     def adopt(cls, shard: DataLoaderShard, loader: gpuload.DataLoader) -> GpuloadShard:
         """``shard`` (as Accelerate built it) with ``loader`` under it."""
+        _give_seedable_samplers_their_generator(loader)
         adopted = cls.__new__(cls)
         adopted.__dict__.update(shard.__dict__)
         adopted.base_dataloader = loader
@@ -210,6 +211,18 @@ def _batching(base: torch.utils.data.DataLoader) -> dict[str, Any]:
         return {"batch_size": batch_sampler.batch_size, "sampler": batch_sampler.sampler,
                 "drop_last": batch_sampler.drop_last}
     return {"batch_sampler": batch_sampler}
+
+
+def _give_seedable_samplers_their_generator(loader: gpuload.DataLoader) -> None:
+    """Accelerate's SeedableRandomSampler makes its generator at its first ``iter()`` (and seeds
+    it at every one); made now, as that would make it, it exists from the start, so a resumed
+    epoch finds the generators that the saved one had."""
+    sampler: Any = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+    while sampler is not None:
+        if isinstance(sampler, SeedableRandomSampler) and sampler.generator is None:
+            sampler.generator = torch.Generator(device=torch.get_default_device())
+            sampler.generator.manual_seed(sampler.initial_seed)
+        sampler = getattr(sampler, "sampler", None) or getattr(sampler, "batch_sampler", None)
 
 
 def _sharded_by_its_sampler(loader: gpuload.DataLoader, num_processes: int, process_index: int) -> bool:
