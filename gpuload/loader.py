@@ -20,6 +20,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from gpuload.cache import CacheSettings
 from gpuload.device import resolve_device
+from gpuload.elastic import distributed_layout, for_this_world_size
 from gpuload.iterators import EpochIterator
 from gpuload.prefetch import Prefetcher, one_epoch_at_a_time
 from gpuload.resume import EpochProgress, RandomStates, load_state, save_state
@@ -274,7 +275,9 @@ class DataLoader(tud.DataLoader[T_co]):
         ``load_state_dict`` on a loader built with the same arguments continues from there, and
         the epochs after it follow as in an uninterrupted run. See the README's resume section.
         """
-        return save_state(self, self._resume or self._progress, self._epoch, self._transform_seed)
+        state = save_state(self, self._resume or self._progress, self._epoch, self._transform_seed)
+        state["distributed"] = distributed_layout(self)  # taken up at another world size (gpuload.elastic)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a ``state_dict()``: the next ``iter()`` takes the epoch up where it was
@@ -283,6 +286,7 @@ class DataLoader(tud.DataLoader[T_co]):
         Raises :class:`gpuload.resume.ResumeError` naming what differs when the state was saved
         by a loader with other arguments or another dataset.
         """
+        state = for_this_world_size(self, state)
         loaded = load_state(self, state, iterable=self._dataset_kind != _DatasetKind.Map)
         if loaded.transform_seed != self._transform_seed:
             self._transform_seed = loaded.transform_seed

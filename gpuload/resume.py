@@ -52,7 +52,8 @@ def _generators(loader: tud.DataLoader) -> list[torch.Generator]:
     candidates = [loader.generator]
     while sampler is not None:
         candidates.append(getattr(sampler, "generator", None))
-        sampler = getattr(sampler, "sampler", None)
+        inner = getattr(sampler, "sampler", None)  # a batch sampler that wraps another (Accelerate's shard)
+        sampler = inner if inner is not None else getattr(sampler, "batch_sampler", None)
     for generator in candidates:
         if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
             found.append(generator)
