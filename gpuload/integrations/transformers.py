@@ -65,7 +65,7 @@ class GpuloadTrainerMixin:
         if not hasattr(super(), "get_resumed_dataloader"):
             raise ImportError(
                 "GpuloadTrainerMixin resumes through Trainer.get_resumed_dataloader, which this transformers "
-                f"release lacks; upgrade transformers (pip install -U transformers), or mix it in before Trainer"
+                "release lacks; upgrade transformers (pip install -U transformers), or mix it in before Trainer"
             )
         super().__init__(*args, **kwargs)
         self.gpuload_options = options

@@ -12,6 +12,8 @@ prepared, so that ``accelerator.prepare`` keeps it.
 from __future__ import annotations
 
 import pickle
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,3 +127,21 @@ def test_a_prepared_loader_pickles() -> None:
     copy = pickle.loads(pickle.dumps(ours))
     assert type(copy) is GpuloadShard and serves_from_gpuload(copy)
     assert len(list(copy)) == len(ours)
+
+
+def readme_snippet(marker: str) -> str:
+    """The README's one python block that contains ``marker`` (the test runs exactly that text)."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    [block] = [block for block in re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL) if marker in block]
+    return block
+
+
+def test_the_readme_snippet_runs_and_serves_from_gpuload() -> None:
+    dataset = TensorDataset(torch.randn(200, 3), torch.randn(200, 1))
+    model = torch.nn.Linear(3, 1)
+    scope = {"gpuload": gpuload, "dataset": dataset, "model": model,
+             "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    exec(readme_snippet("from gpuload.integrations.accelerate import prepare"), scope)
+    loader = scope["loader"]
+    assert type(loader) is GpuloadShard and loader.cache_size == "8GiB"
+    assert loader.base_dataloader.stats.batches == 4  # the snippet's loop ran the epoch from gpuload

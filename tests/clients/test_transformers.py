@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,3 +119,23 @@ def test_a_checkpoint_without_the_loaders_position_is_refused(tmp_path) -> None:
 def test_unknown_gpuload_options_are_refused(tmp_path) -> None:
     with pytest.raises(TypeError, match="cache_sise"):
         trainer(GpuloadTrainer, str(tmp_path), gpuload_options={"cache_sise": "1GiB"})
+
+
+def readme_snippet(marker: str) -> str:
+    """The README's one python block that contains ``marker`` (the test runs exactly that text)."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    [block] = [block for block in re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL) if marker in block]
+    return block
+
+
+def test_the_readme_snippet_trains_and_evaluates_from_gpuload(tmp_path) -> None:
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=BATCH, num_train_epochs=1, report_to=[],
+        use_cpu=True, remove_unused_columns=False, disable_tqdm=True, dataloader_pin_memory=False,
+    )
+    scope = {"model": Tiny(), "args": args, "train_set": data(1), "eval_set": data(2)}
+    exec(readme_snippet("from gpuload.integrations.transformers import GpuloadTrainerMixin"), scope)
+    trainer = scope["trainer"]
+    assert type(trainer.get_train_dataloader().base_dataloader) is gpuload.DataLoader
+    assert trainer.get_train_dataloader().cache_size == "8GiB"
+    assert len(scope["model"].seen) == SAMPLES // BATCH and "eval_loss" in scope["metrics"]

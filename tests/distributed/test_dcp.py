@@ -34,7 +34,10 @@ BATCH, STOP_AT, EPOCHS = 8, 3, 2  # the save: 3 batches into epoch 1 (7 batches 
 SCOPES = ("rank", "world")
 README = Path(__file__).parents[2] / "README.md"
 
-pytestmark = pytest.mark.slow  # two spawns of 2 processes that import torch, DDP over gloo
+pytestmark = [
+    pytest.mark.slow,  # two spawns of 2 processes that import torch, DDP over gloo
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),  # DCP in one process
+]
 
 
 class Training:
@@ -184,3 +187,20 @@ def test_the_state_has_the_keys_and_version_the_readme_documents() -> None:
     assert documented == list(state), "README's list of state keys differs from state_dict()"
     assert f"version {STATE_VERSION}" in section and state["version"] == STATE_VERSION
     assert state["distributed"] == {"num_replicas": 2, "seed": ranks_job.SEED, "shuffle": True, "drop_last": False}
+
+
+def test_the_readme_snippet_saves_and_takes_up_the_position(tmp_path, monkeypatch) -> None:
+    """The README's DCP block, run exactly, as the one rank of a gloo group: the loaded loader
+    goes on with the 4th batch of the epoch."""
+    [snippet] = [block for block in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+                 if "dcp.save(" in block]
+    monkeypatch.chdir(tmp_path)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        dataset = ranks_job.dataset()
+        scope = {"gpuload": gpuload, "dataset": dataset, "model": torch.nn.Linear(7, 1)}
+        exec(snippet, scope)
+        expected = list(tud.DataLoader(dataset, 8, sampler=DistributedSampler(dataset, seed=0)))[3]
+        assert all(torch.equal(a, b) for a, b in zip(next(iter(scope["loader"])), expected))
+    finally:
+        dist.destroy_process_group()
