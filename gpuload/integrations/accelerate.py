@@ -29,15 +29,17 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderShard, SeedableRandomSampler
+from accelerate.data_loader import (
+    prepare_data_loader as _accelerate_prepare_data_loader,
+)
 from accelerate.state import GradientState
-from accelerate.data_loader import prepare_data_loader as _accelerate_prepare_data_loader
 from accelerate.utils import DistributedType
 from torch.utils.data import BatchSampler, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import gpuload
 
-__all__ = ["GpuloadShard", "GPULOAD_OPTIONS", "prepare", "prepare_data_loader", "serve_from_gpuload"]
+__all__ = ["GPULOAD_OPTIONS", "GpuloadShard", "prepare", "prepare_data_loader", "serve_from_gpuload"]
 
 #: gpuload's own keyword-only options, carried from a loader to the one that replaces it.
 GPULOAD_OPTIONS = ("transforms", "cache", "cache_size", "cache_reserve", "cache_scope", "job", "prefetch_depth", "on_error")

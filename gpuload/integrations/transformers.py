@@ -25,13 +25,22 @@ import os
 from typing import Any
 
 import torch
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from gpuload.integrations.accelerate import GPULOAD_OPTIONS, GpuloadShard, serve_from_gpuload
+from gpuload.integrations.accelerate import (
+    GPULOAD_OPTIONS,
+    GpuloadShard,
+    serve_from_gpuload,
+)
 from gpuload.resume import ResumeError
 
-__all__ = ["GpuloadTrainerMixin", "LOADER_STATE_FILE", "SaveLoaderState"]
+__all__ = ["LOADER_STATE_FILE", "GpuloadTrainerMixin", "SaveLoaderState"]
 
 #: The train loader's position in a checkpoint folder, per process (``{process}``: its index).
 LOADER_STATE_FILE = "gpuload_loader_{process}.pt"

@@ -17,17 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from equivalence import assert_same, assert_same_epochs
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import TensorDataset
 
 import gpuload
-from equivalence import assert_same, assert_same_epochs
 
 accelerate = pytest.importorskip("accelerate", reason="HF Accelerate is a test dependency: pip install -e '.[test]'")
-import accelerate.data_loader  # noqa: E402,F811 (the submodule, after the importorskip)
-from accelerate.utils import DataLoaderConfiguration  # noqa: E402
+import accelerate.data_loader  # noqa: F811 (the submodule, after the importorskip)
+from accelerate.utils import DataLoaderConfiguration
 
-from gpuload.integrations.accelerate import GpuloadShard, prepare, prepare_data_loader  # noqa: E402
+from gpuload.integrations.accelerate import GpuloadShard, prepare, prepare_data_loader
 
 pytestmark = pytest.mark.slow  # importing Accelerate alone takes seconds
 

@@ -21,12 +21,12 @@ from torch.utils.data.distributed import DistributedSampler
 import gpuload
 
 accelerate = pytest.importorskip("accelerate", reason="HF Accelerate is a test dependency: pip install -e '.[test]'")
-from accelerate.utils import DataLoaderConfiguration  # noqa: E402
+from accelerate.utils import DataLoaderConfiguration
 
-from gpuload.integrations.accelerate import prepare_data_loader  # noqa: E402
+from gpuload.integrations.accelerate import prepare_data_loader
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
-import ranks_job  # noqa: E402
+import ranks_job
 
 pytestmark = pytest.mark.slow  # a spawn of 2 processes that import torch and Accelerate
 
@@ -90,9 +90,10 @@ def test_each_rank_gets_accelerates_batches_from_gpuload(ranks, config: str) -> 
         assert seen["served"] == "DataLoader" and seen["cache_size"] == "1MiB", rank
         assert seen["ours"] == seen["theirs"], rank
     first = [ranks[rank][config]["ours"][0] for rank in range(2)]
-    assert set(sum(first[0], []) + sum(first[1], [])) == set(range(ranks_job.NUM_SAMPLES))  # the ranks share the epoch
+    labels = [label for batches in first for batch in batches for label in batch]
+    assert set(labels) == set(range(ranks_job.NUM_SAMPLES))  # the ranks share the epoch
     if config == "uneven":  # no padding: each sample once
-        assert len(sum(first[0], []) + sum(first[1], [])) == ranks_job.NUM_SAMPLES
+        assert len(labels) == ranks_job.NUM_SAMPLES
     if config == "split_batches":  # each rank half of every batch of 8
         assert {len(batch) for batch in first[0][:-1]} == {4}
 

@@ -19,10 +19,11 @@ from torch.utils.data import default_collate
 import gpuload
 
 transformers = pytest.importorskip("transformers", reason="HF Transformers is a test dependency: pip install -e '.[test]'")
-import transformers.trainer  # noqa: E402
-from gpuload.integrations.accelerate import GpuloadShard  # noqa: E402
-from gpuload.integrations.transformers import LOADER_STATE_FILE, GpuloadTrainerMixin  # noqa: E402
-from gpuload.resume import ResumeError  # noqa: E402
+import transformers.trainer  # noqa: F811 (the submodule, after the importorskip)
+
+from gpuload.integrations.accelerate import GpuloadShard
+from gpuload.integrations.transformers import LOADER_STATE_FILE, GpuloadTrainerMixin
+from gpuload.resume import ResumeError
 
 pytestmark = pytest.mark.slow  # importing Transformers takes seconds
 
