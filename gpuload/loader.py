@@ -21,6 +21,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from gpuload.cache import CacheSettings
 from gpuload.device import resolve_device
+from gpuload.elastic import distributed_layout, for_this_world_size
 from gpuload.iterators import EpochIterator, OpenEpochs, close_when_idle, shut_down_workers
 from gpuload.prefetch import Prefetcher
 from gpuload.resume import Position, RandomStates, begin_epoch, load_state, save_state
@@ -53,8 +54,7 @@ class DataLoader(tud.DataLoader[T_co]):
       and the cache (see the README); ``cache="off"`` keeps array data on the host and copies
       each batch. ``cache_scope``: in a torch.distributed job, over which ranks one copy of the
       dataset is split (``"rank"``, ``"node"``, ``"world"``, ``"auto"``; README, multi-GPU).
-      ``cache_dir``, ``disk_cache_size``: the local-disk tier's folder and size (README, "Disk
-      tier"); resolved and checked here, not used by the loader yet.
+      ``cache_dir``, ``disk_cache_size``: the disk tier (README), checked here, not used yet.
     - ``prefetch_depth``: batches made ahead of the loop (0: none, in the loop's thread).
     - ``on_error``: ``"skip"`` leaves out image files that cannot be decoded.
 
@@ -135,11 +135,8 @@ class DataLoader(tud.DataLoader[T_co]):
 
     @property
     def stats(self) -> LoaderStats:
-        """Counters over this loader's life: path, batches, samples, bytes copied, wait time.
-
-        With a cache, ``stats.extra["cache"]`` has its bytes, samples and hits (per tier for
-        arrays, with ``stats.extra["cache_plan"]`` the placement plan that was chosen).
-        """
+        """Counters over this loader's life: path, batches, samples, bytes copied, wait time; with a
+        cache, ``stats.extra["cache"]`` (bytes, samples, hits per tier) and ``["cache_plan"]``."""
         return self._tally.merge(self._source, self._prefetcher, self.device.type)
 
     @property
@@ -148,8 +145,7 @@ class DataLoader(tud.DataLoader[T_co]):
         return self._cache_settings
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration epoch ``epoch`` (0-based) for the transforms' randomness (epochs
-        count up by one per ``iter()``); samplers keep their own ``set_epoch``."""
+        """Make the next ``iter()`` epoch ``epoch`` (0-based) for the transforms' randomness."""
         self._epoch = int(epoch) - 1
 
     def __iter__(self) -> Iterator[T_co]:
@@ -177,14 +173,11 @@ class DataLoader(tud.DataLoader[T_co]):
         return iterator
 
     def set_batch_size(self, batch_size: int) -> None:
-        """Make batches of ``batch_size`` samples from the next one the loop asks for.
-
-        The epoch in progress keeps its sample order, its remaining samples cut at the new size
-        (none skipped or repeated; batches made ahead are made again); later epochs, ``len()``
-        and ``state_dict()`` follow the change (README). ValueError for a size that is not a
-        positive int, and for loaders whose batches are not cut by size (``batch_size=None``,
-        a ``batch_sampler=``, an IterableDataset).
-        """
+        """Make batches of ``batch_size`` samples from the next one the loop asks for: the epoch in
+        progress keeps its sample order, the rest cut at the new size (none skipped or repeated);
+        later epochs, ``len()`` and ``state_dict()`` follow (README). ValueError for a size that is
+        not a positive int, or batches not cut by size (``batch_size=None``, ``batch_sampler=``, an
+        IterableDataset)."""
         size = checked_batch_size(self, batch_size, self._built_batch_size)
         if size == self.batch_size:
             return
@@ -217,16 +210,18 @@ class DataLoader(tud.DataLoader[T_co]):
         return self._source.shrink_cache(max_device_bytes)
 
     def state_dict(self) -> dict[str, Any]:
-        """This loader's position after the batches handed to the loop (not those made ahead): a
-        small dict of Python values and CPU tensors that ``load_state_dict`` on a loader built
-        with the same arguments continues from (README, resume)."""
-        return save_state(self, self._resume or self._position, self._epoch, self._transform_seed)
+        """This loader's position after the batches handed to the loop (not those made ahead): a small
+        dict that ``load_state_dict`` continues from, at this or another world size (README, resume)."""
+        state = save_state(self, self._resume or self._position, self._epoch, self._transform_seed)
+        state["distributed"] = distributed_layout(self)  # taken up at another world size (gpuload.elastic)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a ``state_dict()``: the next ``iter()`` takes the epoch up where it was
         saved, reading nothing before that point. :class:`gpuload.resume.ResumeError` names
-        what differs (arguments, dataset, generators, a DistributedSampler's seed) or what a
-        malformed state lacks."""
+        what differs (arguments, dataset, generators, a DistributedSampler's seed, a world size
+        the saved position cannot be split over) or what a malformed state lacks."""
+        state = for_this_world_size(self, state)
         loaded = load_state(self, state, iterable=self._dataset_kind != _DatasetKind.Map)
         if loaded.transform_seed != self._transform_seed:
             self._transform_seed = loaded.transform_seed
@@ -238,22 +233,17 @@ class DataLoader(tud.DataLoader[T_co]):
             self._apply_batch_size(loaded.batch_size)  # a set_batch_size before the save
 
     def warm(self, progress: bool = True) -> LoaderStats:
-        """Fill the cache now, in one pass (with this loader's workers, behind a progress bar),
-        instead of during the first epoch; returns ``stats``. Samplers and generators are not
-        touched: batches stay what they would have been. Without a cache nothing is read
-        (``stats.extra`` says why)."""
+        """Fill the cache now, in one pass (this loader's workers, a progress bar), not during the first
+        epoch; returns ``stats``. Samplers and generators are untouched; without a cache nothing is read."""
         self._source.warm(progress)
         if self._source.path:
             self._stats.path = self._source.path
         return self.stats
 
     def close(self) -> None:
-        """Give back the cache's memory, stop the prefetcher and persistent workers; idempotent.
-
-        Iterators still open on this loader, in any thread, raise ``EpochStoppedError`` at their
-        next batch, also one waiting inside ``next()`` (README, prefetching). Iterating the
-        loader again places the dataset again.
-        """
+        """Give back the cache's memory, stop the prefetcher and persistent workers; idempotent. Open
+        iterators, in any thread (also one inside ``next()``), raise ``EpochStoppedError`` at their
+        next batch; iterating the loader again places the dataset again."""
         prefetcher, self._prefetcher = self._prefetcher, None
         # torch's workers are shut down only once no thread is inside its iterator (under one it
         # would hang or end short); any other source closes first, letting go of a thread that
@@ -341,7 +331,8 @@ class DataLoader(tud.DataLoader[T_co]):
         _, draw, length = begin_epoch(self, position.number, position)  # the rest of its order, cut
         indices = Indices(position.number, draw, self._in_range, resumed=True, copy_now=self._copy_now,
                           worker_seed_drawn=self._persistent_seed_drawn, position=position.after_cut())
-        work, items = self._start(self._source.epoch(indices), "the rest of this epoch at a new batch size (set_batch_size)")
+        stopping = "the rest of this epoch at a new batch size (set_batch_size)"
+        work, items = self._start(self._source.epoch(indices), stopping)
         return work, items, length
 
     def _apply_batch_size(self, size: int) -> None:

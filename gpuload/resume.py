@@ -71,12 +71,14 @@ def stateful(obj: Any) -> bool:
 
 
 def _samplers(loader: tud.DataLoader) -> list[Any]:
-    """The index sampler and the samplers it draws from (``.sampler``), outermost first."""
+    """The index sampler and the samplers it draws from (``.sampler``, or ``.batch_sampler`` for
+    a batch sampler that wraps another, as Accelerate's shard does), outermost first."""
     chain: list[Any] = []
     sampler: Any = _index_sampler(loader)
     while sampler is not None and all(sampler is not seen for seen in chain):
         chain.append(sampler)
-        sampler = getattr(sampler, "sampler", None)
+        inner = getattr(sampler, "sampler", None)
+        sampler = inner if inner is not None else getattr(sampler, "batch_sampler", None)
     return chain
 
 

@@ -1,56 +1,147 @@
-"""HF Accelerate's ``Accelerator.prepare`` with a gpuload loader (one CPU process).
+"""HF Accelerate's ``Accelerator.prepare`` with a gpuload loader (one CPU process; two gloo
+processes in tests/clients/test_accelerate_ranks.py).
 
-``prepare`` rebuilds every loader from torch's constructor arguments as
-``accelerate.data_loader.DataLoader`` (torch's class, bound when Accelerate is imported),
-wrapped in its ``DataLoaderShard``. The prepared loader must serve from gpuload, with the
-batches Accelerate gives for torch's loader.
+Plain ``accelerator.prepare(gpuload_loader)`` rebuilds the loader as torch's class from torch's
+arguments (the class is bound when Accelerate is imported; only torch's keyword arguments
+travel): no object-level hook reaches it except the ``_is_accelerate_prepared`` flag. The
+supported way is ``gpuload.integrations.accelerate``: ``prepare(accelerator, ...)`` (or
+``prepare_data_loader``) gives Accelerate's own shard of the loader, served by gpuload, marked
+prepared, so that ``accelerator.prepare`` keeps it.
 """
 
 from __future__ import annotations
 
+import pickle
+import re
+from pathlib import Path
+
 import pytest
 import torch
+from equivalence import assert_same, assert_same_epochs
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import TensorDataset
 
 import gpuload
-from equivalence import assert_same_epochs
 
 accelerate = pytest.importorskip("accelerate", reason="HF Accelerate is a test dependency: pip install -e '.[test]'")
-import accelerate.data_loader  # noqa: E402,F811 (the submodule, after the importorskip)
+import accelerate.data_loader  # noqa: F811 (the submodule, after the importorskip)
+from accelerate.utils import DataLoaderConfiguration
+
+from gpuload.integrations.accelerate import GpuloadShard, prepare, prepare_data_loader
 
 pytestmark = pytest.mark.slow  # importing Accelerate alone takes seconds
 
 
-def shuffled(loader_class: type) -> TorchDataLoader:
-    data = TensorDataset(torch.arange(32, dtype=torch.float32).unsqueeze(1), torch.arange(32))
-    return loader_class(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
+def shuffled(loader_class: type, **options) -> TorchDataLoader:
+    data = TensorDataset(torch.arange(30, dtype=torch.float32).unsqueeze(1), torch.arange(30))
+    return loader_class(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0), **options)
 
 
 def serves_from_gpuload(prepared: object) -> bool:
-    return isinstance(prepared, gpuload.DataLoader) or isinstance(
-        getattr(prepared, "base_dataloader", None), gpuload.DataLoader
-    )
+    return isinstance(getattr(prepared, "base_dataloader", None), gpuload.DataLoader)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #11: prepare() rebuilds the loader as torch's DataLoader (accelerate.data_loader.DataLoader, "
-    "bound at import) from torch's arguments: gpuload and its options are dropped",
-)
-def test_prepare_keeps_a_gpuload_loader_with_the_same_batches() -> None:
-    accelerator = accelerate.Accelerator(cpu=True)
+def test_plain_prepare_of_an_unmarked_loader_still_builds_torchs() -> None:
+    """Why the integration exists: Accelerate builds ``accelerate.data_loader.DataLoader``
+    (torch's) from torch's arguments; nothing of gpuload survives (if this starts failing,
+    Accelerate gained a hook and the README should say so)."""
+    prepared = accelerate.Accelerator(cpu=True).prepare(shuffled(gpuload.DataLoader, cache_scope="rank"))
+    assert type(prepared.base_dataloader) is torch.utils.data.DataLoader
+
+
+@pytest.mark.parametrize("use_seedable_sampler", [False, True])
+def test_prepare_keeps_a_gpuload_loader_with_accelerates_batches(use_seedable_sampler: bool) -> None:
+    config = DataLoaderConfiguration(use_seedable_sampler=use_seedable_sampler)
+    accelerator = accelerate.Accelerator(cpu=True, dataloader_config=config)
     theirs = accelerator.prepare(shuffled(TorchDataLoader))
-    ours = accelerator.prepare(shuffled(gpuload.DataLoader))
-    assert serves_from_gpuload(ours), type(getattr(ours, "base_dataloader", ours))
-    assert_same_epochs(ours, theirs, epochs=2)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, ours = prepare(accelerator, model, optimizer, shuffled(gpuload.DataLoader))
+    assert serves_from_gpuload(ours) and isinstance(ours, gpuload.DataLoader) and type(ours) is GpuloadShard
+    assert ours in accelerator._dataloaders and accelerator.prepare(ours) is ours  # kept as it is
+    assert_same_epochs(ours, theirs, epochs=3)
 
 
-def test_prepare_serves_from_gpuload_when_accelerates_class_is_swapped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The workaround today: swap the class Accelerate builds (as the global swap would)."""
+def test_gpuload_options_travel_and_batches_land_on_the_accelerators_device() -> None:
     accelerator = accelerate.Accelerator(cpu=True)
-    theirs = accelerator.prepare(shuffled(TorchDataLoader))
-    monkeypatch.setattr(accelerate.data_loader, "DataLoader", gpuload.DataLoader)
-    ours = accelerator.prepare(shuffled(gpuload.DataLoader))
-    assert serves_from_gpuload(ours)
-    assert_same_epochs(ours, theirs, epochs=2)
+    loader = shuffled(gpuload.DataLoader, cache="off", prefetch_depth=0, cache_scope="rank")
+    ours = prepare_data_loader(accelerator, loader)
+    assert ours.base_dataloader is loader  # one process, same device: the loader itself
+    assert (ours.cache, ours.prefetch_depth, ours.cache_scope) == ("off", 0, "rank")
+    batch = next(iter(ours))
+    assert batch[0].device == accelerator.device
+
+
+def test_a_loader_that_accelerate_shards_is_rebuilt_with_its_options() -> None:
+    """split_batches with 2 pretended processes: Accelerate's BatchSamplerShard under a new
+    gpuload loader that keeps the options; the batches are Accelerate's for torch's loader."""
+    data = shuffled(TorchDataLoader).dataset
+    shards = {}
+    for name, loader_class, options in (("theirs", TorchDataLoader, {}),
+                                        ("ours", gpuload.DataLoader, {"cache_size": "1MiB", "prefetch_depth": 0})):
+        loader = loader_class(data, batch_size=4, shuffle=False, **options)
+        shard = accelerate.data_loader.prepare_data_loader(loader, num_processes=2, process_index=1, split_batches=True)
+        if name == "ours":
+            from gpuload.integrations.accelerate import serve_from_gpuload
+
+            shard = serve_from_gpuload(shard, loader)
+            assert shard.base_dataloader is not loader
+            assert (shard.cache_size, shard.prefetch_depth) == ("1MiB", 0)
+            assert type(shard.base_dataloader.batch_sampler).__name__ == "BatchSamplerShard"
+        shards[name] = shard
+    assert_same_epochs(shards["ours"], shards["theirs"], epochs=2)
+    assert [b[1].tolist() for b in shards["ours"]][:2] == [[2, 3], [6, 7]]
+
+
+def test_dispatch_batches_is_refused_with_the_fix() -> None:
+    accelerator = accelerate.Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+    with pytest.raises(ValueError, match=r"dispatch_batches=False"):
+        prepare_data_loader(accelerator, shuffled(gpuload.DataLoader))
+    with pytest.raises(TypeError, match="gpuload.DataLoader"):
+        prepare_data_loader(accelerator, shuffled(TorchDataLoader))
+
+
+def test_save_state_and_load_state_resume_mid_epoch_exactly(tmp_path) -> None:
+    """``accelerator.save_state`` stores the gpuload loader's exact position (the shard says it
+    is stateful); a new Accelerator and loader after ``load_state`` go on with the same batches."""
+    def run() -> tuple[accelerate.Accelerator, GpuloadShard]:
+        accelerator = accelerate.Accelerator(cpu=True)
+        return accelerator, prepare_data_loader(accelerator, shuffled(gpuload.DataLoader))
+
+    accelerator, ours = run()
+    whole = [list(ours) for _ in range(2)]
+    accelerator, ours = run()
+    epoch = iter(ours)
+    first = [next(epoch) for _ in range(3)]
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    accelerator, resumed = run()
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    rest = [list(resumed), list(resumed)]
+    assert_same(first + rest[0], whole[0])
+    assert_same(rest[1], whole[1])
+
+
+def test_a_prepared_loader_pickles() -> None:
+    accelerator = accelerate.Accelerator(cpu=True)
+    ours = prepare_data_loader(accelerator, shuffled(gpuload.DataLoader))
+    copy = pickle.loads(pickle.dumps(ours))
+    assert type(copy) is GpuloadShard and serves_from_gpuload(copy)
+    assert len(list(copy)) == len(ours)
+
+
+def readme_snippet(marker: str) -> str:
+    """The README's one python block that contains ``marker`` (the test runs exactly that text)."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    [block] = [block for block in re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL) if marker in block]
+    return block
+
+
+def test_the_readme_snippet_runs_and_serves_from_gpuload() -> None:
+    dataset = TensorDataset(torch.randn(200, 3), torch.randn(200, 1))
+    model = torch.nn.Linear(3, 1)
+    scope = {"gpuload": gpuload, "dataset": dataset, "model": model,
+             "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    exec(readme_snippet("from gpuload.integrations.accelerate import prepare"), scope)
+    loader = scope["loader"]
+    assert type(loader) is GpuloadShard and loader.cache_size == "8GiB"
+    assert loader.base_dataloader.stats.batches == 4  # the snippet's loop ran the epoch from gpuload
