@@ -73,16 +73,18 @@ def test_close_gives_device_memory_back() -> None:
     assert torch.cuda.memory_allocated() <= before + 512  # allocator rounding of small leftovers
 
 
-def test_a_dataset_larger_than_the_budget_is_served_from_tiers() -> None:
+@pytest.mark.parametrize("depth", [None, 0])  # host rows staged ahead, or copied in the loop (copy_now)
+def test_a_dataset_larger_than_the_budget_is_served_from_tiers(depth) -> None:
     dataset = data(300)
     row = 3 * 8 * 8 + 8
     ours = gpuload.DataLoader(dataset, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1),
-                              device="cuda", cache_size=100 * row, cache_reserve=0)
+                              device="cuda", cache_size=100 * row, cache_reserve=0, prefetch_depth=depth)
     theirs = TorchDataLoader(dataset, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1))
     assert_same_epochs(OnCpu(ours), theirs, epochs=2)
     assert ours.stats.path.startswith("tiered")
     tiers = ours.stats.extra["cache"]
     assert 0 < tiers["device_samples"] < 300 and tiers["device_hits"] > 0
+    assert ours.stats.bytes_h2d_per_epoch[-1] == tiers["h2d_bytes"] // 2  # the host rows, counted once
     ours.close()
 
 

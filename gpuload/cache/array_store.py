@@ -251,7 +251,7 @@ class TieredArrayStore(Store):
         if keep >= old:
             return 0
         if not self._on_card:
-            self._set_device_rows(position, tier.columns, keep)
+            self._set_device_rows(position, tier.columns, keep, None)
             return 0
         kept: list[torch.Tensor] = []
         self._wait_ready()
@@ -263,7 +263,7 @@ class TieredArrayStore(Store):
             # No room for both copies at once: serve from the source while the kept rows are
             # staged on the host and copied back into a smaller allocation.
             staged = [column[:keep].cpu() for column in tier.columns]
-            self._set_device_rows(position, [], 0)
+            self._set_device_rows(position, [], 0, None)
             try:
                 kept = [rows.to(self.device) for rows in staged]
             except RuntimeError as again:
@@ -271,15 +271,16 @@ class TieredArrayStore(Store):
                     raise
                 kept, keep = [], 0
                 self._warn(f"out of memory while shrinking the device tier on {self.device}; it is now empty")
-        self._set_device_rows(position, kept, keep)
-        self._ready = _record_event(self.device) if keep else None
+        # The event is in place before the rows are: a gather that sees the new rows waits for them.
+        self._set_device_rows(position, kept, keep, _record_event(self.device) if keep else None)
         self._ledger.reserve(keep * bps, self._owner, device=self.device)
         self._ledger.set_used(self._owner, keep * bps, device=self.device)
         return (old - keep) * bps
 
-    def _set_device_rows(self, position: int, columns: list[torch.Tensor], count: int) -> None:
+    def _set_device_rows(self, position: int, columns: list[torch.Tensor], count: int, ready: Any) -> None:
         source = len(self._tiers) - 1
         with self._lock:
+            self._ready = ready
             tier, old = self._tiers[position], self._counts[position]
             if count < old:
                 rows = slice(tier.first + count, tier.first + old)
@@ -299,10 +300,11 @@ class TieredArrayStore(Store):
                 if tensor.is_cuda:
                     tensor.record_stream(stream)
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, ready: Any = None) -> None:
         """Order the current stream after the device tier's last write (no host sync)."""
-        if self._ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._ready)
+        ready = self._ready if ready is None else ready
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
 
     def close(self) -> None:
         """Drop every tier's rows and the ledger booking. Safe to call twice."""
@@ -400,6 +402,7 @@ class TieredArrayStore(Store):
             loc = self._loc.index_select(0, flat)
             slot = self._slot.index_select(0, flat)
             tiers = list(self._tiers)
+            ready = self._ready
             if self._copies:
                 stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
                 if stream is not None:
@@ -423,7 +426,7 @@ class TieredArrayStore(Store):
         columns = range(len(self._source))
         device_leaves: list[torch.Tensor] = []
         if on_device:
-            self._wait_ready()
+            self._wait_ready(ready)
             for c in columns:
                 parts = [tiers[p].gather(c, groups[p].to(self.device, non_blocking=True)) for p in on_device]
                 device_leaves.append(parts[0] if len(parts) == 1 else torch.cat(parts))
@@ -437,9 +440,12 @@ class TieredArrayStore(Store):
                     begin = end
 
         shapes = [((staged_rows, *source.shape[1:]), source.dtype) for source in self._source] if staged else []
-        inverse = torch.argsort(order).to(self.device, non_blocking=True) if grouped else None
+        inverse = torch.argsort(order) if grouped else None  # host indices, moved in ``assemble``
 
         def assemble(device_part: list[torch.Tensor], staged_part: list[torch.Tensor]) -> Any:
+            # Runs where the batch is used (the loop's thread and stream): the order it puts the
+            # rows back in is moved there too, so no tensor of another stream is left unprotected.
+            back = inverse.to(self.device, non_blocking=True) if inverse is not None else None
             leaves = []
             for c in columns:
                 pieces = ([device_part[c]] if device_part else []) + ([staged_part[c]] if staged_part else [])
@@ -447,8 +453,8 @@ class TieredArrayStore(Store):
                     source = self._source[c]
                     pieces = [torch.empty((0, *source.shape[1:]), dtype=source.dtype, device=self.device)]
                 leaf = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-                if inverse is not None:
-                    leaf = leaf.index_select(0, inverse)
+                if back is not None:
+                    leaf = leaf.index_select(0, back)
                 leaves.append(leaf.view(self._dtypes[c]))
             return tree_unflatten(leaves, self._spec)
 

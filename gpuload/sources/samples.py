@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from gpuload.sources.torch_fetch import (
     KeepSamples, PerBatch, RecordingSampler, TorchBatches, TorchLoading, WorkerBatches, fetch, is_default_collate,
     read_prepared,
 )
-from gpuload.transfer import batch_length, batch_nbytes, move_to_device
+from gpuload.transfer import batch_length, batch_nbytes
 
 __all__ = ["SampleSource", "TorchLoading"]
 
@@ -55,7 +55,7 @@ class SampleSource(Source):
         self._fill_loader: TorchDataLoader | None = None
         self._keep: KeepSamples | None = None
         self._recorder: RecordingSampler | None = None
-        self._moved_bytes = 0  # batches copied in the loop's thread, and caches dropped since
+        self._moved_bytes = 0  # what shares and caches dropped since copied (the live cache counts its own)
 
     @property
     def h2d_bytes(self) -> int:  # type: ignore[override]
@@ -128,7 +128,7 @@ class SampleSource(Source):
 
     def _work(self, request: Indices, ahead: bool) -> Work:
         cached = self.cached
-        finish = self._passed if ahead else self._moved
+        finish = self._passed if ahead else (lambda batch: self._moved(batch, request.copy_now))
         if not self.setup.map_style:
             batches = self.torch.iterate()  # an iterable dataset: torch's own iterator, workers included
             return Work(batches, finish, length=batches.__len__, from_torch=True, torch_iterator=batches)
@@ -229,14 +229,13 @@ class SampleSource(Source):
         if not cached.complete:
             self._drop_cache()
 
-    def _moved(self, batch: Any) -> tuple[Any, int]:
-        """In the loop's thread, nothing ran ahead: copy the batch's host tensors to the device."""
-        device = self.setup.device
-        if device.type != "cpu":
-            host_bytes = batch_nbytes(batch, host_only=True)
-            if host_bytes:
-                batch = move_to_device(batch, device, non_blocking=True)
-            self._moved_bytes += host_bytes
+    def _moved(self, batch: Any, copy: Callable[[Any], Any] | None) -> tuple[Any, int]:
+        """In the loop's thread, nothing ran ahead: the batch's host tensors go to the device
+        through the loader's staging (``copy``: ``Prefetcher.copy_now``, which counts them)."""
+        if self.setup.device.type != "cpu" and batch_nbytes(batch, host_only=True):
+            if copy is None:
+                raise RuntimeError(f"host batches reach {self.setup.device} only through the loader's staging")
+            batch = copy(batch)
         return self._passed(batch)
 
     def _passed(self, batch: Any) -> tuple[Any, int]:

@@ -384,3 +384,24 @@ def test_indices_out_of_range_and_empty_batches_fail_or_pass_as_torchs() -> None
         list(tud.DataLoader(data, batch_sampler=[[]]))
     with pytest.raises(IndexError):
         list(empty)
+
+
+def test_a_batch_made_in_the_loops_thread_reaches_the_device_through_the_loaders_staging() -> None:
+    """Nothing ran ahead: torch's host batch goes to the device only through ``copy_now`` (the
+    prefetcher's staging, which counts the bytes), never a copy of the source's own."""
+    from types import SimpleNamespace
+
+    from gpuload.sources.samples import SampleSource
+
+    source = SampleSource.__new__(SampleSource)
+    source.setup = SimpleNamespace(device=torch.device("meta"), batched=True)
+    staged = []
+
+    def copy(batch):
+        staged.append(batch)
+        return [tensor.to("meta") for tensor in batch]
+
+    batch, count = source._moved([torch.zeros(4, 2), torch.arange(4)], copy)
+    assert len(staged) == 1 and count == 4 and all(tensor.device.type == "meta" for tensor in batch)
+    with pytest.raises(RuntimeError, match="only through the loader's staging"):
+        source._moved([torch.zeros(1)], None)
