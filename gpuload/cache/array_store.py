@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.oom import CacheFallbackWarning, is_oom
 from gpuload.cache.plan import CachePlan
-from gpuload.cache.store import Store, StoreStats, TierCounts
+from gpuload.cache.store import Store, StoreStats, StreamGuard, TierCounts
 from gpuload.cache.tiers import TIERS, HostTier, SourceTier, Tier
 from gpuload.sampling import in_range
 
@@ -155,8 +155,7 @@ class TieredArrayStore(Store):
         self._make_host_tier = host_tier
         self._tiers: list[Tier] = []  # the plan's tiers as placed, then the source
         self._counts: list[int] = []  # rows each tier serves (a maker's tier may hold more)
-        self._ready: Any = None  # CUDA event: the device tier's rows are written
-        self._streams: dict[int, Any] = {}  # CUDA streams that gathered from the device tier
+        self._streams = StreamGuard(self.device)  # orders and protects the device tier's rows
         self._loc = torch.zeros(self._num_samples, dtype=torch.int8)  # position in self._tiers
         self._slot = torch.arange(self._num_samples, dtype=torch.long)
         self._place()
@@ -204,7 +203,7 @@ class TieredArrayStore(Store):
         if self._on_card and device_rows:
             self._ledger.set_used(self._owner, device_rows * bps, device=self.device)
             self._stats.fill_bytes += device_rows * bps
-            self._ready = _record_event(self.device)
+            self._streams.replaced([])  # later gathers, on any stream, wait for the fill
 
     def _allocate(self, name: str, first: int, rows: int) -> Tier:
         """The tier called ``name`` with rows ``[first, first + rows)``, or an empty one when
@@ -251,10 +250,10 @@ class TieredArrayStore(Store):
         if keep >= old:
             return 0
         if not self._on_card:
-            self._set_device_rows(position, tier.columns, keep, None)
+            self._set_device_rows(position, tier.columns, keep)
             return 0
         kept: list[torch.Tensor] = []
-        self._wait_ready()
+        self._streams.before_replacing()
         try:
             kept = [column[:keep].clone() for column in tier.columns] if keep else []
         except RuntimeError as error:
@@ -263,7 +262,7 @@ class TieredArrayStore(Store):
             # No room for both copies at once: serve from the source while the kept rows are
             # staged on the host and copied back into a smaller allocation.
             staged = [column[:keep].cpu() for column in tier.columns]
-            self._set_device_rows(position, [], 0, None)
+            self._set_device_rows(position, [], 0)
             try:
                 kept = [rows.to(self.device) for rows in staged]
             except RuntimeError as again:
@@ -271,16 +270,16 @@ class TieredArrayStore(Store):
                     raise
                 kept, keep = [], 0
                 self._warn(f"out of memory while shrinking the device tier on {self.device}; it is now empty")
-        # The event is in place before the rows are: a gather that sees the new rows waits for them.
-        self._set_device_rows(position, kept, keep, _record_event(self.device) if keep else None)
+        self._set_device_rows(position, kept, keep)
         self._ledger.reserve(keep * bps, self._owner, device=self.device)
         self._ledger.set_used(self._owner, keep * bps, device=self.device)
         return (old - keep) * bps
 
-    def _set_device_rows(self, position: int, columns: list[torch.Tensor], count: int, ready: Any) -> None:
+    def _set_device_rows(self, position: int, columns: list[torch.Tensor], count: int) -> None:
+        """The device tier's rows and maps swapped at once: a gather sees the old rows with the
+        old maps, or the new ones after waiting for them (the guard's event is set inside the lock)."""
         source = len(self._tiers) - 1
         with self._lock:
-            self._ready = ready
             tier, old = self._tiers[position], self._counts[position]
             if count < old:
                 rows = slice(tier.first + count, tier.first + old)
@@ -290,21 +289,7 @@ class TieredArrayStore(Store):
             self._counts[position] = count
             previous = tier.columns
             tier.columns = columns
-        self._protect(previous)
-
-    def _protect(self, storage: list[torch.Tensor]) -> None:
-        """Device storage being dropped stays reserved until every stream that gathered from
-        it is done (``record_stream``), so a gather still queued never reads freed memory."""
-        for stream in self._streams.values():
-            for tensor in storage:
-                if tensor.is_cuda:
-                    tensor.record_stream(stream)
-
-    def _wait_ready(self, ready: Any = None) -> None:
-        """Order the current stream after the device tier's last write (no host sync)."""
-        ready = self._ready if ready is None else ready
-        if ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready)
+            self._streams.replaced(previous)
 
     def close(self) -> None:
         """Drop every tier's rows and the ledger booking. Safe to call twice."""
@@ -316,7 +301,7 @@ class TieredArrayStore(Store):
             self._counts = []
         for tier in tiers:
             if tier.on_device:
-                self._protect(tier.columns)
+                self._streams.replaced(tier.columns)
             tier.close()
         self._source = []
         self._ledger.release(self._owner)
@@ -402,11 +387,8 @@ class TieredArrayStore(Store):
             loc = self._loc.index_select(0, flat)
             slot = self._slot.index_select(0, flat)
             tiers = list(self._tiers)
-            ready = self._ready
             if self._copies:
-                stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-                if stream is not None:
-                    self._streams.setdefault(id(stream), stream)
+                self._streams.use()  # after the device tier's latest rows, protected on this stream
         counts = torch.bincount(loc.long(), minlength=len(tiers)).tolist()
         if len(counts) > len(tiers):
             raise RuntimeError("this TieredArrayStore was closed while a batch was gathered")
@@ -426,7 +408,6 @@ class TieredArrayStore(Store):
         columns = range(len(self._source))
         device_leaves: list[torch.Tensor] = []
         if on_device:
-            self._wait_ready(ready)
             for c in columns:
                 parts = [tiers[p].gather(c, groups[p].to(self.device, non_blocking=True)) for p in on_device]
                 device_leaves.append(parts[0] if len(parts) == 1 else torch.cat(parts))
@@ -494,11 +475,3 @@ class TieredArrayStore(Store):
             + f"{', closed' if self._closed else ''})"
         )
 
-
-def _record_event(device: torch.device) -> Any:
-    """An event after the work queued so far on ``device``'s current stream (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event

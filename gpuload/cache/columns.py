@@ -390,12 +390,14 @@ class ColumnStore(BudgetedCache):
         ``index_select`` per column, on the store's device."""
         with self._lock:
             self._check_open()
+            self._streams.use()
             return self._root.gather(slots, self._where(slots))
 
     def views(self, slots: torch.Tensor) -> list[Any]:
         """Fresh copies of the stored samples in rows ``slots``, for a collate_fn of the user's."""
         with self._lock:
             self._check_open()
+            self._streams.use()
             return self._root.views(slots, self._where(slots))
 
     def _where(self, slots: torch.Tensor) -> torch.Tensor:
@@ -411,6 +413,7 @@ class ColumnStore(BudgetedCache):
         rest placed between them. None when ``part`` does not fit the stored columns."""
         with self._lock:
             self._check_open()
+            self._streams.use()
             hit = (slots >= 0).nonzero().view(-1)
             miss = (slots < 0).nonzero().view(-1)
             return _merge(self._root, part, slots.index_select(0, hit), hit, miss, self._device)
@@ -427,6 +430,7 @@ class ColumnStore(BudgetedCache):
             if self._closed or self._stats.full or self.complete:
                 self._stats.rejected += keys.numel()
                 return 0
+            self._streams.use()  # the rows are written on this stream
             try:
                 write = _Write()
                 first_batch = self._root is None
@@ -634,8 +638,13 @@ class ColumnStore(BudgetedCache):
                 held += nbytes
                 keep += 1
             before = self._stats.bytes
+            # The copy waits (on the device) for rows still being written or read on other
+            # streams; the old rows stay reserved until those streams are done with them.
+            self._streams.before_replacing()
+            old = [column.rows for column in columns]
             for column in columns:
                 column.place(column.rows[:keep].clone())
+            self._streams.replaced(old)
             for node in objects:
                 node.values, node.sizes = node.values[:keep], node.sizes[:keep]
             self._slot_of[self._slot_of >= keep] = -1

@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_leaves
 
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.oom import CacheFallbackWarning, is_oom
-from gpuload.cache.store import FillingStore
+from gpuload.cache.store import FillingStore, StreamGuard
 
 __all__ = ["MISSING", "BudgetedCache", "SampleCache", "SampleCacheStats", "Uncacheable", "copy_value"]
 
@@ -112,6 +113,7 @@ class BudgetedCache(FillingStore):
             ledger.reserve(budget_bytes, self._owner, device=self._device) if self._on_device else budget_bytes
         )
         self._lock = threading.Lock()
+        self._streams = StreamGuard(self._device)  # orders and protects device memory across streams
         self._stats = SampleCacheStats(budget=self._budget)
         self._warned = False
         self._closed = False
@@ -242,6 +244,7 @@ class SampleCache(BudgetedCache):
         """The stored samples at ``indices`` (each a hit), in order; ``IndexError`` names the
         first one not stored."""
         with self._lock:
+            self._streams.use()
             found = [self._entries.get(int(index), MISSING) for index in indices]
             for index, sample in zip(indices, found):
                 if sample is MISSING:
@@ -258,6 +261,7 @@ class SampleCache(BudgetedCache):
                 return False
             if index in self._entries:
                 return True
+            self._streams.use()  # the copy is made on this stream
             no_room = not self._has_room(self._last_nbytes)
             if no_room:
                 self._stats.rejected += 1
@@ -307,6 +311,7 @@ class SampleCache(BudgetedCache):
                 self._stats.misses += 1
                 return default
             self._stats.hits += 1
+            self._streams.use()
             return found
 
     def peek(self, index: int, default: Any = None) -> Any:
@@ -321,16 +326,19 @@ class SampleCache(BudgetedCache):
         """Drop the most recently added samples until at most ``max_device_bytes`` are held, and
         stop adding; returns the bytes freed. Dropped samples are read from the source again."""
         with self._lock:
-            freed = 0
+            freed, dropped = 0, []
             while self._entries and self._stats.bytes > max_device_bytes:
                 index = next(reversed(self._entries))
                 nbytes = self._sizes.pop(index)
-                del self._entries[index]
+                dropped.append(self._entries.pop(index))
                 self._stats.entries -= 1
                 self._stats.bytes -= nbytes
                 freed += nbytes
             if freed:
                 self._stats.full = True
+            # Dropped device tensors stay reserved until the streams that read them are done.
+            self._streams.replaced([leaf for sample in dropped for leaf in tree_leaves(sample)
+                                    if isinstance(leaf, torch.Tensor)])
         if freed:
             self._book()
         return freed

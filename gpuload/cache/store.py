@@ -12,6 +12,7 @@ on a store class, for shrinking, counting and closing.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -23,7 +24,7 @@ import torch
 from gpuload.cache.budget import format_bytes
 from gpuload.device import MemoryInfo, device_memory
 
-__all__ = ["FillingStore", "Store", "StoreStats", "TierCounts"]
+__all__ = ["FillingStore", "Store", "StoreStats", "StreamGuard", "TierCounts"]
 
 
 @dataclass
@@ -62,6 +63,63 @@ class StoreStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class StreamGuard:
+    """The CUDA streams that used a store's device memory, and the order of memory it replaces.
+
+    A store's device memory is read or written on several streams (the prefetcher's side
+    stream ahead of the loop, the loop's own), and replaced (shrunk) on one of them. Every use
+    calls :meth:`use` first: it notes the stream and makes it wait (on the device, no host sync)
+    for the latest replacement. A replacement calls :meth:`before_replacing` (the current stream
+    waits for every noted stream's work queued so far, e.g. a batch still being written) and
+    :meth:`replaced` with the memory it let go (kept reserved until every noted stream is done
+    with it: ``record_stream``) once the new memory is written. Inert off CUDA.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self._streams: dict[int, Any] = {}
+        self._ready: Any = None  # the latest replacement's event
+        self._lock = threading.Lock()
+
+    def use(self) -> None:
+        """Before reading or writing the store's device memory on the current stream."""
+        if not self.cuda:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        with self._lock:
+            self._streams.setdefault(id(stream), stream)
+            ready = self._ready
+        if ready is not None:
+            stream.wait_event(ready)
+
+    def before_replacing(self) -> None:
+        """Before the current stream copies memory it will replace: after every use queued."""
+        if not self.cuda:
+            return
+        current = torch.cuda.current_stream(self.device)
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            if stream != current:
+                current.wait_stream(stream)
+
+    def replaced(self, old: list[torch.Tensor]) -> None:
+        """After the new memory is written on the current stream: later uses wait for it, and
+        ``old`` stays reserved until the streams that used it are done."""
+        if not self.cuda:
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        with self._lock:
+            self._ready = event
+            streams = list(self._streams.values())
+        for tensor in old:
+            if tensor.is_cuda:
+                for stream in streams:
+                    tensor.record_stream(stream)
 
 
 class Store(ABC):

@@ -14,7 +14,7 @@ import torch
 from gpuload.cache import TieredArrayStore
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.sample_store import SampleCache
-from gpuload.cache.store import FillingStore, Store
+from gpuload.cache.store import FillingStore, Store, StreamGuard
 from gpuload.cache.tiers import TIERS, Tier
 from store_cases import (
     CASES, N, Case, SlowHostTier, _arrays, array_case, columns, columns_case, planned, sample_cache_case,
@@ -143,3 +143,72 @@ def test_the_contract_on_cuda(kind):
     assert held > 0
     assert case.store.shrink(0) == held and case.store.device_bytes == 0
     case.store.close()
+
+
+class _Stream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_event(self, event) -> None:
+        self.log.append((self.name, "waits for event", event.name))
+
+    def wait_stream(self, stream) -> None:
+        self.log.append((self.name, "waits for stream", stream.name))
+
+
+class _Tensor:
+    is_cuda = True
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def record_stream(self, stream) -> None:
+        self.log.append(("old rows", "reserved on", stream.name))
+
+
+def test_the_stream_guard_orders_a_replacement_after_every_use_and_protects_what_it_replaced(monkeypatch):
+    """A stand-in for CUDA records what the guard asks of the streams: the copy that replaces a
+    store's device rows waits for every stream that used them, the old rows stay reserved on
+    those streams, and a later use on another stream waits for the new rows."""
+    log: list = []
+    side, loop = _Stream("side", log), _Stream("loop", log)
+    current = {"stream": side}
+    events = []
+
+    class Event:
+        def __init__(self) -> None:
+            self.name = f"e{len(events) + 1}"
+            events.append(self)
+
+        def record(self, stream) -> None:
+            log.append((stream.name, "records", self.name))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["stream"])
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    guard = StreamGuard(torch.device("cuda"))
+    guard.use()  # a gather ahead, on the side stream
+    current["stream"] = loop
+    guard.use()  # one in the loop
+    guard.before_replacing()  # the loop shrinks the store
+    guard.replaced([_Tensor(log)])
+    current["stream"] = side
+    guard.use()
+    assert log == [
+        ("loop", "waits for stream", "side"),
+        ("loop", "records", "e1"),
+        ("old rows", "reserved on", "side"), ("old rows", "reserved on", "loop"),
+        ("side", "waits for event", "e1"),
+    ]
+
+
+def test_the_column_store_shrinks_through_its_guard(monkeypatch):
+    case = columns_case()
+    store = case.store
+    calls: list = []
+    monkeypatch.setattr(store._streams, "before_replacing", lambda: calls.append("before"))
+    monkeypatch.setattr(store._streams, "replaced", lambda old: calls.append(("replaced", len(old))))
+    monkeypatch.setattr(store._streams, "use", lambda: calls.append("use"))
+    store.gather(case.held[:3])
+    assert store.shrink(0) > 0
+    assert calls == ["use", "before", ("replaced", 3)]  # the old rows of its three columns
+    store.close()
