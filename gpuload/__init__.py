@@ -4,8 +4,9 @@ from typing import Any
 
 from gpuload.loader import DataLoader
 from gpuload.datasets.arrays import ArrayDataset
+from gpuload.datasets.tokens import TokenWindows
 
-__all__ = ["DataLoader", "ArrayDataset", "JobPlan", "plan_job", "__version__"]
+__all__ = ["DataLoader", "ArrayDataset", "TokenWindows", "JobPlan", "plan_job", "__version__"]
 __version__ = "0.1.0"
 
 _LAZY = {"plan_job": "gpuload.job.plan", "JobPlan": "gpuload.job.plan"}

@@ -31,7 +31,7 @@ from gpuload.sampling import (
     epoch_order,
     start_epoch_like_torch,
 )
-from gpuload.sources import Epoch, EpochRequest, Setup, Source, arrays, images
+from gpuload.sources import Epoch, EpochRequest, Setup, Source, arrays, images, tokens
 from gpuload.sources.samples import SampleSource, TorchLoading
 from gpuload.stats import LoaderStats
 
@@ -365,7 +365,7 @@ class DataLoader(tud.DataLoader[T_co]):
             worker_code=self.num_workers > 0 and self.worker_init_fn is not None,
             batch_sampler=self.batch_sampler,
         )
-        source = arrays.detect(setup) or images.detect(setup, strict=bool(self.transforms))
+        source = tokens.detect(setup) or arrays.detect(setup) or images.detect(setup, strict=bool(self.transforms))
         if source is not None:
             return source
         if self.transforms:

@@ -1,0 +1,219 @@
+"""Token windows: the flat token buffer is cached, and a batch is one gather of its windows.
+
+``detect`` recognises a :class:`gpuload.TokenWindows` served with the default collate_fn. The
+cache holds the flat buffer of token ids (``num_tokens x itemsize`` bytes, never the windows,
+which overlap when ``stride < seq_len + 1``). At the first epoch the cache plan places it:
+
+- on a CUDA device, in the device tier when the buffer fits the budget (``TieredArrayStore``,
+  one row per token): a batch is one index computation ``offsets[:, None] + arange(seq_len + 1)``
+  and one gather of its ids where they live, then the widening to int64 on the device;
+- else on the host: the buffer in RAM (a memmapped file read once when the host budget holds
+  it, else its pages as the OS caches them), each batch's windows gathered straight into the
+  prefetcher's pinned slot, copied as the token dtype and widened on the device;
+- on a CPU device, the buffer itself, in place (no copy); with ``cache="off"`` too, through the
+  prefetcher's slots only when ``prefetch_depth`` asks for it.
+
+uint16 and uint32 ids move as the same-width signed bit pattern (torch lacks their gather
+kernels) and are widened with a mask. Nothing runs per window in Python.
+
+Ranks of a torch.distributed job each keep the whole buffer (``cache_scope`` node/world is not
+split, see :data:`PER_RANK_REASON`): token data is small next to the device (10B uint16 tokens
+are 20 GB) and a split would make every step a collective moving ``batch x (seq_len + 1)`` ids
+per rank, where a per-rank copy moves nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.data import default_collate, default_convert
+
+from gpuload.cache import TieredArrayStore, format_bytes
+from gpuload.cache.array_store import gatherable
+from gpuload.datasets.tokens import TokenWindows, widen
+from gpuload.device import device_memory, host_memory
+from gpuload.distributed.sharded_store import decline_split, split_context
+from gpuload.prefetch import Fill, TensorSpec, default_depth
+from gpuload.sampling import in_range
+from gpuload.sources import Epoch, EpochRequest, Setup, Source
+
+__all__ = ["PER_RANK_REASON", "TokenSource", "detect"]
+
+PER_RANK_REASON = (
+    "token windows keep a whole copy of the token buffer per rank: it is small next to the device "
+    "(ids, not windows), and a copy split over ranks would make every batch a collective exchanging "
+    "batch x (seq_len + 1) ids"
+)
+
+
+def detect(setup: Setup) -> TokenSource | None:
+    """A TokenSource for a :class:`TokenWindows` (not a subclass that changes its items) served
+    with torch's default collation, else None (torch's path serves it as any dataset)."""
+    dataset = setup.dataset
+    if not isinstance(dataset, TokenWindows) or type(dataset).__getitem__ is not TokenWindows.__getitem__:
+        return None
+    if not setup.map_style or setup.collate_fn not in (default_collate, default_convert) or setup.transforms:
+        return None
+    if setup.worker_code:
+        return None  # a worker_init_fn asks for worker processes: torch's path runs it
+    sample = dataset[0]
+    template = setup.collate_fn([sample]) if setup.batched else setup.collate_fn(sample)
+    leaves, spec = tree_flatten(template)
+    if len(leaves) != 2 or not all(isinstance(leaf, torch.Tensor) and leaf.dtype == torch.int64 for leaf in leaves):
+        return None
+    return TokenSource(setup, dataset, spec)
+
+
+class TokenSource(Source):
+    """Batches of ``(x, y)`` windows gathered from the cached flat token buffer."""
+
+    ahead_on_cpu = False  # served in place on a CPU device: nothing to run ahead
+
+    def __init__(self, setup: Setup, dataset: TokenWindows, spec: Any) -> None:
+        super().__init__(setup)
+        self.dataset = dataset
+        self.spec = spec
+        self.window = torch.arange(dataset.seq_len + 1, dtype=torch.long)
+        self.store: TieredArrayStore | None = None
+        self.buffer: torch.Tensor | None = None  # host or in-place buffer (signed view)
+        self.staged = False  # batches go through the prefetcher's pinned slots
+        self.notes: dict[str, Any] = {}
+        self._store_h2d_seen = 0
+
+    # -- placement ---------------------------------------------------------------------
+
+    @property
+    def streams(self) -> bool:  # type: ignore[override]
+        return self.staged
+
+    def _placed(self) -> bool:
+        return self.store is not None or self.buffer is not None
+
+    def _place(self) -> None:
+        setup, dataset = self.setup, self.dataset
+        device, settings = setup.device, setup.settings
+        tokens = dataset.tokens()
+        nbytes = dataset.nbytes
+        self.notes = {"token_bytes": nbytes, "tokens": dataset.num_tokens, "windows": len(dataset)}
+        if split_context(settings, device) is not None:
+            decline_split(settings, PER_RANK_REASON, stacklevel=6)
+            self.notes["cache_scope"] = "rank: " + PER_RANK_REASON
+        if settings.mode.value == "off":  # batches gathered from the source (on a CPU device too)
+            self.buffer, self.staged, self.path = gatherable(tokens), True, "host-gather"
+            return
+        if device.type == "cpu":
+            self.buffer, self.staged, self.path = gatherable(tokens), False, "device-gather"
+            return
+        itemsize = tokens.element_size()
+        plan = settings.array_plan(
+            itemsize, dataset.num_tokens, device_memory(device), host_memory(), device=device, owner=setup.owner
+        )
+        self.notes["cache_plan"] = plan.describe()
+        if plan.device_samples > 0:
+            self.store = TieredArrayStore(tokens, plan, device, owner=setup.owner)
+            self.h2d_bytes += self.store.stats.device_bytes
+            whole = self.store.stats.device_samples == dataset.num_tokens
+            self.path, self.staged = ("device-gather" if whole else f"tiered ({plan.kind})"), False
+            return
+        if plan.host_samples >= dataset.num_tokens and any(shard.path for shard in dataset.shards) and len(dataset.shards) == 1:
+            tokens = tokens.clone()  # the file read once into the host tier (several shards are joined already)
+            self.path = "host-gather (host tier)"
+        else:
+            self.path = "host-gather"
+            if plan.host_samples < dataset.num_tokens:
+                self.notes["cache"] = f"the token buffer ({format_bytes(nbytes)}) fits no cache tier; read from the source"
+        self.buffer, self.staged = gatherable(tokens), True
+
+    def begin_epoch(self) -> None:
+        self.dataset.check_unchanged()
+        if not self._placed():
+            self._place()
+        elif self.store is not None and self.setup.device.type == "cuda":
+            settings, device = self.setup.settings, self.setup.device
+            held = self.store.stats.device_bytes
+            self.store.shrink_device_tier(settings.keepable(device, device_memory(device), held))
+
+    def warm(self, progress: bool) -> None:
+        self.dataset.check_unchanged()
+        if not self._placed():
+            self._place()
+
+    # -- batches -----------------------------------------------------------------------
+
+    def _flat(self, indices: Any, checked: bool) -> tuple[torch.Tensor, int]:
+        """The token positions of the windows ``indices``, flat, and the window count."""
+        if not self._placed():
+            raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
+        windows = indices if checked else in_range(indices, len(self.dataset))
+        if windows.numel() == 0:
+            raise IndexError("list index out of range")  # torch collates an empty list, which fails so
+        offsets = self.dataset.offsets(windows)
+        return (offsets[:, None] + self.window).reshape(-1), windows.numel()
+
+    def _batch(self, ids: torch.Tensor, count: int) -> Any:
+        """``(x, y)`` int64 on the device, in the collated structure, from ``count`` windows of ids."""
+        block = ids.view(self.dataset.token_dtype).view(count, -1)  # the buffer's signed view back
+        x, y = widen(block[:, :-1]), widen(block[:, 1:])
+        if not self.setup.batched:
+            x, y = x[0], y[0]
+        return tree_unflatten([x, y], self.spec)
+
+    def _gather_here(self, indices: Any, checked: bool) -> tuple[Any, int]:
+        flat, count = self._flat(indices, checked)
+        if self.store is not None:
+            ids = self.store.gather(flat)
+            moved = self.store.stats.h2d_bytes
+            self.h2d_bytes += moved - self._store_h2d_seen
+            self._store_h2d_seen = moved
+        else:
+            ids = self.buffer.index_select(0, flat)
+            if ids.device != self.setup.device:  # host buffer, no prefetcher (prefetch_depth=0)
+                self.h2d_bytes += ids.numel() * ids.element_size()
+                ids = ids.to(self.setup.device)
+        return self._batch(ids, count), count
+
+    def _fill(self, indices: Any) -> Fill:
+        flat, count = self._flat(indices, False)
+        buffer = self.buffer
+
+        def gather_into(slot: torch.Tensor) -> None:
+            torch.index_select(buffer, 0, flat, out=slot)
+
+        return Fill(TensorSpec((flat.numel(),), buffer.dtype), gather_into)
+
+    def epoch(self, request: EpochRequest) -> Epoch:
+        indices = request.indices()
+        if not request.ahead:
+            return Epoch(indices, lambda index: self._gather_here(index, request.in_range))
+        drawn = list(indices)
+        fills = (self._fill(index) for index in drawn)
+        counts = iter([torch.as_tensor(index).numel() for index in drawn])
+
+        def finish(ids: torch.Tensor) -> tuple[Any, int]:
+            count = next(counts)
+            return self._batch(ids, count), count
+
+        row = (self.dataset.seq_len + 1) * self.buffer.element_size()
+        return Epoch(fills, finish, depth=default_depth(row * (self.setup.batch_size or 1)))
+
+    # -- memory and counters -----------------------------------------------------------
+
+    def device_cache_bytes(self) -> int:
+        return self.store.stats.device_bytes if self.store is not None else 0
+
+    def shrink_cache(self, max_device_bytes: int) -> int:
+        return self.store.shrink_device_tier(max_device_bytes) if self.store is not None else 0
+
+    def stats(self) -> dict[str, Any]:
+        found: dict[str, Any] = {"tokens": dict(self.notes)}
+        if self.store is not None:
+            found["cache"] = self.store.stats.as_dict()
+            found["cache_plan"] = self.store.plan.describe()
+        return found
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+        self.store, self.buffer, self.staged = None, None, False
