@@ -254,6 +254,11 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
 
         return run_samples_bench(args.quick, args.samples, args.batch_size, device, out, environment(device),
                                  quiet=args.quiet)
+    if scenario == "tokens":
+        from gpuload.bench.tokens import run_tokens_bench
+
+        return run_tokens_bench(args.quick, args.batch_size, device, out, environment(device), quiet=args.quiet,
+                                torch_workers=args.torch_workers, card=args.device_memory)
     if scenario == "distributed":
         from gpuload.bench.distributed import run_distributed_bench
 

@@ -18,12 +18,13 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="time gpuload against torch's DataLoader, side by side")
     bench.add_argument("--quick", action="store_true", help="a smaller run, well under a minute on 2 cores")
-    bench.add_argument("--scenario", choices=["inmemory", "images", "partial", "samples", "augment", "distributed"],
-                       default=None,
+    bench.add_argument("--scenario", default=None,
+                       choices=["inmemory", "images", "partial", "samples", "augment", "distributed", "tokens"],
                        help="in-memory arrays (default), an image folder (default with a folder --data), "
                             "arrays larger than the cache budget (partial), many small samples of a generic "
                             "dataset through the sample cache (samples), or in-memory images with crop + flip "
-                            "+ normalize augmentation (augment), or N processes on torch.distributed (distributed)")
+                            "+ normalize augmentation (augment), N processes on torch.distributed (distributed), "
+                            "or LLM token windows from a 100M-token shard (tokens)")
     bench.add_argument("--data", default=None, metavar="PATH",
                        help="your own .npy/.npz (rows = samples) or image folder (class subfolders); only read")
     bench.add_argument("--save-images", default=None, metavar="DIR",
