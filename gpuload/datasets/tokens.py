@@ -185,10 +185,11 @@ def _from_array(array: np.ndarray | torch.Tensor, dtype: Any) -> Shard:
         if isinstance(array, torch.Tensor):
             array = array.numpy()
         array = np.ascontiguousarray(array, dtype=wanted)
-    elif isinstance(array, np.ndarray):
-        _check_range(array, array.dtype, name) if array.dtype.kind == "i" else None
-    else:
+    elif not isinstance(array, np.memmap) and (isinstance(array, torch.Tensor) or array.dtype.kind == "i"):
+        # negative ids in memory are caught here; a memmap is not read whole just to check it
         _check_range(array, np.dtype(np.int64), name)
+    if array.dtype in (np.uint64, torch.uint64):
+        raise TokenFileError(f"{name}: uint64 ids are not supported; pass dtype='int64' (or narrower) to convert them")
     return Shard(name, array)
 
 

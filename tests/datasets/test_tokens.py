@@ -209,3 +209,10 @@ def test_index_out_of_range() -> None:
     ds = TokenWindows(_ids(100), 9)
     with pytest.raises(IndexError, match="window index 11 is out of range for 11 windows"):
         ds[11]
+
+
+def test_uint64_ids_need_a_conversion() -> None:
+    ids = np.arange(100, dtype=np.uint64)
+    with pytest.raises(TokenFileError, match="uint64 ids are not supported; pass dtype='int64'"):
+        TokenWindows(ids, 8)
+    _assert_item(TokenWindows(ids, 8, dtype="int64"), 2, ids.astype(np.int64), 16)
