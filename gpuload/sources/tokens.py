@@ -4,9 +4,12 @@
 cache holds the flat buffer of token ids (``num_tokens x itemsize`` bytes, never the windows,
 which overlap when ``stride < seq_len + 1``). At the first epoch the cache plan places it:
 
-- on a CUDA device, in the device tier when the buffer fits the budget (``TieredArrayStore``,
-  one row per token): a batch is one index computation ``offsets[:, None] + arange(seq_len + 1)``
-  and one gather of its ids where they live, then the widening to int64 on the device;
+- on a CUDA device, in the device tier when the buffer fits the budget (``TieredArrayStore``
+  over :class:`TokenRows`: the buffer viewed, without a copy, as rows of a few hundred tokens,
+  so the store's per-row bookkeeping stays small, 9 bytes per row, for billions of tokens): a
+  batch gathers the rows its windows span, then on the device one index computation
+  ``offsets[:, None] + arange(seq_len + 1)`` (offsets within the rows) and one gather cut the
+  windows, and the ids are widened to int64;
 - else on the host: the buffer in RAM (a memmapped file read once when the host budget holds
   it, else its pages as the OS caches them), each batch's windows gathered straight into the
   prefetcher's pinned slot, copied as the token dtype and widened on the device;
@@ -30,7 +33,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.data import default_collate, default_convert
 
-from gpuload.cache import TieredArrayStore, format_bytes
+from gpuload.cache import CachePlan, TieredArrayStore, format_bytes
 from gpuload.cache.array_store import gatherable
 from gpuload.datasets.tokens import TokenWindows, widen
 from gpuload.device import device_memory, host_memory
@@ -46,6 +49,35 @@ PER_RANK_REASON = (
     "(ids, not windows), and a copy split over ranks would make every batch a collective exchanging "
     "batch x (seq_len + 1) ids"
 )
+
+
+class TokenRows:
+    """The flat buffer as ``(rows, row_tokens)`` for a row store (a view: no copy) and its tail.
+
+    A window of ``seq_len + 1`` tokens starting anywhere spans at most ``span`` consecutive
+    rows. ``row_tokens`` is the power of two at most half a window (at least 256), so a batch
+    gathers at most 2x its windows' tokens, and the store keeps 9 bytes per row (10B tokens at
+    seq_len 1024: 176 MiB of host bookkeeping, against 90 GiB with one row per token). The last
+    ``num_tokens % row_tokens`` tokens do not fill a row and are kept apart (``tail``).
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
+        row = max(256, 1 << (((seq_len + 1) // 2).bit_length() - 1))
+        self.row_tokens = min(row, tokens.numel())
+        self.full_rows = tokens.numel() // self.row_tokens
+        self.rows = tokens[: self.full_rows * self.row_tokens].view(self.full_rows, self.row_tokens)
+        self.tail = tokens[self.full_rows * self.row_tokens :]
+        self.span = (seq_len + self.row_tokens - 1) // self.row_tokens + 1
+        self.reach = torch.arange(self.span, dtype=torch.long)
+
+    def rows_of(self, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows each window spans, ``(batch, span)`` clamped to the full rows, and where the
+        tail row stands in (None when no window reaches it)."""
+        rows = (offsets // self.row_tokens)[:, None] + self.reach
+        beyond = rows >= self.full_rows
+        if self.tail.numel() and bool(beyond.any()):
+            return rows.clamp_(max=self.full_rows - 1), beyond
+        return rows.clamp_(max=self.full_rows - 1), None
 
 
 def detect(setup: Setup) -> TokenSource | None:
@@ -77,6 +109,9 @@ class TokenSource(Source):
         self.spec = spec
         self.window = torch.arange(dataset.seq_len + 1, dtype=torch.long)
         self.store: TieredArrayStore | None = None
+        self.rows: TokenRows | None = None  # the store's view of the buffer
+        self.tail: torch.Tensor | None = None  # the tail row, padded, on the device
+        self.window_device: torch.Tensor | None = None
         self.buffer: torch.Tensor | None = None  # host or in-place buffer (signed view)
         self.staged = False  # batches go through the prefetcher's pinned slots
         self.notes: dict[str, Any] = {}
@@ -106,25 +141,37 @@ class TokenSource(Source):
         if device.type == "cpu":
             self.buffer, self.staged, self.path = gatherable(tokens), False, "device-gather"
             return
-        itemsize = tokens.element_size()
+        rows = TokenRows(tokens, dataset.seq_len)
+        row_bytes = rows.row_tokens * tokens.element_size()
         plan = settings.array_plan(
-            itemsize, dataset.num_tokens, device_memory(device), host_memory(), device=device, owner=setup.owner
+            row_bytes, rows.full_rows, device_memory(device), host_memory(), device=device, owner=setup.owner
         )
         self.notes["cache_plan"] = plan.describe()
+        self.notes["row_tokens"] = rows.row_tokens
         if plan.device_samples > 0:
-            self.store = TieredArrayStore(tokens, plan, device, owner=setup.owner)
-            self.h2d_bytes += self.store.stats.device_bytes
-            whole = self.store.stats.device_samples == dataset.num_tokens
-            self.path, self.staged = ("device-gather" if whole else f"tiered ({plan.kind})"), False
+            self.place_rows(rows, plan)
             return
-        if plan.host_samples >= dataset.num_tokens and any(shard.path for shard in dataset.shards) and len(dataset.shards) == 1:
+        if plan.host_samples >= rows.full_rows and len(dataset.shards) == 1 and dataset.shards[0].path is not None:
             tokens = tokens.clone()  # the file read once into the host tier (several shards are joined already)
             self.path = "host-gather (host tier)"
         else:
             self.path = "host-gather"
-            if plan.host_samples < dataset.num_tokens:
+            if plan.host_samples < rows.full_rows:
                 self.notes["cache"] = f"the token buffer ({format_bytes(nbytes)}) fits no cache tier; read from the source"
         self.buffer, self.staged = gatherable(tokens), True
+
+    def place_rows(self, rows: TokenRows, plan: CachePlan) -> None:
+        """Serve from a row store placed by ``plan`` (device tier first), the tail row beside it."""
+        device = self.setup.device
+        self.store = TieredArrayStore(rows.rows, plan, device, owner=self.setup.owner)
+        self.rows = rows
+        tail = torch.zeros(rows.row_tokens, dtype=rows.rows.dtype)
+        tail[: rows.tail.numel()] = rows.tail
+        self.tail = gatherable(tail).to(device)
+        self.window_device = self.window.to(device)
+        self.h2d_bytes += self.store.stats.device_bytes + (tail.numel() * tail.element_size() if device.type != "cpu" else 0)
+        whole = self.store.stats.device_samples == rows.full_rows
+        self.path, self.staged = ("device-gather" if whole else f"tiered ({plan.kind})"), False
 
     def begin_epoch(self) -> None:
         self.dataset.check_unchanged()
@@ -142,15 +189,36 @@ class TokenSource(Source):
 
     # -- batches -----------------------------------------------------------------------
 
-    def _flat(self, indices: Any, checked: bool) -> tuple[torch.Tensor, int]:
-        """The token positions of the windows ``indices``, flat, and the window count."""
+    def _offsets(self, indices: Any, checked: bool) -> torch.Tensor:
+        """The first token of each window in ``indices`` (checked as torch's fetch checks them)."""
         if not self._placed():
             raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
         windows = indices if checked else in_range(indices, len(self.dataset))
         if windows.numel() == 0:
             raise IndexError("list index out of range")  # torch collates an empty list, which fails so
-        offsets = self.dataset.offsets(windows)
-        return (offsets[:, None] + self.window).reshape(-1), windows.numel()
+        return self.dataset.offsets(windows)
+
+    def _flat(self, indices: Any, checked: bool) -> tuple[torch.Tensor, int]:
+        """The token positions of the windows ``indices``, flat, and the window count."""
+        offsets = self._offsets(indices, checked)
+        return (offsets[:, None] + self.window).reshape(-1), offsets.numel()
+
+    def _from_store(self, indices: Any, checked: bool) -> tuple[torch.Tensor, int]:
+        """The windows' ids (signed view) on the device: their rows gathered from the store,
+        then the windows cut from the rows by one gather on the device."""
+        rows, store, device = self.rows, self.store, self.setup.device
+        offsets = self._offsets(indices, checked)
+        count = offsets.numel()
+        row_index, beyond = rows.rows_of(offsets)
+        block = gatherable(store.gather(row_index.reshape(-1))).view(count, rows.span, rows.row_tokens)
+        if beyond is not None:  # windows reaching into the tail, which fills no whole row
+            block = torch.where(beyond.to(device, non_blocking=True)[:, :, None], self.tail, block)
+        start = (offsets % rows.row_tokens).to(device, non_blocking=True)
+        ids = block.view(count, -1).gather(1, start[:, None] + self.window_device)
+        moved = store.stats.h2d_bytes
+        self.h2d_bytes += moved - self._store_h2d_seen
+        self._store_h2d_seen = moved
+        return ids, count
 
     def _batch(self, ids: torch.Tensor, count: int) -> Any:
         """``(x, y)`` int64 on the device, in the collated structure, from ``count`` windows of ids."""
@@ -161,13 +229,10 @@ class TokenSource(Source):
         return tree_unflatten([x, y], self.spec)
 
     def _gather_here(self, indices: Any, checked: bool) -> tuple[Any, int]:
-        flat, count = self._flat(indices, checked)
         if self.store is not None:
-            ids = self.store.gather(flat)
-            moved = self.store.stats.h2d_bytes
-            self.h2d_bytes += moved - self._store_h2d_seen
-            self._store_h2d_seen = moved
+            ids, count = self._from_store(indices, checked)
         else:
+            flat, count = self._flat(indices, checked)
             ids = self.buffer.index_select(0, flat)
             if ids.device != self.setup.device:  # host buffer, no prefetcher (prefetch_depth=0)
                 self.h2d_bytes += ids.numel() * ids.element_size()
@@ -216,4 +281,5 @@ class TokenSource(Source):
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
-        self.store, self.buffer, self.staged = None, None, False
+        self.store, self.rows, self.tail, self.window_device = None, None, None, None
+        self.buffer, self.staged, self._store_h2d_seen = None, False, 0

@@ -13,7 +13,9 @@ from torch.utils.data import DistributedSampler
 
 import gpuload
 from gpuload.datasets.tokens import TokenFileError, TokenWindows, write_shard
-from gpuload.sources.tokens import TokenSource
+from gpuload.cache import CacheSettings
+from gpuload.device import MemoryInfo, host_memory
+from gpuload.sources.tokens import TokenRows, TokenSource
 from equivalence import assert_same, assert_same_epochs
 
 
@@ -171,6 +173,51 @@ def test_bad_sampler_index_fails_like_torch(shard: Path) -> None:
         list(loader)
 
 
+# ------------------------------------------------------------- the row store (CPU stands in)
+
+
+def _served_from_rows(loader: gpuload.DataLoader, mode: str, share: float) -> TokenRows:
+    """Place the loader's tokens in a row store as a card's plan would, ``share`` of the rows in
+    its device tier (on a CPU the tiers are the store's views and copies: the same gathers)."""
+    source = loader._source
+    source.close()
+    rows = TokenRows(loader.dataset.tokens(), loader.dataset.seq_len)
+    row_bytes = rows.row_tokens * rows.rows.element_size()
+    settings = CacheSettings.resolve(cache=mode, cache_size=max(row_bytes, int(rows.full_rows * row_bytes * share)))
+    card = MemoryInfo(free=16 << 30, total=16 << 30)
+    plan = settings.array_plan(row_bytes, rows.full_rows, card, host_memory(), device="a pretended card", shared=False)
+    source.place_rows(rows, plan)
+    source.begin_epoch = source.dataset.check_unchanged  # keep this placement for the epochs
+    return rows
+
+
+@pytest.mark.parametrize(("mode", "share"), [("auto", 1.0), ("auto", 0.4), ("device", 0.4)])
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.int64])
+def test_row_store_batches_equal_torchs(tmp_path: Path, mode: str, share: float, dtype: type) -> None:
+    ids = _ids(9000)  # 35 rows of 256 tokens and a tail of 40 that windows reach into
+    paths = [tmp_path / "a.npy", tmp_path / "b.npy"]
+    np.save(paths[0], ids[:5000].astype(dtype))
+    np.save(paths[1], ids[5000:].astype(dtype))
+    ds = TokenWindows(paths, 100, stride=37)
+    ours, theirs = _pair(ds, batch_size=16, shuffle=True)
+    rows = _served_from_rows(ours, mode, share)
+    assert rows.row_tokens == 256 and rows.full_rows == 35 and rows.tail.numel() == 40 and rows.span == 2
+    assert_same_epochs(ours, theirs, epochs=2)
+    cache = ours._source.store.stats
+    assert cache.device_samples == (35 if share == 1.0 else 14)
+    assert (cache.host_samples > 0) == (mode == "auto" and share < 1.0)
+    assert cache.device_hits + cache.host_hits + cache.source_hits == 2 * len(ds) * rows.span
+
+
+def test_token_rows_span_every_window() -> None:
+    for seq_len, row in ((1024, 512), (64, 256), (8191, 4096), (2000, 512)):
+        rows = TokenRows(torch.zeros(100_000, dtype=torch.int16), seq_len)
+        assert rows.row_tokens == row and rows.row_tokens * rows.span >= row - 1 + seq_len + 1
+        assert rows.row_tokens * rows.span <= 2 * (seq_len + 1) + 2 * row  # at most ~2x the window gathered
+    small = TokenRows(torch.arange(100, dtype=torch.int16), 50)
+    assert small.row_tokens == 100 and small.full_rows == 1 and small.tail.numel() == 0
+
+
 # ------------------------------------------------------------------------------ on a GPU
 
 
@@ -188,8 +235,9 @@ def test_device_tier_holds_the_tokens_and_copies_nothing_per_step(tmp_path: Path
             assert_same([t.cpu() for t in ours_batch], theirs_batch)
     assert ours.stats.path == "device-gather"
     itemsize = np.dtype(dtype).itemsize
-    assert ours.stats.bytes_h2d == len(ids) * itemsize  # the one fill; no batch bytes
-    assert ours.stats.extra["cache"]["device_bytes"] == len(ids) * itemsize
+    rows = 50_000 // 256  # the tail's 80 tokens ride in one padded row
+    assert ours.stats.bytes_h2d == (rows + 1) * 256 * itemsize  # the one fill; no batch bytes
+    assert ours.stats.extra["cache"]["device_bytes"] == rows * 256 * itemsize
 
 
 @pytest.mark.gpu
@@ -207,7 +255,7 @@ def test_shrinking_the_device_tier_keeps_the_batches(shard: Path) -> None:
     ds = TokenWindows(shard, 64)
     ours, theirs = _pair(ds, batch_size=8, shuffle=True, device="cuda", cache_size="1GiB")
     ours.warm(progress=False)
-    assert ours._source.shrink_cache(1000) == 5000 * 2 - 1000  # 500 uint16 tokens kept on the device
+    assert ours._source.shrink_cache(1000) == 18 * 512  # 19 rows of 256 uint16 tokens; 1 kept
     for ours_batch, theirs_batch in zip(ours, theirs, strict=True):
         assert_same([t.cpu() for t in ours_batch], theirs_batch)
-    assert ours.stats.extra["cache"]["device_bytes"] == 1000
+    assert ours.stats.extra["cache"]["device_bytes"] == 512
