@@ -173,6 +173,21 @@ def test_bad_sampler_index_fails_like_torch(shard: Path) -> None:
         list(loader)
 
 
+def test_a_split_over_ranks_is_declined_with_the_reason(shard: Path, tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    ds = TokenWindows(shard, 64)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        ours = gpuload.DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds, seed=1), cache_scope="node")
+        theirs = TorchDataLoader(ds, batch_size=8, sampler=DistributedSampler(ds, seed=1))
+        with pytest.warns(UserWarning, match="cache_scope='node'.*is not used: token windows keep a whole copy"):
+            assert_same_epochs(ours, theirs, epochs=1)
+        assert ours.stats.extra["tokens"]["cache_scope"].startswith("rank: token windows keep a whole copy")
+    finally:
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------------------- the row store (CPU stands in)
 
 
@@ -207,6 +222,17 @@ def test_row_store_batches_equal_torchs(tmp_path: Path, mode: str, share: float,
     assert cache.device_samples == (35 if share == 1.0 else 14)
     assert (cache.host_samples > 0) == (mode == "auto" and share < 1.0)
     assert cache.device_hits + cache.host_hits + cache.source_hits == 2 * len(ds) * rows.span
+
+
+def test_the_cache_plan_counts_token_bytes_not_windows() -> None:
+    ds = TokenWindows(np.zeros(1_000_000, dtype=np.uint16), 1024, stride=1)  # 1.9 MiB of tokens
+    assert len(ds) * 1025 * 2 > 3.8 * 2**30  # what sliding windows would weigh
+    rows = TokenRows(ds.tokens(), 1024)
+    card = MemoryInfo(free=16 << 30, total=16 << 30)
+    plan = CacheSettings.resolve().array_plan(rows.row_tokens * 2, rows.full_rows, card, host_memory(),
+                                              device="a pretended card", shared=False)
+    assert plan.device_samples == rows.full_rows
+    assert ds.nbytes - 1024 < plan.fill_bytes == rows.full_rows * rows.row_tokens * 2 <= ds.nbytes
 
 
 def test_token_rows_span_every_window() -> None:
