@@ -38,6 +38,7 @@ from gpuload.bench.samples import resident_bytes
 from gpuload.cache import CacheSettings, format_bytes
 from gpuload.datasets.tokens import HEADER_BYTES, TokenWindows, write_shard
 from gpuload.device import MemoryInfo, host_memory
+from gpuload.sources.tokens import row_tokens
 
 __all__ = ["TokenConfig", "TokenRow", "get_batch_loop", "run_tokens", "run_tokens_bench", "write_synthetic_shard"]
 
@@ -149,8 +150,10 @@ def gpuload_modelled(config: TokenConfig, card: int) -> tuple[float, dict[str, A
     uint16 windows."""
     settings = CacheSettings.resolve()
     memory = MemoryInfo(free=card, total=card)
-    plan = settings.array_plan(2, config.num_tokens, memory, host_memory(), device=pretended_card(card), shared=False)
-    whole = plan.device_samples == config.num_tokens
+    row = row_tokens(config.seq_len, config.num_tokens)  # the loader's row store, as it plans it
+    rows = config.num_tokens // row
+    plan = settings.array_plan(2 * row, rows, memory, host_memory(), device=pretended_card(card), shared=False)
+    whole = plan.device_samples == rows
     per_step = 0.0 if whole else float(config.batch_size * (config.seq_len + 1) * 2)
     return per_step, {"cache_plan_modelled": plan.describe(), "cache_plan_modelled_for": pretended_card(card),
                       "fill_bytes_modelled": plan.fill_bytes}

@@ -42,13 +42,19 @@ from gpuload.prefetch import Fill, TensorSpec, default_depth
 from gpuload.sampling import in_range
 from gpuload.sources import Epoch, EpochRequest, Setup, Source
 
-__all__ = ["PER_RANK_REASON", "TokenSource", "detect"]
+__all__ = ["PER_RANK_REASON", "TokenRows", "TokenSource", "detect", "row_tokens"]
 
 PER_RANK_REASON = (
     "token windows keep a whole copy of the token buffer per rank: it is small next to the device "
     "(ids, not windows), and a copy split over ranks would make every batch a collective exchanging "
     "batch x (seq_len + 1) ids"
 )
+
+
+def row_tokens(seq_len: int, num_tokens: int) -> int:
+    """Tokens per row of the row store: the power of two at most half a window, at least 256
+    (all of them when fewer)."""
+    return min(max(256, 1 << (((seq_len + 1) // 2).bit_length() - 1)), num_tokens)
 
 
 class TokenRows:
@@ -62,8 +68,7 @@ class TokenRows:
     """
 
     def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
-        row = max(256, 1 << (((seq_len + 1) // 2).bit_length() - 1))
-        self.row_tokens = min(row, tokens.numel())
+        self.row_tokens = row_tokens(seq_len, tokens.numel())
         self.full_rows = tokens.numel() // self.row_tokens
         self.rows = tokens[: self.full_rows * self.row_tokens].view(self.full_rows, self.row_tokens)
         self.tail = tokens[self.full_rows * self.row_tokens :]
