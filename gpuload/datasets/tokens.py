@@ -56,11 +56,16 @@ class Shard:
         return int(self.tokens.shape[0])
 
 
+_TORCH_TO_NUMPY = {torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16, torch.uint16: np.uint16,
+                   torch.int32: np.int32, torch.uint32: np.uint32, torch.int64: np.int64}
+
+
 def _dtype(value: Any) -> np.dtype:
+    """``value`` (a numpy or torch dtype, or its name) as an integer numpy dtype."""
     if isinstance(value, torch.dtype):
-        value = torch.empty((), dtype=value).numpy().dtype if value not in (torch.uint16, torch.uint32) else (
-            np.uint16 if value == torch.uint16 else np.uint32
-        )
+        if value not in _TORCH_TO_NUMPY:
+            raise TypeError(f"dtype={value} cannot hold token ids; use an integer dtype (uint16, uint32, int32, int64)")
+        value = _TORCH_TO_NUMPY[value]
     try:
         dtype = np.dtype(value)
     except TypeError as error:

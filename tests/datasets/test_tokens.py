@@ -216,3 +216,11 @@ def test_uint64_ids_need_a_conversion() -> None:
     with pytest.raises(TokenFileError, match="uint64 ids are not supported; pass dtype='int64'"):
         TokenWindows(ids, 8)
     _assert_item(TokenWindows(ids, 8, dtype="int64"), 2, ids.astype(np.int64), 16)
+
+
+def test_dtype_as_torch_dtype_or_name() -> None:
+    ids = _ids(100)
+    for dtype in (torch.uint16, "uint16", np.uint16):
+        assert TokenWindows(ids, 8, dtype=dtype).token_dtype == torch.uint16
+    with pytest.raises(TypeError, match="dtype=torch.float32 cannot hold token ids"):
+        TokenWindows(ids, 8, dtype=torch.float32)
