@@ -130,7 +130,18 @@ def estimate_dataset(path: str | None, synthetic: str | None, probes: int = 16) 
         return _image_folder(where, probes)
     if where.is_file() and where.suffix in (".npy", ".npz"):
         return _array_file(where)
-    raise ValueError(f"{path} is neither an image folder nor an existing .npy/.npz file")
+    if where.is_file() and where.suffix == ".bin":
+        return _token_shard(where)
+    raise ValueError(f"{path} is neither an image folder nor an existing .npy/.npz file or .bin token shard")
+
+
+def _token_shard(path: Path) -> DatasetShape:
+    """An llm.c / nanoGPT-speedrun token shard: its tokens, as the loader caches them (not windows)."""
+    from gpuload.datasets.tokens import read_shard
+
+    shard = read_shard(path)  # a TokenFileError (a ValueError) names the file
+    return DatasetShape(len(shard), shard.tokens.dtype.itemsize,
+                        f"token shard {path}: {len(shard)} {shard.tokens.dtype} tokens (TokenWindows caches the tokens)")
 
 
 def dataset_shape(dataset: Any, probes: int = 3) -> DatasetShape:
