@@ -85,7 +85,9 @@ def build(shard: Path, args: argparse.Namespace) -> tuple[gpuload.DataLoader, nn
     return loader, model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
 
-def train(loader, model, optimizer, steps: int, done: int = 0, stop_at: int | None = None) -> tuple[list[float], bytes | None]:
+def train(
+    loader, model, optimizer, steps: int, done: int = 0, stop_at: int | None = None
+) -> tuple[list[float], bytes | None]:
     """Train from step ``done`` to ``steps``; with ``stop_at``, stop after that step and return
     a checkpoint. Returns the losses of the steps run."""
     losses: list[float] = []

@@ -36,7 +36,7 @@ from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, pretended_card
 from gpuload.bench.report import WIDTH, busy_note, write_json
 from gpuload.bench.samples import resident_bytes
 from gpuload.cache import CacheSettings, format_bytes
-from gpuload.datasets.tokens import HEADER_BYTES, TokenWindows, write_shard
+from gpuload.datasets.tokens import HEADER_BYTES, TokenWindows
 from gpuload.device import MemoryInfo, host_memory
 from gpuload.sources.tokens import row_tokens
 
@@ -109,7 +109,9 @@ def write_synthetic_shard(path: Path, num_tokens: int, seed: int = 0, vocab: int
     return path
 
 
-def get_batch_loop(path: Path, config: TokenConfig, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def get_batch_loop(
+    path: Path, config: TokenConfig, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """nanoGPT's ``get_batch``, as train.py writes it: a new memmap each step (it leaks
     otherwise), random offsets, one slice per row, ``astype(int64)``, stacked, then copied
     (pinned, non-blocking on a GPU)."""
@@ -172,7 +174,7 @@ def run_tokens(config: TokenConfig, device: torch.device, folder: Path, card: in
             gc.collect()
             before, anon_before = resident_bytes(), anonymous_bytes()
             seed = config.seed + round_
-            closer: Callable[[], None] = lambda: None
+            closer: Callable[[], None] = _nothing
             if row.name.startswith("gpuload"):
                 loader = gpuload.DataLoader(dataset, batch_size=config.batch_size, shuffle=True,
                                             generator=torch.Generator().manual_seed(seed), device=device)
@@ -212,6 +214,10 @@ def run_tokens(config: TokenConfig, device: torch.device, folder: Path, card: in
     return rows
 
 
+def _nothing() -> None:
+    """Closes a loader that holds nothing (the get_batch loop)."""
+
+
 def _forever(loader: Any) -> Iterator[Any]:
     """Batches across epoch ends (a step count may pass one)."""
     while True:
@@ -240,7 +246,8 @@ def ratios(rows: list[TokenRow], config: TokenConfig) -> dict[str, float]:
 def format_tokens(rows: list[TokenRow], config: TokenConfig) -> str:
     """A table of every loader, within 100 columns."""
     mib = 2**20
-    header = f"{'loader':<34} {'samples/s':>10} {'tokens/s':>12} {'x torch0':>8} {'RSS +MiB':>9} {'anon +MiB':>9} {'H2D/step':>11}"
+    header = (f"{'loader':<34} {'samples/s':>10} {'tokens/s':>12} {'x torch0':>8} {'RSS +MiB':>9} "
+              f"{'anon +MiB':>9} {'H2D/step':>11}")
     lines = [header, "-" * len(header)]
     rates = {row.name: row.samples_per_s(config) for row in rows}
     base = rates.get("torch DataLoader (num_workers=0)") or next(iter(rates.values()))

@@ -4,4 +4,7 @@ from gpuload.datasets.arrays import ArrayDataset
 from gpuload.datasets.tokens import TokenWindows
 from gpuload.datasets.images import ImageFolder, ImageList, ImageSource, as_image_source, make_sample_image_folder
 
-__all__ = ["ArrayDataset", "ImageFolder", "ImageList", "ImageSource", "as_image_source", "make_sample_image_folder", "TokenWindows"]
+__all__ = [
+    "ArrayDataset", "ImageFolder", "ImageList", "ImageSource", "TokenWindows", "as_image_source",
+    "make_sample_image_folder",
+]

@@ -105,7 +105,9 @@ def _check_range(ids: np.ndarray | torch.Tensor, dtype: np.dtype, name: str) -> 
     if low < 0:
         raise TokenFileError(f"{name}: token id {low} is negative; token ids are >= 0")
     if high > info.max:
-        raise TokenFileError(f"{name}: token id {high} does not fit dtype {dtype} (at most {info.max}); use a wider dtype")
+        raise TokenFileError(
+            f"{name}: token id {high} does not fit dtype {dtype} (at most {info.max}); use a wider dtype"
+        )
 
 
 def read_shard(path: str | os.PathLike, dtype: Any = None) -> Shard:
@@ -123,7 +125,9 @@ def read_shard(path: str | os.PathLike, dtype: Any = None) -> Shard:
         except (ValueError, OSError) as error:
             raise TokenFileError(f"{name}: not a readable .npy file ({error})") from error
         if array.ndim != 1 or array.dtype.kind not in "iu":
-            raise TokenFileError(f"{name}: a token .npy holds a 1-D integer array; this one is {array.dtype} of shape {array.shape}")
+            raise TokenFileError(
+                f"{name}: a token .npy holds a 1-D integer array; this one is {array.dtype} of shape {array.shape}"
+            )
         tokens: np.ndarray = array
         if dtype is not None and _dtype(dtype) != array.dtype:
             raise TokenFileError(f"{name}: holds {array.dtype} ids, not the dtype={_dtype(dtype)} asked for")
@@ -142,7 +146,9 @@ def _read_bin(name: str, size: int, dtype: Any) -> np.ndarray:
     if magic in HEADER_FORMATS:
         version, token_dtype = HEADER_FORMATS[magic]
         if int(header[1]) != version:
-            raise TokenFileError(f"{name}: shard version {int(header[1])} with magic {magic}; this format is version {version}")
+            raise TokenFileError(
+                f"{name}: shard version {int(header[1])} with magic {magic}; this format is version {version}"
+            )
         count = int(header[2])
         expected = HEADER_BYTES + count * token_dtype.itemsize
         if count < 0 or expected != size:
@@ -151,7 +157,9 @@ def _read_bin(name: str, size: int, dtype: Any) -> np.ndarray:
                 f"but the file has {size} bytes; it is truncated or not a token shard"
             )
         if dtype is not None and _dtype(dtype) != token_dtype:
-            raise TokenFileError(f"{name}: the header (magic {magic}) says {token_dtype} ids, not dtype={_dtype(dtype)}")
+            raise TokenFileError(
+                f"{name}: the header (magic {magic}) says {token_dtype} ids, not dtype={_dtype(dtype)}"
+            )
         if count == 0:
             raise TokenFileError(f"{name}: the shard holds no tokens (header count 0)")
         return np.memmap(name, dtype=token_dtype, mode="c", offset=HEADER_BYTES, shape=(count,))
@@ -166,7 +174,9 @@ def _read_bin(name: str, size: int, dtype: Any) -> np.ndarray:
     if size == 0:
         raise TokenFileError(f"{name}: the shard holds no tokens (empty file)")
     if size % token_dtype.itemsize:
-        raise TokenFileError(f"{name}: {size} bytes is not a whole number of {token_dtype} ids; is dtype={token_dtype} right?")
+        raise TokenFileError(
+            f"{name}: {size} bytes is not a whole number of {token_dtype} ids; is dtype={token_dtype} right?"
+        )
     return np.memmap(name, dtype=token_dtype, mode="c", shape=(size // token_dtype.itemsize,))
 
 
@@ -250,7 +260,8 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             )
         dtypes = {self._dtype_of(shard) for shard in self.shards}
         if len(dtypes) > 1:
-            raise TokenFileError(f"the shards hold ids of different dtypes ({', '.join(map(str, dtypes))}); {self._names()}")
+            listed = ", ".join(map(str, dtypes))
+            raise TokenFileError(f"the shards hold ids of different dtypes ({listed}); {self._names()}")
         self.token_dtype: torch.dtype = dtypes.pop()
         lengths = [len(shard) for shard in self.shards]
         self.shard_starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -285,7 +296,8 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         ) or torch.from_numpy(np.empty(0, dtype=tokens.dtype)).dtype
 
     def _names(self) -> str:
-        return "shards: " + ", ".join(shard.name for shard in self.shards[:4]) + (" ..." if len(self.shards) > 4 else "")
+        more = " ..." if len(self.shards) > 4 else ""
+        return "shards: " + ", ".join(shard.name for shard in self.shards[:4]) + more
 
     def __len__(self) -> int:
         return self._length
@@ -321,7 +333,9 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             try:
                 stat = os.stat(shard.path)
             except OSError as error:
-                raise TokenFileError(f"{shard.path}: the token file went away since it was opened ({error.strerror})") from error
+                raise TokenFileError(
+                    f"{shard.path}: the token file went away since it was opened ({error.strerror})"
+                ) from error
             if stat.st_size != shard.size or stat.st_mtime_ns != shard.mtime_ns:
                 raise TokenFileError(
                     f"{shard.path}: the token file changed since it was opened ({shard.size} -> {stat.st_size} "

@@ -162,7 +162,9 @@ class TokenSource(Source):
         else:
             self.path = "host-gather"
             if plan.host_samples < rows.full_rows:
-                self.notes["cache"] = f"the token buffer ({format_bytes(nbytes)}) fits no cache tier; read from the source"
+                self.notes["cache"] = (
+                    f"the token buffer ({format_bytes(nbytes)}) fits no cache tier; read from the source"
+                )
         self.buffer, self.staged = gatherable(tokens), True
 
     def place_rows(self, rows: TokenRows, plan: CachePlan) -> None:
@@ -174,7 +176,8 @@ class TokenSource(Source):
         tail[: rows.tail.numel()] = rows.tail
         self.tail = gatherable(tail).to(device)
         self.window_device = self.window.to(device)
-        self.h2d_bytes += self.store.stats.device_bytes + (tail.numel() * tail.element_size() if device.type != "cpu" else 0)
+        tail_bytes = tail.numel() * tail.element_size() if device.type != "cpu" else 0
+        self.h2d_bytes += self.store.stats.device_bytes + tail_bytes
         whole = self.store.stats.device_samples == rows.full_rows
         self.path, self.staged = ("device-gather" if whole else f"tiered ({plan.kind})"), False
 
