@@ -267,13 +267,15 @@ def test_device_tier_holds_the_tokens_and_copies_nothing_per_step(tmp_path: Path
 
 
 @pytest.mark.gpu
-def test_host_path_on_cuda_equals_torch(shard: Path) -> None:
+@pytest.mark.parametrize(("cache", "path"), [("off", "host-gather"), ("host", "host-gather (host tier)")])
+def test_host_path_on_cuda_equals_torch(shard: Path, cache: str, path: str) -> None:
     ds = TokenWindows(shard, 64)
-    ours, theirs = _pair(ds, batch_size=8, shuffle=True, cache="off", device="cuda")
+    ours, theirs = _pair(ds, batch_size=8, shuffle=True, cache=cache, device="cuda")
     for ours_batch, theirs_batch in zip(ours, theirs, strict=True):
+        assert all(t.is_cuda for t in ours_batch)
         assert_same([t.cpu() for t in ours_batch], theirs_batch)
-    assert ours.stats.path == "host-gather"
-    assert ours.stats.bytes_h2d == len(ds) * 65 * 2
+    assert ours.stats.path == path
+    assert ours.stats.bytes_h2d == len(ds) * 65 * 2  # each batch's uint16 windows, staged in pinned slots
 
 
 @pytest.mark.gpu
