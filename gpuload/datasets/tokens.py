@@ -387,9 +387,10 @@ _SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32}
 
 
 def widen(ids: torch.Tensor) -> torch.Tensor:
-    """Token ids of any integer dtype as int64, on their device. uint16/uint32 are widened
+    """Token ids of any integer dtype as a new int64 tensor, on their device. uint16/uint32 are widened
     through their same-width signed bit pattern and a mask (torch lacks most unsigned kernels)."""
     signed = _SIGNED.get(ids.dtype)
-    if signed is None:
-        return ids.to(torch.int64)
-    return ids.view(signed).to(torch.int64).bitwise_and_(_MASKS[signed])
+    source = ids if signed is None else ids.view(signed)
+    # always a new contiguous tensor: x and y of a batch never share memory (``y.view(-1)`` works)
+    wide = source.to(torch.int64, copy=True, memory_format=torch.contiguous_format)
+    return wide if signed is None else wide.bitwise_and_(_MASKS[signed])

@@ -129,6 +129,14 @@ def test_cache_off_streams_through_the_prefetcher(shard: Path) -> None:
     assert ours.stats.extra["prefetch"]["bytes_staged"] == 2 * len(ds) * 65 * 2  # uint16 ids, not int64 windows
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.int64])
+def test_x_and_y_are_contiguous_and_apart(dtype: type) -> None:
+    for batch_size in (1, 4):
+        x, y = next(iter(gpuload.DataLoader(TokenWindows(_ids(500).astype(dtype), 16), batch_size=batch_size)))
+        assert x.is_contiguous() and y.is_contiguous() and y.view(-1).shape == (batch_size * 16,)
+        assert x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()
+
+
 def test_cpu_device_serves_the_memmap_in_place(shard: Path) -> None:
     ds = TokenWindows(shard, 64)
     loader = gpuload.DataLoader(ds, batch_size=8)
