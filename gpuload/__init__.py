@@ -4,16 +4,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gpuload.datasets.arrays import ArrayDataset
+    from gpuload.datasets.tokens import TokenWindows
     from gpuload.job.plan import JobPlan, plan_job
     from gpuload.loader import DataLoader
 
-__all__ = ["DataLoader", "ArrayDataset", "JobPlan", "plan_job", "__version__"]
+__all__ = ["DataLoader", "ArrayDataset", "TokenWindows", "JobPlan", "plan_job", "__version__"]
 __version__ = "0.1.0"
 
 # Loaded on first use, so that ``import gpuload`` (and the ``gpuload`` command's --help) does
 # not import torch.
 _LAZY = {"DataLoader": "gpuload.loader", "ArrayDataset": "gpuload.datasets.arrays",
-         "plan_job": "gpuload.job.plan", "JobPlan": "gpuload.job.plan"}
+         "TokenWindows": "gpuload.datasets.tokens", "plan_job": "gpuload.job.plan", "JobPlan": "gpuload.job.plan"}
 
 
 def __getattr__(name: str) -> Any:

@@ -16,7 +16,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 # What each example prints when it did its job; an example not listed must exit 0 and print.
 EXPECTED = {"train_loop.py": "epoch 1: loss", "train_images.py": "epoch 1: loss", "resume.py": "resumed exactly: True",
-            "ddp_train.py": "epoch 1: loss"}  # ddp_train.py without torchrun: a job of one process
+            "ddp_train.py": "epoch 1: loss",  # ddp_train.py without torchrun: a job of one process
+            "train_gpt_tokens.py": "resumed with the same losses: True"}
 
 
 @pytest.mark.slow
@@ -38,6 +39,16 @@ def test_each_example_says_what_it_shows_how_to_run_it_and_how_long_it_takes(scr
     assert docstring and len(docstring.splitlines()[0]) > 20, script
     assert "python examples/" in docstring or "examples/" + script in docstring, script
     assert re.search(r"\b(about|under) \d+(\.\d+)? (s|seconds|minutes?)\b", docstring, re.IGNORECASE), script
+
+
+@pytest.mark.slow
+def test_train_gpt_tokens_resumes_mid_epoch_with_the_same_losses() -> None:
+    """Short settings: 60 steps of 37 per epoch, stopped after step 50 (epoch 1, batch 13)."""
+    done = subprocess.run([sys.executable, str(EXAMPLES / "train_gpt_tokens.py"), "--steps", "60", "--stop-at", "50",
+                           "--sentences", "1500"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "stopped after step 50 (epoch 1, batch 13)" in done.stdout
+    assert "resumed with the same losses: True" in done.stdout
 
 
 def _run_plan_example(*args: str) -> str:

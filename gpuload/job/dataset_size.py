@@ -3,7 +3,8 @@
 Used by ``gpuload plan`` and :func:`gpuload.plan_job`. An image folder is read as the loader reads it
 (``ImageFolder``) and estimated from the decoded size of a few images' headers (3*H*W uint8, plus
 an int64 label, by the estimator the image cache uses); an ``.npy``/``.npz`` file from
-its header; a synthetic name from a table; an in-memory dataset from a few of its samples.
+its header; a ``.bin`` token shard from its header (its tokens); a synthetic name from a table;
+an in-memory dataset from a few of its samples.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from gpuload.array_files import read_array_file
 from gpuload.cache.budget import format_bytes
 from gpuload.cache.probe import probe_images
 from gpuload.datasets.images import ImageFolder
+from gpuload.datasets.tokens import read_shard
 from gpuload.transfer import batch_nbytes
 
 __all__ = ["DatasetShape", "estimate_dataset", "dataset_shape", "image_folder", "LABEL_BYTES", "SYNTHETIC"]
@@ -95,7 +97,16 @@ def estimate_dataset(path: str | None, synthetic: str | None, probes: int = 16) 
         return _image_folder(where, probes)
     if where.is_file() and where.suffix in (".npy", ".npz"):
         return _array_file(where)
-    raise ValueError(f"{path} is neither an image folder nor an existing .npy/.npz file")
+    if where.is_file() and where.suffix == ".bin":
+        return _token_shard(where)
+    raise ValueError(f"{path} is neither an image folder nor an existing .npy/.npz file or .bin token shard")
+
+
+def _token_shard(path: Path) -> DatasetShape:
+    """An llm.c / nanoGPT-speedrun token shard: its tokens, as the loader caches them (not windows)."""
+    shard = read_shard(path)  # a TokenFileError (a ValueError) names the file
+    described = f"token shard {path}: {len(shard)} {shard.tokens.dtype} tokens (TokenWindows caches the tokens)"
+    return DatasetShape(len(shard), shard.tokens.dtype.itemsize, described)
 
 
 def dataset_shape(dataset: Any, probes: int = 3) -> DatasetShape:

@@ -30,7 +30,7 @@ from gpuload.distributed.sharded_store import ShardedArrayStore, shard_arrays
 from gpuload.prefetch import Fill, TensorSpec
 from gpuload.sampling import in_range
 
-__all__ = ["ArrayColumns", "ResidentColumns", "find_columns", "raw_columns", "same_arrays"]
+__all__ = ["ArrayColumns", "ResidentColumns", "find_columns", "raw_columns", "same_arrays", "staged_copier"]
 
 
 def raw_columns(dataset: Any) -> list[torch.Tensor] | None:
@@ -230,8 +230,7 @@ class ResidentColumns:
             raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
         flat = indices if checked else self.checked_index(indices)
         if self.store is not None:
-            copier = None if copy is None else (lambda request: copy(Fill(
-                [TensorSpec(shape, dtype) for shape, dtype in request.staged_shapes], request.fill_staged)))
+            copier = staged_copier(copy)
             leaves = self.store.gather(flat, copy=copier) if isinstance(self.store, TieredArrayStore) else (
                 self.store.gather(flat))
             return self._built(leaves, batched), flat, 0
@@ -278,6 +277,15 @@ class ResidentColumns:
                 torch.index_select(column, 0, flat, out=target.view(column.dtype).view(-1, *column.shape[1:]))
 
         return Fill(layout, gather_into)
+
+
+def staged_copier(copy: Callable[[Any], Any] | None) -> Callable[[BatchRequest], list[torch.Tensor]] | None:
+    """What a tiered store's ``gather`` copies its host rows with (``copy=``), from the loader's
+    ``copy_now``: the rows gathered straight into the prefetcher's pinned slot and copied."""
+    if copy is None:
+        return None
+    return lambda request: copy(Fill([TensorSpec(shape, dtype) for shape, dtype in request.staged_shapes],
+                                     request.fill_staged))
 
 
 def _staged_fill(request: BatchRequest, build: Callable[[Any], Any] | None = None) -> Fill:

@@ -48,3 +48,15 @@ def test_what_has_no_size_is_refused() -> None:
         dataset_shape(iter([1, 2]))
     with pytest.raises(ValueError, match="empty"):
         dataset_shape(torch.utils.data.TensorDataset(torch.zeros(0, 2)))
+
+
+def test_a_token_shard_counts_its_tokens_not_windows(tmp_path: Path) -> None:
+    from gpuload.datasets.tokens import TokenFileError, write_shard
+
+    shard = write_shard(tmp_path / "train_000.bin", np.arange(1000) % 500)
+    shape = estimate_dataset(str(shard), None)
+    assert _sizes(shape) == (1000, 2) and "1000 uint16 tokens" in shape.description
+    raw = tmp_path / "raw.bin"
+    raw.write_bytes(b"\0" * 64)
+    with pytest.raises(TokenFileError, match=r"raw\.bin: not a token shard"):
+        estimate_dataset(str(raw), None)
