@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "positive_int", "non_negative_int", "non_negative_float", "device_argument", "size_argument",
-    "setting_error", "command_device", "size_choice",
+    "setting_error", "command_device", "size_choice", "parse_shape",
 ]
 
 
@@ -122,3 +122,14 @@ def command_device(text: str | None, flag: str = "--device") -> "torch.device":
         return resolve_device(text)
     except DeviceError as error:
         raise ValueError(f"argument {flag}: {error}") from None
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"3,224,224"`` -> ``(3, 224, 224)``; a ValueError for anything but positive integers."""
+    try:
+        shape = tuple(int(part) for part in text.replace("x", ",").split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(size < 1 for size in shape):
+        raise ValueError(f"--input-shape {text!r} must be positive integers separated by commas, e.g. 3,224,224")
+    return shape

@@ -25,9 +25,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gpuload.cli.arguments import device_argument, positive_int, size_argument, size_choice
+from gpuload.cli.arguments import device_argument, parse_shape, positive_int, size_argument, size_choice
 
-__all__ = ["add_arguments", "run", "parse_shape", "CACHE_MODES", "SYNTHETIC_NAMES", "MAX_RANKS"]
+__all__ = ["add_arguments", "run", "CACHE_MODES", "SYNTHETIC_NAMES", "MAX_RANKS"]
 
 # gpuload.cache.MODES and gpuload.job.dataset_size.SYNTHETIC's names, here without importing torch
 # (tests/cli/test_plan.py checks that they agree).
@@ -84,17 +84,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="fix the batch size: the cache gets what it leaves (default: recommend one)")
     job.add_argument("--batch-multiple", type=positive_int, default=8, metavar="N",
                      help="a recommended batch size is a multiple of this (default 8)")
-
-
-def parse_shape(text: str) -> tuple[int, ...]:
-    """``"3,224,224"`` -> ``(3, 224, 224)``; a ValueError for anything but positive integers."""
-    try:
-        shape = tuple(int(part) for part in text.replace("x", ",").split(","))
-    except ValueError:
-        shape = ()
-    if not shape or any(size < 1 for size in shape):
-        raise ValueError(f"--input-shape {text!r} must be positive integers separated by commas, e.g. 3,224,224")
-    return shape
 
 
 def _problem(args: argparse.Namespace) -> str | None:

@@ -16,7 +16,7 @@ import torch
 
 from gpuload.cache import CacheSettingError, CacheSettings, decide_images, format_bytes, make_plan
 from gpuload.cli.arguments import command_device, setting_error
-from gpuload.cli.plan import parse_shape
+from gpuload.cli.arguments import parse_shape
 from gpuload.device import MemoryInfo, cuda_available, device_memory, host_memory
 from gpuload.distributed.scope_plan import ScopePlans, plan_scopes
 from gpuload.job.dataset_size import DatasetShape, estimate_dataset, image_folder
