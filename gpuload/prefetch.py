@@ -692,12 +692,15 @@ class Prefetcher:
         if self._inline_ring is None:
             self._inline_ring = _Ring(self.depth, self.device, self._stream, self.stats)
         ring = self._inline_ring
-        if not ring.cuda:
-            return ring.transfer(0, item).batch
-        current = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(current)  # device work the caller queued (rows gathered) comes first
-        with torch.cuda.stream(self._stream):
-            delivery = ring.transfer(self._inline_count, item)
+        try:
+            if not ring.cuda:
+                return ring.transfer(0, item).batch
+            current = torch.cuda.current_stream(self.device)
+            self._stream.wait_stream(current)  # device work the caller queued (rows gathered) comes first
+            with torch.cuda.stream(self._stream):
+                delivery = ring.transfer(self._inline_count, item)
+        except _StageFailure as failure:  # a Fill's own error, raised as it was raised
+            raise failure.exc from None
         self._inline_count += 1
         current.wait_event(delivery.event)
         for tensor in delivery.device_tensors:

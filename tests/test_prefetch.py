@@ -556,3 +556,18 @@ def test_gpu_batches_made_on_the_device_in_the_thread_are_ordered_and_protected(
         consumer.synchronize()
     assert [int(c[0]) for c in copies] == list(range(n))
     assert all(bool((c == i).all()) for i, c in enumerate(copies))
+
+
+def test_copy_now_raises_a_fills_own_error_as_it_was_raised() -> None:
+    """A batch copied in the loop's thread (``copy_now``): the Fill callback's exception reaches
+    the caller as it was raised, not wrapped in the prefetcher's internals."""
+    from gpuload.prefetch import Fill, Prefetcher, TensorSpec
+
+    def broken(slot):
+        raise IndexError("index 99 is out of bounds for dimension 0 with size 4")
+
+    prefetcher = Prefetcher(None, "cpu")
+    with pytest.raises(IndexError, match="index 99"):
+        prefetcher.copy_now(Fill([TensorSpec((2,), torch.int64)], broken))
+    batch = prefetcher.copy_now(Fill([TensorSpec((3,), torch.int64)], lambda slot: slot[0].copy_(torch.arange(3))))
+    assert torch.equal(batch[0], torch.arange(3)) and prefetcher.stats.bytes_copied == 24
