@@ -348,16 +348,18 @@ class ColumnStore(BudgetedCache):
 
     def slots(self, keys: torch.Tensor, in_range: bool = False) -> torch.Tensor:
         """The row of each dataset index in ``keys`` (int64), -1 where it is not stored (int32
-        or int64 rows). ``in_range``: the keys are known to lie in ``[0, num_samples)``."""
-        n = self._slot_of.numel()
-        if self._closed:
-            return torch.full_like(keys, -1, dtype=self._slot_dtype)
-        if not in_range and not self._inside(keys):
-            inside = (keys >= 0) & (keys < n)
-            found = torch.full_like(keys, -1, dtype=self._slot_dtype)
-            found[inside] = self._slot_of[keys[inside]]
-            return found
-        return self._slot_of.index_select(0, keys)
+        or int64 rows). ``in_range``: the keys are known to lie in ``[0, num_samples)``. Under
+        the store's lock: a row is seen only once it is written (another thread may be filling)."""
+        with self._lock:
+            n = self._slot_of.numel()
+            if self._closed:
+                return torch.full_like(keys, -1, dtype=self._slot_dtype)
+            if not in_range and not self._inside(keys):
+                inside = (keys >= 0) & (keys < n)
+                found = torch.full_like(keys, -1, dtype=self._slot_dtype)
+                found[inside] = self._slot_of[keys[inside]]
+                return found
+            return self._slot_of.index_select(0, keys)
 
     def _inside(self, keys: torch.Tensor) -> bool:
         """Whether every key is a dataset index in ``[0, num_samples)``."""
@@ -420,12 +422,11 @@ class ColumnStore(BudgetedCache):
 
     # ------------------------------------------------------------ filling
 
-    def put(self, keys: torch.Tensor, part: Part, *, unseen: bool = False) -> int:
+    def put(self, keys: torch.Tensor, part: Part) -> int:
         """Store the samples of ``part`` (prepared from them, in order) under dataset indices
         ``keys``; returns how many were stored now. Parts of the stored tree that the new
-        samples do not fit are turned into per-sample storage first. ``unseen``: the caller
-        has just looked the keys up (``slots``) and none is stored (they may lie out of range,
-        and are then not stored)."""
+        samples do not fit are turned into per-sample storage first. Keys out of range, or
+        stored already (another thread may fill the same samples), are not stored again."""
         with self._lock:
             if self._closed or self._stats.full or self.complete:
                 self._stats.rejected += keys.numel()
@@ -440,7 +441,7 @@ class ColumnStore(BudgetedCache):
                     self._allocate(write, keys.numel())
                 elif write.changed:
                     self.layout = _describe(self._root, self._capacity, self._slot_of.numel(), "changed: ")
-                stored = self._write(keys, write, unseen)
+                stored = self._write(keys, write)
                 why = f"free memory on {self._device} reached the reserve" if (
                     self._stats.full and self._short_of_room) else None
             except RuntimeError as error:
@@ -524,10 +525,10 @@ class ColumnStore(BudgetedCache):
         room = self._capacity - self._used
         return _StoredObjects(sequence, self._device, values + [None] * room, sizes + [0] * room)
 
-    def _write(self, keys: torch.Tensor, write: _Write, unseen: bool) -> int:
+    def _write(self, keys: torch.Tensor, write: _Write) -> int:
         """Give the new samples rows and write them (lock held); how many were stored."""
         if not write.objects and self._inside(keys):
-            stored = self._write_new(keys, write, unseen)
+            stored = self._write_new(keys, write)
             if stored:
                 return stored
         n = keys.numel()
@@ -582,12 +583,14 @@ class ColumnStore(BudgetedCache):
         self._stats.entries = self._used
         return take
 
-    def _write_new(self, keys: torch.Tensor, write: _Write, unseen: bool) -> int:
+    def _write_new(self, keys: torch.Tensor, write: _Write) -> int:
         """The usual case, in a few tensor operations: distinct keys, none stored yet, all in
         range, room for all, columns only. 0 (nothing changed) when that is not the case."""
         n = keys.numel()
         slot_of, at = self._slot_of.numpy(), keys.numpy()  # numpy: a few microseconds per step
-        if self._capacity - self._used < n or (not unseen and slot_of[at].max() >= 0):
+        # Checked here, under the lock, even when the caller just found none stored: another
+        # thread filling the same samples may have stored some since (each is stored once).
+        if self._capacity - self._used < n or slot_of[at].max() >= 0:
             return 0
         rows = np.arange(self._used, self._used + n, dtype=slot_of.dtype)
         slot_of[at] = rows

@@ -112,9 +112,9 @@ class CachedSamples:
             self.unkeyed = True
         return keys
 
-    def _store(self, keys: torch.Tensor, part: Part, unseen: bool = False) -> int:
+    def _store(self, keys: torch.Tensor, part: Part) -> int:
         """Put a prepared batch in the store; how many of its samples were stored now."""
-        stored = self.store.put(keys, part, unseen=unseen) if self.accepting else 0
+        stored = self.store.put(keys, part) if self.accepting else 0
         if stored and self._counts_copies:
             self.h2d_bytes += _column_bytes(part)
         return stored
@@ -131,8 +131,9 @@ class CachedSamples:
             items = list(indices) if self.batched else [indices]
             return self._collate(self._fetch(items))
         store = self.store
+        complete = self.complete  # read before the slots: complete then, they are all stored
         slots = store.slots(keys, in_range)
-        if self.complete and in_range:
+        if complete and in_range:
             store.count(keys.numel(), 0)
             return self._from_store(slots)
         rows = slots.numpy()  # numpy's min/max: no thread pool to wake for a few hundred rows
@@ -150,7 +151,7 @@ class CachedSamples:
         store.count(keys.numel() - len(positions), len(positions))
         fetched = self._fetch(items if high < 0 else [items[p] for p in positions])
         part = prepare(fetched)
-        if self.accepting and self._store(missing, part, unseen=True) == len(positions):
+        if self.accepting and self._store(missing, part) == len(positions):
             if high < 0 and self.by_column and not self._counts_copies:
                 return part.batch()  # every sample was read now: the columns just written
             return self._from_store(store.slots(keys))
