@@ -72,6 +72,8 @@ class CachedSamples:
         )
         self.unkeyed = False  # an index that is not an int was seen: nothing more is cached
         self.fill_epochs = 0
+        self._entries_seen = 0  # entries at the end of the last epoch: does an epoch still add?
+        self._warned_partial = False
         self._counts_copies = decision.tier == "device" and setup.device.type != "cpu"
         self.h2d_bytes = 0  # samples put on the device tier, and misses moved there to be collated
 
@@ -217,23 +219,35 @@ class CachedSamples:
                     break
         return read
 
-    def end_of_epoch(self) -> None:
-        """After a whole epoch: say once why samples stay uncached."""
+    def end_of_epoch(self) -> bool:
+        """After a whole epoch: whether the cache is worth keeping (complete, or still filling
+        as the epochs visit new samples); says once why it stays partial when it is.
+
+        A sampler that visits part of the dataset in an epoch (a ``DistributedSampler``'s share,
+        ``WeightedRandomSampler``, sampling with replacement) leaves the rest for later epochs:
+        that is not the budget's doing, and the cache goes on filling. One whose epochs add no
+        new sample caches all it will ever read."""
         self.fill_epochs += 1
-        if self.fill_epochs != 1 or self.complete:
-            return
         stats = self.store.stats
+        grew, self._entries_seen = stats.entries > self._entries_seen, stats.entries
+        if self.complete:
+            return True
         if self.unkeyed:
             why = "its sampler yields indices that are not integers"
         elif stats.uncacheable:
             why = f"{stats.uncacheable} samples are of types gpuload cannot copy (tensors, arrays, numbers, strings and containers of them)"
-        else:
+        elif stats.full:
             why = f"the budget ({format_bytes(stats.budget)}) holds {stats.entries} of {self.num_samples} samples"
-        warnings.warn(
-            f"gpuload: the {self.tier} sample cache of this {type(self.dataset).__name__} is partial: {why}; "
-            "the rest are read from the dataset every epoch",
-            stacklevel=3,
-        )
+        else:  # the sampler has not visited the rest (yet): nothing to say
+            return grew
+        if not self._warned_partial:
+            self._warned_partial = True
+            warnings.warn(
+                f"gpuload: the {self.tier} sample cache of this {type(self.dataset).__name__} is partial: {why}; "
+                "the rest are read from the dataset every epoch",
+                stacklevel=3,
+            )
+        return False
 
 
 def _column_bytes(part: Part) -> int:

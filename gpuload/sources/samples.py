@@ -220,14 +220,22 @@ class SampleSource(Source):
 
     def _end_of_worker_epoch(self) -> None:
         """After a whole worker epoch (not the rest of a resumed one, which cannot have filled
-        the cache): say why it is partial, if so, and keep no memory for it: with workers only a
-        complete cache serves."""
+        the cache): with workers only a complete cache serves, so a partial one is kept only
+        while the epochs still add to it (a sampler that visits a part of the dataset each
+        epoch), and dropped, saying why, once it cannot complete."""
         cached = self.cached
         if cached is None:
             return
-        cached.end_of_epoch()
-        if not cached.complete:
-            self._drop_cache()
+        if cached.end_of_epoch() or cached.complete:
+            return
+        if not cached.store.stats.full and not cached.unkeyed and not cached.store.stats.uncacheable:
+            warnings.warn(
+                f"gpuload: the {cached.tier} sample cache of this {type(self.setup.dataset).__name__} is dropped: "
+                f"the sampler's epochs read {cached.store.stats.entries} of its {cached.num_samples} samples and "
+                "no more, and with worker processes only a complete cache serves (num_workers=0 serves from "
+                "the samples cached)", stacklevel=3,
+            )
+        self._drop_cache()
 
     def _moved(self, batch: Any, copy: Callable[[Any], Any] | None) -> tuple[Any, int]:
         """In the loop's thread, nothing ran ahead: the batch's host tensors go to the device

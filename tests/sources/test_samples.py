@@ -442,3 +442,48 @@ def test_two_threads_each_with_its_own_iterator_fill_one_sample_cache() -> None:
         cache = loader.stats.extra["cache"]
         assert cache["complete"] and cache["entries"] == 400
         loader.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sampler_that_visits_part_of_the_dataset_each_epoch_fills_the_cache_over_epochs(workers: int) -> None:
+    """#25 item 11: a DistributedSampler's share (and sampling with replacement) leaves samples
+    for later epochs. No warning blames the budget, which is ample, and with workers the cache
+    is kept while epochs add to it, then serves once complete."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = Counted(24)
+    kw = dict(batch_size=4, num_workers=workers)
+    sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
+    ours = gpuload.DataLoader(data, sampler=sampler, cache="host", **kw)
+    theirs = tud.DataLoader(Counted(24), sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=True,
+                                                                     seed=3), **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "partial: the budget ..." warning, no cache dropped
+        for epoch in range(12):
+            ours.sampler.set_epoch(epoch)
+            theirs.sampler.set_epoch(epoch)
+            assert_same_epochs(ours, theirs, epochs=1)
+            if ours.stats.extra["cache"].get("complete"):
+                break
+    cache = ours.stats.extra["cache"]
+    assert cache["complete"] and cache["entries"] == 24 and not cache.get("released")
+    before = data.reads
+    assert_same_epochs(ours, theirs, epochs=1)
+    assert data.reads == before and ours.stats.path == "sample-cache (host)"  # served from the cache
+    ours.close()
+
+
+def test_with_workers_a_cache_whose_epochs_add_nothing_is_dropped_saying_why() -> None:
+    """The same share every epoch (no shuffle): the cache holds all it will ever get; with
+    workers only a complete cache serves, so it is dropped, with the reason, not the budget."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = Counted(24)
+    sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=False)
+    ours = gpuload.DataLoader(data, sampler=sampler, batch_size=4, num_workers=2, cache="host")
+    theirs = tud.DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=False),
+                            batch_size=4)
+    with pytest.warns(UserWarning, match=r"dropped: the sampler's epochs read 12 of its 24 samples and no more"):
+        assert_same_epochs(ours, theirs, epochs=2)
+    assert ours.stats.path == "torch" and ours.stats.extra["cache"]["entries"] == 0
+    ours.close()
