@@ -318,7 +318,9 @@ class ColumnStore(BudgetedCache):
     ``num_samples`` rows when they fit the budget (and ``room()``), else for as many as fit.
     Rows are handed out in the order samples arrive; ``slot_of`` (host memory) maps a dataset
     index to its row, -1 while it is not stored: the presence map. On a CUDA ``device`` the
-    columns live there and the bytes are booked in ``ledger``; ``pin`` pins host columns.
+    columns live there and the bytes are booked in ``ledger``. Host columns are pageable: a
+    batch gathered from them is a new tensor, copied to a device through the prefetcher's
+    pinned slots, so pinning the columns would buy nothing.
     """
 
     def __init__(
@@ -330,10 +332,8 @@ class ColumnStore(BudgetedCache):
         ledger: BudgetLedger = LEDGER,
         owner: Hashable | None = None,
         room: Callable[[], int] | None = None,
-        pin: bool = False,
     ) -> None:
         super().__init__(budget_bytes, device, ledger=ledger, owner=owner, room=room, num_samples=num_samples)
-        self._pin = pin and self._device.type == "cpu"
         self._slot_dtype = torch.int32 if num_samples < 2**31 else torch.int64
         self._slot_of = torch.full((num_samples,), -1, dtype=self._slot_dtype)
         self._host_bytes = self._slot_of.numel() * self._slot_of.element_size() if self._device.type == "cpu" else 0
@@ -474,7 +474,7 @@ class ColumnStore(BudgetedCache):
             try:
                 for column in columns:
                     shape = (capacity, *column.rows.shape[1:])
-                    column.place(torch.empty(shape, dtype=column.rows.dtype, device=self._device, pin_memory=self._pin))
+                    column.place(torch.empty(shape, dtype=column.rows.dtype, device=self._device))
                 break
             except RuntimeError as error:  # out of memory: as many rows as can be allocated
                 if not is_oom(error) or capacity == 0:

@@ -17,7 +17,6 @@ from torch.utils.data import default_collate
 
 from gpuload.cache import CacheDecision, format_bytes
 from gpuload.cache.columns import Branch, Column, ColumnStore, Part, prepare
-from gpuload.device import cuda_available
 from gpuload.sources import Setup
 from gpuload.sources.torch_fetch import KeepSamples, PerBatch, fetch, read_prepared
 from gpuload.transfer import batch_nbytes, move_to_device
@@ -66,10 +65,8 @@ class CachedSamples:
         self.by_column = setup.batched and setup.collate_fn is default_collate
         self.num_samples = len(setup.dataset)
         where = setup.device if decision.tier == "device" else torch.device("cpu")
-        self.store = ColumnStore(
-            decision.budget, self.num_samples, where, owner=setup.owner, room=setup.settings.room_check(where),
-            pin=setup.device.type == "cuda" and cuda_available(),
-        )
+        self.store = ColumnStore(decision.budget, self.num_samples, where, owner=setup.owner,
+                                 room=setup.settings.room_check(where))
         self.unkeyed = False  # an index that is not an int was seen: nothing more is cached
         self.fill_epochs = 0
         self._entries_seen = 0  # entries at the end of the last epoch: does an epoch still add?

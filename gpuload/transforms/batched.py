@@ -24,12 +24,10 @@ from gpuload.transforms import reference, staging
 from gpuload.transforms.geometry import crop_windows, geometry_plan
 from gpuload.transforms.ops import (
     GEOMETRIC_OPS,
-    Op,
     RandomHorizontalFlip,
     RandomResizedCrop,
     Resize,
     ToChannelsLast,
-    ToDtype,
 )
 from gpuload.transforms.params import BatchParams
 
