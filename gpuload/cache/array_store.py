@@ -226,7 +226,7 @@ class TieredArrayStore(Store):
             if on_device:
                 self._ledger.release(self._owner)
                 self._warn(f"out of memory placing {rows} samples ({format_bytes(rows * bps)}) on "
-                           f"{self.device}; they are served from the next tier instead")
+                           f"{self.device}; they are served from the tiers after it (host memory, else the source)")
             else:
                 self._warn(f"out of host memory keeping {rows} samples ({format_bytes(rows * bps)}) "
                            f"in the {name} tier; they are read from the source instead")
