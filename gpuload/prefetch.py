@@ -707,11 +707,6 @@ class Prefetcher:
             tensor.record_stream(current)
         return delivery.batch
 
-    def copy_staged(self, shapes: list[tuple[tuple[int, ...], torch.dtype]], fill: Callable[[Any], object]) -> Any:
-        """``copy_now`` of host tensors of ``shapes`` (``(shape, dtype)`` each) that ``fill``
-        writes in place (into the pinned slot): a cache's host rows, gathered straight there."""
-        return self.copy_now(Fill([TensorSpec(shape, dtype) for shape, dtype in shapes], fill))
-
     def __iter__(self) -> Iterator[Any]:
         if self.source is None:
             raise TypeError(

@@ -21,6 +21,7 @@ from gpuload.distributed.scope import ScopeDecision
 from gpuload.distributed.sharded_images import ShardedImageStore
 from gpuload.distributed.sharded_store import ShardedArrayStore, ShardPlan
 from gpuload.prefetch import Prefetcher
+from gpuload.sources.placed_arrays import staged_copier
 
 N = 240
 GiB = 2**30
@@ -89,7 +90,7 @@ def array_case(kind: str, device: str = "cpu") -> Case:
         return Case(store, everything, expected)
     # the loader's path: host rows gathered straight into a prefetcher's slot, then copied
     prefetcher = Prefetcher(None, device)
-    copy = lambda request: prefetcher.copy_staged(request.staged_shapes, request.fill_staged)  # noqa: E731
+    copy = staged_copier(prefetcher.copy_now)
     plan = planned(data, [("device", 70), ("host", 90)])
     store = TieredArrayStore(list(data), plan, device, ledger=BudgetLedger(),
                              stage_host_rows=True if device == "cpu" else None)

@@ -21,12 +21,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.oom import CacheFallbackWarning, is_oom
-from gpuload.cache.plan import CachePlan
+from gpuload.cache.plan import CachePlan, TierPlan
 from gpuload.cache.store import Store, StoreStats, StreamGuard, TierCounts
 from gpuload.cache.tiers import TIERS, HostTier, SourceTier, Tier
 from gpuload.sampling import in_range
 
-__all__ = ["BatchRequest", "HostTier", "HostTierMaker", "StoreStats", "TieredArrayStore", "gatherable",
+__all__ = ["BatchRequest", "HostTier", "HostTierMaker", "StoreStats", "TierMaker", "TieredArrayStore", "gatherable",
            "private_host_tier"]
 
 # Unsigned dtypes torch has only partial kernels for (index_copy_ on the CPU, index_select
@@ -42,10 +42,13 @@ def gatherable(array: torch.Tensor) -> torch.Tensor:
     return array if signed is None else array.view(signed)
 
 
-HostTierMaker = Callable[[list[torch.Tensor], int, int, int], Tier]
-"""``(source columns, first row, rows wanted, host budget in bytes) -> Tier``: builds the host
-tier. A maker may hold other rows than asked (a node's shared copy); the store serves from it
-the rows past the tiers before it."""
+TierMaker = Callable[[list[torch.Tensor], int, int, int], Tier]
+"""``(source columns, first row, rows wanted, the tier's most bytes) -> Tier``: builds a tier
+otherwise than its class would (the host tier shared by a node's ranks). A maker may hold other
+rows than asked (a node's shared copy); the store serves from it the rows past the tiers before
+it. The maker is always called, once, also for no rows (a node's maker is a collective)."""
+
+HostTierMaker = TierMaker
 
 
 def private_host_tier(source: list[torch.Tensor], first: int, rows: int, budget: int = 0) -> Tier:
@@ -88,13 +91,12 @@ class TieredArrayStore(Store):
 
     Samples go to the plan's tiers in order (``plan.tiers``); the rest stay in the source
     tensors. On a CPU ``device`` the device tier is a view of the source (no copy). When a tier
-    cannot be allocated (out of memory) its samples go to the next tier (the host tier takes
-    what its budget holds in modes ``auto`` and ``host``), else to the source, with one
-    :class:`CacheFallbackWarning` per store. The device bytes are booked in ``ledger`` under
-    ``owner`` until :meth:`close`. ``host_tier`` builds the host tier (always called, once,
-    also for no rows: a maker shared by a node's ranks is a collective); by default each store
-    keeps its own copy. ``tiers`` maps further tier names to their classes (default: the
-    registered ones). ``stage_host_rows``: whether host rows go through the loader's staging
+    cannot be allocated (out of memory) its samples go to the next tier, up to that tier's
+    ``room`` in the plan (the host tier's: what the host budget holds), else to the source,
+    with one :class:`CacheFallbackWarning` per store. The device bytes are booked in ``ledger``
+    under ``owner`` until :meth:`close`. ``host_tier`` builds the host tier (a
+    :data:`TierMaker`, e.g. a node's shared copy); by default each store keeps its own copy.
+    ``tiers`` maps further tier names to their classes (default: the registered ones). ``stage_host_rows``: whether host rows go through the loader's staging
     (default: on any target but the CPU).
     """
 
@@ -152,7 +154,7 @@ class TieredArrayStore(Store):
         self._stats = StoreStats()
         self._hits: list[int] = []
         self._kinds = dict(TIERS if tiers is None else tiers)
-        self._make_host_tier = host_tier
+        self._makers: dict[str, TierMaker] = {"host": host_tier}  # tiers built otherwise than by their class
         self._tiers: list[Tier] = []  # the plan's tiers as placed, then the source
         self._counts: list[int] = []  # rows each tier serves (a maker's tier may hold more)
         self._streams = StreamGuard(self.device)  # orders and protects the device tier's rows
@@ -168,21 +170,12 @@ class TieredArrayStore(Store):
             self._warned = True
             warnings.warn(f"gpuload cache: {message}", CacheFallbackWarning, stacklevel=4)
 
-    def _room_for_more(self, name: str, planned: int) -> int:
-        """Rows the tier called ``name`` may take when an earlier tier fell back to it."""
-        if name == "host" and self._plan.mode in ("auto", "host"):
-            return max(planned, self._plan.host_budget // self._plan.bytes_per_sample)
-        return planned
-
     def _place(self) -> None:
         bps = self._plan.bytes_per_sample
         first, carried = 0, 0
         for tier_plan in self._plan.tiers:
-            wanted = tier_plan.samples
-            if carried:
-                wanted = min(wanted + carried, self._room_for_more(tier_plan.name, wanted))
-            wanted = min(wanted, self._num_samples - first)
-            tier = self._allocate(tier_plan.name, first, wanted)
+            wanted = min(tier_plan.samples + carried, tier_plan.most, self._num_samples - first)
+            tier = self._allocate(tier_plan, first, wanted)
             # A tier may hold rows before ``first`` (a node's shared copy starts at the smallest
             # device tier of its ranks): those are served by the tiers before it.
             start, stop = max(first, tier.first), tier.first + tier.rows
@@ -205,10 +198,10 @@ class TieredArrayStore(Store):
             self._stats.fill_bytes += device_rows * bps
             self._streams.replaced([])  # later gathers, on any stream, wait for the fill
 
-    def _allocate(self, name: str, first: int, rows: int) -> Tier:
-        """The tier called ``name`` with rows ``[first, first + rows)``, or an empty one when
-        it does not fit (warned)."""
-        bps = self._plan.bytes_per_sample
+    def _allocate(self, tier_plan: TierPlan, first: int, rows: int) -> Tier:
+        """The tier ``tier_plan`` names, with rows ``[first, first + rows)`` (built by its maker
+        when one is given), or an empty one when it does not fit (warned)."""
+        bps, name = self._plan.bytes_per_sample, tier_plan.name
         kind = self._kinds.get(name)
         if kind is None:
             raise ValueError(f"the plan names a tier {name!r} that no class is registered for "
@@ -217,8 +210,9 @@ class TieredArrayStore(Store):
         if on_device and rows:
             self._ledger.reserve(rows * bps, self._owner, device=self.device)
         try:
-            if name == "host":
-                return self._make_host_tier(self._source, first, rows, self._plan.host_budget)
+            maker = self._makers.get(name)
+            if maker is not None:
+                return maker(self._source, first, rows, tier_plan.most * bps)
             return kind.allocate(self._source, first, rows, self.device)
         except RuntimeError as error:
             if not is_oom(error):

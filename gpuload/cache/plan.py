@@ -36,12 +36,20 @@ TIER_LABELS = {"device": "device tier", "host": "host tier"}
 
 @dataclass(frozen=True)
 class TierPlan:
-    """``samples`` consecutive samples from ``first`` kept in the tier called ``name``."""
+    """``samples`` consecutive samples from ``first`` kept in the tier called ``name``;
+    ``room``: the samples it may hold when an earlier tier cannot take its share (out of
+    memory), at least ``samples`` (None: just ``samples``)."""
 
     name: str
     first: int
     samples: int
     bytes_per_sample: int
+    room: int | None = None
+
+    @property
+    def most(self) -> int:
+        """The samples this tier may hold at most (``room``, else ``samples``)."""
+        return self.samples if self.room is None else max(self.samples, self.room)
 
     @property
     def stop(self) -> int:
@@ -212,7 +220,7 @@ def make_plan(
     if host_reserve is None:
         host_reserve = default_host_reserve(host_total if host_total is not None else host_free)
     notes: list[str] = []
-    device_samples = host_samples = 0
+    device_samples = host_samples = host_room = 0
     total = bytes_per_sample * num_samples
     if target == "cpu":
         notes.append("batches are used on the CPU: the source already serves as the device tier")
@@ -235,6 +243,7 @@ def make_plan(
             host_cap = max(0, host_free - host_reserve)
             left = num_samples - device_samples
             host_samples = min(left, host_cap // bytes_per_sample)
+            host_room = min(num_samples, host_cap // bytes_per_sample)  # if the device tier falls back
             if host_samples < left:
                 notes.append(
                     f"host memory ({format_bytes(host_cap)} after the host reserve) holds "
@@ -243,7 +252,7 @@ def make_plan(
         if total and device_samples == num_samples:
             notes.append("the whole dataset fits on the device: epochs after the fill copy nothing")
     tiers = (TierPlan("device", 0, device_samples, bytes_per_sample),
-             TierPlan("host", device_samples, host_samples, bytes_per_sample))
+             TierPlan("host", device_samples, host_samples, bytes_per_sample, room=host_room))
     return CachePlan(
         mode=mode,
         target=target,

@@ -279,23 +279,26 @@ class ResidentColumns:
         return Fill(layout, gather_into)
 
 
+def _host_part(request: BatchRequest) -> list[TensorSpec]:
+    """The slot tensors a request's host rows are gathered into (none when all are on the device)."""
+    return [TensorSpec(shape, dtype) for shape, dtype in request.staged_shapes] if request.stages else []
+
+
 def staged_copier(copy: Callable[[Any], Any] | None) -> Callable[[BatchRequest], list[torch.Tensor]] | None:
     """What a tiered store's ``gather`` copies its host rows with (``copy=``), from the loader's
-    ``copy_now``: the rows gathered straight into the prefetcher's pinned slot and copied."""
+    ``copy_now`` (or a prefetcher's): the rows gathered straight into the pinned slot and copied."""
     if copy is None:
         return None
-    return lambda request: copy(Fill([TensorSpec(shape, dtype) for shape, dtype in request.staged_shapes],
-                                     request.fill_staged))
+    return lambda request: copy(Fill(_host_part(request), request.fill_staged))
 
 
-def _staged_fill(request: BatchRequest, build: Callable[[Any], Any] | None = None) -> Fill:
+def _staged_fill(request: BatchRequest, build: Callable[[Any], Any]) -> Fill:
     """``request`` as a :class:`Fill` for the prefetcher's slots: its device rows pass through,
     its host rows are gathered into the slot; the delivered layout is ``(device rows, copied
-    rows, assemble)``, or the assembled batch itself when the caller copies it at once."""
-    specs = [TensorSpec(shape, dtype) for shape, dtype in request.staged_shapes] if request.stages else []
+    rows, assemble)``; ``assemble`` puts them in order and makes the batch with ``build``."""
+    specs = _host_part(request)
 
     def assemble(on_device: list[torch.Tensor], staged: list[torch.Tensor]) -> Any:
-        leaves = request.assemble(on_device, staged)
-        return leaves if build is None else build(leaves)
+        return build(request.assemble(on_device, staged))
 
     return Fill((request.on_device, specs, assemble), lambda slot: request.fill_staged(slot[1]))

@@ -16,6 +16,7 @@ from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.plan import make_plan
 from gpuload.cache.tiers import HostTier
 from gpuload.prefetch import Prefetcher
+from gpuload.sources.placed_arrays import staged_copier
 
 GiB = 2**30
 N = 1000
@@ -63,7 +64,7 @@ def staged_by_a_prefetcher(device):
     """The loader's own copier: the request's host rows gathered into a prefetcher's pinned
     slot and copied on its side stream."""
     prefetcher = Prefetcher(None, device)
-    return lambda request: prefetcher.copy_staged(request.staged_shapes, request.fill_staged)
+    return staged_copier(prefetcher.copy_now)
 
 
 def expected(data, index: torch.Tensor):
