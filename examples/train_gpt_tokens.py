@@ -1,7 +1,7 @@
 """Train a tiny GPT on a token shard with gpuload, stop mid-epoch, resume with the same losses.
 
-Run: python examples/train_gpt_tokens.py   (the GPU when there is one, else the CPU; under a
-minute on 2 cores)
+Run: python examples/train_gpt_tokens.py   (the GPU when there is one, else the CPU; about 36 s
+on 2 idle cores)
 
 1. Text: a generated, public-domain corpus of English arithmetic sentences ("seven plus three
    is ten."), so nothing is downloaded; byte-level tokens, written as an llm.c / nanoGPT
