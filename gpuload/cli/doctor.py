@@ -177,13 +177,17 @@ def _check_torch(torch: Any, driver: dict[str, Any], versions: dict[str, Any]) -
                    "check CUDA_VISIBLE_DEVICES, and in a container that it runs with --gpus")
 
 
+def _several(check: str, label: str, packages: list[str], why: str) -> Finding:
+    """The failure for more than one build of a package in one environment (one CUDA major each)."""
+    return Finding(check, "FAIL", f"{len(packages)} {label} packages are installed ({', '.join(packages)}): {why}",
+                   f"pip uninstall {' '.join(p.split('==')[0] for p in packages)}, then {INSTALL_GPU}")
+
+
 def _check_cupy(versions: dict[str, Any], torch_cuda: str | None) -> Finding:
     packages = [p for p in _distributions(("cupy",)) if p.startswith(("cupy==", "cupy-cuda", "cupy-rocm"))]
     versions["cupy_packages"] = packages
     if len(packages) > 1:
-        return Finding("cupy", "FAIL", f"{len(packages)} CuPy packages are installed ({', '.join(packages)}): "
-                       "they overwrite each other's files",
-                       f"pip uninstall {' '.join(p.split('==')[0] for p in packages)}, then {INSTALL_GPU}")
+        return _several("cupy", "CuPy", packages, "they overwrite each other's files")
     if not _installed("cupy"):
         return Finding("cupy", "WARN", "CuPy is not installed: transforms run as torch ops, slower on a GPU",
                        INSTALL_GPU)
@@ -225,9 +229,7 @@ def _check_dali(versions: dict[str, Any], torch_cuda: str | None) -> Finding:
     packages = [p for p in packages if re.match(r"nvidia-dali(-nightly|-weekly)?-cuda\d+==", p)]
     versions["dali_packages"] = packages
     if len(packages) > 1:
-        return Finding("dali", "FAIL", f"{len(packages)} DALI packages are installed ({', '.join(packages)}): they "
-                       "write the same nvidia/dali folder",
-                       f"pip uninstall {' '.join(p.split('==')[0] for p in packages)}, then {INSTALL_GPU}")
+        return _several("dali", "DALI", packages, "they write the same nvidia/dali folder")
     if not _installed("nvidia.dali"):
         return Finding("dali", "WARN", "DALI is not installed: images decode with torchvision's nvJPEG on a GPU "
                        "(JPEGs only), else on the CPU", INSTALL_GPU)
