@@ -29,7 +29,7 @@ from gpuload.cli.arguments import device_argument, parse_shape, positive_int, si
 
 __all__ = ["add_arguments", "run", "CACHE_MODES", "SYNTHETIC_NAMES", "MAX_RANKS"]
 
-# gpuload.cache.MODES and gpuload.job.dataset_size.SYNTHETIC's names, here without importing torch
+# gpuload.cache.MODES, gpuload.job.dataset_size.SYNTHETIC's names and scope_plan.MAX_RANKS, here without importing torch
 # (tests/cli/test_plan.py checks that they agree).
 CACHE_MODES = ("auto", "device", "host", "off")
 SYNTHETIC_NAMES = ("cifar", "imagenet")

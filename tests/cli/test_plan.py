@@ -386,10 +386,12 @@ def test_a_scope_plan_past_any_cluster_is_refused_in_one_line_before_anything_is
 
 def test_the_choices_the_parser_offers_are_the_packages_own() -> None:
     from gpuload.cache import MODES
-    from gpuload.cli.plan import CACHE_MODES, SYNTHETIC_NAMES
+    from gpuload.cli.plan import CACHE_MODES, MAX_RANKS, SYNTHETIC_NAMES
+    from gpuload.distributed.scope_plan import MAX_RANKS as PLAN_MAX_RANKS
     from gpuload.job.dataset_size import SYNTHETIC
 
     assert CACHE_MODES == MODES and sorted(SYNTHETIC_NAMES) == sorted(SYNTHETIC)
+    assert MAX_RANKS == PLAN_MAX_RANKS
 
 
 @pytest.mark.parametrize("argv, message", [
