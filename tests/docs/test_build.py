@@ -61,3 +61,17 @@ def test_the_docs_folder_is_no_python_package() -> None:
     assert not (DOCS / "__init__.py").exists()
     assert "gpuload.docs" not in find_packages(str(ROOT), include=["gpuload*"])
     assert not any(info.name.startswith("gpuload.docs") for info in pkgutil.walk_packages(gpuload.__path__, "gpuload."))
+
+
+def test_every_environment_variable_gpuload_reads_is_in_the_configuration_page() -> None:
+    """Each ``"GPULOAD_..."`` string in gpuload's code is a variable it reads (or, for
+    GPULOAD_OPTIONS, the name of a Python constant in ``__all__``): each has a row there."""
+    import re
+
+    names = set()
+    for path in (ROOT / "gpuload").rglob("*.py"):
+        names |= set(re.findall(r"[\"'](GPULOAD_[A-Z0-9_]+)[\"']", path.read_text()))
+    names.discard("GPULOAD_OPTIONS")  # gpuload.integrations.accelerate.GPULOAD_OPTIONS, a tuple of option names
+    page = (DOCS / "configuration.md").read_text()
+    rows = set(re.findall(r"^\| `(GPULOAD_[A-Z0-9_]+)` \|", page, flags=re.MULTILINE))
+    assert names and names == rows, f"read but not documented: {names - rows}; documented but not read: {rows - names}"
