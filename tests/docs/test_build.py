@@ -51,15 +51,21 @@ def test_a_broken_link_or_reference_fails_the_build(tmp_path: Path) -> None:
 
 
 def test_the_docs_folder_is_no_python_package() -> None:
-    """gpuload/docs/ holds pages and Sphinx's conf.py: no ``__init__.py``, so setuptools does
-    not ship it as a package and pkgutil (tests/conftest.py walks gpuload) does not enter it."""
+    """gpuload/docs/ holds pages and Sphinx's conf.py: no ``__init__.py`` (pkgutil, which
+    tests/conftest.py walks gpuload with, does not enter it) and excluded from the wheel's packages
+    (setuptools' pyproject discovery takes namespace folders too)."""
     import pkgutil
+    import tomllib
 
     import gpuload
-    from setuptools import find_packages
+    from setuptools import find_namespace_packages
 
     assert not (DOCS / "__init__.py").exists()
-    assert "gpuload.docs" not in find_packages(str(ROOT), include=["gpuload*"])
+    # pyproject's packages.find, as setuptools applies it (namespaces=true: folders without __init__.py too)
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = find_namespace_packages(str(ROOT), include=found["include"], exclude=found.get("exclude", ()))
+    assert "gpuload" in shipped and "gpuload.cli" in shipped
+    assert not any(name.startswith("gpuload.docs") for name in shipped), shipped
     assert not any(info.name.startswith("gpuload.docs") for info in pkgutil.walk_packages(gpuload.__path__, "gpuload."))
 
 
