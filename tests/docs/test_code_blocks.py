@@ -139,7 +139,7 @@ def _commands(block: Block) -> list[tuple[str, list[str]]]:
         command = line.removeprefix("$ ")
         while command.rstrip().endswith("\\"):
             at += 1
-            command = command.rstrip()[:-1] + " " + lines[at].strip()
+            command = command.rstrip()[:-1].rstrip() + " " + lines[at].strip()
         command = re.sub(r"\s#\s.*$", "", command).strip()  # a trailing comment
         if command:
             found.append((command, []))
@@ -233,3 +233,18 @@ def test_code_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.Monke
             if "illustrative" not in marks:
                 _check_output(command, shown, printed)
 
+
+
+def test_the_collector_reads_markers_commands_and_checks_shown_output(tmp_path: Path) -> None:
+    """The collector itself: a marker's keys, a console block's commands with their shown
+    output, and an output check that fails on a line the command did not print."""
+    page = tmp_path / "page.md"
+    page.write_text("text\n<!-- test: gpu (a device); setup=images -->\n```python\nx = 1\n```\n\n"
+                    "```console\n$ gpuload plan \\\n    --synthetic cifar   # a comment\ncache plan: ...\n```\n")
+    python, console = code_blocks(page)
+    assert (python.line, python.language, python.text) == (3, "python", "x = 1\n")
+    assert python.marks == {"gpu": "a device", "setup": "images"} and console.marks == {}
+    assert _commands(console) == [("gpuload plan --synthetic cifar", ["cache plan: ..."])]
+    _check_output("c", ["cache plan: ...", "  dataset: 5"], "cache plan: device\n  dataset: 50000 samples\n")
+    with pytest.raises(AssertionError, match="is not in the output"):
+        _check_output("c", ["  dataset: 5", "cache plan:"], "cache plan: device\n  dataset: 50000 samples\n")
