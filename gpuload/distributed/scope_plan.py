@@ -241,7 +241,7 @@ def plan_scopes(
     (with its ``reserve``; e.g. what a training step leaves, from :func:`gpuload.plan_job`).
     ``batch_size``, ``drop_last`` (the loader's) and ``sampler_drop_last`` (the
     ``DistributedSampler``'s) set the rows a rank reads per epoch. ``host_shared``: one pinned
-    tier per node instead of one per rank (default :data:`HOST_TIER_SHARED`).
+    tier per node instead of one per rank (default ``HOST_TIER_SHARED``, True).
     """
     for name, value in (("num_samples", num_samples), ("bytes_per_sample", bytes_per_sample),
                         ("gpus_per_node", gpus_per_node), ("nodes", nodes)):
