@@ -59,7 +59,7 @@ def print_plan(args: argparse.Namespace) -> int:
         host = _host(args)
         if target == "cuda":
             plan = settings.array_plan(shape.bytes_per_sample, shape.num_samples, memory, host,
-                                       device=device_name, shared=False)
+                                       device=device_name, shared=False, disk=True)
         else:
             plan = make_plan(shape.bytes_per_sample, shape.num_samples, 0, host.free, 0, 0, settings.mode.value,
                              host_total=host.total, target="cpu")
