@@ -7,8 +7,8 @@ host tier forced to a quarter of the decoded size (``cache_size``), and ``cache_
 folder: epoch 1 decodes (with the loader's workers) and writes the disk tier, epoch 2 reads
 what the host tier lacks from it, memory-mapped. Measured beside torch's DataLoader with PIL on
 the same folder, and a second process started afterwards, whose first epoch reads the disk
-tier. Host memory growth is the anonymous resident memory (the page cache and the memory maps'
-file pages aside). Targets (issue 27): epoch 2 at least 5x epoch 1 and 3x torch's; the second
+tier. Host memory growth is the anonymous resident memory held after the epochs (the page cache
+and the memory maps' file pages aside; freed heap handed back first). Targets (issue 27): epoch 2 at least 5x epoch 1 and 3x torch's; the second
 process's first epoch as fast as epoch 2; growth within the host tier's budget + 64 MiB.
 """
 
@@ -39,7 +39,18 @@ SIZE = 224
 
 
 def anon_resident_bytes() -> int:
-    """This process's anonymous resident memory (``RssAnon``: not file pages nor the page cache)."""
+    """This process's anonymous resident memory (``RssAnon``: not file pages nor the page cache),
+    after glibc hands its free heap back (``malloc_trim``: the bench's fixed malloc thresholds
+    keep freed batches otherwise): the memory the process holds."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name:
+        try:
+            ctypes.CDLL(name).malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
     try:
         with open("/proc/self/status", encoding="ascii") as status:
             for line in status:

@@ -24,13 +24,15 @@ from typing import Any
 import torch
 
 from gpuload.cache.columns import Branch, Column, Part, column_rows, layout, prepare
-from gpuload.cache.disk import ColumnSpec, DiskCache, DiskCacheWarning, Fingerprint, fingerprint_for
+from gpuload.cache.disk import DEFAULT_BLOCK_BYTES, ColumnSpec, DiskCache, DiskCacheWarning, Fingerprint, fingerprint_for
 from gpuload.cache.settings import CacheSettings
 from gpuload.cache.tiers import Tier, register_tier
 
 __all__ = ["DiskRows", "DiskTier", "disk_tier_maker", "sample_fingerprint"]
 
 _FILL_ROWS = 4096  # rows written per call while the array store places a disk tier
+BLOCK_BYTES = DEFAULT_BLOCK_BYTES
+"""Bytes of one block file (rows published together); tests make it small."""
 
 
 def _specs(columns: Sequence[torch.Tensor]) -> list[ColumnSpec]:
@@ -117,7 +119,7 @@ def disk_tier_maker(settings: CacheSettings, fingerprint: Callable[[], Fingerpri
         whole = fingerprint()  # the tier's rows are an entry of their own: the key names them
         rows_of = Fingerprint.of(whole.kind, f"{whole.description}, rows {first}-{first + rows - 1}",
                                  {"data": whole.digest, "first": first})
-        disk = DiskCache.from_settings(settings, rows_of, _specs(source), rows)
+        disk = DiskCache.from_settings(settings, rows_of, _specs(source), rows, block_bytes=BLOCK_BYTES)
         if disk is None:
             return DiskTier(first, [])
         return DiskTier.fill(disk, source, first, rows)
@@ -186,7 +188,8 @@ class DiskRows:
         except (TypeError, ValueError) as error:
             warnings.warn(f"gpuload disk cache: {error}; no disk tier", DiskCacheWarning, stacklevel=3)
             return None
-        disk = DiskCache.from_settings(settings, fingerprint, _specs(column_rows(template)), len(dataset))
+        disk = DiskCache.from_settings(settings, fingerprint, _specs(column_rows(template)), len(dataset),
+                                       block_bytes=BLOCK_BYTES)
         return cls(disk, template) if disk is not None else None
 
     @property
