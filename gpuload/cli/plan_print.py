@@ -26,7 +26,8 @@ __all__ = ["print_plan", "load_factory"]
 
 def _settings(args: argparse.Namespace) -> CacheSettings:
     return CacheSettings.resolve(cache=args.cache, cache_size=args.cache_size, cache_reserve=args.cache_reserve,
-                                 job=args.job)
+                                 job=args.job, cache_dir=getattr(args, "cache_dir", None),
+                                 disk_cache_size=getattr(args, "disk_cache_size", None))
 
 
 def _pretended_memory(args: argparse.Namespace) -> MemoryInfo | None:
