@@ -28,6 +28,7 @@ import torch
 
 import gpuload
 from gpuload.bench.report import WIDTH, write_json
+from gpuload.bench.run import steady_host_allocator
 from gpuload.cache import format_bytes
 
 __all__ = ["DISK_TARGET", "TORCH_TARGET", "anon_resident_bytes", "decoded_folder", "run_disk", "run_disk_bench"]
@@ -85,6 +86,7 @@ def _epoch_s(loader: Any) -> float:
 def second_process(root: str, batch_size: int, cache_dir: str, cache_size: int) -> None:
     """In a new process: one epoch of a fresh loader on the same folder and cache_dir; prints
     its time and the disk tier's counters as one JSON line."""
+    steady_host_allocator()  # the allocator the first process measured with
     loader = _loader(decoded_folder(root), batch_size, 0, cache_dir, cache_size)
     seconds = _epoch_s(loader)
     disk = loader.stats.extra["cache"].get("disk", {})
