@@ -187,3 +187,22 @@ def test_random_samples_are_never_written_to_disk(tmp_path: Path) -> None:
         list(loader)
     assert "disk" not in loader.stats.extra["cache"]
     assert not list((tmp_path / "c").glob("*/block-*")) if (tmp_path / "c").exists() else True
+
+
+@pytest.mark.gpu
+def test_on_cuda_array_rows_past_host_memory_come_from_the_disk_tier(tmp_path: Path, pretend_host_memory) -> None:
+    total = 64 * GiB
+    pretend_host_memory(free=int(total * 0.10) + 60 * BPS, total=total)  # the host tier holds 60 rows
+    data = _arrays()
+    dataset = torch.utils.data.TensorDataset(*data)
+    loader = gpuload.DataLoader(dataset, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(4),
+                                device="cuda", cache_size=50 * BPS, cache_dir=tmp_path / "c")
+    reference = torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True,
+                                            generator=torch.Generator().manual_seed(4))
+    for _ in range(2):
+        for (images, labels), (want_images, want_labels) in zip(loader, reference, strict=True):
+            assert torch.equal(images.cpu(), want_images) and torch.equal(labels.cpu(), want_labels)
+    tiers = loader.stats.extra["cache"]["tiers"]
+    assert (tiers["device"]["samples"], tiers["host"]["samples"], tiers["disk"]["samples"]) == (50, 60, 190)
+    assert tiers["disk"]["hits"] == 2 * 190 and tiers["source"]["samples"] == 0
+    assert len(list((tmp_path / "c").glob("*/block-*.bin"))) >= 1
