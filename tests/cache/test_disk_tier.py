@@ -111,6 +111,18 @@ def test_a_damaged_disk_block_is_named_and_its_rows_come_from_the_source(tmp_pat
     assert any(issubclass(w.category, DiskCacheWarning) and block.name in str(w.message) for w in caught)
 
 
+def test_rows_of_a_block_dropped_after_placement_come_from_the_source_and_are_written_again(tmp_path: Path) -> None:
+    data = _arrays()
+    with _store(tmp_path / "cache", _plan(0, N * BPS)) as store:
+        disk = store.tier("disk").disk
+        with pytest.warns(DiskCacheWarning, match="another process found it damaged"):
+            disk._drop(0, "another process found it damaged")  # as when another process drops it
+        assert not bool(disk.present(torch.arange(N)).any())
+        got = _gather(store, torch.arange(N))
+        assert torch.equal(got[0], data[0]) and torch.equal(got[1], data[1])
+        assert bool(disk.present(torch.arange(N)).all())  # written again from the source
+
+
 class Pictures(torch.utils.data.Dataset):
     """Deterministic fixed-shape samples, counting dataset reads."""
 
