@@ -48,7 +48,19 @@ CHILD = textwrap.dedent(
         return folder
 
     def batches(loader, epochs):
-        return [[(images.clone(), labels.clone()) for images, labels in loader] for _ in range(epochs)]
+        got = []
+        for epoch in range(epochs):
+            if loader.sampler is not None and hasattr(loader.sampler, "set_epoch"):
+                loader.sampler.set_epoch(epoch)
+            got.append([(images.clone(), labels.clone()) for images, labels in loader])
+        return got
+
+    def order(data):
+        # A rank's share (rank0, rank1: torch's DistributedSampler of 2), else shuffled.
+        if MODE.startswith("rank"):
+            sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=int(MODE[4]), seed=0)
+            return {"sampler": sampler}
+        return {"shuffle": True, "generator": torch.Generator().manual_seed(2)}
 
     def same(a, b):
         return len(a) == len(b) and all(
@@ -58,11 +70,18 @@ CHILD = textwrap.dedent(
     def run(epochs=2, delay=0.0):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            loader = gpuload.DataLoader(dataset(delay), batch_size=5, shuffle=True, cache="host",
-                                        cache_size=3 * ROW, cache_dir=CACHE, generator=torch.Generator().manual_seed(2))
+            data = dataset(delay)
+            loader = gpuload.DataLoader(data, batch_size=5, cache="host", cache_size=3 * ROW, cache_dir=CACHE,
+                                        **order(data))
             got = batches(loader, epochs)
-        reference = torch.utils.data.DataLoader(dataset(), batch_size=5, shuffle=True,
-                                                generator=torch.Generator().manual_seed(2))
+            if MODE.startswith("rank"):  # both ranks keep the entry open until both are done, as a job's do
+                done = os.path.join(os.path.dirname(CACHE), "done-")
+                open(done + MODE, "w").close()
+                deadline = time.monotonic() + 120
+                while not os.path.exists(done + ("rank1" if MODE == "rank0" else "rank0")):
+                    assert time.monotonic() < deadline, "the other rank never finished"
+                    time.sleep(0.05)
+        reference = torch.utils.data.DataLoader(dataset(), batch_size=5, **order(data))
         return {"equal": same(got, batches(reference, epochs)), "disk": loader.stats.extra["cache"].get("disk"),
                 "warnings": [str(w.message) for w in caught if issubclass(w.category, DiskCacheWarning)]}
 
@@ -75,7 +94,7 @@ CHILD = textwrap.dedent(
                 raise OSError(errno.ENOSPC, "No space left on device")
             real(fd, offset, length)
         os.posix_fallocate = fill_up
-    print(json.dumps(run(delay=0.15 if MODE == "slow" else 0.0)))
+    print(json.dumps(run(epochs=3 if MODE.startswith("rank") else 2, delay=0.15 if MODE == "slow" else 0.0)))
     """
 )
 
@@ -172,6 +191,23 @@ def test_two_processes_on_an_empty_folder_make_one_copy_and_both_are_right(image
     assert all(r["equal"] and r["warnings"] == [] for r in results)
     (entry,) = _entries(cache)
     assert sum(r["disk"]["rows_written"] for r in results) == N  # each row written once, by one of them
+    assert len(list(entry.glob("block-*.bin"))) == N // 4
+
+
+def test_a_nodes_ranks_share_one_copy_each_writing_its_share(images: Path, tmp_path: Path) -> None:
+    """Two ranks of a node (torch's DistributedSampler, 2 replicas) on one cache_dir: one entry,
+    each row written once by whichever rank read it first, both ranks' batches right."""
+    cache = tmp_path / "cache"
+    children = [subprocess.Popen(_command(images, cache, f"rank{rank}"), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=_environment()) for rank in range(2)]
+    results = []
+    for child in children:
+        out, err = child.communicate(timeout=300)
+        assert child.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(r["equal"] and r["warnings"] == [] for r in results)
+    (entry,) = _entries(cache)
+    assert sum(r["disk"]["rows_written"] for r in results) == N
     assert len(list(entry.glob("block-*.bin"))) == N // 4
 
 
