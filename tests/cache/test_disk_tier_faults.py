@@ -121,6 +121,18 @@ def _run(images: Path, cache: Path, mode: str = "fill") -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _run_together(images: Path, cache: Path, modes: list[str]) -> list[dict]:
+    """One child per mode, all started at once; their results."""
+    children = [subprocess.Popen(_command(images, cache, mode), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env=_environment()) for mode in modes]
+    results = []
+    for child in children:
+        out, err = child.communicate(timeout=300)
+        assert child.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
 def _entries(cache: Path) -> list[Path]:
     return [p for p in cache.iterdir() if p.is_dir()] if cache.exists() else []
 
@@ -181,13 +193,7 @@ def test_a_dataset_file_changed_after_the_fill_changes_the_fingerprint(images: P
 
 def test_two_processes_on_an_empty_folder_make_one_copy_and_both_are_right(images: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    children = [subprocess.Popen(_command(images, cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, env=_environment()) for _ in range(2)]
-    results = []
-    for child in children:
-        out, err = child.communicate(timeout=300)
-        assert child.returncode == 0, err
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = _run_together(images, cache, ["fill", "fill"])
     assert all(r["equal"] and r["warnings"] == [] for r in results)
     (entry,) = _entries(cache)
     assert sum(r["disk"]["rows_written"] for r in results) == N  # each row written once, by one of them
@@ -198,13 +204,7 @@ def test_a_nodes_ranks_share_one_copy_each_writing_its_share(images: Path, tmp_p
     """Two ranks of a node (torch's DistributedSampler, 2 replicas) on one cache_dir: one entry,
     each row written once by whichever rank read it first, both ranks' batches right."""
     cache = tmp_path / "cache"
-    children = [subprocess.Popen(_command(images, cache, f"rank{rank}"), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=_environment()) for rank in range(2)]
-    results = []
-    for child in children:
-        out, err = child.communicate(timeout=300)
-        assert child.returncode == 0, err
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = _run_together(images, cache, ["rank0", "rank1"])
     assert all(r["equal"] and r["warnings"] == [] for r in results)
     (entry,) = _entries(cache)
     assert sum(r["disk"]["rows_written"] for r in results) == N
