@@ -96,6 +96,8 @@ class TieredArrayStore(Store):
     with one :class:`CacheFallbackWarning` per store. The device bytes are booked in ``ledger``
     under ``owner`` until :meth:`close`. ``host_tier`` builds the host tier (a
     :data:`TierMaker`, e.g. a node's shared copy); by default each store keeps its own copy.
+    ``disk_tier`` builds the disk tier (``gpuload.cache.disk_tier.disk_tier_maker``); without
+    it a plan's disk tier stays empty.
     ``tiers`` maps further tier names to their classes (default: the registered ones). ``stage_host_rows``: whether host rows go through the loader's staging
     (default: on any target but the CPU).
     """
@@ -109,6 +111,7 @@ class TieredArrayStore(Store):
         ledger: BudgetLedger = LEDGER,
         owner: Hashable | None = None,
         host_tier: HostTierMaker = private_host_tier,
+        disk_tier: TierMaker | None = None,
         tiers: Mapping[str, type[Tier]] | None = None,
         stage_host_rows: bool | None = None,
     ) -> None:
@@ -155,6 +158,8 @@ class TieredArrayStore(Store):
         self._hits: list[int] = []
         self._kinds = dict(TIERS if tiers is None else tiers)
         self._makers: dict[str, TierMaker] = {"host": host_tier}  # tiers built otherwise than by their class
+        if disk_tier is not None:
+            self._makers["disk"] = disk_tier
         self._tiers: list[Tier] = []  # the plan's tiers as placed, then the source
         self._counts: list[int] = []  # rows each tier serves (a maker's tier may hold more)
         self._streams = StreamGuard(self.device)  # orders and protects the device tier's rows

@@ -33,7 +33,7 @@ from gpuload.cli.arguments import (
 
 __all__ = ["add_arguments", "run", "run_bench", "UsageError"]
 
-SCENARIOS = ("inmemory", "images", "partial", "samples", "augment", "distributed", "tokens")
+SCENARIOS = ("inmemory", "images", "partial", "samples", "augment", "distributed", "tokens", "disk")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "arrays larger than the cache budget (partial), many small samples of a generic "
                              "dataset through the sample cache (samples), or in-memory images with crop + flip "
                              "+ normalize augmentation (augment), N processes on torch.distributed (distributed), "
-                             "or LLM token windows from a 100M-token shard (tokens)")
+                             "or LLM token windows from a 100M-token shard (tokens), or decoded JPEGs spilled to "
+                             "cache_dir's disk tier (disk)")
     parser.add_argument("--data", default=None, metavar="PATH",
                         help="your own .npy/.npz (rows = samples) or image folder (class subfolders); only read")
     parser.add_argument("--save-images", default=None, metavar="DIR",
@@ -206,6 +207,8 @@ def _distributed_problem(args: argparse.Namespace, scenario: str) -> str | None:
             return f"argument {given[0]}: only applies to --scenario distributed"
         if scenario == "samples" and args.data is not None:
             return "argument --data: the samples scenario makes its own dataset (--samples N)"
+        if scenario == "disk" and args.data is not None:
+            return "argument --data: the disk scenario makes its own JPEG folder (--samples N)"
         if scenario == "tokens" and args.data is not None:
             return "argument --data: the tokens scenario makes its own 100M-token shard"
         return None
@@ -364,6 +367,11 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
 
         return run_tokens_bench(args.quick, args.batch_size, device, writable_out(args.out), environment(device),
                                 quiet=args.quiet, torch_workers=args.torch_workers, card=args.device_memory)
+    if scenario == "disk":
+        from gpuload.bench.disk import run_disk_bench
+
+        return run_disk_bench(args.quick, args.samples, args.batch_size, writable_out(args.out), environment(device),
+                              quiet=args.quiet)
     if scenario == "distributed":
         from gpuload.bench.distributed import run_distributed_bench
 

@@ -26,7 +26,8 @@ __all__ = ["print_plan", "load_factory"]
 
 def _settings(args: argparse.Namespace) -> CacheSettings:
     return CacheSettings.resolve(cache=args.cache, cache_size=args.cache_size, cache_reserve=args.cache_reserve,
-                                 job=args.job)
+                                 job=args.job, cache_dir=getattr(args, "cache_dir", None),
+                                 disk_cache_size=getattr(args, "disk_cache_size", None))
 
 
 def _pretended_memory(args: argparse.Namespace) -> MemoryInfo | None:
@@ -59,7 +60,7 @@ def print_plan(args: argparse.Namespace) -> int:
         host = _host(args)
         if target == "cuda":
             plan = settings.array_plan(shape.bytes_per_sample, shape.num_samples, memory, host,
-                                       device=device_name, shared=False)
+                                       device=device_name, shared=False, disk=True)
         else:
             plan = make_plan(shape.bytes_per_sample, shape.num_samples, 0, host.free, 0, 0, settings.mode.value,
                              host_total=host.total, target="cpu")

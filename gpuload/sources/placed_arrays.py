@@ -22,6 +22,8 @@ from torch.utils.data import TensorDataset
 
 from gpuload.cache import CacheSettings, StoreStats, TieredArrayStore, format_bytes
 from gpuload.cache.array_store import BatchRequest, gatherable, private_host_tier
+from gpuload.cache.disk import fingerprint_arrays
+from gpuload.cache.disk_tier import disk_tier_maker
 from gpuload.datasets.arrays import ArrayDataset
 from gpuload.device import device_memory, host_memory
 from gpuload.distributed.group import current_context
@@ -145,15 +147,18 @@ class ArrayColumns:
             self.nbytes // self.num_samples, self.num_samples, device_memory(device), host_memory(),
             device=device, owner=owner,
             host_copies=context.local_world_size if context is not None and shared_host is None else 1,
+            disk=True,
         )
-        if plan.device_samples + plan.host_samples == 0 and shared_host is None:
+        if plan.device_samples + plan.host_samples + plan.samples_in("disk") == 0 and shared_host is None:
             warnings.warn(
                 f"gpuload: nothing of the dataset ({format_bytes(self.nbytes)}) fits the cache "
                 f"budget on {device}; batches stream from the host each step. {plan.describe()}",
                 stacklevel=3,
             )
             return ResidentColumns(self, self.columns, device, "host-gather", copies_batches=True)
-        store = TieredArrayStore(self.columns, plan, device, owner=owner, host_tier=shared_host or private_host_tier)
+        disk = disk_tier_maker(settings, lambda: fingerprint_arrays(self.columns)) if plan.samples_in("disk") else None
+        store = TieredArrayStore(self.columns, plan, device, owner=owner, host_tier=shared_host or private_host_tier,
+                                 disk_tier=disk)
         path = "device-gather" if plan.device_samples == self.num_samples else f"tiered ({plan.kind})"
         return ResidentColumns(self, self.columns, device, path, copies_batches=False, store=store)
 

@@ -17,6 +17,7 @@ from torch.utils.data import default_collate
 
 from gpuload.cache import CacheDecision, format_bytes
 from gpuload.cache.columns import Branch, Column, ColumnStore, Part, prepare
+from gpuload.cache.disk_tier import DiskRows, select_rows
 from gpuload.sources import Setup
 from gpuload.sources.torch_fetch import KeepSamples, PerBatch, fetch, read_prepared
 from gpuload.transfer import batch_nbytes, move_to_device
@@ -73,11 +74,15 @@ class CachedSamples:
         self._warned_partial = False
         self._counts_copies = decision.tier == "device" and setup.device.type != "cpu"
         self.h2d_bytes = 0  # samples put on the device tier, and misses moved there to be collated
+        # Below the memory tiers, ``cache_dir``'s disk tier: samples read back from it instead
+        # of the dataset. Only deterministic samples collated by column (a frozen random epoch
+        # is never written).
+        self.disk = DiskRows.open(setup.dataset, setup.settings) if self.by_column and not decision.warn else None
 
     @property
     def complete(self) -> bool:
-        """Every sample is cached: epochs need no dataset reads."""
-        return self.store.complete
+        """Every sample is cached (in memory or on disk): epochs need no dataset reads."""
+        return self.store.complete or (self.disk is not None and self.disk.complete)
 
     @property
     def accepting(self) -> bool:
@@ -89,10 +94,15 @@ class CachedSamples:
         return self.store.describe()
 
     def stats(self) -> dict[str, Any]:
-        return self.store.summary(kind="samples", tier=self.tier, reason=self.reason)
+        summary = self.store.summary(kind="samples", tier=self.tier, reason=self.reason)
+        if self.disk is not None:
+            summary["disk"] = self.disk.stats()
+        return summary
 
     def close(self) -> None:
         self.store.close()
+        if self.disk is not None:
+            self.disk.close()
 
     def take(self, indices: Any, part: Part | None, keep: KeepSamples) -> None:
         """Cache a worker batch's prepared samples (``part``) for its ``indices``; tell the workers
@@ -101,7 +111,9 @@ class CachedSamples:
             keys = self._keys_of(indices)
             if keys is not None:
                 self._store(keys, part)
-        if not self.accepting:
+                if self.disk is not None:
+                    self.disk.write(keys, part)
+        if not self.accepting and not (self.disk is not None and self.disk.accepting):
             keep.sending.value = 0
 
     def _keys_of(self, indices: Any) -> torch.Tensor | None:
@@ -130,7 +142,7 @@ class CachedSamples:
             items = list(indices) if self.batched else [indices]
             return self._collate(self._fetch(items))
         store = self.store
-        complete = self.complete  # read before the slots: complete then, they are all stored
+        complete = self.store.complete  # read before the slots: complete then, they are all stored
         slots = store.slots(keys, in_range)
         if complete and in_range:
             store.count(keys.numel(), 0)
@@ -148,12 +160,19 @@ class CachedSamples:
             where = (slots < 0).nonzero().view(-1)
             missing, positions = keys.index_select(0, where), where.tolist()
         store.count(keys.numel() - len(positions), len(positions))
-        fetched = self._fetch(items if high < 0 else [items[p] for p in positions])
-        part = prepare(fetched)
+        part = self.disk.read(missing) if self.disk is not None else None
+        fetched = None
+        if part is None:
+            fetched = self._fetch(items if high < 0 else [items[p] for p in positions])
+            part = prepare(fetched)
+            if self.disk is not None:
+                self.disk.write(missing, part)
         if self.accepting and self._store(missing, part) == len(positions):
             if high < 0 and self.by_column and not self._counts_copies:
                 return part.batch()  # every sample was read now: the columns just written
             return self._from_store(store.slots(keys))
+        if fetched is None:
+            return self._partial_from_disk(store.slots(keys), positions, part, items)
         return self._partial(store.slots(keys), positions, fetched)
 
     def _from_store(self, slots: torch.Tensor) -> Any:
@@ -185,6 +204,24 @@ class CachedSamples:
             samples = [move_to_device(sample, self.device) for sample in samples]
         return self._collate(samples)
 
+    def _partial_from_disk(self, slots: torch.Tensor, positions: list[int], part: Part, items: list[Any]) -> Any:
+        """A batch of stored samples and samples read from the disk tier (``part``, at
+        ``positions``), in order (collated by column: the disk tier needs it)."""
+        read = (slots < 0).nonzero().view(-1).tolist()
+        if not read:
+            return self._from_store(slots)
+        if read != positions:  # only some were stored just now: keep the rest
+            at = {p: k for k, p in enumerate(positions)}
+            part = select_rows(part, torch.tensor([at[p] for p in read], dtype=torch.int64))
+        if len(read) == slots.numel():
+            return part.batch()
+        if self._counts_copies:
+            self.h2d_bytes += _column_bytes(part)
+        batch = self.store.assemble(slots, part)
+        if batch is None:  # the stored columns changed structure: as torch reads it
+            batch = self._collate(self._fetch(items))
+        return batch
+
     def _collate(self, samples: list[Any]) -> Any:
         return self.collate_fn(samples) if self.batched else self.collate_fn(samples[0])
 
@@ -209,7 +246,10 @@ class CachedSamples:
             tqdm(total=len(todo), unit="sample", desc="gpuload warm", disable=not progress) as bar,
         ):
             for chunk, part in zip(chunks, fetched):
-                self._store(torch.tensor(chunk, dtype=torch.int64), part)
+                keys = torch.tensor(chunk, dtype=torch.int64)
+                self._store(keys, part)
+                if self.disk is not None:
+                    self.disk.write(keys, part)
                 read += len(chunk)
                 bar.update(len(chunk))
                 if not self.accepting:

@@ -426,3 +426,15 @@ def test_cuda_asked_for_without_cuda_names_the_flag(capsys) -> None:
     line = one_error(capsys)
     assert line.startswith("gpuload plan: error: argument --device: cuda was asked for but CUDA is not available")
     assert "pass --device cpu" in line and "device=" not in line
+
+
+def test_the_disk_tier_is_planned_beside_the_others_with_a_cache_dir(tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "spill"
+    assert main(["plan", "--synthetic", "cifar", "--device-memory", "8GiB",
+                 "--cache-size", "10MiB", "--host-memory", "4GiB", "--cache-dir", str(folder),
+                 "--disk-cache-size", "50MiB"]) == 0
+    printed = capsys.readouterr().out
+    assert "cache_dir=" in printed and "disk tier:      17022 samples" in printed and "device+disk+stream" in printed
+    assert not folder.exists()  # planning writes nothing
+    assert main(["plan", "--synthetic", "cifar", "--device-memory", "4GiB"]) == 0
+    assert "disk tier" not in capsys.readouterr().out
