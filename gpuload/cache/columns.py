@@ -30,6 +30,7 @@ from torch.utils.data import default_collate
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.oom import is_oom
 from gpuload.cache.sample_store import BudgetedCache, Uncacheable, copy_value
+from gpuload.transfer import to_device
 
 __all__ = ["Branch", "Column", "ColumnStore", "Objects", "Part", "column_rows", "layout", "prepare", "rebuild"]
 
@@ -211,14 +212,14 @@ class _StoredColumn(_Stored):
                 self._records = None
 
     def write(self, where: np.ndarray, source: torch.Tensor) -> None:
-        """Rows ``where`` (host integers) = ``source`` (a host batch of rows)."""
+        """Rows ``where`` (host integers) = ``source`` (a host batch of rows). On a device, the
+        rows and their positions get there through the staging in force (``to_device``)."""
         if self._records is not None:
             record = self._records.dtype
             self._records[where] = source.contiguous().numpy().reshape(source.shape[0], -1).view(record)[:, 0]
         else:
-            device = self.rows.device
-            index = torch.from_numpy(where).to(device, torch.int64)
-            self.rows.index_copy_(0, index, source.to(device))
+            index, rows = to_device([torch.from_numpy(where).to(torch.int64), source], self.rows.device)
+            self.rows.index_copy_(0, index, rows)
 
     def matches(self, part: Part) -> bool:
         return (
@@ -403,7 +404,7 @@ class ColumnStore(BudgetedCache):
             return self._root.views(slots, self._where(slots))
 
     def _where(self, slots: torch.Tensor) -> torch.Tensor:
-        return slots if self._device.type == "cpu" else slots.to(self._device, non_blocking=True)
+        return slots if self._device.type == "cpu" else to_device([slots], self._device)[0]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -418,7 +419,8 @@ class ColumnStore(BudgetedCache):
             self._streams.use()
             hit = (slots >= 0).nonzero().view(-1)
             miss = (slots < 0).nonzero().view(-1)
-            return _merge(self._root, part, slots.index_select(0, hit), hit, miss, self._device)
+            at = (slots.index_select(0, hit), hit, miss)
+            return _merge(self._root, part, at, tuple(to_device(list(at), self._device)), self._device)
 
     # ------------------------------------------------------------ filling
 
@@ -712,24 +714,27 @@ def _describe(node: _Stored, capacity: int, num_samples: int, prefix: str = "") 
     return f"{prefix}by column: {len(columns)} column(s) [{shapes}], {format_bytes(row)} per row, rows for {rows}{kept}"
 
 
-def _merge(node: _Stored, part: Part, hit_slots: torch.Tensor, hit: torch.Tensor, miss: torch.Tensor,
+def _merge(node: _Stored, part: Part, at: tuple[torch.Tensor, ...], at_device: tuple[torch.Tensor, ...],
            device: torch.device) -> Any | None:
-    """default_collate of cached rows (at positions ``hit``) and read samples (``part``, at
-    positions ``miss``), leaf by leaf; None where the read samples do not fit a column."""
+    """default_collate of cached rows and read samples (``part``), leaf by leaf; None where the
+    read samples do not fit a column. ``at``: (rows of the cached samples, their positions in
+    the batch, the read samples' positions), on the host; ``at_device``: the same on ``device``.
+    The read rows get there through the staging in force (``to_device``)."""
     if isinstance(node, _StoredBranch):
         if not node.matches(part):
             return None
-        children = [_merge(c, p, hit_slots, hit, miss, device) for c, p in zip(node.children, part.children)]
+        children = [_merge(c, p, at, at_device, device) for c, p in zip(node.children, part.children)]
         if any(child is None for child in children):
             return None
         return _build(node.kind, node.keys, children)
+    hit_slots, hit, miss = at
     if isinstance(node, _StoredColumn):
         if not node.matches(part):
             return None
         rows = node.rows
         out = torch.empty((hit.numel() + miss.numel(), *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-        out.index_copy_(0, hit.to(device), rows.index_select(0, hit_slots.to(device)))
-        out.index_copy_(0, miss.to(device), part.rows.to(device))
+        out.index_copy_(0, at_device[1], rows.index_select(0, at_device[0]))
+        out.index_copy_(0, at_device[2], to_device([part.rows], device)[0])
         return out
     read = _part_values(part)
     if device.type != "cpu":
