@@ -98,14 +98,14 @@ def batch_length(data: Any) -> int:
 def to_device(tensors: Sequence[torch.Tensor], device: torch.device, keep_layout: bool = False) -> list[torch.Tensor]:
     """``tensors`` (host or already on ``device``) on ``device``.
 
-    On CUDA the host tensors go through the staging in force in this thread (see the module
-    docstring), or, outside a loader, one non-blocking copy from a pinned buffer on the current
-    stream; the results are ready on the current stream and protected on it, contiguous, or
-    with their dimensions in the host tensors' order in memory when ``keep_layout`` (an HWC
-    image viewed as CHW stays channels-last). On any other device they are the tensors moved
-    there as usual (no copy when already there).
+    On a device the host tensors go through the staging in force in this thread (see the
+    module docstring), or, outside a loader, one non-blocking copy from a buffer (pinned on
+    CUDA) on the current stream; the results are ready on the current stream and protected on
+    it, contiguous, or with their dimensions in the host tensors' order in memory when
+    ``keep_layout`` (an HWC image viewed as CHW stays channels-last). On the CPU they are the
+    tensors themselves.
     """
-    if device.type != "cuda":
+    if device.type == "cpu":
         return [t.to(device) for t in tensors]
     if all(t.device == device for t in tensors):
         return list(tensors)
@@ -116,7 +116,7 @@ def to_device(tensors: Sequence[torch.Tensor], device: torch.device, keep_layout
         moved = list(staged(list(tensors)))
     else:
         host = [t for t in tensors if t.device.type == "cpu"]
-        buffer, offsets = pack(host, pin_memory=True)
+        buffer, offsets = pack(host, pin_memory=device.type == "cuda")
         copied = iter(unpack(buffer.to(device, non_blocking=True), offsets, host))
         moved = [next(copied) if t.device.type == "cpu" else t.to(device, non_blocking=True) for t in tensors]
     return [t if order is None else t.permute(_inverse(order)) for t, order in zip(moved, orders)]
