@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 __all__ = [
-    "map_leaves", "move_to_device", "batch_nbytes", "batch_length", "to_device", "staging_through", "pack", "unpack",
+    "map_leaves", "move_to_device", "move_staged", "batch_nbytes", "batch_length", "to_device", "staging_through",
+    "pack", "unpack",
 ]
 
 _ALIGN = 16  # bytes: every dtype's view of a packed buffer stays aligned
@@ -136,6 +137,17 @@ def _inverse(order: list[int]) -> list[int]:
     for position, dim in enumerate(order):
         inverse[dim] = position
     return inverse
+
+
+def move_staged(data: Any, device: torch.device) -> Any:
+    """``data`` (any nesting) with every tensor on ``device``, the host ones in one copy through
+    :func:`to_device`, each keeping its layout (as ``.to(device)`` does)."""
+    if device.type == "cpu":
+        return move_to_device(data, device)
+    leaves: list[torch.Tensor] = []
+    map_leaves(data, leaves.append)
+    moved = iter(to_device(leaves, device, keep_layout=True))
+    return map_leaves(data, lambda tensor: next(moved))
 
 
 @contextlib.contextmanager

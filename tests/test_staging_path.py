@@ -19,7 +19,9 @@ import torch
 from torch.utils.data import default_collate
 
 import gpuload.prefetch as prefetch
+from store_cases import columns, planned
 from gpuload import transforms as T
+from gpuload.cache import TieredArrayStore
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.columns import ColumnStore, prepare
 from gpuload.decode.batch import BatchDecoder
@@ -85,6 +87,31 @@ def test_the_sample_cache_writes_and_merges_device_rows_through_the_staging(watc
     assert merged is not None and merged[0].shape == (4, 2, 3)
     assert watch.bypassed == []
     assert len(watch.staged) >= 2 * 2 + 3 + 3 + 2  # rows and positions per column and write, ...
+    store.close()
+
+
+def test_per_sample_leaves_on_a_device_go_in_one_staged_copy_per_batch(watch: Watch) -> None:
+    """Leaves kept per sample (variable-length tensors) reach the device in one copy per batch."""
+    data = [(torch.arange(i % 3 + 1), i) for i in range(12)]
+    store = ColumnStore(1 << 20, 12, META, ledger=BudgetLedger())
+    assert store.put(torch.tensor([0, 1, 2]), prepare([data[0], data[1], data[2]])) == 3
+    assert watch.bypassed == [] and [t.shape for t in watch.staged[:3]] == [(1,), (2,), (3,)]
+    store.close()
+
+
+def test_a_tiered_array_gather_moves_its_row_indices_through_the_staging(watch: Watch) -> None:
+    """Rows on the device tier gathered by indices drawn on the host: the indices are staged, once
+    per tier (not once per column), and so is the order that puts the rows back."""
+    data = columns()
+    store = TieredArrayStore(list(data), planned(data, [("device", 10), ("host", 10)]), "meta", ledger=BudgetLedger())
+    watch.bypassed.clear()  # placing the device tier: a one-off copy when the store is made, not per batch
+    request = store.request(torch.tensor([7, 2, 15, 4]))
+    staged = len(watch.staged)
+    assert staged == 1  # the device tier's rows, for its three columns
+    host_rows = [torch.empty(shape, dtype=dtype, device=META) for shape, dtype in request.staged_shapes]
+    leaves = request.assemble(request.on_device, host_rows)
+    assert [leaf.shape[0] for leaf in leaves] == [4, 4, 4] and len(watch.staged) == staged + 1  # the order back
+    assert watch.bypassed == []
     store.close()
 
 

@@ -30,7 +30,7 @@ from torch.utils.data import default_collate
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.oom import is_oom
 from gpuload.cache.sample_store import BudgetedCache, Uncacheable, copy_value
-from gpuload.transfer import to_device
+from gpuload.transfer import move_staged, to_device
 
 __all__ = ["Branch", "Column", "ColumnStore", "Objects", "Part", "column_rows", "layout", "prepare", "rebuild"]
 
@@ -508,11 +508,13 @@ class ColumnStore(BudgetedCache):
         copies, sizes = [], []
         for value in _part_values(part):
             try:
-                copied, nbytes = copy_value(value, self._device)
+                copied, nbytes = copy_value(value, torch.device("cpu"))
             except Uncacheable:
                 copied, nbytes = None, None
             copies.append(copied)
             sizes.append(nbytes)
+        if self._device.type != "cpu":  # the batch's tensors in one copy, through the loader's staging
+            copies = move_staged(copies, self._device)
         write.objects.append((node, copies, sizes))
         return node
 
@@ -738,7 +740,7 @@ def _merge(node: _Stored, part: Part, at: tuple[torch.Tensor, ...], at_device: t
         return out
     read = _part_values(part)
     if device.type != "cpu":
-        read = [copy_value(value, device)[0] for value in read]
+        read = move_staged(read, device)
     values: list[Any] = [None] * (hit.numel() + miss.numel())
     for position, slot in zip(hit.tolist(), hit_slots.tolist()):
         values[position] = node.values[slot]

@@ -19,7 +19,7 @@ from gpuload.cache import CacheDecision, format_bytes
 from gpuload.cache.columns import Branch, Column, ColumnStore, Part, prepare
 from gpuload.sources import Setup
 from gpuload.sources.torch_fetch import KeepSamples, PerBatch, fetch, read_prepared
-from gpuload.transfer import batch_nbytes, move_to_device
+from gpuload.transfer import batch_nbytes, move_staged
 
 __all__ = ["CachedSamples"]
 
@@ -182,7 +182,7 @@ class CachedSamples:
         extra = iter(fetched)
         samples = [next(extra) if s < 0 else next(cached) for s in slots.tolist()]
         if self._counts_copies:
-            samples = [move_to_device(sample, self.device) for sample in samples]
+            samples = move_staged(samples, self.device)  # through the loader's staging
         return self._collate(samples)
 
     def _collate(self, samples: list[Any]) -> Any:
