@@ -36,6 +36,7 @@ __all__ = ["Branch", "Column", "ColumnStore", "Objects", "Part", "column_rows", 
 
 _dtype = attrgetter("dtype")
 _NUMBERS = (int, float, bool)
+_HOST = torch.device("cpu")
 
 
 # ---------------------------------------------------------------- one batch, prepared
@@ -508,7 +509,7 @@ class ColumnStore(BudgetedCache):
         copies, sizes = [], []
         for value in _part_values(part):
             try:
-                copied, nbytes = copy_value(value, torch.device("cpu"))
+                copied, nbytes = copy_value(value, _HOST)
             except Uncacheable:
                 copied, nbytes = None, None
             copies.append(copied)
