@@ -11,7 +11,6 @@ stand-in for CUDA, for what the prefetcher does with the copies it is handed.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import pytest
@@ -20,6 +19,7 @@ from torch.utils.data import default_collate
 
 import gpuload.prefetch as prefetch
 from store_cases import columns, planned
+from test_prefetch import DeviceTensor, FakeCuda, fake_cuda  # noqa: F401 - the fixture this file extends
 from gpuload import transforms as T
 from gpuload.cache import TieredArrayStore
 from gpuload.cache.budget import BudgetLedger
@@ -165,103 +165,34 @@ def test_on_the_cpu_nothing_is_staged(watch: Watch) -> None:
 # ---------------------------------------------------------------------- CUDA, stood in for
 
 
-class FakeCuda:
-    """The CUDA calls the prefetcher makes, in one log; current streams are per thread (as in
-    torch). Host buffers asked to be pinned, and device buffers, are plain host tensors here."""
-
-    class Stream:
-        def __init__(self, cuda: FakeCuda, name: str) -> None:
-            self.cuda, self.name = cuda, name
-
-        def wait_event(self, event) -> None:
-            self.cuda.append("wait", self.name, event.name)
-
-        def wait_stream(self, stream) -> None:
-            self.cuda.append("wait_stream", self.name, stream.name)
-
-    def __init__(self) -> None:
-        self.log: list[tuple] = []
-        self._lock = threading.Lock()
-        self._current = threading.local()
-        self.default = FakeCuda.Stream(self, "loop")
-        self.side = FakeCuda.Stream(self, "side")
-        cuda = self
-
-        class Event:
-            def __init__(self) -> None:
-                self.name = f"e{sum(entry[0] == 'event' for entry in cuda.log)}"
-                cuda.append("event", self.name)
-
-            def record(self, stream) -> None:
-                cuda.append("record", stream.name, self.name)
-
-            def synchronize(self) -> None:
-                cuda.append("host waits", self.name)
-
-        self.Event = Event
-
-    def append(self, *entry) -> None:
-        with self._lock:
-            self.log.append(entry)
-
-    def current_stream(self, device=None):
-        return getattr(self._current, "stream", self.default)
-
-    @contextlib.contextmanager
-    def stream(self, stream):
-        previous = self.current_stream()
-        self._current.stream = stream
-        try:
-            yield
-        finally:
-            self._current.stream = previous
-
-
-class DeviceTensor(torch.Tensor):
-    """A host tensor the prefetcher takes for one on cuda:0 (its record_stream logs)."""
-
-    cuda: FakeCuda
-
-    @property
-    def is_cuda(self) -> bool:
-        return True
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda", 0)
-
-    def record_stream(self, stream) -> None:
-        self.cuda.append("protect", stream.name)
-
-
 @pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
-    cuda = FakeCuda()
-    empty = torch.empty
+def staged_cuda(fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    """test_prefetch's stand-in for CUDA, which also logs where buffers are allocated (a host
+    buffer asked to be pinned, a device buffer: plain host tensors here) and host waits."""
+    cuda = fake_cuda
+    empty, event = torch.empty, cuda.Event
 
     def fake_empty(*shape, pin_memory: bool = False, device=None, **kwargs):
         on_device = device is not None and torch.device(device).type == "cuda"
         if pin_memory or on_device:
-            cuda.append("alloc", "pinned" if pin_memory else "device", cuda.current_stream().name)
+            cuda.append("alloc", "pinned" if pin_memory else "device", cuda.current_stream())
         made = empty(*shape, **kwargs)
         return made.as_subclass(DeviceTensor) if on_device else made
 
-    monkeypatch.setattr(prefetch, "resolve_device", lambda device: torch.device("cuda", 0))
-    monkeypatch.setattr(prefetch, "new_side_stream", lambda device: cuda.side)
+    class Event(event):
+        def synchronize(self) -> None:
+            cuda.append("host waits", self)
+
     monkeypatch.setattr(prefetch.torch, "empty", fake_empty)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "stream", cuda.stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", cuda.current_stream)
-    monkeypatch.setattr(torch.cuda, "Event", cuda.Event)
-    monkeypatch.setattr(DeviceTensor, "cuda", cuda, raising=False)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
     return cuda
 
 
-def test_a_source_running_ahead_copies_through_the_prefetchers_slots_on_its_side_stream(fake_cuda) -> None:
+def test_a_source_running_ahead_copies_through_the_prefetchers_slots_on_its_side_stream(staged_cuda) -> None:
     """A batch made in the prefetcher's thread that puts host tensors on the device itself (a
     sample cache write, a transform's table): the copy is staged in a pinned slot and made on
     the side stream, whose own later work is ordered after it; none counts as batch bytes."""
-    cuda = fake_cuda
+    cuda = staged_cuda
     seen: list[tuple] = []
 
     def source():
@@ -276,18 +207,19 @@ def test_a_source_running_ahead_copies_through_the_prefetchers_slots_on_its_side
     assert [int(batch[0]) for batch in out] == [0, 2, 4]
     assert seen == [("gpuload-prefetch", "DeviceTensor", i) for i in range(3)]
     allocations = [entry for entry in cuda.log if entry[0] == "alloc"]
-    assert ("alloc", "pinned", "side") in allocations and ("alloc", "device", "side") in allocations
-    assert all(entry[2] == "side" for entry in allocations)  # every copy on the side stream
+    assert {kind for _, kind, _ in allocations} == {"pinned", "device"}
+    assert all(stream is cuda.side for _, _, stream in allocations)  # every copy on the side stream
     assert not any(entry[0] == "host waits" for entry in cuda.log)  # no host sync inside a batch
     assert prefetcher.stats.bytes_copied == 0  # parameters and indices are not batch bytes
     prefetcher.close()
 
 
-def test_a_batch_made_in_the_loops_thread_copies_through_copy_now(fake_cuda) -> None:
+def test_a_batch_made_in_the_loops_thread_copies_through_copy_now(staged_cuda) -> None:
     """``prefetch_depth=0``: the loader's work runs in the loop's thread, with its staging in
     force (``Work.in_staging``): the copy is made on the side stream after the loop's queued
     work, and the loop's stream waits for it (no host sync) and protects the memory."""
-    cuda = fake_cuda
+    cuda = staged_cuda
+    loop = FakeCuda.Stream(cuda, "loop")
     prefetcher = Prefetcher(None, "cuda", depth=2)
 
     def make(i: int):
@@ -295,16 +227,15 @@ def test_a_batch_made_in_the_loops_thread_copies_through_copy_now(fake_cuda) -> 
 
     work = Work((make(i) for i in range(2)), lambda item: (make(100 + int(item[0])), 1)).in_staging(
         prefetcher.copy_now, torch.device("cuda", 0), ahead=False)
-    with cuda.stream(cuda.default):
+    with cuda.stream(loop):
         made = [work.finish(item) for item in work.items]  # items and finish both staged
     assert [int(batch[0]) for batch, _ in made] == [100, 101]
     log = cuda.log
-    first_copy = log.index(("alloc", "device", "side"))
-    assert log.index(("wait_stream", "side", "loop")) < first_copy  # after the loop's queued work
-    waits = [k for k, entry in enumerate(log) if entry[:2] == ("wait", "loop")]
+    assert cuda.find("wait_stream", cuda.side, loop) < cuda.find("alloc", "device", cuda.side)  # after the loop's work
+    waits = [k for k, entry in enumerate(log) if entry[:2] == ("wait", loop)]
     assert len(waits) == 4  # two items, two finishes: each copy waited for by the loop's stream
-    assert all(log.index(("record", "side", log[k][2])) < k for k in waits)  # for its own copy
-    assert log.count(("protect", "loop")) == 4
+    assert all(cuda.find("record", log[k][2], cuda.side) < k for k in waits)  # for its own copy
+    assert [entry[2] for entry in log if entry[0] == "protect"] == [loop] * 4
     assert not any(entry[0] == "host waits" for entry in log)
     assert prefetcher.stats.bytes_copied == 0
 
