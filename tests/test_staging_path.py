@@ -166,10 +166,10 @@ def test_on_the_cpu_nothing_is_staged(watch: Watch) -> None:
 
 
 @pytest.fixture
-def staged_cuda(fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+def staged_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     """test_prefetch's stand-in for CUDA, which also logs where buffers are allocated (a host
     buffer asked to be pinned, a device buffer: plain host tensors here) and host waits."""
-    cuda = fake_cuda
+    cuda = request.getfixturevalue("fake_cuda")
     empty, event = torch.empty, cuda.Event
 
     def fake_empty(*shape, pin_memory: bool = False, device=None, **kwargs):
