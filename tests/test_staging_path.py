@@ -40,6 +40,7 @@ class Watch:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.staged: list[torch.Tensor] = []
+        self.copies = 0
         self.bypassed: list[tuple[int, ...]] = []
         self._inside = False
         original = torch.Tensor.to
@@ -55,6 +56,7 @@ class Watch:
 
     def copy_now(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         self.staged.extend(tensors)
+        self.copies += 1
         self._inside = True
         try:
             return [t.to(META) for t in tensors]
@@ -86,7 +88,9 @@ def test_the_sample_cache_writes_and_merges_device_rows_through_the_staging(watc
     merged = store.assemble(slots, prepare([data[7], data[8]]))
     assert merged is not None and merged[0].shape == (4, 2, 3)
     assert watch.bypassed == []
-    assert len(watch.staged) >= 2 * 2 + 3 + 3 + 2  # rows and positions per column and write, ...
+    # one copy per write (its positions and every column's rows), one for a gather's rows, one
+    # for a merge's positions and one per column for the rows read now
+    assert watch.copies == 2 + 1 + 1 + 2 and len(watch.staged) == 2 * 3 + 1 + 3 + 2
     store.close()
 
 

@@ -213,14 +213,13 @@ class _StoredColumn(_Stored):
                 self._records = None
 
     def write(self, where: np.ndarray, source: torch.Tensor) -> None:
-        """Rows ``where`` (host integers) = ``source`` (a host batch of rows). On a device, the
-        rows and their positions get there through the staging in force (``to_device``)."""
+        """Rows ``where`` (host integers) = ``source`` (a batch of rows), both where the column
+        lives (see :func:`_write_columns`)."""
         if self._records is not None:
             record = self._records.dtype
             self._records[where] = source.contiguous().numpy().reshape(source.shape[0], -1).view(record)[:, 0]
         else:
-            index, rows = to_device([torch.from_numpy(where).to(torch.int64), source], self.rows.device)
-            self.rows.index_copy_(0, index, rows)
+            self.rows.index_copy_(0, torch.from_numpy(where).to(torch.int64), source)
 
     def matches(self, part: Part) -> bool:
         return (
@@ -569,10 +568,8 @@ class ColumnStore(BudgetedCache):
         everyone = bool(ok.all())
         positions = None if everyone else ok.nonzero().view(-1)
         target = slots if everyone else slots.index_select(0, positions)
-        where = target.numpy()
-        for column, rows in write.columns:
-            source = rows if everyone else rows.index_select(0, positions)
-            column.write(where, source)
+        writes = [(column, rows if everyone else rows.index_select(0, positions)) for column, rows in write.columns]
+        _write_columns(writes, target.numpy(), self._device)
         if write.objects:
             chosen = range(n) if everyone else positions.tolist()
             seen = set()
@@ -602,8 +599,7 @@ class ColumnStore(BudgetedCache):
         if not np.array_equal(slot_of[at], rows):
             slot_of[at] = -1  # a key drawn twice: the general path
             return 0
-        for column, source in write.columns:
-            column.write(rows, source)
+        _write_columns(write.columns, rows, self._device)
         self._used += n
         self._stats.entries = self._used
         return n
@@ -715,6 +711,18 @@ def _describe(node: _Stored, capacity: int, num_samples: int, prefix: str = "") 
     rows = "every sample" if capacity == num_samples else f"{capacity} of {num_samples} samples"
     kept = f", {len(objects)} leaf(s) per sample" if objects else ""
     return f"{prefix}by column: {len(columns)} column(s) [{shapes}], {format_bytes(row)} per row, rows for {rows}{kept}"
+
+
+def _write_columns(writes: list[tuple[_StoredColumn, torch.Tensor]], where: np.ndarray, device: torch.device) -> None:
+    """Each column's rows ``where`` (host integers) = its host batch of rows. On a device the
+    positions and every column's rows get there in one copy through the staging in force."""
+    if device.type == "cpu":
+        for column, source in writes:
+            column.write(where, source)
+        return
+    index, *moved = to_device([torch.from_numpy(where).to(torch.int64), *(source for _, source in writes)], device)
+    for (column, _), rows in zip(writes, moved):
+        column.rows.index_copy_(0, index, rows)
 
 
 def _merge(node: _Stored, part: Part, at: tuple[torch.Tensor, ...], at_device: tuple[torch.Tensor, ...],
