@@ -89,8 +89,8 @@ def test_the_sample_cache_writes_and_merges_device_rows_through_the_staging(watc
     assert merged is not None and merged[0].shape == (4, 2, 3)
     assert watch.bypassed == []
     # one copy per write (its positions and every column's rows), one for a gather's rows, one
-    # for a merge's positions and one per column for the rows read now
-    assert watch.copies == 2 + 1 + 1 + 2 and len(watch.staged) == 2 * 3 + 1 + 3 + 2
+    # for a merge (its positions and the rows read now)
+    assert watch.copies == 2 + 1 + 1 and len(watch.staged) == 2 * 3 + 1 + 3 + 2
     store.close()
 
 

@@ -420,7 +420,10 @@ class ColumnStore(BudgetedCache):
             hit = (slots >= 0).nonzero().view(-1)
             miss = (slots < 0).nonzero().view(-1)
             at = (slots.index_select(0, hit), hit, miss)
-            return _merge(self._root, part, at, tuple(to_device(list(at), self._device)), self._device)
+            read = column_rows(part)
+            moved = to_device([*at, *read], self._device)  # one copy through the loader's staging
+            read_device = dict(zip(map(id, read), moved[3:]))
+            return _merge(self._root, part, at, (tuple(moved[:3]), read_device), self._device)
 
     # ------------------------------------------------------------ filling
 
@@ -725,16 +728,16 @@ def _write_columns(writes: list[tuple[_StoredColumn, torch.Tensor]], where: np.n
         column.rows.index_copy_(0, index, rows)
 
 
-def _merge(node: _Stored, part: Part, at: tuple[torch.Tensor, ...], at_device: tuple[torch.Tensor, ...],
-           device: torch.device) -> Any | None:
+def _merge(node: _Stored, part: Part, at: tuple[torch.Tensor, ...],
+           on_device: tuple[tuple[torch.Tensor, ...], dict[int, torch.Tensor]], device: torch.device) -> Any | None:
     """default_collate of cached rows and read samples (``part``), leaf by leaf; None where the
     read samples do not fit a column. ``at``: (rows of the cached samples, their positions in
-    the batch, the read samples' positions), on the host; ``at_device``: the same on ``device``.
-    The read rows get there through the staging in force (``to_device``)."""
+    the batch, the read samples' positions), on the host; ``on_device``: the same on
+    ``device``, and the read columns' rows there (by ``id`` of the host rows)."""
     if isinstance(node, _StoredBranch):
         if not node.matches(part):
             return None
-        children = [_merge(c, p, at, at_device, device) for c, p in zip(node.children, part.children)]
+        children = [_merge(c, p, at, on_device, device) for c, p in zip(node.children, part.children)]
         if any(child is None for child in children):
             return None
         return _build(node.kind, node.keys, children)
@@ -744,8 +747,9 @@ def _merge(node: _Stored, part: Part, at: tuple[torch.Tensor, ...], at_device: t
             return None
         rows = node.rows
         out = torch.empty((hit.numel() + miss.numel(), *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-        out.index_copy_(0, at_device[1], rows.index_select(0, at_device[0]))
-        out.index_copy_(0, at_device[2], to_device([part.rows], device)[0])
+        (slots_there, hit_there, miss_there), read_there = on_device
+        out.index_copy_(0, hit_there, rows.index_select(0, slots_there))
+        out.index_copy_(0, miss_there, read_there[id(part.rows)])
         return out
     read = _part_values(part)
     if device.type != "cpu":
