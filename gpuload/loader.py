@@ -301,7 +301,7 @@ class DataLoader(tud.DataLoader[T_co]):
         ahead = runs_ahead(schedule, self.device, self.prefetch_depth)
         if stopping and self._prefetcher is not None:
             self._prefetcher.stop_epoch(stopping)
-        work = self._open.note(schedule.start(ahead))
+        work = self._open.note(schedule.start(ahead)).in_staging(self._copy_now, self.device, ahead)
         if not ahead:
             return work, work.items
         if self._prefetcher is not None and self._prefetcher.stage != schedule.staged:
@@ -317,11 +317,11 @@ class DataLoader(tud.DataLoader[T_co]):
                                           stage=schedule.staged)
         return work, self._prefetcher.epoch(work.items)
 
-    def _copy_now(self, item: Any) -> Any:
+    def _copy_now(self, item: Any, counted: bool = True) -> Any:
         """``item`` copied to the device through this loader's prefetcher, in the caller's thread."""
         if self._prefetcher is None:
             self._prefetcher = Prefetcher(None, self.device, self.prefetch_depth or 2, timeout=self.timeout or None)
-        return self._prefetcher.copy_now(item)
+        return self._prefetcher.copy_now(item, counted)
 
     def _epoch_ended(self, position: Position) -> None:
         position.end_states = RandomStates.capture(self)

@@ -25,6 +25,7 @@ from gpuload.cache.plan import CachePlan, TierPlan
 from gpuload.cache.store import Store, StoreStats, StreamGuard, TierCounts
 from gpuload.cache.tiers import TIERS, HostTier, SourceTier, Tier
 from gpuload.sampling import in_range
+from gpuload.transfer import to_device
 
 __all__ = ["BatchRequest", "HostTier", "HostTierMaker", "StoreStats", "TierMaker", "TieredArrayStore", "gatherable",
            "private_host_tier"]
@@ -407,8 +408,9 @@ class TieredArrayStore(Store):
         columns = range(len(self._source))
         device_leaves: list[torch.Tensor] = []
         if on_device:
+            moved = to_device([groups[p] for p in on_device], self.device)  # through the loader's staging
             for c in columns:
-                parts = [tiers[p].gather(c, groups[p].to(self.device, non_blocking=True)) for p in on_device]
+                parts = [tiers[p].gather(c, rows) for p, rows in zip(on_device, moved)]
                 device_leaves.append(parts[0] if len(parts) == 1 else torch.cat(parts))
 
         def fill_staged(views: list[torch.Tensor]) -> None:
@@ -425,7 +427,7 @@ class TieredArrayStore(Store):
         def assemble(device_part: list[torch.Tensor], staged_part: list[torch.Tensor]) -> Any:
             # Runs where the batch is used (the loop's thread and stream): the order it puts the
             # rows back in is moved there too, so no tensor of another stream is left unprotected.
-            back = inverse.to(self.device, non_blocking=True) if inverse is not None else None
+            back = to_device([inverse], self.device)[0] if inverse is not None else None
             leaves = []
             for c in columns:
                 pieces = ([device_part[c]] if device_part else []) + ([staged_part[c]] if staged_part else [])

@@ -30,11 +30,13 @@ from torch.utils.data import default_collate
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.oom import is_oom
 from gpuload.cache.sample_store import BudgetedCache, Uncacheable, copy_value
+from gpuload.transfer import move_staged, to_device
 
 __all__ = ["Branch", "Column", "ColumnStore", "Objects", "Part", "column_rows", "layout", "prepare", "rebuild"]
 
 _dtype = attrgetter("dtype")
 _NUMBERS = (int, float, bool)
+_HOST = torch.device("cpu")
 
 
 # ---------------------------------------------------------------- one batch, prepared
@@ -211,14 +213,13 @@ class _StoredColumn(_Stored):
                 self._records = None
 
     def write(self, where: np.ndarray, source: torch.Tensor) -> None:
-        """Rows ``where`` (host integers) = ``source`` (a host batch of rows)."""
+        """Rows ``where`` (host integers) = ``source`` (a batch of rows), both where the column
+        lives (see :func:`_write_columns`)."""
         if self._records is not None:
             record = self._records.dtype
             self._records[where] = source.contiguous().numpy().reshape(source.shape[0], -1).view(record)[:, 0]
         else:
-            device = self.rows.device
-            index = torch.from_numpy(where).to(device, torch.int64)
-            self.rows.index_copy_(0, index, source.to(device))
+            self.rows.index_copy_(0, torch.from_numpy(where).to(torch.int64), source)
 
     def matches(self, part: Part) -> bool:
         return (
@@ -403,7 +404,7 @@ class ColumnStore(BudgetedCache):
             return self._root.views(slots, self._where(slots))
 
     def _where(self, slots: torch.Tensor) -> torch.Tensor:
-        return slots if self._device.type == "cpu" else slots.to(self._device, non_blocking=True)
+        return slots if self._device.type == "cpu" else to_device([slots], self._device)[0]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -418,7 +419,11 @@ class ColumnStore(BudgetedCache):
             self._streams.use()
             hit = (slots >= 0).nonzero().view(-1)
             miss = (slots < 0).nonzero().view(-1)
-            return _merge(self._root, part, slots.index_select(0, hit), hit, miss, self._device)
+            at = (slots.index_select(0, hit), hit, miss)
+            read = column_rows(part)
+            moved = to_device([*at, *read], self._device)  # one copy through the loader's staging
+            read_device = dict(zip(map(id, read), moved[3:]))
+            return _merge(self._root, part, at, (tuple(moved[:3]), read_device), self._device)
 
     # ------------------------------------------------------------ filling
 
@@ -506,11 +511,13 @@ class ColumnStore(BudgetedCache):
         copies, sizes = [], []
         for value in _part_values(part):
             try:
-                copied, nbytes = copy_value(value, self._device)
+                copied, nbytes = copy_value(value, _HOST)
             except Uncacheable:
                 copied, nbytes = None, None
             copies.append(copied)
             sizes.append(nbytes)
+        if self._device.type != "cpu":  # the batch's tensors in one copy, through the loader's staging
+            copies = move_staged(copies, self._device)
         write.objects.append((node, copies, sizes))
         return node
 
@@ -564,10 +571,8 @@ class ColumnStore(BudgetedCache):
         everyone = bool(ok.all())
         positions = None if everyone else ok.nonzero().view(-1)
         target = slots if everyone else slots.index_select(0, positions)
-        where = target.numpy()
-        for column, rows in write.columns:
-            source = rows if everyone else rows.index_select(0, positions)
-            column.write(where, source)
+        writes = [(column, rows if everyone else rows.index_select(0, positions)) for column, rows in write.columns]
+        _write_columns(writes, target.numpy(), self._device)
         if write.objects:
             chosen = range(n) if everyone else positions.tolist()
             seen = set()
@@ -597,8 +602,7 @@ class ColumnStore(BudgetedCache):
         if not np.array_equal(slot_of[at], rows):
             slot_of[at] = -1  # a key drawn twice: the general path
             return 0
-        for column, source in write.columns:
-            column.write(rows, source)
+        _write_columns(write.columns, rows, self._device)
         self._used += n
         self._stats.entries = self._used
         return n
@@ -712,28 +716,44 @@ def _describe(node: _Stored, capacity: int, num_samples: int, prefix: str = "") 
     return f"{prefix}by column: {len(columns)} column(s) [{shapes}], {format_bytes(row)} per row, rows for {rows}{kept}"
 
 
-def _merge(node: _Stored, part: Part, hit_slots: torch.Tensor, hit: torch.Tensor, miss: torch.Tensor,
-           device: torch.device) -> Any | None:
-    """default_collate of cached rows (at positions ``hit``) and read samples (``part``, at
-    positions ``miss``), leaf by leaf; None where the read samples do not fit a column."""
+def _write_columns(writes: list[tuple[_StoredColumn, torch.Tensor]], where: np.ndarray, device: torch.device) -> None:
+    """Each column's rows ``where`` (host integers) = its host batch of rows. On a device the
+    positions and every column's rows get there in one copy through the staging in force."""
+    if device.type == "cpu":
+        for column, source in writes:
+            column.write(where, source)
+        return
+    index, *moved = to_device([torch.from_numpy(where).to(torch.int64), *(source for _, source in writes)], device)
+    for (column, _), rows in zip(writes, moved):
+        column.rows.index_copy_(0, index, rows)
+
+
+def _merge(node: _Stored, part: Part, at: tuple[torch.Tensor, ...],
+           on_device: tuple[tuple[torch.Tensor, ...], dict[int, torch.Tensor]], device: torch.device) -> Any | None:
+    """default_collate of cached rows and read samples (``part``), leaf by leaf; None where the
+    read samples do not fit a column. ``at``: (rows of the cached samples, their positions in
+    the batch, the read samples' positions), on the host; ``on_device``: the same on
+    ``device``, and the read columns' rows there (by ``id`` of the host rows)."""
     if isinstance(node, _StoredBranch):
         if not node.matches(part):
             return None
-        children = [_merge(c, p, hit_slots, hit, miss, device) for c, p in zip(node.children, part.children)]
+        children = [_merge(c, p, at, on_device, device) for c, p in zip(node.children, part.children)]
         if any(child is None for child in children):
             return None
         return _build(node.kind, node.keys, children)
+    hit_slots, hit, miss = at
     if isinstance(node, _StoredColumn):
         if not node.matches(part):
             return None
         rows = node.rows
         out = torch.empty((hit.numel() + miss.numel(), *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-        out.index_copy_(0, hit.to(device), rows.index_select(0, hit_slots.to(device)))
-        out.index_copy_(0, miss.to(device), part.rows.to(device))
+        (slots_there, hit_there, miss_there), read_there = on_device
+        out.index_copy_(0, hit_there, rows.index_select(0, slots_there))
+        out.index_copy_(0, miss_there, read_there[id(part.rows)])
         return out
     read = _part_values(part)
     if device.type != "cpu":
-        read = [copy_value(value, device)[0] for value in read]
+        read = move_staged(read, device)
     values: list[Any] = [None] * (hit.numel() + miss.numel())
     for position, slot in zip(hit.tolist(), hit_slots.tolist()):
         values[position] = node.values[slot]

@@ -26,6 +26,8 @@ draws them (``gpuload.sampling``) and takes a resumed epoch up where it was (``g
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ import torch
 
 from gpuload.cache import CacheSettings, Store
 from gpuload.stats import LoaderStats
+from gpuload.transfer import staging_through
 
 __all__ = ["DEFAULT_DEPTH", "Indices", "Schedule", "Setup", "Source", "Work", "ahead_on_device", "runs_ahead"]
 
@@ -127,6 +130,41 @@ class Work:
     length: Callable[[], int] | None = None
     from_torch: bool = False
     torch_iterator: Any = None
+
+    def in_staging(self, copy_now: Callable[[Any], Any], device: torch.device, ahead: bool) -> Work:
+        """This work with the loader's staging in force (``gpuload.transfer.staging_through``)
+        wherever it runs in the loop's thread (``finish``; the items too unless ``ahead``, where
+        the prefetcher's thread puts its own in force): on CUDA, host tensors that making a
+        batch puts on the device go through ``copy_now`` (``Prefetcher.copy_now``), not counted
+        as batch bytes: the sources count the sample bytes they move themselves."""
+        if device.type != "cuda":
+            return self
+        copy_now = functools.partial(copy_now, counted=False)
+        items = self.items if ahead else _Staged(self.items, copy_now)
+        finish = self.finish
+
+        def staged_finish(item: Any) -> tuple[Any, int] | None:
+            with staging_through(copy_now):
+                return finish(item)
+
+        return dataclasses.replace(self, items=items, finish=staged_finish)
+
+
+class _Staged(Iterator[Any]):
+    """Items made in the loop's thread with the loader's staging in force (``Work.in_staging``)."""
+
+    def __init__(self, items: Iterator[Any], copy_now: Callable[[Any], Any]) -> None:
+        self._items = items
+        self._copy_now = copy_now
+
+    def __next__(self) -> Any:
+        with staging_through(self._copy_now):
+            return next(self._items)
+
+    def close(self) -> None:
+        close = getattr(self._items, "close", None)
+        if close is not None:
+            close()
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from gpuload.device import device_memory, host_memory
 from gpuload.distributed.sharded_images import ExchangedImages, ShardedImageStore, shard_images
 from gpuload.sources import Indices, Schedule, Setup, Source, Work, ahead_on_device
 from gpuload.sources.image_decoding import DecodedBatch, ImageDecoding
+from gpuload.transfer import to_device
 
 __all__ = ["ImageFileSource", "detect"]
 
@@ -280,7 +281,7 @@ class ImageFileSource(ImageDecoding, Source):
                 images = images.clone()  # the loop may change it in place; the cache keeps its own
         if not batched:
             return [images[0] if self.augment is not None else images, kept_labels[0]], 1, counters
-        labels = torch.tensor(kept_labels, dtype=torch.int64, device=self.setup.device)
+        (labels,) = to_device([torch.tensor(kept_labels, dtype=torch.int64)], self.setup.device)
         return [images, labels], len(kept), counters
 
 

@@ -31,6 +31,7 @@ from gpuload.distributed.shared_host import node_host_tier
 from gpuload.distributed.sharded_store import ShardedArrayStore, shard_arrays
 from gpuload.prefetch import Fill, TensorSpec
 from gpuload.sampling import in_range
+from gpuload.transfer import to_device
 
 __all__ = ["ArrayColumns", "ResidentColumns", "find_columns", "raw_columns", "same_arrays", "staged_copier"]
 
@@ -242,7 +243,7 @@ class ResidentColumns:
         moved_bytes = 0
         where = flat
         if self._where != flat.device:
-            where = flat.to(self._where, non_blocking=True)
+            (where,) = to_device([flat], self._where)  # the loader's staging, not a pageable copy
             moved_bytes = flat.numel() * flat.element_size()
         if self._where != self.device:  # host arrays in the loop's thread (prefetch_depth=0)
             if copy is None:

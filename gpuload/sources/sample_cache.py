@@ -20,7 +20,7 @@ from gpuload.cache.columns import Branch, Column, ColumnStore, Part, prepare
 from gpuload.cache.disk_tier import DiskRows, select_rows
 from gpuload.sources import Setup
 from gpuload.sources.torch_fetch import KeepSamples, PerBatch, fetch, read_prepared
-from gpuload.transfer import batch_nbytes, move_to_device
+from gpuload.transfer import batch_nbytes, move_staged
 
 __all__ = ["CachedSamples"]
 
@@ -201,7 +201,7 @@ class CachedSamples:
         extra = iter(fetched)
         samples = [next(extra) if s < 0 else next(cached) for s in slots.tolist()]
         if self._counts_copies:
-            samples = [move_to_device(sample, self.device) for sample in samples]
+            samples = move_staged(samples, self.device)  # through the loader's staging
         return self._collate(samples)
 
     def _partial_from_disk(self, slots: torch.Tensor, positions: list[int], part: Part, items: list[Any]) -> Any:
