@@ -15,7 +15,7 @@ from torch.utils.data import default_collate, default_convert
 
 from gpuload.augment import BatchAugmenter, image_column
 from gpuload.cache import Store, TieredArrayStore
-from gpuload.distributed.sharded_store import ShardedArrayStore
+from gpuload.distributed.sharded_store import ShardedStore
 from gpuload.prefetch import default_depth
 from gpuload.sources import Indices, Schedule, Setup, Source, Work
 from gpuload.sources.placed_arrays import ArrayColumns, ResidentColumns, find_columns, raw_columns, same_arrays
@@ -53,9 +53,9 @@ class ArraySource(Source):
             leaf = image_column(columns.columns)
             self.augment = BatchAugmenter(setup.transforms, setup.seed, setup.device, leaf)
 
-    def _sharded(self) -> ShardedArrayStore | None:
+    def _sharded(self) -> ShardedStore | None:
         store = self.resident.store if self.resident is not None else None
-        return store if isinstance(store, ShardedArrayStore) else None
+        return store if isinstance(store, ShardedStore) else None
 
     def _place(self) -> bool:
         """Place the arrays where the cache plan says, once; False if they were placed already."""
@@ -142,7 +142,7 @@ class ArraySource(Source):
 
         return Work(fills, finish)
 
-    def _sharded_epoch(self, store: ShardedArrayStore, request: Indices, ahead: bool) -> Work:
+    def _sharded_epoch(self, store: ShardedStore, request: Indices, ahead: bool) -> Work:
         """Batches assembled from every rank's share (each a collective), ahead of the loop in
         the prefetcher's thread when the request runs ahead (gloo only: ``store.runs_ahead``)."""
         drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.batches(ahead)]
@@ -173,7 +173,7 @@ class ArraySource(Source):
         if store is None:
             return {}
         found = {"cache": store.stats.as_dict(), "cache_plan": store.plan.describe()}
-        if isinstance(store, ShardedArrayStore) and store.exchange_stats.wait_s_per_epoch:
+        if isinstance(store, ShardedStore) and store.exchange_stats.wait_s_per_epoch:
             found["exchange"] = store.describe_exchange(loop_wait_s=self.setup.stats.wait_time_s)
         return found
 

@@ -72,3 +72,20 @@ def test_partition_blocks_and_errors():
         Partition(10, 6, 4)
     with pytest.raises(ValueError, match="one batch per rank"):
         plan_step(0, [torch.tensor([1])], Partition(10, 2, 2))
+
+
+def test_array_rows_come_back_whole_from_their_bytes_for_any_count_and_alignment():
+    """A row of 75 uint8 bytes puts the next array's float64 at an odd offset: each decoded
+    array is its own aligned allocation, also for one row (no copy a slice would skip)."""
+    from gpuload.distributed.sharded_store import ArrayRows
+
+    g = torch.Generator().manual_seed(2)
+    columns = [torch.randint(0, 256, (5, 75), dtype=torch.uint8, generator=g),
+               torch.rand(5, 2, dtype=torch.float64, generator=g), torch.arange(5, dtype=torch.int16)]
+    rows = ArrayRows(columns)
+    for count in (0, 1, 3):
+        positions = torch.arange(count)
+        data = rows.encode([column[:count] for column in columns])
+        assert data.numel() == int(rows.sizes(positions).sum())
+        decoded = rows.decode(data, positions, rows.sizes(positions))
+        assert all(torch.equal(d, c[:count]) and d.dtype == c.dtype for d, c in zip(decoded, columns))
