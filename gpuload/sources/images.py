@@ -160,8 +160,7 @@ class ImageFileSource(ImageDecoding, Source):
             extra["skipped_files"] = [(position, *entry) for position, entry in self.skipped_files.items()]
         if self.sharded is not None:
             extra["cache"] = share_summary(self.sharded)
-            if self.sharded.exchange_stats.wait_s_per_epoch:
-                extra["exchange"] = self.sharded.describe_exchange(loop_wait_s=self.setup.stats.wait_time_s)
+            extra.update(self.exchange_stats())
         elif self.cache is not None:
             extra["cache"] = self.cache.summary(kind="images", mode=self.keeps, reason=self._reason)
         elif self._released is not None:
@@ -209,13 +208,7 @@ class ImageFileSource(ImageDecoding, Source):
     # -- an epoch ----------------------------------------------------------------------------
 
     def epoch(self, indices: Indices) -> Schedule:
-        """Decoding runs ahead (on a CPU device only when ``prefetch_depth`` asks); a share's
-        exchange runs ahead where it may (gloo: ``store.runs_ahead``), on a CPU device too:
-        each step waits for other ranks."""
-        sharded = self.sharded
-        if sharded is not None:
-            return Schedule(lambda ahead: self._sharded_epoch(sharded, indices, ahead), ahead=sharded.runs_ahead,
-                            ahead_on_cpu=True, staged=False)
+        """Decoding runs ahead (on a CPU device only when ``prefetch_depth`` asks)."""
         return Schedule(lambda ahead: self._work(indices, ahead), staged=False)
 
     def _work(self, request: Indices, ahead: bool) -> Work:
@@ -225,13 +218,10 @@ class ImageFileSource(ImageDecoding, Source):
             return Work((self.finish(d) for d in decoded), self._deliver)
         return Work(decoded, lambda d: self._deliver(self.finish(d)))
 
-    def _sharded_epoch(self, store: ShardedStore, request: Indices, ahead: bool) -> Work:
-        """Batches whose images come from every rank's share (each step a collective), ahead of
-        the loop in the prefetcher's thread when the request runs ahead; transforms as above."""
-        drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.batches(ahead)]
-        steps = store.epoch(self.setup.batch_sampler, drawn, position=request.position, ahead=ahead,
-                            loop_wait_s=self.setup.stats.wait_time_s, number=request.number)
-        number = request.number
+    def exchanged(self, steps: Any, number: int, ahead: bool) -> Work:
+        """Batches whose images come from every rank's share (each step a collective, ahead of
+        the loop where the share's exchange may run ahead, on a CPU device too: each step waits
+        for other ranks); transforms as above."""
 
         def delivered(finished: tuple[Any, int, dict[str, Any]]) -> tuple[Any, int] | None:
             steps.handed_over()  # every step counts, a batch whose files were all skipped too
