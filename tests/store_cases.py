@@ -123,12 +123,12 @@ def _share_plan(data_bytes: int) -> ShardPlan:
     return ShardPlan(decision, Partition(N, 2, 2), 1, data_bytes, "cpu")
 
 
-def sharded_arrays_case() -> Case:
+def sharded_arrays_case(device: str = "cpu") -> Case:
     data = columns()
     plan = _share_plan(bytes_per_sample(data))
     start, stop = plan.partition.rows_of(1)
     block = [column[start:stop].clone() for column in data]
-    store = sharded_arrays(block, plan, torch.device("cpu"), (None, None), owner="share", ledger=BudgetLedger())
+    store = sharded_arrays(block, plan, torch.device(device), (None, None), owner="share", ledger=BudgetLedger())
     return Case(store, torch.arange(start, stop), lambda index: [column.index_select(0, index) for column in data])
 
 
