@@ -1,14 +1,16 @@
-"""A rank's share of in-memory arrays, and the exchange that assembles each of its batches.
+"""A store split over ranks: any store holding a rank's share, wrapped by the exchange that
+assembles each of its batches (:class:`ShardedStore`), and the share of in-memory arrays.
 
 :func:`shard_arrays` decides, with every rank together, whether the dataset is split (the
-scope), and builds a :class:`ShardedStore` over a store holding this rank's contiguous block of
-rows on its device (``array_share``). :meth:`ShardedStore.epoch` then makes each batch of the epoch with two
-collectives on the exchange's own groups: a small header over gloo (epoch, step, batch size,
-position in the epoch's order, row counts: ranks that ran different numbers of batches, or
-changed the batch size at different batches, fail here, with an :class:`ExchangeError`, never a
-wrong batch) and one ``all_to_all_single`` carrying the rows of every array at once, packed as
-bytes; the rows this rank holds itself are gathered locally. The batch is exactly the one
-torch's DataLoader with the same ``DistributedSampler`` gives.
+scope), and wraps a store holding this rank's contiguous block of rows on its device
+(:func:`array_share`: a :class:`~gpuload.cache.TieredArrayStore` whose device tier holds it
+whole). :meth:`ShardedStore.epoch` then makes each batch of the epoch with two collectives on
+the exchange's own groups: a small header over gloo (epoch, step, batch size, position in the
+epoch's order, row counts: ranks that ran different numbers of batches, or changed the batch
+size at different batches, fail here, with an :class:`ExchangeError`, never a wrong batch) and
+one ``all_to_all_single`` carrying the rows (of every array at once, packed as bytes:
+:class:`ArrayRows`); the rows this rank holds itself are gathered from its share. The batch is
+exactly the one torch's DataLoader with the same ``DistributedSampler`` gives.
 
 Over gloo (CPU tensors) the steps may run ahead of the loop, in the prefetcher's thread
 (:mod:`gpuload.distributed.exchange_steps` keeps the ranks' collectives in step). Over NCCL
