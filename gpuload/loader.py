@@ -164,7 +164,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._position = position
         indices = Indices(self._epoch, draw, self._in_range, resumed=resume is not None, copy_now=self._copy_now,
                           worker_seed_drawn=self._persistent_seed_drawn, position=position.after_cut())
-        work, items = self._start(source.epoch(indices), "")
+        work, items = self._start(source.schedule(indices), "")
         if work.from_torch and self.persistent_workers and self.num_workers > 0:
             self._persistent_seed_drawn = True  # torch drew its workers' seed, once
         length = length or work.length or self._index_sampler.__len__
@@ -333,7 +333,7 @@ class DataLoader(tud.DataLoader[T_co]):
         indices = Indices(position.number, draw, self._in_range, resumed=True, copy_now=self._copy_now,
                           worker_seed_drawn=self._persistent_seed_drawn, position=position.after_cut())
         stopping = "the rest of this epoch at a new batch size (set_batch_size)"
-        work, items = self._start(self._source.epoch(indices), stopping)
+        work, items = self._start(self._source.schedule(indices), stopping)
         return work, items, length
 
     def _apply_batch_size(self, size: int) -> None:

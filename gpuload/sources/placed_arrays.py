@@ -28,7 +28,7 @@ from gpuload.datasets.arrays import ArrayDataset
 from gpuload.device import device_memory, host_memory
 from gpuload.distributed.group import current_context
 from gpuload.distributed.shared_host import node_host_tier
-from gpuload.distributed.sharded_store import ShardedArrayStore, shard_arrays
+from gpuload.distributed.sharded_store import ShardedStore, shard_arrays
 from gpuload.prefetch import Fill, TensorSpec
 from gpuload.sampling import in_range
 from gpuload.transfer import to_device
@@ -128,7 +128,7 @@ class ArrayColumns:
 
         In a torch.distributed job whose ``cache_scope`` splits the dataset over ranks (and
         whose ``batch_sampler`` is torch's over a ``DistributedSampler``), a
-        ``ShardedArrayStore`` holds this rank's share. ``cache="off"`` (or a plan that caches
+        ``ShardedStore`` over a store of this rank's rows holds its share. ``cache="off"`` (or a plan that caches
         nothing) keeps the arrays where they are and streams every batch through the
         prefetcher's pinned slots. On a CPU device the arrays are served in place. Otherwise a
         ``TieredArrayStore`` holds the plan's tiers (device, host); in a torch.distributed job the
@@ -174,7 +174,7 @@ class ResidentColumns:
         device: torch.device,
         path: str,
         copies_batches: bool,
-        store: TieredArrayStore | ShardedArrayStore | None = None,
+        store: TieredArrayStore | ShardedStore | None = None,
     ) -> None:
         self.source = source
         self.dtypes = [column.dtype for column in columns]

@@ -45,6 +45,8 @@ __all__ = ["SampleSource", "TorchLoading"]
 class SampleSource(Source):
     """Batches of any dataset: from the sample cache when it serves, else from torch's iterator."""
 
+    exchange_ahead = False  # a share's exchange runs in the loop's thread, each batch a collective
+
     def __init__(self, setup: Setup, torch_loading: TorchLoading) -> None:
         super().__init__(setup)
         self.torch = torch_loading
@@ -119,10 +121,7 @@ class SampleSource(Source):
     def epoch(self, indices: Indices) -> Schedule:
         """Runs ahead on a GPU (or with ``prefetch_depth``), except a stateful iterable dataset,
         whose own state must be the position of the batches handed to the loop (``state_dict``),
-        and the exchange of a share split over ranks (each batch is a collective)."""
-        sharded = self.sharded
-        if sharded is not None:
-            return Schedule(lambda ahead: self._sharded_epoch(sharded, indices), ahead=False)
+        (nor does the exchange of a share split over ranks: ``exchange_ahead``)."""
         may_run_ahead = self.setup.map_style or not stateful(self.setup.dataset)
         return Schedule(lambda ahead: self._work(indices, ahead), ahead=may_run_ahead)
 
@@ -147,18 +146,16 @@ class SampleSource(Source):
         return Work(epoch, finish, length=epoch.length, from_torch=not request.resumed,
                     torch_iterator=epoch.torch_iterator)
 
-    def _sharded_epoch(self, sharded: ShardedSamples, request: Indices) -> Work:
-        """Batches assembled from every rank's share, in the loop's thread (each is a collective)."""
-        drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.batches(False)]
-        store = sharded.store
+    def exchanged(self, steps: Any, number: int, ahead: bool) -> Work:
+        """Batches assembled from every rank's share, rebuilt as ``default_collate`` gives them."""
+        sharded = self.sharded
 
         def finish(item: tuple[list[torch.Tensor], torch.Tensor]) -> tuple[Any, int]:
             rows, flat = item
-            self.setup.stats.extra["exchange"] = store.describe_exchange()
+            self.setup.stats.extra["exchange"] = sharded.store.describe_exchange()
             return sharded.batch(rows), flat.numel()
 
-        return Work(store.epoch(self.setup.batch_sampler, drawn, position=request.position, number=request.number),
-                    finish)
+        return Work(steps, finish)
 
     def _fetched(self, indices: Iterator[Any]) -> Iterator[Any]:
         return PerBatch(indices, self._read_batch)
