@@ -64,6 +64,7 @@ from gpuload.distributed.rank_batches import (
     shardable_sampler,
 )
 from gpuload.distributed.scope import ScopeDecision, decide_scope
+from gpuload.transfer import to_device
 
 __all__ = [
     "ArrayRows", "ExchangeStats", "RowFormat", "ShardPlan", "ShardedStore", "agree_on_split", "array_share",
@@ -628,7 +629,7 @@ class ArrayRows(RowFormat):
 
     def in_order(self, arrived: list[torch.Tensor], local: list[torch.Tensor], inverse: torch.Tensor) -> list[torch.Tensor]:
         if arrived and arrived[0].is_cuda:
-            inverse = inverse.to(arrived[0].device, non_blocking=True)
+            (inverse,) = to_device([inverse], arrived[0].device)
         return [torch.cat([a, b]).index_select(0, inverse) for a, b in zip(arrived, local)]
 
 
