@@ -53,6 +53,8 @@ __all__ = [
     "save_state",
     "signature",
     "stateful",
+    "stream_of",
+    "take_up_iterable",
     "unrestorable",
 ]
 
@@ -191,7 +193,10 @@ class Position:
     batches began with, and ``cuts``: each batch-size change made during it.
     ``sampler_started``: the sampler had begun drawing the epoch's order (False between
     ``iter()`` and the first batch of an epoch drawn in the loop: its draws from torch's global
-    generator come after that point, and a resumed epoch makes them from the live one)."""
+    generator come after that point, and a resumed epoch makes them from the live one).
+    ``unordered``: workers handed its batches over as they were ready (``in_order=False``), so
+    the batches done are not the first ones of its order. ``dataset_state``, ``stream_state``: a
+    resumed iterable dataset's own state and its iterator's, loaded by :func:`take_up_iterable`."""
 
     number: int
     states: RandomStates
@@ -202,6 +207,9 @@ class Position:
     batch_size: int | None = None
     cuts: list[Cut] = field(default_factory=list)
     sampler_started: bool = True
+    unordered: bool = False  # its batches came from workers with in_order=False (see save_state)
+    dataset_state: Any = None  # a resumed iterable dataset's own state (take_up_iterable)
+    stream_state: Any = None  # the state of the iterator its __iter__ returned, when it has one
 
     def samples_done(self) -> int:
         """Positions of the epoch's flat sample order done (past its end once the last, shorter
@@ -257,6 +265,52 @@ def begin_epoch(
         remaining = resume.states.draw_with_global(lambda: draw_epoch(loader))[resume.batches :]
     done = resume.batches
     return resume, lambda: iter(remaining), lambda: done + len(remaining)
+
+
+def stream_of(torch_iterator: Any) -> Any:
+    """The iterator that ``iter(dataset)`` gave torch's single-process iterator of an iterable
+    dataset (None for workers: theirs live in the worker processes)."""
+    return getattr(getattr(torch_iterator, "_dataset_fetcher", None), "dataset_iter", None)
+
+
+def take_up_iterable(loader: tud.DataLoader, position: Position, make_iterator: Callable[[], Iterator[T]]) -> Iterator[T]:
+    """torch's iterator (``make_iterator()``) for a resumed epoch of an iterable dataset, made
+    from the random states the epoch began with (the loader's generator, and the global one
+    inside ``fork_rng``), as the uninterrupted run made it.
+
+    A dataset's own state is loaded as ``StatefulDataLoader`` loads it: into the dataset before
+    ``__iter__`` (which may take a loaded position up), and into the iterator ``__iter__``
+    returned when that one has ``state_dict`` (the dataset itself, whose ``__iter__`` may have
+    reset it, or an iterator of its own, whose state was saved beside). A dataset without one
+    (or read by workers, which hold its state) is replayed: the batches done are read again and
+    dropped, the global generator inside ``fork_rng`` going through the draws made for them."""
+    position.states.restore_explicit(loader)
+    dataset_state, stream_state = position.dataset_state, position.stream_state
+    if dataset_state is not None or stream_state is not None:
+        if dataset_state is not None:
+            loader.dataset.load_state_dict(dataset_state)
+        iterator = position.states.with_global(make_iterator)
+        stream = stream_of(iterator)
+        if stream is loader.dataset and dataset_state is not None:
+            loader.dataset.load_state_dict(dataset_state)
+        elif stream_state is not None and stateful(stream):
+            stream.load_state_dict(stream_state)
+        return iterator
+
+    def replayed() -> Iterator[T]:
+        iterator = make_iterator()
+        for done in range(position.batches):
+            try:
+                next(iterator)
+            except StopIteration:
+                raise ResumeError(
+                    f"this {type(loader.dataset).__name__} ended after {done} batches while its saved epoch "
+                    f"had given {position.batches}: replaying it does not give the saved stream (its data "
+                    "changed, or it draws random numbers the state does not capture)"
+                ) from None
+        return iterator
+
+    return position.states.with_global(replayed)
 
 
 def remaining_batches(loader: tud.DataLoader, position: Position) -> list[Any]:
@@ -369,11 +423,13 @@ def warn_unrestorable(loader: tud.DataLoader) -> None:
         warnings.warn(f"gpuload: resume is not exact: {reason}", RuntimeWarning, stacklevel=3)
 
 
-def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, transform_seed: int) -> dict[str, Any]:
+def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, transform_seed: int,
+               stream: Any = None) -> dict[str, Any]:
     """The state dict of ``loader`` at ``progress`` (None: no epoch begun; ``epoch`` is then
-    the epoch counter as it stands)."""
+    the epoch counter as it stands); ``stream``: the iterator an iterable dataset's ``__iter__``
+    gave the epoch in progress (:func:`stream_of`), saved when it has its own state."""
     warn_unrestorable(loader)
-    epoch_batch_size, cuts, started = loader.batch_size, [], True
+    epoch_batch_size, cuts, started, unordered = loader.batch_size, [], True, False
     if progress is None:
         number, batches, finished, states = epoch, 0, True, RandomStates.capture(loader)
     else:
@@ -382,6 +438,9 @@ def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, tr
         if not finished:
             epoch_batch_size, cuts = progress.batch_size, [list(cut) for cut in progress.cuts]
             started = progress.sampler_started
+            unordered = progress.unordered and progress.batches > 0
+            if unordered:
+                _warn_unordered(loader)
     return {
         "version": STATE_VERSION,
         "signature": signature(loader),
@@ -394,8 +453,48 @@ def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, tr
         "epoch_batch_size": epoch_batch_size,
         "cuts": cuts,
         "sampler_started": started,
-        "dataset": loader.dataset.state_dict() if stateful(loader.dataset) else None,
+        "unordered": unordered,
+        "dataset": _dataset_state(loader, progress),
+        "dataset_iterator": _stream_state(loader, progress, stream),
     }
+
+
+def _stream_state(loader: tud.DataLoader, progress: Position | None, stream: Any) -> Any:
+    """The own state of the iterator an iterable dataset's ``__iter__`` returned (not the dataset
+    itself, saved already), read in this process; a loaded one not taken up yet is that one."""
+    if progress is None or progress.finished or loader.num_workers > 0:
+        return None
+    if progress.stream_state is not None:
+        return progress.stream_state
+    return stream.state_dict() if stream is not None and stream is not loader.dataset and stateful(stream) else None
+
+
+def _dataset_state(loader: tud.DataLoader, progress: Position | None) -> Any:
+    """The dataset's own ``state_dict()`` where it is the loop's position: a map-style dataset,
+    or an iterable one read in this process (read by workers, its state lives in their copies:
+    the main process's copy never iterated). A state loaded and not taken up yet is that one."""
+    if not stateful(loader.dataset):
+        return None
+    if loader._dataset_kind != _DatasetKind.Map:
+        if loader.num_workers > 0:
+            return None
+        if progress is not None and progress.dataset_state is not None:
+            return progress.dataset_state
+    return loader.dataset.state_dict()
+
+
+def _warn_unordered(loader: tud.DataLoader) -> None:
+    if loader not in _warned_unordered:
+        _warned_unordered.add(loader)
+        warnings.warn(
+            "gpuload: resume is not exact with in_order=False and worker processes: the batches handed to "
+            "the loop are not the first ones of the epoch's order, so a state saved mid-epoch resumes that "
+            "epoch from its beginning (no sample skipped, the ones done seen again); use in_order=True "
+            "(the default) for an exact resume", RuntimeWarning, stacklevel=4,
+        )
+
+
+_warned_unordered: weakref.WeakSet[Any] = weakref.WeakSet()  # loaders warned by _warn_unordered
 
 
 @dataclass(frozen=True)
@@ -442,23 +541,24 @@ def load_state(loader: tud.DataLoader, state: dict[str, Any], *, iterable: bool)
     states = RandomStates.from_dict(state["random"])
     states.check_fits(loader)
     warn_unrestorable(loader)
-    if state["dataset"] is not None:
-        loader.dataset.load_state_dict(state["dataset"])
+    # an iterable dataset's own state, saved without workers, is loaded into the dataset only
+    # once the resumed epoch's iterator has called its __iter__ (take_up_iterable)
+    dataset_state = state["dataset"] if not iterable or loader.num_workers == 0 else None
+    stream_state = state.get("dataset_iterator") if iterable and loader.num_workers == 0 else None
+    deferred = iterable and not state["finished"]
+    if dataset_state is not None and not deferred:
+        loader.dataset.load_state_dict(dataset_state)
     batch_size = state.get("batch_size", state["signature"].get("batch_size"))
     if state["finished"]:
         states.restore_explicit(loader)
         return LoadedState(state["epoch"], None, state["transform_seed"], batch_size)
     done = state["batches"]
-    if iterable and (state["dataset"] is None or loader.num_workers > 0):
-        warnings.warn(
-            f"gpuload: this {type(loader.dataset).__name__} was saved mid-epoch, but an iterable dataset "
-            "resumes only from its own state_dict() read without workers; the loader starts that "
-            "epoch again from its beginning",
-            stacklevel=3,
-        )
+    if state.get("unordered", False):
+        _warn_unordered(loader)
         done = 0
     cuts = [(int(b), int(n), int(size)) for b, n, size in state.get("cuts", [])] if done else []
     progress = Position(state["epoch"], states, batches=done, skipped=done,
                         batch_size=state.get("epoch_batch_size", batch_size), cuts=cuts,
-                        sampler_started=bool(state.get("sampler_started", True)) or done > 0)
+                        sampler_started=bool(state.get("sampler_started", True)) or done > 0,
+                        dataset_state=dataset_state if deferred else None, stream_state=stream_state)
     return LoadedState(state["epoch"], progress, state["transform_seed"], batch_size)

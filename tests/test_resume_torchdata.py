@@ -1,0 +1,327 @@
+"""Resume as torchdata's StatefulDataLoader (0.11.0) tests it, rewritten for gpuload.DataLoader.
+
+The cases of torchdata's ``test/stateful_dataloader/test_state_dict.py`` that describe what a user
+moving from ``StatefulDataLoader`` relies on: iterable datasets with and without their own state,
+with and without workers (persistent or not), map-style datasets with torch's and stateful
+samplers, a state taken before the first batch, at an epoch's end and over several epochs, and
+``in_order=False``. torchdata's internal state keys and its ``snapshot_every_n_steps`` are not
+gpuload's; the differences that remain are listed in the README (resume).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+import gpuload
+
+
+def identity(x):
+    return x
+
+
+class CountingStream(tud.IterableDataset):
+    """Each worker's share of ``range(sum(sizes))``; its own state is the position, which
+    ``__iter__`` resets (and takes from a loaded state), as torchdata's GeneratorIterable."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+        self.resume_at: int | None = None
+
+    def _share(self) -> range:
+        info = tud.get_worker_info()
+        sizes = self.sizes if info is not None else [sum(self.sizes)]
+        worker = info.id if info is not None else 0
+        start = sum(sizes[:worker])
+        return range(start, start + sizes[worker])
+
+    def __iter__(self):
+        self.done = 0  # set only here: the main process's copy of a dataset read by workers has none
+        if self.resume_at is not None:
+            self.done, self.resume_at = self.resume_at, None
+        return self._values(self._share()[self.done:])
+
+    def _values(self, values: range):
+        for value in values:
+            self.done += 1
+            yield value
+        self.done = 0  # a state at the epoch's end starts the next one whole (torchdata's convention)
+
+    def state_dict(self) -> dict:
+        return {"done": self.done}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.resume_at = state["done"]
+
+
+class CountingStreamNoState(CountingStream):
+    """The same stream without a state of its own."""
+
+    state_dict = load_state_dict = None  # type: ignore[assignment]
+
+    def __iter__(self):
+        yield from self._share()
+
+
+class RandomStream(tud.IterableDataset):
+    """An iterator over ``samples`` drawing each from torch's global generator; its state holds
+    the position and the global generator's state (torchdata's DummyIteratorIterableDataset)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.i = size, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        if self.i >= self.size:
+            raise StopIteration
+        self.i += 1
+        return int(torch.randint(1000, (1,)))
+
+    def state_dict(self) -> dict:
+        return {"i": self.i, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.i = state["i"]
+        torch.set_rng_state(state["rng"])
+
+
+class Records(tud.Dataset):
+    """torchdata's DummyMapDataset without its random reads."""
+
+    def __init__(self, size: int) -> None:
+        self.data = [{"id": i, "strcol": f"strcol_{i}", "listcol": [i, i + 1, i + 2]} for i in range(size)]
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.data[i]
+
+
+class CountingSampler(tud.Sampler):
+    """A sampler whose iterator keeps its own position (torchdata's DummySampler)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.i = size, 0
+
+    def __iter__(self):
+        start, self.i = self.i, 0
+        for index in range(start, self.size):
+            self.i = index + 1
+            yield index
+
+    def __len__(self) -> int:
+        return self.size
+
+    def state_dict(self) -> dict:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.i = state["i"]
+
+
+def _stream_loader(dataset: tud.IterableDataset, num_workers: int, pw: bool = False, **kwargs) -> gpuload.DataLoader:
+    return gpuload.DataLoader(dataset, num_workers=num_workers, collate_fn=identity, persistent_workers=pw,
+                              device="cpu", **kwargs)
+
+
+def _interrupted(make, interrupt: int) -> tuple[list, list, dict]:
+    """(batches before the state, batches after it, the state) of one uninterrupted epoch."""
+    loader = make()
+    iterator = iter(loader)
+    before = [next(iterator) for _ in range(interrupt)]
+    state = loader.state_dict()
+    return before, list(iterator), state
+
+
+def _resumed(make, state: dict) -> list:
+    loader = make()
+    loader.load_state_dict(state)
+    return list(loader)
+
+
+@pytest.mark.parametrize("interrupt", [0, 1, 10])
+@pytest.mark.parametrize("num_workers,pw", [(0, False), (3, False), (3, True)])
+def test_stream_with_own_state(num_workers: int, pw: bool, interrupt: int) -> None:
+    """A position set in ``__iter__`` survives (its state is loaded after ``__iter__``); read by
+    workers, ``state_dict()`` does not ask the main process's copy, and the epoch is replayed."""
+    def make():
+        return _stream_loader(CountingStream([0, 100, 37]), num_workers, pw)
+
+    expected = list(make())
+    before, after, state = _interrupted(make, interrupt)
+    assert before + after == expected
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="gpuload")
+        assert _resumed(make, state) == after
+
+
+@pytest.mark.parametrize("interrupt", [0, 1, 10])
+@pytest.mark.parametrize("num_workers", [0, 3])
+def test_stream_without_state_is_replayed(num_workers: int, interrupt: int) -> None:
+    def make():
+        return _stream_loader(CountingStreamNoState([0, 100, 37]), num_workers, batch_size=7)
+
+    before, after, state = _interrupted(make, interrupt)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="gpuload")
+        assert _resumed(make, state) == after
+
+
+@pytest.mark.parametrize("interrupt", [0, 1, 10])
+def test_stream_saving_the_global_generator(interrupt: int) -> None:
+    """The dataset's saved global generator is the one its next draws use: torch's base-seed
+    draw for the resumed epoch's iterator comes before the dataset's state is loaded."""
+    torch.manual_seed(5)
+    before, after, state = _interrupted(lambda: _stream_loader(RandomStream(40), 0), interrupt)
+    torch.manual_seed(123)  # another live stream: the dataset's state sets it
+    assert _resumed(lambda: _stream_loader(RandomStream(40), 0), state) == after
+
+
+@pytest.mark.parametrize("pw", [False, True])
+def test_stream_checkpoint_at_epoch_end(pw: bool) -> None:
+    """A state at an epoch's end starts the next epoch whole (with persistent workers too: the
+    previous epoch's dataset state is never what is saved)."""
+    def make():
+        return _stream_loader(CountingStream([0, 100, 37]), 3, pw, batch_size=4)
+
+    loader = make()
+    expected = list(loader)
+    state = loader.state_dict()
+    assert list(loader) == expected
+    loader = make()
+    iterator = iter(loader)
+    next(iterator), next(iterator)
+    loader.load_state_dict(state)
+    assert list(loader) == expected
+
+
+def test_stream_state_between_epochs_no_workers() -> None:
+    def make():
+        return _stream_loader(CountingStream([137]), 0)
+
+    loader = make()
+    list(loader)
+    state = loader.state_dict()
+    expected = list(loader)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert list(resumed) == expected
+
+
+def test_state_before_the_first_batch_of_a_loaded_stream() -> None:
+    """A state taken after load_state_dict and before iter() is the loaded one."""
+    make = lambda: _stream_loader(CountingStream([30]), 0)  # noqa: E731
+    _, after, state = _interrupted(make, 7)
+    loader = make()
+    loader.load_state_dict(state)
+    again = loader.state_dict()
+    assert again["dataset"] == state["dataset"]
+    assert _resumed(make, again) == after
+
+
+@pytest.mark.parametrize("interrupt", [0, 1, 10])
+@pytest.mark.parametrize("num_workers,pw", [(0, False), (3, True)])
+def test_map_random_sampler_with_generator(num_workers: int, pw: bool, interrupt: int) -> None:
+    def make():
+        sampler = tud.RandomSampler(range(100), generator=torch.Generator().manual_seed(13))
+        return gpuload.DataLoader(Records(100), batch_size=7, sampler=sampler, num_workers=num_workers,
+                                  persistent_workers=pw, collate_fn=identity, device="cpu")
+
+    _, after, state = _interrupted(make, interrupt)
+    assert _resumed(make, state) == after
+
+
+@pytest.mark.parametrize("interrupt", [0, 1, 10])
+def test_map_stateful_sampler(interrupt: int) -> None:
+    def make():
+        return gpuload.DataLoader(Records(100), batch_size=7, sampler=CountingSampler(100),
+                                  collate_fn=identity, device="cpu")
+
+    _, after, state = _interrupted(make, interrupt)
+    assert _resumed(make, state) == after
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_map_shuffle_over_epochs(num_workers: int) -> None:
+    """Two epochs, a state, two more in a new loader: the four epochs of one loader (torchdata's
+    TestMultiEpochSDL; the global generator is the loader's, set by the seed)."""
+    def make():
+        return gpuload.DataLoader(Records(20), batch_size=3, shuffle=True, num_workers=num_workers,
+                                  collate_fn=identity, device="cpu")
+
+    torch.manual_seed(0)
+    loader = make()
+    seen = [batch for _ in range(2) for batch in loader]
+    state = loader.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    seen += [batch for _ in range(2) for batch in resumed]
+    torch.manual_seed(0)
+    whole = make()
+    assert seen == [batch for _ in range(4) for batch in whole]
+
+
+def test_map_end_of_epoch_states() -> None:
+    """A state after the last batch but before the epoch's StopIteration resumes an empty rest;
+    one after it, a whole next epoch (torchdata's TestEndOfEpochBehavior)."""
+    def make():
+        return gpuload.DataLoader(Records(10), batch_size=1, shuffle=True, collate_fn=identity, device="cpu")
+
+    loader = make()
+    for _ in loader:
+        inside = loader.state_dict()
+    outside = loader.state_dict()
+    assert _resumed(make, inside) == []
+    assert len(_resumed(make, outside)) == 10
+
+
+class SlowFirst(tud.Dataset):
+    """Index 0 is slow, so workers with ``in_order=False`` hand later batches over first."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> int:
+        if i == 0:
+            import time
+            time.sleep(1.0)
+        return i
+
+
+def test_out_of_order_workers_never_lose_samples() -> None:
+    """``in_order=False`` with workers: the batches done are not the order's first; the state
+    says so with a warning, and the resumed epoch starts again (every sample seen), never
+    skipping the ones still in flight (torchdata resumes these exactly: a listed difference)."""
+    def make():
+        return gpuload.DataLoader(SlowFirst(), num_workers=2, in_order=False, device="cpu")
+
+    loader = make()
+    output = []
+    for i, batch in enumerate(loader):
+        output.append(int(batch))
+        if i == 3:
+            with pytest.warns(RuntimeWarning, match="in_order=False"):
+                state = loader.state_dict()
+            break
+    assert 0 not in output  # the slow sample was still in flight
+    assert state["unordered"]
+    resumed = make()
+    with pytest.warns(RuntimeWarning, match="in_order=False"):
+        resumed.load_state_dict(state)
+    rest = [int(batch) for batch in resumed]
+    assert sorted(rest) == list(range(10))
+
+
+def test_in_order_state_is_not_marked_unordered() -> None:
+    loader = gpuload.DataLoader(Records(10), num_workers=2, in_order=True, collate_fn=identity, device="cpu")
+    iterator = iter(loader)
+    next(iterator)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="gpuload")
+        assert not loader.state_dict()["unordered"]
