@@ -90,6 +90,73 @@ class RandomStream(tud.IterableDataset):
         torch.set_rng_state(state["rng"])
 
 
+class Draws:
+    """An iterator over ``samples`` that draws each from torch's global generator, with its own
+    state (position and the global generator's state): torchdata's DummyIterator."""
+
+    def __init__(self, samples: list[int]) -> None:
+        self.samples, self.i = samples, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        if self.i >= len(self.samples):
+            raise StopIteration
+        self.i += 1
+        return self.samples[int(torch.randint(len(self.samples), (1,)))]
+
+    def state_dict(self) -> dict:
+        return {"i": self.i, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.i = state["i"]
+        torch.set_rng_state(state["rng"])
+
+
+class DrawingStream(tud.IterableDataset):
+    """An iterable dataset without a state of its own whose ``__iter__`` returns a stateful
+    iterator per worker share (torchdata's DummyIterableDataset)."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        sizes = self.sizes if info is not None else [sum(self.sizes)]
+        worker = info.id if info is not None else 0
+        start = sum(sizes[:worker])
+        return Draws(list(range(start, start + sizes[worker])))
+
+
+class Windowed(tud.IterableDataset):
+    """Its own iterator, whose window ``__iter__`` sets afresh (torchdata's CountIterCallsIter):
+    a state loaded before ``__iter__`` would be overwritten by it."""
+
+    def __init__(self, length: int) -> None:
+        self.length, self.iter_calls = length, 0
+
+    def __iter__(self):
+        self.iter_calls += 1
+        info = tud.get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        share = self.length // workers
+        self.window = [share * worker, share * (worker + 1)]
+        return self
+
+    def __next__(self) -> int:
+        if self.window[0] >= self.window[1]:
+            raise StopIteration
+        self.window[0] += 1
+        return self.window[0] - 1
+
+    def state_dict(self) -> dict:
+        return {"window": list(self.window), "iter_calls": self.iter_calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.window = list(state["window"])
+
+
 class Records(tud.Dataset):
     """torchdata's DummyMapDataset without its random reads."""
 
@@ -181,6 +248,36 @@ def test_stream_saving_the_global_generator(interrupt: int) -> None:
     before, after, state = _interrupted(lambda: _stream_loader(RandomStream(40), 0), interrupt)
     torch.manual_seed(123)  # another live stream: the dataset's state sets it
     assert _resumed(lambda: _stream_loader(RandomStream(40), 0), state) == after
+
+
+@pytest.mark.parametrize("interrupt", [0, 1, 10])
+@pytest.mark.parametrize("num_workers", [0, 3])
+def test_stream_whose_iterator_has_its_own_state(num_workers: int, interrupt: int) -> None:
+    """Without workers the iterator's own state is saved and loaded into the resumed epoch's
+    iterator; with workers the epoch is replayed from its saved seeds."""
+    def make():
+        return _stream_loader(DrawingStream([0, 100, 37]), num_workers, batch_size=7)
+
+    torch.manual_seed(3)
+    _, after, state = _interrupted(make, interrupt)
+    torch.manual_seed(99)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="gpuload")
+        assert _resumed(make, state) == after
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stream_that_sets_its_window_in_iter(num_workers: int) -> None:
+    """torchdata's TestStateInitializationDataset: 70 samples, a state, the last 30 resumed."""
+    make = lambda: _stream_loader(Windowed(100), num_workers)  # noqa: E731
+    loader = make()
+    iterator = iter(loader)
+    data = [value for _ in range(70) for value in next(iterator)]
+    resumed = make()
+    resumed.load_state_dict(loader.state_dict())
+    iterator = iter(resumed)
+    data += [value for _ in range(30) for value in next(iterator)]
+    assert sorted(data) == list(range(100))
 
 
 @pytest.mark.parametrize("pw", [False, True])
