@@ -19,13 +19,15 @@ of its own that gpuload cannot read (any attribute but ``generator``, without
 does not fit the loader (another dataset, arguments, DistributedSampler seed, generators)
 raises :class:`ResumeError` at ``load_state_dict``.
 
-The state is a plain dict of Python scalars, lists and CPU tensors (a few kilobytes: never the
-data, never an index list that can be drawn again), so it loads on another machine and on
-another device type.
+The state is a plain dict of Python scalars, strings and lists, the generators' states as base64
+text (a few kilobytes: never the data, never an index list that can be drawn again), so it
+goes through JSON when the samplers' and dataset's own states do, and loads on another
+machine and on another device type.
 """
 
 from __future__ import annotations
 
+import base64
 import random
 import warnings
 import weakref
@@ -163,8 +165,8 @@ class RandomStates:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "generators": list(self.generators),
-            "global": self.global_state,
+            "generators": [_encoded(state) for state in self.generators],
+            "global": _encoded(self.global_state),
             "samplers": list(self.samplers),
             "distributed_epoch": self.distributed_epoch,
             "worker_seed_drawn": self.worker_seed_drawn,
@@ -173,12 +175,24 @@ class RandomStates:
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> RandomStates:
         return cls(
-            generators=[torch.as_tensor(s, dtype=torch.uint8) for s in state["generators"]],
-            global_state=torch.as_tensor(state["global"], dtype=torch.uint8),
+            generators=[_decoded(s) for s in state["generators"]],
+            global_state=_decoded(state["global"]),
             samplers=list(state.get("samplers", [state.get("sampler")])),
             distributed_epoch=state.get("distributed_epoch"),
             worker_seed_drawn=bool(state.get("worker_seed_drawn", False)),
         )
+
+
+def _encoded(generator_state: torch.Tensor) -> str:
+    """A generator's state as base64 text: the state stays JSON-safe (as torchdata's) and small."""
+    return base64.b64encode(generator_state.numpy().tobytes()).decode("ascii")
+
+
+def _decoded(saved: Any) -> torch.Tensor:
+    """A generator state saved by :func:`_encoded`, or as a tensor or list (earlier states)."""
+    if isinstance(saved, str):
+        return torch.frombuffer(bytearray(base64.b64decode(saved)), dtype=torch.uint8)
+    return torch.as_tensor(saved, dtype=torch.uint8)
 
 
 # (batches done, samples of the epoch's order done, new batch size) at one ``set_batch_size``
