@@ -162,11 +162,13 @@ class DataLoader(tud.DataLoader[T_co]):
         resume, self._resume = self._resume, None
         position, draw, length = begin_epoch(self, self._epoch, resume)
         self._position = position
-        self._iterable_resume = resume if not map_style else None
+        self._iterable_resume = resume if not map_style else None  # taken by _torch_epoch
         indices = Indices(self._epoch, draw, self._in_range, resumed=resume is not None, copy_now=self._copy_now,
                           worker_seed_drawn=self._persistent_seed_drawn, position=position.after_cut())
-        work, items = self._start(source.epoch(indices), "")
-        self._iterable_resume = None
+        try:
+            work, items = self._start(source.epoch(indices), "")
+        finally:
+            self._iterable_resume = None
         # workers hand batches over as they are ready: the batches done are not the order's first
         position.unordered = map_style and not self.in_order and work.torch_iterator is not None
         if work.from_torch and self.persistent_workers and self.num_workers > 0:
