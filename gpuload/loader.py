@@ -164,13 +164,12 @@ class DataLoader(tud.DataLoader[T_co]):
         self._position = position
         self._iterable_resume = resume if not map_style else None  # taken by _torch_epoch
         indices = Indices(self._epoch, draw, self._in_range, resumed=resume is not None, copy_now=self._copy_now,
-                          worker_seed_drawn=self._persistent_seed_drawn, position=position.after_cut())
+                          worker_seed_drawn=self._persistent_seed_drawn, position=position.after_cut(),
+                          places=position.places, handed_over=position.hand_over if not position.cuts else None)
         try:
             work, items = self._start(source.epoch(indices), "")
         finally:
             self._iterable_resume = None
-        # workers hand batches over as they are ready: the batches done are not the order's first
-        position.unordered = map_style and not self.in_order and work.torch_iterator is not None
         if work.from_torch and self.persistent_workers and self.num_workers > 0:
             self._persistent_seed_drawn = True  # torch drew its workers' seed, once
         length = length or work.length or self._index_sampler.__len__
@@ -188,8 +187,13 @@ class DataLoader(tud.DataLoader[T_co]):
         size = checked_batch_size(self, batch_size, self._built_batch_size)
         if size == self.batch_size:
             return
-        self._apply_batch_size(size)
         position = self._resume or self._position
+        if position is not None and not position.finished and position.delivered is not None:
+            raise ValueError(
+                "set_batch_size: this epoch's batches came from workers with in_order=False, out of the "
+                "epoch's order, so its rest cannot be cut at another size; change it between epochs"
+            )
+        self._apply_batch_size(size)
         if position is None or position.finished:
             return
         position.cut(size)

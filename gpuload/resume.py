@@ -208,8 +208,9 @@ class Position:
     ``sampler_started``: the sampler had begun drawing the epoch's order (False between
     ``iter()`` and the first batch of an epoch drawn in the loop: its draws from torch's global
     generator come after that point, and a resumed epoch makes them from the live one).
-    ``unordered``: workers handed its batches over as they were ready (``in_order=False``), so
-    the batches done are not the first ones of its order. ``dataset_state``, ``stream_state``: a
+    ``delivered``: the places (among the epoch's index batches) of the batches done, when
+    workers handed them over as they finished (``in_order=False``): then they need not be the
+    first ones. ``dataset_state``, ``stream_state``: a
     resumed iterable dataset's own state and its iterator's, loaded by :func:`take_up_iterable`."""
 
     number: int
@@ -221,7 +222,8 @@ class Position:
     batch_size: int | None = None
     cuts: list[Cut] = field(default_factory=list)
     sampler_started: bool = True
-    unordered: bool = False  # its batches came from workers with in_order=False (see save_state)
+    delivered: set[int] | None = None  # places of the batches done, when handed over out of order
+    places: list[int] | None = None  # a resumed epoch's: each remaining batch's place in the epoch
     dataset_state: Any = None  # a resumed iterable dataset's own state (take_up_iterable)
     stream_state: Any = None  # the state of the iterator its __iter__ returned, when it has one
 
@@ -235,6 +237,13 @@ class Position:
         """``(batches done, samples done, batch size)`` after a batch-size change (the rest of
         the epoch is its order from there cut at that size), else None."""
         return (self.batches, self.samples_done(), self.cuts[-1][2]) if self.cuts else None
+
+    def hand_over(self, place: int) -> None:
+        """Note that the batch at ``place`` of the epoch's index batches was handed to the loop
+        (out of order: the first ones done before, in order, are those a resume skipped)."""
+        if self.delivered is None:
+            self.delivered = set(range(self.skipped))
+        self.delivered.add(place)
 
     def cut(self, batch_size: int) -> None:
         """Note a change to ``batch_size`` here: the batches after it are the rest of the order
@@ -276,7 +285,12 @@ def begin_epoch(
             # in the uninterrupted run, which made them after the save.
             drawn = resume.states.with_global(lambda: draw_epoch(loader))
             return resume, lambda: _NotesFirstPull(drawn, resume), None
-        remaining = resume.states.draw_with_global(lambda: draw_epoch(loader))[resume.batches :]
+        drawn = resume.states.draw_with_global(lambda: draw_epoch(loader))
+        if resume.delivered is None:
+            resume.places = list(range(resume.batches, len(drawn)))
+        else:  # handed over out of order: the ones not done, wherever they are
+            resume.places = [place for place in range(len(drawn)) if place not in resume.delivered]
+        remaining = [drawn[place] for place in resume.places]
     done = resume.batches
     return resume, lambda: iter(remaining), lambda: done + len(remaining)
 
@@ -443,7 +457,7 @@ def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, tr
     the epoch counter as it stands); ``stream``: the iterator an iterable dataset's ``__iter__``
     gave the epoch in progress (:func:`stream_of`), saved when it has its own state."""
     warn_unrestorable(loader)
-    epoch_batch_size, cuts, started, unordered = loader.batch_size, [], True, False
+    epoch_batch_size, cuts, started, delivered = loader.batch_size, [], True, None
     if progress is None:
         number, batches, finished, states = epoch, 0, True, RandomStates.capture(loader)
     else:
@@ -452,9 +466,7 @@ def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, tr
         if not finished:
             epoch_batch_size, cuts = progress.batch_size, [list(cut) for cut in progress.cuts]
             started = progress.sampler_started
-            unordered = progress.unordered and progress.batches > 0
-            if unordered:
-                _warn_unordered(loader)
+            delivered = _packed(progress.delivered)
     return {
         "version": STATE_VERSION,
         "signature": signature(loader),
@@ -467,7 +479,7 @@ def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, tr
         "epoch_batch_size": epoch_batch_size,
         "cuts": cuts,
         "sampler_started": started,
-        "unordered": unordered,
+        "out_of_order": delivered,
         "dataset": _dataset_state(loader, progress),
         "dataset_iterator": _stream_state(loader, progress, stream),
     }
@@ -497,18 +509,23 @@ def _dataset_state(loader: tud.DataLoader, progress: Position | None) -> Any:
     return loader.dataset.state_dict()
 
 
-def _warn_unordered(loader: tud.DataLoader) -> None:
-    if loader not in _warned_unordered:
-        _warned_unordered.add(loader)
-        warnings.warn(
-            "gpuload: resume is not exact with in_order=False and worker processes: the batches handed to "
-            "the loop are not the first ones of the epoch's order, so a state saved mid-epoch resumes that "
-            "epoch from its beginning (no sample skipped, the ones done seen again); use in_order=True "
-            "(the default) for an exact resume", RuntimeWarning, stacklevel=4,
-        )
+def _packed(delivered: set[int] | None) -> dict[str, Any] | None:
+    """The places of the batches done, handed over out of order, as the first ``prefix`` of the
+    epoch and the ``others`` after it (a few, however long the epoch); None: in order."""
+    if delivered is None:
+        return None
+    prefix = 0
+    while prefix in delivered:
+        prefix += 1
+    return {"prefix": prefix, "others": sorted(place for place in delivered if place > prefix)}
 
 
-_warned_unordered: weakref.WeakSet[Any] = weakref.WeakSet()  # loaders warned by _warn_unordered
+def _unpacked(packed: Any) -> set[int] | None:
+    if packed is None:
+        return None
+    return set(range(int(packed["prefix"]))) | {int(place) for place in packed["others"]}
+
+
 
 
 @dataclass(frozen=True)
@@ -567,12 +584,10 @@ def load_state(loader: tud.DataLoader, state: dict[str, Any], *, iterable: bool)
         states.restore_explicit(loader)
         return LoadedState(state["epoch"], None, state["transform_seed"], batch_size)
     done = state["batches"]
-    if state.get("unordered", False):
-        _warn_unordered(loader)
-        done = 0
     cuts = [(int(b), int(n), int(size)) for b, n, size in state.get("cuts", [])] if done else []
     progress = Position(state["epoch"], states, batches=done, skipped=done,
                         batch_size=state.get("epoch_batch_size", batch_size), cuts=cuts,
                         sampler_started=bool(state.get("sampler_started", True)) or done > 0,
-                        dataset_state=dataset_state if deferred else None, stream_state=stream_state)
+                        dataset_state=dataset_state if deferred else None, stream_state=stream_state,
+                        delivered=_unpacked(state.get("out_of_order")) if done else None)
     return LoadedState(state["epoch"], progress, state["transform_seed"], batch_size)

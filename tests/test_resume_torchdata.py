@@ -392,37 +392,65 @@ class SlowFirst(tud.Dataset):
         return i
 
 
-def test_out_of_order_workers_never_lose_samples() -> None:
-    """``in_order=False`` with workers: the batches done are not the order's first; the state
-    says so with a warning, and the resumed epoch starts again (every sample seen), never
-    skipping the ones still in flight (torchdata resumes these exactly: a listed difference)."""
+@pytest.mark.parametrize("prefetch_depth", [None, 2])
+def test_out_of_order_workers_resume_exactly(prefetch_depth: int | None) -> None:
+    """``in_order=False`` with workers (torchdata's TestOutOfOrderWithCheckpointing): the slow
+    sample 0 is still in flight after 4 batches; the resumed epoch gives exactly the rest,
+    every sample once (also when batches were made ahead of the loop)."""
     def make():
-        return gpuload.DataLoader(SlowFirst(), num_workers=2, in_order=False, device="cpu")
+        return gpuload.DataLoader(SlowFirst(), num_workers=2, in_order=False, device="cpu",
+                                  prefetch_depth=prefetch_depth)
 
     loader = make()
     output = []
     for i, batch in enumerate(loader):
         output.append(int(batch))
         if i == 3:
-            with pytest.warns(RuntimeWarning, match="in_order=False"):
-                state = loader.state_dict()
+            state = loader.state_dict()
             break
     assert 0 not in output  # the slow sample was still in flight
-    assert state["unordered"]
+    assert json.loads(json.dumps(state))["out_of_order"] == state["out_of_order"]
     resumed = make()
-    with pytest.warns(RuntimeWarning, match="in_order=False"):
-        resumed.load_state_dict(state)
-    rest = [int(batch) for batch in resumed]
-    assert sorted(rest) == list(range(10))
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    iterator = iter(resumed)
+    assert len(iterator) == 6
+    output += [int(batch) for batch in iterator]
+    assert len(output) == 10 and sorted(output) == list(range(10))
 
 
-def test_in_order_state_is_not_marked_unordered() -> None:
+def test_out_of_order_resumed_twice() -> None:
+    """A state taken inside a resumed out-of-order epoch holds the places of both parts."""
+    def make():
+        return gpuload.DataLoader(SlowFirst(), num_workers=2, in_order=False, device="cpu")
+
+    loader = make()
+    iterator = iter(loader)
+    output = [int(next(iterator)) for _ in range(3)]
+    second = make()
+    second.load_state_dict(loader.state_dict())
+    iterator = iter(second)
+    output += [int(next(iterator)) for _ in range(3)]
+    third = make()
+    third.load_state_dict(second.state_dict())
+    output += [int(batch) for batch in third]
+    assert sorted(output) == list(range(10))
+
+
+def test_out_of_order_epoch_refuses_set_batch_size() -> None:
+    loader = gpuload.DataLoader(Records(12), batch_size=2, num_workers=2, in_order=False, collate_fn=identity,
+                                device="cpu")
+    iterator = iter(loader)
+    next(iterator)
+    with pytest.raises(ValueError, match="in_order=False"):
+        loader.set_batch_size(3)
+    assert loader.batch_size == 2
+
+
+def test_in_order_state_has_no_out_of_order_places() -> None:
     loader = gpuload.DataLoader(Records(10), num_workers=2, in_order=True, collate_fn=identity, device="cpu")
     iterator = iter(loader)
     next(iterator)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="gpuload")
-        assert not loader.state_dict()["unordered"]
+    assert loader.state_dict()["out_of_order"] is None
 
 
 @pytest.mark.parametrize("kind", ["stream", "map"])
