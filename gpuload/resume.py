@@ -467,6 +467,8 @@ def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, tr
             epoch_batch_size, cuts = progress.batch_size, [list(cut) for cut in progress.cuts]
             started = progress.sampler_started
             delivered = _packed(progress.delivered)
+            if batches and _replays_out_of_order(loader):
+                _warn_once(loader, _REPLAY_OUT_OF_ORDER)
     return {
         "version": STATE_VERSION,
         "signature": signature(loader),
@@ -507,6 +509,24 @@ def _dataset_state(loader: tud.DataLoader, progress: Position | None) -> Any:
         if progress is not None and progress.dataset_state is not None:
             return progress.dataset_state
     return loader.dataset.state_dict()
+
+
+_REPLAY_OUT_OF_ORDER = (
+    "gpuload: resume is not exact for an iterable dataset read by workers with in_order=False: it is "
+    "replayed, and the batches the replay drops are the first its workers hand over, which depends on "
+    "their timing; use in_order=True for an exact resume"
+)
+_warned_replay: weakref.WeakSet[Any] = weakref.WeakSet()  # loaders warned of an out-of-order replay
+
+
+def _replays_out_of_order(loader: tud.DataLoader) -> bool:
+    return loader._dataset_kind != _DatasetKind.Map and loader.num_workers > 0 and not loader.in_order
+
+
+def _warn_once(loader: tud.DataLoader, message: str) -> None:
+    if loader not in _warned_replay:
+        _warned_replay.add(loader)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def _packed(delivered: set[int] | None) -> dict[str, Any] | None:
@@ -584,6 +604,8 @@ def load_state(loader: tud.DataLoader, state: dict[str, Any], *, iterable: bool)
         states.restore_explicit(loader)
         return LoadedState(state["epoch"], None, state["transform_seed"], batch_size)
     done = state["batches"]
+    if done and _replays_out_of_order(loader):
+        _warn_once(loader, _REPLAY_OUT_OF_ORDER)
     cuts = [(int(b), int(n), int(size)) for b, n, size in state.get("cuts", [])] if done else []
     progress = Position(state["epoch"], states, batches=done, skipped=done,
                         batch_size=state.get("epoch_batch_size", batch_size), cuts=cuts,
