@@ -69,9 +69,17 @@ def batch_nbytes(data: Any, host_only: bool = False) -> int:
 
 
 def batch_length(data: Any) -> int:
-    """Number of samples in a batch: the first dimension of its first tensor, else its len()."""
+    """Number of samples in a batch: the first dimension of its first tensor that has one, else its len().
+
+    A 0-d leaf (a step counter, a loss scale) says nothing about the batch, so it is passed over.
+    """
+    scalars_only = False
     for tensor in _tensors(data):
-        return tensor.size(0) if tensor.dim() > 0 else 1  # size(): nested tensors have no .shape
+        if tensor.dim() > 0:
+            return tensor.size(0)  # size(): nested tensors have no .shape
+        scalars_only = True
+    if scalars_only:
+        return 1
     if isinstance(data, collections.abc.Sized) and not isinstance(data, (str, bytes)):
         return len(data)
     return 1

@@ -23,6 +23,7 @@ from typing import Any
 
 from gpuload.cli.arguments import (
     command_device,
+    cuda_missing,
     device_argument,
     non_negative_float,
     non_negative_int,
@@ -316,8 +317,8 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
         raise UsageError("argument --save-images: only applies to --scenario images")
     if args.save_images is not None and args.data is not None:
         raise UsageError("argument --save-images: it writes generated images; with --data your own are used")
-    problem = (_distributed_problem(args, scenario) or _options_problem(args, scenario) or _data_problem(args, scenario)
-               or out_problem(args.out))
+    problem = (cuda_missing(args.device) or _distributed_problem(args, scenario) or _options_problem(args, scenario)
+               or _data_problem(args, scenario) or out_problem(args.out))
     if problem:
         raise UsageError(problem)
     import torch

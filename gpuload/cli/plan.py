@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gpuload.cli.arguments import device_argument, parse_shape, positive_int, size_argument, size_choice
+from gpuload.cli.arguments import cuda_missing, device_argument, parse_shape, positive_int, size_argument, size_choice
 
 __all__ = ["add_arguments", "run", "CACHE_MODES", "SYNTHETIC_NAMES", "MAX_RANKS"]
 
-# gpuload.cache.MODES and gpuload.job.dataset_size.SYNTHETIC's names, here without importing torch
+# gpuload.cache.MODES, gpuload.job.dataset_size.SYNTHETIC's names and scope_plan.MAX_RANKS, here without importing torch
 # (tests/cli/test_plan.py checks that they agree).
 CACHE_MODES = ("auto", "device", "host", "off")
 SYNTHETIC_NAMES = ("cifar", "imagenet")
@@ -108,6 +108,8 @@ def _problem(args: argparse.Namespace) -> str | None:
             parse_shape(args.input_shape)
         except ValueError as error:
             return str(error)
+    if args.device_memory is None:  # the machine's own device is planned for: it must exist
+        return cuda_missing(args.device)
     return None
 
 

@@ -184,9 +184,9 @@ class BatchDecoder:
     Build one per loader (``max_batch`` = its batch size) and call :meth:`decode` per batch;
     images land on ``device`` (a CPU backend's images are copied there). If DALI turns out to
     be unusable at run time under ``backend="auto"``, it warns once and decodes with nvJPEG (on
-    CUDA with torchvision) or the CPU fallback instead; :attr:`backend` always says what is
+    CUDA with torchvision) or the CPU fallback instead; ``backend`` always says what is
     decoding now. ``max_pixels`` is the pixel limit every header is checked against (a number,
-    None for none, or ``"default"``: :func:`gpuload.decode.headers.default_max_pixels` at
+    None for none, or ``"default"``: ``gpuload.decode.headers.default_max_pixels()`` at
     decode time). ``channels_last=True`` lets DALI hand out its HWC images as (3, H, W) views
     (channels-last strides) instead of transposing them: for a consumer that takes any strides,
     such as the transforms, whose bilinear kernel runs channels-last (half the time per image).

@@ -265,7 +265,7 @@ def _check_limit(limit: object, setting: str) -> None:
 def set_default_max_pixels(limit: int | None | _FollowPil) -> None:
     """Set the process-wide pixel limit used where no ``max_pixels=`` is given.
 
-    An int is the limit, ``None`` turns the check off, :data:`FOLLOW_PIL` (the initial value)
+    An int is the limit, ``None`` turns the check off, ``FOLLOW_PIL`` (the initial value)
     follows ``PIL.Image.MAX_IMAGE_PIXELS``.
     """
     global _default_limit

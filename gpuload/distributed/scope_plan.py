@@ -32,10 +32,13 @@ from gpuload.device import MemoryInfo, host_memory
 from gpuload.distributed.partition import Partition
 from gpuload.distributed.scope import ScopeDecision, decide_scope
 
-__all__ = ["HOST_TIER_SHARED", "EpochBytes", "ScopePlan", "ScopePlans", "plan_scopes", "rows_per_rank"]
+__all__ = ["HOST_TIER_SHARED", "MAX_RANKS", "EpochBytes", "ScopePlan", "ScopePlans", "plan_scopes", "rows_per_rank"]
 
 HOST_TIER_SHARED = True
 """Whether a node's ranks share one host tier (the default of ``plan_scopes``)."""
+
+MAX_RANKS = 1 << 17
+"""The most ranks a plan takes: past today's largest clusters; a plan keeps a few numbers per rank."""
 
 _SCOPES = ("rank", "node", "world")
 
@@ -238,12 +241,15 @@ def plan_scopes(
     (with its ``reserve``; e.g. what a training step leaves, from :func:`gpuload.plan_job`).
     ``batch_size``, ``drop_last`` (the loader's) and ``sampler_drop_last`` (the
     ``DistributedSampler``'s) set the rows a rank reads per epoch. ``host_shared``: one pinned
-    tier per node instead of one per rank (default :data:`HOST_TIER_SHARED`).
+    tier per node instead of one per rank (default ``HOST_TIER_SHARED``, True).
     """
     for name, value in (("num_samples", num_samples), ("bytes_per_sample", bytes_per_sample),
                         ("gpus_per_node", gpus_per_node), ("nodes", nodes)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
+    if gpus_per_node * nodes > MAX_RANKS:
+        raise ValueError(f"gpus_per_node={gpus_per_node} x nodes={nodes} = {gpus_per_node * nodes:,} ranks: "
+                         f"plan at most {MAX_RANKS:,}")
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     settings = settings or CacheSettings.resolve()

@@ -1,5 +1,7 @@
 """GPU image transforms: write the list once, gpuload runs it as CuPy kernels or torch.
 
+Usage::
+
     from gpuload import transforms as T
     ops = [T.RandomResizedCrop(224), T.RandomHorizontalFlip(),
            T.ToDtype(torch.bfloat16), T.Normalize(mean, std), T.ToChannelsLast()]

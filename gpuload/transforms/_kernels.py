@@ -262,7 +262,7 @@ def _runtime_problem(index: int) -> str:
         cupy.cuda.nvrtc.getVersion()
     except Exception as exc:
         return (f"CuPy cannot load NVRTC, the CUDA runtime compiler ({type(exc).__name__}: {exc}); "
-                "install it, e.g. pip install nvidia-cuda-nvrtc-cu12 (the CUDA major of your CuPy)")
+                "a CUDA build of torch brings it (or install the CUDA toolkit); gpuload doctor says more")
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # no driver, or a driver older than CuPy's CUDA

@@ -193,3 +193,32 @@ def test_a_command_is_a_row_of_the_table_and_its_module_loads_only_when_named(mo
     assert "hello" in capsys.readouterr().out
     monkeypatch.setitem(sys.modules, "gpuload.cli.bench", None)  # importing it would fail
     assert main(["hello"]) == 0  # only the named command's module is imported
+
+
+@pytest.mark.parametrize("command", [["bench", "--device", "cuda"], ["plan", "--device", "cuda:1", "--synthetic", "cifar"]])
+def test_cuda_without_a_driver_device_is_refused_before_torch_is_imported(command: list[str]) -> None:
+    """The driver says there is no CUDA device: the error comes before torch (seconds) loads;
+    here torch cannot even be imported, so reaching it would be a traceback, not exit 2."""
+    from gpuload.cli.arguments import driver_device_count
+
+    if driver_device_count() > 0:
+        pytest.skip("this machine's driver shows a CUDA device: --device cuda is valid here")
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from gpuload.cli.main import main\n"
+            f"sys.exit(main({command!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"gpuload {command[0]}: error: argument --device: {command[2]} was asked for but CUDA is "
+                           "not available") and line.endswith("pass --device cpu, or leave --device out to use the CPU")
+
+
+def test_cuda_missing_asks_the_driver_and_leaves_the_rest_to_torch(monkeypatch) -> None:
+    from gpuload.cli import arguments
+
+    monkeypatch.setattr(arguments, "driver_device_count", lambda: 0)
+    assert "pass --device cpu" in arguments.cuda_missing("cuda:0")
+    assert arguments.cuda_missing("cpu") is None and arguments.cuda_missing(None) is None
+    monkeypatch.setattr(arguments, "driver_device_count", lambda: 2)
+    assert arguments.cuda_missing("cuda:5") is None  # which devices exist: command_device asks torch

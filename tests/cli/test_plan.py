@@ -310,9 +310,9 @@ def test_scope_plan_needs_a_card_size_on_a_cpu_machine(capsys, monkeypatch):
 
 
 def test_the_readmes_scope_plan_is_what_the_command_prints(capsys):
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme[readme.index("### Planning a multi-GPU job"):]
-    block = section[section.index("```\n$ gpuload plan") + 4:]
+    readme = (Path(__file__).parents[2] / "gpuload" / "docs" / "multi-gpu.md").read_text()
+    section = readme[readme.index("## Planning a multi-GPU job"):]
+    block = section[section.index("```console\n$ gpuload plan") + len("```console\n"):]
     command, _, printed = block[: block.index("```")].partition("\n...\n")
     assert main(command.removeprefix("$ gpuload ").split()) == 0
     out = capsys.readouterr().out
@@ -386,10 +386,12 @@ def test_a_scope_plan_past_any_cluster_is_refused_in_one_line_before_anything_is
 
 def test_the_choices_the_parser_offers_are_the_packages_own() -> None:
     from gpuload.cache import MODES
-    from gpuload.cli.plan import CACHE_MODES, SYNTHETIC_NAMES
+    from gpuload.cli.plan import CACHE_MODES, MAX_RANKS, SYNTHETIC_NAMES
+    from gpuload.distributed.scope_plan import MAX_RANKS as PLAN_MAX_RANKS
     from gpuload.job.dataset_size import SYNTHETIC
 
     assert CACHE_MODES == MODES and sorted(SYNTHETIC_NAMES) == sorted(SYNTHETIC)
+    assert MAX_RANKS == PLAN_MAX_RANKS
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -406,8 +408,8 @@ def test_size_settings_are_checked_when_the_arguments_parse(argv: list[str], mes
 
 
 def test_the_readmes_job_plan_is_what_the_command_prints_beside_its_gpuload_toml(tmp_path, capsys) -> None:
-    """The README's `--job train` command, run beside the gpuload.toml the README shows above it."""
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    """The docs' `--job train` command, run beside the gpuload.toml the page shows above it."""
+    readme = (Path(__file__).parents[2] / "gpuload" / "docs" / "configuration.md").read_text()
     toml = readme[readme.index("```toml\ncache_reserve") + len("```toml\n"):]
     (tmp_path / "gpuload.toml").write_text(toml[: toml.index("```")])
     block = readme[readme.index("```console\n$ gpuload plan --synthetic imagenet") + len("```console\n"):]

@@ -130,8 +130,9 @@ def test_a_prepared_loader_pickles() -> None:
 
 
 def readme_snippet(marker: str) -> str:
-    """The README's one python block that contains ``marker`` (the test runs exactly that text)."""
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    """The docs' one python block that contains ``marker`` (gpuload/docs/drop-in.md; the test runs
+    exactly that text)."""
+    readme = (Path(__file__).parents[2] / "gpuload" / "docs" / "drop-in.md").read_text()
     [block] = [block for block in re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL) if marker in block]
     return block
 

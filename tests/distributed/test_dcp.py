@@ -32,7 +32,7 @@ import ranks_job
 
 BATCH, STOP_AT, EPOCHS = 8, 3, 2  # the save: 3 batches into epoch 1 (7 batches a rank an epoch)
 SCOPES = ("rank", "world")
-README = Path(__file__).parents[2] / "README.md"
+README = Path(__file__).parents[2] / "gpuload" / "docs" / "resume.md"  # the page documenting resume
 
 pytestmark = [
     pytest.mark.slow,  # two spawns of 2 processes that import torch, DDP over gloo
@@ -182,7 +182,7 @@ def test_an_order_from_another_seed_is_refused(ranks) -> None:
 def test_the_state_has_the_keys_and_version_the_readme_documents() -> None:
     data = ranks_job.dataset()
     state = loader(data, "rank", num_replicas=2, rank=0).state_dict()
-    section = README.read_text().split("#### What a state holds", 1)[1].split("\n#", 1)[0]
+    section = README.read_text().split("## What a state holds", 1)[1].split("\n#", 1)[0]
     documented = re.findall(r"^- `(\w+)`", section, flags=re.MULTILINE)
     assert documented == list(state), "README's list of state keys differs from state_dict()"
     assert f"version {STATE_VERSION}" in section and state["version"] == STATE_VERSION

@@ -159,6 +159,7 @@ def test_rows_per_rank_is_what_torchs_samplers_give(num_samples, world, sampler_
         (dict(room=-1), "room must be >= 0"),
         (dict(device_memory="auto"), "must be an absolute size"),
         (dict(batch_size=0), "batch_size must be at least 1"),
+        (dict(gpus_per_node=100_000, nodes=100_000), "10,000,000,000 ranks: plan at most 131,072"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):

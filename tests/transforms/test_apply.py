@@ -120,7 +120,7 @@ def test_available_says_what_is_missing(monkeypatch):
     monkeypatch.setattr(_kernels, "_status", {})
     monkeypatch.setitem(sys.modules, "cupy", fake)
     ok, reason = _kernels.available(torch.device("cuda", 0))
-    assert not ok and "NVRTC" in reason and "nvidia-cuda-nvrtc" in reason
+    assert not ok and "NVRTC" in reason and "CUDA build of torch" in reason
     assert _kernels.available(torch.device("cuda", 0)) == (ok, reason)  # checked once per device
 
 

@@ -130,7 +130,7 @@ def test_kernel_source_compiles_with_nvrtc(in_dtype, out_dtype, channels_last):
         compiler._NVRTCProgram  # noqa: B018 - a private CuPy helper; skip if it moved
         cupy.cuda.nvrtc.getVersion()
     except Exception as exc:  # pragma: no cover - depends on the CuPy install
-        pytest.skip(f"NVRTC is not usable here ({exc}): install the test extra (nvidia-cuda-nvrtc-cu12)")
+        pytest.skip(f"NVRTC is not usable here ({exc}): a CUDA build of torch brings NVRTC")
     _nvrtc_compile(_kernels.kernel_source(in_dtype, out_dtype, channels_last))
 
 
