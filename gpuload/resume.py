@@ -224,6 +224,7 @@ class Position:
     sampler_started: bool = True
     delivered: set[int] | None = None  # places of the batches done, when handed over out of order
     places: list[int] | None = None  # a resumed epoch's: each remaining batch's place in the epoch
+    untracked: bool = False  # a batch was handed over out of order at a place not told
     dataset_state: Any = None  # a resumed iterable dataset's own state (take_up_iterable)
     stream_state: Any = None  # the state of the iterator its __iter__ returned, when it has one
 
@@ -238,12 +239,16 @@ class Position:
         the epoch is its order from there cut at that size), else None."""
         return (self.batches, self.samples_done(), self.cuts[-1][2]) if self.cuts else None
 
-    def hand_over(self, place: int) -> None:
+    def hand_over(self, place: int | None) -> None:
         """Note that the batch at ``place`` of the epoch's index batches was handed to the loop
-        (out of order: the first ones done before, in order, are those a resume skipped)."""
+        (out of order: the first ones done before, in order, are those a resume skipped); None:
+        its place could not be told, and a state of this epoch cannot be exact."""
         if self.delivered is None:
             self.delivered = set(range(self.skipped))
-        self.delivered.add(place)
+        if place is None:
+            self.untracked = True
+        else:
+            self.delivered.add(place)
 
     def cut(self, batch_size: int) -> None:
         """Note a change to ``batch_size`` here: the batches after it are the rest of the order
@@ -467,6 +472,10 @@ def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, tr
             epoch_batch_size, cuts = progress.batch_size, [list(cut) for cut in progress.cuts]
             started = progress.sampler_started
             delivered = _packed(progress.delivered)
+            if progress.untracked:
+                _warn_once(loader, "gpuload: resume is not exact: torch's iterator did not tell which batches its "
+                                   "workers handed over (in_order=False); the state assumes the first ones")
+                delivered = None
             if batches and _replays_out_of_order(loader):
                 _warn_once(loader, _REPLAY_OUT_OF_ORDER)
     return {

@@ -488,3 +488,29 @@ def test_out_of_order_stream_under_workers_warns_that_its_replay_is_not_exact() 
         state = loader.state_dict()
     with pytest.warns(RuntimeWarning, match="in_order=False"):
         make().load_state_dict(state)
+
+
+def test_a_place_not_told_is_said_not_guessed(monkeypatch) -> None:
+    """If torch's iterator ever stops showing which task it handed over, the batches still come,
+    and a state of that epoch says it is not exact (never a silent guess)."""
+    from gpuload.sources import torch_fetch
+
+    class Blind:
+        """torch's iterator without its ``_task_info``."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __next__(self):
+            return next(self.inner)
+
+    real_init = torch_fetch.HandedOver.__init__
+    monkeypatch.setattr(torch_fetch.HandedOver, "__init__",
+                        lambda self, inner, places, note: real_init(self, Blind(inner), places, note))
+    loader = gpuload.DataLoader(Records(6), num_workers=2, in_order=False, collate_fn=identity, device="cpu")
+    iterator = iter(loader)
+    next(iterator)
+    with pytest.warns(RuntimeWarning, match="did not tell"):
+        state = loader.state_dict()
+    assert state["out_of_order"] is None
+    assert len(list(iterator)) == 5

@@ -170,17 +170,18 @@ class HandedOver(Iterator[Any]):
     is the task torch's iterator no longer waits for after ``next()``; ``places`` maps its own
     batch numbers to the epoch's (the rest of a resumed epoch), None when they are the same."""
 
-    def __init__(self, inner: Any, places: list[int] | None, note: Callable[[int], None]) -> None:
+    def __init__(self, inner: Any, places: list[int] | None, note: Callable[[int | None], None]) -> None:
         self._inner, self._places, self._note = inner, places, note
 
     def __next__(self) -> Any:
-        waiting = set(self._inner._task_info)
+        waiting = set(getattr(self._inner, "_task_info", ()))
         item = next(self._inner)
-        done = waiting.difference(self._inner._task_info)
-        if len(done) != 1:
-            raise RuntimeError(f"gpuload: cannot tell which batch torch's iterator handed over ({sorted(done)})")
-        number = done.pop()
-        self._note(self._places[number] if self._places is not None else number)
+        done = waiting.difference(getattr(self._inner, "_task_info", ()))
+        if len(done) != 1:  # another torch than this was written for: the place is unknown (None)
+            self._note(None)
+        else:
+            number = done.pop()
+            self._note(self._places[number] if self._places is not None else number)
         return item
 
     def __len__(self) -> int:
