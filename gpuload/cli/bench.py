@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
                         help="torch's intra-op threads for the run (default: 1 on 2 cores or fewer, else torch's "
                              "choice; in the JSON)")
+    parser.add_argument("--contention", type=non_negative_int, default=0, metavar="N",
+                        help="busy neighbours: N processes that each spin on a core while the loaders are timed "
+                             "(started and stopped by the bench), to measure the ratios under contention")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-results", metavar="DIR", help="where bench.json and bench.png go")
     parser.add_argument("--quiet", action="store_true",
@@ -324,6 +327,7 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     import torch
 
     from gpuload.bench.ceilings import measure_ceilings
+    from gpuload.bench.contention import busy_neighbours
     from gpuload.bench.report import (
         WIDTH,
         add_ratios,
@@ -391,7 +395,11 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     ceilings = measure_ceilings(device)
     step = make_step(config.step, device, config.step_ms)
-    results = run_loaders(specs, device, config.epochs, step, _progress(args.quiet))
+    if args.contention:
+        say(f"busy neighbours: {args.contention} process(es) spinning on a core each while the loaders run")
+    with busy_neighbours(args.contention):
+        results = run_loaders(specs, device, config.epochs, step, _progress(args.quiet))
+        load_during = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     add_ratios(results)
     model_memory = results.model_memory.as_dict() if results.model_memory else None
     say("", format_table(results))
@@ -403,6 +411,7 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     document = {
         "scenario": scenario if not args.data else f"{scenario}:{args.data}",
         "config": dataclasses.asdict(config),
+        "contention": {"busy_neighbours": args.contention, "load_before": load_before, "load_after_run": load_during},
         "environment": {**environment(device), "fixed_malloc_thresholds": fixed_allocator},
         "ceilings_gbps": ceilings,
         **extra,

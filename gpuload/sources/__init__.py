@@ -99,7 +99,10 @@ class Indices:
     cache) cuts theirs alike; None when ``draw`` yields the epoch's batches as its sampler cuts them.
     ``copy_now``: copies a host batch (or a prefetcher ``Fill``) to the device through the
     loader's staging in the caller's thread, for batches made in the loop's thread: the one
-    host-to-device path (``Prefetcher.copy_now``).
+    host-to-device path (``Prefetcher.copy_now``). ``places``: for the rest of a resumed epoch,
+    each batch's place among the epoch's index batches; ``handed_over(place)``: called in the
+    loop's thread for each batch a source hands over out of order (workers with
+    ``in_order=False``), so the position records which were done.
     """
 
     number: int
@@ -109,6 +112,8 @@ class Indices:
     worker_seed_drawn: bool = False
     position: tuple[int, int, int] | None = None
     copy_now: Callable[[Any], Any] | None = None
+    places: list[int] | None = None
+    handed_over: Callable[[int], None] | None = None
 
     def batches(self, ahead: bool) -> Iterator[Any]:
         """This epoch's batch indices. Ahead of the loop they are all drawn now, in the loop's

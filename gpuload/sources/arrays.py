@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import default_collate, default_convert
 
 from gpuload.augment import BatchAugmenter, image_column
+from gpuload.cpu_threads import own_cpu_threads
 from gpuload.cache import Store, TieredArrayStore
 from gpuload.prefetch import default_depth
 from gpuload.sources import Indices, Schedule, Setup, Source, Work
@@ -108,9 +109,10 @@ class ArraySource(Source):
             checked = request.in_range
 
             def gather(index: Any) -> tuple[Any, int]:
-                batch, flat, moved_bytes = resident.gather(index, batched, checked, copy=request.copy_now)
-                self.h2d_bytes += moved_bytes
-                return self._augmented(batch, flat, request.number), flat.numel()
+                with own_cpu_threads(self.setup.device):  # batch-sized ops: the free CPUs' threads
+                    batch, flat, moved_bytes = resident.gather(index, batched, checked, copy=request.copy_now)
+                    self.h2d_bytes += moved_bytes
+                    return self._augmented(batch, flat, request.number), flat.numel()
 
             return Work(indices, gather)
         # The check runs once in the prefetcher's thread (the gather needs it) and once here,

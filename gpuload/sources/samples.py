@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,8 +35,8 @@ from gpuload.resume import stateful
 from gpuload.sources import Indices, Schedule, Setup, Source, Work
 from gpuload.sources.sample_cache import CachedSamples
 from gpuload.sources.torch_fetch import (
-    KeepSamples, PerBatch, RecordingSampler, TorchBatches, TorchLoading, WorkerBatches, fetch, is_default_collate,
-    read_prepared,
+    HandedOver, KeepSamples, PerBatch, RecordingSampler, TorchBatches, TorchLoading, WorkerBatches, fetch,
+    is_default_collate, read_prepared,
 )
 from gpuload.transfer import batch_length, batch_nbytes
 
@@ -139,12 +140,26 @@ class SampleSource(Source):
             if cached is not None:
                 return Work(cached.batches(indices, request.in_range, whole=not request.resumed), finish)
             return Work(self._fetched(indices), finish)
+        handed: deque[int] | None = None
+        if not self.torch.options.get("in_order", True) and request.handed_over is not None:
+            handed = deque()  # each batch's place, queued as it leaves torch's iterator (HandedOver)
+            finish = self._noting_places(finish, handed, request.handed_over)
         if request.resumed:
-            epoch = self._worker_epoch(cached, list(request.batches(ahead)))
+            epoch = self._worker_epoch(cached, list(request.batches(ahead)), handed=handed, places=request.places)
         else:
-            epoch = self._worker_epoch(cached, seed_drawn=request.worker_seed_drawn)
+            epoch = self._worker_epoch(cached, seed_drawn=request.worker_seed_drawn, handed=handed)
         return Work(epoch, finish, length=epoch.length, from_torch=not request.resumed,
                     torch_iterator=epoch.torch_iterator)
+
+    @staticmethod
+    def _noting_places(finish: Callable[[Any], Any], places: deque[int], note: Callable[[int], None]
+                       ) -> Callable[[Any], Any]:
+        """``finish``, first telling ``note`` (in the loop's thread) the place of the batch handed
+        to the loop: ``places`` were queued in the same order as the batches left torch's iterator."""
+        def noted(batch: Any) -> Any:
+            note(places.popleft())
+            return finish(batch)
+        return noted
 
     def exchanged(self, steps: Any, number: int, ahead: bool) -> Work:
         """Batches assembled from every rank's share, rebuilt as ``default_collate`` gives them."""
@@ -169,7 +184,8 @@ class SampleSource(Source):
         return collate(samples) if batched else collate(samples[0])
 
     def _worker_epoch(
-        self, cached: CachedSamples | None, remaining: list[Any] | None = None, seed_drawn: bool = False
+        self, cached: CachedSamples | None, remaining: list[Any] | None = None, seed_drawn: bool = False,
+        handed: deque[int] | None = None, places: list[int] | None = None,
     ) -> TorchBatches:
         """An epoch read by torch's worker processes, through a private torch DataLoader over the
         same dataset, sampler and generator (it draws what the loader's own iterator would),
@@ -181,6 +197,8 @@ class SampleSource(Source):
         made already). ``seed_drawn``: the persistent workers' base seed was drawn before in the
         run this one resumes; torch's draw when it first starts them is then made from a
         throwaway generator, so the loader's generator goes on as in an uninterrupted run.
+        ``handed``: gets each batch's place among the epoch's index batches as it leaves torch's
+        iterator (``places``: those of ``remaining``), for workers that hand batches over out of order.
         """
         collate, batched = self.setup.collate_fn, self.setup.batched
         if remaining is not None:
@@ -206,7 +224,8 @@ class SampleSource(Source):
         else:
             pairs = iter(reader)
         at_end = self._end_of_worker_epoch if cached is not None and remaining is None else None
-        batches = WorkerBatches(pairs, recorder, lambda indices, part: cached is not None and cached.take(
+        handing = pairs if handed is None else HandedOver(pairs, places, handed.append)
+        batches = WorkerBatches(handing, recorder, lambda indices, part: cached is not None and cached.take(
             indices, part, keep), at_end)
         return TorchBatches(batches, pairs.__len__, pairs)
 
