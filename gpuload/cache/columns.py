@@ -26,13 +26,15 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import default_collate
+from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.oom import is_oom
 from gpuload.cache.sample_store import BudgetedCache, Uncacheable, copy_value
 from gpuload.transfer import move_staged, to_device
 
-__all__ = ["Branch", "Column", "ColumnStore", "Objects", "Part", "column_rows", "layout", "prepare", "rebuild"]
+__all__ = ["Branch", "Column", "ColumnStore", "Objects", "Part", "column_rows", "layout", "prepare", "rebuild",
+           "worker_collate"]
 
 _dtype = attrgetter("dtype")
 _NUMBERS = (int, float, bool)
@@ -77,6 +79,25 @@ class Objects:
 
 
 Part = Branch | Column | Objects
+
+
+def _stack_as_in_worker(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+    """Tensors stacked as torch's ``default_collate`` stacks them in a worker process: into an
+    output of the first tensor's dtype (so float32 and float64 samples give float32, where the
+    main process promotes to float64), raising what torch raises there."""
+    elem = batch[0]
+    if elem.is_nested or elem.layout != torch.strided:
+        return collate_tensor_fn(batch)  # torch's own error for nested and sparse tensors
+    return torch.stack(batch, 0, out=elem.new_empty((len(batch), *elem.shape)))
+
+
+_WORKER_COLLATE_MAP = {**default_collate_fn_map, torch.Tensor: _stack_as_in_worker}
+
+
+def worker_collate(batch: Sequence[Any]) -> Any:
+    """``default_collate`` as it runs in a DataLoader worker process (see ``_stack_as_in_worker``):
+    what a cache serving a loader with workers collates per-sample leaves with in the main process."""
+    return collate(batch, collate_fn_map=_WORKER_COLLATE_MAP)
 
 
 def _build(kind: type, keys: tuple[Any, ...] | int, children: list[Any]) -> Any:
@@ -186,7 +207,9 @@ class _Stored:
     """A node of the stored tree. ``gather``: the collated batch of rows ``slots``;
     ``views``: fresh per-sample values of those rows."""
 
-    def gather(self, slots: torch.Tensor, where: torch.Tensor) -> Any:
+    def gather(self, slots: torch.Tensor, where: torch.Tensor, collate: Callable[[Any], Any]) -> Any:
+        """``collate``: what per-sample leaves are collated with (``default_collate`` as the
+        loader's torch path runs it: in this process, or ``worker_collate``)."""
         raise NotImplementedError
 
     def views(self, slots: torch.Tensor, where: torch.Tensor) -> list[Any]:
@@ -231,22 +254,24 @@ class _StoredColumn(_Stored):
     def nbytes(self) -> int:
         return self.rows.numel() * self.rows.element_size()
 
-    def gather(self, slots: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    def gather(self, slots: torch.Tensor, where: torch.Tensor, collate: Callable[[Any], Any]) -> torch.Tensor:
         return self.rows.index_select(0, where)
 
     def views(self, slots: torch.Tensor, where: torch.Tensor) -> list[Any]:
-        return _values_of(self.rows.index_select(0, where), self.kind)
+        return _values_of(self.rows.index_select(0, where), self.kind, self.dtype)
 
 
-def _values_of(rows: torch.Tensor, kind: type) -> list[Any]:
-    """The per-sample values whose default_collate is ``rows``, each a fresh object."""
+def _values_of(rows: torch.Tensor, kind: type, dtype: Any) -> list[Any]:
+    """The per-sample values whose default_collate is ``rows``, each a fresh object of the
+    type the dataset returned (``dtype``: an array's own dtype)."""
     if kind is torch.Tensor:
         return list(rows.unbind(0))
     if kind in _NUMBERS:
         return rows.tolist()
     array = rows.cpu().numpy()
     if kind is np.ndarray:
-        return list(array)
+        array = array.astype(dtype, copy=False)
+        return [array[i, ...] for i in range(len(array))]  # ``...``: a 0-d array stays an array
     values = list(array)  # numpy scalars of the dtype's own type
     return values if array.dtype.type is kind else [kind(value) for value in values]
 
@@ -258,9 +283,9 @@ class _StoredObjects(_Stored):
     values: list[Any]  # by slot
     sizes: list[int]  # bytes by slot
 
-    def gather(self, slots: torch.Tensor, where: torch.Tensor) -> Any:
+    def gather(self, slots: torch.Tensor, where: torch.Tensor, collate: Callable[[Any], Any]) -> Any:
         values = self.values
-        return default_collate(self.sequence(values[s] for s in slots.tolist()))
+        return collate(self.sequence(values[s] for s in slots.tolist()))
 
     def views(self, slots: torch.Tensor, where: torch.Tensor) -> list[Any]:
         return [copy_value(self.values[s], self.device)[0] for s in slots.tolist()]
@@ -275,8 +300,8 @@ class _StoredBranch(_Stored):
     def matches(self, part: Part) -> bool:
         return isinstance(part, Branch) and part.kind is self.kind and part.keys == self.keys
 
-    def gather(self, slots: torch.Tensor, where: torch.Tensor) -> Any:
-        return _build(self.kind, self.keys, [child.gather(slots, where) for child in self.children])
+    def gather(self, slots: torch.Tensor, where: torch.Tensor, collate: Callable[[Any], Any]) -> Any:
+        return _build(self.kind, self.keys, [child.gather(slots, where, collate) for child in self.children])
 
     def views(self, slots: torch.Tensor, where: torch.Tensor) -> list[Any]:
         return _samples(self.kind, self.keys, [child.views(slots, where) for child in self.children])
@@ -299,7 +324,7 @@ def _part_values(part: Part) -> list[Any]:
     if isinstance(part, Objects):
         return list(part.values)
     if isinstance(part, Column):
-        return _values_of(part.rows, part.kind)
+        return _values_of(part.rows, part.kind, part.dtype)
     return _samples(part.kind, part.keys, [_part_values(child) for child in part.children])
 
 
@@ -321,7 +346,9 @@ class ColumnStore(BudgetedCache):
     index to its row, -1 while it is not stored: the presence map. On a CUDA ``device`` the
     columns live there and the bytes are booked in ``ledger``. Host columns are pageable: a
     batch gathered from them is a new tensor, copied to a device through the prefetcher's
-    pinned slots, so pinning the columns would buy nothing.
+    pinned slots, so pinning the columns would buy nothing. ``collate``: what ``gather``
+    collates per-sample leaves with, ``default_collate`` as torch runs it for the loader (in its
+    process, or in a worker: ``worker_collate``).
     """
 
     def __init__(
@@ -333,8 +360,10 @@ class ColumnStore(BudgetedCache):
         ledger: BudgetLedger = LEDGER,
         owner: Hashable | None = None,
         room: Callable[[], int] | None = None,
+        collate: Callable[[Any], Any] = default_collate,
     ) -> None:
         super().__init__(budget_bytes, device, ledger=ledger, owner=owner, room=room, num_samples=num_samples)
+        self.collate = collate
         self._slot_dtype = torch.int32 if num_samples < 2**31 else torch.int64
         self._slot_of = torch.full((num_samples,), -1, dtype=self._slot_dtype)
         self._host_bytes = self._slot_of.numel() * self._slot_of.element_size() if self._device.type == "cpu" else 0
@@ -394,7 +423,7 @@ class ColumnStore(BudgetedCache):
         with self._lock:
             self._check_open()
             self._streams.use()
-            return self._root.gather(slots, self._where(slots))
+            return self._root.gather(slots, self._where(slots), self.collate)
 
     def views(self, slots: torch.Tensor) -> list[Any]:
         """Fresh copies of the stored samples in rows ``slots``, for a collate_fn of the user's."""

@@ -55,9 +55,11 @@ class Uncacheable(Exception):
 
 def copy_value(value: Any, device: torch.device) -> tuple[Any, int]:
     """A copy of ``value`` that later changes by the dataset cannot reach (tensors on
-    ``device``), and its size in bytes (8 per number); raises :class:`Uncacheable`."""
+    ``device``), and its size in bytes (8 per number); raises :class:`Uncacheable`. A copy
+    is of the value's own type (an ``nn.Parameter`` stays one, a tensor keeps ``requires_grad``),
+    so a collate function sees what the dataset returned."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to(device, copy=True), value.numel() * value.element_size()
+        return _copy_tensor(value, device), value.numel() * value.element_size()
     if isinstance(value, np.ndarray):
         if value.dtype == object:
             raise Uncacheable("numpy object array")
@@ -80,6 +82,17 @@ def copy_value(value: Any, device: torch.device) -> tuple[Any, int]:
             return type(value)(*values), total
         return type(value)(values), total
     raise Uncacheable(type(value).__name__)
+
+
+def _copy_tensor(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A detached copy of ``value`` on ``device``, of its type, ``requires_grad`` and attributes."""
+    copied = value.detach().to(device, copy=True)
+    if isinstance(value, torch.nn.Parameter):
+        return type(value)(copied, requires_grad=value.requires_grad)
+    if type(copied) is not type(value):  # a subclass detach() does not keep
+        copied = copied.as_subclass(type(value))
+        copied.__dict__.update(value.__dict__)
+    return copied.requires_grad_() if value.requires_grad else copied
 
 
 class BudgetedCache(FillingStore):

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import default_collate
 
 from gpuload.cache import CacheDecision, format_bytes
-from gpuload.cache.columns import Branch, Column, ColumnStore, Part, prepare
+from gpuload.cache.columns import Branch, Column, ColumnStore, Part, prepare, worker_collate
 from gpuload.cache.disk_tier import DiskRows, select_rows
 from gpuload.sources import Setup
 from gpuload.sources.torch_fetch import KeepSamples, PerBatch, fetch, read_prepared
@@ -52,10 +52,13 @@ class CachedSamples:
     crosses PCIe once cached); ``"host"``: in host memory (pinned when the loader's device is
     CUDA). With torch's default_collate a cached batch is one gather per column; with any
     other collate_fn (or ``batch_size=None``) the collate_fn gets fresh per-sample copies.
-    Every byte this cache copies host-to-device is added to ``h2d_bytes``.
+    Every byte this cache copies host-to-device is added to ``h2d_bytes``. ``num_workers``: the
+    loader's; with workers torch collates in worker processes, and so does a cached batch's
+    per-sample leaves (``worker_collate``: a dtype that varies between samples stays the
+    first sample's, as there).
     """
 
-    def __init__(self, setup: Setup, decision: CacheDecision) -> None:
+    def __init__(self, setup: Setup, decision: CacheDecision, num_workers: int = 0) -> None:
         self.dataset = setup.dataset
         self.setup = setup
         self.tier = decision.tier
@@ -67,7 +70,8 @@ class CachedSamples:
         self.num_samples = len(setup.dataset)
         where = setup.device if decision.tier == "device" else torch.device("cpu")
         self.store = ColumnStore(decision.budget, self.num_samples, where, owner=setup.owner,
-                                 room=setup.settings.room_check(where))
+                                 room=setup.settings.room_check(where),
+                                 collate=worker_collate if num_workers else default_collate)
         self.unkeyed = False  # an index that is not an int was seen: nothing more is cached
         self.fill_epochs = 0
         self._entries_seen = 0  # entries at the end of the last epoch: does an epoch still add?

@@ -83,7 +83,7 @@ class SampleSource(Source):
             doing = "caching" if decision.caches else "not caching"
             warnings.warn(f"gpuload: {doing} this {type(setup.dataset).__name__}: {decision.reason}", stacklevel=5)
         if decision.caches:
-            self.cached = CachedSamples(setup, decision)
+            self.cached = CachedSamples(setup, decision, self.torch.num_workers)
             weakref.finalize(self, self.cached.store.close)
         return self.cached
 
