@@ -32,6 +32,7 @@ from gpuload.cache.budget import (
     resolve_reserve,
 )
 from gpuload.cache.plan import MODES, CachePlan, default_host_reserve, make_plan
+from gpuload.environment import check_environment
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -123,6 +124,7 @@ class CacheSettings:
         ``environ`` and ``cwd`` default to the process's; tests pass their own.
         """
         env = os.environ if environ is None else environ
+        check_environment(env)  # gpuload's other variables: a bad value fails here, not mid-epoch
         job_source = "keyword job="
         if job is None and env.get(ENV_JOB):
             job, job_source = env[ENV_JOB], f"environment variable {ENV_JOB}"

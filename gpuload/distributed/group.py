@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpuload.environment import DEFAULT_EXCHANGE_TIMEOUT_S, EXCHANGE_TIMEOUT, exchange_timeout_seconds
+
 __all__ = [
     "DEFAULT_EXCHANGE_TIMEOUT_S",
     "EXCHANGE_TIMEOUT_ENV",
@@ -29,9 +31,7 @@ __all__ = [
     "release_groups",
 ]
 
-EXCHANGE_TIMEOUT_ENV = "GPULOAD_EXCHANGE_TIMEOUT"
-# NCCL's own default: long enough for a rank that checkpoints or validates between epochs.
-DEFAULT_EXCHANGE_TIMEOUT_S = 600.0
+EXCHANGE_TIMEOUT_ENV = EXCHANGE_TIMEOUT
 
 
 class ExchangeError(RuntimeError):
@@ -64,17 +64,9 @@ def current_context(local_world_size: int | None = None) -> DistributedContext |
 
 
 def exchange_timeout() -> timedelta:
-    """The exchange's timeout: ``GPULOAD_EXCHANGE_TIMEOUT`` seconds, else 600 s."""
-    text = os.environ.get(EXCHANGE_TIMEOUT_ENV, "").strip()
-    if not text:
-        return timedelta(seconds=DEFAULT_EXCHANGE_TIMEOUT_S)
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"{EXCHANGE_TIMEOUT_ENV}={text!r} must be a number of seconds > 0")
-    return timedelta(seconds=seconds)
+    """The exchange's timeout: ``GPULOAD_EXCHANGE_TIMEOUT`` seconds, else 600 s (NCCL's own
+    default: long enough for a rank that checkpoints or validates between epochs)."""
+    return timedelta(seconds=exchange_timeout_seconds())
 
 
 def exchange_groups(device: torch.device, timeout: timedelta) -> tuple[Any, Any]:
