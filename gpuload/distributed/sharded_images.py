@@ -37,7 +37,7 @@ import torch.distributed as dist
 from gpuload.cache import LEDGER, CacheSettings, StoreStats, format_bytes
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.store import Store, StreamGuard
-from gpuload.distributed.group import DistributedContext, ExchangeError, release_groups
+from gpuload.distributed.group import DistributedContext, ExchangeError, loader_identity, release_groups
 from gpuload.distributed.sharded_store import (
     RowFormat,
     ShardedStore,
@@ -258,7 +258,7 @@ def shard_images(
     bytes a share may take on this rank; ``read`` reads and decodes this rank's block in chunks
     of ``chunk_size`` positions. Every rank must call this at the same point, as for arrays.
     """
-    context = split_context(settings, device, context)
+    context = split_context(settings, device, context, loader_identity(num_images, batch_sampler))
     if context is None:
         return None
     why_not = split_obstacle(settings, batch_sampler, num_images, context) or settings.off_reason()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from gpuload.cache import CacheSettings, looks_deterministic
 from gpuload.cache.columns import Part, column_rows, layout, prepare, rebuild
-from gpuload.distributed.group import DistributedContext, ExchangeError, release_groups
+from gpuload.distributed.group import DistributedContext, ExchangeError, loader_identity, release_groups
 from gpuload.distributed.sharded_store import (
     ShardedStore,
     agree_on_split,
@@ -86,10 +86,10 @@ def shard_samples(
     ``read`` reads this rank's rows in chunks of ``chunk_size`` (in this process, or with the
     loader's workers). Every rank must call this at the same point, as for arrays.
     """
-    context = split_context(settings, device, context)
+    num_samples = len(dataset)
+    context = split_context(settings, device, context, loader_identity(num_samples, batch_sampler))
     if context is None:
         return None
-    num_samples = len(dataset)
     why_not = split_obstacle(settings, batch_sampler, num_samples, context)
     template = None
     if why_not is None:

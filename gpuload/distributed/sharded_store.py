@@ -52,9 +52,11 @@ from gpuload.distributed.group import (
     EXCHANGE_TIMEOUT_ENV,
     DistributedContext,
     ExchangeError,
+    agree_on_scope,
     current_context,
     exchange_groups,
     exchange_timeout,
+    loader_identity,
     release_groups,
 )
 from gpuload.distributed.partition import Partition
@@ -168,10 +170,10 @@ def shard_arrays(
     split was asked for). Otherwise every rank must call this at the same point: the ranks check
     they agree (sizes, sampler, scope) and decide the scope from the smallest device room.
     """
-    context = split_context(settings, device, context)
+    num_samples = columns[0].shape[0]
+    context = split_context(settings, device, context, loader_identity(num_samples, batch_sampler))
     if context is None:
         return None
-    num_samples = columns[0].shape[0]
     why_not = split_obstacle(settings, batch_sampler, num_samples, context)
     if why_not is not None:
         decline_split(settings, why_not)
@@ -187,15 +189,21 @@ def shard_arrays(
 
 
 def split_context(
-    settings: CacheSettings, device: torch.device, context: DistributedContext | None = None
+    settings: CacheSettings, device: torch.device, context: DistributedContext | None = None,
+    loader: str | None = None,
 ) -> DistributedContext | None:
     """The process group when ``cache_scope`` may split the dataset, else None: no initialized
-    group, ``cache_scope="rank"``, or ``auto`` on a CPU device (which means ``rank``)."""
+    group, ``cache_scope="rank"``, or ``auto`` on a CPU device (which means ``rank``). ``loader``
+    (:func:`loader_identity`): the ranks first check they ask for the same scope for it
+    (:func:`agree_on_scope`), so a disagreement fails at once instead of at the exchange timeout."""
     context = context or current_context()
-    requested = settings.scope.value
-    if context is None or requested == "rank" or (requested == "auto" and device.type != "cuda"):
+    if context is None:
         return None
-    return context
+    requested = settings.scope.value
+    splits = not (requested == "rank" or (requested == "auto" and device.type != "cuda"))
+    if loader is not None and dist.is_initialized():
+        agree_on_scope(requested, settings.scope.source, splits, context, loader)
+    return context if splits else None
 
 
 def split_obstacle(settings: CacheSettings, batch_sampler: Any, num_samples: int,
