@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpuload
+from equivalence import assert_same
 from gpuload.cache.columns import worker_collate
 
 Pair = collections.namedtuple("Pair", ["first", "second"])
@@ -37,26 +38,7 @@ FAMILIES = (FLOATS, INTS)
 def assert_exact(ours: Any, theirs: Any, where: str = "batch") -> None:
     """Equal structure, types (nn.Parameter, 0-d ndarray vs numpy scalar), dtypes,
     ``requires_grad`` and values."""
-    assert type(ours) is type(theirs), f"{where}: {type(ours).__name__} != {type(theirs).__name__}"
-    if isinstance(theirs, torch.Tensor):
-        assert ours.dtype == theirs.dtype, f"{where}: dtype {ours.dtype} != {theirs.dtype}"
-        assert ours.shape == theirs.shape, f"{where}: shape {tuple(ours.shape)} != {tuple(theirs.shape)}"
-        assert ours.requires_grad == theirs.requires_grad, f"{where}: requires_grad differs"
-        assert torch.equal(ours.detach().cpu(), theirs.detach().cpu()), f"{where}: values differ"
-    elif isinstance(theirs, (np.ndarray, np.generic)):
-        assert ours.dtype == theirs.dtype, f"{where}: dtype {ours.dtype} != {theirs.dtype}"
-        assert np.shape(ours) == np.shape(theirs), f"{where}: shape differs"
-        assert np.array_equal(ours, theirs), f"{where}: values differ"
-    elif isinstance(theirs, Mapping):
-        assert list(ours) == list(theirs), f"{where}: keys {list(ours)} != {list(theirs)}"
-        for key in theirs:
-            assert_exact(ours[key], theirs[key], f"{where}[{key!r}]")
-    elif isinstance(theirs, (list, tuple)):
-        assert len(ours) == len(theirs), f"{where}: length {len(ours)} != {len(theirs)}"
-        for i, (a, b) in enumerate(zip(ours, theirs)):
-            assert_exact(a, b, f"{where}[{i}]")
-    else:
-        assert ours == theirs, f"{where}: {ours!r} != {theirs!r}"
+    assert_same(ours, theirs, where, exact=True)
 
 
 # ------------------------------------------------------------------ samples drawn by hypothesis
