@@ -25,10 +25,15 @@ def assert_same(ours: Any, theirs: Any, where: str = "batch", exact: bool = Fals
     elif isinstance(theirs, np.ndarray):
         np.testing.assert_array_equal(ours, theirs)
     elif isinstance(theirs, collections.abc.Mapping):
+        if exact:  # a subclass's own state: a defaultdict's factory, attributes
+            assert getattr(ours, "default_factory", None) == getattr(theirs, "default_factory", None), where
+            assert getattr(ours, "__dict__", None) == getattr(theirs, "__dict__", None), f"{where}: attributes differ"
         assert list(ours.keys()) == list(theirs.keys()), f"{where}: keys differ"
         for key in theirs:
             assert_same(ours[key], theirs[key], f"{where}[{key!r}]", exact)
     elif isinstance(theirs, (list, tuple)):
+        if exact:
+            assert getattr(ours, "__dict__", None) == getattr(theirs, "__dict__", None), f"{where}: attributes differ"
         assert len(ours) == len(theirs), f"{where}: length {len(ours)} != {len(theirs)}"
         for i, (a, b) in enumerate(zip(ours, theirs)):
             assert_same(a, b, f"{where}[{i}]", exact)

@@ -28,6 +28,14 @@ from gpuload.cache.columns import worker_collate
 
 Pair = collections.namedtuple("Pair", ["first", "second"])
 
+
+class Tagged(list):
+    """A list subclass whose constructor takes more than the items (torch's collate falls back to a list)."""
+
+    def __init__(self, items: list[Any], tag: str) -> None:
+        super().__init__(items)
+        self.tag = tag
+
 FLOATS = (torch.float32, torch.float64, torch.float16)
 INTS = (torch.int64, torch.int32, torch.uint8)
 # Families of dtypes one leaf may mix between samples. Within a family torch's worker process
@@ -84,7 +92,8 @@ def leaves(default_collate: bool, workers: bool) -> st.SearchStrategy[Leaf]:
 
 
 def trees(leaf: st.SearchStrategy[Leaf]) -> st.SearchStrategy[Any]:
-    """Nested containers of leaves, as specs: ("dict", {...}), ("list", [...]), ("tuple", ...), ("pair", ...)."""
+    """Nested containers of leaves, as specs: ("dict", {...}), ("list", [...]), ("tuple", ...), ("pair", ...)
+    (a namedtuple), and a defaultdict, an OrderedDict and a list subclass."""
 
     def containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
         return st.one_of(
@@ -92,6 +101,9 @@ def trees(leaf: st.SearchStrategy[Leaf]) -> st.SearchStrategy[Any]:
             st.lists(children, min_size=1, max_size=3).map(lambda items: ("list", items)),
             st.lists(children, min_size=1, max_size=3).map(lambda items: ("tuple", items)),
             st.tuples(children, children).map(lambda items: ("pair", list(items))),
+            st.dictionaries(st.sampled_from("abcd"), children, min_size=1, max_size=2).map(lambda d: ("defaultdict", d)),
+            st.dictionaries(st.sampled_from("abcd"), children, min_size=1, max_size=2).map(lambda d: ("ordered", d)),
+            st.lists(children, min_size=1, max_size=2).map(lambda items: ("tagged", items)),
         )
 
     return st.recursive(leaf, containers, max_leaves=6)
@@ -104,8 +116,12 @@ def build(spec: Any, i: int) -> Any:
     kind, children = spec
     if kind == "dict":
         return {key: build(child, i) for key, child in children.items()}
+    if kind == "defaultdict":
+        return collections.defaultdict(list, {key: build(child, i) for key, child in children.items()})
+    if kind == "ordered":
+        return collections.OrderedDict((key, build(child, i)) for key, child in children.items())
     items = [build(child, i) for child in children]
-    return {"list": list, "tuple": tuple, "pair": lambda xs: Pair(*xs)}[kind](items)
+    return {"list": list, "tuple": tuple, "pair": lambda xs: Pair(*xs), "tagged": lambda xs: Tagged(xs, "tag")}[kind](items)
 
 
 class Drawn(tud.Dataset):
