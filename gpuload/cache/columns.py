@@ -452,7 +452,7 @@ class ColumnStore(BudgetedCache):
             read = column_rows(part)
             moved = to_device([*at, *read], self._device)  # one copy through the loader's staging
             read_device = dict(zip(map(id, read), moved[3:]))
-            return _merge(self._root, part, at, (tuple(moved[:3]), read_device), self._device)
+            return _merge(self._root, part, at, (tuple(moved[:3]), read_device), self._device, self.collate)
 
     # ------------------------------------------------------------ filling
 
@@ -758,15 +758,17 @@ def _write_columns(writes: list[tuple[_StoredColumn, torch.Tensor]], where: np.n
 
 
 def _merge(node: _Stored, part: Part, at: tuple[torch.Tensor, ...],
-           on_device: tuple[tuple[torch.Tensor, ...], dict[int, torch.Tensor]], device: torch.device) -> Any | None:
+           on_device: tuple[tuple[torch.Tensor, ...], dict[int, torch.Tensor]], device: torch.device,
+           collate: Callable[[Any], Any]) -> Any | None:
     """default_collate of cached rows and read samples (``part``), leaf by leaf; None where the
     read samples do not fit a column. ``at``: (rows of the cached samples, their positions in
     the batch, the read samples' positions), on the host; ``on_device``: the same on
-    ``device``, and the read columns' rows there (by ``id`` of the host rows)."""
+    ``device``, and the read columns' rows there (by ``id`` of the host rows); ``collate``: the
+    store's, for per-sample leaves."""
     if isinstance(node, _StoredBranch):
         if not node.matches(part):
             return None
-        children = [_merge(c, p, at, on_device, device) for c, p in zip(node.children, part.children)]
+        children = [_merge(c, p, at, on_device, device, collate) for c, p in zip(node.children, part.children)]
         if any(child is None for child in children):
             return None
         return _build(node.kind, node.keys, children)
@@ -788,4 +790,4 @@ def _merge(node: _Stored, part: Part, at: tuple[torch.Tensor, ...],
         values[position] = node.values[slot]
     for position, value in zip(miss.tolist(), read):
         values[position] = value
-    return default_collate(node.sequence(values))
+    return collate(node.sequence(values))
