@@ -148,11 +148,17 @@ COLLATES: dict[str, dict[str, Any]] = {
 }
 
 
-def compare(data: tud.Dataset, options: dict[str, Any], epochs: int = 2) -> None:
+def compare(data: tud.Dataset, options: dict[str, Any], epochs: int = 2, seed: int | None = None) -> None:
     """Every batch of ``epochs`` epochs of gpuload's cached loader equals torch's; the cache is
-    complete after the first, so later epochs are served from it."""
-    ours = gpuload.DataLoader(data, cache="host", **options)
-    theirs = tud.DataLoader(data, **options)
+    complete after the first, so later epochs are served from it. ``seed``: both shuffle, each
+    with its own generator of that seed."""
+    if seed is not None:
+        options = dict(options, shuffle=True)
+        ours = gpuload.DataLoader(data, cache="host", generator=torch.Generator().manual_seed(seed), **options)
+        theirs = tud.DataLoader(data, generator=torch.Generator().manual_seed(seed), **options)
+    else:
+        ours = gpuload.DataLoader(data, cache="host", **options)
+        theirs = tud.DataLoader(data, **options)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -161,6 +167,8 @@ def compare(data: tud.Dataset, options: dict[str, Any], epochs: int = 2) -> None
                 assert len(our_batches) == len(their_batches)
                 for k, (a, b) in enumerate(zip(our_batches, their_batches)):
                     assert_exact(a, b, f"epoch {epoch} batch {k}")
+                if options.get("drop_last"):  # the samples of a dropped last batch are never read
+                    continue
                 assert ours.stats.extra["cache"]["complete"], ours.stats.extra
                 if epoch:  # with workers, torch's own workers fill the cache in the first epoch
                     assert ours.stats.path == "sample-cache (host)", ours.stats.path
@@ -174,7 +182,10 @@ def compare(data: tud.Dataset, options: dict[str, Any], epochs: int = 2) -> None
 def test_cached_samples_are_what_torch_hands_collate(mode: str, data: st.DataObject) -> None:
     spec = data.draw(trees(leaves(default_collate=mode == "default", workers=False)), label="sample")
     n = data.draw(st.integers(2, 7), label="samples")
-    compare(Drawn(spec, n), COLLATES[mode])
+    options = dict(COLLATES[mode])
+    if options["batch_size"] is not None:
+        options.update(batch_size=data.draw(st.integers(1, 4), label="batch size"), drop_last=data.draw(st.booleans()))
+    compare(Drawn(spec, n), options, seed=data.draw(st.one_of(st.none(), st.integers(0, 9)), label="shuffle seed"))
 
 
 @pytest.mark.parametrize("mode", ["default", "custom"])
