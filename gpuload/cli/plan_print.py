@@ -186,6 +186,9 @@ def _run_job_plan(args: argparse.Namespace) -> int:
         if scoped:
             _scope_device(args)  # on a machine without a GPU: asks for --device-memory
         memory = _pretended_memory(args)
+        if memory is None and not cuda_available():
+            raise ValueError("a job plan needs a card and this machine has no CUDA device: pass --device-memory "
+                             "with one GPU's memory (e.g. --device-memory 80GiB)")
         try:
             plan = plan_job(
                 factory, torch.empty(shape, device="meta"), optimizer=None if args.optimizer == "none" else args.optimizer,

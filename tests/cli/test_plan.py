@@ -61,6 +61,15 @@ def test_a_job_error_names_the_flag_not_a_keyword(capsys) -> None:
     assert "keyword" not in line
 
 
+def test_a_job_plan_without_a_card_asks_for_the_flag(capsys, monkeypatch) -> None:
+    import gpuload.cli.plan_print as plan_print
+
+    monkeypatch.setattr(plan_print, "cuda_available", lambda: False)
+    assert main(["plan", "--model", "job_models:mlp", "--input-shape", "8", "--optimizer", "sgd"]) == 2
+    line = one_error(capsys)
+    assert "--device-memory" in line and "device_memory=" not in line
+
+
 def test_an_image_header_claiming_a_huge_size_is_a_bad_file_not_a_crash(tmp_path: Path, capsys) -> None:
     header = struct.pack(">IIBBBBB", 30000, 30000, 8, 2, 0, 0, 0)
     chunk = struct.pack(">I", len(header)) + b"IHDR" + header + struct.pack(">I", zlib.crc32(b"IHDR" + header))
