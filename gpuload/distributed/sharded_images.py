@@ -48,8 +48,8 @@ from gpuload.distributed.sharded_store import (
     split_obstacle,
 )
 
-__all__ = ["BadFile", "DecodedShare", "ExchangedImages", "ImageRows", "ReadImages", "WholeImages", "image_share",
-           "shard_images", "share_summary"]
+__all__ = ["BadFile", "DecodedShare", "ExchangedImages", "ImageRows", "ReadImages", "ShardedImages", "WholeImages",
+           "image_share", "shard_images"]
 
 BadFile = tuple[int, str, str]
 """``(dataset position, backend, reason)`` of a file that could not be read (backend
@@ -210,15 +210,46 @@ class ImageRows(RowFormat):
         return ExchangedImages(rows, kept.tolist(), skipped)
 
 
-def share_summary(store: ShardedStore) -> dict[str, Any]:
-    """For ``loader.stats.extra["cache"]``: this rank's share of the decoded images."""
-    start, stop = store.plan.partition.rows_of(store.plan.rank)
-    share, rows = store.inner, store.rows
-    return {"kind": "images", "mode": "decoded", "scope": store.plan.decision.scope,
-            "entries": store.stats.device_samples, "bytes": store.shard_bytes, "rows": [start, stop],
-            "num_samples": store.plan.partition.num_samples, "bad_files": len(getattr(rows, "bad", ())),
-            "hits": store.stats.device_hits, "read_s": getattr(share, "read_s", 0.0),
-            "complete": not store.closed}
+class ShardedImages:
+    """This rank's share of the decoded images (``store``) as the image source holds it: what
+    it reports of it, as :class:`~gpuload.sources.image_cache.CachedImages` does of a cache."""
+
+    cache = None  # no image cache to read from or fill: a batch's images come over the exchange
+    keeps = ""
+
+    def __init__(self, store: ShardedStore) -> None:
+        self.store = store
+
+    @property
+    def path(self) -> str:
+        return self.store.plan.kind
+
+    def describe(self) -> str:
+        """For ``loader.stats.extra["image_cache_decision"]``."""
+        plan = self.store.plan
+        return f"{plan.kind}: {plan.describe()}; decoded here: {format_bytes(self.store.shard_bytes)}"
+
+    def begin_epoch(self, keepable: Any) -> None:
+        """Nothing to give back: a share cannot shrink on one rank (``ShardedStore.shrink``)."""
+
+    def summary(self) -> dict[str, Any]:
+        """For ``loader.stats.extra["cache"]``: this rank's share of the decoded images."""
+        store = self.store
+        start, stop = store.plan.partition.rows_of(store.plan.rank)
+        share, rows = store.inner, store.rows
+        return {"kind": "images", "mode": "decoded", "scope": store.plan.decision.scope,
+                "entries": store.stats.device_samples, "bytes": store.shard_bytes, "rows": [start, stop],
+                "num_samples": store.plan.partition.num_samples, "bad_files": len(getattr(rows, "bad", ())),
+                "hits": store.stats.device_hits, "read_s": getattr(share, "read_s", 0.0),
+                "complete": not store.closed}
+
+    def entries(self) -> dict[str, Any]:
+        return {"cache": self.summary()}
+
+    def close(self) -> dict[str, Any]:
+        """Drop the share; its summary as released."""
+        self.store.close()
+        return dict(self.summary(), released=True)
 
 
 def image_share(
@@ -251,7 +282,7 @@ def shard_images(
     failure: Callable[[list[BadFile]], Exception],
     context: DistributedContext | None = None,
     ledger: BudgetLedger = LEDGER,
-) -> ShardedStore | None:
+) -> ShardedImages | None:
     """This rank's share of the decoded images when the scope splits them, else None.
 
     ``estimate()``: the decoded bytes of the whole dataset (from a few headers); ``room()``: the
@@ -312,7 +343,7 @@ def shard_images(
         # Once, before any step: the exchange reads the share on whichever stream it runs on
         # (the prefetcher's side stream), so the decoding and packing must be done by then.
         torch.cuda.current_stream(device).synchronize()
-    return store
+    return ShardedImages(store)
 
 
 #: A rank's block: the packed chunks, each row's bytes (None: bad file), each row's stored

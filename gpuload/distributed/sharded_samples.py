@@ -45,11 +45,13 @@ _READ_OK, _LAYOUT_DIFFERS, _READ_FAILED = 0, 1, 2
 
 
 class ShardedSamples:
-    """This rank's share of the samples (``store``) and the structure their batches take."""
+    """This rank's share of the samples (``store``) and the structure their batches take, as the
+    sample source holds it: what it reports of it, as ``CachedSamples`` does of a cache."""
 
     def __init__(self, store: ShardedStore, template: Part) -> None:
         self.store = store
         self._template = template
+        self.h2d_bytes = store.stats.device_bytes  # the share, copied to the device once
 
     @property
     def path(self) -> str:
@@ -59,11 +61,24 @@ class ShardedSamples:
         """For ``loader.stats.extra["sample_cache_decision"]``."""
         return self.store.plan.describe()
 
+    def begin_epoch(self, keepable: Any) -> None:
+        """Nothing to give back: a share cannot shrink on one rank (``ShardedStore.shrink``)."""
+
+    def warm(self, progress: bool, num_workers: int, worker_options: dict[str, Any]) -> int:
+        """Nothing to fill: the share was read whole when it was made."""
+        return 0
+
+    def entries(self) -> dict[str, Any]:
+        """The sample source's entries in ``loader.stats.extra``."""
+        return {"cache": self.store.stats.as_dict(), "cache_plan": self.store.plan.describe(),
+                "sample_cache_decision": self.describe()}
+
     def batch(self, rows: list[torch.Tensor]) -> Any:
         """The batch ``default_collate`` gives for one exchanged batch's columns."""
         return rebuild(self._template, rows)
 
     def close(self) -> None:
+        """Drop the share (the stats of a closed loader say nothing of it)."""
         self.store.close()
 
 

@@ -18,6 +18,8 @@ Whether the data is split over ranks is decided once, where a source makes its s
 store split over ranks (``distributed.sharded_store.ShardedStore``) owns the exchange, and
 :meth:`Source.schedule` is the one place that serves it; a source's ``epoch`` has its own path
 only, and says in ``exchanged`` how a batch assembled from every rank's share becomes its batch.
+A source keeps whatever its decision chose in one slot (its own cache, its share split over ranks,
+or nothing), and the object held there says what the source reports of it (path, stats, close).
 
 ``Source.epoch`` answers with a :class:`Schedule`: whether the work may run ahead of the loop
 (and on a CPU device by default), whether the prefetcher stages its host batches, and how many

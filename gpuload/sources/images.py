@@ -13,9 +13,10 @@ pageable memory: DALI's ``external_source`` copies every input into its own stag
 so a pinned copy of ours would add a pinned allocation per image without saving a transfer.
 
 In a torch.distributed job whose ``cache_scope`` splits the dataset, the decoded images are
-split over the ranks instead (``gpuload.distributed.sharded_images``): each rank decodes its
+split over the ranks instead (``shard_images`` in ``gpuload.distributed``): each rank decodes its
 block once, and each batch's images held by other ranks come over the exchange, whole; the
-transforms then run here as above.
+transforms then run here as above. Either is the one store the source holds (``held``), and
+says itself what the source reports of it.
 
 Serves gpuload's image datasets (``gpuload.datasets.ImageFolder``, ``ImageList``, or a
 torchvision ImageFolder) with torch's default collation: batches have the structure
@@ -31,13 +32,13 @@ import torch
 from torch.utils.data import default_collate, default_convert
 
 from gpuload.augment import BatchAugmenter
-from gpuload.cache import SampleCache, Store, decide_images, estimate_image_bytes, format_bytes
+from gpuload.cache import SampleCache, Store, decide_images, estimate_image_bytes
 from gpuload.datasets.images import ImageSource, as_image_source
 from gpuload.decode import BatchDecoder, HeaderTable
 from gpuload.device import device_memory, host_memory
-from gpuload.distributed.sharded_images import ExchangedImages, shard_images, share_summary
-from gpuload.distributed.sharded_store import ShardedStore
+from gpuload.distributed.sharded_images import ExchangedImages, ShardedImages, shard_images
 from gpuload.sources import Indices, Schedule, Setup, Source, Work, ahead_on_device
+from gpuload.sources.image_cache import CachedImages
 from gpuload.sources.image_decoding import DecodedBatch, ImageDecoding
 from gpuload.transfer import to_device
 
@@ -91,9 +92,9 @@ class ImageFileSource(ImageDecoding, Source):
         self.fallback_decoded = 0
         self.cpu_decoded = 0  # non-JPEG files the GPU's nvjpeg backend left to the CPU
         self.roi = "none"  # how the last batch's decode windows were honoured (DecodeResult.roi)
-        self.cache: SampleCache | None = None
-        self.sharded: ShardedStore | None = None  # this rank's share, when cache_scope splits the images
-        self.keeps = ""  # what the cache keeps: "decoded" images or "encoded" bytes
+        # What the cache decision chose: the image cache, this rank's share of images split over
+        # the ranks, or nothing.
+        self.held: CachedImages | ShardedImages | None = None
         self._decided = False
         self._released: dict[str, Any] | None = None
 
@@ -104,27 +105,21 @@ class ImageFileSource(ImageDecoding, Source):
         if self._decided:
             return
         self._decided = True
+        share = self._shard()
+        self.held = share if share is not None else self._image_cache()
+
+    def _image_cache(self) -> CachedImages | None:
+        """This rank's own image cache, when ``decide_images`` keeps one."""
         setup = self.setup
-        self.sharded = self._shard()
-        if self.sharded is not None:
-            setup.stats.extra["image_cache_decision"] = (
-                f"{self.sharded.plan.kind}: {self.sharded.plan.describe()}; decoded here: "
-                f"{format_bytes(self.sharded.shard_bytes)}"
-            )
-            return
         decision = decide_images(self.images, setup.settings, setup.device, owner=setup.owner)
         setup.stats.extra["image_cache_decision"] = f"{decision.holds or 'none'}: {decision.reason}"
         if not decision.caches:
-            return
-        where = setup.device if decision.holds == "decoded" else torch.device("cpu")
-        self.cache = SampleCache(
-            decision.budget, where, owner=setup.owner, room=setup.settings.room_check(where),
-            num_samples=len(self.images),
-        )
-        self.keeps, self._reason = decision.holds, decision.reason
-        weakref.finalize(self, self.cache.close)
+            return None
+        cached = CachedImages(setup, decision, len(self.images))
+        weakref.finalize(self, cached.store.close)
+        return cached
 
-    def _shard(self) -> ShardedStore | None:
+    def _shard(self) -> ShardedImages | None:
         """This rank's share of the decoded images when ``cache_scope`` splits them over the
         ranks of torch.distributed (decoded now), else None."""
         setup = self.setup
@@ -135,12 +130,25 @@ class ImageFileSource(ImageDecoding, Source):
                 return settings.device_room(device, device_memory(device), setup.owner)
             return settings.host_room(host_memory())
 
-        return shard_images(
+        share = shard_images(
             len(self.images), settings, device, setup.batch_sampler, setup.owner,
             estimate=lambda: estimate_image_bytes(self.images)[0], room=room, read=self._read_whole,
             chunk_size=setup.batch_size or 1, on_error=setup.on_error, name=self.images.path,
             failure=self._failure,
         )
+        if share is not None:
+            setup.stats.extra["image_cache_decision"] = share.describe()
+        return share
+
+    @property
+    def cache(self) -> SampleCache | None:
+        """The image cache decoding reads from and fills (None: none here)."""
+        return self.held.cache if self.held is not None else None
+
+    @property
+    def keeps(self) -> str:
+        """What that cache keeps: ``"decoded"`` images or ``"encoded"`` bytes."""
+        return self.held.keeps if self.held is not None else ""
 
     @property
     def _keeps_encoded(self) -> bool:
@@ -148,40 +156,31 @@ class ImageFileSource(ImageDecoding, Source):
 
     def begin_epoch(self) -> None:
         self._decide_cache()
-        if self.sharded is not None:
-            self.path = self.sharded.plan.kind
-            return
-        if self.cache is not None:
-            self.cache.shrink_to_reserve(self.setup.settings.keepable, "those images are decoded from their files again")
-        self.path = "image-decode" if self.cache is None else f"image-cache ({self.keeps})"
+        held = self.held
+        if held is not None:
+            held.begin_epoch(self.setup.settings.keepable)
+        self.path = held.path if held is not None else "image-decode"
 
     def stats(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}
         if self.skipped_files:
             extra["skipped_files"] = [(position, *entry) for position, entry in self.skipped_files.items()]
-        if self.sharded is not None:
-            extra["cache"] = share_summary(self.sharded)
-            extra.update(self.exchange_stats())
-        elif self.cache is not None:
-            extra["cache"] = self.cache.summary(kind="images", mode=self.keeps, reason=self._reason)
+        if self.held is not None:
+            extra.update(self.held.entries())
         elif self._released is not None:
             extra["cache"] = self._released
+        extra.update(self.exchange_stats())
         return extra
 
     def cache_store(self) -> Store | None:
         """This rank's share of the decoded images, or the image cache (the images cached last
         go first when it shrinks: they are read and decoded from their files again)."""
-        return self.sharded if self.sharded is not None else self.cache
+        return self.held.store if self.held is not None else None
 
     def close(self) -> None:
-        if self.sharded is not None:
-            self.sharded.close()
-            self._released = dict(share_summary(self.sharded), released=True)
-            self.sharded = None
-        if self.cache is not None:
-            self.cache.close()
-            self._released = dict(self.stats()["cache"], released=True)
-            self.cache = None
+        if self.held is not None:
+            self._released = self.held.close()
+            self.held = None
         self._decided = False
 
     def warm(self, progress: bool) -> None:

@@ -68,6 +68,7 @@ class CachedSamples:
         self.batched = setup.batched
         self.by_column = setup.batched and setup.collate_fn is default_collate
         self.num_samples = len(setup.dataset)
+        self.num_workers = num_workers
         where = setup.device if decision.tier == "device" else torch.device("cpu")
         self.store = ColumnStore(decision.budget, self.num_samples, where, owner=setup.owner,
                                  room=setup.settings.room_check(where),
@@ -97,16 +98,34 @@ class CachedSamples:
         """How the samples are stored (by column or per sample), for the decision line."""
         return self.store.describe()
 
+    @property
+    def path(self) -> str:
+        """``loader.stats.path`` while it is held: with workers only a complete cache serves."""
+        serves = self.num_workers == 0 or self.complete
+        return f"sample-cache ({self.tier})" if serves else "torch"
+
+    def begin_epoch(self, keepable: Any) -> None:
+        """Give device memory back if the model has grown into the reserve (the samples cached
+        last go first: the store keeps its first slots)."""
+        self.store.shrink_to_reserve(keepable, "those samples are read from the dataset again")
+
     def stats(self) -> dict[str, Any]:
+        """For ``loader.stats.extra["cache"]``."""
         summary = self.store.summary(kind="samples", tier=self.tier, reason=self.reason)
         if self.disk is not None:
             summary["disk"] = self.disk.stats()
         return summary
 
-    def close(self) -> None:
+    def entries(self) -> dict[str, Any]:
+        """The sample source's entries in ``loader.stats.extra``."""
+        return {"cache": self.stats(), "sample_cache_decision": f"{self.tier}: {self.reason}; {self.layout}"}
+
+    def close(self) -> dict[str, Any]:
+        """Drop the cache; its counters as released."""
         self.store.close()
         if self.disk is not None:
             self.disk.close()
+        return dict(self.stats(), released=True)
 
     def take(self, indices: Any, part: Part | None, keep: KeepSamples) -> None:
         """Cache a worker batch's prepared samples (``part``) for its ``indices``; tell the workers

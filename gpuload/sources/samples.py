@@ -8,7 +8,8 @@ only for what it lacks. Without a cache (an IterableDataset, ``cache="off"``, au
 torch's own iterator makes every batch, workers included, and the loader moves it. In a
 torch.distributed job whose ``cache_scope`` splits the dataset, ``shard_samples`` (in
 ``gpuload.distributed``) reads this rank's share of the samples instead, once, and each batch
-comes from every rank's share over the exchange.
+comes from every rank's share over the exchange. Either is the one store the source holds
+(``held``), and says itself what the source reports of it.
 
 Filling needs to know which sample each fetched batch holds. With ``num_workers=0`` gpuload
 fetches itself; with workers, a private torch DataLoader over the same dataset, sampler and
@@ -51,8 +52,9 @@ class SampleSource(Source):
     def __init__(self, setup: Setup, torch_loading: TorchLoading) -> None:
         super().__init__(setup)
         self.torch = torch_loading
-        self.cached: CachedSamples | None = None
-        self.sharded: ShardedSamples | None = None  # this rank's share, when cache_scope splits the samples
+        # What the cache decision chose: the sample cache, this rank's share of samples split over
+        # the ranks, or nothing.
+        self.held: CachedSamples | ShardedSamples | None = None
         self._decided = False
         self._released: dict[str, Any] | None = None
         self._fill_loader: TorchDataLoader | None = None
@@ -62,17 +64,21 @@ class SampleSource(Source):
 
     @property
     def h2d_bytes(self) -> int:  # type: ignore[override]
-        return self._moved_bytes + (self.cached.h2d_bytes if self.cached is not None else 0)
+        return self._moved_bytes + (self.held.h2d_bytes if self.held is not None else 0)
 
-    def _decide_cache(self) -> CachedSamples | None:
-        """The sample cache, decided at the first epoch (again after ``close``); None: no cache."""
+    def _decide_cache(self) -> CachedSamples | ShardedSamples | None:
+        """The store held, decided at the first epoch (again after ``close``); None: no cache."""
         setup = self.setup
         if self._decided or not setup.map_style:
-            return self.cached
+            return self.held
         self._decided = True
-        self.sharded = self._shard()
-        if self.sharded is not None:
-            return None
+        share = self._shard()
+        self.held = share if share is not None else self._sample_cache()
+        return self.held
+
+    def _sample_cache(self) -> CachedSamples | None:
+        """This rank's own sample cache, when ``decide_samples`` keeps one."""
+        setup = self.setup
         decision = decide_samples(
             setup.dataset, setup.settings, setup.device,
             default_collate=is_default_collate(setup.collate_fn), num_workers=self.torch.num_workers,
@@ -82,27 +88,27 @@ class SampleSource(Source):
         if decision.warn:
             doing = "caching" if decision.caches else "not caching"
             warnings.warn(f"gpuload: {doing} this {type(setup.dataset).__name__}: {decision.reason}", stacklevel=5)
-        if decision.caches:
-            self.cached = CachedSamples(setup, decision, self.torch.num_workers)
-            weakref.finalize(self, self.cached.store.close)
-        return self.cached
+        if not decision.caches:
+            return None
+        cached = CachedSamples(setup, decision, self.torch.num_workers)
+        weakref.finalize(self, cached.store.close)
+        return cached
 
     def _shard(self) -> ShardedSamples | None:
         """This rank's share of the samples when ``cache_scope`` splits them over the ranks of
         torch.distributed (read now, with the loader's workers when it has them), else None."""
         setup = self.setup
         options = self._reader_options()
-        sharded = shard_samples(
+        share = shard_samples(
             setup.dataset, setup.settings, setup.device, setup.batch_sampler, setup.owner,
             default_collate=setup.batched and setup.collate_fn is default_collate,
             read=lambda chunks: read_prepared(setup.dataset, chunks, self.torch.num_workers, options),
             chunk_size=setup.batch_size or 1,
         )
-        if sharded is not None:
-            self.path = sharded.path
-            setup.stats.extra["sample_cache_decision"] = sharded.describe()
-            self._moved_bytes += sharded.store.stats.device_bytes
-        return sharded
+        if share is not None:
+            self.path = share.path
+            setup.stats.extra["sample_cache_decision"] = share.describe()
+        return share
 
     def _reader_options(self) -> dict[str, Any]:
         """The loader's options a private torch DataLoader reading its samples keeps."""
@@ -110,14 +116,10 @@ class SampleSource(Source):
                 if k in self.torch.options}
 
     def begin_epoch(self) -> None:
-        cached = self._decide_cache()
-        if self.sharded is not None:
-            self.path = self.sharded.path
-            return
-        if cached is not None:
-            cached.store.shrink_to_reserve(self.setup.settings.keepable, "those samples are read from the dataset again")
-        serves = cached is not None and (self.torch.num_workers == 0 or cached.complete)
-        self.path = f"sample-cache ({cached.tier})" if serves else "torch"
+        held = self._decide_cache()
+        if held is not None:
+            held.begin_epoch(self.setup.settings.keepable)
+        self.path = held.path if held is not None else "torch"
 
     def epoch(self, indices: Indices) -> Schedule:
         """Runs ahead on a GPU (or with ``prefetch_depth``), except a stateful iterable dataset,
@@ -127,7 +129,7 @@ class SampleSource(Source):
         return Schedule(lambda ahead: self._work(indices, ahead), ahead=may_run_ahead)
 
     def _work(self, request: Indices, ahead: bool) -> Work:
-        cached = self.cached
+        cached = self.held  # a share split over ranks is served by the exchange (Source.schedule)
         finish = self._passed if ahead else (lambda batch: self._moved(batch, request.copy_now))
         if not self.setup.map_style:
             batches = self.torch.iterate()  # an iterable dataset: torch's own iterator, workers included
@@ -163,12 +165,12 @@ class SampleSource(Source):
 
     def exchanged(self, steps: Any, number: int, ahead: bool) -> Work:
         """Batches assembled from every rank's share, rebuilt as ``default_collate`` gives them."""
-        sharded = self.sharded
+        share = self.held
 
         def finish(item: tuple[list[torch.Tensor], torch.Tensor]) -> tuple[Any, int]:
             rows, flat = item
-            self.setup.stats.extra["exchange"] = sharded.store.describe_exchange()
-            return sharded.batch(rows), flat.numel()
+            self.setup.stats.extra["exchange"] = share.store.describe_exchange()
+            return share.batch(rows), flat.numel()
 
         return Work(steps, finish)
 
@@ -239,7 +241,7 @@ class SampleSource(Source):
         the cache): with workers only a complete cache serves, so a partial one is kept only
         while the epochs still add to it (a sampler that visits a part of the dataset each
         epoch), and dropped, saying why, once it cannot complete."""
-        cached = self.cached
+        cached = self.held
         if cached is None:
             return
         if cached.end_of_epoch() or cached.complete:
@@ -266,34 +268,28 @@ class SampleSource(Source):
         return batch, batch_length(batch) if self.setup.batched else 1
 
     def warm(self, progress: bool) -> None:
-        cached = self._decide_cache()
-        if cached is not None:
-            cached.warm(progress, self.torch.num_workers, self._reader_options())
+        held = self._decide_cache()
+        if held is not None:
+            held.warm(progress, self.torch.num_workers, self._reader_options())
 
     def stats(self) -> dict[str, Any]:
-        if self.sharded is not None:
-            store = self.sharded.store
-            return {"cache": store.stats.as_dict(), "cache_plan": store.plan.describe(),
-                    "sample_cache_decision": self.sharded.describe()}
-        cached = self.cached
-        if cached is not None:
-            decision = f"{cached.tier}: {cached.reason}; {cached.layout}"
-            return {"cache": cached.stats(), "sample_cache_decision": decision}
+        if self.held is not None:
+            return self.held.entries()
         return {"cache": self._released} if self._released is not None else {}
 
     def cache_store(self) -> Store | None:
         """This rank's share of the samples, or the sample cache (the samples cached last go
         first when it shrinks: the store keeps its first slots)."""
-        if self.sharded is not None:
-            return self.sharded.store
-        return self.cached.store if self.cached is not None else None
+        return self.held.store if self.held is not None else None
 
     def _drop_cache(self) -> None:
-        if self.cached is not None:
-            self.cached.close()
-            self._moved_bytes += self.cached.h2d_bytes
-            self._released = dict(self.cached.stats(), released=True)
-            self.cached = None
+        held = self.held
+        if held is not None:
+            released = held.close()
+            self._moved_bytes += held.h2d_bytes
+            if released is not None:
+                self._released = released
+            self.held = None
 
     def _stop_fill_workers(self) -> None:
         iterator = self._fill_loader._iterator if self._fill_loader is not None else None
@@ -302,9 +298,6 @@ class SampleSource(Source):
 
     def close(self) -> None:
         self._drop_cache()
-        if self.sharded is not None:
-            self.sharded.close()
-            self.sharded = None
         self._decided = False
         self._stop_fill_workers()
         self._fill_loader = None
