@@ -190,7 +190,7 @@ def test_without_cache_dir_nothing_changes(tmp_path: Path, monkeypatch) -> None:
 class Augmented(Pictures):
     def __getitem__(self, i: int):
         image, target = super().__getitem__(i)
-        return image + torch.randint(0, 2, (1,), dtype=torch.uint8), target
+        return image + torch.randint(0, 256, image.shape, dtype=torch.uint8), target  # never the same twice
 
 
 def test_random_samples_are_never_written_to_disk(tmp_path: Path) -> None:
