@@ -82,6 +82,12 @@ def test_a_failed_run_names_the_last_lines_dali_logged() -> None:
     error = _dali_error(failure, ["one", "two", "three", "four"])
     assert str(error) == "Unrecognized image format (DALI logged: two; three; four)"
     assert error.device is False and error.__cause__ is failure
+    from gpuload.decode._dali import _build_error
+
+    built = _build_error(RuntimeError("no decoder backend"), ["libnvjpeg.so.12 not found"], "dali-mixed", 8)
+    assert str(built).startswith("DALI could not build its dali-mixed decoding pipeline (batch size 8): no decoder "
+                                 "backend (DALI logged: libnvjpeg.so.12 not found); no file is to blame.")
+    assert built.device is True
 
 
 def test_a_dali_that_does_not_import_is_unavailable_with_the_way_out(monkeypatch: pytest.MonkeyPatch) -> None:
