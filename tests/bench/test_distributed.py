@@ -168,3 +168,25 @@ def test_nccl_ranks_with_a_gpu_each_hold_their_share_on_the_device(tmp_path: Pat
     assert rows["rank"]["held_where"] == "device" and rows["rank"]["held_bytes"] == [dataset_bytes] * 2
     for scope in ("node", "world"):
         assert rows[scope]["held_where"] == "device" and sum(rows[scope]["held_bytes"]) == dataset_bytes
+
+
+@pytest.mark.parametrize("gpus", [1, 4])
+def test_cuda_is_the_default_only_with_a_gpu_per_rank(monkeypatch: pytest.MonkeyPatch, gpus: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert choose_device(None, 2) == ("cuda" if gpus >= 2 else "cpu")
+    if gpus >= 2:
+        assert choose_device("cuda", 2) == "cuda"
+    else:
+        with pytest.raises(DeviceError, match=r"^cuda with 2 processes needs one GPU per rank: device='cuda:1' does "
+                           r"not exist: this machine has 1 CUDA device\(s\), cuda:0 to cuda:0$"):
+            choose_device("cuda", 2)
+
+
+def test_no_headline_without_a_gpuload_row() -> None:
+    document = json.loads(STORED.read_text())
+    assert distributed_headline(document) != ""
+    document["rows"] = [r for r in document["rows"] if r["kind"] != "gpuload"]
+    assert distributed_headline(document) == ""

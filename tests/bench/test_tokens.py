@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from gpuload.bench.tokens import (
@@ -65,3 +66,24 @@ def test_the_command_runs_quick_and_writes_json(tmp_path: Path, capsys) -> None:
     assert {row["name"] for row in document["results"]} == {
         "gpuload DataLoader", "torch DataLoader (num_workers=0)", "nanoGPT get_batch loop"}
     assert not list(Path(tmp_path).glob("*.bin"))  # the shard went with its temporary folder
+
+
+def test_anonymous_bytes_is_zero_where_the_kernel_does_not_say(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from gpuload.bench import tokens
+
+    assert tokens.anonymous_bytes() > 0  # this process has heap pages
+    status = {"text": "Name:\tpython\nRssAnon:\t  2048 kB\n"}
+    monkeypatch.setattr(tokens, "open", lambda path, **kwargs: io.StringIO(status["text"]), raising=False)
+    assert tokens.anonymous_bytes() == 2048 * 1024
+    status["text"] = "Name:\tpython\n"  # a kernel before 4.5 has no RssAnon line
+    assert tokens.anonymous_bytes() == 0
+    status["text"] = "RssAnon:\tlots kB\n"
+    assert tokens.anonymous_bytes() == 0
+
+    def no_proc(path, **kwargs):  # type: ignore[no-untyped-def]
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(tokens, "open", no_proc, raising=False)
+    assert tokens.anonymous_bytes() == 0
