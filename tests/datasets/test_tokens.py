@@ -238,6 +238,9 @@ def test_more_bad_sources_name_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(TokenFileError, match=rf"^{tmp_path / 'ids.npy'}: holds uint16 ids, not the dtype=uint32 "
                        "asked for$"):
         TokenWindows(str(tmp_path / "ids.npy"), 8, dtype="uint32")
+    np.save(tmp_path / "empty.npy", np.zeros(0, dtype=np.int64))
+    with pytest.raises(TokenFileError, match=rf"^{tmp_path / 'empty.npy'}: the shard holds no tokens$"):
+        TokenWindows(str(tmp_path / "empty.npy"), 8)
     with pytest.raises(TokenFileError, match=r"has dtype float64; token ids are integers$"):
         TokenWindows(np.zeros(100), 8)
     with pytest.raises(TokenFileError, match=r"holds no tokens$"):
@@ -264,3 +267,11 @@ def test_a_file_that_goes_away_is_caught_and_a_tensor_index_works(tmp_path: Path
     Path(path).unlink()
     with pytest.raises(TokenFileError, match=r"gone\.bin: the token file went away since it was opened \(No such file"):
         ds.check_unchanged()
+
+
+@pytest.mark.gpu
+def test_token_ids_on_the_gpu_are_read_from_a_host_copy() -> None:
+    ids = _ids(100)
+    ds = TokenWindows(torch.from_numpy(ids).cuda(), 8)
+    _assert_item(ds, 3, ids, 24)
+    assert ds.tokens().device.type == "cpu"
