@@ -218,3 +218,11 @@ def test_on_a_gpu_the_plan_reads_its_memory_and_counts_the_model_already_there_a
     assert plan.memory == MemoryInfo(free=3 * GiB + 512 * MiB, total=4 * GiB)
     assert "cuda:0 (the model's 512.00 MiB already there counted as free)" in plan.describe()
     assert plan.describe().count("\n") > 2 and plan._cached_share() == 0.0  # no dataset: nothing cached
+
+
+def test_batch_one_with_part_of_the_data_cached_offers_no_smaller_batch(tmp_path: Path) -> None:
+    imagenet = DatasetShape(1_281_167, IMAGE, "imagenet")
+    plan = _plan(tmp_path, 16 * GiB, imagenet, batch_size=1)
+    assert 0 < plan.cache.device_samples < imagenet.num_samples
+    (line,) = plan.tradeoff
+    assert line.startswith("batch 1 + ") and "of the data cached" in line and "would cache" not in line
