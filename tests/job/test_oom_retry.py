@@ -316,3 +316,53 @@ def test_the_failed_steps_memory_in_torchs_pool_counts_as_free(monkeypatch: pyte
     # free_bytes=1000 MiB; counting only the driver's 200 MiB would give 2 and free cache for nothing
     assert retry.batch_size == 26 and len(caught) == 1
     assert loader.shrunk == [] and "freed" not in str(caught[0].message)
+
+
+def test_named_tuples_read_only_mappings_and_own_sequences_are_split_into_what_they_can_be() -> None:
+    import collections
+    from collections.abc import Mapping, Sequence
+
+    Pair = collections.namedtuple("Pair", "x y")
+
+    class Fields(Mapping):
+        """A read-only mapping whose constructor takes no dict: its pieces are plain dicts."""
+
+        def __init__(self, **fields: object) -> None:
+            self._fields = fields
+
+        def __getitem__(self, key: str) -> object:
+            return self._fields[key]
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(self._fields)
+
+        def __len__(self) -> int:
+            return len(self._fields)
+
+    class Columns(Sequence):
+        """A sequence of two fields whose constructor takes no list: its pieces are plain lists."""
+
+        def __init__(self, first: torch.Tensor, second: torch.Tensor) -> None:
+            self._columns = (first, second)
+
+        def __getitem__(self, index):  # type: ignore[no-untyped-def]
+            return self._columns[index]
+
+        def __len__(self) -> int:
+            return len(self._columns)
+
+    batch = Pair(x=Fields(a=torch.arange(4), tag="run"), y=Columns(torch.arange(4) * 10, torch.arange(4) * 100))
+    step = RunsOutAboveOn(2, lambda b: len(b.x["a"]))
+    with pytest.warns(BatchSizeLoweredWarning):
+        OOMRetry(step)(batch)
+    first, second = step.pieces
+    assert type(second) is Pair and type(second.x) is dict and type(second.y) is list
+    assert second.x["a"].tolist() == [2, 3] and second.x["tag"] == "run"
+    assert [c.tolist() for c in second.y] == [[20, 30], [200, 300]]
+
+
+def test_a_batch_without_a_batch_dimension_is_one_sample_and_is_not_split() -> None:
+    step = RunsOutAboveOn(0, lambda b: 1)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        OOMRetry(step)(object())
+    assert step.pieces == []
