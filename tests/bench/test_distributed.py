@@ -190,3 +190,22 @@ def test_no_headline_without_a_gpuload_row() -> None:
     assert distributed_headline(document) != ""
     document["rows"] = [r for r in document["rows"] if r["kind"] != "gpuload"]
     assert distributed_headline(document) == ""
+
+
+def test_an_epoch_runs_the_step_on_every_batch_and_close_stops_torchs_workers() -> None:
+    from torch.utils.data import DataLoader as TorchDataLoader
+    from torch.utils.data import TensorDataset
+
+    from gpuload.bench import distributed as bench
+
+    data = TensorDataset(torch.arange(12))
+    loader = TorchDataLoader(data, batch_size=4, num_workers=1, persistent_workers=True)
+    rank_loader = bench._RankLoader(bench._Measured("torch DataLoader (num_workers=1)", "torch", None, [], []),
+                                    loader, None)
+    stepped: list[list[int]] = []
+    checksums = bench._timed_epoch(rank_loader, torch.device("cpu"), lambda batch: stepped.append(batch[0].tolist()))
+    assert stepped == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]] and len(checksums) == 3
+    workers = loader._iterator._workers
+    assert all(worker.is_alive() for worker in workers)
+    rank_loader.close()
+    assert not any(worker.is_alive() for worker in workers)
