@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from gpuload.cpu_threads import own_cpu_threads
 from gpuload.transforms import transform_batch, validate_pipeline
 from gpuload.transforms.windows import Window, decode_windows, starts_with_crop
 
@@ -48,9 +49,10 @@ class BatchAugmenter:
     def __call__(self, batch: Any, indices: torch.Tensor, epoch: int, batched: bool) -> Any:
         leaves, spec = tree_flatten(batch)
         images = leaves[self.leaf] if batched else leaves[self.leaf].unsqueeze(0)
-        out, self.backend = transform_batch(
-            self.ops, images, self.seed, epoch, indices.view(-1), device=self.device
-        )
+        with own_cpu_threads(self.device):  # no more threads than the free CPUs (gpuload.cpu_threads)
+            out, self.backend = transform_batch(
+                self.ops, images, self.seed, epoch, indices.view(-1), device=self.device
+            )
         leaves[self.leaf] = out if batched else out[0]
         return tree_unflatten(leaves, spec)
 
@@ -71,8 +73,9 @@ class BatchAugmenter:
 
         With ``windows``, ``images[k]`` is that window of a whole image of ``image_sizes[k]``.
         """
-        out, self.backend = transform_batch(
-            self.ops, images, self.seed, epoch, indices, device=self.device,
-            windows=windows, image_sizes=image_sizes,
-        )
+        with own_cpu_threads(self.device):
+            out, self.backend = transform_batch(
+                self.ops, images, self.seed, epoch, indices, device=self.device,
+                windows=windows, image_sizes=image_sizes,
+            )
         return out

@@ -24,7 +24,7 @@ from gpuload.device import resolve_device
 from gpuload.elastic import distributed_layout, for_this_world_size
 from gpuload.iterators import EpochIterator, OpenEpochs, close_when_idle, shut_down_workers
 from gpuload.prefetch import Prefetcher
-from gpuload.resume import Position, RandomStates, begin_epoch, load_state, save_state
+from gpuload.resume import Position, RandomStates, begin_epoch, load_state, save_state, stream_of, take_up_iterable
 from gpuload.sampling import checked_batch_size, draws_in_range
 from gpuload.sources import Indices, Schedule, Source, Work, runs_ahead
 from gpuload.sources.choose import choose_source
@@ -54,7 +54,8 @@ class DataLoader(tud.DataLoader[T_co]):
       and the cache (see the README); ``cache="off"`` keeps array data on the host and copies
       each batch. ``cache_scope``: in a torch.distributed job, over which ranks one copy of the
       dataset is split (``"rank"``, ``"node"``, ``"world"``, ``"auto"``; README, multi-GPU).
-      ``cache_dir``, ``disk_cache_size``: the disk tier (README), checked here, not used yet.
+      ``cache_dir``, ``disk_cache_size``: the disk tier below host memory (README): array rows
+      and a sample cache's fixed-shape samples spilled to a local folder, read back memory-mapped.
     - ``prefetch_depth``: batches made ahead of the loop (0: none, in the loop's thread).
     - ``on_error``: ``"skip"`` leaves out image files that cannot be decoded.
 
@@ -127,6 +128,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._prefetcher: Prefetcher | None = None
         self._position: Position | None = None  # the latest epoch's, for state_dict()
         self._resume: Position | None = None  # a loaded position the next iter() takes up
+        self._iterable_resume: Position | None = None  # the same, for torch's iterator of an iterable dataset
         self._built_batch_size = self.batch_size
         self._current: weakref.ref[EpochIterator] | None = None  # the latest epoch's iterator
         self._open = OpenEpochs()  # what a new epoch and close() stop
@@ -161,9 +163,14 @@ class DataLoader(tud.DataLoader[T_co]):
         resume, self._resume = self._resume, None
         position, draw, length = begin_epoch(self, self._epoch, resume)
         self._position = position
+        self._iterable_resume = resume if not map_style else None  # taken by _torch_epoch
         indices = Indices(self._epoch, draw, self._in_range, resumed=resume is not None, copy_now=self._copy_now,
-                          worker_seed_drawn=self._persistent_seed_drawn, position=position.after_cut())
-        work, items = self._start(source.epoch(indices), "")
+                          worker_seed_drawn=self._persistent_seed_drawn, position=position.after_cut(),
+                          places=position.places, handed_over=position.hand_over if not position.cuts else None)
+        try:
+            work, items = self._start(source.schedule(indices), "")
+        finally:
+            self._iterable_resume = None
         if work.from_torch and self.persistent_workers and self.num_workers > 0:
             self._persistent_seed_drawn = True  # torch drew its workers' seed, once
         length = length or work.length or self._index_sampler.__len__
@@ -181,8 +188,13 @@ class DataLoader(tud.DataLoader[T_co]):
         size = checked_batch_size(self, batch_size, self._built_batch_size)
         if size == self.batch_size:
             return
-        self._apply_batch_size(size)
         position = self._resume or self._position
+        if position is not None and not position.finished and position.delivered is not None:
+            raise ValueError(
+                "set_batch_size: this epoch's batches came from workers with in_order=False, out of the "
+                "epoch's order, so its rest cannot be cut at another size; change it between epochs"
+            )
+        self._apply_batch_size(size)
         if position is None or position.finished:
             return
         position.cut(size)
@@ -212,7 +224,9 @@ class DataLoader(tud.DataLoader[T_co]):
     def state_dict(self) -> dict[str, Any]:
         """This loader's position after the batches handed to the loop (not those made ahead): a small
         dict that ``load_state_dict`` continues from, at this or another world size (README, resume)."""
-        state = save_state(self, self._resume or self._position, self._epoch, self._transform_seed)
+        current = self._current() if self._current is not None else None
+        stream = stream_of(current) if current is not None and current.position is self._position else None
+        state = save_state(self, self._resume or self._position, self._epoch, self._transform_seed, stream)
         state["distributed"] = distributed_layout(self)  # taken up at another world size (gpuload.elastic)
         return state
 
@@ -290,7 +304,11 @@ class DataLoader(tud.DataLoader[T_co]):
         return choose_source(self, self._cache_settings, self._stats, self._transform_seed, lambda: torch_epoch()())
 
     def _torch_epoch(self) -> Iterator[Any]:
-        """torch's own iterator for one epoch (fetch, collate, worker processes)."""
+        """torch's own iterator for one epoch (fetch, collate, worker processes); for an iterable
+        dataset's resumed epoch, taken up where it was saved (``gpuload.resume.take_up_iterable``)."""
+        resume, self._iterable_resume = self._iterable_resume, None
+        if resume is not None:
+            return take_up_iterable(self, resume, super().__iter__)
         return super().__iter__()
 
     def _start(self, schedule: Schedule, stopping: str) -> tuple[Work, Iterator[Any]]:
@@ -300,7 +318,7 @@ class DataLoader(tud.DataLoader[T_co]):
         ahead = runs_ahead(schedule, self.device, self.prefetch_depth)
         if stopping and self._prefetcher is not None:
             self._prefetcher.stop_epoch(stopping)
-        work = self._open.note(schedule.start(ahead))
+        work = self._open.note(schedule.start(ahead)).in_staging(self._copy_now, self.device, ahead)
         if not ahead:
             return work, work.items
         if self._prefetcher is not None and self._prefetcher.stage != schedule.staged:
@@ -316,11 +334,11 @@ class DataLoader(tud.DataLoader[T_co]):
                                           stage=schedule.staged)
         return work, self._prefetcher.epoch(work.items)
 
-    def _copy_now(self, item: Any) -> Any:
+    def _copy_now(self, item: Any, counted: bool = True) -> Any:
         """``item`` copied to the device through this loader's prefetcher, in the caller's thread."""
         if self._prefetcher is None:
             self._prefetcher = Prefetcher(None, self.device, self.prefetch_depth or 2, timeout=self.timeout or None)
-        return self._prefetcher.copy_now(item)
+        return self._prefetcher.copy_now(item, counted)
 
     def _epoch_ended(self, position: Position) -> None:
         position.end_states = RandomStates.capture(self)
@@ -332,7 +350,7 @@ class DataLoader(tud.DataLoader[T_co]):
         indices = Indices(position.number, draw, self._in_range, resumed=True, copy_now=self._copy_now,
                           worker_seed_drawn=self._persistent_seed_drawn, position=position.after_cut())
         stopping = "the rest of this epoch at a new batch size (set_batch_size)"
-        work, items = self._start(self._source.epoch(indices), stopping)
+        work, items = self._start(self._source.schedule(indices), stopping)
         return work, items, length
 
     def _apply_batch_size(self, size: int) -> None:

@@ -25,6 +25,7 @@ delivered as a fresh copy of its slot, so CPU tests exercise the same control fl
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import queue
 import threading
@@ -39,7 +40,7 @@ import torch
 
 from gpuload.cache.budget import format_bytes
 from gpuload.device import host_memory, new_side_stream, resolve_device
-from gpuload.transfer import map_leaves
+from gpuload.transfer import map_leaves, staging_through
 
 __all__ = [
     "Prefetcher",
@@ -54,6 +55,7 @@ __all__ = [
 
 _ALIGN = 256  # bytes between packed leaves: every dtype's view stays aligned, DMA-friendly
 _POLL_S = 0.1  # how often blocked threads look at the stop flag
+_INLINE_SLOTS = 8  # copy_now's slots: a batch may stage several small tables (transforms, cache writes)
 _MiB = 2**20
 
 
@@ -249,8 +251,9 @@ class _Ring:
             self.stats.slot_allocations += 1
         return slot.buffer
 
-    def transfer(self, index: int, item: Any) -> _Delivery:
-        """Stage batch ``index`` into its slot and start its copy to the device."""
+    def transfer(self, index: int, item: Any, counted: bool = True) -> _Delivery:
+        """Stage batch ``index`` into its slot and start its copy to the device; ``counted``:
+        its bytes are batch data (``PrefetchStats.bytes_copied``), not indices or parameters."""
         started = time.perf_counter()
         layout, fill = (item.layout, item.fill) if isinstance(item, Fill) else (item, None)
         offsets: dict[int, int] = {}  # leaf position -> byte offset in the slot
@@ -300,7 +303,8 @@ class _Ring:
                     slot.event.record(self.stream)  # guards the host slot's reuse (_reserve)
             else:
                 target = buffer[:total].clone()  # fresh memory: the slot is reused next round
-            self.stats.bytes_copied += staged_bytes
+            if counted:
+                self.stats.bytes_copied += staged_bytes
         outputs = iter(
             _byte_view(target, offsets[position], tuple(leaf.shape), leaf.dtype)
             if position in offsets
@@ -388,6 +392,7 @@ def _put(out: queue.Queue, item: Any, stop: threading.Event) -> None:
 
 
 def _work(
+    owner: Prefetcher,
     source: Iterator[Any],
     ring: _Ring | _PassThrough,
     out: queue.Queue,
@@ -399,7 +404,9 @@ def _work(
     Holds no reference to the consuming iterator, so dropping that iterator stops this thread.
     A token is taken before each pull: the thread is never more than ``depth`` batches ahead.
     On CUDA the side stream is this thread's current stream throughout, so whatever device work
-    the source does (and its cleanup) is ordered before the event each delivery carries.
+    the source does (and its cleanup) is ordered before the event each delivery carries, and
+    the host tensors it puts on the device itself go through ``owner.copy_now`` (the staging in
+    force in this thread, ``gpuload.transfer.to_device``).
     """
     outcome: Any = _END
     index = 0
@@ -408,6 +415,7 @@ def _work(
         if ring.cuda:
             torch.cuda.set_device(ring.device)
             on_side_stream.enter_context(torch.cuda.stream(ring.stream))
+            on_side_stream.enter_context(staging_through(functools.partial(owner.copy_now, counted=False)))
         while not stop.is_set():
             if not tokens.acquire(timeout=_POLL_S):
                 continue
@@ -474,7 +482,7 @@ class _Handoff(Iterator[Any]):
         self._cancel_source = getattr(source, "cancel", None)
         self._thread = threading.Thread(
             target=_work,
-            args=(source, ring, self._queue, self._tokens, self._stop),
+            args=(owner, source, ring, self._queue, self._tokens, self._stop),
             name="gpuload-prefetch",
             daemon=True,
         )
@@ -674,6 +682,7 @@ class Prefetcher:
         self._ring: _Ring | None = None
         self._inline_ring: _Ring | None = None  # copy_now's slots, never shared with a thread's
         self._inline_count = 0
+        self._inline_lock = threading.Lock()  # copy_now may be called from the loop's and this thread
         self._ring_thread: threading.Thread | None = None
         self._threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # every epoch's
         self._active: weakref.ref[_Handoff] | None = None
@@ -683,28 +692,34 @@ class Prefetcher:
         """The side CUDA stream the copies run on (None on the CPU)."""
         return self._stream
 
-    def copy_now(self, item: Any) -> Any:
+    def copy_now(self, item: Any, counted: bool = True) -> Any:
         """One batch (a host batch or a :class:`Fill`) staged and copied in the caller's thread,
         through this prefetcher's own slots and side stream: for work that runs in the loop's
-        thread (``prefetch_depth=0``) or that must be copied after its epoch was planned. The
-        caller's current stream waits for the copy (no host sync) and the batch's device
-        tensors are protected on it (``record_stream``)."""
-        if self._inline_ring is None:
-            self._inline_ring = _Ring(self.depth, self.device, self._stream, self.stats)
-        ring = self._inline_ring
-        try:
-            if not ring.cuda:
-                return ring.transfer(0, item).batch
-            current = torch.cuda.current_stream(self.device)
-            self._stream.wait_stream(current)  # device work the caller queued (rows gathered) comes first
-            with torch.cuda.stream(self._stream):
-                delivery = ring.transfer(self._inline_count, item)
-        except _StageFailure as failure:  # a Fill's own error, raised as it was raised
-            raise failure.exc from None
-        self._inline_count += 1
-        current.wait_event(delivery.event)
-        for tensor in delivery.device_tensors:
-            tensor.record_stream(current)
+        thread (``prefetch_depth=0``), that must be copied after its epoch was planned, or that
+        a source does in the middle of its batch (``gpuload.transfer.to_device``). The caller's
+        current stream waits for the copy (no host sync) and the batch's device tensors are
+        protected on it (``record_stream``). Safe from any thread. ``counted``: the bytes are
+        batch data, counted in ``stats.bytes_copied`` (indices and parameters are not)."""
+        with self._inline_lock:
+            if self._inline_ring is None:
+                depth = max(self.depth, _INLINE_SLOTS)
+                self._inline_ring = _Ring(depth, self.device, self._stream, self.stats)
+            ring = self._inline_ring
+            try:
+                if not ring.cuda:
+                    return ring.transfer(0, item, counted).batch
+                current = torch.cuda.current_stream(self.device)
+                if current != self._stream:
+                    self._stream.wait_stream(current)  # device work the caller queued (rows gathered) comes first
+                with torch.cuda.stream(self._stream):
+                    delivery = ring.transfer(self._inline_count, item, counted)
+            except _StageFailure as failure:  # a Fill's own error, raised as it was raised
+                raise failure.exc from None
+            self._inline_count += 1
+        if current != self._stream:
+            current.wait_event(delivery.event)
+            for tensor in delivery.device_tensors:
+                tensor.record_stream(current)
         return delivery.batch
 
     def __iter__(self) -> Iterator[Any]:

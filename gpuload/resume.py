@@ -19,13 +19,15 @@ of its own that gpuload cannot read (any attribute but ``generator``, without
 does not fit the loader (another dataset, arguments, DistributedSampler seed, generators)
 raises :class:`ResumeError` at ``load_state_dict``.
 
-The state is a plain dict of Python scalars, lists and CPU tensors (a few kilobytes: never the
-data, never an index list that can be drawn again), so it loads on another machine and on
-another device type.
+The state is a plain dict of Python scalars, strings and lists, the generators' states as base64
+text (a few kilobytes: never the data, never an index list that can be drawn again), so it
+goes through JSON when the samplers' and dataset's own states do, and loads on another
+machine and on another device type.
 """
 
 from __future__ import annotations
 
+import base64
 import random
 import warnings
 import weakref
@@ -53,6 +55,8 @@ __all__ = [
     "save_state",
     "signature",
     "stateful",
+    "stream_of",
+    "take_up_iterable",
     "unrestorable",
 ]
 
@@ -161,8 +165,8 @@ class RandomStates:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "generators": list(self.generators),
-            "global": self.global_state,
+            "generators": [_encoded(state) for state in self.generators],
+            "global": _encoded(self.global_state),
             "samplers": list(self.samplers),
             "distributed_epoch": self.distributed_epoch,
             "worker_seed_drawn": self.worker_seed_drawn,
@@ -171,12 +175,24 @@ class RandomStates:
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> RandomStates:
         return cls(
-            generators=[torch.as_tensor(s, dtype=torch.uint8) for s in state["generators"]],
-            global_state=torch.as_tensor(state["global"], dtype=torch.uint8),
+            generators=[_decoded(s) for s in state["generators"]],
+            global_state=_decoded(state["global"]),
             samplers=list(state.get("samplers", [state.get("sampler")])),
             distributed_epoch=state.get("distributed_epoch"),
             worker_seed_drawn=bool(state.get("worker_seed_drawn", False)),
         )
+
+
+def _encoded(generator_state: torch.Tensor) -> str:
+    """A generator's state as base64 text: the state stays JSON-safe (as torchdata's) and small."""
+    return base64.b64encode(generator_state.numpy().tobytes()).decode("ascii")
+
+
+def _decoded(saved: Any) -> torch.Tensor:
+    """A generator state saved by :func:`_encoded`, or as a tensor or list (earlier states)."""
+    if isinstance(saved, str):
+        return torch.frombuffer(bytearray(base64.b64decode(saved)), dtype=torch.uint8)
+    return torch.as_tensor(saved, dtype=torch.uint8)
 
 
 # (batches done, samples of the epoch's order done, new batch size) at one ``set_batch_size``
@@ -191,7 +207,11 @@ class Position:
     batches began with, and ``cuts``: each batch-size change made during it.
     ``sampler_started``: the sampler had begun drawing the epoch's order (False between
     ``iter()`` and the first batch of an epoch drawn in the loop: its draws from torch's global
-    generator come after that point, and a resumed epoch makes them from the live one)."""
+    generator come after that point, and a resumed epoch makes them from the live one).
+    ``delivered``: the places (among the epoch's index batches) of the batches done, when
+    workers handed them over as they finished (``in_order=False``): then they need not be the
+    first ones. ``dataset_state``, ``stream_state``: a
+    resumed iterable dataset's own state and its iterator's, loaded by :func:`take_up_iterable`."""
 
     number: int
     states: RandomStates
@@ -202,6 +222,11 @@ class Position:
     batch_size: int | None = None
     cuts: list[Cut] = field(default_factory=list)
     sampler_started: bool = True
+    delivered: set[int] | None = None  # places of the batches done, when handed over out of order
+    places: list[int] | None = None  # a resumed epoch's: each remaining batch's place in the epoch
+    untracked: bool = False  # a batch was handed over out of order at a place not told
+    dataset_state: Any = None  # a resumed iterable dataset's own state (take_up_iterable)
+    stream_state: Any = None  # the state of the iterator its __iter__ returned, when it has one
 
     def samples_done(self) -> int:
         """Positions of the epoch's flat sample order done (past its end once the last, shorter
@@ -213,6 +238,17 @@ class Position:
         """``(batches done, samples done, batch size)`` after a batch-size change (the rest of
         the epoch is its order from there cut at that size), else None."""
         return (self.batches, self.samples_done(), self.cuts[-1][2]) if self.cuts else None
+
+    def hand_over(self, place: int | None) -> None:
+        """Note that the batch at ``place`` of the epoch's index batches was handed to the loop
+        (out of order: the first ones done before, in order, are those a resume skipped); None:
+        its place could not be told, and a state of this epoch cannot be exact."""
+        if self.delivered is None:
+            self.delivered = set(range(self.skipped))
+        if place is None:
+            self.untracked = True
+        else:
+            self.delivered.add(place)
 
     def cut(self, batch_size: int) -> None:
         """Note a change to ``batch_size`` here: the batches after it are the rest of the order
@@ -254,9 +290,60 @@ def begin_epoch(
             # in the uninterrupted run, which made them after the save.
             drawn = resume.states.with_global(lambda: draw_epoch(loader))
             return resume, lambda: _NotesFirstPull(drawn, resume), None
-        remaining = resume.states.draw_with_global(lambda: draw_epoch(loader))[resume.batches :]
+        drawn = resume.states.draw_with_global(lambda: draw_epoch(loader))
+        if resume.delivered is None:
+            resume.places = list(range(resume.batches, len(drawn)))
+        else:  # handed over out of order: the ones not done, wherever they are
+            resume.places = [place for place in range(len(drawn)) if place not in resume.delivered]
+        remaining = [drawn[place] for place in resume.places]
     done = resume.batches
     return resume, lambda: iter(remaining), lambda: done + len(remaining)
+
+
+def stream_of(torch_iterator: Any) -> Any:
+    """The iterator that ``iter(dataset)`` gave torch's single-process iterator of an iterable
+    dataset (None for workers: theirs live in the worker processes)."""
+    return getattr(getattr(torch_iterator, "_dataset_fetcher", None), "dataset_iter", None)
+
+
+def take_up_iterable(loader: tud.DataLoader, position: Position, make_iterator: Callable[[], Iterator[T]]) -> Iterator[T]:
+    """torch's iterator (``make_iterator()``) for a resumed epoch of an iterable dataset, made
+    from the random states the epoch began with (the loader's generator, and the global one
+    inside ``fork_rng``), as the uninterrupted run made it.
+
+    A dataset's own state is loaded as ``StatefulDataLoader`` loads it: into the dataset before
+    ``__iter__`` (which may take a loaded position up), and into the iterator ``__iter__``
+    returned when that one has ``state_dict`` (the dataset itself, whose ``__iter__`` may have
+    reset it, or an iterator of its own, whose state was saved beside). A dataset without one
+    (or read by workers, which hold its state) is replayed: the batches done are read again and
+    dropped, the global generator inside ``fork_rng`` going through the draws made for them."""
+    position.states.restore_explicit(loader)
+    dataset_state, stream_state = position.dataset_state, position.stream_state
+    if dataset_state is not None or stream_state is not None:
+        if dataset_state is not None:
+            loader.dataset.load_state_dict(dataset_state)
+        iterator = position.states.with_global(make_iterator)
+        stream = stream_of(iterator)
+        if stream is loader.dataset and dataset_state is not None:
+            loader.dataset.load_state_dict(dataset_state)
+        elif stream_state is not None and stateful(stream):
+            stream.load_state_dict(stream_state)
+        return iterator
+
+    def replayed() -> Iterator[T]:
+        iterator = make_iterator()
+        for done in range(position.batches):
+            try:
+                next(iterator)
+            except StopIteration:
+                raise ResumeError(
+                    f"this {type(loader.dataset).__name__} ended after {done} batches while its saved epoch "
+                    f"had given {position.batches}: replaying it does not give the saved stream (its data "
+                    "changed, or it draws random numbers the state does not capture)"
+                ) from None
+        return iterator
+
+    return position.states.with_global(replayed)
 
 
 def remaining_batches(loader: tud.DataLoader, position: Position) -> list[Any]:
@@ -369,11 +456,13 @@ def warn_unrestorable(loader: tud.DataLoader) -> None:
         warnings.warn(f"gpuload: resume is not exact: {reason}", RuntimeWarning, stacklevel=3)
 
 
-def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, transform_seed: int) -> dict[str, Any]:
+def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, transform_seed: int,
+               stream: Any = None) -> dict[str, Any]:
     """The state dict of ``loader`` at ``progress`` (None: no epoch begun; ``epoch`` is then
-    the epoch counter as it stands)."""
+    the epoch counter as it stands); ``stream``: the iterator an iterable dataset's ``__iter__``
+    gave the epoch in progress (:func:`stream_of`), saved when it has its own state."""
     warn_unrestorable(loader)
-    epoch_batch_size, cuts, started = loader.batch_size, [], True
+    epoch_batch_size, cuts, started, delivered = loader.batch_size, [], True, None
     if progress is None:
         number, batches, finished, states = epoch, 0, True, RandomStates.capture(loader)
     else:
@@ -382,6 +471,13 @@ def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, tr
         if not finished:
             epoch_batch_size, cuts = progress.batch_size, [list(cut) for cut in progress.cuts]
             started = progress.sampler_started
+            delivered = _packed(progress.delivered)
+            if progress.untracked:
+                _warn_once(loader, "gpuload: resume is not exact: torch's iterator did not tell which batches its "
+                                   "workers handed over (in_order=False); the state assumes the first ones")
+                delivered = None
+            if batches and _replays_out_of_order(loader):
+                _warn_once(loader, _REPLAY_OUT_OF_ORDER)
     return {
         "version": STATE_VERSION,
         "signature": signature(loader),
@@ -394,8 +490,71 @@ def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, tr
         "epoch_batch_size": epoch_batch_size,
         "cuts": cuts,
         "sampler_started": started,
-        "dataset": loader.dataset.state_dict() if stateful(loader.dataset) else None,
+        "out_of_order": delivered,
+        "dataset": _dataset_state(loader, progress),
+        "dataset_iterator": _stream_state(loader, progress, stream),
     }
+
+
+def _stream_state(loader: tud.DataLoader, progress: Position | None, stream: Any) -> Any:
+    """The own state of the iterator an iterable dataset's ``__iter__`` returned (not the dataset
+    itself, saved already), read in this process; a loaded one not taken up yet is that one."""
+    if progress is None or progress.finished or loader.num_workers > 0:
+        return None
+    if progress.stream_state is not None:
+        return progress.stream_state
+    return stream.state_dict() if stream is not None and stream is not loader.dataset and stateful(stream) else None
+
+
+def _dataset_state(loader: tud.DataLoader, progress: Position | None) -> Any:
+    """The dataset's own ``state_dict()`` where it is the loop's position: a map-style dataset,
+    or an iterable one read in this process (read by workers, its state lives in their copies:
+    the main process's copy never iterated). A state loaded and not taken up yet is that one."""
+    if not stateful(loader.dataset):
+        return None
+    if loader._dataset_kind != _DatasetKind.Map:
+        if loader.num_workers > 0:
+            return None
+        if progress is not None and progress.dataset_state is not None:
+            return progress.dataset_state
+    return loader.dataset.state_dict()
+
+
+_REPLAY_OUT_OF_ORDER = (
+    "gpuload: resume is not exact for an iterable dataset read by workers with in_order=False: it is "
+    "replayed, and the batches the replay drops are the first its workers hand over, which depends on "
+    "their timing; use in_order=True for an exact resume"
+)
+_warned_replay: weakref.WeakSet[Any] = weakref.WeakSet()  # loaders warned of an out-of-order replay
+
+
+def _replays_out_of_order(loader: tud.DataLoader) -> bool:
+    return loader._dataset_kind != _DatasetKind.Map and loader.num_workers > 0 and not loader.in_order
+
+
+def _warn_once(loader: tud.DataLoader, message: str) -> None:
+    if loader not in _warned_replay:
+        _warned_replay.add(loader)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _packed(delivered: set[int] | None) -> dict[str, Any] | None:
+    """The places of the batches done, handed over out of order, as the first ``prefix`` of the
+    epoch and the ``others`` after it (a few, however long the epoch); None: in order."""
+    if delivered is None:
+        return None
+    prefix = 0
+    while prefix in delivered:
+        prefix += 1
+    return {"prefix": prefix, "others": sorted(place for place in delivered if place > prefix)}
+
+
+def _unpacked(packed: Any) -> set[int] | None:
+    if packed is None:
+        return None
+    return set(range(int(packed["prefix"]))) | {int(place) for place in packed["others"]}
+
+
 
 
 @dataclass(frozen=True)
@@ -442,23 +601,24 @@ def load_state(loader: tud.DataLoader, state: dict[str, Any], *, iterable: bool)
     states = RandomStates.from_dict(state["random"])
     states.check_fits(loader)
     warn_unrestorable(loader)
-    if state["dataset"] is not None:
-        loader.dataset.load_state_dict(state["dataset"])
+    # an iterable dataset's own state, saved without workers, is loaded into the dataset only
+    # once the resumed epoch's iterator has called its __iter__ (take_up_iterable)
+    dataset_state = state["dataset"] if not iterable or loader.num_workers == 0 else None
+    stream_state = state.get("dataset_iterator") if iterable and loader.num_workers == 0 else None
+    deferred = iterable and not state["finished"]
+    if dataset_state is not None and not deferred:
+        loader.dataset.load_state_dict(dataset_state)
     batch_size = state.get("batch_size", state["signature"].get("batch_size"))
     if state["finished"]:
         states.restore_explicit(loader)
         return LoadedState(state["epoch"], None, state["transform_seed"], batch_size)
     done = state["batches"]
-    if iterable and (state["dataset"] is None or loader.num_workers > 0):
-        warnings.warn(
-            f"gpuload: this {type(loader.dataset).__name__} was saved mid-epoch, but an iterable dataset "
-            "resumes only from its own state_dict() read without workers; the loader starts that "
-            "epoch again from its beginning",
-            stacklevel=3,
-        )
-        done = 0
+    if done and _replays_out_of_order(loader):
+        _warn_once(loader, _REPLAY_OUT_OF_ORDER)
     cuts = [(int(b), int(n), int(size)) for b, n, size in state.get("cuts", [])] if done else []
     progress = Position(state["epoch"], states, batches=done, skipped=done,
                         batch_size=state.get("epoch_batch_size", batch_size), cuts=cuts,
-                        sampler_started=bool(state.get("sampler_started", True)) or done > 0)
+                        sampler_started=bool(state.get("sampler_started", True)) or done > 0,
+                        dataset_state=dataset_state if deferred else None, stream_state=stream_state,
+                        delivered=_unpacked(state.get("out_of_order")) if done else None)
     return LoadedState(state["epoch"], progress, state["transform_seed"], batch_size)

@@ -1,15 +1,34 @@
-"""Moving a batch, whatever its nesting, to a device while keeping its structure and types."""
+"""Moving a batch, whatever its nesting, to a device while keeping its structure and types;
+and the staging in force in a thread, which small per-batch host tensors reach the device by.
+
+Every per-batch host-to-device copy goes through one path: the loader's prefetcher (its pinned
+slots and side stream, ``Prefetcher.copy_now``). The prefetcher's thread, and the loop's thread
+while it makes a batch itself (``prefetch_depth=0``), install that path here
+(:func:`staging_through`); code deep inside a batch (the sample cache writing its device
+columns, the transforms' parameter tables) calls :func:`to_device` and needs no handle on it.
+Outside a loader (a transform called by hand) the tensors go in one non-blocking copy from a
+pinned buffer on the current stream; either way no copy waits for the stream (a copy from
+pageable memory would: a host sync every batch).
+"""
 
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import copy
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["map_leaves", "move_to_device", "batch_nbytes", "batch_length"]
+__all__ = [
+    "map_leaves", "move_to_device", "move_staged", "batch_nbytes", "batch_length", "to_device", "staging_through",
+    "pack", "unpack",
+]
+
+_ALIGN = 16  # bytes: every dtype's view of a packed buffer stays aligned
+_in_force = threading.local()  # .copy: the staging of the loader whose batch this thread makes
 
 
 def map_leaves(data: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool] | None = None) -> Any:
@@ -83,3 +102,92 @@ def batch_length(data: Any) -> int:
     if isinstance(data, collections.abc.Sized) and not isinstance(data, (str, bytes)):
         return len(data)
     return 1
+
+
+def to_device(tensors: Sequence[torch.Tensor], device: torch.device, keep_layout: bool = False) -> list[torch.Tensor]:
+    """``tensors`` (host or already on ``device``) on ``device``.
+
+    On a device the host tensors go through the staging in force in this thread (see the
+    module docstring), or, outside a loader, one non-blocking copy from a buffer (pinned on
+    CUDA) on the current stream; the results are ready on the current stream and protected on
+    it, contiguous, or with their dimensions in the host tensors' order in memory when
+    ``keep_layout`` (an HWC image viewed as CHW stays channels-last). On the CPU they are the
+    tensors themselves.
+    """
+    if device.type == "cpu":
+        return [t.to(device) for t in tensors]
+    if all(t.device == device for t in tensors):
+        return list(tensors)
+    orders = [_memory_order(t) if keep_layout and t.device.type == "cpu" else None for t in tensors]
+    tensors = [t if order is None else t.permute(order) for t, order in zip(tensors, orders)]
+    staged = getattr(_in_force, "copy", None)
+    if staged is not None:
+        moved = list(staged(list(tensors)))
+    else:
+        host = [t for t in tensors if t.device.type == "cpu"]
+        buffer, offsets = pack(host, pin_memory=device.type == "cuda")
+        copied = iter(unpack(buffer.to(device, non_blocking=True), offsets, host))
+        moved = [next(copied) if t.device.type == "cpu" else t.to(device, non_blocking=True) for t in tensors]
+    return [t if order is None else t.permute(_inverse(order)) for t, order in zip(moved, orders)]
+
+
+def _memory_order(t: torch.Tensor) -> list[int] | None:
+    """The permutation of ``t``'s dimensions that is contiguous in memory (None: the identity,
+    or no permutation is: such a tensor is copied contiguous)."""
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    if order == list(range(t.dim())) or not t.permute(order).is_contiguous():
+        return None
+    return order
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return inverse
+
+
+def move_staged(data: Any, device: torch.device) -> Any:
+    """``data`` (any nesting) with every tensor on ``device``, the host ones in one copy through
+    :func:`to_device`, each keeping its layout (as ``.to(device)`` does)."""
+    if device.type == "cpu":
+        return move_to_device(data, device)
+    leaves: list[torch.Tensor] = []
+    map_leaves(data, leaves.append)
+    moved = iter(to_device(leaves, device, keep_layout=True))
+    return map_leaves(data, lambda tensor: next(moved))
+
+
+@contextlib.contextmanager
+def staging_through(copy_now: Callable[[Any], Any] | None) -> Iterator[None]:
+    """While inside, :func:`to_device` in this thread copies through ``copy_now`` (a
+    ``Prefetcher.copy_now``: its pinned slots, its side stream); None: no staging in force."""
+    previous = getattr(_in_force, "copy", None)
+    _in_force.copy = copy_now
+    try:
+        yield
+    finally:
+        _in_force.copy = previous
+
+
+def pack(tensors: Sequence[torch.Tensor], pin_memory: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """One uint8 host buffer holding ``tensors`` one after another (aligned), and their offsets."""
+    offsets: list[int] = []
+    total = 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin_memory)
+    for t, offset in zip(tensors, offsets):
+        _view(buffer, offset, t).copy_(t)
+    return buffer, offsets
+
+
+def unpack(buffer: torch.Tensor, offsets: Sequence[int], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors ``pack`` put in ``buffer`` (or a copy of it), as views of it."""
+    return [_view(buffer, offset, t) for t, offset in zip(like, offsets)]
+
+
+def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    nbytes = like.numel() * like.element_size()
+    return buffer[offset : offset + nbytes].view(like.dtype).view(like.shape)

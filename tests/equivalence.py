@@ -9,23 +9,34 @@ import numpy as np
 import torch
 
 
-def assert_same(ours: Any, theirs: Any, where: str = "batch") -> None:
-    """Recursively assert equal structure, container types, dtypes and values."""
+def assert_same(ours: Any, theirs: Any, where: str = "batch", exact: bool = False) -> None:
+    """Recursively assert equal structure, container types, dtypes and values. ``exact``: also
+    numpy arrays' and scalars' dtypes and shapes, and tensors' ``requires_grad``."""
     assert type(ours) is type(theirs), f"{where}: {type(ours).__name__} != {type(theirs).__name__}"
     if isinstance(theirs, torch.Tensor):
         assert ours.dtype == theirs.dtype, f"{where}: dtype {ours.dtype} != {theirs.dtype}"
         assert ours.shape == theirs.shape, f"{where}: shape {ours.shape} != {theirs.shape}"
-        assert torch.equal(ours.cpu(), theirs.cpu()), f"{where}: values differ"
+        assert not exact or ours.requires_grad == theirs.requires_grad, f"{where}: requires_grad differs"
+        assert torch.equal(ours.detach().cpu(), theirs.detach().cpu()), f"{where}: values differ"
+    elif exact and isinstance(theirs, (np.ndarray, np.generic)):
+        assert ours.dtype == theirs.dtype, f"{where}: dtype {ours.dtype} != {theirs.dtype}"
+        assert np.shape(ours) == np.shape(theirs), f"{where}: shape {np.shape(ours)} != {np.shape(theirs)}"
+        assert np.array_equal(ours, theirs), f"{where}: values differ"
     elif isinstance(theirs, np.ndarray):
         np.testing.assert_array_equal(ours, theirs)
     elif isinstance(theirs, collections.abc.Mapping):
+        if exact:  # a subclass's own state: a defaultdict's factory, attributes
+            assert getattr(ours, "default_factory", None) == getattr(theirs, "default_factory", None), where
+            assert getattr(ours, "__dict__", None) == getattr(theirs, "__dict__", None), f"{where}: attributes differ"
         assert list(ours.keys()) == list(theirs.keys()), f"{where}: keys differ"
         for key in theirs:
-            assert_same(ours[key], theirs[key], f"{where}[{key!r}]")
+            assert_same(ours[key], theirs[key], f"{where}[{key!r}]", exact)
     elif isinstance(theirs, (list, tuple)):
+        if exact:
+            assert getattr(ours, "__dict__", None) == getattr(theirs, "__dict__", None), f"{where}: attributes differ"
         assert len(ours) == len(theirs), f"{where}: length {len(ours)} != {len(theirs)}"
         for i, (a, b) in enumerate(zip(ours, theirs)):
-            assert_same(a, b, f"{where}[{i}]")
+            assert_same(a, b, f"{where}[{i}]", exact)
     else:
         assert ours == theirs, f"{where}: {ours!r} != {theirs!r}"
 

@@ -18,8 +18,8 @@ from gpuload.cache.store import Store
 from gpuload.cache.tiers import TIERS, HostTier
 from gpuload.distributed.partition import Partition
 from gpuload.distributed.scope import ScopeDecision
-from gpuload.distributed.sharded_images import ShardedImageStore
-from gpuload.distributed.sharded_store import ShardedArrayStore, ShardPlan
+from gpuload.distributed.sharded_images import image_share
+from gpuload.distributed.sharded_store import ShardPlan, sharded_arrays
 from gpuload.prefetch import Prefetcher
 from gpuload.sources.placed_arrays import staged_copier
 
@@ -123,11 +123,12 @@ def _share_plan(data_bytes: int) -> ShardPlan:
     return ShardPlan(decision, Partition(N, 2, 2), 1, data_bytes, "cpu")
 
 
-def sharded_arrays_case() -> Case:
+def sharded_arrays_case(device: str = "cpu") -> Case:
     data = columns()
     plan = _share_plan(bytes_per_sample(data))
-    store = ShardedArrayStore(data, plan, torch.device("cpu"), (None, None), owner="share", ledger=BudgetLedger())
     start, stop = plan.partition.rows_of(1)
+    block = [column[start:stop].clone() for column in data]
+    store = sharded_arrays(block, plan, torch.device(device), (None, None), owner="share", ledger=BudgetLedger())
     return Case(store, torch.arange(start, stop), lambda index: [column.index_select(0, index) for column in data])
 
 
@@ -143,8 +144,8 @@ def sharded_images_case() -> Case:
         views.append(chunk[offset : offset + image.numel()])
         offset += image.numel()
     table = torch.tensor([[0, *image.shape, 0] for image in images], dtype=torch.int64)
-    store = ShardedImageStore([chunk], views, table, {}, plan, torch.device("cpu"), (None, None), on_error="raise",
-                              name=str, failure=RuntimeError, owner="share", ledger=BudgetLedger())
+    store = image_share([chunk], views, table, {}, plan, torch.device("cpu"), (None, None), on_error="raise",
+                        name=str, failure=RuntimeError, owner="share", ledger=BudgetLedger())
     return Case(store, torch.arange(start, stop), lambda index: [images[k] for k in index.tolist()])
 
 

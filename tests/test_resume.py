@@ -219,7 +219,7 @@ def test_a_stateful_iterable_dataset_continues_from_its_own_state() -> None:
         assert_same(ours, theirs)
 
 
-def test_an_iterable_dataset_without_state_restarts_its_epoch_with_a_warning() -> None:
+def test_an_iterable_dataset_without_state_is_replayed_to_its_position() -> None:
     class Plain(tud.IterableDataset):
         def __iter__(self):
             return iter(range(10))
@@ -229,12 +229,28 @@ def test_an_iterable_dataset_without_state_restarts_its_epoch_with_a_warning() -
     next(iterator)
     state = loader.state_dict()
     resumed = gpuload.DataLoader(Plain(), batch_size=3)
-    with pytest.warns(UserWarning, match="starts that epoch again"):
-        resumed.load_state_dict(state)
-    assert len(list(resumed)) == 4
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        resumed.load_state_dict(state)
+        assert [b.tolist() for b in resumed] == [[3, 4, 5], [6, 7, 8], [9]]
         gpuload.DataLoader(Plain(), batch_size=3).load_state_dict(gpuload.DataLoader(Plain(), batch_size=3).state_dict())
+
+
+def test_a_replay_that_ends_early_says_so() -> None:
+    class Shrinking(tud.IterableDataset):
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __iter__(self):
+            return iter(range(self.n))
+
+    loader = gpuload.DataLoader(Shrinking(10), batch_size=3)
+    iterator = iter(loader)
+    next(iterator), next(iterator)
+    resumed = gpuload.DataLoader(Shrinking(2), batch_size=3)
+    resumed.load_state_dict(loader.state_dict())
+    with pytest.raises(ResumeError, match="ended after 1 batches"):
+        iter(resumed)
 
 
 def test_persistent_workers_resume_exactly_from_their_first_epoch() -> None:

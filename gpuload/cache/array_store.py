@@ -25,6 +25,7 @@ from gpuload.cache.plan import CachePlan, TierPlan
 from gpuload.cache.store import Store, StoreStats, StreamGuard, TierCounts
 from gpuload.cache.tiers import TIERS, HostTier, SourceTier, Tier
 from gpuload.sampling import in_range
+from gpuload.transfer import to_device
 
 __all__ = ["BatchRequest", "HostTier", "HostTierMaker", "StoreStats", "TierMaker", "TieredArrayStore", "gatherable",
            "private_host_tier"]
@@ -96,6 +97,8 @@ class TieredArrayStore(Store):
     with one :class:`CacheFallbackWarning` per store. The device bytes are booked in ``ledger``
     under ``owner`` until :meth:`close`. ``host_tier`` builds the host tier (a
     :data:`TierMaker`, e.g. a node's shared copy); by default each store keeps its own copy.
+    ``disk_tier`` builds the disk tier (``gpuload.cache.disk_tier.disk_tier_maker``); without
+    it a plan's disk tier stays empty.
     ``tiers`` maps further tier names to their classes (default: the registered ones). ``stage_host_rows``: whether host rows go through the loader's staging
     (default: on any target but the CPU).
     """
@@ -109,6 +112,7 @@ class TieredArrayStore(Store):
         ledger: BudgetLedger = LEDGER,
         owner: Hashable | None = None,
         host_tier: HostTierMaker = private_host_tier,
+        disk_tier: TierMaker | None = None,
         tiers: Mapping[str, type[Tier]] | None = None,
         stage_host_rows: bool | None = None,
     ) -> None:
@@ -155,6 +159,8 @@ class TieredArrayStore(Store):
         self._hits: list[int] = []
         self._kinds = dict(TIERS if tiers is None else tiers)
         self._makers: dict[str, TierMaker] = {"host": host_tier}  # tiers built otherwise than by their class
+        if disk_tier is not None:
+            self._makers["disk"] = disk_tier
         self._tiers: list[Tier] = []  # the plan's tiers as placed, then the source
         self._counts: list[int] = []  # rows each tier serves (a maker's tier may hold more)
         self._streams = StreamGuard(self.device)  # orders and protects the device tier's rows
@@ -402,8 +408,9 @@ class TieredArrayStore(Store):
         columns = range(len(self._source))
         device_leaves: list[torch.Tensor] = []
         if on_device:
+            moved = to_device([groups[p] for p in on_device], self.device)  # through the loader's staging
             for c in columns:
-                parts = [tiers[p].gather(c, groups[p].to(self.device, non_blocking=True)) for p in on_device]
+                parts = [tiers[p].gather(c, rows) for p, rows in zip(on_device, moved)]
                 device_leaves.append(parts[0] if len(parts) == 1 else torch.cat(parts))
 
         def fill_staged(views: list[torch.Tensor]) -> None:
@@ -420,7 +427,7 @@ class TieredArrayStore(Store):
         def assemble(device_part: list[torch.Tensor], staged_part: list[torch.Tensor]) -> Any:
             # Runs where the batch is used (the loop's thread and stream): the order it puts the
             # rows back in is moved there too, so no tensor of another stream is left unprotected.
-            back = inverse.to(self.device, non_blocking=True) if inverse is not None else None
+            back = to_device([inverse], self.device)[0] if inverse is not None else None
             leaves = []
             for c in columns:
                 pieces = ([device_part[c]] if device_part else []) + ([staged_part[c]] if staged_part else [])

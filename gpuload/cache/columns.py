@@ -26,15 +26,19 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import default_collate
+from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.oom import is_oom
 from gpuload.cache.sample_store import BudgetedCache, Uncacheable, copy_value
+from gpuload.transfer import move_staged, to_device
 
-__all__ = ["Branch", "Column", "ColumnStore", "Objects", "Part", "column_rows", "layout", "prepare", "rebuild"]
+__all__ = ["Branch", "Column", "ColumnStore", "Objects", "Part", "column_rows", "layout", "prepare", "rebuild",
+           "worker_collate"]
 
 _dtype = attrgetter("dtype")
 _NUMBERS = (int, float, bool)
+_HOST = torch.device("cpu")
 
 
 # ---------------------------------------------------------------- one batch, prepared
@@ -75,6 +79,25 @@ class Objects:
 
 
 Part = Branch | Column | Objects
+
+
+def _stack_as_in_worker(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+    """Tensors stacked as torch's ``default_collate`` stacks them in a worker process: into an
+    output of the first tensor's dtype (so float32 and float64 samples give float32, where the
+    main process promotes to float64), raising what torch raises there."""
+    elem = batch[0]
+    if elem.is_nested or elem.layout != torch.strided:
+        return collate_tensor_fn(batch)  # torch's own error for nested and sparse tensors
+    return torch.stack(batch, 0, out=elem.new_empty((len(batch), *elem.shape)))
+
+
+_WORKER_COLLATE_MAP = {**default_collate_fn_map, torch.Tensor: _stack_as_in_worker}
+
+
+def worker_collate(batch: Sequence[Any]) -> Any:
+    """``default_collate`` as it runs in a DataLoader worker process (see ``_stack_as_in_worker``):
+    what a cache serving a loader with workers collates per-sample leaves with in the main process."""
+    return collate(batch, collate_fn_map=_WORKER_COLLATE_MAP)
 
 
 def _build(kind: type, keys: tuple[Any, ...] | int, children: list[Any]) -> Any:
@@ -184,7 +207,9 @@ class _Stored:
     """A node of the stored tree. ``gather``: the collated batch of rows ``slots``;
     ``views``: fresh per-sample values of those rows."""
 
-    def gather(self, slots: torch.Tensor, where: torch.Tensor) -> Any:
+    def gather(self, slots: torch.Tensor, where: torch.Tensor, collate: Callable[[Any], Any]) -> Any:
+        """``collate``: what per-sample leaves are collated with (``default_collate`` as the
+        loader's torch path runs it: in this process, or ``worker_collate``)."""
         raise NotImplementedError
 
     def views(self, slots: torch.Tensor, where: torch.Tensor) -> list[Any]:
@@ -211,14 +236,13 @@ class _StoredColumn(_Stored):
                 self._records = None
 
     def write(self, where: np.ndarray, source: torch.Tensor) -> None:
-        """Rows ``where`` (host integers) = ``source`` (a host batch of rows)."""
+        """Rows ``where`` (host integers) = ``source`` (a batch of rows), both where the column
+        lives (see :func:`_write_columns`)."""
         if self._records is not None:
             record = self._records.dtype
             self._records[where] = source.contiguous().numpy().reshape(source.shape[0], -1).view(record)[:, 0]
         else:
-            device = self.rows.device
-            index = torch.from_numpy(where).to(device, torch.int64)
-            self.rows.index_copy_(0, index, source.to(device))
+            self.rows.index_copy_(0, torch.from_numpy(where).to(torch.int64), source)
 
     def matches(self, part: Part) -> bool:
         return (
@@ -230,22 +254,24 @@ class _StoredColumn(_Stored):
     def nbytes(self) -> int:
         return self.rows.numel() * self.rows.element_size()
 
-    def gather(self, slots: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    def gather(self, slots: torch.Tensor, where: torch.Tensor, collate: Callable[[Any], Any]) -> torch.Tensor:
         return self.rows.index_select(0, where)
 
     def views(self, slots: torch.Tensor, where: torch.Tensor) -> list[Any]:
-        return _values_of(self.rows.index_select(0, where), self.kind)
+        return _values_of(self.rows.index_select(0, where), self.kind, self.dtype)
 
 
-def _values_of(rows: torch.Tensor, kind: type) -> list[Any]:
-    """The per-sample values whose default_collate is ``rows``, each a fresh object."""
+def _values_of(rows: torch.Tensor, kind: type, dtype: Any) -> list[Any]:
+    """The per-sample values whose default_collate is ``rows``, each a fresh object of the
+    type the dataset returned (``dtype``: an array's own dtype)."""
     if kind is torch.Tensor:
         return list(rows.unbind(0))
     if kind in _NUMBERS:
         return rows.tolist()
     array = rows.cpu().numpy()
     if kind is np.ndarray:
-        return list(array)
+        array = array.astype(dtype, copy=False)
+        return [array[i, ...] for i in range(len(array))]  # ``...``: a 0-d array stays an array
     values = list(array)  # numpy scalars of the dtype's own type
     return values if array.dtype.type is kind else [kind(value) for value in values]
 
@@ -257,9 +283,9 @@ class _StoredObjects(_Stored):
     values: list[Any]  # by slot
     sizes: list[int]  # bytes by slot
 
-    def gather(self, slots: torch.Tensor, where: torch.Tensor) -> Any:
+    def gather(self, slots: torch.Tensor, where: torch.Tensor, collate: Callable[[Any], Any]) -> Any:
         values = self.values
-        return default_collate(self.sequence(values[s] for s in slots.tolist()))
+        return collate(self.sequence(values[s] for s in slots.tolist()))
 
     def views(self, slots: torch.Tensor, where: torch.Tensor) -> list[Any]:
         return [copy_value(self.values[s], self.device)[0] for s in slots.tolist()]
@@ -274,8 +300,8 @@ class _StoredBranch(_Stored):
     def matches(self, part: Part) -> bool:
         return isinstance(part, Branch) and part.kind is self.kind and part.keys == self.keys
 
-    def gather(self, slots: torch.Tensor, where: torch.Tensor) -> Any:
-        return _build(self.kind, self.keys, [child.gather(slots, where) for child in self.children])
+    def gather(self, slots: torch.Tensor, where: torch.Tensor, collate: Callable[[Any], Any]) -> Any:
+        return _build(self.kind, self.keys, [child.gather(slots, where, collate) for child in self.children])
 
     def views(self, slots: torch.Tensor, where: torch.Tensor) -> list[Any]:
         return _samples(self.kind, self.keys, [child.views(slots, where) for child in self.children])
@@ -298,7 +324,7 @@ def _part_values(part: Part) -> list[Any]:
     if isinstance(part, Objects):
         return list(part.values)
     if isinstance(part, Column):
-        return _values_of(part.rows, part.kind)
+        return _values_of(part.rows, part.kind, part.dtype)
     return _samples(part.kind, part.keys, [_part_values(child) for child in part.children])
 
 
@@ -320,7 +346,9 @@ class ColumnStore(BudgetedCache):
     index to its row, -1 while it is not stored: the presence map. On a CUDA ``device`` the
     columns live there and the bytes are booked in ``ledger``. Host columns are pageable: a
     batch gathered from them is a new tensor, copied to a device through the prefetcher's
-    pinned slots, so pinning the columns would buy nothing.
+    pinned slots, so pinning the columns would buy nothing. ``collate``: what ``gather``
+    collates per-sample leaves with, ``default_collate`` as torch runs it for the loader (in its
+    process, or in a worker: ``worker_collate``).
     """
 
     def __init__(
@@ -332,8 +360,10 @@ class ColumnStore(BudgetedCache):
         ledger: BudgetLedger = LEDGER,
         owner: Hashable | None = None,
         room: Callable[[], int] | None = None,
+        collate: Callable[[Any], Any] = default_collate,
     ) -> None:
         super().__init__(budget_bytes, device, ledger=ledger, owner=owner, room=room, num_samples=num_samples)
+        self.collate = collate
         self._slot_dtype = torch.int32 if num_samples < 2**31 else torch.int64
         self._slot_of = torch.full((num_samples,), -1, dtype=self._slot_dtype)
         self._host_bytes = self._slot_of.numel() * self._slot_of.element_size() if self._device.type == "cpu" else 0
@@ -393,7 +423,7 @@ class ColumnStore(BudgetedCache):
         with self._lock:
             self._check_open()
             self._streams.use()
-            return self._root.gather(slots, self._where(slots))
+            return self._root.gather(slots, self._where(slots), self.collate)
 
     def views(self, slots: torch.Tensor) -> list[Any]:
         """Fresh copies of the stored samples in rows ``slots``, for a collate_fn of the user's."""
@@ -403,7 +433,7 @@ class ColumnStore(BudgetedCache):
             return self._root.views(slots, self._where(slots))
 
     def _where(self, slots: torch.Tensor) -> torch.Tensor:
-        return slots if self._device.type == "cpu" else slots.to(self._device, non_blocking=True)
+        return slots if self._device.type == "cpu" else to_device([slots], self._device)[0]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -418,7 +448,11 @@ class ColumnStore(BudgetedCache):
             self._streams.use()
             hit = (slots >= 0).nonzero().view(-1)
             miss = (slots < 0).nonzero().view(-1)
-            return _merge(self._root, part, slots.index_select(0, hit), hit, miss, self._device)
+            at = (slots.index_select(0, hit), hit, miss)
+            read = column_rows(part)
+            moved = to_device([*at, *read], self._device)  # one copy through the loader's staging
+            read_device = dict(zip(map(id, read), moved[3:]))
+            return _merge(self._root, part, at, (tuple(moved[:3]), read_device), self._device, self.collate)
 
     # ------------------------------------------------------------ filling
 
@@ -506,11 +540,13 @@ class ColumnStore(BudgetedCache):
         copies, sizes = [], []
         for value in _part_values(part):
             try:
-                copied, nbytes = copy_value(value, self._device)
+                copied, nbytes = copy_value(value, _HOST)
             except Uncacheable:
                 copied, nbytes = None, None
             copies.append(copied)
             sizes.append(nbytes)
+        if self._device.type != "cpu":  # the batch's tensors in one copy, through the loader's staging
+            copies = move_staged(copies, self._device)
         write.objects.append((node, copies, sizes))
         return node
 
@@ -564,10 +600,8 @@ class ColumnStore(BudgetedCache):
         everyone = bool(ok.all())
         positions = None if everyone else ok.nonzero().view(-1)
         target = slots if everyone else slots.index_select(0, positions)
-        where = target.numpy()
-        for column, rows in write.columns:
-            source = rows if everyone else rows.index_select(0, positions)
-            column.write(where, source)
+        writes = [(column, rows if everyone else rows.index_select(0, positions)) for column, rows in write.columns]
+        _write_columns(writes, target.numpy(), self._device)
         if write.objects:
             chosen = range(n) if everyone else positions.tolist()
             seen = set()
@@ -597,8 +631,7 @@ class ColumnStore(BudgetedCache):
         if not np.array_equal(slot_of[at], rows):
             slot_of[at] = -1  # a key drawn twice: the general path
             return 0
-        for column, source in write.columns:
-            column.write(rows, source)
+        _write_columns(write.columns, rows, self._device)
         self._used += n
         self._stats.entries = self._used
         return n
@@ -712,31 +745,49 @@ def _describe(node: _Stored, capacity: int, num_samples: int, prefix: str = "") 
     return f"{prefix}by column: {len(columns)} column(s) [{shapes}], {format_bytes(row)} per row, rows for {rows}{kept}"
 
 
-def _merge(node: _Stored, part: Part, hit_slots: torch.Tensor, hit: torch.Tensor, miss: torch.Tensor,
-           device: torch.device) -> Any | None:
-    """default_collate of cached rows (at positions ``hit``) and read samples (``part``, at
-    positions ``miss``), leaf by leaf; None where the read samples do not fit a column."""
+def _write_columns(writes: list[tuple[_StoredColumn, torch.Tensor]], where: np.ndarray, device: torch.device) -> None:
+    """Each column's rows ``where`` (host integers) = its host batch of rows. On a device the
+    positions and every column's rows get there in one copy through the staging in force."""
+    if device.type == "cpu":
+        for column, source in writes:
+            column.write(where, source)
+        return
+    index, *moved = to_device([torch.from_numpy(where).to(torch.int64), *(source for _, source in writes)], device)
+    for (column, _), rows in zip(writes, moved):
+        column.rows.index_copy_(0, index, rows)
+
+
+def _merge(node: _Stored, part: Part, at: tuple[torch.Tensor, ...],
+           on_device: tuple[tuple[torch.Tensor, ...], dict[int, torch.Tensor]], device: torch.device,
+           collate: Callable[[Any], Any]) -> Any | None:
+    """default_collate of cached rows and read samples (``part``), leaf by leaf; None where the
+    read samples do not fit a column. ``at``: (rows of the cached samples, their positions in
+    the batch, the read samples' positions), on the host; ``on_device``: the same on
+    ``device``, and the read columns' rows there (by ``id`` of the host rows); ``collate``: the
+    store's, for per-sample leaves."""
     if isinstance(node, _StoredBranch):
         if not node.matches(part):
             return None
-        children = [_merge(c, p, hit_slots, hit, miss, device) for c, p in zip(node.children, part.children)]
+        children = [_merge(c, p, at, on_device, device, collate) for c, p in zip(node.children, part.children)]
         if any(child is None for child in children):
             return None
         return _build(node.kind, node.keys, children)
+    hit_slots, hit, miss = at
     if isinstance(node, _StoredColumn):
         if not node.matches(part):
             return None
         rows = node.rows
         out = torch.empty((hit.numel() + miss.numel(), *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-        out.index_copy_(0, hit.to(device), rows.index_select(0, hit_slots.to(device)))
-        out.index_copy_(0, miss.to(device), part.rows.to(device))
+        (slots_there, hit_there, miss_there), read_there = on_device
+        out.index_copy_(0, hit_there, rows.index_select(0, slots_there))
+        out.index_copy_(0, miss_there, read_there[id(part.rows)])
         return out
     read = _part_values(part)
     if device.type != "cpu":
-        read = [copy_value(value, device)[0] for value in read]
+        read = move_staged(read, device)
     values: list[Any] = [None] * (hit.numel() + miss.numel())
     for position, slot in zip(hit.tolist(), hit_slots.tolist()):
         values[position] = node.values[slot]
     for position, value in zip(miss.tolist(), read):
         values[position] = value
-    return default_collate(node.sequence(values))
+    return collate(node.sequence(values))

@@ -30,7 +30,7 @@ def default_host_reserve(host_total: int) -> int:
     return max(HOST_RESERVE_MIN_BYTES, int(host_total * HOST_RESERVE_FRACTION))
 
 
-TIER_LABELS = {"device": "device tier", "host": "host tier"}
+TIER_LABELS = {"device": "device tier", "host": "host tier", "disk": "disk tier"}
 """How ``describe`` names a tier; a tier not listed is shown by its name."""
 
 
@@ -197,13 +197,16 @@ def make_plan(
     host_total: int | None = None,
     host_reserve: int | None = None,
     target: str = "cuda",
+    disk_room: int = 0,
 ) -> CachePlan:
     """Decide how many samples go on the device, in host memory, and from the source.
 
     The device tier takes at most ``min(budget, device_free - reserve)`` bytes (modes ``auto``
     and ``device``); the host tier at most ``host_free - host_reserve`` (modes ``auto`` and
     ``host``). Whole samples only. ``target="cpu"`` means batches are used on the host: the
-    source serves every sample and no tier is built.
+    source serves every sample and no tier is built. ``disk_room``: bytes of the disk tier
+    (``cache_dir``; 0: none), which takes the samples after the host tier's (modes ``auto``
+    and ``host``).
     """
     if mode not in MODES:
         raise ValueError(f"cache mode {mode!r} is not one of {', '.join(MODES)}")
@@ -253,6 +256,13 @@ def make_plan(
             notes.append("the whole dataset fits on the device: epochs after the fill copy nothing")
     tiers = (TierPlan("device", 0, device_samples, bytes_per_sample),
              TierPlan("host", device_samples, host_samples, bytes_per_sample, room=host_room))
+    if disk_room > 0 and target != "cpu" and mode in ("auto", "host"):
+        left = num_samples - device_samples - host_samples
+        disk_samples = min(left, disk_room // bytes_per_sample)
+        if disk_samples < left:
+            notes.append(f"the disk tier ({format_bytes(disk_room)}) holds {disk_samples} of the {left} samples left")
+        tiers += (TierPlan("disk", device_samples + host_samples, disk_samples, bytes_per_sample,
+                           room=min(num_samples, disk_room // bytes_per_sample)),)
     return CachePlan(
         mode=mode,
         target=target,

@@ -11,9 +11,10 @@ room check, the counters, ``settle`` and ``close``; both are filling stores
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, MutableMapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -55,9 +56,11 @@ class Uncacheable(Exception):
 
 def copy_value(value: Any, device: torch.device) -> tuple[Any, int]:
     """A copy of ``value`` that later changes by the dataset cannot reach (tensors on
-    ``device``), and its size in bytes (8 per number); raises :class:`Uncacheable`."""
+    ``device``), and its size in bytes (8 per number); raises :class:`Uncacheable`. A copy
+    is of the value's own type (an ``nn.Parameter`` stays one, a tensor keeps ``requires_grad``),
+    so a collate function sees what the dataset returned."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to(device, copy=True), value.numel() * value.element_size()
+        return _copy_tensor(value, device), value.numel() * value.element_size()
     if isinstance(value, np.ndarray):
         if value.dtype == object:
             raise Uncacheable("numpy object array")
@@ -71,15 +74,45 @@ def copy_value(value: Any, device: torch.device) -> tuple[Any, int]:
         for key, item in value.items():
             copied[key], size = copy_value(item, device)
             total += size
-        return (type(value)(copied) if type(value) is not dict else copied), total
+        return (copied if type(value) is dict else _same_container(value, copied)), total
     if isinstance(value, (tuple, list)):
         items = [copy_value(item, device) for item in value]
         total = sum(size for _, size in items)
         values = [v for v, _ in items]
+        if type(value) is tuple or type(value) is list:
+            return type(value)(values), total
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
             return type(value)(*values), total
-        return type(value)(values), total
+        return _same_container(value, values), total
     raise Uncacheable(type(value).__name__)
+
+
+def _same_container(value: Any, items: Any) -> Any:
+    """A container of ``value``'s own type and attributes (a defaultdict's factory, a list
+    subclass's fields) holding ``items``; :class:`Uncacheable` when it cannot be made."""
+    try:
+        if isinstance(value, (MutableMapping, list)):
+            clone = copy.copy(value)  # the type and its attributes, whatever its constructor takes
+            if isinstance(clone, list):
+                clone[:] = items
+            else:
+                clone.clear()
+                clone.update(items)
+            return clone
+        return type(value)(items)
+    except Exception as error:  # noqa: BLE001 - a container gpuload cannot rebuild is read again
+        raise Uncacheable(f"{type(value).__name__} ({type(error).__name__}: {error})") from None
+
+
+def _copy_tensor(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A detached copy of ``value`` on ``device``, of its type, ``requires_grad`` and attributes."""
+    copied = value.detach().to(device, copy=True)
+    if isinstance(value, torch.nn.Parameter):
+        return type(value)(copied, requires_grad=value.requires_grad)
+    if type(copied) is not type(value):  # a subclass detach() does not keep
+        copied = copied.as_subclass(type(value))
+        copied.__dict__.update(value.__dict__)
+    return copied.requires_grad_() if value.requires_grad else copied
 
 
 class BudgetedCache(FillingStore):

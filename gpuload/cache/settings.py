@@ -32,6 +32,7 @@ from gpuload.cache.budget import (
     resolve_reserve,
 )
 from gpuload.cache.plan import MODES, CachePlan, default_host_reserve, make_plan
+from gpuload.environment import check_environment
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -123,6 +124,7 @@ class CacheSettings:
         ``environ`` and ``cwd`` default to the process's; tests pass their own.
         """
         env = os.environ if environ is None else environ
+        check_environment(env)  # gpuload's other variables: a bad value fails here, not mid-epoch
         job_source = "keyword job="
         if job is None and env.get(ENV_JOB):
             job, job_source = env[ENV_JOB], f"environment variable {ENV_JOB}"
@@ -198,6 +200,7 @@ class CacheSettings:
         owner: Any = None,
         shared: bool = True,
         host_copies: int = 1,
+        disk: bool = False,
     ) -> CachePlan:
         """Where in-memory arrays go on ``device`` (a CUDA device, or a pretended card's name):
         the reserve, the budget, then :func:`~gpuload.cache.plan.make_plan`.
@@ -207,7 +210,8 @@ class CacheSettings:
         ``host_copies``: how many processes of this node each keep their own host tier of
         these arrays (a torch.distributed job whose ranks do not share one). The host budget
         (free host memory minus the host reserve) is the node's and is counted once: each copy
-        gets ``1/host_copies`` of it.
+        gets ``1/host_copies`` of it. ``disk``: plan the disk tier too when ``cache_dir`` is set
+        (:meth:`disk_room`).
         """
         name = str(device)
         reserve = resolve_reserve(self.reserve_spec, memory, source=self.reserve.source, device_name=name)
@@ -222,6 +226,7 @@ class CacheSettings:
         plan = make_plan(
             bytes_per_sample, num_samples, memory.free, host.free, budget, reserve, self.mode.value,
             device_total=memory.total, host_total=host.total, host_reserve=host_reserve, target="cuda",
+            disk_room=self.disk_room() if disk else 0,
         )
         if host_copies > 1:
             note = (
@@ -231,6 +236,19 @@ class CacheSettings:
             )
             plan = replace(plan, notes=(*plan.notes, note))
         return plan
+
+    def disk_room(self) -> int:
+        """Bytes the disk tier may hold (``disk_cache_size``, by default the free space of the
+        folder's file system less a reserve); 0 without ``cache_dir``."""
+        from gpuload.cache.disk import disk_budget  # disk imports this module
+
+        folder = self.disk_dir.value
+        if folder is None:
+            return 0
+        existing = Path(folder).expanduser().absolute()
+        while not existing.exists() and existing != existing.parent:  # the folder is made when first used
+            existing = existing.parent
+        return disk_budget(existing, self.disk_size.value)
 
     def keepable(self, device: Any, memory: Any, held: int) -> int:
         """Device bytes a cache now holding ``held`` may keep with free memory above the reserve

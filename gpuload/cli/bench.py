@@ -33,7 +33,7 @@ from gpuload.cli.arguments import (
 
 __all__ = ["add_arguments", "run", "run_bench", "UsageError"]
 
-SCENARIOS = ("inmemory", "images", "partial", "samples", "augment", "distributed", "tokens")
+SCENARIOS = ("inmemory", "images", "partial", "samples", "augment", "distributed", "tokens", "disk")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "arrays larger than the cache budget (partial), many small samples of a generic "
                              "dataset through the sample cache (samples), or in-memory images with crop + flip "
                              "+ normalize augmentation (augment), N processes on torch.distributed (distributed), "
-                             "or LLM token windows from a 100M-token shard (tokens)")
+                             "or LLM token windows from a 100M-token shard (tokens), or decoded JPEGs spilled to "
+                             "cache_dir's disk tier (disk)")
     parser.add_argument("--data", default=None, metavar="PATH",
                         help="your own .npy/.npz (rows = samples) or image folder (class subfolders); only read")
     parser.add_argument("--save-images", default=None, metavar="DIR",
@@ -74,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
                         help="torch's intra-op threads for the run (default: 1 on 2 cores or fewer, else torch's "
                              "choice; in the JSON)")
+    parser.add_argument("--contention", type=non_negative_int, default=0, metavar="N",
+                        help="busy neighbours: N processes that each spin on a core while the loaders are timed "
+                             "(started and stopped by the bench), to measure the ratios under contention")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-results", metavar="DIR", help="where bench.json and bench.png go")
     parser.add_argument("--quiet", action="store_true",
@@ -206,6 +210,8 @@ def _distributed_problem(args: argparse.Namespace, scenario: str) -> str | None:
             return f"argument {given[0]}: only applies to --scenario distributed"
         if scenario == "samples" and args.data is not None:
             return "argument --data: the samples scenario makes its own dataset (--samples N)"
+        if scenario == "disk" and args.data is not None:
+            return "argument --data: the disk scenario makes its own JPEG folder (--samples N)"
         if scenario == "tokens" and args.data is not None:
             return "argument --data: the tokens scenario makes its own 100M-token shard"
         return None
@@ -321,6 +327,7 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     import torch
 
     from gpuload.bench.ceilings import measure_ceilings
+    from gpuload.bench.contention import busy_neighbours
     from gpuload.bench.report import (
         WIDTH,
         add_ratios,
@@ -364,6 +371,11 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
 
         return run_tokens_bench(args.quick, args.batch_size, device, writable_out(args.out), environment(device),
                                 quiet=args.quiet, torch_workers=args.torch_workers, card=args.device_memory)
+    if scenario == "disk":
+        from gpuload.bench.disk import run_disk_bench
+
+        return run_disk_bench(args.quick, args.samples, args.batch_size, writable_out(args.out), environment(device),
+                              quiet=args.quiet)
     if scenario == "distributed":
         from gpuload.bench.distributed import run_distributed_bench
 
@@ -383,7 +395,11 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     ceilings = measure_ceilings(device)
     step = make_step(config.step, device, config.step_ms)
-    results = run_loaders(specs, device, config.epochs, step, _progress(args.quiet))
+    if args.contention:
+        say(f"busy neighbours: {args.contention} process(es) spinning on a core each while the loaders run")
+    with busy_neighbours(args.contention):
+        results = run_loaders(specs, device, config.epochs, step, _progress(args.quiet))
+        load_during = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     add_ratios(results)
     model_memory = results.model_memory.as_dict() if results.model_memory else None
     say("", format_table(results))
@@ -395,6 +411,7 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     document = {
         "scenario": scenario if not args.data else f"{scenario}:{args.data}",
         "config": dataclasses.asdict(config),
+        "contention": {"busy_neighbours": args.contention, "load_before": load_before, "load_after_run": load_during},
         "environment": {**environment(device), "fixed_malloc_thresholds": fixed_allocator},
         "ceilings_gbps": ceilings,
         **extra,

@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device budget: '40GiB', 0.8, 'auto', 'off'")
     parser.add_argument("--cache-reserve", type=size_choice, default=None, metavar="SIZE",
                         help="device memory kept for the model (default max(2 GiB, 10%%))")
+    parser.add_argument("--cache-dir", default=None, metavar="DIR",
+                        help="the disk tier's folder (default: settings, GPULOAD_CACHE_DIR); planned, nothing written")
+    parser.add_argument("--disk-cache-size", type=size_choice, default=None, metavar="SIZE",
+                        help="the disk tier's budget: '200GiB', 0.5 of the free space, 'auto', 'off'")
     parser.add_argument("--job", default=None, metavar="NAME",
                         help="the settings of a [jobs.NAME] table of gpuload.toml (in this folder, or the file "
                              "GPULOAD_CONFIG names)")

@@ -26,7 +26,8 @@ __all__ = ["print_plan", "load_factory"]
 
 def _settings(args: argparse.Namespace) -> CacheSettings:
     return CacheSettings.resolve(cache=args.cache, cache_size=args.cache_size, cache_reserve=args.cache_reserve,
-                                 job=args.job)
+                                 job=args.job, cache_dir=getattr(args, "cache_dir", None),
+                                 disk_cache_size=getattr(args, "disk_cache_size", None))
 
 
 def _pretended_memory(args: argparse.Namespace) -> MemoryInfo | None:
@@ -59,7 +60,7 @@ def print_plan(args: argparse.Namespace) -> int:
         host = _host(args)
         if target == "cuda":
             plan = settings.array_plan(shape.bytes_per_sample, shape.num_samples, memory, host,
-                                       device=device_name, shared=False)
+                                       device=device_name, shared=False, disk=True)
         else:
             plan = make_plan(shape.bytes_per_sample, shape.num_samples, 0, host.free, 0, 0, settings.mode.value,
                              host_total=host.total, target="cpu")
@@ -185,6 +186,9 @@ def _run_job_plan(args: argparse.Namespace) -> int:
         if scoped:
             _scope_device(args)  # on a machine without a GPU: asks for --device-memory
         memory = _pretended_memory(args)
+        if memory is None and not cuda_available():
+            raise ValueError("a job plan needs a card and this machine has no CUDA device: pass --device-memory "
+                             "with one GPU's memory (e.g. --device-memory 80GiB)")
         try:
             plan = plan_job(
                 factory, torch.empty(shape, device="meta"), optimizer=None if args.optimizer == "none" else args.optimizer,

@@ -38,6 +38,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from gpuload.environment import dali_stderr
+
 __all__ = ["quiet_native_stderr", "take_native_lines", "LOGGER"]
 
 LOGGER = logging.getLogger("gpuload.decode.dali")
@@ -195,7 +197,7 @@ if hasattr(os, "register_at_fork"):
 @contextmanager
 def quiet_native_stderr() -> Iterator[None]:
     """Around one DALI run: its native log lines go to :func:`take_native_lines`, not the console."""
-    if os.environ.get("GPULOAD_DALI_STDERR", "").lower() == "keep" or not hasattr(os, "pipe"):
+    if dali_stderr() == "keep" or not hasattr(os, "pipe"):
         yield
         return
     entered = _redirect.enter()

@@ -37,6 +37,7 @@ from gpuload.decode.cpu import describe_error
 from gpuload.decode.errors import DecodeDeviceError, ImageDecodeError, is_device_failure
 from gpuload.decode.headers import ROI, Header, PixelLimitError, clip_roi, peek_header, resolve_max_pixels
 from gpuload.device import resolve_device
+from gpuload.transfer import to_device
 
 if TYPE_CHECKING:
     from gpuload.decode._dali import DaliDecoder
@@ -292,8 +293,8 @@ class BatchDecoder:
                 if isinstance(outcome, Exception):
                     failures[k] = f"{gpu_failures[k]}; PIL: {describe_error(outcome)}"
                 else:
-                    decoded[k] = self._to_device(outcome)
                     rescued += 1
+            decoded.update(self._to_device(leftovers, second))
             on_cpu = len(cpu_todo)
         else:
             cpu_todo = todo
@@ -303,8 +304,7 @@ class BatchDecoder:
             for k, outcome in zip(cpu_todo, outcomes):
                 if isinstance(outcome, Exception):
                     failures[k] = describe_error(outcome)
-                else:
-                    decoded[k] = self._to_device(outcome)
+            decoded.update(self._to_device(cpu_todo, outcomes))
 
         if failures and on_error == "raise":
             first = min(failures)
@@ -347,16 +347,14 @@ class BatchDecoder:
         jpegs = [k for k in todo if headers[k].format == "JPEG"]
         return run_nvjpeg, jpegs, [k for k in todo if headers[k].format != "JPEG"]
 
-    def _to_device(self, image: torch.Tensor) -> torch.Tensor:
-        """A CPU-decoded image on the target device. To a GPU it is copied from pinned memory
-        without blocking: a pageable copy would make the host wait for everything queued on
-        the stream (the training step). torch's pinned allocator keeps the staging block until
-        the copy is done."""
-        if image.device == self.device:
-            return image
-        if self.device.type == "cuda":
-            return image.pin_memory().to(self.device, non_blocking=True)
-        return image.to(self.device)
+    def _to_device(self, positions: list[int], outcomes: Sequence[torch.Tensor | Exception]) -> dict[int, torch.Tensor]:
+        """The CPU-decoded images of ``positions`` (outcomes that are not errors) on the target
+        device, by position. To a GPU they go in one copy through the staging in force (the
+        loader's pinned slots and side stream; ``gpuload.transfer.to_device``): a pageable copy
+        would make the host wait for everything queued on the stream (the training step). Each
+        keeps its layout (an HWC decode stays channels-last), as the transforms expect."""
+        images = {k: outcome for k, outcome in zip(positions, outcomes) if not isinstance(outcome, Exception)}
+        return dict(zip(images, to_device(list(images.values()), self.device, keep_layout=True)))
 
     @staticmethod
     def _decode_gpu(

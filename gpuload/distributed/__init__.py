@@ -17,8 +17,9 @@ negotiated.
   stop at the same batch stay in step;
 - ``scope``: the ``auto`` decision (rank, node, world or today's tiers) from the cache budget;
 - ``scope_plan``: what each scope would hold and move on a pretended cluster (``gpuload plan``);
-- ``sharded_store``: the exchange every share uses (:class:`ShardExchange`: steps, header
-  check, collective, counters, close) and a rank's share of the arrays on it;
+- ``sharded_store``: a sharded store wraps any store holding a rank's share and owns the
+  exchange (:class:`ShardedStore`: steps, header check, collective, batch order, counters,
+  close; how rows travel as bytes: a :class:`RowFormat`), and a rank's share of the arrays;
 - ``sharded_samples``: a rank's share of a map-style dataset's samples, read once by column and
   served through the same exchange;
 - ``sharded_images``: a rank's share of an image dataset's decoded images, decoded once, each
@@ -37,8 +38,7 @@ from gpuload.distributed.partition import Partition
 from gpuload.distributed.rank_batches import every_rank_batches, shardable_sampler
 from gpuload.distributed.scope import ScopeDecision, decide_scope
 from gpuload.distributed.scope_plan import EpochBytes, ScopePlan, ScopePlans, plan_scopes
-from gpuload.distributed.sharded_images import ShardedImageStore
-from gpuload.distributed.sharded_store import ShardedArrayStore, ShardExchange
+from gpuload.distributed.sharded_store import RowFormat, ShardedStore
 
 __all__ = [
     "EXCHANGE_TIMEOUT_ENV",
@@ -49,9 +49,8 @@ __all__ = [
     "ScopeDecision",
     "ScopePlan",
     "ScopePlans",
-    "ShardExchange",
-    "ShardedArrayStore",
-    "ShardedImageStore",
+    "RowFormat",
+    "ShardedStore",
     "StepPlan",
     "current_context",
     "decide_scope",

@@ -11,6 +11,7 @@ with the training job's own collectives (DDP's all-reduce).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -18,20 +19,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpuload.environment import DEFAULT_EXCHANGE_TIMEOUT_S, EXCHANGE_TIMEOUT, exchange_timeout_seconds
+
 __all__ = [
     "DEFAULT_EXCHANGE_TIMEOUT_S",
     "EXCHANGE_TIMEOUT_ENV",
     "DistributedContext",
     "ExchangeError",
+    "agree_on_scope",
+    "loader_identity",
     "current_context",
     "exchange_groups",
     "exchange_timeout",
     "release_groups",
 ]
 
-EXCHANGE_TIMEOUT_ENV = "GPULOAD_EXCHANGE_TIMEOUT"
-# NCCL's own default: long enough for a rank that checkpoints or validates between epochs.
-DEFAULT_EXCHANGE_TIMEOUT_S = 600.0
+EXCHANGE_TIMEOUT_ENV = EXCHANGE_TIMEOUT
 
 
 class ExchangeError(RuntimeError):
@@ -64,17 +67,69 @@ def current_context(local_world_size: int | None = None) -> DistributedContext |
 
 
 def exchange_timeout() -> timedelta:
-    """The exchange's timeout: ``GPULOAD_EXCHANGE_TIMEOUT`` seconds, else 600 s."""
-    text = os.environ.get(EXCHANGE_TIMEOUT_ENV, "").strip()
-    if not text:
-        return timedelta(seconds=DEFAULT_EXCHANGE_TIMEOUT_S)
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"{EXCHANGE_TIMEOUT_ENV}={text!r} must be a number of seconds > 0")
-    return timedelta(seconds=seconds)
+    """The exchange's timeout: ``GPULOAD_EXCHANGE_TIMEOUT`` seconds, else 600 s (NCCL's own
+    default: long enough for a rank that checkpoints or validates between epochs)."""
+    return timedelta(seconds=exchange_timeout_seconds())
+
+
+_SCOPE_POLL_S = 0.02
+_scope_decisions: dict[tuple[int, str], int] = {}  # (default group, loader) -> scope decisions made
+
+
+def loader_identity(num_samples: int, batch_sampler: Any) -> str:
+    """What tells one loader from another the same way on every rank: the dataset's length and
+    the batch sampler's kind, batch size and (a DistributedSampler's) seed and shuffle."""
+    sampler = getattr(batch_sampler, "sampler", batch_sampler)
+    return ":".join(str(part) for part in (
+        num_samples, type(batch_sampler).__name__, getattr(batch_sampler, "batch_size", None),
+        type(sampler).__name__, getattr(sampler, "seed", None), getattr(sampler, "shuffle", None),
+    ))
+
+
+def agree_on_scope(scope: str, source: str, splits: bool, context: DistributedContext, loader: str) -> None:
+    """Check that every rank asks for the same ``cache_scope`` for this loader, before any group
+    is made (``new_group`` would wait the whole exchange timeout for a rank that never calls it).
+
+    Every rank publishes its setting in the default group's store, under ``loader`` (see
+    :func:`loader_identity`) and how many times it decided a scope for such a loader. A rank
+    that keeps its own copy (``splits`` False) goes on; a rank that would split the dataset
+    waits for every rank's setting (up to the exchange timeout) and raises
+    :class:`ExchangeError` naming each rank's setting as soon as one differs.
+    """
+    counted = (id(dist.group.WORLD), loader)
+    number = _scope_decisions.get(counted, 0)
+    _scope_decisions[counted] = number + 1
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"gpuload/cache_scope/{loader}/{number}/"
+    store.set(f"{prefix}{context.rank}", f"{scope}\n{source}")
+    if not splits:
+        return
+    timeout = exchange_timeout_seconds()
+    deadline = time.monotonic() + timeout
+    seen: dict[int, list[str]] = {}
+    while True:
+        for rank in range(context.world_size):
+            if rank not in seen and store.check([f"{prefix}{rank}"]):
+                seen[rank] = store.get(f"{prefix}{rank}").decode().split("\n", 1)
+        disagree = any(theirs != scope for theirs, _ in seen.values())
+        if disagree or len(seen) == context.world_size:
+            break
+        if time.monotonic() > deadline:
+            missing = [rank for rank in range(context.world_size) if rank not in seen]
+            raise ExchangeError(
+                f"gpuload: rank {context.rank} waited {timeout:g} s ({EXCHANGE_TIMEOUT_ENV}) for rank(s) "
+                f"{missing} to build this loader (cache_scope={scope!r}); every rank must build it"
+            )
+        time.sleep(_SCOPE_POLL_S)
+    if disagree:
+        settings = ", ".join(
+            f"rank {rank}: {seen[rank][0]!r} ({seen[rank][1]})" if rank in seen else f"rank {rank}: not known yet"
+            for rank in range(context.world_size)
+        )
+        raise ExchangeError(
+            f"gpuload: ranks disagree on cache_scope ({settings}); every rank must build this loader "
+            "with the same cache_scope"
+        )
 
 
 def exchange_groups(device: torch.device, timeout: timedelta) -> tuple[Any, Any]:

@@ -7,8 +7,8 @@ bytes, in their decoded memory layout. The ranks then swap one table, once: ever
 decoded shape and whether its file was bad. From it and the epoch's index order every rank
 computes, for each step, how many bytes it sends to and receives from each rank (images differ
 in size), so no message is spent deciding who sends what; the step itself is one
-``all_to_all_single`` of bytes (:class:`ShardedImageStore`, on the exchange pieces the arrays
-use). The transforms then run on the receiving rank as on the unsplit path.
+``all_to_all_single`` of bytes (a :class:`~gpuload.distributed.sharded_store.ShardedStore` over
+the :class:`DecodedShare`, rows as :class:`ImageRows`). The transforms then run on the receiving rank as on the unsplit path.
 
 Reading the block up front (not decoding each image for the batch that first needs it) keeps
 every step's sizes known before any step runs, including a file that turns out corrupt only
@@ -36,10 +36,11 @@ import torch.distributed as dist
 
 from gpuload.cache import LEDGER, CacheSettings, StoreStats, format_bytes
 from gpuload.cache.budget import BudgetLedger
-from gpuload.distributed.exchange_plan import plan_step
-from gpuload.distributed.group import DistributedContext, ExchangeError, release_groups
+from gpuload.cache.store import Store, StreamGuard
+from gpuload.distributed.group import DistributedContext, ExchangeError, loader_identity, release_groups
 from gpuload.distributed.sharded_store import (
-    ShardExchange,
+    RowFormat,
+    ShardedStore,
     ShardPlan,
     agree_on_split,
     decline_split,
@@ -47,7 +48,8 @@ from gpuload.distributed.sharded_store import (
     split_obstacle,
 )
 
-__all__ = ["BadFile", "ExchangedImages", "ReadImages", "ShardedImageStore", "WholeImages", "shard_images"]
+__all__ = ["BadFile", "DecodedShare", "ExchangedImages", "ImageRows", "ReadImages", "WholeImages", "image_share",
+           "shard_images", "share_summary"]
 
 BadFile = tuple[int, str, str]
 """``(dataset position, backend, reason)`` of a file that could not be read (backend
@@ -82,141 +84,155 @@ class ExchangedImages:
     skipped: list[BadFile]
 
 
-class ShardedImageStore(ShardExchange):
-    """This rank's block of decoded images, packed as bytes on ``device``, and the table of
-    every image's stored shape, layout and status (the same on every rank).
+class DecodedShare(Store):
+    """This rank's block of decoded images, packed as bytes on ``device``, by share row.
 
-    ``views[k]``: the bytes of block row ``k`` (None for a bad file); ``table``: (images, 5)
-    int64 rows of status, stored shape, layout; ``bad``: every bad file as ``position ->
-    (backend, reason)``; ``on_error``: ``"skip"`` or ``"raise"``; ``name(position)``: the file,
-    for messages; ``failure(bad files of this rank's batch, in batch order)``: the error this
-    rank raises for them (the unsplit path's); ``read_s``: the time the block took to decode.
+    ``views[k]``: the bytes of block row ``k`` (None for a bad file); ``shapes[k]``: its
+    stored shape and layout; ``start``: the dataset position of row 0 and ``name(position)``
+    the file, for messages; ``read_s``: the time the block took to decode. On CUDA the block is
+    booked in ``ledger`` under ``owner`` (by :func:`shard_images`) until :meth:`close`.
     """
 
     def __init__(
-        self,
-        chunks: list[torch.Tensor],
-        views: list[torch.Tensor | None],
-        table: torch.Tensor,
-        bad: dict[int, tuple[str, str]],
-        plan: ShardPlan,
-        device: torch.device,
-        groups: tuple[Any, Any],
-        *,
-        on_error: str,
-        name: Callable[[int], str],
-        failure: Callable[[list[BadFile]], Exception],
-        owner: Hashable,
-        ledger: BudgetLedger = LEDGER,
-        read_s: float = 0.0,
+        self, chunks: list[torch.Tensor], views: list[torch.Tensor | None], shapes: list[tuple[int, ...]],
+        device: torch.device, *, start: int, name: Callable[[int], str], owner: Hashable,
+        ledger: BudgetLedger = LEDGER, read_s: float = 0.0,
     ) -> None:
-        super().__init__(plan, device, groups, owner=owner, ledger=ledger)
-        self._chunks, self._views = chunks, views
-        self.read_s = read_s  # seconds this rank spent reading and decoding its block
-        self._shapes = [tuple(row[1:4]) for row in table.tolist()]
-        self._layouts = table[:, 4].tolist()
-        self._good = table[:, 0] == _GOOD
-        self._sizes = table[:, 1:4].prod(dim=1) * self._good
-        self._bad, self._on_error, self._name, self._failure = bad, on_error, name, failure
-        self._nbytes = sum(chunk.numel() for chunk in chunks)
+        self.device = device
+        self._chunks, self._views, self._shapes = chunks, views, shapes
+        self._start, self._name, self._owner, self._ledger = start, name, owner, ledger
+        self.read_s = read_s
+        self.nbytes = sum(chunk.numel() for chunk in chunks)
         self._rows = sum(view is not None for view in views)
-
-    @property
-    def shard_bytes(self) -> int:
-        """Bytes of decoded images this rank holds."""
-        return self._nbytes if not self._closed else 0
+        self._streams = StreamGuard(device)
+        self._closed = False
 
     @property
     def stats(self) -> StoreStats:
-        """The share as a cache tier (``device_bytes`` counts only what is held on CUDA)."""
         rows = self._rows if not self._closed else 0
-        held = self.shard_bytes if self.device.type == "cuda" else 0
-        return StoreStats(device_samples=rows, device_bytes=held, fill_bytes=held, device_hits=self._hits)
+        return StoreStats(device_samples=rows, device_bytes=self.device_bytes, fill_bytes=self.device_bytes)
 
-    def summary(self) -> dict[str, Any]:
-        """For ``loader.stats.extra["cache"]``: this rank's share of the decoded images."""
-        start, stop = self.plan.partition.rows_of(self._rank)
-        return {"kind": "images", "mode": "decoded", "scope": self.plan.decision.scope,
-                "entries": self.stats.device_samples, "bytes": self.shard_bytes, "rows": [start, stop],
-                "num_samples": self.plan.partition.num_samples, "bad_files": len(self._bad),
-                "hits": self._hits, "read_s": self.read_s, "complete": not self._closed}
-
-    def _share_tensors(self) -> list[torch.Tensor]:
-        return self._chunks if self.device.type == "cuda" else []
-
-    def _drop(self) -> None:
-        self._chunks, self._views = [], [None] * len(self._views)
+    @property
+    def device_bytes(self) -> int:
+        return self.nbytes if self.device.type == "cuda" and not self._closed else 0
 
     def gather(self, indices: Any) -> list[torch.Tensor]:
-        """The decoded images of this rank's share at dataset ``indices`` (CHW views, as the
-        decoder gave them); ``IndexError`` for a bad file or an index outside the share."""
+        """The decoded images of share rows ``indices`` (CHW views, as the decoder gave them);
+        ``IndexError`` for a bad file."""
+        if self._closed:
+            raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
+        self._streams.use()
         images = []
-        for row in self._share_positions(indices).tolist():
+        for row in torch.as_tensor(indices).reshape(-1).tolist():
             view = self._views[row]
             if view is None:
                 raise IndexError(f"dataset index {row + self._start} is a bad file: {self._name(row + self._start)}")
-            images.append(self._image(view, row + self._start))
+            images.append(_image(view, self._shapes[row]))
         return images
 
-    def _image(self, data: torch.Tensor, position: int) -> torch.Tensor:
-        """Bytes of ``position``'s image as the decoder gave it (shape and memory layout)."""
-        image = data.view(self._shapes[position])
-        return image.permute(2, 0, 1) if self._layouts[position] == _STORED_HWC else image
+    def shrink(self, max_device_bytes: int) -> int:
+        return 0  # the wrapper says why a share cannot shrink on one rank
 
-    def _screen(self, batches: list[torch.Tensor], header: tuple[int, ...]) -> list[torch.Tensor]:
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._streams.replaced(self._chunks)  # reserved until every stream that read them is done
+        self._chunks, self._views = [], [None] * len(self._views)
+        if self.device.type == "cuda":
+            self._ledger.release(self._owner)
+
+
+def _image(data: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Bytes of an image as the decoder gave it; ``shape``: its stored shape and layout."""
+    image = data.view(shape[:3])
+    return image.permute(2, 0, 1) if shape[3] == _STORED_HWC else image
+
+
+class ImageRows(RowFormat):
+    """Decoded images as exchanged: ragged rows sized from the table of every image's stored
+    shape, layout and status (the same on every rank).
+
+    ``table``: (images, 5) int64 rows of status, stored shape, layout; ``bad``: every bad file
+    as ``position -> (backend, reason)``; ``on_error``: ``"skip"`` or ``"raise"``;
+    ``name(position)``: the file, for messages; ``failure(bad files of this rank's batch, in
+    batch order)``: the error this rank raises for them (the unsplit path's).
+    """
+
+    def __init__(
+        self, table: torch.Tensor, bad: dict[int, tuple[str, str]], *, on_error: str,
+        name: Callable[[int], str], failure: Callable[[list[BadFile]], Exception],
+    ) -> None:
+        self.shapes = [tuple(row[1:]) for row in table.tolist()]
+        self._good = table[:, 0] == _GOOD
+        self._sizes = table[:, 1:4].prod(dim=1) * self._good
+        self.bad, self._on_error, self._name, self._failure = bad, on_error, name, failure
+
+    def sizes(self, positions: torch.Tensor) -> torch.Tensor:
+        return self._sizes[positions]
+
+    def encode(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([_stored(image)[0].reshape(-1) for image in rows])
+
+    def decode(self, data: torch.Tensor, positions: torch.Tensor, sizes: torch.Tensor) -> list[torch.Tensor]:
+        return [_image(part, self.shapes[p]) for part, p in zip(data.split(sizes.tolist()), positions.tolist())]
+
+    def in_order(self, arrived: list[torch.Tensor], local: list[torch.Tensor], inverse: torch.Tensor) -> list[torch.Tensor]:
+        grouped = arrived + local
+        return [grouped[g] for g in inverse.tolist()]
+
+    def screen(self, batches: list[torch.Tensor], rank: int, header: tuple[int, ...]) -> list[torch.Tensor]:
         """Every rank's batch without its bad files; with ``on_error="raise"``, the step's error
         on every rank instead when any rank's batch holds one."""
-        if not self._bad:
+        if not self.bad:
             return batches
         kept = [batch[self._good[batch]] for batch in batches]
         if self._on_error == "skip" or all(k.numel() == b.numel() for k, b in zip(kept, batches)):
             return kept
-        mine = batches[self._rank]
-        if kept[self._rank].numel() < mine.numel():
+        mine = batches[rank]
+        if kept[rank].numel() < mine.numel():
             raise self._failure(self._bad_in(mine))
-        rank = next(r for r, (k, b) in enumerate(zip(kept, batches)) if k.numel() < b.numel())
-        position, backend, reason = self._bad_in(batches[rank])[0]
+        theirs = next(r for r, (k, b) in enumerate(zip(kept, batches)) if k.numel() < b.numel())
+        position, backend, reason = self._bad_in(batches[theirs])[0]
         raise ExchangeError(
-            f"gpuload: rank {rank}'s batch {header[1] + 1} of epoch {header[0]} holds image "
+            f"gpuload: rank {theirs}'s batch {header[1] + 1} of epoch {header[0]} holds image "
             f"{self._name(position)!r} (sample index {position}), which could not be "
             f"{'read' if backend == 'read' else 'decoded'}: {reason}. With on_error='raise' every rank "
-            f"stops at that batch (rank {rank} raises the file's error); pass on_error='skip' to skip "
+            f"stops at that batch (rank {theirs} raises the file's error); pass on_error='skip' to skip "
             "bad samples and count them"
         )
 
     def _bad_in(self, batch: torch.Tensor) -> list[BadFile]:
-        return [(p, *self._bad[p]) for p in batch.tolist() if p in self._bad]
+        return [(p, *self.bad[p]) for p in batch.tolist() if p in self.bad]
 
-    def _step(self, batches: list[torch.Tensor], header: tuple[int, ...], slot: int) -> ExchangedImages:
-        """This rank's batch of whole images: the ones other ranks hold come in one ragged
-        ``all_to_all_single`` of bytes, sized from the table (on CUDA ordered on the current
-        stream, like the arrays' exchange)."""
-        mine = batches[self._rank]
-        kept = self._screen(batches, header)
-        plan = plan_step(self._rank, kept, self.plan.partition)
-        began = time.perf_counter()
-        self._check_peers(plan, header)
-        grouped = torch.empty_like(kept[self._rank])
-        grouped[plan.inverse] = kept[self._rank]  # batch rows in the order they arrive
-        incoming = grouped[: plan.received]
-        recv_sizes = self._sizes[incoming]
-        send_rows = plan.send_rows.tolist()
-        send_bytes = [int(part.sum()) for part in self._sizes[plan.send_rows + self._start].split(plan.send_splits)]
-        recv_bytes = [int(part.sum()) for part in recv_sizes.split(plan.recv_splits)]
-        views = self._views
-        if send_rows:
-            outgoing = torch.cat([views[row] for row in send_rows])
-        else:
-            outgoing = torch.empty(0, dtype=torch.uint8, device=self.device)
-        received = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=self.device)
-        self._swap(received, outgoing, recv_bytes, send_bytes, header)
-        arrived = [self._image(data, p) for data, p in zip(received.split(recv_sizes.tolist()), incoming.tolist())]
-        local = [self._image(views[row], row + self._start) for row in plan.local_rows.tolist()]
-        in_order = arrived + local
-        images = [in_order[g] for g in plan.inverse.tolist()]
-        self._count(slot, plan, sum(send_bytes), sum(recv_bytes), began)
-        skipped = self._bad_in(mine) if kept[self._rank].numel() < mine.numel() else []
-        return ExchangedImages(images, kept[self._rank].tolist(), skipped)
+    def item(self, rows: list[torch.Tensor], kept: torch.Tensor, drawn: torch.Tensor) -> ExchangedImages:
+        skipped = self._bad_in(drawn) if kept.numel() < drawn.numel() else []
+        return ExchangedImages(rows, kept.tolist(), skipped)
+
+
+def share_summary(store: ShardedStore) -> dict[str, Any]:
+    """For ``loader.stats.extra["cache"]``: this rank's share of the decoded images."""
+    start, stop = store.plan.partition.rows_of(store.plan.rank)
+    share, rows = store.inner, store.rows
+    return {"kind": "images", "mode": "decoded", "scope": store.plan.decision.scope,
+            "entries": store.stats.device_samples, "bytes": store.shard_bytes, "rows": [start, stop],
+            "num_samples": store.plan.partition.num_samples, "bad_files": len(getattr(rows, "bad", ())),
+            "hits": store.stats.device_hits, "read_s": getattr(share, "read_s", 0.0),
+            "complete": not store.closed}
+
+
+def image_share(
+    chunks: list[torch.Tensor], views: list[torch.Tensor | None], table: torch.Tensor, bad: dict[int, tuple[str, str]],
+    plan: ShardPlan, device: torch.device, groups: tuple[Any, Any], *, on_error: str, name: Callable[[int], str],
+    failure: Callable[[list[BadFile]], Exception], owner: Hashable, ledger: BudgetLedger = LEDGER, read_s: float = 0.0,
+) -> ShardedStore:
+    """The exchange over this rank's block of decoded images (``views``: each share row's bytes
+    in ``chunks``, None for a bad file; ``table``: every image's status, stored shape, layout)."""
+    rows = ImageRows(table, bad, on_error=on_error, name=name, failure=failure)
+    start, stop = plan.partition.rows_of(plan.rank)
+    inner = DecodedShare(chunks, views, rows.shapes[start:stop], device, start=start, name=name, owner=owner,
+                         ledger=ledger, read_s=read_s)
+    return ShardedStore(inner, rows, plan, device, groups, shard_bytes=inner.nbytes)
 
 
 def shard_images(
@@ -235,14 +251,14 @@ def shard_images(
     failure: Callable[[list[BadFile]], Exception],
     context: DistributedContext | None = None,
     ledger: BudgetLedger = LEDGER,
-) -> ShardedImageStore | None:
+) -> ShardedStore | None:
     """This rank's share of the decoded images when the scope splits them, else None.
 
     ``estimate()``: the decoded bytes of the whole dataset (from a few headers); ``room()``: the
     bytes a share may take on this rank; ``read`` reads and decodes this rank's block in chunks
     of ``chunk_size`` positions. Every rank must call this at the same point, as for arrays.
     """
-    context = split_context(settings, device, context)
+    context = split_context(settings, device, context, loader_identity(num_images, batch_sampler))
     if context is None:
         return None
     why_not = split_obstacle(settings, batch_sampler, num_images, context) or settings.off_reason()
@@ -288,8 +304,8 @@ def shard_images(
         dist.all_gather_object(everyone, bad, group=control)
         for theirs in everyone:
             bad.update(theirs)
-    store = ShardedImageStore(chunks, views, table, bad, plan, device, groups, on_error=on_error, name=name,
-                              failure=failure, owner=owner, ledger=ledger, read_s=read_s)
+    store = image_share(chunks, views, table, bad, plan, device, groups, on_error=on_error, name=name,
+                        failure=failure, owner=owner, ledger=ledger, read_s=read_s)
     if on_cuda:
         ledger.reserve(store.shard_bytes, owner, device=device)
         ledger.set_used(owner, store.shard_bytes, device=device)

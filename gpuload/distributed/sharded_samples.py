@@ -3,7 +3,7 @@
 When ``cache_scope`` splits the dataset (the same decision as for arrays, from the sample's
 bytes as the probe read them) and the samples read the same twice and collate to fixed-shape
 tensor columns (``gpuload.cache.columns``), each rank reads only its partition's rows, once,
-and keeps them by column in a :class:`~gpuload.distributed.sharded_store.ShardedArrayStore`.
+and keeps them by column in a store the arrays' exchange wraps (``sharded_store.sharded_arrays``).
 Every batch then comes over the arrays' exchange and is rebuilt in the structure torch's
 ``default_collate`` gives. Otherwise (random samples, leaves that are not fixed-shape columns,
 a custom ``collate_fn``, whatever stops arrays from splitting) each rank keeps its own sample
@@ -26,11 +26,12 @@ import torch.distributed as dist
 
 from gpuload.cache import CacheSettings, looks_deterministic
 from gpuload.cache.columns import Part, column_rows, layout, prepare, rebuild
-from gpuload.distributed.group import DistributedContext, ExchangeError, release_groups
+from gpuload.distributed.group import DistributedContext, ExchangeError, loader_identity, release_groups
 from gpuload.distributed.sharded_store import (
-    ShardedArrayStore,
+    ShardedStore,
     agree_on_split,
     decline_split,
+    sharded_arrays,
     split_context,
     split_obstacle,
 )
@@ -46,7 +47,7 @@ _READ_OK, _LAYOUT_DIFFERS, _READ_FAILED = 0, 1, 2
 class ShardedSamples:
     """This rank's share of the samples (``store``) and the structure their batches take."""
 
-    def __init__(self, store: ShardedArrayStore, template: Part) -> None:
+    def __init__(self, store: ShardedStore, template: Part) -> None:
         self.store = store
         self._template = template
 
@@ -85,10 +86,10 @@ def shard_samples(
     ``read`` reads this rank's rows in chunks of ``chunk_size`` (in this process, or with the
     loader's workers). Every rank must call this at the same point, as for arrays.
     """
-    context = split_context(settings, device, context)
+    num_samples = len(dataset)
+    context = split_context(settings, device, context, loader_identity(num_samples, batch_sampler))
     if context is None:
         return None
-    num_samples = len(dataset)
     why_not = split_obstacle(settings, batch_sampler, num_samples, context)
     template = None
     if why_not is None:
@@ -120,7 +121,7 @@ def shard_samples(
         first, end = plan.partition.rows_of(rank)
         decline_split(settings, f"rank {rank} {what} (among rows [{first}, {end}))", stacklevel=6)
         return None
-    return ShardedSamples(ShardedArrayStore.from_block(block, plan, device, groups, owner=owner), template)
+    return ShardedSamples(sharded_arrays(block, plan, device, groups, owner=owner), template)
 
 
 class _FirstReads:

@@ -1,14 +1,16 @@
-"""A rank's share of in-memory arrays, and the exchange that assembles each of its batches.
+"""A store split over ranks: any store holding a rank's share, wrapped by the exchange that
+assembles each of its batches (:class:`ShardedStore`), and the share of in-memory arrays.
 
 :func:`shard_arrays` decides, with every rank together, whether the dataset is split (the
-scope), and builds a :class:`ShardedArrayStore` holding this rank's contiguous block of rows on
-its device. :meth:`ShardedArrayStore.epoch` then makes each batch of the epoch with two
-collectives on the exchange's own groups: a small header over gloo (epoch, step, batch size,
-position in the epoch's order, row counts: ranks that ran different numbers of batches, or
-changed the batch size at different batches, fail here, with an :class:`ExchangeError`, never a
-wrong batch) and one ``all_to_all_single`` carrying the rows of every array at once, packed as
-bytes; the rows this rank holds itself are gathered locally. The batch is exactly the one
-torch's DataLoader with the same ``DistributedSampler`` gives.
+scope), and wraps a store holding this rank's contiguous block of rows on its device
+(:func:`array_share`: a :class:`~gpuload.cache.TieredArrayStore` whose device tier holds it
+whole). :meth:`ShardedStore.epoch` then makes each batch of the epoch with two collectives on
+the exchange's own groups: a small header over gloo (epoch, step, batch size, position in the
+epoch's order, row counts: ranks that ran different numbers of batches, or changed the batch
+size at different batches, fail here, with an :class:`ExchangeError`, never a wrong batch) and
+one ``all_to_all_single`` carrying the rows (of every array at once, packed as bytes:
+:class:`ArrayRows`); the rows this rank holds itself are gathered from its share. The batch is
+exactly the one torch's DataLoader with the same ``DistributedSampler`` gives.
 
 Over gloo (CPU tensors) the steps may run ahead of the loop, in the prefetcher's thread
 (:mod:`gpuload.distributed.exchange_steps` keeps the ranks' collectives in step). Over NCCL
@@ -26,6 +28,7 @@ import math
 import threading
 import time
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,9 +36,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpuload.cache import LEDGER, CacheSettings, StoreStats, format_bytes
+from gpuload.cache import LEDGER, CacheSettings, StoreStats, TieredArrayStore, format_bytes
 from gpuload.cache.budget import BudgetLedger
-from gpuload.cache.oom import is_oom
+from gpuload.cache.oom import CacheFallbackWarning
+from gpuload.cache.plan import CachePlan, TierPlan
 from gpuload.cache.store import Store
 from gpuload.device import device_memory
 from gpuload.distributed.exchange_plan import StepPlan, plan_step
@@ -48,9 +52,11 @@ from gpuload.distributed.group import (
     EXCHANGE_TIMEOUT_ENV,
     DistributedContext,
     ExchangeError,
+    agree_on_scope,
     current_context,
     exchange_groups,
     exchange_timeout,
+    loader_identity,
     release_groups,
 )
 from gpuload.distributed.partition import Partition
@@ -60,10 +66,11 @@ from gpuload.distributed.rank_batches import (
     shardable_sampler,
 )
 from gpuload.distributed.scope import ScopeDecision, decide_scope
+from gpuload.transfer import to_device
 
 __all__ = [
-    "ExchangeStats", "ShardExchange", "ShardPlan", "ShardedArrayStore", "agree_on_split", "decline_split", "shard_arrays",
-    "split_context", "split_obstacle",
+    "ArrayRows", "ExchangeStats", "RowFormat", "ShardPlan", "ShardedStore", "agree_on_split", "array_share",
+    "decline_split", "shard_arrays", "sharded_arrays", "split_context", "split_obstacle",
 ]
 
 _LET_GO_S = 2.0  # how long close() waits for a thread inside the exchange to abandon it
@@ -154,7 +161,7 @@ def shard_arrays(
     batch_sampler: Any,
     owner: Hashable,
     context: DistributedContext | None = None,
-) -> ShardedArrayStore | None:
+) -> ShardedStore | None:
     """This rank's share of ``columns`` when the scope splits them, else None (today's path).
 
     None without an initialized process group, for ``cache_scope="rank"``, for caches that keep
@@ -163,10 +170,10 @@ def shard_arrays(
     split was asked for). Otherwise every rank must call this at the same point: the ranks check
     they agree (sizes, sampler, scope) and decide the scope from the smallest device room.
     """
-    context = split_context(settings, device, context)
+    num_samples = columns[0].shape[0]
+    context = split_context(settings, device, context, loader_identity(num_samples, batch_sampler))
     if context is None:
         return None
-    num_samples = columns[0].shape[0]
     why_not = split_obstacle(settings, batch_sampler, num_samples, context)
     if why_not is not None:
         decline_split(settings, why_not)
@@ -176,19 +183,27 @@ def shard_arrays(
     if agreed is None:
         return None
     plan, groups = agreed
-    return ShardedArrayStore(columns, plan, device, groups, owner=owner)
+    start, stop = plan.partition.rows_of(plan.rank)
+    block = [column[start:stop] if device.type == "cuda" else column[start:stop].clone() for column in columns]
+    return sharded_arrays(block, plan, device, groups, owner=owner)
 
 
 def split_context(
-    settings: CacheSettings, device: torch.device, context: DistributedContext | None = None
+    settings: CacheSettings, device: torch.device, context: DistributedContext | None = None,
+    loader: str | None = None,
 ) -> DistributedContext | None:
     """The process group when ``cache_scope`` may split the dataset, else None: no initialized
-    group, ``cache_scope="rank"``, or ``auto`` on a CPU device (which means ``rank``)."""
+    group, ``cache_scope="rank"``, or ``auto`` on a CPU device (which means ``rank``). ``loader``
+    (:func:`loader_identity`): the ranks first check they ask for the same scope for it
+    (:func:`agree_on_scope`), so a disagreement fails at once instead of at the exchange timeout."""
     context = context or current_context()
-    requested = settings.scope.value
-    if context is None or requested == "rank" or (requested == "auto" and device.type != "cuda"):
+    if context is None:
         return None
-    return context
+    requested = settings.scope.value
+    splits = not (requested == "rank" or (requested == "auto" and device.type != "cuda"))
+    if loader is not None and dist.is_initialized():
+        agree_on_scope(requested, settings.scope.source, splits, context, loader)
+    return context if splits else None
 
 
 def split_obstacle(settings: CacheSettings, batch_sampler: Any, num_samples: int,
@@ -263,50 +278,99 @@ def agree_on_split(
     return ShardPlan(decision, partition, context.rank, bytes_per_sample, str(device)), (control, data)
 
 
-class ShardExchange(Store):
-    """A rank's share of a dataset split over ranks, and the exchange that assembles each of its
-    batches from every rank's share.
+class RowFormat(ABC):
+    """How one kind of share's rows travel between ranks as bytes: the one thing a
+    :class:`ShardedStore` asks of what it wraps besides the :class:`Store` interface.
 
-    What every kind of share has in common lives here: the epoch's steps (run ahead or not, kept
-    in step over ranks by :class:`ExchangeSteps`), the per-step header check, the collective that
-    carries the rows, the counters, and ``close``. A subclass holds the rows and says how one
-    step's rows are packed and unpacked (:meth:`_step`). On CUDA, the share's tensors are
-    protected on every stream the exchange ran on when they are dropped (``record_stream``), so
-    a step still queued there never reads freed memory.
+    Rows are named by dataset position; each row's size is known on every rank (fixed for
+    arrays, from the table of decoded shapes for images), so a step's byte counts are planned,
+    not negotiated.
+    """
+
+    @abstractmethod
+    def sizes(self, positions: torch.Tensor) -> torch.Tensor:
+        """The bytes of each row at dataset ``positions`` (int64, on the host)."""
+
+    @abstractmethod
+    def encode(self, rows: Any) -> torch.Tensor:
+        """Rows as the inner store gathered them, as one flat uint8 tensor (row after row)."""
+
+    @abstractmethod
+    def decode(self, data: torch.Tensor, positions: torch.Tensor, sizes: torch.Tensor) -> Any:
+        """Received bytes (rows at dataset ``positions``, of ``sizes`` bytes each) as rows."""
+
+    @abstractmethod
+    def in_order(self, arrived: Any, local: Any, inverse: torch.Tensor) -> Any:
+        """The received rows followed by the local ones, put in batch order (``inverse``: the
+        grouped position of each batch position, on the host)."""
+
+    def screen(self, batches: list[torch.Tensor], rank: int, header: tuple[int, ...]) -> list[torch.Tensor]:
+        """Every rank's batch of one step as exchanged (default: whole)."""
+        return batches
+
+    def item(self, rows: Any, kept: torch.Tensor, drawn: torch.Tensor) -> Any:
+        """One step's item for the source: ``(rows, this rank's batch indices)`` by default."""
+        return rows, drawn
+
+
+class ShardedStore(Store):
+    """A rank's share of a dataset split over ranks (any :class:`Store` holding the share's rows,
+    by share row), and the exchange that assembles each of its batches from every rank's share.
+
+    The wrapper owns what every kind of share has in common: which rows a dataset index names
+    (``gather``; an index outside the share is an ``IndexError``), the epoch's steps (run ahead
+    or not, kept in step over ranks by :class:`ExchangeSteps`), the per-step header check, the
+    collective that carries the rows, putting them back in batch order, the counters, and
+    ``close``. ``rows`` says how the share's rows travel as bytes (:class:`RowFormat`). On
+    CUDA the inner store protects its tensors on every stream that gathered from them, the
+    exchange's included, when they are dropped.
     """
 
     split_over_ranks = True
 
     def __init__(
-        self, plan: ShardPlan, device: torch.device, groups: tuple[Any, Any], *, owner: Hashable,
-        ledger: BudgetLedger = LEDGER,
+        self, inner: Store, rows: RowFormat, plan: ShardPlan, device: torch.device, groups: tuple[Any, Any],
+        *, shard_bytes: int,
     ) -> None:
+        self.inner = inner
+        self.rows = rows
         self.plan = plan
         self.device = device
         self._control, self._data = groups
         self._rank = plan.rank
         self._start = plan.partition.rows_of(plan.rank)[0]
-        self._ledger, self._owner = ledger, owner
+        self._shard_bytes = shard_bytes
         self._closed = False
         self._hits = 0
-        self._streams: dict[int, Any] = {}  # the CUDA streams the exchange ran on
         self.exchange_stats = ExchangeStats()
         self._issuing = threading.Lock()  # one thread at a time issues the exchange's collectives
         self._steps: ExchangeSteps | None = None  # the latest epoch's
 
     @property
     def shard_bytes(self) -> int:
-        """Bytes of the dataset this rank holds."""
-        raise NotImplementedError
+        """Bytes of the dataset this rank holds (0 once closed)."""
+        return self._shard_bytes if not self._closed else 0
 
     @property
     def stats(self) -> StoreStats:
-        """The share as a device tier."""
-        raise NotImplementedError
+        """The share as a device tier (``device_bytes`` counts only what was copied to CUDA)."""
+        if self._closed:
+            return StoreStats(device_hits=self._hits)
+        held = self.inner.device_bytes
+        rows = self.inner.stats.device_samples
+        return StoreStats(device_samples=rows, device_bytes=held, fill_bytes=held, device_hits=self._hits)
 
     @property
     def device_bytes(self) -> int:
-        return self.stats.device_bytes
+        return self.inner.device_bytes if not self._closed else 0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def gather(self, indices: Any) -> Any:
+        """The rows of this rank's share at dataset ``indices``, as the inner store gives them."""
+        return self.inner.gather(self._share_positions(indices))
 
     def _share_positions(self, indices: Any) -> torch.Tensor:
         """``indices`` as rows of this rank's share; ``IndexError`` for one outside it (the
@@ -365,24 +429,11 @@ class ShardExchange(Store):
             self._steps.cancel()
         let_go = self._issuing.acquire(timeout=_LET_GO_S)
         try:
-            for tensor in self._share_tensors():
-                for stream in self._streams.values():
-                    tensor.record_stream(stream)
-            self._drop()
-            if self.device.type == "cuda":
-                self._ledger.release(self._owner)
+            self.inner.close()
             release_groups((self._control, self._data))
         finally:
             if let_go:
                 self._issuing.release()
-
-    def _share_tensors(self) -> list[torch.Tensor]:
-        """The device tensors holding the share (protected on the exchange's streams at close)."""
-        raise NotImplementedError
-
-    def _drop(self) -> None:
-        """Let go of the share's tensors."""
-        raise NotImplementedError
 
     def epoch(
         self, batch_sampler: Any, drawn: list[torch.Tensor], *, position: tuple[int, int, int] | None = None,
@@ -448,17 +499,36 @@ class ShardExchange(Store):
     def _step(self, batches: list[torch.Tensor], header: tuple[int, ...], slot: int) -> Any:
         """One step's item, where rank ``r`` reads ``batches[r]``; ``header``: (sampler epoch,
         step, steps in the epoch, seed, batch size, first sample of the step in the epoch's
-        order); ``slot``: the epoch's place in the counters."""
-        raise NotImplementedError
+        order); ``slot``: the epoch's place in the counters. The rows other ranks hold come in
+        one ``all_to_all_single`` of bytes sized by ``rows`` (on CUDA ordered on the current
+        stream, see the module docstring); this rank's own rows are gathered from its share."""
+        mine = batches[self._rank]
+        kept = self.rows.screen(batches, self._rank, header)
+        plan = plan_step(self._rank, kept, self.plan.partition)
+        began = time.perf_counter()
+        self._check_peers(plan, header)
+        grouped = torch.empty_like(kept[self._rank])
+        grouped[plan.inverse] = kept[self._rank]  # batch rows in the order they arrive
+        incoming = grouped[: plan.received]
+        recv_sizes = self.rows.sizes(incoming)
+        send_bytes = [int(part.sum()) for part in self.rows.sizes(plan.send_rows + self._start).split(plan.send_splits)]
+        recv_bytes = [int(part.sum()) for part in recv_sizes.split(plan.recv_splits)]
+        if plan.sent:
+            outgoing = self.rows.encode(self.inner.gather(plan.send_rows))
+        else:
+            outgoing = torch.empty(0, dtype=torch.uint8, device=self.device)
+        received = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=self.device)
+        self._swap(received, outgoing, recv_bytes, send_bytes, header)
+        arrived = self.rows.decode(received, incoming, recv_sizes)
+        batch = self.rows.in_order(arrived, self.inner.gather(plan.local_rows), plan.inverse)
+        self._count(slot, plan, sum(send_bytes), sum(recv_bytes), began)
+        return self.rows.item(batch, kept[self._rank], mine)
 
     def _swap(self, received: torch.Tensor, outgoing: torch.Tensor, recv_splits: list[int],
               send_splits: list[int], header: tuple[int, ...]) -> None:
         """The step's one collective: ``outgoing`` split by ``send_splits`` to the ranks, into
         ``received`` split by ``recv_splits`` (on CUDA ordered on the current stream)."""
         on_host = self.device.type != "cuda"
-        if not on_host:
-            stream = torch.cuda.current_stream(self.device)
-            self._streams.setdefault(id(stream), stream)
         try:
             work = dist.all_to_all_single(received, outgoing, recv_splits, send_splits,
                                           group=self._data, async_op=True)
@@ -540,125 +610,77 @@ class ShardExchange(Store):
         )
 
 
-class ShardedArrayStore(ShardExchange):
-    """This rank's contiguous block of rows of every array, packed as bytes on ``device``.
+class ArrayRows(RowFormat):
+    """Rows of fixed-shape arrays (``like``: one tensor per array, any rows), each row packed as
+    the bytes of every array's row in turn, so a step carries every array at once."""
 
-    ``columns`` are the whole arrays (the source, on the host); only this rank's block is
-    copied (``local``: ``columns`` are that block already, see :meth:`from_block`). On CUDA the
-    block is booked in ``ledger`` under ``owner`` until :meth:`close`. Each step carries the
-    rows of every array at once, packed as bytes, in one ``all_to_all_single``.
-    """
+    def __init__(self, like: list[torch.Tensor]) -> None:
+        self._shapes = [(tuple(c.shape[1:]), c.dtype) for c in like]
+        self._row_bytes = [math.prod(c.shape[1:]) * c.element_size() for c in like]
+        self.width = sum(self._row_bytes)
 
-    def __init__(
-        self,
-        columns: list[torch.Tensor],
-        plan: ShardPlan,
-        device: torch.device,
-        groups: tuple[Any, Any],
-        *,
-        owner: Hashable,
-        ledger: BudgetLedger = LEDGER,
-        local: bool = False,
-    ) -> None:
-        super().__init__(plan, device, groups, owner=owner, ledger=ledger)
-        self._shapes = [(tuple(c.shape[1:]), c.dtype) for c in columns]
-        self._row_bytes = [math.prod(c.shape[1:]) * c.element_size() for c in columns]
-        start, stop = plan.partition.rows_of(self._rank)
-        packed = torch.cat([_as_bytes(c if local else c[start:stop]) for c in columns], dim=1)
-        self._nbytes = packed.numel()
-        if device.type == "cuda":
-            ledger.reserve(self._nbytes, owner, device=device)
-            try:
-                packed = packed.to(device)
-            except RuntimeError as error:
-                ledger.release(owner)
-                if is_oom(error):
-                    raise ExchangeError(
-                        f"gpuload: out of memory placing rank {self._rank}'s share of the dataset "
-                        f"({format_bytes(self._nbytes)}) on {device}; lower the model's memory, use "
-                        "cache_scope='world' (smaller shares) or 'rank'"
-                    ) from error
-                raise
-            ledger.set_used(owner, self._nbytes, device=device)
-        self._shard = packed
+    def sizes(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.full((positions.numel(),), self.width, dtype=torch.int64)
 
-    @classmethod
-    def from_block(
-        cls,
-        block: list[torch.Tensor],
-        plan: ShardPlan,
-        device: torch.device,
-        groups: tuple[Any, Any],
-        *,
-        owner: Hashable,
-        ledger: BudgetLedger = LEDGER,
-    ) -> ShardedArrayStore:
-        """A store over ``block``: this rank's rows of every column (``plan.partition.rows_of``,
-        in row order), read by the caller, for data that is never whole in one process (a
-        dataset's samples)."""
-        start, stop = plan.partition.rows_of(plan.rank)
-        sizes = {column.shape[0] for column in block}
-        if not block or sizes != {stop - start}:
-            raise ValueError(f"rank {plan.rank}'s block holds rows [{start}, {stop}): got columns of {sorted(sizes)} rows")
-        return cls(block, plan, device, groups, owner=owner, ledger=ledger, local=True)
+    def encode(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([_as_bytes(column) for column in rows], dim=1).reshape(-1)
 
-    @property
-    def shard_bytes(self) -> int:
-        """Bytes of the dataset this rank holds."""
-        return self._nbytes
-
-    @property
-    def stats(self) -> StoreStats:
-        """The share as a device tier (``device_bytes`` counts only what was copied to CUDA)."""
-        rows = self._shard.shape[0] if not self._closed else 0
-        copied = self._nbytes if self.device.type == "cuda" and not self._closed else 0
-        return StoreStats(device_samples=rows, device_bytes=copied, fill_bytes=copied, device_hits=self._hits)
-
-    def _share_tensors(self) -> list[torch.Tensor]:
-        return [self._shard] if self.device.type == "cuda" else []
-
-    def gather(self, indices: Any) -> list[torch.Tensor]:
-        """Rows of this rank's share at dataset ``indices``, one tensor per array."""
-        rows = self._shard.index_select(0, self._share_positions(indices).to(self.device))
-        return self._unpacked(rows)
-
-    def _unpacked(self, grouped: torch.Tensor, order: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """The arrays' rows from packed byte rows (rows ``order`` of them, if given), one
-        contiguous tensor per array (each its own allocation: aligned for its dtype)."""
+    def decode(self, data: torch.Tensor, positions: torch.Tensor, sizes: torch.Tensor) -> list[torch.Tensor]:
+        """One contiguous tensor per array (each its own allocation: aligned for its dtype)."""
+        grouped = data.view(positions.numel(), self.width)
         leaves, offset = [], 0
         for (shape, dtype), row_bytes in zip(self._shapes, self._row_bytes):
-            rows = grouped[:, offset : offset + row_bytes]
-            rows = rows.index_select(0, order) if order is not None else rows.contiguous()
+            rows = grouped[:, offset : offset + row_bytes].clone(memory_format=torch.contiguous_format)
             leaves.append(rows.view(dtype).view(rows.shape[0], *shape))
             offset += row_bytes
         return leaves
 
-    def _drop(self) -> None:
-        self._shard = torch.empty((0, self._shard.shape[1]), dtype=torch.uint8, device=self.device)
+    def in_order(self, arrived: list[torch.Tensor], local: list[torch.Tensor], inverse: torch.Tensor) -> list[torch.Tensor]:
+        if arrived and arrived[0].is_cuda:
+            (inverse,) = to_device([inverse], arrived[0].device)
+        return [torch.cat([a, b]).index_select(0, inverse) for a, b in zip(arrived, local)]
 
-    def _step(self, batches: list[torch.Tensor], header: tuple[int, ...], slot: int) -> Any:
-        """``(arrays of this rank's batch, its indices)``."""
-        plan = plan_step(self._rank, batches, self.plan.partition)
-        return self._exchange(plan, header, slot), batches[self._rank]
 
-    def _exchange(self, plan: StepPlan, header: tuple[int, ...], slot: int = -1) -> list[torch.Tensor]:
-        """One step's batch; on CUDA, ordered on the current stream (see the module docstring)."""
-        began = time.perf_counter()
-        self._check_peers(plan, header)
-        to_device = self.device.type == "cuda"
-        send_rows, local_rows, inverse = (
-            (t.to(self.device, non_blocking=True) if to_device else t)
-            for t in (plan.send_rows, plan.local_rows, plan.inverse)
+def array_share(
+    block: list[torch.Tensor], plan: ShardPlan, device: torch.device, *, owner: Hashable, ledger: BudgetLedger = LEDGER,
+) -> TieredArrayStore:
+    """This rank's rows of every array (``block``: rows ``plan.partition.rows_of(rank)``, in
+    order) held whole in ``device``'s tier of a :class:`TieredArrayStore` (a copy booked in
+    ``ledger`` under ``owner`` on CUDA; on a CPU device the block itself). A share that does not
+    fit is an :class:`ExchangeError`: other ranks read their rows from it, so no row may fall
+    back to another tier."""
+    rows = block[0].shape[0]
+    bytes_per_sample = sum(math.prod(c.shape[1:]) * c.element_size() for c in block)
+    tier = TierPlan("device", 0, rows, bytes_per_sample)
+    share = CachePlan(mode="device", target=device.type, bytes_per_sample=bytes_per_sample, num_samples=rows,
+                      tiers=(tier,), budget=tier.bytes, reserve=0, host_reserve=0, device_free=0, device_total=None,
+                      host_free=0, host_total=None, notes=(f"rank {plan.rank}'s share of a dataset split over ranks",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheFallbackWarning)  # said below, as the exchange's error
+        store = TieredArrayStore(block, share, device, ledger=ledger, owner=owner)
+    if store.stats.fallbacks:
+        store.close()
+        raise ExchangeError(
+            f"gpuload: out of memory placing rank {plan.rank}'s share of the dataset "
+            f"({format_bytes(tier.bytes)}) on {device}; lower the model's memory, use "
+            "cache_scope='world' (smaller shares) or 'rank'"
         )
-        shard = self._shard
-        grouped = torch.empty((plan.batch_size, shard.shape[1]), dtype=torch.uint8, device=self.device)
-        outgoing = shard.index_select(0, send_rows)
-        self._swap(grouped[: plan.received], outgoing, plan.recv_splits, plan.send_splits, header)
-        torch.index_select(shard, 0, local_rows, out=grouped[plan.received :])
-        leaves = self._unpacked(grouped, inverse)
-        width = shard.shape[1]
-        self._count(slot, plan, plan.sent * width, plan.received * width, began)
-        return leaves
+    return store
+
+
+def sharded_arrays(
+    block: list[torch.Tensor], plan: ShardPlan, device: torch.device, groups: tuple[Any, Any], *,
+    owner: Hashable, ledger: BudgetLedger = LEDGER,
+) -> ShardedStore:
+    """The exchange over this rank's ``block`` of every array (rows ``plan.partition.rows_of``,
+    in row order, read by the caller or sliced from whole arrays)."""
+    start, stop = plan.partition.rows_of(plan.rank)
+    sizes = {column.shape[0] for column in block}
+    if not block or sizes != {stop - start}:
+        raise ValueError(f"rank {plan.rank}'s block holds rows [{start}, {stop}): got columns of {sorted(sizes)} rows")
+    inner = array_share(block, plan, device, owner=owner, ledger=ledger)
+    return ShardedStore(inner, ArrayRows(block), plan, device, groups,
+                        shard_bytes=(stop - start) * ArrayRows(block).width)
 
 
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:

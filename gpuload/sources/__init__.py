@@ -11,8 +11,13 @@ Three implementations, chosen in this order (``choose.choose_source``):
 A Source is built once per loader (each module's ``detect`` says whether it can serve the
 dataset; ``SampleSource`` serves any) and answers the loader's questions: fill the cache now
 (``warm``), get ready for an epoch (``begin_epoch``: place data, decide or shrink caches), say
-how this epoch's work runs (``epoch``), report counters (``stats``), give memory back
+how this epoch's work runs (``schedule``), report counters (``stats``), give memory back
 (``close``, or part of the device cache: ``shrink_cache``). The loader owns the epochs.
+
+Whether the data is split over ranks is decided once, where a source makes its store: a
+store split over ranks (``distributed.sharded_store.ShardedStore``) owns the exchange, and
+:meth:`Source.schedule` is the one place that serves it; a source's ``epoch`` has its own path
+only, and says in ``exchanged`` how a batch assembled from every rank's share becomes its batch.
 
 ``Source.epoch`` answers with a :class:`Schedule`: whether the work may run ahead of the loop
 (and on a CPU device by default), whether the prefetcher stages its host batches, and how many
@@ -26,6 +31,8 @@ draws them (``gpuload.sampling``) and takes a resumed epoch up where it was (``g
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -34,7 +41,9 @@ from typing import Any
 import torch
 
 from gpuload.cache import CacheSettings, Store
+from gpuload.distributed.sharded_store import ShardedStore
 from gpuload.stats import LoaderStats
+from gpuload.transfer import staging_through
 
 __all__ = ["DEFAULT_DEPTH", "Indices", "Schedule", "Setup", "Source", "Work", "ahead_on_device", "runs_ahead"]
 
@@ -90,7 +99,10 @@ class Indices:
     cache) cuts theirs alike; None when ``draw`` yields the epoch's batches as its sampler cuts them.
     ``copy_now``: copies a host batch (or a prefetcher ``Fill``) to the device through the
     loader's staging in the caller's thread, for batches made in the loop's thread: the one
-    host-to-device path (``Prefetcher.copy_now``).
+    host-to-device path (``Prefetcher.copy_now``). ``places``: for the rest of a resumed epoch,
+    each batch's place among the epoch's index batches; ``handed_over(place)``: called in the
+    loop's thread for each batch a source hands over out of order (workers with
+    ``in_order=False``), so the position records which were done.
     """
 
     number: int
@@ -100,6 +112,8 @@ class Indices:
     worker_seed_drawn: bool = False
     position: tuple[int, int, int] | None = None
     copy_now: Callable[[Any], Any] | None = None
+    places: list[int] | None = None
+    handed_over: Callable[[int], None] | None = None
 
     def batches(self, ahead: bool) -> Iterator[Any]:
         """This epoch's batch indices. Ahead of the loop they are all drawn now, in the loop's
@@ -127,6 +141,41 @@ class Work:
     length: Callable[[], int] | None = None
     from_torch: bool = False
     torch_iterator: Any = None
+
+    def in_staging(self, copy_now: Callable[[Any], Any], device: torch.device, ahead: bool) -> Work:
+        """This work with the loader's staging in force (``gpuload.transfer.staging_through``)
+        wherever it runs in the loop's thread (``finish``; the items too unless ``ahead``, where
+        the prefetcher's thread puts its own in force): on CUDA, host tensors that making a
+        batch puts on the device go through ``copy_now`` (``Prefetcher.copy_now``), not counted
+        as batch bytes: the sources count the sample bytes they move themselves."""
+        if device.type != "cuda":
+            return self
+        copy_now = functools.partial(copy_now, counted=False)
+        items = self.items if ahead else _Staged(self.items, copy_now)
+        finish = self.finish
+
+        def staged_finish(item: Any) -> tuple[Any, int] | None:
+            with staging_through(copy_now):
+                return finish(item)
+
+        return dataclasses.replace(self, items=items, finish=staged_finish)
+
+
+class _Staged(Iterator[Any]):
+    """Items made in the loop's thread with the loader's staging in force (``Work.in_staging``)."""
+
+    def __init__(self, items: Iterator[Any], copy_now: Callable[[Any], Any]) -> None:
+        self._items = items
+        self._copy_now = copy_now
+
+    def __next__(self) -> Any:
+        with staging_through(self._copy_now):
+            return next(self._items)
+
+    def close(self) -> None:
+        close = getattr(self._items, "close", None)
+        if close is not None:
+            close()
 
 
 @dataclass(frozen=True)
@@ -183,6 +232,9 @@ class Source(ABC):
     #: loop's thread); the loader adds them to ``stats.bytes_h2d``. Only the thread making
     #: the items writes it.
     h2d_bytes: int = 0
+    #: Whether the exchange of a store split over ranks may run ahead of the loop where the
+    #: store allows it (gloo: ``ShardedStore.runs_ahead``); False: each step in the loop's thread.
+    exchange_ahead: bool = True
 
     def __init__(self, setup: Setup) -> None:
         self.setup = setup
@@ -191,10 +243,44 @@ class Source(ABC):
         """Get ready for the next epoch: place the data or decide the cache the first time;
         later, give memory back if the model has grown into the reserve."""
 
+    def schedule(self, indices: Indices) -> Schedule:
+        """How this epoch's work runs, and how to start it (see :class:`Schedule`); called
+        after ``begin_epoch``. A store split over ranks makes every batch with the other ranks
+        (each step a collective, made on the device itself: not staged); else the source's own
+        :meth:`epoch`."""
+        store = self.cache_store()
+        if not isinstance(store, ShardedStore):
+            return self.epoch(indices)
+        setup = self.setup
+
+        def start(ahead: bool) -> Work:
+            drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in indices.batches(ahead)]
+            steps = store.epoch(setup.batch_sampler, drawn, position=indices.position, ahead=ahead,
+                                loop_wait_s=setup.stats.wait_time_s if self.exchange_ahead else 0.0,
+                                number=indices.number)
+            return self.exchanged(steps, indices.number, ahead)
+
+        # Double buffering: the exchange of the next batch while the loop computes this one.
+        return Schedule(start, ahead=self.exchange_ahead and store.runs_ahead, ahead_on_cpu=True, staged=False)
+
     @abstractmethod
     def epoch(self, indices: Indices) -> Schedule:
-        """How this epoch's work runs, and how to start it (see :class:`Schedule`); called
-        after ``begin_epoch``."""
+        """This source's own work for an epoch (see :class:`Schedule`), when its store is not
+        split over ranks (:meth:`schedule` decides)."""
+
+    def exchanged(self, steps: Any, number: int, ahead: bool) -> Work:
+        """The work of epoch ``number`` whose batches come from every rank's share: ``steps``
+        yields each step's item (``ShardedStore.epoch``; ``steps.map`` applies a function
+        where they are made), and the loop's thread calls ``steps.handed_over()`` for each
+        batch it receives. Only a source whose store may be split over ranks has one."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no store split over ranks")
+
+    def exchange_stats(self) -> dict[str, Any]:
+        """``{"exchange": counters}`` of a store split over ranks once it exchanged, else ``{}``."""
+        store = self.cache_store()
+        if isinstance(store, ShardedStore) and store.exchange_stats.wait_s_per_epoch:
+            return {"exchange": store.describe_exchange(loop_wait_s=self.setup.stats.wait_time_s)}
+        return {}
 
     def warm(self, progress: bool) -> None:
         """Fill the cache now, in one pass, without touching samplers or random generators."""

@@ -14,8 +14,8 @@ import torch
 from torch.utils.data import default_collate, default_convert
 
 from gpuload.augment import BatchAugmenter, image_column
+from gpuload.cpu_threads import own_cpu_threads
 from gpuload.cache import Store, TieredArrayStore
-from gpuload.distributed.sharded_store import ShardedArrayStore
 from gpuload.prefetch import default_depth
 from gpuload.sources import Indices, Schedule, Setup, Source, Work
 from gpuload.sources.placed_arrays import ArrayColumns, ResidentColumns, find_columns, raw_columns, same_arrays
@@ -52,10 +52,6 @@ class ArraySource(Source):
         if setup.transforms:
             leaf = image_column(columns.columns)
             self.augment = BatchAugmenter(setup.transforms, setup.seed, setup.device, leaf)
-
-    def _sharded(self) -> ShardedArrayStore | None:
-        store = self.resident.store if self.resident is not None else None
-        return store if isinstance(store, ShardedArrayStore) else None
 
     def _place(self) -> bool:
         """Place the arrays where the cache plan says, once; False if they were placed already."""
@@ -100,14 +96,8 @@ class ArraySource(Source):
 
     def epoch(self, indices: Indices) -> Schedule:
         """Host rows copied each batch (``cache="off"``, or tiers that leave rows in host memory)
-        run ahead (on a CPU device too: ``cache="off"`` asks for the pinned staging), and so may
-        a sharded share's exchange (gloo only: ``runs_ahead``), which makes its batches on the
-        device itself; arrays on the device are served in place."""
-        sharded = self._sharded()
-        if sharded is not None:
-            # Double buffering: the exchange of the next batch while the loop computes this one.
-            return Schedule(lambda ahead: self._sharded_epoch(sharded, indices, ahead), ahead=sharded.runs_ahead,
-                            ahead_on_cpu=True, staged=False)
+        run ahead (on a CPU device too: ``cache="off"`` asks for the pinned staging); arrays on
+        the device are served in place."""
         sample_bytes = self.columns.nbytes // max(self.columns.num_samples, 1)
         return Schedule(lambda ahead: self._work(indices, ahead), ahead=self.resident.copies_batches,
                         ahead_on_cpu=True, depth=default_depth(sample_bytes * (self.setup.batch_size or 1)))
@@ -119,9 +109,10 @@ class ArraySource(Source):
             checked = request.in_range
 
             def gather(index: Any) -> tuple[Any, int]:
-                batch, flat, moved_bytes = resident.gather(index, batched, checked, copy=request.copy_now)
-                self.h2d_bytes += moved_bytes
-                return self._augmented(batch, flat, request.number), flat.numel()
+                with own_cpu_threads(self.setup.device):  # batch-sized ops: the free CPUs' threads
+                    batch, flat, moved_bytes = resident.gather(index, batched, checked, copy=request.copy_now)
+                    self.h2d_bytes += moved_bytes
+                    return self._augmented(batch, flat, request.number), flat.numel()
 
             return Work(indices, gather)
         # The check runs once in the prefetcher's thread (the gather needs it) and once here,
@@ -142,17 +133,13 @@ class ArraySource(Source):
 
         return Work(fills, finish)
 
-    def _sharded_epoch(self, store: ShardedArrayStore, request: Indices, ahead: bool) -> Work:
-        """Batches assembled from every rank's share (each a collective), ahead of the loop in
-        the prefetcher's thread when the request runs ahead (gloo only: ``store.runs_ahead``)."""
-        drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.batches(ahead)]
-        steps = store.epoch(self.setup.batch_sampler, drawn, position=request.position, ahead=ahead,
-                            loop_wait_s=self.setup.stats.wait_time_s, number=request.number)
+    def exchanged(self, steps: Any, number: int, ahead: bool) -> Work:
+        """Each step's arrays built into the batch (and transformed) in the loop's thread."""
 
         def finish(item: tuple[list[torch.Tensor], torch.Tensor]) -> tuple[Any, int]:
             steps.handed_over()
             leaves, flat = item
-            return self._augmented(self.columns.build(leaves), flat, request.number), flat.numel()
+            return self._augmented(self.columns.build(leaves), flat, number), flat.numel()
 
         return Work(steps, finish)
 
@@ -172,10 +159,7 @@ class ArraySource(Source):
         store = self.resident.store if self.resident is not None else None
         if store is None:
             return {}
-        found = {"cache": store.stats.as_dict(), "cache_plan": store.plan.describe()}
-        if isinstance(store, ShardedArrayStore) and store.exchange_stats.wait_s_per_epoch:
-            found["exchange"] = store.describe_exchange(loop_wait_s=self.setup.stats.wait_time_s)
-        return found
+        return {"cache": store.stats.as_dict(), "cache_plan": store.plan.describe(), **self.exchange_stats()}
 
     def close(self) -> None:
         if self.resident is not None:

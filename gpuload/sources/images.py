@@ -35,9 +35,11 @@ from gpuload.cache import SampleCache, Store, decide_images, estimate_image_byte
 from gpuload.datasets.images import ImageSource, as_image_source
 from gpuload.decode import BatchDecoder, HeaderTable
 from gpuload.device import device_memory, host_memory
-from gpuload.distributed.sharded_images import ExchangedImages, ShardedImageStore, shard_images
+from gpuload.distributed.sharded_images import ExchangedImages, shard_images, share_summary
+from gpuload.distributed.sharded_store import ShardedStore
 from gpuload.sources import Indices, Schedule, Setup, Source, Work, ahead_on_device
 from gpuload.sources.image_decoding import DecodedBatch, ImageDecoding
+from gpuload.transfer import to_device
 
 __all__ = ["ImageFileSource", "detect"]
 
@@ -90,7 +92,7 @@ class ImageFileSource(ImageDecoding, Source):
         self.cpu_decoded = 0  # non-JPEG files the GPU's nvjpeg backend left to the CPU
         self.roi = "none"  # how the last batch's decode windows were honoured (DecodeResult.roi)
         self.cache: SampleCache | None = None
-        self.sharded: ShardedImageStore | None = None  # this rank's share, when cache_scope splits the images
+        self.sharded: ShardedStore | None = None  # this rank's share, when cache_scope splits the images
         self.keeps = ""  # what the cache keeps: "decoded" images or "encoded" bytes
         self._decided = False
         self._released: dict[str, Any] | None = None
@@ -122,7 +124,7 @@ class ImageFileSource(ImageDecoding, Source):
         self.keeps, self._reason = decision.holds, decision.reason
         weakref.finalize(self, self.cache.close)
 
-    def _shard(self) -> ShardedImageStore | None:
+    def _shard(self) -> ShardedStore | None:
         """This rank's share of the decoded images when ``cache_scope`` splits them over the
         ranks of torch.distributed (decoded now), else None."""
         setup = self.setup
@@ -158,9 +160,8 @@ class ImageFileSource(ImageDecoding, Source):
         if self.skipped_files:
             extra["skipped_files"] = [(position, *entry) for position, entry in self.skipped_files.items()]
         if self.sharded is not None:
-            extra["cache"] = self.sharded.summary()
-            if self.sharded.exchange_stats.wait_s_per_epoch:
-                extra["exchange"] = self.sharded.describe_exchange(loop_wait_s=self.setup.stats.wait_time_s)
+            extra["cache"] = share_summary(self.sharded)
+            extra.update(self.exchange_stats())
         elif self.cache is not None:
             extra["cache"] = self.cache.summary(kind="images", mode=self.keeps, reason=self._reason)
         elif self._released is not None:
@@ -175,7 +176,7 @@ class ImageFileSource(ImageDecoding, Source):
     def close(self) -> None:
         if self.sharded is not None:
             self.sharded.close()
-            self._released = dict(self.sharded.summary(), released=True)
+            self._released = dict(share_summary(self.sharded), released=True)
             self.sharded = None
         if self.cache is not None:
             self.cache.close()
@@ -208,13 +209,7 @@ class ImageFileSource(ImageDecoding, Source):
     # -- an epoch ----------------------------------------------------------------------------
 
     def epoch(self, indices: Indices) -> Schedule:
-        """Decoding runs ahead (on a CPU device only when ``prefetch_depth`` asks); a share's
-        exchange runs ahead where it may (gloo: ``store.runs_ahead``), on a CPU device too:
-        each step waits for other ranks."""
-        sharded = self.sharded
-        if sharded is not None:
-            return Schedule(lambda ahead: self._sharded_epoch(sharded, indices, ahead), ahead=sharded.runs_ahead,
-                            ahead_on_cpu=True, staged=False)
+        """Decoding runs ahead (on a CPU device only when ``prefetch_depth`` asks)."""
         return Schedule(lambda ahead: self._work(indices, ahead), staged=False)
 
     def _work(self, request: Indices, ahead: bool) -> Work:
@@ -224,13 +219,10 @@ class ImageFileSource(ImageDecoding, Source):
             return Work((self.finish(d) for d in decoded), self._deliver)
         return Work(decoded, lambda d: self._deliver(self.finish(d)))
 
-    def _sharded_epoch(self, store: ShardedImageStore, request: Indices, ahead: bool) -> Work:
-        """Batches whose images come from every rank's share (each step a collective), ahead of
-        the loop in the prefetcher's thread when the request runs ahead; transforms as above."""
-        drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.batches(ahead)]
-        steps = store.epoch(self.setup.batch_sampler, drawn, position=request.position, ahead=ahead,
-                            loop_wait_s=self.setup.stats.wait_time_s, number=request.number)
-        number = request.number
+    def exchanged(self, steps: Any, number: int, ahead: bool) -> Work:
+        """Batches whose images come from every rank's share (each step a collective, ahead of
+        the loop where the share's exchange may run ahead, on a CPU device too: each step waits
+        for other ranks); transforms as above."""
 
         def delivered(finished: tuple[Any, int, dict[str, Any]]) -> tuple[Any, int] | None:
             steps.handed_over()  # every step counts, a batch whose files were all skipped too
@@ -280,7 +272,7 @@ class ImageFileSource(ImageDecoding, Source):
                 images = images.clone()  # the loop may change it in place; the cache keeps its own
         if not batched:
             return [images[0] if self.augment is not None else images, kept_labels[0]], 1, counters
-        labels = torch.tensor(kept_labels, dtype=torch.int64, device=self.setup.device)
+        (labels,) = to_device([torch.tensor(kept_labels, dtype=torch.int64)], self.setup.device)
         return [images, labels], len(kept), counters
 
 

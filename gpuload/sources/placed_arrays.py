@@ -22,13 +22,16 @@ from torch.utils.data import TensorDataset
 
 from gpuload.cache import CacheSettings, StoreStats, TieredArrayStore, format_bytes
 from gpuload.cache.array_store import BatchRequest, gatherable, private_host_tier
+from gpuload.cache.disk import fingerprint_arrays
+from gpuload.cache.disk_tier import disk_tier_maker
 from gpuload.datasets.arrays import ArrayDataset
 from gpuload.device import device_memory, host_memory
 from gpuload.distributed.group import current_context
 from gpuload.distributed.shared_host import node_host_tier
-from gpuload.distributed.sharded_store import ShardedArrayStore, shard_arrays
+from gpuload.distributed.sharded_store import ShardedStore, shard_arrays
 from gpuload.prefetch import Fill, TensorSpec
 from gpuload.sampling import in_range
+from gpuload.transfer import to_device
 
 __all__ = ["ArrayColumns", "ResidentColumns", "find_columns", "raw_columns", "same_arrays", "staged_copier"]
 
@@ -125,7 +128,7 @@ class ArrayColumns:
 
         In a torch.distributed job whose ``cache_scope`` splits the dataset over ranks (and
         whose ``batch_sampler`` is torch's over a ``DistributedSampler``), a
-        ``ShardedArrayStore`` holds this rank's share. ``cache="off"`` (or a plan that caches
+        ``ShardedStore`` over a store of this rank's rows holds its share. ``cache="off"`` (or a plan that caches
         nothing) keeps the arrays where they are and streams every batch through the
         prefetcher's pinned slots. On a CPU device the arrays are served in place. Otherwise a
         ``TieredArrayStore`` holds the plan's tiers (device, host); in a torch.distributed job the
@@ -145,15 +148,18 @@ class ArrayColumns:
             self.nbytes // self.num_samples, self.num_samples, device_memory(device), host_memory(),
             device=device, owner=owner,
             host_copies=context.local_world_size if context is not None and shared_host is None else 1,
+            disk=True,
         )
-        if plan.device_samples + plan.host_samples == 0 and shared_host is None:
+        if plan.device_samples + plan.host_samples + plan.samples_in("disk") == 0 and shared_host is None:
             warnings.warn(
                 f"gpuload: nothing of the dataset ({format_bytes(self.nbytes)}) fits the cache "
                 f"budget on {device}; batches stream from the host each step. {plan.describe()}",
                 stacklevel=3,
             )
             return ResidentColumns(self, self.columns, device, "host-gather", copies_batches=True)
-        store = TieredArrayStore(self.columns, plan, device, owner=owner, host_tier=shared_host or private_host_tier)
+        disk = disk_tier_maker(settings, lambda: fingerprint_arrays(self.columns)) if plan.samples_in("disk") else None
+        store = TieredArrayStore(self.columns, plan, device, owner=owner, host_tier=shared_host or private_host_tier,
+                                 disk_tier=disk)
         path = "device-gather" if plan.device_samples == self.num_samples else f"tiered ({plan.kind})"
         return ResidentColumns(self, self.columns, device, path, copies_batches=False, store=store)
 
@@ -168,7 +174,7 @@ class ResidentColumns:
         device: torch.device,
         path: str,
         copies_batches: bool,
-        store: TieredArrayStore | ShardedArrayStore | None = None,
+        store: TieredArrayStore | ShardedStore | None = None,
     ) -> None:
         self.source = source
         self.dtypes = [column.dtype for column in columns]
@@ -237,7 +243,7 @@ class ResidentColumns:
         moved_bytes = 0
         where = flat
         if self._where != flat.device:
-            where = flat.to(self._where, non_blocking=True)
+            (where,) = to_device([flat], self._where)  # the loader's staging, not a pageable copy
             moved_bytes = flat.numel() * flat.element_size()
         if self._where != self.device:  # host arrays in the loop's thread (prefetch_depth=0)
             if copy is None:

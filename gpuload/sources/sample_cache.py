@@ -16,10 +16,11 @@ import torch
 from torch.utils.data import default_collate
 
 from gpuload.cache import CacheDecision, format_bytes
-from gpuload.cache.columns import Branch, Column, ColumnStore, Part, prepare
+from gpuload.cache.columns import Branch, Column, ColumnStore, Part, prepare, worker_collate
+from gpuload.cache.disk_tier import DiskRows, select_rows
 from gpuload.sources import Setup
 from gpuload.sources.torch_fetch import KeepSamples, PerBatch, fetch, read_prepared
-from gpuload.transfer import batch_nbytes, move_to_device
+from gpuload.transfer import batch_nbytes, move_staged
 
 __all__ = ["CachedSamples"]
 
@@ -51,10 +52,13 @@ class CachedSamples:
     crosses PCIe once cached); ``"host"``: in host memory (pinned when the loader's device is
     CUDA). With torch's default_collate a cached batch is one gather per column; with any
     other collate_fn (or ``batch_size=None``) the collate_fn gets fresh per-sample copies.
-    Every byte this cache copies host-to-device is added to ``h2d_bytes``.
+    Every byte this cache copies host-to-device is added to ``h2d_bytes``. ``num_workers``: the
+    loader's; with workers torch collates in worker processes, and so does a cached batch's
+    per-sample leaves (``worker_collate``: a dtype that varies between samples stays the
+    first sample's, as there).
     """
 
-    def __init__(self, setup: Setup, decision: CacheDecision) -> None:
+    def __init__(self, setup: Setup, decision: CacheDecision, num_workers: int = 0) -> None:
         self.dataset = setup.dataset
         self.setup = setup
         self.tier = decision.tier
@@ -66,18 +70,23 @@ class CachedSamples:
         self.num_samples = len(setup.dataset)
         where = setup.device if decision.tier == "device" else torch.device("cpu")
         self.store = ColumnStore(decision.budget, self.num_samples, where, owner=setup.owner,
-                                 room=setup.settings.room_check(where))
+                                 room=setup.settings.room_check(where),
+                                 collate=worker_collate if num_workers else default_collate)
         self.unkeyed = False  # an index that is not an int was seen: nothing more is cached
         self.fill_epochs = 0
         self._entries_seen = 0  # entries at the end of the last epoch: does an epoch still add?
         self._warned_partial = False
         self._counts_copies = decision.tier == "device" and setup.device.type != "cpu"
         self.h2d_bytes = 0  # samples put on the device tier, and misses moved there to be collated
+        # Below the memory tiers, ``cache_dir``'s disk tier: samples read back from it instead
+        # of the dataset. Only deterministic samples collated by column (a frozen random epoch
+        # is never written).
+        self.disk = DiskRows.open(setup.dataset, setup.settings) if self.by_column and not decision.warn else None
 
     @property
     def complete(self) -> bool:
-        """Every sample is cached: epochs need no dataset reads."""
-        return self.store.complete
+        """Every sample is cached (in memory or on disk): epochs need no dataset reads."""
+        return self.store.complete or (self.disk is not None and self.disk.complete)
 
     @property
     def accepting(self) -> bool:
@@ -89,10 +98,15 @@ class CachedSamples:
         return self.store.describe()
 
     def stats(self) -> dict[str, Any]:
-        return self.store.summary(kind="samples", tier=self.tier, reason=self.reason)
+        summary = self.store.summary(kind="samples", tier=self.tier, reason=self.reason)
+        if self.disk is not None:
+            summary["disk"] = self.disk.stats()
+        return summary
 
     def close(self) -> None:
         self.store.close()
+        if self.disk is not None:
+            self.disk.close()
 
     def take(self, indices: Any, part: Part | None, keep: KeepSamples) -> None:
         """Cache a worker batch's prepared samples (``part``) for its ``indices``; tell the workers
@@ -101,7 +115,9 @@ class CachedSamples:
             keys = self._keys_of(indices)
             if keys is not None:
                 self._store(keys, part)
-        if not self.accepting:
+                if self.disk is not None:
+                    self.disk.write(keys, part)
+        if not self.accepting and not (self.disk is not None and self.disk.accepting):
             keep.sending.value = 0
 
     def _keys_of(self, indices: Any) -> torch.Tensor | None:
@@ -130,7 +146,7 @@ class CachedSamples:
             items = list(indices) if self.batched else [indices]
             return self._collate(self._fetch(items))
         store = self.store
-        complete = self.complete  # read before the slots: complete then, they are all stored
+        complete = self.store.complete  # read before the slots: complete then, they are all stored
         slots = store.slots(keys, in_range)
         if complete and in_range:
             store.count(keys.numel(), 0)
@@ -148,12 +164,19 @@ class CachedSamples:
             where = (slots < 0).nonzero().view(-1)
             missing, positions = keys.index_select(0, where), where.tolist()
         store.count(keys.numel() - len(positions), len(positions))
-        fetched = self._fetch(items if high < 0 else [items[p] for p in positions])
-        part = prepare(fetched)
+        part = self.disk.read(missing) if self.disk is not None else None
+        fetched = None
+        if part is None:
+            fetched = self._fetch(items if high < 0 else [items[p] for p in positions])
+            part = prepare(fetched)
+            if self.disk is not None:
+                self.disk.write(missing, part)
         if self.accepting and self._store(missing, part) == len(positions):
             if high < 0 and self.by_column and not self._counts_copies:
                 return part.batch()  # every sample was read now: the columns just written
             return self._from_store(store.slots(keys))
+        if fetched is None:
+            return self._partial_from_disk(store.slots(keys), positions, part, items)
         return self._partial(store.slots(keys), positions, fetched)
 
     def _from_store(self, slots: torch.Tensor) -> Any:
@@ -182,8 +205,26 @@ class CachedSamples:
         extra = iter(fetched)
         samples = [next(extra) if s < 0 else next(cached) for s in slots.tolist()]
         if self._counts_copies:
-            samples = [move_to_device(sample, self.device) for sample in samples]
+            samples = move_staged(samples, self.device)  # through the loader's staging
         return self._collate(samples)
+
+    def _partial_from_disk(self, slots: torch.Tensor, positions: list[int], part: Part, items: list[Any]) -> Any:
+        """A batch of stored samples and samples read from the disk tier (``part``, at
+        ``positions``), in order (collated by column: the disk tier needs it)."""
+        read = (slots < 0).nonzero().view(-1).tolist()
+        if not read:
+            return self._from_store(slots)
+        if read != positions:  # only some were stored just now: keep the rest
+            at = {p: k for k, p in enumerate(positions)}
+            part = select_rows(part, torch.tensor([at[p] for p in read], dtype=torch.int64))
+        if len(read) == slots.numel():
+            return part.batch()
+        if self._counts_copies:
+            self.h2d_bytes += _column_bytes(part)
+        batch = self.store.assemble(slots, part)
+        if batch is None:  # the stored columns changed structure: as torch reads it
+            batch = self._collate(self._fetch(items))
+        return batch
 
     def _collate(self, samples: list[Any]) -> Any:
         return self.collate_fn(samples) if self.batched else self.collate_fn(samples[0])
@@ -209,7 +250,10 @@ class CachedSamples:
             tqdm(total=len(todo), unit="sample", desc="gpuload warm", disable=not progress) as bar,
         ):
             for chunk, part in zip(chunks, fetched):
-                self._store(torch.tensor(chunk, dtype=torch.int64), part)
+                keys = torch.tensor(chunk, dtype=torch.int64)
+                self._store(keys, part)
+                if self.disk is not None:
+                    self.disk.write(keys, part)
                 read += len(chunk)
                 bar.update(len(chunk))
                 if not self.accepting:

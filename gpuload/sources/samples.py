@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,8 +35,8 @@ from gpuload.resume import stateful
 from gpuload.sources import Indices, Schedule, Setup, Source, Work
 from gpuload.sources.sample_cache import CachedSamples
 from gpuload.sources.torch_fetch import (
-    KeepSamples, PerBatch, RecordingSampler, TorchBatches, TorchLoading, WorkerBatches, fetch, is_default_collate,
-    read_prepared,
+    HandedOver, KeepSamples, PerBatch, RecordingSampler, TorchBatches, TorchLoading, WorkerBatches, fetch,
+    is_default_collate, read_prepared,
 )
 from gpuload.transfer import batch_length, batch_nbytes
 
@@ -44,6 +45,8 @@ __all__ = ["SampleSource", "TorchLoading"]
 
 class SampleSource(Source):
     """Batches of any dataset: from the sample cache when it serves, else from torch's iterator."""
+
+    exchange_ahead = False  # a share's exchange runs in the loop's thread, each batch a collective
 
     def __init__(self, setup: Setup, torch_loading: TorchLoading) -> None:
         super().__init__(setup)
@@ -80,7 +83,7 @@ class SampleSource(Source):
             doing = "caching" if decision.caches else "not caching"
             warnings.warn(f"gpuload: {doing} this {type(setup.dataset).__name__}: {decision.reason}", stacklevel=5)
         if decision.caches:
-            self.cached = CachedSamples(setup, decision)
+            self.cached = CachedSamples(setup, decision, self.torch.num_workers)
             weakref.finalize(self, self.cached.store.close)
         return self.cached
 
@@ -119,10 +122,7 @@ class SampleSource(Source):
     def epoch(self, indices: Indices) -> Schedule:
         """Runs ahead on a GPU (or with ``prefetch_depth``), except a stateful iterable dataset,
         whose own state must be the position of the batches handed to the loop (``state_dict``),
-        and the exchange of a share split over ranks (each batch is a collective)."""
-        sharded = self.sharded
-        if sharded is not None:
-            return Schedule(lambda ahead: self._sharded_epoch(sharded, indices), ahead=False)
+        (nor does the exchange of a share split over ranks: ``exchange_ahead``)."""
         may_run_ahead = self.setup.map_style or not stateful(self.setup.dataset)
         return Schedule(lambda ahead: self._work(indices, ahead), ahead=may_run_ahead)
 
@@ -140,25 +140,37 @@ class SampleSource(Source):
             if cached is not None:
                 return Work(cached.batches(indices, request.in_range, whole=not request.resumed), finish)
             return Work(self._fetched(indices), finish)
+        handed: deque[int] | None = None
+        if not self.torch.options.get("in_order", True) and request.handed_over is not None:
+            handed = deque()  # each batch's place, queued as it leaves torch's iterator (HandedOver)
+            finish = self._noting_places(finish, handed, request.handed_over)
         if request.resumed:
-            epoch = self._worker_epoch(cached, list(request.batches(ahead)))
+            epoch = self._worker_epoch(cached, list(request.batches(ahead)), handed=handed, places=request.places)
         else:
-            epoch = self._worker_epoch(cached, seed_drawn=request.worker_seed_drawn)
+            epoch = self._worker_epoch(cached, seed_drawn=request.worker_seed_drawn, handed=handed)
         return Work(epoch, finish, length=epoch.length, from_torch=not request.resumed,
                     torch_iterator=epoch.torch_iterator)
 
-    def _sharded_epoch(self, sharded: ShardedSamples, request: Indices) -> Work:
-        """Batches assembled from every rank's share, in the loop's thread (each is a collective)."""
-        drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in request.batches(False)]
-        store = sharded.store
+    @staticmethod
+    def _noting_places(finish: Callable[[Any], Any], places: deque[int], note: Callable[[int], None]
+                       ) -> Callable[[Any], Any]:
+        """``finish``, first telling ``note`` (in the loop's thread) the place of the batch handed
+        to the loop: ``places`` were queued in the same order as the batches left torch's iterator."""
+        def noted(batch: Any) -> Any:
+            note(places.popleft())
+            return finish(batch)
+        return noted
+
+    def exchanged(self, steps: Any, number: int, ahead: bool) -> Work:
+        """Batches assembled from every rank's share, rebuilt as ``default_collate`` gives them."""
+        sharded = self.sharded
 
         def finish(item: tuple[list[torch.Tensor], torch.Tensor]) -> tuple[Any, int]:
             rows, flat = item
-            self.setup.stats.extra["exchange"] = store.describe_exchange()
+            self.setup.stats.extra["exchange"] = sharded.store.describe_exchange()
             return sharded.batch(rows), flat.numel()
 
-        return Work(store.epoch(self.setup.batch_sampler, drawn, position=request.position, number=request.number),
-                    finish)
+        return Work(steps, finish)
 
     def _fetched(self, indices: Iterator[Any]) -> Iterator[Any]:
         return PerBatch(indices, self._read_batch)
@@ -172,7 +184,8 @@ class SampleSource(Source):
         return collate(samples) if batched else collate(samples[0])
 
     def _worker_epoch(
-        self, cached: CachedSamples | None, remaining: list[Any] | None = None, seed_drawn: bool = False
+        self, cached: CachedSamples | None, remaining: list[Any] | None = None, seed_drawn: bool = False,
+        handed: deque[int] | None = None, places: list[int] | None = None,
     ) -> TorchBatches:
         """An epoch read by torch's worker processes, through a private torch DataLoader over the
         same dataset, sampler and generator (it draws what the loader's own iterator would),
@@ -184,6 +197,8 @@ class SampleSource(Source):
         made already). ``seed_drawn``: the persistent workers' base seed was drawn before in the
         run this one resumes; torch's draw when it first starts them is then made from a
         throwaway generator, so the loader's generator goes on as in an uninterrupted run.
+        ``handed``: gets each batch's place among the epoch's index batches as it leaves torch's
+        iterator (``places``: those of ``remaining``), for workers that hand batches over out of order.
         """
         collate, batched = self.setup.collate_fn, self.setup.batched
         if remaining is not None:
@@ -209,7 +224,8 @@ class SampleSource(Source):
         else:
             pairs = iter(reader)
         at_end = self._end_of_worker_epoch if cached is not None and remaining is None else None
-        batches = WorkerBatches(pairs, recorder, lambda indices, part: cached is not None and cached.take(
+        handing = pairs if handed is None else HandedOver(pairs, places, handed.append)
+        batches = WorkerBatches(handing, recorder, lambda indices, part: cached is not None and cached.take(
             indices, part, keep), at_end)
         return TorchBatches(batches, pairs.__len__, pairs)
 

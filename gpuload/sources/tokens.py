@@ -42,6 +42,7 @@ from gpuload.prefetch import Fill, TensorSpec, default_depth
 from gpuload.sampling import in_range
 from gpuload.sources import Indices, Schedule, Setup, Source, Work
 from gpuload.sources.placed_arrays import staged_copier
+from gpuload.transfer import to_device
 
 __all__ = ["PER_RANK_REASON", "TokenRows", "TokenSource", "detect", "row_tokens"]
 
@@ -213,9 +214,9 @@ class TokenSource(Source):
         row_index, beyond = rows.rows_of(offsets)
         gathered = store.gather(row_index.reshape(-1), copy=staged_copier(copy))
         block = gatherable(gathered).view(count, rows.span, rows.row_tokens)
-        if beyond is not None:  # windows reaching into the tail, which fills no whole row
-            block = torch.where(beyond.to(device, non_blocking=True)[:, :, None], self.tail, block)
-        start = (offsets % rows.row_tokens).to(device, non_blocking=True)
+        start, *tail_rows = to_device([offsets % rows.row_tokens, *([] if beyond is None else [beyond])], device)
+        if tail_rows:  # windows reaching into the tail, which fills no whole row
+            block = torch.where(tail_rows[0][:, :, None], self.tail, block)
         ids = block.view(count, -1).gather(1, start[:, None] + self.window_device)
         return ids, count
 

@@ -24,7 +24,7 @@ from torch.utils.data.dataloader import DataLoader as TorchDataLoader
 
 from gpuload.cache.columns import Part, prepare
 
-__all__ = ["KeepSamples", "PerBatch", "RecordingSampler", "TorchBatches", "TorchLoading", "WorkerBatches", "add_note",
+__all__ = ["HandedOver", "KeepSamples", "PerBatch", "RecordingSampler", "TorchBatches", "TorchLoading", "WorkerBatches", "add_note",
            "fetch", "is_default_collate", "read_prepared"]
 
 
@@ -161,6 +161,31 @@ class PerBatch(Iterator[Any]):
                 at_end()
             raise
         return self._make(item)
+
+
+class HandedOver(Iterator[Any]):
+    """torch's multi-process iterator of a map-style epoch, noting (``note``) the place of each
+    batch it hands over among the epoch's index batches: with ``in_order=False`` workers hand
+    batches over as they finish, so the k-th handed over need not be the k-th drawn. The place
+    is the task torch's iterator no longer waits for after ``next()``; ``places`` maps its own
+    batch numbers to the epoch's (the rest of a resumed epoch), None when they are the same."""
+
+    def __init__(self, inner: Any, places: list[int] | None, note: Callable[[int | None], None]) -> None:
+        self._inner, self._places, self._note = inner, places, note
+
+    def __next__(self) -> Any:
+        waiting = set(getattr(self._inner, "_task_info", ()))
+        item = next(self._inner)
+        done = waiting.difference(getattr(self._inner, "_task_info", ()))
+        if len(done) != 1:  # another torch than this was written for: the place is unknown (None)
+            self._note(None)
+        else:
+            number = done.pop()
+            self._note(self._places[number] if self._places is not None else number)
+        return item
+
+    def __len__(self) -> int:
+        return len(self._inner)
 
 
 class WorkerBatches(Iterator[Any]):

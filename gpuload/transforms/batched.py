@@ -165,11 +165,10 @@ def _gather(
     per_channel = layout[:, :1] + torch.arange(channels).view(1, -1) * layout[:, 1:2]
     per_row = (per_channel.view(n, channels, 1, 1) + (rows * layout[:, 2:3]).view(n, 1, oh, 1)).to(index_dtype)
     per_col = (cols * layout[:, 3:4]).view(n, 1, 1, ow).to(index_dtype)
-    device = flat.device
-    index = torch.add(per_row.to(device, non_blocking=True), per_col.to(device, non_blocking=True))
-    out = flat.index_select(0, index.view(-1)).view(n, channels, oh, ow)
+    moved = staging.to_device([per_row, per_col] + ([outside] if outside is not None else []), flat.device)
+    out = flat.index_select(0, torch.add(moved[0], moved[1]).view(-1)).view(n, channels, oh, ow)
     if outside is not None:
-        out = out.to(_fill_dtype(out.dtype, fill)).masked_fill_(outside.to(device, non_blocking=True), fill)
+        out = out.to(_fill_dtype(out.dtype, fill)).masked_fill_(moved[2], fill)
     return out
 
 
@@ -283,7 +282,7 @@ def _resized(images: torch.Tensor | Sequence[torch.Tensor], maps: _Maps, fill: f
             if len(ids) == 1:
                 source = source[int(ids[0]) : int(ids[0]) + 1]
             elif len(ids) < n:
-                source = source.index_select(0, ids.to(device))
+                source = source.index_select(0, staging.to_device([ids], device)[0])
         else:
             windows = [images[k][:, y0 : y0 + h, x0 : x0 + w] for k in ids.tolist()]
             source = windows[0].unsqueeze(0) if len(windows) == 1 else torch.stack(windows)
@@ -299,7 +298,7 @@ def _resized(images: torch.Tensor | Sequence[torch.Tensor], maps: _Maps, fill: f
             first = int(ids[0])
             _resize(source, canvas_size, mirror, out=batch_canvas[first : first + len(ids)])
         else:
-            batch_canvas.index_copy_(0, ids.to(device), _resize(source, canvas_size, mirror))
+            batch_canvas.index_copy_(0, staging.to_device([ids], device)[0], _resize(source, canvas_size, mirror))
     if mirror_here:
         return batch_canvas
     source = batch_canvas if batch_canvas is not None else canvases
@@ -369,7 +368,7 @@ def _mirror_some(images: torch.Tensor, mirror: torch.Tensor) -> torch.Tensor:
     """``images`` (G, C, H, W) with the samples where ``mirror`` (G,) mirrored left-right."""
     if bool(mirror.all()):
         return images.flip(-1)
-    flipped = mirror.nonzero()[:, 0].to(images.device)
+    (flipped,) = staging.to_device([mirror.nonzero()[:, 0]], images.device)
     return images.index_copy(0, flipped, images.index_select(0, flipped).flip(-1))
 
 

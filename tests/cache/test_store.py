@@ -18,6 +18,7 @@ from gpuload.cache.store import FillingStore, Store, StreamGuard
 from gpuload.cache.tiers import TIERS, Tier
 from store_cases import (
     CASES, N, Case, SlowHostTier, _arrays, array_case, columns, columns_case, planned, sample_cache_case,
+    sharded_arrays_case,
 )
 
 def same(a: Any, b: Any) -> bool:
@@ -143,6 +144,20 @@ def test_the_contract_on_cuda(kind):
     assert held > 0
     assert case.store.shrink(0) == held and case.store.device_bytes == 0
     case.store.close()
+
+
+@pytest.mark.gpu
+def test_a_share_split_over_ranks_on_cuda_is_held_whole_and_given_back_on_close():
+    case = sharded_arrays_case("cuda")
+    index = case.held[torch.randperm(case.held.numel())[:50]]
+    assert same(case.batch(index), case.expected(index))
+    held = case.store.device_bytes
+    assert held == case.held.numel() * sum(c[0].numel() * c.element_size() for c in columns())
+    with pytest.warns(UserWarning, match="cannot shrink on one rank"):
+        assert case.store.shrink(0) == 0
+    assert case.store.device_bytes == held
+    case.store.close()
+    assert case.store.device_bytes == 0
 
 
 class _Stream:

@@ -23,7 +23,7 @@ def error_lines(text: str) -> list[str]:
 @pytest.mark.parametrize("flag, value", [
     ("--samples", "0"), ("--samples", "-5"), ("--epochs", "0"), ("--epochs", "-1"), ("--batch-size", "0"),
     ("--device", "foo"), ("--device", "3.5"), ("--torch-workers", "-1"), ("--step-ms", "-1"), ("--step-ms", "nan"),
-    ("--threads", "0"), ("--image-size", "0"), ("--samples", "ten"),
+    ("--threads", "0"), ("--image-size", "0"), ("--samples", "ten"), ("--contention", "-1"),
 ])
 def test_a_bad_argument_is_one_line_naming_it_and_exit_2(flag: str, value: str, tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as exited:
@@ -246,3 +246,30 @@ def test_the_samples_scenario_from_the_command_line(tmp_path: Path, monkeypatch,
                  "--out", str(tmp_path), "--quiet"]) == 0
     assert json.loads((tmp_path / "bench.json").read_text())["runs"][0]["num_samples"] == 2000
     assert capsys.readouterr().out.endswith(f"results: {tmp_path / 'bench.json'}; chart: {tmp_path / 'bench.png'}\n")
+
+
+def test_contention_runs_busy_neighbours_only_while_timing(tmp_path: Path, capsys, monkeypatch) -> None:
+    """--contention N: N spinning processes during the timed loaders, all stopped after; the
+    JSON says how many and the load."""
+    import gpuload.bench.contention as contention
+
+    started = []
+    real = contention.busy_neighbours
+
+    def watched(count: int):
+        manager = real(count)
+        class Watch:
+            def __enter__(self):
+                processes = manager.__enter__()
+                started.extend(processes)
+                assert all(p.poll() is None for p in processes)
+                return processes
+            def __exit__(self, *exc):
+                return manager.__exit__(*exc)
+        return Watch()
+
+    monkeypatch.setattr(contention, "busy_neighbours", watched)
+    assert main(["bench", *TINY, "--contention", "2", "--quiet", "--out", str(tmp_path / "out")]) == 0
+    assert len(started) == 2 and all(p.poll() is not None for p in started)
+    document = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert document["contention"]["busy_neighbours"] == 2 and document["contention"]["load_after_run"] is not None

@@ -61,6 +61,15 @@ def test_a_job_error_names_the_flag_not_a_keyword(capsys) -> None:
     assert "keyword" not in line
 
 
+def test_a_job_plan_without_a_card_asks_for_the_flag(capsys, monkeypatch) -> None:
+    import gpuload.cli.plan_print as plan_print
+
+    monkeypatch.setattr(plan_print, "cuda_available", lambda: False)
+    assert main(["plan", "--model", "job_models:mlp", "--input-shape", "8", "--optimizer", "sgd"]) == 2
+    line = one_error(capsys)
+    assert "--device-memory" in line and "device_memory=" not in line
+
+
 def test_an_image_header_claiming_a_huge_size_is_a_bad_file_not_a_crash(tmp_path: Path, capsys) -> None:
     header = struct.pack(">IIBBBBB", 30000, 30000, 8, 2, 0, 0, 0)
     chunk = struct.pack(">I", len(header)) + b"IHDR" + header + struct.pack(">I", zlib.crc32(b"IHDR" + header))
@@ -426,3 +435,15 @@ def test_cuda_asked_for_without_cuda_names_the_flag(capsys) -> None:
     line = one_error(capsys)
     assert line.startswith("gpuload plan: error: argument --device: cuda was asked for but CUDA is not available")
     assert "pass --device cpu" in line and "device=" not in line
+
+
+def test_the_disk_tier_is_planned_beside_the_others_with_a_cache_dir(tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "spill"
+    assert main(["plan", "--synthetic", "cifar", "--device-memory", "8GiB",
+                 "--cache-size", "10MiB", "--host-memory", "4GiB", "--cache-dir", str(folder),
+                 "--disk-cache-size", "50MiB"]) == 0
+    printed = capsys.readouterr().out
+    assert "cache_dir=" in printed and "disk tier:      17022 samples" in printed and "device+disk+stream" in printed
+    assert not folder.exists()  # planning writes nothing
+    assert main(["plan", "--synthetic", "cifar", "--device-memory", "4GiB"]) == 0
+    assert "disk tier" not in capsys.readouterr().out

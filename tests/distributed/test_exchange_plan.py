@@ -72,3 +72,43 @@ def test_partition_blocks_and_errors():
         Partition(10, 6, 4)
     with pytest.raises(ValueError, match="one batch per rank"):
         plan_step(0, [torch.tensor([1])], Partition(10, 2, 2))
+
+
+def test_array_rows_come_back_whole_from_their_bytes_for_any_count_and_alignment():
+    """A row of 75 uint8 bytes puts the next array's float64 at an odd offset: each decoded
+    array is its own aligned allocation, also for one row (no copy a slice would skip)."""
+    from gpuload.distributed.sharded_store import ArrayRows
+
+    g = torch.Generator().manual_seed(2)
+    columns = [torch.randint(0, 256, (5, 75), dtype=torch.uint8, generator=g),
+               torch.rand(5, 2, dtype=torch.float64, generator=g), torch.arange(5, dtype=torch.int16)]
+    rows = ArrayRows(columns)
+    for count in (0, 1, 3):
+        positions = torch.arange(count)
+        data = rows.encode([column[:count] for column in columns])
+        assert data.numel() == int(rows.sizes(positions).sum())
+        decoded = rows.decode(data, positions, rows.sizes(positions))
+        assert all(torch.equal(d, c[:count]) and d.dtype == c.dtype for d, c in zip(decoded, columns))
+
+
+def test_a_share_that_does_not_fit_its_device_is_the_exchanges_error_not_a_fallback(monkeypatch):
+    """Other ranks read their rows from a share, so no row of it may fall back to another tier:
+    running out of memory placing it is one clear error, its booking given back, no warning."""
+    import warnings
+
+    from gpuload.cache.budget import BudgetLedger
+    from gpuload.cache.tiers import DeviceTier
+    from gpuload.distributed import ExchangeError, ScopeDecision
+    from gpuload.distributed.sharded_store import ShardPlan, array_share
+
+    def no_room(cls, source, first, rows, device):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(DeviceTier, "allocate", classmethod(no_room))
+    plan = ShardPlan(ScopeDecision("world", "world", 2, "a test's share"), Partition(8, 2, 2), 0, 8, "cpu")
+    ledger = BudgetLedger()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ExchangeError, match="out of memory placing rank 0's share"):
+            array_share([torch.arange(4, dtype=torch.int64)], plan, torch.device("cpu"), owner="share", ledger=ledger)
+    assert ledger.reserved("cpu") == 0 and ledger.used("cpu") == 0

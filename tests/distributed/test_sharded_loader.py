@@ -96,7 +96,7 @@ def test_nccl_ranks_get_torchs_batches(tmp_path):
             assert result["equal"], f"rank {rank}, {key}"
             assert result["path"] == f"sharded-{key.split('/')[0]}"
             assert result["exchange"]["shard_bytes"] > 0
-            # NCCL's exchange is issued from the loop's thread whatever the depth (ShardedArrayStore.runs_ahead)
+            # NCCL's exchange is issued from the loop's thread whatever the depth (ShardedStore.runs_ahead)
             assert result["exchange"]["ahead"] is False
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from gpuload.sources import Source
+from gpuload.sources import Indices, Schedule, Source
 from gpuload.sources.arrays import ArraySource
 from gpuload.sources.images import ImageFileSource
 from gpuload.sources.samples import SampleSource
@@ -22,6 +22,14 @@ def test_no_source_answers_the_cache_questions_itself():
             assert getattr(source, question) is getattr(Source, question), (source.__name__, question)
 
 
+def test_no_source_chooses_between_its_epoch_and_the_exchange_itself():
+    """The choice is made once, from the store (``Source.schedule``): a source's ``epoch`` is its
+    own path only, and says how an exchanged batch becomes its batch in ``exchanged``."""
+    for source in SOURCES:
+        assert source.schedule is Source.schedule, source.__name__
+        assert source.exchanged is not Source.exchanged, source.__name__
+
+
 class _Serving(Source):
     """A source whose store is given: the contract's answers, without a loader."""
 
@@ -32,8 +40,8 @@ class _Serving(Source):
     def cache_store(self):
         return self._store
 
-    def epoch(self, request):  # pragma: no cover - not asked here
-        raise NotImplementedError
+    def epoch(self, request):
+        return Schedule(lambda ahead: ("own epoch", ahead))
 
 
 def test_a_share_of_decoded_images_is_split_over_ranks():
@@ -53,3 +61,16 @@ def test_a_cache_on_the_loaders_device_counts_and_shrinks():
     elsewhere = sample_cache_case()
     assert _Serving(elsewhere.store, "meta").device_cache_bytes() == 0  # not the loader's device
     assert _Serving(None).shrink_cache(0) == 0 and not _Serving(None).split_over_ranks()
+
+
+def test_a_share_is_served_by_the_exchange_and_any_other_store_by_the_sources_own_epoch():
+    indices = Indices(0, lambda: iter([]))
+    case = sharded_images_case()
+    exchange = _Serving(case.store).schedule(indices)
+    assert not exchange.staged and exchange.ahead_on_cpu and exchange.ahead == case.store.runs_ahead
+    in_the_loop = _Serving(case.store)
+    in_the_loop.exchange_ahead = False  # a source whose exchange stays in the loop's thread
+    assert not in_the_loop.schedule(indices).ahead
+    case.store.close()
+    for store in (sample_cache_case().store, None):
+        assert _Serving(store).schedule(indices).start(True) == ("own epoch", True)

@@ -1,0 +1,173 @@
+"""Decoded images from the disk tier: ``gpuload bench --scenario disk``.
+
+A folder of real-photo JPEGs (``make_sample_image_folder``), read as torchvision's
+``ImageFolder`` with a deterministic ``Resize(256) + CenterCrop(224) + PILToTensor()``: a
+decoded sample is 147 KiB of uint8. gpuload's sample cache keeps them with ``cache="host"``, the
+host tier forced to a quarter of the decoded size (``cache_size``), and ``cache_dir=`` a fresh
+folder: epoch 1 decodes (with the loader's workers) and writes the disk tier, epoch 2 reads
+what the host tier lacks from it, memory-mapped. Measured beside torch's DataLoader with PIL on
+the same folder, and a second process started afterwards, whose first epoch reads the disk
+tier. Host memory growth is the anonymous resident memory held after the epochs (the page cache
+and the memory maps' file pages aside; freed heap handed back first). Targets (issue 27): epoch 2 at least 5x epoch 1 and 3x torch's; the second
+process's first epoch as fast as epoch 2; growth within the host tier's budget + 64 MiB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import gpuload
+from gpuload.bench.report import WIDTH, write_json
+from gpuload.bench.run import steady_host_allocator
+from gpuload.cache import format_bytes
+
+__all__ = ["DISK_TARGET", "TORCH_TARGET", "anon_resident_bytes", "decoded_folder", "run_disk", "run_disk_bench"]
+
+DISK_TARGET = 5.0  # epoch 1 / epoch 2, at least
+TORCH_TARGET = 3.0  # torch epoch / epoch 2, at least
+MEMORY_SLACK = 64 << 20
+SIZE = 224
+
+
+def anon_resident_bytes() -> int:
+    """This process's anonymous resident memory (``RssAnon``: not file pages nor the page cache),
+    after glibc hands its free heap back (``malloc_trim``: the bench's fixed malloc thresholds
+    keep freed batches otherwise): the memory the process holds."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name:
+        try:
+            ctypes.CDLL(name).malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def decoded_folder(root: str | os.PathLike[str]) -> Any:
+    """The folder as torchvision's ImageFolder decoded at 224x224 uint8 (deterministic)."""
+    from torchvision import datasets, transforms
+
+    return datasets.ImageFolder(os.fspath(root), transform=transforms.Compose(
+        [transforms.Resize(256), transforms.CenterCrop(SIZE), transforms.PILToTensor()]))
+
+
+def _loader(dataset: Any, batch_size: int, workers: int, cache_dir: str, cache_size: int) -> gpuload.DataLoader:
+    return gpuload.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
+                              generator=torch.Generator().manual_seed(0), cache="host", cache_size=cache_size,
+                              cache_dir=cache_dir, device="cpu")
+
+
+def _epoch_s(loader: Any) -> float:
+    start = time.perf_counter()
+    for _ in loader:
+        pass
+    return time.perf_counter() - start
+
+
+def second_process(root: str, batch_size: int, cache_dir: str, cache_size: int) -> None:
+    """In a new process: one epoch of a fresh loader on the same folder and cache_dir; prints
+    its time and the disk tier's counters as one JSON line."""
+    steady_host_allocator()  # the allocator the first process measured with
+    loader = _loader(decoded_folder(root), batch_size, 0, cache_dir, cache_size)
+    seconds = _epoch_s(loader)
+    disk = loader.stats.extra["cache"].get("disk", {})
+    print(json.dumps({"epoch_s": seconds, "disk_hits": disk.get("hits", 0), "rows_written": disk.get("rows_written", 0)}))
+
+
+def run_disk(root: str, batch_size: int, workers: int, cache_dir: str) -> dict[str, Any]:
+    """The measurements of one run (see the module docstring); ``cache_dir`` should be empty."""
+    dataset = decoded_folder(root)
+    decoded = len(dataset) * 3 * SIZE * SIZE
+    cache_size = decoded // 4
+    torch_loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
+                                               persistent_workers=workers > 0)
+    _epoch_s(torch_loader)  # workers started, files in the page cache: as warm as gpuload's epoch 2
+    torch_s = _epoch_s(torch_loader)
+    del torch_loader
+    before = anon_resident_bytes()
+    loader = _loader(dataset, batch_size, workers, cache_dir, cache_size)
+    epoch1_s = _epoch_s(loader)
+    epoch2_s = _epoch_s(loader)
+    growth = anon_resident_bytes() - before
+    stats = loader.stats.extra["cache"]
+    loader.close()
+    command = [sys.executable, "-c", "import sys; from gpuload.bench.disk import second_process; "
+               f"second_process({root!r}, {batch_size}, {cache_dir!r}, {cache_size})"]
+    child = subprocess.run(command, capture_output=True, text=True, check=False, timeout=3600)
+    if child.returncode:
+        raise RuntimeError(f"the second process failed: {child.stderr.strip().splitlines()[-1:]}")
+    second = json.loads(child.stdout.strip().splitlines()[-1])
+    return {
+        "images": len(dataset), "batch_size": batch_size, "num_workers": workers,
+        "decoded_bytes": decoded, "host_tier_budget": cache_size, "host_tier_bytes": stats["bytes"],
+        "disk_bytes": stats["disk"]["published_bytes"], "disk_hits_epoch2": stats["disk"]["hits"],
+        "torch_s": torch_s, "epoch1_s": epoch1_s, "epoch2_s": epoch2_s, "second_process_s": second["epoch_s"],
+        "second_process_disk_hits": second["disk_hits"], "second_process_rows_written": second["rows_written"],
+        "anon_rss_growth_bytes": growth, "memory_limit_bytes": cache_size + MEMORY_SLACK,
+    }
+
+
+def format_disk(run: dict[str, Any]) -> str:
+    """The run as a small table and the targets."""
+    n = run["images"]
+
+    def row(name: str, seconds: float) -> str:
+        return f"  {name:<44} {seconds:7.2f} s  {n / seconds:8.0f} img/s"
+
+    lines = [
+        row(f"torch DataLoader (PIL, {run['num_workers']} workers)", run["torch_s"]),
+        row("gpuload epoch 1 (decode, fill the disk tier)", run["epoch1_s"]),
+        row("gpuload epoch 2 (host tier + disk tier)", run["epoch2_s"]),
+        row("second process, its first epoch (disk tier)", run["second_process_s"]),
+        f"  epoch 1 / epoch 2: {run['epoch1_s'] / run['epoch2_s']:.1f}x (target {DISK_TARGET:.0f}x); "
+        f"torch / epoch 2: {run['torch_s'] / run['epoch2_s']:.1f}x (target {TORCH_TARGET:.0f}x); "
+        f"second process / epoch 2: {run['second_process_s'] / run['epoch2_s']:.2f}x",
+        f"  decoded {format_bytes(run['decoded_bytes'])}; host tier {format_bytes(run['host_tier_bytes'])} "
+        f"(budget {format_bytes(run['host_tier_budget'])}); disk tier {format_bytes(run['disk_bytes'])}; "
+        f"host memory growth {format_bytes(run['anon_rss_growth_bytes'])} "
+        f"(limit {format_bytes(run['memory_limit_bytes'])})",
+    ]
+    return "\n".join(lines)
+
+
+def run_disk_bench(quick: bool, samples: int | None, batch_size: int | None, out: Path,
+                   environment: dict[str, Any], quiet: bool = False, workers: int = 2) -> int:
+    """``gpuload bench --scenario disk``: generate the JPEGs, run, print, write ``bench.json``; 0."""
+    num_images = samples or (96 if quick else 1024)
+    batch_size = batch_size or 32
+    say = (lambda *lines: None) if quiet else (lambda *lines: print(*lines, sep="\n", flush=True))
+    say(*textwrap.wrap(f"gpuload bench: disk, {num_images} real-photo JPEGs -> Resize(256) + CenterCrop({SIZE}) "
+                       f"uint8, batch {batch_size}, shuffled, cache='host' at 1/4 of the decoded size, cache_dir= "
+                       f"a new folder; torch and gpuload with {workers} workers", WIDTH, subsequent_indent="    "))
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    with tempfile.TemporaryDirectory(prefix="gpuload-bench-disk-") as scratch:
+        root, cache_dir = Path(scratch) / "images", Path(scratch) / "cache"
+        gpuload.datasets.make_sample_image_folder(root, num_images=num_images, num_classes=10, seed=0)
+        run = run_disk(str(root), batch_size, workers, str(cache_dir))
+    load = [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None]
+    say("", format_disk(run), f"  load average before / after: {load[0]} / {load[1]} on {os.cpu_count()} cores", "")
+    write_json(out / "bench.json", {"scenario": "disk", "environment": environment, "run": run, "load": load})
+    print(f"disk tier: epoch 2 {run['epoch1_s'] / run['epoch2_s']:.1f}x faster than epoch 1 and "
+          f"{run['torch_s'] / run['epoch2_s']:.1f}x torch's DataLoader; a second process's first epoch "
+          f"{run['epoch1_s'] / run['second_process_s']:.1f}x faster than epoch 1")
+    print(f"results: {out / 'bench.json'}")
+    return 0

@@ -1,0 +1,223 @@
+"""The disk tier: rows the memory tiers do not hold, kept in ``cache_dir`` and memory-mapped back.
+
+Two users, one :class:`~gpuload.cache.disk.DiskCache` each:
+
+- :class:`DiskTier` (registered as ``"disk"``) is a tier of the array store: rows
+  ``[first, first + rows)`` of every array, written to the folder when the store places them
+  (skipped for rows a published entry already has) and gathered from the memory maps after.
+- :class:`DiskRows` is the disk tier of a sample cache (:mod:`gpuload.sources.sample_cache`):
+  a dataset's samples as fixed-shape column rows by index, written as batches are read from the
+  dataset, read back for the samples the memory tiers lack; a later job with the same
+  fingerprint starts from them.
+
+Only deterministic bytes are stored (the sample cache's samples when the probe finds them
+deterministic); a fingerprint of what produced them (:func:`~gpuload.cache.disk.fingerprint_for`)
+keys the entry, so changed data never reads old rows.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from gpuload.cache.columns import Branch, Column, Part, column_rows, layout, prepare
+from gpuload.cache.disk import DEFAULT_BLOCK_BYTES, ColumnSpec, DiskCache, DiskCacheWarning, Fingerprint, fingerprint_for
+from gpuload.cache.settings import CacheSettings
+from gpuload.cache.tiers import Tier, register_tier
+
+__all__ = ["DiskRows", "DiskTier", "disk_tier_maker", "sample_fingerprint"]
+
+_FILL_ROWS = 4096  # rows written per call while the array store places a disk tier
+BLOCK_BYTES = DEFAULT_BLOCK_BYTES
+"""Bytes of one block file (rows published together); tests make it small."""
+
+
+def _specs(columns: Sequence[torch.Tensor]) -> list[ColumnSpec]:
+    return [ColumnSpec(f"#{k}", column.dtype, tuple(column.shape[1:])) for k, column in enumerate(columns)]
+
+
+@register_tier
+class DiskTier(Tier):
+    """Rows in a :class:`DiskCache` entry, read memory-mapped (a batch's rows are gathered on the
+    host into the loader's staging, like the host tier's). ``columns`` holds one empty row of each
+    array (its dtype and shape); the rows themselves are in ``disk``."""
+
+    name = "disk"
+
+    def __init__(self, first: int, columns: list[torch.Tensor], *, disk: DiskCache | None = None,
+                 rows: int = 0, source: list[torch.Tensor] | None = None) -> None:
+        super().__init__(first, columns, release=disk.close if disk is not None else None)
+        self.disk = disk
+        self._rows = rows if disk is not None else 0
+        self._source = source or []  # rows of a block found damaged are read (and written) again from it
+
+    @classmethod
+    def allocate(cls, source: list[torch.Tensor], first: int, rows: int, device: torch.device) -> DiskTier:
+        """No folder is known to the class alone: an empty tier (a store builds a real one
+        with :func:`disk_tier_maker`)."""
+        return cls(first, [])
+
+    @classmethod
+    def fill(cls, disk: DiskCache, source: list[torch.Tensor], first: int, rows: int) -> DiskTier:
+        """The tier holding rows ``[first, first + rows)`` of ``source`` in ``disk`` (an entry of
+        ``rows`` rows, the tier's row ``k`` being source row ``first + k``): rows not published
+        yet are written now; the tier ends at the first row the disk could not take (its
+        budget, a full disk)."""
+        for start in range(0, rows, _FILL_ROWS):
+            end = min(rows, start + _FILL_ROWS)
+            wanted = torch.arange(start, end)
+            if disk.accepting and not bool(disk.present(wanted).all()):
+                disk.write(wanted, [column[first + start:first + end] for column in source])
+        held = disk.present(torch.arange(rows)) if rows else torch.zeros(0, dtype=torch.bool)
+        missing = (~held).nonzero().view(-1)
+        served = int(missing[0]) if missing.numel() else rows
+        return cls(first, [column[:0] for column in source], disk=disk, rows=served, source=source)
+
+    @property
+    def rows(self) -> int:
+        return self._rows
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # on disk, not in memory
+
+    def gather(self, column: int, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.disk is None:
+            raise RuntimeError("this disk tier was closed")
+        try:
+            rows = self.disk.read(slots)[column]
+        except LookupError:  # a block failed its check (warned, naming it): the source has the rows
+            wanted = slots + self.first
+            rows = self._source[column].index_select(0, wanted)
+            self.disk.write(slots, [source.index_select(0, wanted) for source in self._source])
+        if out is None:
+            return rows
+        out.copy_(rows.view(out.dtype) if rows.dtype != out.dtype else rows)
+        return out
+
+    def keep(self, rows: int) -> None:
+        self._rows = min(self._rows, rows)
+
+    def close(self) -> None:
+        self.disk = None
+        self._rows = 0
+        self._source = []
+        super().close()
+
+
+def disk_tier_maker(settings: CacheSettings, fingerprint: Callable[[], Fingerprint]) -> Callable[..., Tier]:
+    """A tier maker for :class:`~gpuload.cache.array_store.TieredArrayStore` that builds the
+    disk tier in ``settings``' ``cache_dir`` (``fingerprint`` is called once, when there are
+    rows to keep); an empty tier when the folder cannot be used (warned by the cache)."""
+
+    def make(source: list[torch.Tensor], first: int, rows: int, budget: int = 0) -> Tier:
+        if not rows:
+            return DiskTier(first, [])
+        whole = fingerprint()  # the tier's rows are an entry of their own: the key names them
+        rows_of = Fingerprint.of(whole.kind, f"{whole.description}, rows {first}-{first + rows - 1}",
+                                 {"data": whole.digest, "first": first})
+        disk = DiskCache.from_settings(settings, rows_of, _specs(source), rows, block_bytes=BLOCK_BYTES)
+        if disk is None:
+            return DiskTier(first, [])
+        return DiskTier.fill(disk, source, first, rows)
+
+    return make
+
+
+# ---------------------------------------------------------------- the sample cache's disk tier
+
+
+def _with_rows(template: Part, rows: Iterator[torch.Tensor]) -> Part:
+    """A prepared batch of ``template``'s structure whose columns are ``rows`` (depth first)."""
+    if isinstance(template, Branch):
+        return Branch(template.kind, template.keys, [_with_rows(child, rows) for child in template.children])
+    assert isinstance(template, Column)
+    return Column(template.kind, template.dtype, next(rows))
+
+
+def select_rows(part: Part, positions: torch.Tensor) -> Part:
+    """The samples ``positions`` of a prepared batch whose leaves are all columns."""
+    return _with_rows(part, (rows.index_select(0, positions) for rows in column_rows(part)))
+
+
+def sample_fingerprint(dataset: Any) -> Fingerprint:
+    """What produced a map-style dataset's samples: its files or attributes
+    (:func:`fingerprint_for`) and its transforms, by their repr."""
+    settings = {name: repr(getattr(dataset, name)) for name in ("transform", "target_transform", "transforms")
+                if getattr(dataset, name, None) is not None}
+    return fingerprint_for(dataset, settings)
+
+
+class DiskRows:
+    """A map-style dataset's samples on disk as fixed-shape column rows, by dataset index.
+
+    Opened with the structure of ``dataset[0]`` (``template``; every leaf must be a fixed-shape
+    column, else there is no disk tier). ``read(keys)``: the prepared batch of those samples when
+    all are published, else None; ``write(keys, part)``: keep a prepared batch read from the
+    dataset (batches of another structure are not kept).
+    """
+
+    def __init__(self, disk: DiskCache, template: Part) -> None:
+        self.disk = disk
+        self.template = template
+        self._layout = layout(template)
+
+    @classmethod
+    def open(cls, dataset: Any, settings: CacheSettings) -> DiskRows | None:
+        """The disk tier of ``dataset``'s samples in ``settings``' ``cache_dir``, or None: no
+        folder set, samples that are not fixed-shape columns, a dataset that cannot be
+        fingerprinted or a folder that cannot be used (each warned once, except the first)."""
+        if settings.disk_dir.value is None or settings.disk_size.value.kind == "off":
+            return None
+        name = type(dataset).__name__
+        try:
+            template = prepare([dataset[0]])
+        except Exception as error:  # noqa: BLE001 - the dataset's own error surfaces when the loop reads it
+            warnings.warn(f"gpuload disk cache: reading {name}[0] failed ({type(error).__name__}: {error}); "
+                          "no disk tier", DiskCacheWarning, stacklevel=3)
+            return None
+        if layout(template) is None:
+            warnings.warn(f"gpuload disk cache: the samples of this {name} are not fixed-shape tensors, arrays "
+                          "and numbers; no disk tier", DiskCacheWarning, stacklevel=3)
+            return None
+        try:
+            fingerprint = sample_fingerprint(dataset)
+        except (TypeError, ValueError) as error:
+            warnings.warn(f"gpuload disk cache: {error}; no disk tier", DiskCacheWarning, stacklevel=3)
+            return None
+        disk = DiskCache.from_settings(settings, fingerprint, _specs(column_rows(template)), len(dataset),
+                                       block_bytes=BLOCK_BYTES)
+        return cls(disk, template) if disk is not None else None
+
+    @property
+    def complete(self) -> bool:
+        return self.disk.complete
+
+    @property
+    def accepting(self) -> bool:
+        return self.disk.accepting and not self.disk.stats().full
+
+    def read(self, keys: torch.Tensor) -> Part | None:
+        """The prepared batch of samples ``keys`` when every one is on disk, else None."""
+        if not keys.numel() or not bool(self.disk.present(keys).all()):
+            return None
+        try:
+            rows = self.disk.read(keys)
+        except LookupError:  # a block dropped (damaged) between the check and the read
+            return None
+        return _with_rows(self.template, iter(rows))
+
+    def write(self, keys: torch.Tensor, part: Part) -> int:
+        """Keep the samples of ``part`` (prepared from the dataset, in order) under ``keys``."""
+        if not self.disk.accepting or layout(part) != self._layout:
+            return 0
+        return self.disk.write(keys, column_rows(part))
+
+    def stats(self) -> dict[str, Any]:
+        return self.disk.stats().as_dict()
+
+    def close(self) -> None:
+        self.disk.close()

@@ -1,0 +1,83 @@
+"""Intra-op threads for gpuload's own batch-sized CPU ops, chosen from the CPUs free now.
+
+A batch of transforms on the CPU is a handful of large ops, each split over torch's intra-op
+(OpenMP) threads, which wait for each other at the end of every op by spinning. When other
+processes keep the cores busy, a spinning thread holds a core that the thread it waits for
+needs: on 2 cores at load 9, two threads made a CIFAR batch's transforms 5x slower than one
+(and spent 6x the CPU time), where torch's per-sample loop, whose ops are too small to be
+split, lost nothing. So gpuload runs its own batch ops with no more threads than the CPUs
+left free by other processes (the 1-minute load average less the cores this process itself
+kept busy lately; never below 1, never above torch's setting), and puts torch's setting back
+after each call: the user's own ops keep the thread count the user chose. (OpenMP's thread
+count is the calling thread's; a thread the user starts during the call may take the lower
+count as its first one.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+
+from gpuload.device import usable_cpu_count
+
+__all__ = ["chosen_cpu_threads", "free_cpu_threads", "own_cpu_threads"]
+
+
+def free_cpu_threads(current: int, usable: int, load: float, own: float) -> int:
+    """Threads for a batch op: ``current`` (torch's setting) capped by the CPUs this process may
+    use (``usable``) less the ones other processes keep busy: the 1-minute ``load`` average
+    less this process's ``own`` share of it (the cores its threads kept busy lately, spinning
+    ones included, so its own threads never count as contention)."""
+    others = max(0.0, load - own)
+    return max(1, min(current, usable, usable - int(others + 0.5)))
+
+
+class _OwnUse:
+    """Cores this process kept busy over its last complete window of at least ``WINDOW`` s
+    (CPU time over wall time; 1.0, the loop's thread, before one has passed)."""
+
+    WINDOW = 10.0
+
+    def __init__(self) -> None:
+        self.cores = 1.0
+        self.since = (time.monotonic(), time.process_time())
+
+    def now(self) -> float:
+        wall, cpu = time.monotonic(), time.process_time()
+        elapsed = wall - self.since[0]
+        if elapsed >= self.WINDOW:
+            self.cores = (cpu - self.since[1]) / elapsed
+            self.since = (wall, cpu)
+        return self.cores
+
+
+_own_use = _OwnUse()
+
+
+def chosen_cpu_threads() -> int:
+    """:func:`free_cpu_threads` for this process now."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return free_cpu_threads(torch.get_num_threads(), usable_cpu_count(), load, _own_use.now())
+
+
+@contextlib.contextmanager
+def own_cpu_threads(device: torch.device) -> Iterator[None]:
+    """Run the block's CPU ops with :func:`free_cpu_threads` threads (on a CPU ``device``;
+    elsewhere, and when that is torch's setting already, nothing changes)."""
+    if device.type != "cpu":
+        yield
+        return
+    current = torch.get_num_threads()
+    wanted = chosen_cpu_threads()
+    if wanted == current:
+        yield
+        return
+    torch.set_num_threads(wanted)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(current)

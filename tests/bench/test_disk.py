@@ -1,0 +1,28 @@
+"""The disk scenario: decoded JPEGs spilled to cache_dir's disk tier, beside torch's DataLoader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gpuload.cli import main
+
+
+def test_the_quick_variant_serves_epoch_2_and_a_second_process_from_the_disk_tier(tmp_path: Path, capsys) -> None:
+    assert main(["bench", "--scenario", "disk", "--quick", "--samples", "40", "--batch-size", "8",
+                 "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "gpuload epoch 2 (host tier + disk tier)" in printed and "second process" in printed
+    run = json.loads((tmp_path / "out" / "bench.json").read_text())["run"]
+    assert run["images"] == 40 and run["decoded_bytes"] == 40 * 3 * 224 * 224
+    assert run["host_tier_bytes"] <= run["host_tier_budget"] < run["decoded_bytes"]  # the host tier is forced small
+    assert run["disk_bytes"] == 40 * (3 * 224 * 224 + 8)  # epoch 1 wrote every decoded image and label
+    assert run["disk_hits_epoch2"] >= 40 - run["host_tier_bytes"] // (3 * 224 * 224 + 8)
+    # The second process read its whole first epoch from the disk tier and wrote nothing.
+    assert run["second_process_disk_hits"] == 40 and run["second_process_rows_written"] == 0
+    assert not list(tmp_path.glob("**/block-*"))  # the scratch folders are gone
+
+
+def test_data_is_refused_for_the_disk_scenario(tmp_path: Path, capsys) -> None:
+    assert main(["bench", "--scenario", "disk", "--data", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "the disk scenario makes its own JPEG folder" in capsys.readouterr().err

@@ -1,0 +1,220 @@
+"""The disk tier as a tier of the cache (gpuload/cache/disk_tier.py): planned after the host
+tier when ``cache_dir`` is set, filled at placement for arrays, read back exactly; and the
+sample cache's disk tier through the loader (batches equal torch's DataLoader's)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import gpuload
+from gpuload.cache import TieredArrayStore
+from gpuload.cache.disk import DiskCacheWarning, fingerprint_arrays
+from gpuload.cache.disk_tier import DiskTier, disk_tier_maker
+from gpuload.cache.plan import make_plan
+from gpuload.cache.settings import CacheSettings
+from gpuload.cache.tiers import TIERS
+
+GiB = 2**30
+N = 300
+
+
+def _arrays() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 256, (N, 3, 4, 4), dtype=torch.uint8, generator=g), torch.arange(N) * 5]
+
+
+BPS = 3 * 4 * 4 + 8
+
+
+def _plan(host: int, disk_room: int):
+    return make_plan(BPS, N, device_free=80 * GiB, host_free=host * BPS, budget=0, reserve=0,
+                     host_reserve=0, disk_room=disk_room)
+
+
+def test_the_disk_tier_is_registered_and_planned_after_the_host_tier_only_with_a_folder() -> None:
+    assert TIERS["disk"] is DiskTier
+    without = _plan(100, 0)
+    assert [t.name for t in without.tiers] == ["device", "host"] and without.source_samples == 200
+    plan = _plan(100, 150 * BPS)
+    assert [t.name for t in plan.tiers] == ["device", "host", "disk"]
+    assert (plan.samples_in("disk"), plan.tiers[2].first, plan.source_samples) == (150, 100, 50)
+    assert "disk tier:" in plan.describe() and plan.kind == "host+disk+stream"
+    off = make_plan(BPS, N, 80 * GiB, 0, 0, 0, mode="off", host_reserve=0, disk_room=GiB)
+    assert off.samples_in("disk") == 0
+
+
+def test_settings_plan_the_disk_tier_from_cache_dir_and_disk_cache_size(tmp_path: Path) -> None:
+    from gpuload.device import MemoryInfo
+
+    memory, host = MemoryInfo(free=0, total=GiB), MemoryInfo(free=0, total=64 * GiB)
+    none = CacheSettings.resolve(environ={}, cwd=tmp_path)
+    assert none.disk_room() == 0
+    assert none.array_plan(BPS, N, memory, host, device="cuda:0", shared=False, disk=True).samples_in("disk") == 0
+    sized = CacheSettings.resolve(cache_dir=tmp_path / "not-yet" / "made", disk_cache_size=100 * BPS,
+                                  environ={}, cwd=tmp_path)
+    plan = sized.array_plan(BPS, N, memory, host, device="cuda:0", shared=False, disk=True)
+    assert plan.samples_in("disk") == 100 and not (tmp_path / "not-yet").exists()  # planning writes nothing
+    assert sized.array_plan(BPS, N, memory, host, device="cuda:0", shared=False).samples_in("disk") == 0
+
+
+def _store(folder: Path, plan) -> TieredArrayStore:
+    data = _arrays()
+    settings = CacheSettings.resolve(cache_dir=folder, environ={}, cwd=folder.parent)
+    maker = disk_tier_maker(settings, lambda: fingerprint_arrays(data))
+    return TieredArrayStore(data, plan, "cpu", disk_tier=maker, stage_host_rows=True)
+
+
+def _gather(store: TieredArrayStore, indices: torch.Tensor) -> list[torch.Tensor]:
+    request = store.request(indices)
+    views = [torch.empty(shape, dtype=dtype) for shape, dtype in request.staged_shapes]
+    request.fill_staged(views)
+    return request.assemble(request.on_device, views)
+
+
+def test_array_rows_past_the_host_tier_go_to_disk_and_read_back_exactly(tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    plan = _plan(100, 150 * BPS)
+    data = _arrays()
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(1))
+    with _store(folder, plan) as store:
+        stats = store.stats
+        assert (stats.tiers["host"].samples, stats.tiers["disk"].samples, stats.tiers["source"].samples) == (100, 150, 50)
+        disk = store.tier("disk").disk
+        assert disk.stats().rows_written == 150
+        for batch in order.split(32):
+            got = _gather(store, batch)
+            assert torch.equal(got[0], data[0][batch]) and torch.equal(got[1], data[1][batch])
+        assert store.stats.tiers["disk"].hits == 150
+    with _store(folder, plan) as again:  # a later job: published rows are not written again
+        assert again.tier("disk").disk.stats().rows_written == 0
+        got = _gather(again, order)
+        assert torch.equal(got[0], data[0][order])
+
+
+def test_a_damaged_disk_block_is_named_and_its_rows_come_from_the_source(tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    plan = _plan(0, N * BPS)
+    data = _arrays()
+    _store(folder, plan).close()
+    (block,) = folder.glob("*/block-*.bin")
+    raw = bytearray(block.read_bytes())
+    raw[:64] = b"\xff" * 64
+    block.write_bytes(bytes(raw))
+    with warnings.catch_warnings(record=True) as caught, _store(folder, plan) as store:
+        warnings.simplefilter("always")
+        got = _gather(store, torch.arange(N))
+    assert torch.equal(got[0], data[0]) and torch.equal(got[1], data[1])
+    assert any(issubclass(w.category, DiskCacheWarning) and block.name in str(w.message) for w in caught)
+
+
+def test_rows_of_a_block_dropped_after_placement_come_from_the_source_and_are_written_again(tmp_path: Path) -> None:
+    data = _arrays()
+    with _store(tmp_path / "cache", _plan(0, N * BPS)) as store:
+        disk = store.tier("disk").disk
+        with pytest.warns(DiskCacheWarning, match="another process found it damaged"):
+            disk._drop(0, "another process found it damaged")  # as when another process drops it
+        assert not bool(disk.present(torch.arange(N)).any())
+        got = _gather(store, torch.arange(N))
+        assert torch.equal(got[0], data[0]) and torch.equal(got[1], data[1])
+        assert bool(disk.present(torch.arange(N)).all())  # written again from the source
+
+
+class Pictures(torch.utils.data.Dataset):
+    """Deterministic fixed-shape samples, counting dataset reads."""
+
+    def __init__(self, n: int = 120) -> None:
+        self.n, self.reads = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        self.reads += 1
+        g = torch.Generator().manual_seed(i)
+        return torch.randint(0, 256, (3, 6, 6), dtype=torch.uint8, generator=g), {"label": i % 7, "w": float(i) / 3}
+
+
+def _epochs(loader, count: int) -> list[list]:
+    return [list(loader) for _ in range(count)]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _torch_epochs(dataset, count: int) -> list[list]:
+    g = torch.Generator().manual_seed(5)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=16, shuffle=True, generator=g)
+    return [list(loader) for _ in range(count)]
+
+
+def test_sample_cache_spills_to_disk_and_batches_equal_torch(tmp_path: Path) -> None:
+    dataset = Pictures()
+    expected = _torch_epochs(Pictures(), 3)
+    loader = gpuload.DataLoader(dataset, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(5),
+                                cache="host", cache_size=30 * (3 * 36 + 16), cache_dir=tmp_path / "c")
+    got = [list(loader)]
+    after_fill = dataset.reads
+    got += _epochs(loader, 2)
+    assert _same(got, expected)
+    disk = loader.stats.extra["cache"]["disk"]
+    assert disk["published_rows"] == 120 and disk["hits"] > 0
+    assert dataset.reads == after_fill  # epochs 2 and 3: from the host tier and the disk
+    setup_reads = after_fill - 120  # the determinism probe and dataset[0] for the structure
+    # A second loader (a later job) reads no epoch from the dataset, its first one included.
+    again = Pictures()
+    later = gpuload.DataLoader(again, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(5),
+                               cache="host", cache_size=30 * (3 * 36 + 16), cache_dir=tmp_path / "c")
+    assert _same(_epochs(later, 3), expected) and again.reads == setup_reads
+
+
+def test_without_cache_dir_nothing_changes(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("GPULOAD_CACHE_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    loader = gpuload.DataLoader(Pictures(), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(5),
+                                cache="host", cache_size=2000)
+    assert _same(_epochs(loader, 2), _torch_epochs(Pictures(), 2))
+    assert "disk" not in loader.stats.extra["cache"] and list(tmp_path.iterdir()) == []
+
+
+class Augmented(Pictures):
+    def __getitem__(self, i: int):
+        image, target = super().__getitem__(i)
+        return image + torch.randint(0, 2, (1,), dtype=torch.uint8), target
+
+
+def test_random_samples_are_never_written_to_disk(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="random"):
+        loader = gpuload.DataLoader(Augmented(), batch_size=16, cache="host", cache_dir=tmp_path / "c")
+        list(loader)
+    assert "disk" not in loader.stats.extra["cache"]
+    assert not list((tmp_path / "c").glob("*/block-*")) if (tmp_path / "c").exists() else True
+
+
+@pytest.mark.gpu
+def test_on_cuda_array_rows_past_host_memory_come_from_the_disk_tier(tmp_path: Path, pretend_host_memory) -> None:
+    total = 64 * GiB
+    pretend_host_memory(free=int(total * 0.10) + 60 * BPS, total=total)  # the host tier holds 60 rows
+    data = _arrays()
+    dataset = torch.utils.data.TensorDataset(*data)
+    loader = gpuload.DataLoader(dataset, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(4),
+                                device="cuda", cache_size=50 * BPS, cache_dir=tmp_path / "c")
+    reference = torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True,
+                                            generator=torch.Generator().manual_seed(4))
+    for _ in range(2):
+        for (images, labels), (want_images, want_labels) in zip(loader, reference, strict=True):
+            assert torch.equal(images.cpu(), want_images) and torch.equal(labels.cpu(), want_labels)
+    tiers = loader.stats.extra["cache"]["tiers"]
+    assert (tiers["device"]["samples"], tiers["host"]["samples"], tiers["disk"]["samples"]) == (50, 60, 190)
+    assert tiers["disk"]["hits"] == 2 * 190 and tiers["source"]["samples"] == 0
+    assert len(list((tmp_path / "c").glob("*/block-*.bin"))) >= 1

@@ -1,0 +1,75 @@
+"""gpuload's own CPU batch ops run with the threads the free CPUs allow, torch's setting restored."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from gpuload import cpu_threads
+from gpuload.cpu_threads import free_cpu_threads, own_cpu_threads
+
+
+@pytest.mark.parametrize("current,usable,load,own,expected", [
+    (2, 2, 14.0, 0.2, 1),    # 2 cores at load 14: one thread, no spinning partner
+    (2, 2, 2.0, 1.0, 1),     # one busy neighbour beside the loop's thread
+    (2, 2, 1.0, 1.0, 2),     # quiet: the load is this process's own
+    (64, 64, 64.0, 64.0, 64),  # a big quiet machine whose load is all this process's threads
+    (8, 16, 3.0, 1.0, 8),    # never above torch's setting
+    (4, 4, 0.0, 1.0, 4),
+])
+def test_threads_from_the_free_cpus(current: int, usable: int, load: float, own: float, expected: int) -> None:
+    assert free_cpu_threads(current, usable, load, own) == expected
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_fewer_threads_inside_and_the_setting_restored(two_threads, monkeypatch) -> None:
+    monkeypatch.setattr(os, "getloadavg", lambda: (14.0, 14.0, 14.0))
+    monkeypatch.setattr(cpu_threads, "usable_cpu_count", lambda: 2)
+    with own_cpu_threads(torch.device("cpu")):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2
+    with pytest.raises(RuntimeError, match="inside"), own_cpu_threads(torch.device("cpu")):
+        raise RuntimeError("inside")
+    assert torch.get_num_threads() == 2
+
+
+def test_untouched_off_the_cpu_and_when_free(two_threads, monkeypatch) -> None:
+    monkeypatch.setattr(os, "getloadavg", lambda: (14.0, 14.0, 14.0))
+    with own_cpu_threads(torch.device("meta")):
+        assert torch.get_num_threads() == 2
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(cpu_threads, "usable_cpu_count", lambda: 2)
+    with own_cpu_threads(torch.device("cpu")):
+        assert torch.get_num_threads() == 2
+
+
+def test_the_loaders_transforms_run_with_the_chosen_threads(two_threads, monkeypatch) -> None:
+    """The arrays source's batch (gather and transforms) runs inside own_cpu_threads."""
+    import gpuload
+    from gpuload import transforms as T
+
+    seen = []
+    real = gpuload.augment.transform_batch
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gpuload.augment, "transform_batch", recording)
+    monkeypatch.setattr(os, "getloadavg", lambda: (14.0, 14.0, 14.0))
+    monkeypatch.setattr(cpu_threads, "usable_cpu_count", lambda: 2)
+    images = torch.randint(0, 256, (16, 3, 8, 8), dtype=torch.uint8)
+    data = torch.utils.data.TensorDataset(images, torch.arange(16))
+    loader = gpuload.DataLoader(data, batch_size=8, device="cpu", transforms=[T.RandomHorizontalFlip()])
+    assert len(list(loader)) == 2
+    assert seen == [1, 1]
+    assert torch.get_num_threads() == 2

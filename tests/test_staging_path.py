@@ -1,0 +1,311 @@
+"""One host-to-device path: every per-batch copy of host tensors made inside a batch (the sample
+cache's device writes, the transforms' parameter tables, CPU-decoded images, gather indices)
+goes through the staging in force (``gpuload.transfer.to_device``): the loader's
+``Prefetcher.copy_now``, its pinned slots and its side stream; never a ``.to(device)`` from
+pageable memory, which waits for everything queued on the stream.
+
+On the CPU two stand-ins prove it: the ``meta`` device (a device that is not the CPU, whose
+copies cost nothing) with ``torch.Tensor.to`` watched, for the routing; and a stream-recording
+stand-in for CUDA, for what the prefetcher does with the copies it is handed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+import gpuload.prefetch as prefetch
+from store_cases import columns, planned
+from test_prefetch import DeviceTensor, FakeCuda, fake_cuda  # noqa: F401 - the fixture this file extends
+from gpuload import transforms as T
+from gpuload.cache import TieredArrayStore
+from gpuload.cache.budget import BudgetLedger
+from gpuload.cache.columns import ColumnStore, prepare
+from gpuload.decode.batch import BatchDecoder
+from gpuload.prefetch import Prefetcher
+from gpuload.sources import Work
+from gpuload.transfer import staging_through, to_device
+from gpuload.transforms import batched
+from gpuload.transforms.params import sample_params
+
+META = torch.device("meta")
+
+
+class Watch:
+    """``torch.Tensor.to`` watched: host tensors moved to another device outside the staging in
+    force are ``bypassed``; the tensors the staging was handed are ``staged``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.staged: list[torch.Tensor] = []
+        self.copies = 0
+        self.bypassed: list[tuple[int, ...]] = []
+        self._inside = False
+        original = torch.Tensor.to
+        watch = self
+
+        def to(tensor, *args, **kwargs):
+            moved = original(tensor, *args, **kwargs)
+            if tensor.device.type == "cpu" and moved.device.type != "cpu" and not watch._inside:
+                watch.bypassed.append(tuple(tensor.shape))
+            return moved
+
+        monkeypatch.setattr(torch.Tensor, "to", to)
+
+    def copy_now(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        self.staged.extend(tensors)
+        self.copies += 1
+        self._inside = True
+        try:
+            return [t.to(META) for t in tensors]
+        finally:
+            self._inside = False
+
+
+@pytest.fixture
+def watch(monkeypatch: pytest.MonkeyPatch):
+    watched = Watch(monkeypatch)
+    with staging_through(watched.copy_now):
+        yield watched
+
+
+def _samples(n: int) -> list[tuple[torch.Tensor, int]]:
+    return [(torch.arange(6, dtype=torch.float32).view(2, 3) + i, i) for i in range(n)]
+
+
+def test_the_sample_cache_writes_and_merges_device_rows_through_the_staging(watch: Watch) -> None:
+    data = _samples(20)
+    store = ColumnStore(1 << 20, 20, META, ledger=BudgetLedger())
+    first = torch.tensor([3, 1, 4])
+    assert store.put(first, prepare([data[k] for k in first.tolist()])) == 3  # allocates, writes
+    again = torch.tensor([5, 9, 5, 2])  # a sample twice: the general write path
+    assert store.put(again, prepare([data[k] for k in again.tolist()])) == 3
+    batch = store.gather_rows(store.slots(torch.tensor([1, 3, 9])))
+    assert [leaf.device for leaf in batch] == [META, META]
+    slots = store.slots(torch.tensor([4, 7, 2, 8]))  # two cached, two read now
+    merged = store.assemble(slots, prepare([data[7], data[8]]))
+    assert merged is not None and merged[0].shape == (4, 2, 3)
+    assert watch.bypassed == []
+    # one copy per write (its positions and every column's rows), one for a gather's rows, one
+    # for a merge (its positions and the rows read now)
+    assert watch.copies == 2 + 1 + 1 and len(watch.staged) == 2 * 3 + 1 + 3 + 2
+    store.close()
+
+
+def test_per_sample_leaves_on_a_device_go_in_one_staged_copy_per_batch(watch: Watch) -> None:
+    """Leaves kept per sample (variable-length tensors) reach the device in one copy per batch."""
+    data = [(torch.arange(i % 3 + 1), i) for i in range(12)]
+    store = ColumnStore(1 << 20, 12, META, ledger=BudgetLedger())
+    assert store.put(torch.tensor([0, 1, 2]), prepare([data[0], data[1], data[2]])) == 3
+    assert watch.bypassed == [] and [t.shape for t in watch.staged[:3]] == [(1,), (2,), (3,)]
+    store.close()
+
+
+def test_a_tiered_array_gather_moves_its_row_indices_through_the_staging(watch: Watch) -> None:
+    """Rows on the device tier gathered by indices drawn on the host: the indices are staged, once
+    per tier (not once per column), and so is the order that puts the rows back."""
+    data = columns()
+    store = TieredArrayStore(list(data), planned(data, [("device", 10), ("host", 10)]), "meta", ledger=BudgetLedger())
+    watch.bypassed.clear()  # placing the device tier: a one-off copy when the store is made, not per batch
+    request = store.request(torch.tensor([7, 2, 15, 4]))
+    staged = len(watch.staged)
+    assert staged == 1  # the device tier's rows, for its three columns
+    host_rows = [torch.empty(shape, dtype=dtype, device=META) for shape, dtype in request.staged_shapes]
+    leaves = request.assemble(request.on_device, host_rows)
+    assert [leaf.shape[0] for leaf in leaves] == [4, 4, 4] and len(watch.staged) == staged + 1  # the order back
+    assert watch.bypassed == []
+    store.close()
+
+
+@pytest.mark.parametrize("ops", [
+    [T.RandomCrop(6, padding=3), T.RandomHorizontalFlip()],  # windows of one uniform batch
+    [T.RandomResizedCrop(8), T.RandomHorizontalFlip()],  # a resize per window, mirrored
+    [T.Resize((16, 18)), T.RandomCrop(12, padding=3, fill=7), T.RandomHorizontalFlip()],  # a gather with fill
+], ids=["windows", "resized", "gather"])
+@pytest.mark.parametrize("as_list", [False, True], ids=["tensor", "list"])
+def test_the_batched_transforms_stage_their_per_batch_tables(watch: Watch, ops, as_list: bool) -> None:
+    """The batched torch ops build their index tables and masks on the host (from the counter
+    RNG's parameters); every one reaches the device through the staging."""
+    n = 6
+    params = sample_params(ops, 3, 1, torch.arange(n), [(12, 14)] * n)
+    images = torch.empty((n, 3, 12, 14), dtype=torch.uint8, device=META)
+    out = batched.run(params, list(images) if as_list else images)
+    assert out is not None and out.device == META
+    assert watch.bypassed == []
+    resized_one_by_one = isinstance(ops[0], T.RandomResizedCrop)  # windows sliced one by one: no table
+    assert bool(watch.staged) != resized_one_by_one
+
+
+def test_cpu_decoded_images_reach_the_device_in_one_staged_copy_keeping_their_layout(watch: Watch) -> None:
+    decoder = BatchDecoder(device="cpu")
+    decoder.device = META  # decoded on the CPU, bound for a device
+    hwc = [torch.zeros(5, 7, 3, dtype=torch.uint8).permute(2, 0, 1), torch.zeros(4, 6, 3, dtype=torch.uint8).permute(2, 0, 1)]
+    moved = decoder._to_device([0, 2, 3], [hwc[0], ValueError("broken file"), hwc[1]])
+    assert sorted(moved) == [0, 3] and all(t.device == META for t in moved.values())
+    assert [t.stride() for t in moved.values()] == [t.stride() for t in hwc]  # still channels-last
+    assert watch.bypassed == [] and len(watch.staged) == 2
+
+
+def test_without_staging_in_force_a_device_copy_still_goes_in_one_packed_copy(monkeypatch) -> None:
+    """Outside a loader (a transform called by hand): one copy of one packed buffer."""
+    watch = Watch(monkeypatch)
+    moved = to_device([torch.arange(3), torch.ones(2, 2, dtype=torch.bool).t()], META)
+    assert watch.bypassed == [(48,)]  # one buffer: 24 bytes and 4 bytes, each aligned to 16
+    assert [t.shape for t in moved] == [(3,), (2, 2)]
+
+
+def test_on_the_cpu_nothing_is_staged(watch: Watch) -> None:
+    tensors = [torch.arange(3), torch.zeros(2, 2)]
+    assert all(got is want for got, want in zip(to_device(tensors, torch.device("cpu")), tensors))
+    store = ColumnStore(1 << 20, 10, ledger=BudgetLedger())
+    data = _samples(10)
+    store.put(torch.tensor([1, 2]), prepare([data[1], data[2]]))
+    assert torch.equal(store.gather_rows(store.slots(torch.tensor([2, 1])))[0], default_collate([data[2], data[1]])[0])
+    assert watch.staged == [] and watch.bypassed == []
+
+
+# ---------------------------------------------------------------------- CUDA, stood in for
+
+
+@pytest.fixture
+def staged_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    """test_prefetch's stand-in for CUDA, which also logs where buffers are allocated (a host
+    buffer asked to be pinned, a device buffer: plain host tensors here) and host waits."""
+    cuda = request.getfixturevalue("fake_cuda")
+    empty, event = torch.empty, cuda.Event
+
+    def fake_empty(*shape, pin_memory: bool = False, device=None, **kwargs):
+        on_device = device is not None and torch.device(device).type == "cuda"
+        if pin_memory or on_device:
+            cuda.append("alloc", "pinned" if pin_memory else "device", cuda.current_stream())
+        made = empty(*shape, **kwargs)
+        return made.as_subclass(DeviceTensor) if on_device else made
+
+    class Event(event):
+        def synchronize(self) -> None:
+            cuda.append("host waits", self)
+
+    monkeypatch.setattr(prefetch.torch, "empty", fake_empty)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    return cuda
+
+
+def test_a_source_running_ahead_copies_through_the_prefetchers_slots_on_its_side_stream(staged_cuda) -> None:
+    """A batch made in the prefetcher's thread that puts host tensors on the device itself (a
+    sample cache write, a transform's table): the copy is staged in a pinned slot and made on
+    the side stream, whose own later work is ordered after it; none counts as batch bytes."""
+    cuda = staged_cuda
+    seen: list[tuple] = []
+
+    def source():
+        for i in range(3):
+            (table,) = to_device([torch.full((4,), i)], torch.device("cuda", 0))
+            seen.append((threading.current_thread().name, type(table).__name__, int(table[0])))
+            yield table * 2
+
+    prefetcher = Prefetcher(source(), "cuda", depth=2)
+    with cuda.stream(cuda.default):
+        out = [batch for batch in prefetcher]
+    assert [int(batch[0]) for batch in out] == [0, 2, 4]
+    assert seen == [("gpuload-prefetch", "DeviceTensor", i) for i in range(3)]
+    allocations = [entry for entry in cuda.log if entry[0] == "alloc"]
+    assert {kind for _, kind, _ in allocations} == {"pinned", "device"}
+    assert all(stream is cuda.side for _, _, stream in allocations)  # every copy on the side stream
+    assert not any(entry[0] == "host waits" for entry in cuda.log)  # no host sync inside a batch
+    assert prefetcher.stats.bytes_copied == 0  # parameters and indices are not batch bytes
+    prefetcher.close()
+
+
+def test_a_batch_made_in_the_loops_thread_copies_through_copy_now(staged_cuda) -> None:
+    """``prefetch_depth=0``: the loader's work runs in the loop's thread, with its staging in
+    force (``Work.in_staging``): the copy is made on the side stream after the loop's queued
+    work, and the loop's stream waits for it (no host sync) and protects the memory."""
+    cuda = staged_cuda
+    loop = FakeCuda.Stream(cuda, "loop")
+    prefetcher = Prefetcher(None, "cuda", depth=2)
+
+    def make(i: int):
+        return to_device([torch.full((4,), i)], torch.device("cuda", 0))[0]
+
+    work = Work((make(i) for i in range(2)), lambda item: (make(100 + int(item[0])), 1)).in_staging(
+        prefetcher.copy_now, torch.device("cuda", 0), ahead=False)
+    with cuda.stream(loop):
+        made = [work.finish(item) for item in work.items]  # items and finish both staged
+    assert [int(batch[0]) for batch, _ in made] == [100, 101]
+    log = cuda.log
+    assert cuda.find("wait_stream", cuda.side, loop) < cuda.find("alloc", "device", cuda.side)  # after the loop's work
+    waits = [k for k, entry in enumerate(log) if entry[:2] == ("wait", loop)]
+    assert len(waits) == 4  # two items, two finishes: each copy waited for by the loop's stream
+    assert all(cuda.find("record", log[k][2], cuda.side) < k for k in waits)  # for its own copy
+    assert [entry[2] for entry in log if entry[0] == "protect"] == [loop] * 4
+    assert not any(entry[0] == "host waits" for entry in log)
+    assert prefetcher.stats.bytes_copied == 0
+
+
+def test_on_a_cpu_device_the_work_is_left_as_it_is() -> None:
+    work = Work(iter([1]), lambda item: (item, 1))
+    assert work.in_staging(lambda item: item, torch.device("cpu"), ahead=False) is work
+
+
+# ---------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_gpu_sample_cache_on_the_device_fills_and_merges_through_the_staging_with_torchs_values() -> None:
+    data = _samples(40)
+    store = ColumnStore(1 << 20, 40, "cuda", ledger=BudgetLedger())
+    prefetcher = Prefetcher(None, "cuda", depth=2)
+    with staging_through(prefetcher.copy_now):
+        store.put(torch.arange(0, 40, 2), prepare([data[k] for k in range(0, 40, 2)]))
+        index = torch.tensor([6, 3, 0, 7, 38])
+        merged = store.assemble(store.slots(index), prepare([data[3], data[7]]))
+        gathered = store.gather_rows(store.slots(torch.tensor([38, 0])))
+    expected = default_collate([data[k] for k in index.tolist()])
+    assert all(got.is_cuda for got in merged)
+    assert all(torch.equal(got.cpu(), want) for got, want in zip(merged, expected))
+    assert all(torch.equal(got.cpu(), want) for got, want in zip(gathered, default_collate([data[38], data[0]])))
+    store.close()
+    prefetcher.close()
+
+
+@pytest.mark.gpu
+def test_gpu_batched_transforms_inside_a_prefetchers_thread_equal_the_cpu_path() -> None:
+    """Images of several sizes, padded crops with a fill and flips: every table and mask staged
+    through the prefetcher's slots on its side stream; the pixels are the CPU path's."""
+    ops = [T.RandomCrop(12, padding=3, fill=7), T.RandomHorizontalFlip()]
+    g = torch.Generator().manual_seed(4)
+    images = [torch.randint(0, 256, (3, 14 + k % 3, 15 + k % 4), dtype=torch.uint8, generator=g) for k in range(8)]
+    expected = T.apply_transforms(ops, images, 5, 2, torch.arange(8), device="cpu", backend="batched")
+
+    def source():
+        yield T.apply_transforms(ops, images, 5, 2, torch.arange(8), device="cuda", backend="batched")
+
+    prefetcher = Prefetcher(source(), "cuda", depth=2, stage=False)
+    (out,) = list(prefetcher)
+    assert out.is_cuda and torch.equal(out.cpu(), expected)
+    assert prefetcher.stats.bytes_copied == 0  # tables and images: not counted as batch bytes
+    prefetcher.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [0, None], ids=["loop_thread", "ahead"])
+def test_gpu_a_loader_with_transforms_gives_the_cpu_loaders_batches(depth) -> None:
+    """Array batches transformed in the loop's thread (``finish``), their tables through
+    ``copy_now``: the same batches as the same loader on the CPU."""
+    import gpuload
+
+    dataset = torch.utils.data.TensorDataset(torch.randint(0, 256, (64, 3, 20, 20), dtype=torch.uint8), torch.arange(64))
+    ops = [T.RandomCrop(16, padding=2, fill=3), T.RandomHorizontalFlip()]  # uint8 out: exact on any backend
+
+    def epochs(device: str) -> list:
+        loader = gpuload.DataLoader(dataset, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(2),
+                                    device=device, prefetch_depth=depth if device == "cuda" else None, transforms=ops)
+        batches = [[t.cpu() for t in batch] for _ in range(2) for batch in loader]
+        loader.close()
+        return batches
+
+    ours, cpu = epochs("cuda"), epochs("cpu")
+    assert len(ours) == len(cpu) == 8
+    assert all(torch.equal(a, b) for got, want in zip(ours, cpu) for a, b in zip(got, want))
