@@ -87,3 +87,17 @@ def test_anonymous_bytes_is_zero_where_the_kernel_does_not_say(monkeypatch: pyte
 
     monkeypatch.setattr(tokens, "open", no_proc, raising=False)
     assert tokens.anonymous_bytes() == 0
+
+
+def test_shutdown_stops_torchs_persistent_workers() -> None:
+    from torch.utils.data import DataLoader as TorchDataLoader
+
+    from gpuload.bench import tokens
+
+    loader = TorchDataLoader(list(range(8)), batch_size=4, num_workers=1, persistent_workers=True)
+    assert [batch.tolist() for batch in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    workers = loader._iterator._workers
+    assert all(worker.is_alive() for worker in workers)
+    tokens._shutdown(loader)()
+    assert not any(worker.is_alive() for worker in workers)
+    tokens._shutdown(TorchDataLoader(list(range(8)), batch_size=4))()  # never iterated: nothing to stop
