@@ -195,3 +195,20 @@ def test_a_failed_write_leaves_neither_a_file_nor_its_temporary(tmp_path: Path) 
         _replace_atomically(tmp_path / "bench.png", disk_full)
     assert [p.name for p in tmp_path.iterdir()] == ["bench.png"]
     assert (tmp_path / "bench.png").read_bytes() == b"the previous chart"
+
+
+def test_a_loader_with_no_byte_figures_is_marked_not_modelled_in_the_chart() -> None:
+    import matplotlib.pyplot as plt
+
+    results = copy.deepcopy(load(Path(__file__).parent / "fixtures" / "inmemory-cpu.json")["results"])
+    unmodelled = [r for r in results if r["kind"] != "ideal"][-1]
+    unmodelled["h2d_measured"], unmodelled["h2d_modelled"] = False, None
+    figure = draw_chart(results, "t")
+    try:
+        moved = figure.axes[1]
+        assert [t.get_text() for t in moved.texts].count("not modelled") == 1
+        bars = {patch.get_gid() for patch in moved.patches}
+        assert f"bytes-later:{unmodelled['name']}" not in bars
+        assert all(f"bytes-later:{r['name']}" in bars for r in results if r["kind"] != "ideal" and r is not unmodelled)
+    finally:
+        plt.close(figure)
