@@ -27,25 +27,10 @@ def test_no_tensor_falls_back_to_len():
 
 
 def test_map_leaves_keeps_each_container_type_where_it_can() -> None:
-    from collections.abc import Mapping
     from types import MappingProxyType
 
+    from containers import Fields
     from gpuload.transfer import map_leaves, move_to_device
-
-    class Fields(Mapping):
-        """A read-only mapping whose constructor takes no dict: the result is a plain dict."""
-
-        def __init__(self, **fields: object) -> None:
-            self._fields = fields
-
-        def __getitem__(self, key: str) -> object:
-            return self._fields[key]
-
-        def __iter__(self):  # type: ignore[no-untyped-def]
-            return iter(self._fields)
-
-        def __len__(self) -> int:
-            return len(self._fields)
 
     double = lambda tensor: tensor * 2  # noqa: E731
     proxied = map_leaves(MappingProxyType({"x": torch.ones(2)}), double)

@@ -320,24 +320,11 @@ def test_the_failed_steps_memory_in_torchs_pool_counts_as_free(monkeypatch: pyte
 
 def test_named_tuples_read_only_mappings_and_own_sequences_are_split_into_what_they_can_be() -> None:
     import collections
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Sequence
+
+    from containers import Fields
 
     Pair = collections.namedtuple("Pair", "x y")
-
-    class Fields(Mapping):
-        """A read-only mapping whose constructor takes no dict: its pieces are plain dicts."""
-
-        def __init__(self, **fields: object) -> None:
-            self._fields = fields
-
-        def __getitem__(self, key: str) -> object:
-            return self._fields[key]
-
-        def __iter__(self):  # type: ignore[no-untyped-def]
-            return iter(self._fields)
-
-        def __len__(self) -> int:
-            return len(self._fields)
 
     class Columns(Sequence):
         """A sequence of two fields whose constructor takes no list: its pieces are plain lists."""
