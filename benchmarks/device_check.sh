@@ -21,6 +21,8 @@
 # everything but summary.json and steps.tsv is packed into logs.tar.gz (the device tool brings
 # back at most 8 files; GPULOAD_CHECK_KEEP_FILES=1 keeps them loose).
 #
+# What only a CUDA driver runs, and which step or gpu test here runs it: benchmarks/cuda_only_lines.md.
+#
 # Usage: benchmarks/device_check.sh OUT_DIR   (default: $OUT, else ./device-check)
 # GPULOAD_CHECK_STEPS="machine gpu-tests" runs only the steps named (for trying it out).
 set -uo pipefail

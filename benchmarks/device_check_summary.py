@@ -20,6 +20,7 @@ from typing import Any
 TEST_STEPS = ("gpu-tests", "kernel-parity")
 BENCH_STEPS = ("cache-device", "cache-partial", "images")
 _FAILING_LISTED = 30
+CUDA_ONLY_LINES = "benchmarks/cuda_only_lines.md"  # what only a driver runs, and which step or gpu test runs it
 
 
 def read_steps(out: Path) -> list[dict[str, Any]]:
@@ -155,7 +156,11 @@ def _guarded(read: Callable[[Path], Any], path: Path) -> Any:
 
 def summarize(out: Path) -> dict[str, Any]:
     """The whole summary of a device check folder."""
-    summary: dict[str, Any] = {"folder": str(out)}
+    summary: dict[str, Any] = {
+        "folder": str(out),
+        "cuda_only_lines": f"{CUDA_ONLY_LINES}: the lines only a CUDA driver runs (the CPU suite runs the rest), "
+                           "each with the step or gpu test of this check that runs it",
+    }
     try:
         steps = read_steps(out)
     except Exception as error:

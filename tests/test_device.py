@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gpuload import device as device_module
-from gpuload.device import DeviceError, MemoryInfo, device_memory
+from gpuload.device import (
+    DeviceError, MemoryInfo, device_memory, host_memory, new_side_stream, resolve_device, usable_cpu_count)
 
 GiB = 1 << 30
 CUDA0 = torch.device("cuda", 0)
@@ -109,3 +110,32 @@ def test_off_cuda_local_rank_changes_nothing(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_free_to_torch_counts_the_allocators_unused_blocks(pretend_card: dict) -> None:
     assert device_memory(CUDA0).free_to_torch == 62 * GiB
+
+
+def test_a_cuda_index_past_the_last_device_names_what_exists(pretend_gpus: dict) -> None:
+    with pytest.raises(DeviceError, match=r"^device='cuda:4' does not exist: this machine has 4 CUDA device\(s\), "
+                       r"cuda:0 to cuda:3$"):
+        resolve_device("cuda:4")
+    assert resolve_device(3) == torch.device("cuda", 3)
+
+
+def test_without_proc_meminfo_host_memory_asks_sysconf(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_meminfo(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise FileNotFoundError(path)  # macOS, or a sandbox without /proc
+
+    pages = {"SC_PAGE_SIZE": 4096, "SC_AVPHYS_PAGES": 1000, "SC_PHYS_PAGES": 4000}
+    monkeypatch.setattr(device_module, "open", no_meminfo, raising=False)
+    monkeypatch.setattr(device_module.os, "sysconf", lambda name: pages[name])
+    assert host_memory() == MemoryInfo(free=4096 * 1000, total=4096 * 4000)
+
+
+def test_without_an_affinity_api_the_cpu_count_is_os_cpu_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(device_module.os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(device_module.os, "cpu_count", lambda: 6)
+    assert usable_cpu_count() == 6
+    monkeypatch.setattr(device_module.os, "cpu_count", lambda: None)  # unknown: at least one
+    assert usable_cpu_count() == 1
+
+
+def test_the_cpu_gets_no_side_stream() -> None:
+    assert new_side_stream(torch.device("cpu")) is None

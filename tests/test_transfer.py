@@ -24,3 +24,20 @@ def test_no_tensor_falls_back_to_len():
     assert batch_length([1, 2, 3]) == 3
     assert batch_length("abc") == 1
     assert batch_length(7) == 1
+
+
+def test_map_leaves_keeps_each_container_type_where_it_can() -> None:
+    from types import MappingProxyType
+
+    from containers import Fields
+    from gpuload.transfer import map_leaves, move_to_device
+
+    double = lambda tensor: tensor * 2  # noqa: E731
+    proxied = map_leaves(MappingProxyType({"x": torch.ones(2)}), double)
+    assert isinstance(proxied, MappingProxyType) and proxied["x"].tolist() == [2.0, 2.0]
+    fields = map_leaves(Fields(x=torch.ones(1), name="a"), double)
+    assert type(fields) is dict and fields["x"].tolist() == [2.0] and fields["name"] == "a"
+    assert map_leaves(range(3), double) == [0, 1, 2]  # range(list) is no range: a list of the leaves
+    assert map_leaves((b"raw", "text"), double) == (b"raw", "text")
+    moved = move_to_device({"x": [torch.ones(2)]}, torch.device("cpu"))
+    assert moved["x"][0].device == torch.device("cpu") and moved["x"][0].tolist() == [1.0, 1.0]

@@ -120,6 +120,27 @@ def test_the_summary_survives_a_folder_with_nothing_in_it(tmp_path: Path) -> Non
     assert "steps_error" in summary and summary["totals"]["steps"] == 0
 
 
+def test_the_summary_names_the_list_of_cuda_only_lines_and_every_listed_range_exists(tmp_path: Path) -> None:
+    module = load_summary_module()
+    assert module.main([str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["cuda_only_lines"].startswith("benchmarks/cuda_only_lines.md: the lines only a CUDA driver runs")
+    listed = re.findall(r"^\| `(gpuload/[\w/]+\.py):(\d+)(?:-(\d+))?`(?: \(`([\w.]+)`\))?",
+                        (ROOT / module.CUDA_ONLY_LINES).read_text(), flags=re.MULTILINE)
+    assert len(listed) >= 10
+    for path, first, last, function in listed:
+        lines = (ROOT / path).read_text().splitlines()
+        span = lines[int(first) - 1 : int(last or first)]
+        assert len(span) == int(last or first) - int(first) + 1, f"{path}:{first}-{last} is past the end"
+        assert all(line.strip() for line in span[:1] + span[-1:]), f"{path}:{first}-{last} starts or ends blank"
+        if function:  # the range lies in the function named (a moved line shows here)
+            defs = [(len(d[1]), d[2]) for d in (re.match(r"(\s*)def (\w+)", line) for line in lines[: int(first)]) if d]
+            named = [k for k, (_, name) in enumerate(defs) if name == function.split(".")[-1]]
+            assert named, f"{path}: no {function} before line {first}"
+            indent = defs[named[-1]][0]
+            assert all(i > indent for i, _ in defs[named[-1] + 1 :]), f"{path}:{first} is not in {function}"
+
+
 def run_check(out: Path, steps: str, budget: int = 320) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "GPULOAD_CHECK_STEPS": steps, "GPULOAD_CHECK_PYTHON": sys.executable,
            "GPULOAD_CHECK_BUDGET_S": str(budget)}

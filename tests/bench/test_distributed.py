@@ -168,3 +168,44 @@ def test_nccl_ranks_with_a_gpu_each_hold_their_share_on_the_device(tmp_path: Pat
     assert rows["rank"]["held_where"] == "device" and rows["rank"]["held_bytes"] == [dataset_bytes] * 2
     for scope in ("node", "world"):
         assert rows[scope]["held_where"] == "device" and sum(rows[scope]["held_bytes"]) == dataset_bytes
+
+
+@pytest.mark.parametrize("gpus", [1, 4])
+def test_cuda_is_the_default_only_with_a_gpu_per_rank(monkeypatch: pytest.MonkeyPatch, gpus: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert choose_device(None, 2) == ("cuda" if gpus >= 2 else "cpu")
+    if gpus >= 2:
+        assert choose_device("cuda", 2) == "cuda"
+    else:
+        with pytest.raises(DeviceError, match=r"^cuda with 2 processes needs one GPU per rank: device='cuda:1' does "
+                           r"not exist: this machine has 1 CUDA device\(s\), cuda:0 to cuda:0$"):
+            choose_device("cuda", 2)
+
+
+def test_no_headline_without_a_gpuload_row() -> None:
+    document = json.loads(STORED.read_text())
+    assert distributed_headline(document) != ""
+    document["rows"] = [r for r in document["rows"] if r["kind"] != "gpuload"]
+    assert distributed_headline(document) == ""
+
+
+def test_an_epoch_runs_the_step_on_every_batch_and_close_stops_torchs_workers() -> None:
+    from torch.utils.data import DataLoader as TorchDataLoader
+    from torch.utils.data import TensorDataset
+
+    from gpuload.bench import distributed as bench
+
+    data = TensorDataset(torch.arange(12))
+    loader = TorchDataLoader(data, batch_size=4, num_workers=1, persistent_workers=True)
+    rank_loader = bench._RankLoader(bench._Measured("torch DataLoader (num_workers=1)", "torch", None, [], []),
+                                    loader, None)
+    stepped: list[list[int]] = []
+    checksums = bench._timed_epoch(rank_loader, torch.device("cpu"), lambda batch: stepped.append(batch[0].tolist()))
+    assert stepped == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]] and len(checksums) == 3
+    workers = loader._iterator._workers
+    assert all(worker.is_alive() for worker in workers)
+    rank_loader.close()
+    assert not any(worker.is_alive() for worker in workers)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 import torch
 
@@ -70,3 +73,24 @@ def test_model_memory_on_the_device_has_an_activation_peak() -> None:
     memory = measure_model_memory(step, batch, device)
     assert memory.activation_peak_bytes >= memory.saved_activation_bytes // 2 > 0
     assert memory.state_bytes == 3 * tensor_bytes(step.parameters())
+
+
+def test_the_steps_a_benchmark_can_take() -> None:
+    from gpuload.bench.steps import make_step
+
+    assert make_step("none", CPU, 5.0) is None
+    assert isinstance(make_step("cnn", CPU, 5.0), SmallCnnStep)
+    sleep = make_step("sleep", CPU, 30.0)
+    started = time.perf_counter()
+    sleep(None)
+    assert time.perf_counter() - started >= 0.03
+    with pytest.raises(ValueError, match="^unknown step 'train'; use none, sleep or cnn$"):
+        make_step("train", CPU, 5.0)
+
+
+def test_model_memory_as_a_document() -> None:
+    memory = measure_model_memory(SmallCnnStep(CPU), [torch.zeros(2, 3, 8, 8, dtype=torch.uint8)], CPU)
+    document = memory.as_dict()
+    assert document == {"device": "cpu", "state_bytes": memory.state_bytes, "activation_peak_bytes": None,
+                        "saved_activation_bytes": memory.saved_activation_bytes}
+    assert json.loads(json.dumps(document)) == document

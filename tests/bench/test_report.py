@@ -171,3 +171,44 @@ def test_the_headline_adds_the_ratio_against_torch_with_workers_when_they_beat_t
     line = headline(results)
     assert line.startswith("gpuload (device cache): 9.1x torch's DataLoader (num_workers=0), 5.0x with "
                            "num_workers=2 on this machine; after the first epoch 0 B per epoch")
+
+
+def test_no_headline_without_both_loaders_and_a_busy_note_only_past_the_cores() -> None:
+    from gpuload.bench.report import busy_note
+
+    assert headline([]) == ""
+    assert busy_note(1.5, 2) == "" and busy_note(None, 2) == "" and busy_note(3.0, None) == ""
+    assert busy_note(7.9, 2) == "note: the machine was busy (load average 7.9 on 2 cores): the rates are noisy"
+    assert " ".join(busy_note(7.9, 2, threads=4).split()).endswith(
+        "noisy; --threads 1 keeps torch's intra-op threads from waiting on each other")
+
+
+def test_a_failed_write_leaves_neither_a_file_nor_its_temporary(tmp_path: Path) -> None:
+    from gpuload.bench.report import _replace_atomically
+
+    def disk_full(handle) -> None:  # type: ignore[no-untyped-def]
+        handle.write(b"half a chart")
+        raise OSError("No space left on device")
+
+    (tmp_path / "bench.png").write_bytes(b"the previous chart")
+    with pytest.raises(OSError, match="No space left on device"):
+        _replace_atomically(tmp_path / "bench.png", disk_full)
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.png"]
+    assert (tmp_path / "bench.png").read_bytes() == b"the previous chart"
+
+
+def test_a_loader_with_no_byte_figures_is_marked_not_modelled_in_the_chart() -> None:
+    import matplotlib.pyplot as plt
+
+    results = copy.deepcopy(load(Path(__file__).parent / "fixtures" / "inmemory-cpu.json")["results"])
+    unmodelled = [r for r in results if r["kind"] != "ideal"][-1]
+    unmodelled["h2d_measured"], unmodelled["h2d_modelled"] = False, None
+    figure = draw_chart(results, "t")
+    try:
+        moved = figure.axes[1]
+        assert [t.get_text() for t in moved.texts].count("not modelled") == 1
+        bars = {patch.get_gid() for patch in moved.patches}
+        assert f"bytes-later:{unmodelled['name']}" not in bars
+        assert all(f"bytes-later:{r['name']}" in bars for r in results if r["kind"] != "ideal" and r is not unmodelled)
+    finally:
+        plt.close(figure)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import json
@@ -57,3 +58,41 @@ def test_the_chart_from_a_stored_run_shows_every_bar_and_the_headline_says_it() 
         plt.close(figure)
     headline = samples_headline(runs)
     assert headline.startswith("gpuload: cached epochs") and "x faster than torch's DataLoader" in headline
+
+
+def test_the_scenario_writes_its_json_and_chart_and_prints_the_headline(tmp_path: Path, monkeypatch, capsys) -> None:
+    from gpuload.bench import samples
+
+    assert samples.scenario_runs(False, 5_000) == [(5_000, 0), (5_000, 2)]
+    assert samples.scenario_runs(True, None) == [(100_000, 0), (200_000, 2)]
+    monkeypatch.setattr(samples, "scenario_runs", lambda quick, count: [(count, 0)])  # no worker start-up here
+    assert samples.run_samples_bench(True, 2_000, 128, torch.device("cpu"), tmp_path, {"host": "test"}) == 0
+    out = capsys.readouterr().out
+    document = json.loads((tmp_path / "bench.json").read_text())
+    assert document["scenario"] == "samples" and document["environment"] == {"host": "test"}
+    (run,) = document["runs"]
+    assert run["num_samples"] == 2_000 and run["batch_size"] == 128 and len(run["torch_s"]) == 1
+    assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
+    assert "batch 128" in out and "done: 2,000 samples, num_workers=0" in out
+    assert f"results: {tmp_path / 'bench.json'}; chart: {tmp_path / 'bench.png'}" in out
+    assert samples_headline([]) == ""
+
+
+def test_resident_bytes_is_zero_where_proc_is_missing(monkeypatch) -> None:
+    from gpuload.bench import samples
+
+    assert samples.resident_bytes() > 0
+
+    def no_proc(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(samples, "open", no_proc, raising=False)
+    assert samples.resident_bytes() == 0
+
+
+def test_no_cpu_ratio_when_torch_took_no_measurable_cpu_time() -> None:
+    run = SampleRun(1_000, 0, 256, torch_s=[1.0], fill_s=[1.0], cached_s=[0.5], rss_growth_bytes=[0], layout="",
+                    torch_cpu_s=[0.0], fill_cpu_s=[0.01])
+    assert run.fill_cpu_ratio is None and run.as_dict()["fill_cpu_ratio"] is None
+    run.torch_cpu_s = [0.02]
+    assert run.fill_cpu_ratio == pytest.approx(0.5)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from gpuload.bench.tokens import (
@@ -65,3 +66,38 @@ def test_the_command_runs_quick_and_writes_json(tmp_path: Path, capsys) -> None:
     assert {row["name"] for row in document["results"]} == {
         "gpuload DataLoader", "torch DataLoader (num_workers=0)", "nanoGPT get_batch loop"}
     assert not list(Path(tmp_path).glob("*.bin"))  # the shard went with its temporary folder
+
+
+def test_anonymous_bytes_is_zero_where_the_kernel_does_not_say(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from gpuload.bench import tokens
+
+    assert tokens.anonymous_bytes() > 0  # this process has heap pages
+    status = {"text": "Name:\tpython\nRssAnon:\t  2048 kB\n"}
+    monkeypatch.setattr(tokens, "open", lambda path, **kwargs: io.StringIO(status["text"]), raising=False)
+    assert tokens.anonymous_bytes() == 2048 * 1024
+    status["text"] = "Name:\tpython\n"  # a kernel before 4.5 has no RssAnon line
+    assert tokens.anonymous_bytes() == 0
+    status["text"] = "RssAnon:\tlots kB\n"
+    assert tokens.anonymous_bytes() == 0
+
+    def no_proc(path, **kwargs):  # type: ignore[no-untyped-def]
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(tokens, "open", no_proc, raising=False)
+    assert tokens.anonymous_bytes() == 0
+
+
+def test_shutdown_stops_torchs_persistent_workers() -> None:
+    from torch.utils.data import DataLoader as TorchDataLoader
+
+    from gpuload.bench import tokens
+
+    loader = TorchDataLoader(list(range(8)), batch_size=4, num_workers=1, persistent_workers=True)
+    assert [batch.tolist() for batch in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    workers = loader._iterator._workers
+    assert all(worker.is_alive() for worker in workers)
+    tokens._shutdown(loader)()
+    assert not any(worker.is_alive() for worker in workers)
+    tokens._shutdown(TorchDataLoader(list(range(8)), batch_size=4))()  # never iterated: nothing to stop

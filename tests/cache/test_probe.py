@@ -5,7 +5,9 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
+from PIL import Image
 from torch.utils.data import Dataset
 
 from gpuload.cache import estimate_image_bytes, looks_deterministic
@@ -69,3 +71,50 @@ def test_image_estimates_come_from_real_headers_and_sizes(tmp_path) -> None:
         exact_decoded += folder[index][0].numel()
     assert decoded == exact_decoded and encoded == exact_encoded  # 12 files: all probed
     assert 4 < decoded / encoded < 60  # JPEG at quality ~90 against 3 bytes a pixel
+
+
+class _NoTruth:
+    """An object whose == gives no truth value (as numpy arrays of several elements do)."""
+
+    def __eq__(self, other: object) -> object:
+        return np.array([True, False])
+
+
+@pytest.mark.parametrize(("first", "second", "says"), [
+    (1, 1.0, "dataset[0]: int vs float"),
+    (torch.zeros(2), torch.zeros(3), "dataset[0]: tensor torch.float32 (2,) vs torch.float32 (3,)"),
+    (torch.tensor([1.0, float("nan")]), torch.tensor([1.0, float("nan")]), None),
+    (torch.tensor([1, 2]), torch.tensor([1, 3]), "dataset[0]: tensor values differ"),
+    (np.zeros(2, np.int8), np.zeros(2, np.int16), "dataset[0]: array int8 (2,) vs int16 (2,)"),
+    (np.array([np.nan]), np.array([np.nan]), None),
+    (np.array([1, 2]), np.array([1, 5]), "dataset[0]: array values differ"),
+    ({"a": 1, "b": 2}, {"b": 2, "a": 1}, "dataset[0]: keys ['a', 'b'] vs ['b', 'a']"),
+    ({"a": [1, (2, 3)]}, {"a": [1, (2, 4)]}, "dataset[0]['a'][1][1]: 3 vs 4"),
+    ([1, 2], [1, 2, 3], "dataset[0]: length 2 vs 3"),
+    (float("nan"), float("nan"), None),
+    (Image.new("RGB", (2, 2), (1, 2, 3)), Image.new("RGB", (2, 2), (1, 2, 4)), "dataset[0]: image pixels differ"),
+    (Image.new("L", (2, 2)), Image.new("L", (2, 2)), None),
+    (_NoTruth(), _NoTruth(), "dataset[0]: _NoTruth values cannot be compared"),
+])
+def test_the_probe_says_where_and_how_two_reads_differ(first: object, second: object, says: str | None) -> None:
+    reads = iter([first, second])
+    dataset = type("TwoReads", (), {"__len__": lambda self: 1, "__getitem__": lambda self, i: next(reads)})()
+    deterministic, reason = looks_deterministic(dataset)
+    assert deterministic == (says is None)
+    if says is not None:
+        assert reason == f"two reads of dataset[0] differ ({says}): it looks randomly augmented"
+
+
+def test_an_empty_dataset_or_source_has_nothing_to_probe(tmp_path) -> None:
+    assert looks_deterministic([]) == (True, "the dataset is empty: nothing to compare")
+    from gpuload.cache.probe import probe_images
+    from gpuload.datasets.images import ImageFolder
+
+    folder = tmp_path / "images"
+    (folder / "cat").mkdir(parents=True)
+    (folder / "cat" / "broken.jpg").write_bytes(b"not an image")
+    source = ImageFolder(str(folder))
+    assert probe_images(source, probe=0).probed == 0
+    assert estimate_image_bytes(source) == (0, 0)  # no readable header: nothing to estimate from
+    (bad,) = probe_images(source).bad
+    assert bad.startswith(f"{folder / 'cat' / 'broken.jpg'}: not a readable image header")

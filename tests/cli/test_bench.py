@@ -203,6 +203,51 @@ def test_the_pretended_card_sets_every_scenarios_modelled_bytes(tmp_path: Path, 
     assert "modelled for a pretended 1 GiB card" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    (["--scenario", "samples", "--data", "x.npy"],
+     "argument --data: the samples scenario makes its own dataset (--samples N)"),
+    (["--scenario", "tokens", "--data", "x.npy"], "argument --data: the tokens scenario makes its own 100M-token shard"),
+    (["--save-images", "kept"], "argument --save-images: only applies to --scenario images"),
+    (["--scenario", "images", "--save-images", "kept", "--data", "photos"],
+     "argument --save-images: it writes generated images; with --data your own are used"),
+])
+def test_flags_that_do_not_apply_to_the_scenario_are_refused(args: list[str], says: str, tmp_path: Path,
+                                                             capsys) -> None:
+    line = run_failing([*args, "--out", str(tmp_path / "out")], capsys)
+    assert line.endswith(says), line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "kept").exists()
+
+
+def test_an_out_under_a_file_is_refused_naming_why(tmp_path: Path) -> None:
+    from gpuload.cli.bench import UsageError, writable_out
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match=f"^argument --out: cannot write in {tmp_path / 'file' / 'out'}: "):
+        writable_out(str(tmp_path / "file" / "out"))
+    assert writable_out(str(tmp_path / "new")).is_dir()
+
+
+def test_the_progress_bars_close_when_each_loader_is_done(capsys) -> None:
+    from gpuload.cli.bench import _tqdm_progress
+
+    progress = _tqdm_progress()
+    progress("torch DataLoader", 1, 2)
+    progress("torch DataLoader", 2, 2)
+    progress("gpuload", 1, 1)
+    err = capsys.readouterr().err
+    assert "torch DataLoader" in err and "2/2" in err and "1/1" in err
+
+
+def test_the_samples_scenario_from_the_command_line(tmp_path: Path, monkeypatch, capsys) -> None:
+    from gpuload.bench import samples
+
+    monkeypatch.setattr(samples, "scenario_runs", lambda quick, count: [(count, 0)])  # no worker start-up here
+    assert main(["bench", "--scenario", "samples", "--samples", "2000", "--quick", "--device", "cpu",
+                 "--out", str(tmp_path), "--quiet"]) == 0
+    assert json.loads((tmp_path / "bench.json").read_text())["runs"][0]["num_samples"] == 2000
+    assert capsys.readouterr().out.endswith(f"results: {tmp_path / 'bench.json'}; chart: {tmp_path / 'bench.png'}\n")
+
+
 def test_contention_runs_busy_neighbours_only_while_timing(tmp_path: Path, capsys, monkeypatch) -> None:
     """--contention N: N spinning processes during the timed loaders, all stopped after; the
     JSON says how many and the load."""

@@ -4,10 +4,14 @@ load together in one process."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import io
 import json
 import os
 import subprocess
 import sys
+import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -197,3 +201,203 @@ def test_dali_and_cupy_built_for_a_newer_cuda_than_the_driver_fail(monkeypatch: 
         assert found[topic]["status"] == "FAIL", found[topic]
         assert "the driver supports CUDA 11.4: it cannot run on this GPU" in found[topic]["summary"]
         assert "upgrade the NVIDIA driver" in found[topic]["fix"]
+
+
+# --- each check's other outcomes, with the machine's readers replaced -----------------------------
+
+
+class _FakeTorch:
+    """torch as far as the torch check reads it: a version, a CUDA build and visible devices."""
+
+    def __init__(self, version: str, cuda: str | None, devices: int = 0) -> None:
+        self.__version__ = version
+        self.version = types.SimpleNamespace(cuda=cuda)
+        self.cuda = types.SimpleNamespace(is_available=lambda: devices > 0, device_count=lambda: devices,
+                                          get_device_name=lambda i: f"Fake GPU {i}")
+
+
+def test_a_torch_older_than_the_floor_fails_with_the_upgrade() -> None:
+    line = doctor._check_torch(_FakeTorch("2.3.1+cu121", "12.1"), {}, {})
+    assert line == doctor.Finding("torch", "FAIL", "torch 2.3.1+cu121 is older than gpuload needs (>= 2.6)",
+                                  "pip install -U 'torch>=2.6'")
+
+
+def test_a_cpu_only_torch_warns_only_where_there_is_a_driver() -> None:
+    versions: dict = {}
+    with_driver = doctor._check_torch(_FakeTorch("2.7.0+cpu", None), {"cuda": "12.4"}, versions)
+    assert with_driver.status == "WARN" and "a CPU-only build: gpuload cannot use this machine's GPU" in \
+        with_driver.summary and with_driver.fix == "install a CUDA build: pip install -U torch"
+    assert versions == {"torch": "2.7.0+cpu", "torch_cuda": None}
+    without = doctor._check_torch(_FakeTorch("2.7.0+cpu", None), {}, {})
+    assert without == doctor.Finding("torch", "OK", "torch 2.7.0+cpu, a CPU-only build (no GPU here)")
+
+
+def test_the_torch_line_names_every_visible_device() -> None:
+    versions: dict = {}
+    line = doctor._check_torch(_FakeTorch("2.7.0+cu126", "12.6", devices=2), {"cuda": "12.8"}, versions)
+    assert line == doctor.Finding("torch", "OK", "torch 2.7.0+cu126, built for CUDA 12.6; 2 device(s): "
+                                  "cuda:0 Fake GPU 0, cuda:1 Fake GPU 1")
+    assert versions["cuda_devices"] == 2
+
+
+def test_a_driver_that_sees_no_device_names_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    line = doctor._check_torch(_FakeTorch("2.7.0+cu126", "12.6"), {"cuda": "12.8"}, {})
+    assert line.status == "FAIL" and "although the driver is there (CUDA_VISIBLE_DEVICES='' hides them)" in \
+        line.summary and "check CUDA_VISIBLE_DEVICES" in line.fix
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    line = doctor._check_torch(_FakeTorch("2.7.0+cu126", "12.6"), {"cuda": "12.8"}, {})
+    assert line.summary.endswith("although the driver is there (no device is visible)")
+
+
+def test_the_driver_reader_parses_the_kernel_module_and_asks_libcuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n"
+    real_open = open
+
+    def fake_open(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return io.StringIO(proc) if path == "/proc/driver/nvidia/version" else real_open(path, *args, **kwargs)
+
+    def cu_driver_get_version(reference) -> int:  # type: ignore[no-untyped-def]
+        reference._obj.value = 12020
+        return 0
+
+    monkeypatch.setattr(doctor, "open", fake_open, raising=False)
+    monkeypatch.setattr(doctor.ctypes, "CDLL", lambda name: types.SimpleNamespace(
+        cuDriverGetVersion=cu_driver_get_version))
+    assert doctor.read_driver() == {"version": "535.104.05", "cuda": "12.2"}
+
+    def no_file(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise FileNotFoundError(path)
+
+    def no_library(name: str) -> None:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(doctor, "open", no_file, raising=False)
+    monkeypatch.setattr(doctor.ctypes, "CDLL", no_library)
+    assert doctor.read_driver() == {}
+    assert doctor._loaded_libraries("libnvrtc") == []  # no /proc/self/maps: nothing known loaded
+
+
+def test_a_module_that_cannot_be_looked_up_counts_as_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = types.ModuleType("gpuload_test_broken")
+    broken.__spec__ = None  # find_spec raises ValueError for such a module
+    monkeypatch.setitem(sys.modules, "gpuload_test_broken", broken)
+    assert doctor._installed("gpuload_test_broken") is False
+    assert doctor._installed("json") is True
+
+
+def _fake_cupy(monkeypatch: pytest.MonkeyPatch, runtime: int, nvrtc: Callable[[], tuple[int, int]]) -> None:
+    cupy = types.ModuleType("cupy")
+    cupy.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
+    cupy.__version__ = "14.0.0"
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.runtime = types.SimpleNamespace(runtimeGetVersion=lambda: runtime)
+    cuda.nvrtc = types.SimpleNamespace(getVersion=nvrtc)
+    cupy.cuda = cuda
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setattr(doctor, "_distributions", lambda prefixes: ["cupy-cuda12x==14.0.0"])
+
+
+def test_the_cupy_line_for_a_broken_install_a_missing_nvrtc_and_one_cuda_major(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cupy = types.ModuleType("cupy")
+    cupy.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", None)  # importing cupy.cuda fails
+    monkeypatch.setattr(doctor, "_distributions", lambda prefixes: [])
+    line = doctor._check_cupy({}, "12.6")
+    assert line.status == "FAIL" and line.summary.startswith("CuPy does not import (ModuleNotFoundError: ")
+    assert line.fix.startswith("reinstall it: pip install 'gpuload[cuda12]'")
+
+    def no_nvrtc() -> tuple[int, int]:
+        raise RuntimeError("libnvrtc.so.12: cannot open shared object file")
+
+    _fake_cupy(monkeypatch, 12090, no_nvrtc)
+    line = doctor._check_cupy({}, "12.6")
+    assert line.status == "WARN" and line.summary == (
+        "CuPy 14.0.0, CUDA runtime 12.9; NVRTC does not load (RuntimeError: libnvrtc.so.12: cannot open shared "
+        "object file): the transforms fall back to torch ops")
+    _fake_cupy(monkeypatch, 12090, lambda: (12, 9))
+    monkeypatch.setattr(doctor, "_loaded_libraries", lambda pattern: ["/usr/lib/libnvrtc.so.12"])
+    versions: dict = {}
+    line = doctor._check_cupy(versions, "12.6")
+    assert line == doctor.Finding("cupy", "OK", "CuPy 14.0.0, CUDA runtime 12.9; compiles with NVRTC 12.9 "
+                                  "(/usr/lib/libnvrtc.so.12)")
+    assert versions["nvrtc"] == "12.9" and versions["nvrtc_path"] == "/usr/lib/libnvrtc.so.12"
+
+
+@pytest.mark.skipif(not doctor._installed("nvidia.dali"), reason="needs DALI installed (the check runs past its "
+                    "is-it-installed test only then)")
+def test_a_dali_that_does_not_import_fails_with_its_reason_and_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuload.decode import _dali
+
+    def broken() -> None:
+        raise _dali.DaliUnavailable("DALI 2.4.0 does not import (libcudart.so.12 missing); reinstall it")
+
+    monkeypatch.setattr(_dali, "_import_dali", broken)
+    line = doctor._check_dali({}, "13.0")
+    assert line == doctor.Finding("dali", "FAIL", "DALI 2.4.0 does not import (libcudart.so.12 missing)",
+                                  "reinstall it")
+
+
+def test_a_torchvision_whose_ops_do_not_load_fails_naming_why(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    if not doctor._installed("torchvision"):
+        pytest.skip("needs torchvision installed (its version is read from its metadata)")
+    package = tmp_path / "torchvision"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+        monkeypatch.delitem(sys.modules, name)
+    line = doctor._check_torchvision({}, "13.0")
+    assert line.status == "FAIL" and f"(OSError: no _C library in {package})" in line.summary
+    assert line.fix == "install the pair built together: pip install -U torch torchvision"
+    (package / "_C.so").write_bytes(b"not a shared library")
+    line = doctor._check_torchvision({}, "13.0")
+    assert line.status == "FAIL" and "C++ ops do not load into torch" in line.summary and "_C.so" in line.summary
+
+
+@pytest.mark.parametrize(("number", "torch_cuda", "status", "says"), [
+    (0, None, "OK", "a CPU-only build: no nvJPEG decoder"),
+    (0, "13.0", "WARN", "a CPU-only build: no nvJPEG decoder"),
+    (12060, "13.0", "FAIL", "is built for CUDA 12.6, torch for CUDA 13.0"),
+    (13000, "13.0", "OK", "CUDA 13.0: the nvJPEG decoder (backend='nvjpeg') is there for a GPU"),
+])
+def test_the_torchvision_line_compares_its_cuda_with_torchs(monkeypatch: pytest.MonkeyPatch, number: int,
+                                                           torch_cuda: str | None, status: str, says: str) -> None:
+    if not doctor._installed("torchvision"):
+        pytest.skip("needs torchvision installed")
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: None)
+    monkeypatch.setattr(torch.ops.torchvision, "_cuda_version", lambda: number, raising=False)
+    line = doctor._check_torchvision({}, torch_cuda)
+    assert line.status == status and says in line.summary, line
+    assert bool(line.fix) == (status != "OK")
+
+
+def test_a_memlock_limit_of_a_gibibyte_or_more_is_ok() -> None:
+    versions: dict = {}
+    line = doctor._check_pinned(8 << 30, versions)
+    assert line == doctor.Finding("pinned", "OK", "locked-memory limit (ulimit -l): 8.00 GiB")
+    assert versions["memlock"] == 8 << 30
+
+
+def test_the_memory_lines_give_each_devices_cache_room(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from gpuload import device as device_module
+    from gpuload.device import MemoryInfo
+
+    frees = {0: 60 << 30, 1: 1 << 30}  # cuda:1 has less free than the reserve
+    monkeypatch.setattr(device_module, "device_memory",
+                        lambda device: MemoryInfo(free=frees[device.index], total=80 << 30, torch_cached=0))
+    _, settings = doctor._check_settings({"GPULOAD_CACHE_RESERVE": "4GiB"}, str(tmp_path))
+    versions = {"cuda_devices": 2}
+    host, first, second = doctor._check_memory(torch, settings, versions)
+    assert host.status == "OK" and host.summary.startswith("host: ")
+    assert first == doctor.Finding("memory", "OK", "cuda:0: 60.00 GiB free of 80.00 GiB; the device cache may "
+                                   "take 56.00 GiB (budget, less cache_reserve)")
+    assert second.status == "WARN" and second.summary.startswith("cuda:1: 1.00 GiB free of 80.00 GiB; the device "
+                                                                  "cache may take 0 B")
+    assert "free memory is under the reserve" in second.fix
+    assert versions["device_memory"]["cuda:0"] == {"free": 60 << 30, "total": 80 << 30, "torch_cached": 0,
+                                                   "cache_room": 56 << 30}

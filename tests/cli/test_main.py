@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 import tempfile
 from pathlib import Path
 
@@ -222,3 +223,52 @@ def test_cuda_missing_asks_the_driver_and_leaves_the_rest_to_torch(monkeypatch) 
     assert arguments.cuda_missing("cpu") is None and arguments.cuda_missing(None) is None
     monkeypatch.setattr(arguments, "driver_device_count", lambda: 2)
     assert arguments.cuda_missing("cuda:5") is None  # which devices exist: command_device asks torch
+
+
+def test_the_driver_count_reads_libcuda_and_is_zero_when_it_fails(monkeypatch) -> None:
+    from gpuload.cli import arguments
+
+    def library(init: int, count: int):  # type: ignore[no-untyped-def]
+        def get_count(reference) -> int:  # type: ignore[no-untyped-def]
+            reference._obj.value = count
+            return 0
+
+        return lambda name: types.SimpleNamespace(cuInit=lambda flags: init, cuDeviceGetCount=get_count)
+
+    monkeypatch.setattr(arguments.ctypes, "CDLL", library(0, 3))
+    assert arguments.driver_device_count() == 3
+    monkeypatch.setattr(arguments.ctypes, "CDLL", library(100, 3))  # CUDA_ERROR_NO_DEVICE
+    assert arguments.driver_device_count() == 0
+
+
+def test_command_device_names_the_flag_and_what_exists(monkeypatch) -> None:
+    import torch
+
+    from gpuload.cli.arguments import command_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^argument --device: cuda:1 was asked for but CUDA is not available on this "
+                       r"machine \(torch .*\); pass --device cpu, or leave --device out to use the CPU$"):
+        command_device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(ValueError, match=r"^argument --gpu: cuda:5 does not exist: this machine has 2 CUDA device\(s\), "
+                       r"cuda:0 to cuda:1$"):
+        command_device("cuda:5", flag="--gpu")
+    assert command_device("cuda:1") == torch.device("cuda", 1) and command_device("cuda") == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"^argument --device: device='tpu' is not a device"):
+        command_device("tpu")
+
+
+def test_number_flags_and_setting_errors_in_the_command_lines_words() -> None:
+    import argparse
+
+    from gpuload.cache.budget import CacheSettingError
+    from gpuload.cli.arguments import non_negative_float, setting_error
+
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^'soon' is not a number$"):
+        non_negative_float("soon")
+    from_env = CacheSettingError("cache_size", "lots", "environment variable GPULOAD_CACHE_SIZE", "is not a size")
+    assert setting_error(from_env) == str(from_env)  # not from a flag: said as it is

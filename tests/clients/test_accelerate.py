@@ -146,3 +146,51 @@ def test_the_readme_snippet_runs_and_serves_from_gpuload() -> None:
     loader = scope["loader"]
     assert type(loader) is GpuloadShard and loader.cache_size == "8GiB"
     assert loader.base_dataloader.stats.batches == 4  # the snippet's loop ran the epoch from gpuload
+
+
+def test_what_the_integration_does_not_take_is_refused_naming_it() -> None:
+    from gpuload.integrations.accelerate import serve_from_gpuload
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    with pytest.raises(TypeError, match=r"^prepare_data_loader takes a gpuload.DataLoader, got a DataLoader; pass "
+                       "other loaders to accelerator.prepare$"):
+        prepare_data_loader(accelerator, shuffled(TorchDataLoader))
+    with pytest.raises(ValueError, match=r"^device_placement should be a list with 2 elements \(the number of "
+                       r"objects passed\)$"):
+        prepare(accelerator, torch.nn.Linear(1, 1), shuffled(gpuload.DataLoader), device_placement=[True])
+    with pytest.raises(TypeError, match=r"^serve_from_gpuload takes the DataLoaderShard Accelerate prepares, got a "
+                       r"DataLoader \(dispatch_batches=True"):
+        serve_from_gpuload(shuffled(TorchDataLoader))
+    shard = accelerator.prepare(shuffled(TorchDataLoader))
+    with pytest.raises(TypeError, match=r"^serve_from_gpuload: unknown gpuload option\(s\) \['cache_sise'\]"):
+        serve_from_gpuload(shard, cache_sise="1GiB")
+
+
+def test_a_prepared_loader_prepared_again_and_loaders_without_torchs_batch_sampler() -> None:
+    accelerator = accelerate.Accelerator(cpu=True)
+    ours = prepare_data_loader(accelerator, shuffled(gpuload.DataLoader))
+    assert prepare_data_loader(accelerator, ours) is ours  # already Accelerate's: kept
+    data = TensorDataset(torch.arange(12, dtype=torch.float32))
+    unbatched = prepare_data_loader(accelerator, gpuload.DataLoader(data, batch_size=None))
+    assert serves_from_gpuload(unbatched) and [b[0].item() for b in unbatched] == list(range(12))
+    pairs = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(data), 2, False)
+
+    class Pairs:  # a batch sampler of the user's own: gpuload takes it as it is
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(pairs)
+
+        def __len__(self) -> int:
+            return len(pairs)
+
+    own = prepare_data_loader(accelerator, gpuload.DataLoader(data, batch_sampler=Pairs()))
+    assert serves_from_gpuload(own) and [b[0].tolist() for b in own] == [[2 * i, 2 * i + 1] for i in range(6)]
+
+
+def test_an_iterable_dataset_keeps_its_batch_size() -> None:
+    class Counting(torch.utils.data.IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(torch.arange(10))
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    ours = prepare_data_loader(accelerator, gpuload.DataLoader(Counting(), batch_size=4))
+    assert serves_from_gpuload(ours) and [b.tolist() for b in ours] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]

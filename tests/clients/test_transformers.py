@@ -141,3 +141,36 @@ def test_the_readme_snippet_trains_and_evaluates_from_gpuload(tmp_path) -> None:
     assert type(trainer.get_train_dataloader().base_dataloader) is gpuload.DataLoader
     assert trainer.get_train_dataloader().cache_size == "8GiB"
     assert len(scope["model"].seen) == SAMPLES // BATCH and "eval_loss" in scope["metrics"]
+
+
+def test_resume_errors_the_test_loader_and_an_older_transformers(tmp_path) -> None:
+    from gpuload.integrations.transformers import SaveLoaderState
+
+    ours = trainer(GpuloadTrainer, str(tmp_path))
+    ours.args.num_train_epochs = 1
+    with pytest.raises(ValueError, match=r"^No valid checkpoint found in output directory \("):
+        ours.train(resume_from_checkpoint=True)
+    ours.train()
+    assert isinstance(ours.get_test_dataloader(data(3)), GpuloadShard)
+    last = tmp_path / f"checkpoint-{ours.state.global_step}" / LOADER_STATE_FILE.format(process=0)
+    last.unlink()
+    torch_loader = torch.utils.data.DataLoader(data(3), batch_size=BATCH)
+    SaveLoaderState().on_save(ours.args, ours.state, ours.control, train_dataloader=torch_loader)
+    assert not last.exists()  # not gpuload's loader: no position to save
+    position = tmp_path / "checkpoint-5" / LOADER_STATE_FILE.format(process=0)
+    state = torch.load(position, weights_only=False)
+    torch.save({**state, "batches": 3}, position)  # a position from another run
+    resumed = trainer(GpuloadTrainer, str(tmp_path))
+    with pytest.raises(ResumeError, match=r"holds a loader position 3 batches into epoch 0, but the Trainer resumes 5 "
+                       r"batches into its epoch: the loader state and the checkpoint do not belong together$"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
+
+    class Old:  # a Trainer from before get_resumed_dataloader
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+    class OldGpuloadTrainer(GpuloadTrainerMixin, Old):
+        pass
+
+    with pytest.raises(ImportError, match="get_resumed_dataloader"):
+        OldGpuloadTrainer()

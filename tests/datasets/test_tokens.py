@@ -224,3 +224,54 @@ def test_dtype_as_torch_dtype_or_name() -> None:
         assert TokenWindows(ids, 8, dtype=dtype).token_dtype == torch.uint16
     with pytest.raises(TypeError, match="dtype=torch.float32 cannot hold token ids"):
         TokenWindows(ids, 8, dtype=torch.float32)
+
+
+def test_more_bad_sources_name_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"^dtype='tokens' is not a dtype; token ids take uint16, uint32, int32 or int64$"):
+        TokenWindows(_ids(100), 8, dtype="tokens")
+    with pytest.raises(TypeError, match=r"^dtype=float32 cannot hold token ids; use an integer dtype"):
+        TokenWindows(_ids(100), 8, dtype="float32")
+    (tmp_path / "broken.npy").write_bytes(b"\x93NUMPY not really")
+    with pytest.raises(TokenFileError, match=rf"^{tmp_path / 'broken.npy'}: not a readable \.npy file \("):
+        TokenWindows(str(tmp_path / "broken.npy"), 8)
+    np.save(tmp_path / "ids.npy", np.arange(100, dtype=np.uint16))
+    with pytest.raises(TokenFileError, match=rf"^{tmp_path / 'ids.npy'}: holds uint16 ids, not the dtype=uint32 "
+                       "asked for$"):
+        TokenWindows(str(tmp_path / "ids.npy"), 8, dtype="uint32")
+    np.save(tmp_path / "empty.npy", np.zeros(0, dtype=np.int64))
+    with pytest.raises(TokenFileError, match=rf"^{tmp_path / 'empty.npy'}: the shard holds no tokens$"):
+        TokenWindows(str(tmp_path / "empty.npy"), 8)
+    with pytest.raises(TokenFileError, match=r"has dtype float64; token ids are integers$"):
+        TokenWindows(np.zeros(100), 8)
+    with pytest.raises(TokenFileError, match=r"holds no tokens$"):
+        TokenWindows(np.zeros(0, dtype=np.int64), 8)
+    tensor = TokenWindows(torch.arange(100, dtype=torch.int32), 8, dtype="uint16")
+    assert tensor.token_dtype == torch.uint16 and tensor[1][0].tolist() == list(range(8, 16))
+    with pytest.raises(TokenFileError, match=r"^the shards hold ids of different dtypes \(.*\); shards: "):
+        TokenWindows([write_shard(tmp_path / "a.bin", _ids(100)),
+                      write_shard(tmp_path / "b.bin", _ids(100, high=70000), magic=20240801)], 8)
+
+
+def test_a_shard_list_names_four_files_then_dots(tmp_path: Path) -> None:
+    paths = [write_shard(tmp_path / f"s{i}.bin", _ids(100, seed=i)) for i in range(5)]
+    paths.append(write_shard(tmp_path / "wide.bin", _ids(100, high=70000), magic=20240801))
+    with pytest.raises(TokenFileError, match=r"shards: .*s0\.bin, .*s1\.bin, .*s2\.bin, .*s3\.bin \.\.\.$"):
+        TokenWindows(paths, 8)
+
+
+def test_a_file_that_goes_away_is_caught_and_a_tensor_index_works(tmp_path: Path) -> None:
+    path = write_shard(tmp_path / "gone.bin", _ids(100))
+    ds = TokenWindows(path, 8)
+    x, _ = ds[torch.tensor(2)]
+    assert torch.equal(x, ds[2][0])
+    Path(path).unlink()
+    with pytest.raises(TokenFileError, match=r"gone\.bin: the token file went away since it was opened \(No such file"):
+        ds.check_unchanged()
+
+
+@pytest.mark.gpu
+def test_token_ids_on_the_gpu_are_read_from_a_host_copy() -> None:
+    ids = _ids(100)
+    ds = TokenWindows(torch.from_numpy(ids).cuda(), 8)
+    _assert_item(ds, 3, ids, 24)
+    assert ds.tokens().device.type == "cpu"

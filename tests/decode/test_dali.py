@@ -57,3 +57,51 @@ def test_after_a_build_failure_a_working_dali_builds_again(monkeypatch: pytest.M
     monkeypatch.undo()  # the build works again
     (image,) = decoder.decode([F.jpeg("baseline-420")])
     assert image.shape == (3, F.HEIGHT, F.WIDTH)
+
+
+def test_bad_arguments_to_the_decoder_say_what_to_pass() -> None:
+    with pytest.raises(ValueError, match="^max_batch must be at least 1, got 0$"):
+        DaliDecoder(torch.device("cpu"), max_batch=0)
+    plain = DaliDecoder(torch.device("cpu"), max_batch=2)
+    assert plain.decode([]) == []
+    jpeg = F.jpeg("baseline-420")
+    with pytest.raises(ValueError, match=r"^this DALI decoder was built with roi=False; do not pass rois=$"):
+        plain.decode([jpeg], rois=[(0, 0, 4, 4)])
+    windowed = DaliDecoder(torch.device("cpu"), max_batch=2, roi=True)
+    with pytest.raises(ValueError, match=r"^this DALI decoder was built with roi=True; pass rois=$"):
+        windowed.decode([jpeg])
+    with pytest.raises(ValueError, match=r"^1 ROIs for 2 images; pass one per image$"):
+        windowed.decode([jpeg, jpeg], rois=[(0, 0, 4, 4)])
+
+
+def test_a_failed_run_names_the_last_lines_dali_logged() -> None:
+    from gpuload.decode._dali import _dali_error
+
+    failure = RuntimeError("Critical error in pipeline:\nError in thread 0: [/opt/dali/x.cc:1] encountered:\n"
+                           "Unrecognized image format\nCurrent pipeline object is no longer valid.")
+    error = _dali_error(failure, ["one", "two", "three", "four"])
+    assert str(error) == "Unrecognized image format (DALI logged: two; three; four)"
+    assert error.device is False and error.__cause__ is failure
+    from gpuload.decode._dali import _build_error
+
+    built = _build_error(RuntimeError("no decoder backend"), ["libnvjpeg.so.12 not found"], "dali-mixed", 8)
+    assert str(built).startswith("DALI could not build its dali-mixed decoding pipeline (batch size 8): no decoder "
+                                 "backend (DALI logged: libnvjpeg.so.12 not found); no file is to blame.")
+    assert built.device is True
+
+
+def test_a_dali_that_does_not_import_is_unavailable_with_the_way_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from gpuload.decode import _dali
+
+    monkeypatch.setitem(sys.modules, "nvidia.dali.fn", None)  # importing it raises ModuleNotFoundError
+    with pytest.raises(_dali.DaliUnavailable, match=r"^nvidia.dali could not be imported \(ModuleNotFoundError: "
+                       r"import of nvidia.dali.fn halted; None in sys.modules\); "
+                       r"install gpuload\[cuda12\] \(or gpuload\[cuda13\]\), or decode with backend='torchvision' "
+                       r"or backend='pil'$"):
+        _dali._import_dali()
+    broken = type(sys)("gpuload_test_no_spec")
+    broken.__spec__ = None
+    monkeypatch.setitem(sys.modules, "nvidia.dali", broken)  # find_spec raises ValueError for it
+    assert dali_installed() is False

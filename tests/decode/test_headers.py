@@ -134,3 +134,33 @@ def test_the_header_table_keeps_no_unreadable_header_and_no_stray_position() -> 
     assert table.get(0) is None
     data = F.jpeg("baseline-420")
     assert table.read(5, data) == peek_header(data) and table.get(5) is None  # outside: read, not kept
+
+
+def test_jpeg_fill_bytes_and_markers_without_a_length_are_stepped_over() -> None:
+    jpeg = F.jpeg_with_orientation(6)
+    expected = peek_header(jpeg)
+    assert expected.orientation == 6
+    padded = jpeg[:2] + b"\xff\x01" + b"\xff\xff" + jpeg[2:]  # a TEM marker, then a fill byte
+    assert headers._jpeg_header(padded) == expected
+    with pytest.raises(headers._Unparsed, match="^JPEG segments out of step$"):
+        headers._jpeg_header(jpeg[:2] + b"\x00\x00" + jpeg[2:])
+
+
+def test_an_exif_block_without_a_readable_orientation_means_upright() -> None:
+    import struct
+
+    assert headers._exif_orientation(b"II*\x00") == 1  # too short
+    assert headers._exif_orientation(b"XX*\x00\x08\x00\x00\x00") == 1  # no byte order
+    assert headers._exif_orientation(b"II*\x00" + struct.pack("<I", 4096)) == 1  # IFD past the end
+    other_tag = b"II*\x00" + struct.pack("<IH", 8, 1) + struct.pack("<HHII", 0x010F, 2, 4, 0)  # Make, no orientation
+    assert headers._exif_orientation(other_tag) == 1
+    rotated = b"II*\x00" + struct.pack("<IH", 8, 1) + struct.pack("<HHIHH", 0x0112, 3, 1, 6, 0)
+    assert headers._exif_orientation(rotated) == 6
+
+
+def test_follow_pil_takes_pils_limit_as_it_is_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert repr(FOLLOW_PIL) == "FOLLOW_PIL"
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1234)
+    assert resolve_max_pixels(FOLLOW_PIL) == 1234
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    assert resolve_max_pixels(FOLLOW_PIL) is None

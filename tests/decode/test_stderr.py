@@ -140,3 +140,41 @@ def test_a_flush_mark_cut_in_two_by_a_read_is_still_found() -> None:
     os.close(write_fd)
     assert os.read(read_fd, 100) == b""  # nothing reached the "console"
     os.close(read_fd)
+
+
+def test_an_unfinished_line_that_is_not_dalis_is_passed_on_at_the_end(capfd: pytest.CaptureFixture[str]) -> None:
+    take_native_lines()
+    with quiet_native_stderr():
+        os.write(2, b"[50%")  # could still become a log line: held until the run ends
+    assert capfd.readouterr().err == "[50%" and take_native_lines() == []
+
+
+def test_a_forked_child_writes_to_the_real_stderr_at_once(capfd: pytest.CaptureFixture[str]) -> None:
+    with quiet_native_stderr():
+        pid = os.fork()
+        if pid == 0:  # the child: no reader thread here, fd 2 must be the real stderr again
+            os.write(2, b"[ERROR] [child] from the child\n")
+            os._exit(0)
+        os.waitpid(pid, 0)
+    assert "[ERROR] [child] from the child\n" in capfd.readouterr().err  # not kept: the child's own line
+
+
+def test_without_a_stderr_to_duplicate_nothing_is_redirected(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuload.decode import _stderr
+
+    def closed(fd: int) -> int:
+        raise OSError(9, "Bad file descriptor")
+
+    redirect = _stderr._Redirect()
+    monkeypatch.setattr(_stderr.os, "dup", closed)
+    assert redirect.enter() is False and redirect.users == 0 and redirect.read_fd == -1
+
+
+def test_a_closed_descriptor_is_neither_the_same_file_nor_an_error_to_write_to() -> None:
+    from gpuload.decode._stderr import _same_file, _write_all
+
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    os.close(write_fd)
+    assert _same_file(2, write_fd) is False
+    _write_all(write_fd, b"lost")  # the real stderr is gone: the bytes are dropped, nothing raised

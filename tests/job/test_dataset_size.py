@@ -50,6 +50,14 @@ def test_what_has_no_size_is_refused() -> None:
         dataset_shape(torch.utils.data.TensorDataset(torch.zeros(0, 2)))
 
 
+def test_a_path_that_is_no_dataset_is_refused_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not a dataset")
+    for path in (tmp_path / "missing", tmp_path / "notes.txt"):
+        with pytest.raises(ValueError, match=f"^{path} is neither an image folder nor an existing .npy/.npz file or "
+                           ".bin token shard$"):
+            estimate_dataset(str(path), None)
+
+
 def test_a_token_shard_counts_its_tokens_not_windows(tmp_path: Path) -> None:
     from gpuload.datasets.tokens import TokenFileError, write_shard
 

@@ -316,3 +316,61 @@ def test_the_failed_steps_memory_in_torchs_pool_counts_as_free(monkeypatch: pyte
     # free_bytes=1000 MiB; counting only the driver's 200 MiB would give 2 and free cache for nothing
     assert retry.batch_size == 26 and len(caught) == 1
     assert loader.shrunk == [] and "freed" not in str(caught[0].message)
+
+
+def test_named_tuples_read_only_mappings_and_own_sequences_are_split_into_what_they_can_be() -> None:
+    import collections
+    from collections.abc import Sequence
+
+    from containers import Fields
+
+    Pair = collections.namedtuple("Pair", "x y")
+
+    class Columns(Sequence):
+        """A sequence of two fields whose constructor takes no list: its pieces are plain lists."""
+
+        def __init__(self, first: torch.Tensor, second: torch.Tensor) -> None:
+            self._columns = (first, second)
+
+        def __getitem__(self, index):  # type: ignore[no-untyped-def]
+            return self._columns[index]
+
+        def __len__(self) -> int:
+            return len(self._columns)
+
+    batch = Pair(x=Fields(a=torch.arange(4), tag="run"), y=Columns(torch.arange(4) * 10, torch.arange(4) * 100))
+    step = RunsOutAboveOn(2, lambda b: len(b.x["a"]))
+    with pytest.warns(BatchSizeLoweredWarning):
+        OOMRetry(step)(batch)
+    first, second = step.pieces
+    assert type(second) is Pair and type(second.x) is dict and type(second.y) is list
+    assert second.x["a"].tolist() == [2, 3] and second.x["tag"] == "run"
+    assert [c.tolist() for c in second.y] == [[20, 30], [200, 300]]
+
+
+def test_a_batch_without_a_batch_dimension_is_one_sample_and_is_not_split() -> None:
+    step = RunsOutAboveOn(0, lambda b: 1)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        OOMRetry(step)(object())
+    assert step.pieces == []
+
+
+def test_a_loader_split_over_ranks_keeps_its_size_and_the_warning_says_how_to_change_it() -> None:
+    loader = FakeLoader(held=0)  # nothing cached on the device: nothing to free
+    loader.cache_split_over_ranks = True
+    retry = OOMRetry(RunsOutAbove(24), plan=_plan(), free_bytes=lambda: 1000 * MiB, loader=loader)
+    with pytest.warns(BatchSizeLoweredWarning, match=r"the loader's batch size stays 64 and this rank splits its "
+                      r"later batches: .*loader.set_batch_size\(n\) on every rank") as caught:
+        retry(_batch(64))
+    assert loader.batch_size == 64 and loader.shrunk == [] and "freed" not in str(caught[0].message)
+
+
+def test_a_plan_whose_step_does_not_grow_with_the_batch_lowers_by_an_eighth() -> None:
+    flat = [StepTrace(b, 400 * MiB, {}, STATE, 0.0) for b in (8, 64)]
+    plan = plan_from_step(StepMemory.fit(flat, "cpu"), memory=MemoryInfo(2**34, 2**34),
+                          settings=CacheSettings.resolve(environ={}, cwd="/nonexistent"), host=MemoryInfo(2**36, 2**36))
+    assert plan.step.per_sample <= 0
+    retry = OOMRetry(RunsOutAbove(40), plan=plan, free_bytes=lambda: 1000 * MiB)
+    with pytest.warns(BatchSizeLoweredWarning):
+        retry(_batch(64))
+    assert retry.batch_size == 36 and retry.retries == 4  # the estimate cannot say: an eighth less each time, 64 56 49 42 36

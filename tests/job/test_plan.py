@@ -193,3 +193,36 @@ def test_resnet50_at_224_when_torchvision_is_installed(tmp_path: Path) -> None:
     assert plan.step.state["parameters"] == pytest.approx(params, rel=1e-3)  # CUDA rounds each tensor up
     assert plan.step.state["optimizer state"] >= 2 * params
     assert plan.fits and plan.total_bytes <= 72 * GiB
+
+
+def test_sizes_and_batch_arguments_that_cannot_be_planned_say_why(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^device_memory='80%' must be an absolute size such as '80GiB'$"):
+        plan_job(M.mlp, M.SAMPLES["mlp"](), device_memory="80%", cache=_settings(tmp_path))
+    with pytest.raises(ValueError, match="^batch_multiple must be at least 1, got 0$"):
+        _plan(tmp_path, 8 * GiB, None, batch_multiple=0)
+    with pytest.raises(ValueError, match="^batch_size must be at least 1, got 0$"):
+        _plan(tmp_path, 8 * GiB, None, batch_size=0)
+
+
+def test_on_a_gpu_the_plan_reads_its_memory_and_counts_the_model_already_there_as_free(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuload.job import plan as plan_module
+
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(plan_module, "cuda_available", lambda: True)
+    monkeypatch.setattr(plan_module, "resolve_device", lambda device: cuda0)
+    monkeypatch.setattr(plan_module, "read_device_memory", lambda device: MemoryInfo(free=3 * GiB, total=4 * GiB))
+    monkeypatch.setattr(plan_module, "resident_bytes", lambda model, optimizer, device: 512 * MiB)
+    plan = plan_job(M.mlp, M.SAMPLES["mlp"](), cache=_settings(tmp_path), batch_size=64, trace_batch_sizes=(8, 32),
+                    host_memory="64GiB")
+    assert plan.memory == MemoryInfo(free=3 * GiB + 512 * MiB, total=4 * GiB)
+    assert "cuda:0 (the model's 512.00 MiB already there counted as free)" in plan.describe()
+    assert plan.describe().count("\n") > 2 and plan._cached_share() == 0.0  # no dataset: nothing cached
+
+
+def test_batch_one_with_part_of_the_data_cached_offers_no_smaller_batch(tmp_path: Path) -> None:
+    imagenet = DatasetShape(1_281_167, IMAGE, "imagenet")
+    plan = _plan(tmp_path, 16 * GiB, imagenet, batch_size=1)
+    assert 0 < plan.cache.device_samples < imagenet.num_samples
+    (line,) = plan.tradeoff
+    assert line.startswith("batch 1 + ") and "of the data cached" in line and "would cache" not in line

@@ -139,6 +139,30 @@ def test_bad_inputs_say_what_to_pass() -> None:
         StepTracer(M.mlp(), torch.empty(784), optimizer="lion").trace(2)
     with pytest.raises(TypeError, match="not a torch.nn.Module"):
         StepTracer(lambda: 3, torch.empty(784)).trace(2)
+    with pytest.raises(ValueError, match="^batch_size must be at least 1, got 0$"):
+        StepTracer(M.mlp(), torch.empty(784)).trace(0)
+    with pytest.raises(ValueError, match=r"^autocast=torch.float64: use torch.bfloat16, torch.float16 or None$"):
+        StepTracer(M.mlp(), torch.empty(784), autocast=torch.float64)
+    with pytest.raises(TypeError, match="^optimizer=3: give a name "):
+        StepTracer(M.mlp(), torch.empty(784), optimizer=3).trace(2)  # type: ignore[arg-type]
+    real = M.mlp()
+    with pytest.raises(TypeError, match="^an optimizer instance needs the model instance it was built for, not a "
+                       "factory$"):
+        StepTracer(M.mlp, torch.empty(784), optimizer=torch.optim.SGD(real.parameters(), lr=0.1)).trace(2)
+    with pytest.raises(ValueError, match="^the model's output holds no floating-point tensor to take a loss of; "
+                       "pass loss_fn$"):
+        StepTracer(_Argmax(), torch.empty(784)).trace(2)
+
+
+class _Argmax(nn.Module):
+    """A model whose output is integer class indices: no default loss can be taken of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(784, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).argmax(dim=1)
 
 
 # ------------------------------------------------------------------ on a GPU: against CUDA's allocator
@@ -175,3 +199,21 @@ def test_estimate_within_ten_percent_of_cuda_peak(name: str, batch_size: int) ->
     estimate = StepTracer(M.FACTORIES[name], M.SAMPLES[name](), optimizer="adamw").trace(batch_size).peak
     measured = _measured_peak(name, batch_size)
     assert abs(estimate - measured) <= 0.10 * measured, (name, estimate, measured)
+
+
+def test_a_torch_without_memtracker_is_one_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.distributed._tools.mem_tracker", None)
+    with pytest.raises(RuntimeError, match=r"^estimating a step's memory needs torch.distributed's MemTracker, which "
+                       rf"this torch \({re.escape(torch.__version__)}\) lacks: import of torch.distributed._tools.mem_tracker "
+                       r"halted"):
+        StepTracer(M.mlp(), torch.empty(784))
+
+
+def test_only_the_traced_devices_bytes_are_counted() -> None:
+    from gpuload.job.step_memory import _kinds
+
+    snapshot = {"cpu": {"Parameter": 100, "Temp": 4}, "cuda:0": {"Parameter": 7}}
+    assert _kinds(snapshot, torch.device("cpu")) == {"parameters": 100, "temporaries": 4}

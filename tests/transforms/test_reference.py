@@ -40,6 +40,21 @@ def _run(ops, batch, seed=0, epoch=0, indices=None):
         (lambda: T.Normalize((0.5, 0.5), (0.2,)), "same lengths"),
         (lambda: T.Normalize((0.5,), (0.0,)), "> 0"),
         (lambda: T.RandomErasing(value="random"), "not supported"),
+        (lambda: T.RandomResizedCrop(True), r"^RandomResizedCrop\(size=True\): size must be an int or \(height, width\)$"),
+        (lambda: T.RandomResizedCrop(8, scale="ab"), r"^RandomResizedCrop\(scale='ab'\): scale must be a \(min, max\) "
+                                                     r"pair of numbers$"),
+        (lambda: T.RandomResizedCrop(8, scale=(0, 0)), r"^RandomResizedCrop\(scale=\(0.0, 0.0\)\): max scale must be > 0$"),
+        (lambda: T.Resize(0), r"^Resize\(size=0\): size must be positive$"),
+        (lambda: T.RandomCrop(8, padding=(1, -2)), r"^RandomCrop\(padding=\(1, -2\)\): paddings must be ints >= 0$"),
+        (lambda: T.RandomCrop(8, fill=(0, 0, 0)), r"^RandomCrop\(fill=\(0, 0, 0\)\): fill is one number \(0-255\)$"),
+        (lambda: T.ToDtype(scale=1), r"^ToDtype\(scale=1\): scale is True or False$"),
+        (lambda: T.Normalize("ab", (0.5,)), r"^Normalize\(mean='ab', std=\(0.5,\)\): mean and std are sequences of "
+                                            r"numbers, one per channel$"),
+        (lambda: T.Normalize((0.5,), (0.5,), value_range=100), r"^Normalize\(value_range=100\): use None"),
+        (lambda: T.RandomErasing(scale=(0.1, 2.0)), r"^RandomErasing\(scale=\(0.1, 2.0\)\): scale is within \[0, 1\]$"),
+        (lambda: T.RandomErasing(ratio=(0, 1)), r"^RandomErasing\(ratio=\(0, 1\)\): ratios must be > 0$"),
+        (lambda: T.RandomErasing(value=float("nan")), r"^RandomErasing\(value=nan\): value is finite number\(s\)$"),
+        (lambda: T.RandomErasing(value=()), r"^RandomErasing\(value=\(\)\): value is finite number\(s\)$"),
     ],
 )
 def test_ops_reject_bad_arguments_with_the_value(make, message):
@@ -55,6 +70,9 @@ def test_ops_repr_and_normalisation():
     assert T.ColorJitter(brightness=0.4).brightness == (0.6, 1.4)
     assert T.ColorJitter(contrast=2).contrast == (0.0, 3.0)
     assert hash(T.Normalize([0.5], [0.5])) == hash(T.Normalize((0.5,), (0.5,)))
+    assert T.ColorJitter(brightness=None, contrast=(1.0, 1.0)).brightness is None  # none and (1, 1): no jitter
+    assert T.ColorJitter(contrast=(1.0, 1.0)).contrast is None
+    assert T.validate_pipeline(T.RandomHorizontalFlip()) == (T.RandomHorizontalFlip(),)  # one op is a list of one
 
 
 @pytest.mark.parametrize(
@@ -66,6 +84,8 @@ def test_ops_repr_and_normalisation():
         ([T.ToDtype(), T.ToDtype()], "more than one ToDtype"),
         ([T.ToDtype(), T.Normalize((123.7, 116.3, 103.5), (58.4, 57.1, 57.4))], "value_range=255"),
         (["flip"], "not a gpuload transform"),
+        ("flip", r"^transforms='flip' is not a list of transforms \(it is a str\)"),
+        ([T.RandomErasing(), T.ToDtype()], r"comes before ToDtype\(.*\): put RandomErasing after ToDtype$"),
     ],
 )
 def test_pipeline_order_errors_say_what_to_change(ops, message):
