@@ -252,7 +252,9 @@ def _brightness(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
 
 def _contrast(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     grey = grayscale(x) if x.shape[1] == 3 else x
-    mean = grey.mean(dim=(1, 2, 3), keepdim=True)
+    # Rows first, then their sums: each sum is one thread's, so the mean does not depend on how
+    # many threads torch (or gpuload.cpu_threads, by the machine's load) gives the reduction.
+    mean = grey.sum(dim=3, keepdim=True).sum(dim=(1, 2), keepdim=True) / grey[0].numel()
     return (f * x + (1.0 - f) * mean).clamp_(0, 255)
 
 

@@ -196,6 +196,22 @@ def test_color_jitter_formulas():
         torch.testing.assert_close(out, expect, rtol=0, atol=1e-4)
 
 
+def test_contrast_does_not_depend_on_the_thread_count():
+    # gpuload.cpu_threads lowers torch's threads on a busy machine: a batch must come out the same.
+    torch.manual_seed(0)
+    batch = torch.randint(0, 256, (1, 3, 1000, 1000), dtype=torch.uint8)
+    ops = [T.ColorJitter(contrast=(0.5, 0.5)), T.ToDtype(scale=False)]
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 2, 8):
+            torch.set_num_threads(count)
+            outs.append(_run(ops, batch)[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
 def test_color_jitter_order_is_per_sample():
     batch = _images(40, 5, 5)
     ops = [T.ColorJitter(brightness=(1.8, 1.8), saturation=(0.3, 0.3)), T.ToDtype(scale=False)]
