@@ -749,3 +749,20 @@ def test_a_damaged_ragged_block_or_row_table_is_named_and_refilled(tmp_path: Pat
     assert "block-000002.bin has a damaged row table" in named[1]
     again.write_items(torch.arange(n), images)
     assert again.complete and all(torch.equal(a, b) for a, b in zip(again.read_items(torch.arange(n)), images))
+
+
+def test_two_users_of_one_ragged_entry_share_its_blocks(tmp_path: Path) -> None:
+    # Two opens hold two open file descriptions: their flocks exclude each other as two processes' do.
+    n, images = 16, _images(16)
+    one, two = _open_ragged(tmp_path, n), _open_ragged(tmp_path, n)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(3))
+    for start in range(0, n, 3):
+        rows = order[start:start + 3]
+        writer = one if start % 2 else two
+        writer.write_items(rows, [images[r] for r in rows])
+        (two if writer is one else one).write_items(rows[:1], [images[rows[0]]])  # already written: skipped
+    assert one.complete and two.complete
+    assert one.stats().rows_written + two.stats().rows_written == n
+    third = _open_ragged(tmp_path, n)
+    assert all(torch.equal(a, b) for a, b in zip(third.read_items(torch.arange(n)), images))
+    assert len(list(_entry(tmp_path).glob("block-*.bin"))) == 4 and not list(_entry(tmp_path).glob("*.part"))

@@ -240,3 +240,38 @@ def test_a_read_only_folder_is_one_warning_and_no_disk_tier(samples, tmp_path, m
     assert "disk" not in plain.stats.extra["cache"]
     for x, y in zip(ours[0], epochs(loader(ImageList(samples), samples, transforms=None), 1)[0], strict=True):
         assert_same(x, y)
+
+
+@pytest.mark.gpu
+def test_on_cuda_images_from_disk_reach_the_device_and_a_new_loader_decodes_none(samples, tmp_path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: torch.cuda.is_available() is False here")
+
+    def cuda_loader(source):
+        return gpuload.DataLoader(source, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(11),
+                                  device="cuda", transforms=OPS, cache="device",
+                                  cache_size=int(image_bytes(samples) * 4.5), cache_dir=tmp_path / "c")
+
+    first = epochs(cuda_loader(CountingList(samples)), 2)
+    source = CountingList(samples)
+    again = cuda_loader(source)
+    later = epochs(again, 1)
+    assert source.reads == 0 and disk_stats(again)["hits"] == N
+    for (images, labels), (ref_images, ref_labels) in zip(later[0], first[0], strict=True):
+        assert images.is_cuda and torch.equal(labels, ref_labels)
+        torch.testing.assert_close(images, ref_images, atol=0.1, rtol=0)
+
+
+def test_beside_an_encoded_bytes_cache_the_disk_tier_keeps_decoded_images(samples, tmp_path) -> None:
+    def host_loader(source):
+        return gpuload.DataLoader(source, batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(11),
+                                  device="cpu", cache="host", cache_dir=tmp_path / "c")
+
+    first = epochs(host_loader(CountingList(samples)), 1)
+    source = CountingList(samples)
+    again = host_loader(source)
+    later = epochs(again, 1)
+    assert source.reads == 0 and again.stats.extra["cache"]["mode"] == "encoded"
+    assert disk_stats(again)["hits"] == N
+    for x, y in zip(first[0], later[0], strict=True):
+        assert_same(x, y)
