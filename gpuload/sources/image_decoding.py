@@ -131,7 +131,8 @@ class ImageDecoding:
             readable.append(position)
             slots.append(slot)
         disk = self.disk if self.disk is not None and self.disk.accepting else None
-        filling = (keeps_decoded and cache.accepting) or disk is not None  # whole images, to keep
+        filling_memory = keeps_decoded and cache.accepting
+        filling = filling_memory or disk is not None  # whole images, to keep
         headers = self._headers(encoded, readable)
         sizes, windows = (None, None) if filling else self._windows(headers, readable, epoch)
         decoded: dict[int, tuple[torch.Tensor, Window | None, tuple[int, int] | None]] = {}
@@ -144,7 +145,7 @@ class ImageDecoding:
             self.cpu_decoded += result.cpu_decoded
             self.roi = result.roi
             for k, image in zip(result.kept_positions, result.images):
-                if keeps_decoded and filling:
+                if filling_memory:
                     cache.keep(readable[k], image)
                 window = None if windows is None else windows[k]
                 decoded[slots[k]] = (image, window, None if sizes is None else sizes[k])
