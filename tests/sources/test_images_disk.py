@@ -130,6 +130,59 @@ def test_a_new_process_reads_its_first_epoch_from_disk(samples, tmp_path) -> Non
     assert reread["opened"] == 0 and reread["disk"]["hits"] == N and reread["sums"] == filled["sums"]
 
 
+def test_killed_during_the_fill_then_a_new_loader_gives_the_uncached_batches(samples, tmp_path, monkeypatch) -> None:
+    import signal
+    import time
+
+    child = textwrap.dedent(
+        """
+        import json, sys, time, torch, gpuload
+        import gpuload.cache.disk_tier as disk_tier
+        from gpuload.datasets import ImageList
+
+        samples, cache, block_bytes, cache_size = json.loads(sys.argv[1])
+        disk_tier.BLOCK_BYTES = block_bytes
+        read = ImageList.read_encoded
+        def slow(self, index):  # the class itself patched: the fingerprint names it
+            time.sleep(0.3)
+            return read(self, index)
+        ImageList.read_encoded = slow
+        loader = gpuload.DataLoader(ImageList([tuple(s) for s in samples]), batch_size=None, device="cpu",
+                                    cache="device", cache_size=cache_size, cache_dir=cache)
+        for _ in loader:
+            pass
+        """
+    )
+    cache = tmp_path / "c"
+    arguments = [samples, str(cache), disk_tier.BLOCK_BYTES, int(image_bytes(samples) * 4.5)]
+    process = subprocess.Popen([sys.executable, "-c", child, json.dumps(arguments)], stderr=subprocess.PIPE,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        entries = [p for p in cache.iterdir() if p.is_dir()] if cache.exists() else []
+        if entries and list(entries[0].glob("block-*.bin")) and list(entries[0].glob("block-*.part")):
+            break  # a block published, the next one half written
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, process.stderr.read()
+    read, reads = ImageList.read_encoded, []
+    monkeypatch.setattr(ImageList, "read_encoded", lambda self, index: reads.append(index) or read(self, index))
+    ours = epochs(loader(ImageList(samples), samples, transforms=None, cache_dir=cache), 2)
+    assert 0 < len(reads) < N  # the published block was read from disk, the half-written one from the files
+    assert not list(cache.glob("*/block-*.part")) and _all_blocks_published(cache)
+    monkeypatch.setattr(ImageList, "read_encoded", read)
+    for a, b in zip(ours, epochs(loader(ImageList(samples), samples, transforms=None), 2), strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+
+
+def _all_blocks_published(cache: Path) -> bool:
+    """Every block of the entry is published (the new loader finished the fill)."""
+    (entry,) = [p for p in cache.iterdir() if p.is_dir()]
+    return len(json.loads((entry / "manifest.json").read_bytes())["blocks"]) == 4
+
+
 def _block_files(cache: Path) -> list[Path]:
     (entry,) = [p for p in cache.iterdir() if p.is_dir()]
     return sorted(entry.glob("block-*.bin"))
