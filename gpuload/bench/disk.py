@@ -14,7 +14,8 @@ process's first epoch as fast as epoch 2; growth within the host tier's budget +
 A second part runs gpuload's own ``ImageFolder`` on the same folder (gpuload's decoder, whole
 decoded images cached with ``cache="device"`` in host memory at a quarter of their decoded
 size, ``RandomResizedCrop(224)`` after the cache): epoch 1 decodes and fills the disk tier,
-epoch 2 and a new loader's first epoch (same process) read what the image cache lacks from it.
+epoch 2 and a new loader's first epoch (same process) read what the image cache lacks from it;
+beside a loader without ``cache_dir``, whose epoch 2 decodes what its image cache lacks.
 """
 
 from __future__ import annotations
@@ -142,11 +143,15 @@ def run_own_images(root: str, batch_size: int, cache_dir: str) -> dict[str, Any]
     images = gpuload.datasets.ImageFolder(root)
     decoded, _ = estimate_image_bytes(images)
 
-    def loader() -> gpuload.DataLoader:
+    def loader(folder: str | None = cache_dir) -> gpuload.DataLoader:
         return gpuload.DataLoader(images, batch_size=batch_size, shuffle=True, device="cpu",
                                   generator=torch.Generator().manual_seed(0), transforms=[T.RandomResizedCrop(SIZE)],
-                                  cache="device", cache_size=decoded // 4, cache_dir=cache_dir)
+                                  cache="device", cache_size=decoded // 4, cache_dir=folder)
 
+    without = loader(None)
+    _epoch_s(without)
+    without_s = _epoch_s(without)
+    without.close()
     first = loader()
     epoch1_s, epoch2_s = _epoch_s(first), _epoch_s(first)
     disk = first.stats.extra["cache"]["disk"]
@@ -155,7 +160,7 @@ def run_own_images(root: str, batch_size: int, cache_dir: str) -> dict[str, Any]
     second_s = _epoch_s(second)
     second_disk = second.stats.extra["cache"]["disk"]
     second.close()
-    return {"own_decoded_bytes": decoded, "own_epoch1_s": epoch1_s, "own_epoch2_s": epoch2_s,
+    return {"own_decoded_bytes": decoded, "own_without_disk_epoch2_s": without_s, "own_epoch1_s": epoch1_s, "own_epoch2_s": epoch2_s,
             "own_new_loader_s": second_s, "own_disk_bytes": disk["published_bytes"],
             "own_disk_rows": disk["published_rows"], "own_new_loader_disk_hits": second_disk["hits"],
             "own_new_loader_rows_written": second_disk["rows_written"]}
@@ -187,8 +192,10 @@ def format_disk(run: dict[str, Any]) -> str:
             f"image cache at 1/4, RandomResizedCrop({SIZE}) after):",
             row("  epoch 1 (decode, fill the disk tier)", run["own_epoch1_s"]),
             row("  epoch 2 (image cache + disk tier)", run["own_epoch2_s"]),
+            row("  epoch 2 without cache_dir (decoding)", run["own_without_disk_epoch2_s"]),
             row("  a new loader, its first epoch (disk tier)", run["own_new_loader_s"]),
-            f"  epoch 1 / epoch 2: {run['own_epoch1_s'] / run['own_epoch2_s']:.1f}x; disk tier "
+            f"  epoch 1 / epoch 2: {run['own_epoch1_s'] / run['own_epoch2_s']:.1f}x; without cache_dir / with: "
+            f"{run['own_without_disk_epoch2_s'] / run['own_epoch2_s']:.1f}x; disk tier "
             f"{format_bytes(run['own_disk_bytes'])}",
         ]
     return "\n".join(lines)
