@@ -54,8 +54,9 @@ class DataLoader(tud.DataLoader[T_co]):
       and the cache (see the README); ``cache="off"`` keeps array data on the host and copies
       each batch. ``cache_scope``: in a torch.distributed job, over which ranks one copy of the
       dataset is split (``"rank"``, ``"node"``, ``"world"``, ``"auto"``; README, multi-GPU).
-      ``cache_dir``, ``disk_cache_size``: the disk tier below host memory (README): array rows
-      and a sample cache's fixed-shape samples spilled to a local folder, read back memory-mapped.
+      ``cache_dir``, ``disk_cache_size``: the disk tier below host memory (README): array rows,
+      a sample cache's fixed-shape samples and gpuload's image source's whole decoded images
+      spilled to a local folder, read back memory-mapped.
     - ``prefetch_depth``: batches made ahead of the loop (0: none, in the loop's thread).
     - ``on_error``: ``"skip"`` leaves out image files that cannot be decoded.
 

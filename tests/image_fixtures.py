@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from gpuload.datasets import ImageList
+
 PHOTO = "grace_hopper.jpg"
 WIDTH, HEIGHT = 203, 251  # odd, not multiples of 8 or 16
 
@@ -161,3 +163,25 @@ def png_with_orientation(orientation: int) -> bytes:
     exif = Image.Exif()
     exif[0x0112] = orientation
     return encode(photo(), "PNG", exif=exif)
+
+
+class CountingList(ImageList):
+    """An ImageList that counts the files it reads."""
+
+    def __init__(self, samples) -> None:
+        super().__init__(samples)
+        self.reads = 0
+
+    def read_encoded(self, index: int):
+        self.reads += 1
+        return super().read_encoded(index)
+
+
+def assert_close_epochs(ours: list[list], theirs: list[list]) -> None:
+    """Epochs of (images, labels) batches from cached whole images against ones from ROI-decoded
+    windows: equal labels, images apart by decoder rounding at window edges only."""
+    for epoch, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        for (images, labels), (ref_images, ref_labels) in zip(a, b, strict=True):
+            assert torch.equal(labels, ref_labels), epoch
+            torch.testing.assert_close(images, ref_images, atol=0.1, rtol=0)
+            assert (images - ref_images).abs().mean() < 2e-3

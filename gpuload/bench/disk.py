@@ -10,6 +10,12 @@ the same folder, and a second process started afterwards, whose first epoch read
 tier. Host memory growth is the anonymous resident memory held after the epochs (the page cache
 and the memory maps' file pages aside; freed heap handed back first). Targets (issue 27): epoch 2 at least 5x epoch 1 and 3x torch's; the second
 process's first epoch as fast as epoch 2; growth within the host tier's budget + 64 MiB.
+
+A second part runs gpuload's own ``ImageFolder`` on the same folder (gpuload's decoder, whole
+decoded images cached with ``cache="device"`` in host memory at a quarter of their decoded
+size, ``RandomResizedCrop(224)`` after the cache): epoch 1 decodes and fills the disk tier,
+epoch 2 and a new loader's first epoch (same process) read what the image cache lacks from it;
+beside a loader without ``cache_dir``, whose epoch 2 decodes what its image cache lacks.
 """
 
 from __future__ import annotations
@@ -29,9 +35,12 @@ import torch
 import gpuload
 from gpuload.bench.report import WIDTH, write_json
 from gpuload.bench.run import steady_host_allocator
-from gpuload.cache import format_bytes
+from gpuload.cache import estimate_image_bytes, format_bytes
 
-__all__ = ["DISK_TARGET", "TORCH_TARGET", "anon_resident_bytes", "decoded_folder", "run_disk", "run_disk_bench"]
+__all__ = [
+    "DISK_TARGET", "TORCH_TARGET", "anon_resident_bytes", "decoded_folder", "run_disk", "run_disk_bench",
+    "run_own_images",
+]
 
 DISK_TARGET = 5.0  # epoch 1 / epoch 2, at least
 TORCH_TARGET = 3.0  # torch epoch / epoch 2, at least
@@ -126,6 +135,37 @@ def run_disk(root: str, batch_size: int, workers: int, cache_dir: str) -> dict[s
     }
 
 
+def run_own_images(root: str, batch_size: int, cache_dir: str) -> dict[str, Any]:
+    """gpuload's own ImageFolder with its disk tier (see the module docstring); ``cache_dir``
+    should be empty."""
+    from gpuload import transforms as T
+
+    images = gpuload.datasets.ImageFolder(root)
+    decoded, _ = estimate_image_bytes(images)
+
+    def loader(folder: str | None = cache_dir) -> gpuload.DataLoader:
+        return gpuload.DataLoader(images, batch_size=batch_size, shuffle=True, device="cpu",
+                                  generator=torch.Generator().manual_seed(0), transforms=[T.RandomResizedCrop(SIZE)],
+                                  cache="device", cache_size=decoded // 4, cache_dir=folder)
+
+    without = loader(None)
+    _epoch_s(without)
+    without_s = _epoch_s(without)
+    without.close()
+    first = loader()
+    epoch1_s, epoch2_s = _epoch_s(first), _epoch_s(first)
+    disk = first.stats.extra["cache"]["disk"]
+    first.close()
+    second = loader()
+    second_s = _epoch_s(second)
+    second_disk = second.stats.extra["cache"]["disk"]
+    second.close()
+    return {"own_decoded_bytes": decoded, "own_without_disk_epoch2_s": without_s, "own_epoch1_s": epoch1_s, "own_epoch2_s": epoch2_s,
+            "own_new_loader_s": second_s, "own_disk_bytes": disk["published_bytes"],
+            "own_disk_rows": disk["published_rows"], "own_new_loader_disk_hits": second_disk["hits"],
+            "own_new_loader_rows_written": second_disk["rows_written"]}
+
+
 def format_disk(run: dict[str, Any]) -> str:
     """The run as a small table and the targets."""
     n = run["images"]
@@ -146,6 +186,18 @@ def format_disk(run: dict[str, Any]) -> str:
         f"host memory growth {format_bytes(run['anon_rss_growth_bytes'])} "
         f"(limit {format_bytes(run['memory_limit_bytes'])})",
     ]
+    if "own_epoch1_s" in run:
+        lines += [
+            f"  gpuload's own ImageFolder (whole images ~{format_bytes(run['own_decoded_bytes'])} decoded, "
+            f"image cache at 1/4, RandomResizedCrop({SIZE}) after):",
+            row("  epoch 1 (decode, fill the disk tier)", run["own_epoch1_s"]),
+            row("  epoch 2 (image cache + disk tier)", run["own_epoch2_s"]),
+            row("  epoch 2 without cache_dir (decoding)", run["own_without_disk_epoch2_s"]),
+            row("  a new loader, its first epoch (disk tier)", run["own_new_loader_s"]),
+            f"  epoch 1 / epoch 2: {run['own_epoch1_s'] / run['own_epoch2_s']:.1f}x; without cache_dir / with: "
+            f"{run['own_without_disk_epoch2_s'] / run['own_epoch2_s']:.1f}x; disk tier "
+            f"{format_bytes(run['own_disk_bytes'])}",
+        ]
     return "\n".join(lines)
 
 
@@ -163,6 +215,7 @@ def run_disk_bench(quick: bool, samples: int | None, batch_size: int | None, out
         root, cache_dir = Path(scratch) / "images", Path(scratch) / "cache"
         gpuload.datasets.make_sample_image_folder(root, num_images=num_images, num_classes=10, seed=0)
         run = run_disk(str(root), batch_size, workers, str(cache_dir))
+        run.update(run_own_images(str(root), batch_size, str(Path(scratch) / "own-cache")))
     load = [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None]
     say("", format_disk(run), f"  load average before / after: {load[0]} / {load[1]} on {os.cpu_count()} cores", "")
     write_json(out / "bench.json", {"scenario": "disk", "environment": environment, "run": run, "load": load})

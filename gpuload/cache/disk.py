@@ -1,11 +1,10 @@
 """The local-disk tier: rows the host tier would keep, spilled to a folder, memory-mapped back.
 
 What it stores is exactly the host tier's bytes: fixed-shape rows of one or more columns (array
-rows, the sample cache's columns, decoded images at their cached size). Random-augmentation
-outputs are never stored, only their inputs, so an epoch read from disk gives the batches an
-uncached epoch gives. A column whose rows vary in shape (whole decoded images of different
-sizes) is not supported: the tier stores fixed-size records (such images can be stored padded
-to the largest size, beside a column holding each one's shape).
+rows, the sample cache's columns, decoded images at their cached size), or a single ragged
+column whose rows each have their own shape (whole decoded images of different sizes, a
+:data:`RAGGED` dimension in the column's shape). Random-augmentation outputs are never stored,
+only their inputs, so an epoch read from disk gives the batches an uncached epoch gives.
 
 Layout of one entry, ``<cache_dir>/<key>/`` (``key``: a digest of the dataset's
 :class:`Fingerprint`, the columns, the row count and the rows per block, so another
@@ -15,13 +14,19 @@ fingerprint or layout never reads these bytes)::
     block-000012.bin    rows [12*B, 13*B): one record per row, the columns side by side
     block-000013.part   a block being filled (any process may write its rows into it)
     rows.fill           one byte per row: 1 once that row's bytes are in its .part
+    rows.index          ragged entries: per row, its offset in its .part, shape and dimension order
     entry.json          what the entry is (fingerprint, columns, rows), for ``gpuload cache ls``
     lock                flock'ed (exclusive, briefly) around every write and publication
     users               flock'ed (shared) by every open DiskCache; its mtime: the last open
 
 A row is a record of ``record_bytes``; a block file holds ``B`` consecutive records, so a run of
-consecutive rows is one sequential read of one memory map. Filling follows the epoch's order:
-a row goes into its block's ``.part`` at its offset (``pwrite``), its flag is set, and when a
+consecutive rows is one sequential read of one memory map. A ragged block holds its ``B`` rows
+back to back in the order they arrived (each in its own dimension order, aligned to its item
+size), then its table: per row, an int64 offset, shape and dimension order (``B`` is chosen from
+the caller's typical row size, ``row_bytes``). The table is copied from ``rows.index`` when the
+block is sealed, so the checksum covers it; a reader checks it too (every row inside the data). Filling follows the epoch's order:
+a row goes into its block's ``.part`` at its offset (``pwrite``; a ragged row at the part's end,
+its ``rows.index`` entry after it), its flag is set, and when a
 block's last row arrives the block is fsync'ed, checksummed (CRC-32), renamed to ``.bin`` and
 only then listed in the manifest (itself written to a temporary name, fsync'ed and renamed). A
 reader trusts only blocks the manifest lists, after checking each one's size and checksum the
@@ -71,6 +76,7 @@ from gpuload.datasets.images import ImageSource
 
 __all__ = [
     "FORMAT_VERSION",
+    "RAGGED",
     "ColumnSpec",
     "DiskCache",
     "DiskCacheStats",
@@ -87,8 +93,11 @@ __all__ = [
     "remove_entry",
 ]
 
-FORMAT_VERSION = 1
-"""Bumped whenever the bytes on disk change meaning; part of every fingerprint."""
+FORMAT_VERSION = 2
+"""Bumped whenever the bytes on disk change meaning; part of every fingerprint (2: ragged entries)."""
+
+RAGGED = -1
+"""A dimension of a ragged column's shape: each row has its own size there (stored per row)."""
 
 DEFAULT_BLOCK_BYTES = 64 << 20
 MANIFEST = "manifest.json"
@@ -303,6 +312,11 @@ class ColumnSpec:
     shape: tuple[int, ...]
 
     @property
+    def ragged(self) -> bool:
+        """Whether rows vary in shape (a :data:`RAGGED` dimension): stored one by one."""
+        return RAGGED in self.shape
+
+    @property
     def row_bytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * _itemsize(self.dtype)
 
@@ -325,13 +339,27 @@ def _columns(spec: Any) -> tuple[ColumnSpec, ...]:
     for column in columns:
         if not isinstance(column.dtype, torch.dtype):
             raise TypeError(f"column {column.name!r}: dtype {column.dtype!r} is not a torch.dtype")
-        if any(not isinstance(d, int) or d < 0 for d in column.shape):
+        if any(not isinstance(d, int) or d < RAGGED for d in column.shape):
             raise ValueError(
-                f"column {column.name!r}: shape {column.shape} must be non-negative ints (fixed-size rows)"
+                f"column {column.name!r}: shape {column.shape} must be non-negative ints, or RAGGED (-1) "
+                "where rows differ"
             )
     if len({c.name for c in columns}) != len(columns):
         raise ValueError(f"column names repeat: {[c.name for c in columns]}")
+    if any(c.ragged for c in columns) and len(columns) != 1:
+        raise ValueError("a ragged column (a RAGGED dimension) must be the entry's only column")
     return columns
+
+
+def _record_bytes(columns: tuple[ColumnSpec, ...], row_bytes: int | None) -> int:
+    """Bytes of one row: the record's, or for a ragged column the caller's estimate (``row_bytes``,
+    which sizes its blocks)."""
+    if not columns[0].ragged:
+        return _layout(columns)[1]
+    if isinstance(row_bytes, bool) or not isinstance(row_bytes, int) or row_bytes < 1:
+        raise ValueError(f"a ragged column needs row_bytes= (a positive int: typical bytes of a row), "
+                         f"not {row_bytes!r}")
+    return row_bytes
 
 
 def _layout(columns: tuple[ColumnSpec, ...]) -> tuple[list[int], int]:
@@ -415,13 +443,16 @@ class DiskCache:
 
     def __init__(
         self, root: Path, fingerprint: Fingerprint, columns: tuple[ColumnSpec, ...], num_rows: int, budget: int,
-        block_bytes: int, auto_budget: bool,
+        block_bytes: int, auto_budget: bool, row_bytes: int | None = None,
     ) -> None:
         self.root = root
         self.fingerprint = fingerprint
         self.columns = columns
         self.num_rows = num_rows
-        self.offsets, self.record_bytes = _layout(columns)
+        self.ragged = columns[0].ragged
+        self.offsets, self.record_bytes = ([0], _record_bytes(columns, row_bytes)) if self.ragged else _layout(columns)
+        # A ragged row's entry in ``rows.index`` and its block's table: offset, shape, dim order.
+        self._entry_words = 1 + 2 * len(columns[0].shape)
         self.block_rows = max(1, block_bytes // max(1, self.record_bytes))
         self.num_blocks = -(-num_rows // self.block_rows) if num_rows else 0
         self.budget = budget
@@ -434,7 +465,7 @@ class DiskCache:
         self._stats = DiskCacheStats(path=str(root), budget=budget, rows=num_rows)
         self._closed = False
         self._pid = os.getpid()
-        self._lock_fd = self._users_fd = self._flags_fd = -1
+        self._lock_fd = self._users_fd = self._flags_fd = self._index_fd = -1
         try:
             self._lock_fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o666)
             self._users_fd = os.open(root / "users", os.O_RDWR | os.O_CREAT, 0o666)
@@ -442,6 +473,8 @@ class DiskCache:
             self._flags_fd = os.open(root / "rows.fill", os.O_RDWR | os.O_CREAT, 0o666)
             if os.fstat(self._flags_fd).st_size < num_rows:
                 os.ftruncate(self._flags_fd, num_rows)
+            if self.ragged:
+                self._index_fd = os.open(root / "rows.index", os.O_RDWR | os.O_CREAT, 0o666)
             os.utime(root / "users")
             self._reload(force=True)
         except BaseException:
@@ -462,12 +495,15 @@ class DiskCache:
         budget_bytes: int | SizeSpec | None = None,
         *,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
+        row_bytes: int | None = None,
     ) -> DiskCache | None:
         """The entry for ``fingerprint`` under ``cache_dir`` (created if missing), or None with
         one :class:`DiskCacheWarning` when the folder cannot be written.
 
         ``budget_bytes``: bytes this entry may hold; None (or ``SizeSpec("auto")``) is the file
         system's free space less :func:`default_disk_reserve`, re-checked before each new block.
+        ``row_bytes``: for a ragged column (rows of their own shapes, :meth:`write_items`), the
+        typical bytes of a row, which sizes the blocks.
         """
         spec = _columns(columns)
         if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
@@ -476,7 +512,7 @@ class DiskCache:
             raise ValueError(f"block_bytes={block_bytes!r} must be a positive int")
         folder = Path(cache_dir).expanduser()
         key_hash = hashlib.blake2b(digest_size=16)
-        block_rows = max(1, block_bytes // max(1, _layout(spec)[1]))  # the layout is part of the key
+        block_rows = max(1, block_bytes // max(1, _record_bytes(spec, row_bytes)))  # the layout is part of the key
         key_hash.update(_canonical([fingerprint.digest, [c.as_json() for c in spec], num_rows, block_rows]))
         root = folder / key_hash.hexdigest()
         try:
@@ -492,7 +528,7 @@ class DiskCache:
                 budget = disk_budget(root, budget_bytes or SizeSpec("auto"))
             else:
                 budget = int(budget_bytes)
-            cache = cls(root, fingerprint, spec, num_rows, budget, block_bytes, auto)
+            cache = cls(root, fingerprint, spec, num_rows, budget, block_bytes, auto, row_bytes)
         except OSError as error:
             warnings.warn(
                 f"gpuload disk cache: cannot use {error.filename or folder} ({error.strerror or error}); "
@@ -544,7 +580,7 @@ class DiskCache:
             listed = set(_read_manifest(self.root, self)[0].blocks)
             for entry in os.scandir(self.root):
                 match = _BLOCK_NAME.match(entry.name)
-                stale = entry.name.startswith((MANIFEST + ".tmp", ".probe-")) or entry.name == "rows.fill"
+                stale = entry.name.startswith((MANIFEST + ".tmp", ".probe-")) or entry.name in ("rows.fill", "rows.index")
                 if match and (match.group(2) == "part" or int(match.group(1)) not in listed):
                     stale = True
                 if stale:
@@ -631,13 +667,10 @@ class DiskCache:
         of ``len(rows)`` rows per column. Each run of consecutive rows is one copy from one
         memory map."""
         array = self._as_rows(rows)
+        if self.ragged:
+            raise TypeError(f"the disk cache {self.root} holds ragged rows: read them with read_items")
         with self._mutex:
-            ok = self.present(array).numpy()
-            if not ok.all():
-                self._stats.misses += int((~ok).sum())
-                raise LookupError(
-                    f"row {int(array[~ok][0])} is not in the disk cache {self.root} (present() says which are)"
-                )
+            self._check_present(array)
             n = len(array)
             outs = [torch.empty((n, *column.shape), dtype=column.dtype) for column in self.columns]
             # Each column's rows copied straight out of the maps (one copy, no record buffer).
@@ -660,6 +693,59 @@ class DiskCache:
             self._stats.hits += n
         return outs
 
+    def read_items(self, rows: Any) -> list[torch.Tensor]:
+        """The rows of a ragged entry (published ones; LookupError names an absent row), each a
+        tensor of its own shape and dimension order, copied out of its block's memory map."""
+        array = self._as_rows(rows)
+        if not self.ragged:
+            raise TypeError(f"the disk cache {self.root} holds fixed-size rows: read them with read")
+        column, words = self.columns[0], self._entry_words
+        ndim = len(column.shape)
+        items = []
+        with self._mutex:
+            self._check_present(array)
+            for row in array.tolist():
+                block = row // self.block_rows
+                view = self._map(block)
+                if view is None:
+                    raise LookupError(f"block {block} of the disk cache {self.root} was dropped while reading")
+                entry = self._table(block, view)[row - block * self.block_rows].tolist()
+                offset, shape, order = entry[0], entry[1:1 + ndim], entry[1 + ndim:words]
+                stored = [shape[d] for d in order]
+                size = int(np.prod(stored, dtype=np.int64)) * _itemsize(column.dtype)
+                out = torch.empty(size, dtype=torch.uint8)
+                out.numpy()[:] = view[offset:offset + size]
+                items.append(out.view(column.dtype).reshape(stored).permute(np.argsort(order).tolist()))
+            self._stats.hits += len(array)
+        return items
+
+    def _check_present(self, array: np.ndarray) -> None:
+        """LookupError naming the first of ``array`` that is not published (misses counted)."""
+        ok = self.present(array).numpy()
+        if not ok.all():
+            self._stats.misses += int((~ok).sum())
+            raise LookupError(
+                f"row {int(array[~ok][0])} is not in the disk cache {self.root} (present() says which are)"
+            )
+
+    def _table(self, block: int, view: np.ndarray) -> np.ndarray:
+        """A ragged block's row table (at its end): offset, shape and dimension order per row."""
+        words = self._rows_in(block) * self._entry_words
+        return view[view.size - words * 8:].view(np.int64).reshape(-1, self._entry_words)
+
+    def _table_problem(self, block: int, view: np.ndarray) -> str:
+        """What is wrong with a ragged block's table ("" when every row lies in its data)."""
+        words = self._rows_in(block) * self._entry_words
+        if view.size < words * 8:
+            return f"is {view.size} bytes, too short for its table of {self._rows_in(block)} rows"
+        ndim, data_end = len(self.columns[0].shape), view.size - words * 8
+        for entry in self._table(block, view).tolist():
+            offset, shape, order = entry[0], entry[1:1 + ndim], entry[1 + ndim:]
+            size = int(np.prod(shape, dtype=np.int64)) * _itemsize(self.columns[0].dtype)
+            if min(shape, default=0) < 0 or sorted(order) != list(range(ndim)) or not 0 <= offset <= data_end - size:
+                return "has a damaged row table"
+        return ""
+
     def _map(self, block: int) -> np.ndarray | None:
         """Block ``block``'s records, memory-mapped; checked (size, CRC-32) at first use. None
         (and the block dropped, with a warning naming the file) if it fails the check."""
@@ -668,7 +754,7 @@ class DiskCache:
             return self._maps[block][1]
         size, crc = self._manifest.blocks[block]
         path = self._block_path(block, "bin")
-        expected = self._rows_in(block) * self.record_bytes
+        expected = size if self.ragged else self._rows_in(block) * self.record_bytes
         try:
             with open(path, "rb") as file:
                 actual = os.fstat(file.fileno()).st_size
@@ -683,8 +769,12 @@ class DiskCache:
             if _crc32(view) != crc:
                 del view, mapped  # unmapped when the last reference goes
                 return self._drop(block, f"{path} fails its checksum (its bytes changed after it was written)")
+            problem = self._table_problem(block, view) if self.ragged else ""
+            if problem:
+                del view, mapped
+                return self._drop(block, f"{path} {problem}")
             self._verified.add(block)
-        records = view.reshape(self._rows_in(block), self.record_bytes)
+        records = view if self.ragged else view.reshape(self._rows_in(block), self.record_bytes)
         self._maps[block] = (mapped, records)
         while len(self._maps) > _OPEN_MAPS:
             self._maps.popitem(last=False)  # unmapped when the last reference goes
@@ -723,13 +813,34 @@ class DiskCache:
         """Whether ``write`` still stores rows (not closed, not stopped by an error)."""
         return not self._closed and not self._stats.stopped
 
+    @property
+    def growing(self) -> bool:
+        """Whether writes may still store rows: accepting, and not full unless a block this
+        process started is unfinished (its rows still fit: its room was taken at its start)."""
+        with self._mutex:
+            return self.accepting and (not self._stats.full or bool(self._parts))
+
     def write(self, rows: Any, columns: Sequence[torch.Tensor]) -> int:
         """Store ``rows`` (their ``columns``, one tensor per column with ``len(rows)`` rows of the
         column's shape and dtype); rows already stored or beyond the budget are skipped. Returns
         how many rows were written. A full disk, a read-only folder or another I/O error stops
         the tier from growing, with one warning; what was published stays readable."""
         array = self._as_rows(rows)
-        records = self._pack(array, columns)
+        if self.ragged:
+            raise TypeError(f"the disk cache {self.root} holds ragged rows: write them with write_items")
+        return self._store(array, self._pack(array, columns))
+
+    def write_items(self, rows: Any, items: Sequence[torch.Tensor]) -> int:
+        """:meth:`write` for a ragged entry: ``items``, one tensor per row of the column's dtype
+        and number of dimensions, each of its own shape (and dimension order, kept)."""
+        array = self._as_rows(rows)
+        if not self.ragged:
+            raise TypeError(f"the disk cache {self.root} holds fixed-size rows: write them with write")
+        return self._store(array, self._pack_items(array, items))
+
+    def _store(self, array: np.ndarray, records: np.ndarray) -> int:
+        """Write ``records`` (one per row of ``array``) into their blocks' parts, publishing
+        the blocks they complete."""
         if not len(array):
             return 0
         order = np.argsort(array, kind="stable")
@@ -752,7 +863,9 @@ class DiskCache:
                         fd = self._part(block)
                         if fd is None:
                             continue
-                        written += self._write_rows(block, fd, array[blocks == block], records[blocks == block])
+                        mine = blocks == block
+                        fill = self._append_rows if self.ragged else self._write_rows
+                        written += fill(block, fd, array[mine], records[mine])
                         path = self._block_path(block, "bin")
                         self._publish_if_complete(block, fd)
             except OSError as error:
@@ -778,6 +891,23 @@ class DiskCache:
                 records[:, offset:offset + spec.row_bytes] = flat.view(torch.uint8)
         return records.numpy()
 
+    def _pack_items(self, array: np.ndarray, items: Sequence[torch.Tensor]) -> np.ndarray:
+        """Each item as (its bytes in its own dimension order, shape, order): an object array."""
+        if len(items) != len(array):
+            raise ValueError(f"write_items got {len(items)} items for {len(array)} rows")
+        spec = self.columns[0]
+        packed = np.empty(len(array), dtype=object)
+        for k, item in enumerate(items):
+            if (not isinstance(item, torch.Tensor) or item.dtype != spec.dtype or item.dim() != len(spec.shape)
+                    or any(want not in (RAGGED, got) for want, got in zip(spec.shape, item.shape))):
+                got = f"{tuple(item.shape)} {item.dtype}" if isinstance(item, torch.Tensor) else type(item).__name__
+                raise ValueError(f"column {spec.name!r}: write_items needs tensors of shape {spec.shape} "
+                                 f"(-1: any size) and dtype {spec.dtype}, got {got}")
+            order = sorted(range(item.dim()), key=lambda d: (-item.stride(d), d))  # as laid out in memory
+            data = item.detach().cpu().permute(order).contiguous().reshape(-1).view(torch.uint8).numpy()
+            packed[k] = (data, list(item.shape), order)
+        return packed
+
     def _part(self, block: int) -> int | None:
         """A descriptor of block ``block``'s ``.part`` (opened, or created within the budget);
         None when the budget or the disk's reserve has no room for it. Entry lock held."""
@@ -799,7 +929,7 @@ class DiskCache:
                 return None
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
             try:
-                _preallocate(fd, size)
+                _preallocate(fd, 0 if self.ragged else size)  # a ragged block grows row by row
             except OSError:
                 os.close(fd)
                 path.unlink(missing_ok=True)
@@ -814,15 +944,20 @@ class DiskCache:
         return fd
 
     def _room_for(self, size: int) -> bool:
-        """Whether a new block of ``size`` bytes fits: the budget (what is published plus the
-        parts being filled), and with the default budget the disk's reserve, checked now."""
+        """Whether a new block of ``size`` bytes fits (for a ragged entry: ``size`` bytes more)."""
+        return self._room_left() >= size
+
+    def _room_left(self) -> int:
+        """Bytes the entry may still take: the budget less what is published and the parts being
+        filled (each counts a whole block, a ragged one its estimate or more once it grew past
+        it), or with the default budget the disk's free space less its reserve, checked now."""
         if self._auto_budget:
             status = os.statvfs(self.root)
-            free = status.f_bavail * status.f_frsize
-            return free - size >= default_disk_reserve(status.f_blocks * status.f_frsize)
-        parts = sum(1 for e in os.scandir(self.root) if e.name.endswith(".part"))
-        held = self._stats.published_bytes + parts * self.block_rows * self.record_bytes
-        return held + size <= self.budget
+            return status.f_bavail * status.f_frsize - default_disk_reserve(status.f_blocks * status.f_frsize)
+        parts = [e for e in os.scandir(self.root) if e.name.endswith(".part")]
+        whole = self.block_rows * self.record_bytes
+        held = sum(max(whole, e.stat().st_size) for e in parts) if self.ragged else len(parts) * whole
+        return self.budget - self._stats.published_bytes - held
 
     def _write_rows(self, block: int, fd: int, rows: np.ndarray, records: np.ndarray) -> int:
         first = block * self.block_rows
@@ -839,14 +974,49 @@ class DiskCache:
             os.pwrite(self._flags_fd, b"\x01" * len(run_rows), int(run_rows[0]))
         return len(rows)
 
+    def _append_rows(self, block: int, fd: int, rows: np.ndarray, items: np.ndarray) -> int:
+        """A ragged block's rows not written yet appended to its part, each with its entry in
+        ``rows.index`` (offset, shape, order), while the budget has room. Entry lock held."""
+        first = block * self.block_rows
+        flags = os.pread(self._flags_fd, self._rows_in(block), first)
+        align = _itemsize(self.columns[0].dtype)
+        end, written = os.fstat(fd).st_size, 0
+        room = self._room_left() + max(0, self.block_rows * self.record_bytes - end)  # this part's reserve
+        for row, (data, shape, order) in zip(rows.tolist(), items):
+            if flags[row - first]:
+                continue
+            end = -(-end // align) * align
+            if data.size > room:
+                self._stats.full = True
+                break
+            _pwrite_all(fd, memoryview(data), end)
+            entry = np.array([end, *shape, *order], dtype=np.int64)
+            os.pwrite(self._index_fd, entry.tobytes(), row * self._entry_words * 8)
+            os.pwrite(self._flags_fd, b"\x01", row)  # after the bytes and the entry: a set flag means written
+            end, room, written = end + data.size, room - data.size, written + 1
+        return written
+
+    def _seal(self, block: int, fd: int) -> int:
+        """The block's final size: a ragged block gets its row table appended (from
+        ``rows.index``, offsets within the block). Entry lock held."""
+        if not self.ragged:
+            return self._rows_in(block) * self.record_bytes
+        words = self._rows_in(block) * self._entry_words
+        table = os.pread(self._index_fd, words * 8, block * self.block_rows * self._entry_words * 8)
+        if len(table) != words * 8:
+            raise OSError(errno.EIO, "rows.index is shorter than its rows", str(self.root / "rows.index"))
+        start = -(-os.fstat(fd).st_size // 8) * 8
+        _pwrite_all(fd, memoryview(table), start)
+        return start + len(table)
+
     def _publish_if_complete(self, block: int, fd: int) -> None:
         """fsync, checksum, rename to ``.bin`` and list in the manifest once every row of the
         block is written. Entry lock held."""
         first = block * self.block_rows
         if os.pread(self._flags_fd, self._rows_in(block), first).count(0):
             return
+        size = self._seal(block, fd)
         os.fsync(fd)
-        size = self._rows_in(block) * self.record_bytes
         if size:
             with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
                 crc = _crc32(np.frombuffer(mapped, dtype=np.uint8))
@@ -913,7 +1083,7 @@ class DiskCache:
             for block in list(self._parts):
                 self._close_part(block)
             self._maps.clear()  # read() copies out of the maps: nothing points into them
-            for fd in (self._flags_fd, self._lock_fd, self._users_fd):
+            for fd in (self._flags_fd, self._index_fd, self._lock_fd, self._users_fd):
                 if fd >= 0:
                     os.close(fd)  # closing releases this descriptor's flocks
 

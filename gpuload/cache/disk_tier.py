@@ -9,6 +9,9 @@ Two users, one :class:`~gpuload.cache.disk.DiskCache` each:
   a dataset's samples as fixed-shape column rows by index, written as batches are read from the
   dataset, read back for the samples the memory tiers lack; a later job with the same
   fingerprint starts from them.
+- :class:`DiskImages` is the disk tier of gpuload's image source: whole decoded images (each of
+  its own shape, a ragged entry) by dataset index, written as they are decoded and read back
+  instead of reading and decoding their files.
 
 Only deterministic bytes are stored (the sample cache's samples when the probe finds them
 deterministic); a fingerprint of what produced them (:func:`~gpuload.cache.disk.fingerprint_for`)
@@ -24,11 +27,20 @@ from typing import Any
 import torch
 
 from gpuload.cache.columns import Branch, Column, Part, column_rows, layout, prepare
-from gpuload.cache.disk import DEFAULT_BLOCK_BYTES, ColumnSpec, DiskCache, DiskCacheWarning, Fingerprint, fingerprint_for
+from gpuload.cache.disk import (
+    DEFAULT_BLOCK_BYTES,
+    RAGGED,
+    ColumnSpec,
+    DiskCache,
+    DiskCacheWarning,
+    Fingerprint,
+    fingerprint_for,
+)
+from gpuload.cache.probe import estimate_image_bytes
 from gpuload.cache.settings import CacheSettings
 from gpuload.cache.tiers import Tier, register_tier
 
-__all__ = ["DiskRows", "DiskTier", "disk_tier_maker", "sample_fingerprint"]
+__all__ = ["DiskImages", "DiskRows", "DiskTier", "disk_tier_maker", "sample_fingerprint"]
 
 _FILL_ROWS = 4096  # rows written per call while the array store places a disk tier
 BLOCK_BYTES = DEFAULT_BLOCK_BYTES
@@ -215,6 +227,61 @@ class DiskRows:
         if not self.disk.accepting or layout(part) != self._layout:
             return 0
         return self.disk.write(keys, column_rows(part))
+
+    def stats(self) -> dict[str, Any]:
+        return self.disk.stats().as_dict()
+
+    def close(self) -> None:
+        self.disk.close()
+
+
+# ---------------------------------------------------------------- the image source's disk tier
+
+
+class DiskImages:
+    """Whole decoded images of an image-file dataset on disk, by dataset index (a ragged entry:
+    uint8, each of its own shape and dimension order, as the decoder gave it). Keyed by the
+    files (paths, sizes, mtimes) and ``decode`` (what shapes the pixels: backend, layout), so a
+    changed file or another decoder never reads old pixels."""
+
+    def __init__(self, disk: DiskCache) -> None:
+        self.disk = disk
+
+    @classmethod
+    def open(cls, images: Any, settings: CacheSettings, decode: dict[str, Any]) -> DiskImages | None:
+        """The disk tier of ``images`` in ``settings``' ``cache_dir``, or None: no folder set, or
+        one that cannot be used (warned)."""
+        if settings.disk_dir.value is None or settings.disk_size.value.kind == "off" or not len(images):
+            return None
+        fingerprint = fingerprint_for(images, {"decoded": dict(decode, whole=True)})
+        decoded, _ = estimate_image_bytes(images)
+        spec = [ColumnSpec("image", torch.uint8, (RAGGED, RAGGED, RAGGED))]
+        disk = DiskCache.from_settings(settings, fingerprint, spec, len(images), block_bytes=BLOCK_BYTES,
+                                       row_bytes=max(1, decoded // len(images)))
+        return cls(disk) if disk is not None else None
+
+    @property
+    def accepting(self) -> bool:
+        """Whether images decoded now should be written (room left, not every one published)."""
+        return self.disk.growing and not self.disk.complete
+
+    def present(self, positions: Sequence[int]) -> list[bool]:
+        return self.disk.present(torch.tensor(positions, dtype=torch.int64)).tolist() if positions else []
+
+    def read(self, positions: Sequence[int]) -> list[torch.Tensor] | None:
+        """The images (on the host) of ``positions``, all published; None if a block was dropped
+        (damaged, warned) meanwhile: the caller decodes them again."""
+        try:
+            return self.disk.read_items(torch.tensor(positions, dtype=torch.int64))
+        except LookupError:
+            return None
+
+    def write(self, positions: Sequence[int], images: Sequence[torch.Tensor]) -> int:
+        """Keep whole decoded images (3-D uint8; others are not kept) under their positions."""
+        kept = [(p, image) for p, image in zip(positions, images) if image.dim() == 3 and image.dtype == torch.uint8]
+        if not kept or not self.disk.accepting:
+            return 0
+        return self.disk.write_items(torch.tensor([p for p, _ in kept]), [image for _, image in kept])
 
     def stats(self) -> dict[str, Any]:
         return self.disk.stats().as_dict()

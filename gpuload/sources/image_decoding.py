@@ -4,7 +4,8 @@ decoded at once (only the windows, when the list starts with a crop), bad files 
 named, and the counters that say what ran.
 
 :class:`ImageDecoding` is a base of :class:`~gpuload.sources.images.ImageFileSource`, which
-gives it ``images``, ``decoder``, ``headers``, ``cache``, ``keeps``, ``augment`` and ``setup``.
+gives it ``images``, ``decoder``, ``headers``, ``cache``, ``keeps``, ``disk``, ``augment`` and
+``setup``.
 """
 
 from __future__ import annotations
@@ -113,11 +114,14 @@ class ImageDecoding:
         cache = self.cache
         keeps_decoded = cache is not None and self.keeps == "decoded"
         hits: dict[int, torch.Tensor] = {}  # batch slot -> cached decoded image
-        encoded, names, readable, slots = [], [], [], []
         for slot, position in enumerate(positions):
             image = cache.get(position) if keeps_decoded else None
             if image is not None:
                 hits[slot] = image
+        hits.update(self._from_disk(positions, hits, cache if keeps_decoded else None))
+        encoded, names, readable, slots = [], [], [], []
+        for slot, position in enumerate(positions):
+            if slot in hits:
                 continue
             data = self._read(position, epoch)
             if data is None:
@@ -126,7 +130,9 @@ class ImageDecoding:
             names.append(self.images.path(position))
             readable.append(position)
             slots.append(slot)
-        filling = keeps_decoded and cache.accepting
+        disk = self.disk if self.disk is not None and self.disk.accepting else None
+        filling_memory = keeps_decoded and cache.accepting
+        filling = filling_memory or disk is not None  # whole images, to keep
         headers = self._headers(encoded, readable)
         sizes, windows = (None, None) if filling else self._windows(headers, readable, epoch)
         decoded: dict[int, tuple[torch.Tensor, Window | None, tuple[int, int] | None]] = {}
@@ -139,10 +145,12 @@ class ImageDecoding:
             self.cpu_decoded += result.cpu_decoded
             self.roi = result.roi
             for k, image in zip(result.kept_positions, result.images):
-                if filling:
+                if filling_memory:
                     cache.keep(readable[k], image)
                 window = None if windows is None else windows[k]
                 decoded[slots[k]] = (image, window, None if sizes is None else sizes[k])
+            if disk is not None:
+                disk.write([readable[k] for k in result.kept_positions], result.images)
         order = sorted([*hits, *decoded])
         images, kept_windows, kept_sizes = [], [], []
         for slot in order:
@@ -169,6 +177,25 @@ class ImageDecoding:
                 "roi": self.roi,
             },
         )
+
+    def _from_disk(self, positions: list[int], hits: dict[int, torch.Tensor], cache: Any) -> dict[int, torch.Tensor]:
+        """Batch slot -> whole decoded image, on the device, for the slots not in ``hits`` that the
+        disk tier has (each also kept by the decoded image ``cache`` while it accepts)."""
+        disk = self.disk
+        wanted = [slot for slot in range(len(positions)) if slot not in hits]
+        if disk is None or not wanted:
+            return {}
+        present = disk.present([positions[slot] for slot in wanted])
+        found = [slot for slot, held in zip(wanted, present) if held]
+        images = disk.read([positions[slot] for slot in found]) if found else None
+        if images is None:
+            return {}
+        device = self.setup.device
+        images = [image.to(device, non_blocking=True) if device.type == "cuda" else image for image in images]
+        if cache is not None and cache.accepting:
+            for slot, image in zip(found, images):
+                cache.keep(positions[slot], image)
+        return dict(zip(found, images))
 
     def _headers(self, encoded: list[bytes], positions: list[int]) -> list[Header | None]:
         """Each file's header, read once per dataset (``HeaderTable``); None where unreadable

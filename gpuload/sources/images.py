@@ -18,6 +18,12 @@ block once, and each batch's images held by other ranks come over the exchange, 
 transforms then run here as above. Either is the one store the source holds (``held``), and
 says itself what the source reports of it.
 
+Below the image cache, ``cache_dir``'s disk tier (:class:`~gpuload.cache.disk_tier.DiskImages`)
+keeps every whole decoded image as it is decoded (in the first epoch, or by ``warm``); images the
+image cache lacks are then read back from it, memory-mapped, instead of reading and decoding
+their files, in later epochs and by later jobs with the same files and decoder. While it fills,
+images are decoded whole, as for the image cache. A split over ranks has no disk tier.
+
 Serves gpuload's image datasets (``gpuload.datasets.ImageFolder``, ``ImageList``, or a
 torchvision ImageFolder) with torch's default collation: batches have the structure
 default_collate gives ``(image, label)`` samples, ``[images, labels]``.
@@ -33,6 +39,7 @@ from torch.utils.data import default_collate, default_convert
 
 from gpuload.augment import BatchAugmenter
 from gpuload.cache import SampleCache, Store, decide_images, estimate_image_bytes
+from gpuload.cache.disk_tier import DiskImages
 from gpuload.datasets.images import ImageSource, as_image_source
 from gpuload.decode import BatchDecoder, HeaderTable
 from gpuload.device import device_memory, host_memory
@@ -95,6 +102,7 @@ class ImageFileSource(ImageDecoding, Source):
         # What the cache decision chose: the image cache, this rank's share of images split over
         # the ranks, or nothing.
         self.held: CachedImages | ShardedImages | None = None
+        self.disk: DiskImages | None = None  # cache_dir's disk tier of whole decoded images
         self._decided = False
         self._released: dict[str, Any] | None = None
 
@@ -107,6 +115,11 @@ class ImageFileSource(ImageDecoding, Source):
         self._decided = True
         share = self._shard()
         self.held = share if share is not None else self._image_cache()
+        if share is None and not self.setup.settings.off_reason():
+            decode = {"backend": self.decoder.backend, "channels_last": self.decoder.channels_last}
+            self.disk = DiskImages.open(self.images, self.setup.settings, decode)
+            if self.disk is not None:
+                weakref.finalize(self, self.disk.close)
 
     def _image_cache(self) -> CachedImages | None:
         """This rank's own image cache, when ``decide_images`` keeps one."""
@@ -169,6 +182,8 @@ class ImageFileSource(ImageDecoding, Source):
             extra.update(self.held.entries())
         elif self._released is not None:
             extra["cache"] = self._released
+        if self.disk is not None:
+            extra["cache"] = dict(extra.get("cache", {}), disk=self.disk.stats())
         extra.update(self.exchange_stats())
         return extra
 
@@ -181,6 +196,9 @@ class ImageFileSource(ImageDecoding, Source):
         if self.held is not None:
             self._released = self.held.close()
             self.held = None
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
         self._decided = False
 
     def warm(self, progress: bool) -> None:
@@ -188,21 +206,23 @@ class ImageFileSource(ImageDecoding, Source):
         from tqdm import tqdm
 
         self._decide_cache()  # a share is decoded here already
-        cache = self.cache
-        if cache is None or not cache.accepting:
+        cache, disk = self.cache, self.disk
+        filling_disk = disk is not None and disk.accepting
+        if (cache is None or not cache.accepting) and not filling_disk:
             return
-        todo = [i for i in range(len(self.images)) if i not in cache]
+        on_disk = disk.present(list(range(len(self.images)))) if filling_disk else [False] * len(self.images)
+        todo = [i for i in range(len(self.images)) if not on_disk[i] and (cache is None or i not in cache)]
         batch_size = self.setup.batch_size or 1
         with tqdm(total=len(todo), unit="image", desc="gpuload warm", disable=not progress) as bar:
             for start in range(0, len(todo), batch_size):
                 chunk = todo[start : start + batch_size]
-                if self._keeps_encoded:
+                if self._keeps_encoded and not filling_disk:
                     for position in chunk:
                         self._read(position, epoch=0)
                 else:
-                    self.decode(chunk, epoch=0)  # decodes whole while the cache accepts
+                    self.decode(chunk, epoch=0)  # decodes whole while a cache accepts
                 bar.update(len(chunk))
-                if not cache.accepting:
+                if not (cache is not None and cache.accepting) and not (disk is not None and disk.accepting):
                     break
 
     # -- an epoch ----------------------------------------------------------------------------

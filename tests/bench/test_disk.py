@@ -20,6 +20,11 @@ def test_the_quick_variant_serves_epoch_2_and_a_second_process_from_the_disk_tie
     assert run["disk_hits_epoch2"] >= 40 - run["host_tier_bytes"] // (3 * 224 * 224 + 8)
     # The second process read its whole first epoch from the disk tier and wrote nothing.
     assert run["second_process_disk_hits"] == 40 and run["second_process_rows_written"] == 0
+    # gpuload's own ImageFolder: every whole decoded image on disk; a new loader decoded none.
+    assert "a new loader, its first epoch (disk tier)" in printed
+    assert run["own_disk_rows"] == 40 and run["own_disk_bytes"] > run["own_decoded_bytes"] // 2
+    assert run["own_new_loader_disk_hits"] == 40 and run["own_new_loader_rows_written"] == 0
+    assert run["own_without_disk_epoch2_s"] > 0 and "epoch 2 without cache_dir" in printed
     assert not list(tmp_path.glob("**/block-*"))  # the scratch folders are gone
 
 

@@ -25,8 +25,10 @@ import torch
 import gpuload
 from gpuload.cache.budget import CacheSettingError, SizeSpec
 from gpuload.cache.disk import (
+    RAGGED,
     ColumnSpec,
     DiskCache,
+    DiskCacheWarning,
     Fingerprint,
     default_disk_reserve,
     disk_budget,
@@ -644,3 +646,123 @@ def test_unwritable_folder_one_warning_and_no_disk_tier(tmp_path: Path) -> None:
         folder.chmod(0o755)
     assert result["none"] and len(result["warnings"]) == 1 and "Permission denied" in result["warnings"][0]
     assert list(folder.iterdir()) == []
+
+
+# ---------------------------------------------------------------- ragged rows (images of their own sizes)
+
+RAGGED_ROW = 3 * 20 * 20  # the typical row the blocks are sized for: 4 rows a block
+
+
+def _images(n: int) -> list[torch.Tensor]:
+    """uint8 images of their own sizes, every third one laid out channels-last (an HWC view)."""
+    generator = torch.Generator().manual_seed(1)
+    images = []
+    for k in range(n):
+        image = torch.randint(0, 256, (3, 12 + k % 7, 15 + k % 5), dtype=torch.uint8, generator=generator)
+        images.append(image.permute(1, 2, 0).contiguous().permute(2, 0, 1) if k % 3 == 0 else image)
+    return images
+
+
+def _open_ragged(folder: Path, n: int, budget: int = 1 << 30) -> DiskCache:
+    cache = DiskCache.open(folder, Fingerprint.of("images", "ragged", {"rows": n}),
+                           [ColumnSpec("image", torch.uint8, (RAGGED, RAGGED, RAGGED))], n, budget,
+                           block_bytes=4 * RAGGED_ROW, row_bytes=RAGGED_ROW)
+    assert cache is not None
+    return cache
+
+
+def test_ragged_rows_written_shuffled_read_back_exactly_with_their_layout(tmp_path: Path) -> None:
+    n, images = 22, _images(22)
+    cache = _open_ragged(tmp_path, n)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    for start in range(0, n, 5):
+        rows = order[start:start + 5]
+        assert cache.write_items(rows, [images[r] for r in rows]) == len(rows)
+    assert cache.complete and cache.block_rows == 4 and cache.stats().blocks_published == 6
+    cache.close()
+    again = _open_ragged(tmp_path, n)  # read by a later open, from the published blocks
+    back = again.read_items(torch.arange(n).flip(0))
+    for image, original in zip(back, reversed(images)):
+        assert torch.equal(image, original) and image.stride() == original.stride()
+    assert again.write_items(torch.arange(n), images) == 0  # stored once
+
+
+def test_ragged_entries_check_their_calls(tmp_path: Path) -> None:
+    spec = [ColumnSpec("image", torch.uint8, (RAGGED, RAGGED, RAGGED))]
+    fingerprint = Fingerprint.of("images", "ragged", {})
+    with pytest.raises(ValueError, match="row_bytes"):
+        DiskCache.open(tmp_path, fingerprint, spec, 4)
+    with pytest.raises(ValueError, match="only column"):
+        DiskCache.open(tmp_path, fingerprint, [*spec, ColumnSpec("label", torch.int64, ())], 4, row_bytes=10)
+    cache = _open_ragged(tmp_path, 4)
+    with pytest.raises(TypeError, match="read_items"):
+        cache.read(torch.arange(1))
+    with pytest.raises(TypeError, match="write_items"):
+        cache.write(torch.arange(1), [torch.zeros(1, 3, 2, 2, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="shape"):
+        cache.write_items(torch.arange(1), [torch.zeros(3, 2, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="items for"):
+        cache.write_items(torch.arange(2), [torch.zeros(3, 2, 2, dtype=torch.uint8)])
+    with pytest.raises(LookupError, match="row 0"):
+        cache.read_items(torch.arange(1))
+    with pytest.raises(TypeError, match="fixed-size rows"):
+        _open(tmp_path / "fixed", 8).write_items(torch.arange(1), [])
+
+
+def test_a_ragged_fill_left_unfinished_is_discarded_by_the_next_open(tmp_path: Path) -> None:
+    n, images = 8, _images(8)
+    cache = _open_ragged(tmp_path, n)
+    cache.write_items(torch.tensor([1, 2, 5]), [images[1], images[2], images[5]])  # no block complete
+    cache.close()
+    assert {p.name for p in _entry(tmp_path).glob("block-*")} == {"block-000000.part", "block-000001.part"}
+    again = _open_ragged(tmp_path, n)
+    names = {p.name for p in _entry(tmp_path).iterdir()}
+    assert not any(name.startswith("block-") for name in names) and not again.present(torch.arange(n)).any()
+    again.write_items(torch.arange(n).flip(0), list(reversed(images)))  # offsets differ from the first fill
+    assert all(torch.equal(a, b) for a, b in zip(again.read_items(torch.arange(n)), images))
+
+
+def test_a_damaged_ragged_block_or_row_table_is_named_and_refilled(tmp_path: Path) -> None:
+    import zlib
+
+    n, images = 12, _images(12)
+    cache = _open_ragged(tmp_path, n)
+    cache.write_items(torch.arange(n), images)
+    cache.close()
+    entry = _entry(tmp_path)
+    with open(entry / "block-000000.bin", "r+b") as file:
+        file.truncate(50)
+    table = bytearray((entry / "block-000002.bin").read_bytes())
+    table[-8 * 7 * 2:-8 * 7 * 2 + 8] = (10 ** 9).to_bytes(8, "little")  # a row's offset, past the data
+    (entry / "block-000002.bin").write_bytes(bytes(table))
+    manifest = json.loads((entry / "manifest.json").read_bytes())
+    manifest["blocks"] = [[b, len(table), zlib.crc32(bytes(table))] if b == 2 else [b, size, crc]
+                          for b, size, crc in manifest["blocks"]]  # its checksum passes: the table is checked
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = _open_ragged(tmp_path, n)
+        present = again.present(torch.arange(n))
+    named = [str(w.message) for w in caught if issubclass(w.category, DiskCacheWarning)]
+    assert present.tolist() == [False] * 4 + [True] * 4 + [False] * 4
+    assert len(named) == 2 and "block-000000.bin is 50 bytes" in named[0]
+    assert "block-000002.bin has a damaged row table" in named[1]
+    again.write_items(torch.arange(n), images)
+    assert again.complete and all(torch.equal(a, b) for a, b in zip(again.read_items(torch.arange(n)), images))
+
+
+def test_two_users_of_one_ragged_entry_share_its_blocks(tmp_path: Path) -> None:
+    # Two opens hold two open file descriptions: their flocks exclude each other as two processes' do.
+    n, images = 16, _images(16)
+    one, two = _open_ragged(tmp_path, n), _open_ragged(tmp_path, n)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(3))
+    for start in range(0, n, 3):
+        rows = order[start:start + 3]
+        writer = one if start % 2 else two
+        writer.write_items(rows, [images[r] for r in rows])
+        (two if writer is one else one).write_items(rows[:1], [images[rows[0]]])  # already written: skipped
+    assert one.complete and two.complete
+    assert one.stats().rows_written + two.stats().rows_written == n
+    third = _open_ragged(tmp_path, n)
+    assert all(torch.equal(a, b) for a, b in zip(third.read_items(torch.arange(n)), images))
+    assert len(list(_entry(tmp_path).glob("block-*.bin"))) == 4 and not list(_entry(tmp_path).glob("*.part"))

@@ -11,20 +11,9 @@ import gpuload
 from gpuload import transforms as T
 from gpuload.datasets import ImageList, make_sample_image_folder
 from equivalence import assert_same
+from image_fixtures import CountingList, assert_close_epochs
 
 OPS = [T.RandomResizedCrop(24), T.RandomHorizontalFlip(), T.ToDtype(torch.float32), T.Normalize([0.5] * 3, [0.25] * 3)]
-
-
-class CountingList(ImageList):
-    """An ImageList that counts the files it reads."""
-
-    def __init__(self, samples) -> None:
-        super().__init__(samples)
-        self.reads = 0
-
-    def read_encoded(self, index: int):
-        self.reads += 1
-        return super().read_encoded(index)
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +29,6 @@ def loader(source, cache: str, **keywords):
 
 def epochs(source_loader, count: int = 3) -> list[list]:
     return [list(source_loader) for _ in range(count)]
-
-
-def assert_close_epochs(ours: list[list], theirs: list[list]) -> None:
-    """Cached whole images against ROI-decoded windows: decoder rounding at window edges only."""
-    for epoch, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        for (images, labels), (ref_images, ref_labels) in zip(a, b, strict=True):
-            assert torch.equal(labels, ref_labels), epoch
-            torch.testing.assert_close(images, ref_images, atol=0.1, rtol=0)
-            assert (images - ref_images).abs().mean() < 2e-3
 
 
 @pytest.mark.parametrize("mode", ["device", "host"])
