@@ -146,7 +146,12 @@ def _image_cache_line(path: Path, settings: CacheSettings, target: str, memory: 
         image_folder(path), settings, torch.device(target), owner="gpuload plan",
         device_memory_info=memory, host_memory_info=host,
     )
-    return f"image cache (for gpuload.DataLoader on this folder): {decision.holds or 'none'}: {decision.reason}"
+    line = f"image cache (for gpuload.DataLoader on this folder): {decision.holds or 'none'}: {decision.reason}"
+    folder = settings.disk_dir.value
+    if folder is not None and settings.disk_size.value.kind != "off":
+        line += (f"\n  disk tier: {folder}, up to {format_bytes(settings.disk_room())}: every decoded image, written "
+                 "in the first epoch, read back by later epochs and jobs when the memory cache lacks it")
+    return line
 
 
 def load_factory(text: str) -> Callable[[], Any]:

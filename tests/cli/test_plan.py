@@ -95,6 +95,20 @@ def test_an_image_folder_is_planned_as_the_loader_reads_it(tmp_path: Path, capsy
     assert "no class folders" in one_error(capsys)
 
 
+def test_an_image_folder_plan_names_its_disk_tier_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    from PIL import Image
+
+    root = tmp_path / "images"
+    (root / "cat").mkdir(parents=True)
+    Image.new("RGB", (8, 6)).save(root / "cat" / "a.jpg")
+    folder = tmp_path / "disk-cache"
+    assert main(["plan", str(root), "--device-memory", "8GiB", "--cache-dir", str(folder)]) == 0
+    assert f"  disk tier: {folder}, up to " in capsys.readouterr().out
+    assert not folder.exists()
+    assert main(["plan", str(root), "--device-memory", "8GiB"]) == 0
+    assert "disk tier: " not in capsys.readouterr().out.split("image cache")[-1]
+
+
 def test_job_plan_for_a_factory_on_a_pretended_card(tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # no gpuload.toml
     data = tmp_path / "data.npz"
