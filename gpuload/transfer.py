@@ -24,7 +24,7 @@ import torch
 
 __all__ = [
     "map_leaves", "move_to_device", "move_staged", "batch_nbytes", "batch_length", "to_device", "staging_through",
-    "pack", "unpack",
+    "pack", "unpack", "pinned_host_copies",
 ]
 
 _ALIGN = 16  # bytes: every dtype's view of a packed buffer stays aligned
@@ -129,6 +129,24 @@ def to_device(tensors: Sequence[torch.Tensor], device: torch.device, keep_layout
         copied = iter(unpack(buffer.to(device, non_blocking=True), offsets, host))
         moved = [next(copied) if t.device.type == "cpu" else t.to(device, non_blocking=True) for t in tensors]
     return [t if order is None else t.permute(_inverse(order)) for t, order in zip(moved, orders)]
+
+
+def pinned_host_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of ``tensors`` (host ones are returned as they are), each in pinned memory
+    with its dimensions laid out as on the device, enqueued on the current stream without
+    waiting for it: record an event after this call and wait for it (or query it) before
+    reading them."""
+    copies = []
+    for t in tensors:
+        if t.device.type == "cpu":
+            copies.append(t)
+            continue
+        order = _memory_order(t)
+        source = t if order is None else t.permute(order)
+        host = torch.empty(source.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(source, non_blocking=True)
+        copies.append(host if order is None else host.permute(_inverse(order)))
+    return copies
 
 
 def _memory_order(t: torch.Tensor) -> list[int] | None:

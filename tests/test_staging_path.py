@@ -309,3 +309,23 @@ def test_gpu_a_loader_with_transforms_gives_the_cpu_loaders_batches(depth) -> No
     ours, cpu = epochs("cuda"), epochs("cpu")
     assert len(ours) == len(cpu) == 8
     assert all(torch.equal(a, b) for got, want in zip(ours, cpu) for a, b in zip(got, want))
+
+
+def test_images_read_from_the_disk_tier_reach_the_device_through_the_staging(watch: Watch) -> None:
+    from types import SimpleNamespace
+
+    from gpuload.sources.image_decoding import ImageDecoding
+
+    class Disk:
+        def present(self, positions: list[int]) -> list[bool]:
+            return [True] * len(positions)
+
+        def read(self, positions: list[int]) -> list[torch.Tensor]:
+            return [torch.zeros(5, 7, 3, dtype=torch.uint8).permute(2, 0, 1) for _ in positions]  # HWC in memory
+
+    source = ImageDecoding.__new__(ImageDecoding)
+    source.disk, source.setup = Disk(), SimpleNamespace(device=META)
+    got = source._from_disk([4, 9, 11], {1: torch.zeros(3, 2, 2, dtype=torch.uint8)}, None)
+    assert sorted(got) == [0, 2] and all(t.device == META for t in got.values())
+    assert all(t.stride() == (1, 21, 3) for t in got.values())  # still channels-last
+    assert watch.bypassed == [] and len(watch.staged) == 2

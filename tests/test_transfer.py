@@ -1,5 +1,6 @@
-"""transfer.batch_length: how many samples a batch holds, whatever its structure."""
+"""gpuload.transfer: how many samples a batch holds, whatever its structure; host copies of device tensors."""
 
+import pytest
 import torch
 
 from gpuload.transfer import batch_length
@@ -41,3 +42,22 @@ def test_map_leaves_keeps_each_container_type_where_it_can() -> None:
     assert map_leaves((b"raw", "text"), double) == (b"raw", "text")
     moved = move_to_device({"x": [torch.ones(2)]}, torch.device("cpu"))
     assert moved["x"][0].device == torch.device("cpu") and moved["x"][0].tolist() == [1.0, 1.0]
+
+
+def test_host_tensors_need_no_host_copy():
+    from gpuload.transfer import pinned_host_copies
+
+    host = [torch.zeros(2, 3), torch.ones(4)]
+    assert all(a is b for a, b in zip(pinned_host_copies(host), host))
+
+
+@pytest.mark.gpu
+def test_gpu_device_tensors_come_back_pinned_with_their_layout():
+    from gpuload.transfer import pinned_host_copies
+
+    hwc = torch.arange(5 * 7 * 3, dtype=torch.uint8, device="cuda").view(5, 7, 3).permute(2, 0, 1)
+    (copy,) = pinned_host_copies([hwc])
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    assert copy.is_pinned() and copy.stride() == hwc.stride() and torch.equal(copy, hwc.cpu())

@@ -20,7 +20,9 @@ keys the entry, so changed data never reads old rows.
 
 from __future__ import annotations
 
+import threading
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -39,6 +41,7 @@ from gpuload.cache.disk import (
 from gpuload.cache.probe import estimate_image_bytes
 from gpuload.cache.settings import CacheSettings
 from gpuload.cache.tiers import Tier, register_tier
+from gpuload.transfer import pinned_host_copies
 
 __all__ = ["DiskImages", "DiskRows", "DiskTier", "disk_tier_maker", "sample_fingerprint"]
 
@@ -242,10 +245,17 @@ class DiskImages:
     """Whole decoded images of an image-file dataset on disk, by dataset index (a ragged entry:
     uint8, each of its own shape and dimension order, as the decoder gave it). Keyed by the
     files (paths, sizes, mtimes) and ``decode`` (what shapes the pixels: backend, layout), so a
-    changed file or another decoder never reads old pixels."""
+    changed file or another decoder never reads old pixels.
+
+    Images decoded on a GPU are copied to pinned host memory without waiting for the device,
+    and written once their copy is done (checked at each later write, waited for at ``close``),
+    so filling the tier adds no host sync to a batch.
+    """
 
     def __init__(self, disk: DiskCache) -> None:
         self.disk = disk
+        self._copying: deque[tuple[list[int], list[torch.Tensor], Any]] = deque()  # rows, host copies, event
+        self._lock = threading.Lock()
 
     @classmethod
     def open(cls, images: Any, settings: CacheSettings, decode: dict[str, Any]) -> DiskImages | None:
@@ -281,10 +291,34 @@ class DiskImages:
         kept = [(p, image) for p, image in zip(positions, images) if image.dim() == 3 and image.dtype == torch.uint8]
         if not kept or not self.disk.accepting:
             return 0
-        return self.disk.write_items(torch.tensor([p for p, _ in kept]), [image for _, image in kept])
+        rows, items = [p for p, _ in kept], [image for _, image in kept]
+        if not any(image.is_cuda for image in items):
+            return self.disk.write_items(torch.tensor(rows), items)
+        copies = pinned_host_copies(items)
+        done = torch.cuda.Event()
+        done.record()
+        with self._lock:
+            self._copying.append((rows, copies, done))
+        return self._write_copied(wait=False)
+
+    def _write_copied(self, wait: bool) -> int:
+        """Write the device images whose host copies are done, in the order they came (all of
+        them, waiting for each copy, when ``wait``); the rows written."""
+        written = 0
+        with self._lock:
+            while self._copying:
+                rows, copies, done = self._copying[0]
+                if not wait and not done.query():
+                    break
+                done.synchronize()
+                self._copying.popleft()
+                if self.disk.accepting:
+                    written += self.disk.write_items(torch.tensor(rows), copies)
+        return written
 
     def stats(self) -> dict[str, Any]:
         return self.disk.stats().as_dict()
 
     def close(self) -> None:
+        self._write_copied(wait=True)
         self.disk.close()

@@ -18,6 +18,7 @@ import torch
 from gpuload.decode import Header, ImageDecodeError
 from gpuload.distributed.sharded_images import BadFile, WholeImages
 from gpuload.sampling import in_range
+from gpuload.transfer import to_device
 from gpuload.transforms.windows import Window
 
 __all__ = ["DecodedBatch", "ImageDecoding"]
@@ -190,8 +191,8 @@ class ImageDecoding:
         images = disk.read([positions[slot] for slot in found]) if found else None
         if images is None:
             return {}
-        device = self.setup.device
-        images = [image.to(device, non_blocking=True) if device.type == "cuda" else image for image in images]
+        if self.setup.device.type != "cpu":  # through the staging in force, each image's layout kept
+            images = to_device(images, self.setup.device, keep_layout=True)
         if cache is not None and cache.accepting:
             for slot, image in zip(found, images):
                 cache.keep(positions[slot], image)

@@ -218,3 +218,43 @@ def test_on_cuda_array_rows_past_host_memory_come_from_the_disk_tier(tmp_path: P
     assert (tiers["device"]["samples"], tiers["host"]["samples"], tiers["disk"]["samples"]) == (50, 60, 190)
     assert tiers["disk"]["hits"] == 2 * 190 and tiers["source"]["samples"] == 0
     assert len(list((tmp_path / "c").glob("*/block-*.bin"))) >= 1
+
+
+def test_device_images_are_written_to_the_disk_tier_once_their_host_copy_is_done() -> None:
+    """The image tier's writes from a GPU wait for no copy: each batch's host copies are
+    written when their event says they are done, in order, and all of them at close."""
+    from gpuload.cache.disk_tier import DiskImages
+
+    class Disk:
+        accepting = True
+
+        def __init__(self) -> None:
+            self.written: list[list[int]] = []
+            self.closed = False
+
+        def write_items(self, rows: torch.Tensor, items: list[torch.Tensor]) -> int:
+            self.written.append(rows.tolist())
+            return len(rows)
+
+        def close(self) -> None:
+            self.closed = True
+
+    class Copy:  # a CUDA event's query/synchronize
+        def __init__(self) -> None:
+            self.done = False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            self.done = True
+
+    disk = Disk()
+    images = DiskImages(disk)
+    first, second = Copy(), Copy()
+    images._copying.extend([([1, 2], [], first), ([3], [], second)])
+    assert images._write_copied(wait=False) == 0 and disk.written == []
+    first.done = True
+    assert images._write_copied(wait=False) == 2 and disk.written == [[1, 2]]
+    images.close()
+    assert disk.written == [[1, 2], [3]] and disk.closed
