@@ -766,3 +766,107 @@ def test_two_users_of_one_ragged_entry_share_its_blocks(tmp_path: Path) -> None:
     third = _open_ragged(tmp_path, n)
     assert all(torch.equal(a, b) for a, b in zip(third.read_items(torch.arange(n)), images))
     assert len(list(_entry(tmp_path).glob("block-*.bin"))) == 4 and not list(_entry(tmp_path).glob("*.part"))
+
+
+# ---------------------------------------------------------------- argument and entry errors
+
+
+def test_fingerprint_settings_take_sets_paths_and_dtypes_and_name_what_they_refuse(tmp_path: Path) -> None:
+    from gpuload.cache.disk import fingerprint_arrays, fingerprint_dataset, fingerprint_images
+
+    a = np.arange(6, dtype=np.int32)
+    settings = {"s": {3, 1}, "p": tmp_path, "d": torch.float16, "n": np.dtype("int8"), "c": torch.device("cpu"),
+                "slice": slice(0, 2)}
+    assert fingerprint_for(a, settings) == fingerprint_for(a, dict(settings))
+    assert fingerprint_for(a, {**settings, "s": {1, 2}}).digest != fingerprint_for(a, settings).digest
+    assert fingerprint_for(a, {**settings, "slice": slice(0, 3)}).digest != fingerprint_for(a, settings).digest
+    with pytest.raises(TypeError, match="fingerprint_arrays takes tensors or numpy arrays .*not list"):
+        fingerprint_arrays([a, "not an array"])
+    with pytest.raises(TypeError, match="fingerprint_images needs a dataset with a samples list"):
+        fingerprint_images(object())
+    with pytest.raises(TypeError, match="stores map-style datasets with a length; object has none"):
+        fingerprint_dataset(object())
+
+
+def test_an_unreadable_image_file_changes_the_fingerprint_when_it_appears(tmp_path: Path) -> None:
+    from gpuload.cache.disk import fingerprint_images
+
+    class Listed:
+        samples = [(str(tmp_path / "missing.jpg"), 0)]
+
+    missing = fingerprint_images(Listed())
+    (tmp_path / "missing.jpg").write_bytes(b"x")
+    assert fingerprint_images(Listed()).digest != missing.digest
+
+
+def test_column_specs_are_checked_and_a_dict_is_accepted(tmp_path: Path) -> None:
+    fingerprint = Fingerprint.of("arrays", "x", {})
+    cache = DiskCache.open(tmp_path, fingerprint, {"x": ((2,), torch.int32)}, 4, 1 << 20)
+    assert cache.columns == (ColumnSpec("x", torch.int32, (2,)),)
+    cache.close()
+    with pytest.raises(TypeError, match=r"columns must be ColumnSpec\(name, dtype, shape\)s"):
+        DiskCache.open(tmp_path, fingerprint, [], 4)
+    with pytest.raises(TypeError, match="column 'x': dtype 'int32' is not a torch.dtype"):
+        DiskCache.open(tmp_path, fingerprint, [ColumnSpec("x", "int32", (2,))], 4)
+    with pytest.raises(ValueError, match=r"column 'x': shape \(-2,\) must be non-negative ints"):
+        DiskCache.open(tmp_path, fingerprint, [ColumnSpec("x", torch.int32, (-2,))], 4)
+    with pytest.raises(ValueError, match="num_rows=True must be a non-negative int"):
+        DiskCache.open(tmp_path, fingerprint, [ColumnSpec("x", torch.int32, (2,))], True)
+    with pytest.raises(ValueError, match="block_bytes=0 must be a positive int"):
+        DiskCache.open(tmp_path, fingerprint, [ColumnSpec("x", torch.int32, (2,))], 4, block_bytes=0)
+
+
+def test_a_file_where_the_folder_should_be_one_warning_and_no_disk_tier(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.warns(DiskCacheWarning, match="not a folder"):
+        cache = DiskCache.open(tmp_path / "file", Fingerprint.of("arrays", "x", {}), {"x": ((), torch.int32)}, 4)
+    assert cache is None
+
+
+def test_a_closed_cache_has_no_rows_and_its_repr_says_what_it_holds(tmp_path: Path) -> None:
+    images, labels = _data(16)
+    with _open(tmp_path, 16) as cache:
+        cache.write(torch.arange(8), [images[:8], labels[:8]])
+        assert f"DiskCache({cache.root}, 8/16 rows published" in repr(cache)
+        with pytest.raises(TypeError, match="holds fixed-size rows: read them with read"):
+            cache.read_items(torch.arange(2))
+    assert not cache.present(torch.arange(8)).any()
+
+
+def test_a_manifest_for_other_columns_or_with_a_block_out_of_range_is_named(tmp_path: Path) -> None:
+    images, labels = _data(16)
+    cache = _open(tmp_path, 16)
+    cache.write(torch.arange(16), [images, labels])
+    cache.close()
+    manifest = _entry(tmp_path) / "manifest.json"
+    good = json.loads(manifest.read_bytes())
+    for change, message in [({"block_rows": 3}, "manifest.json is for another block_rows"),
+                            ({"blocks": [[9, 1, 1]]}, "block number is out of range")]:
+        manifest.write_text(json.dumps({**good, **change}))
+        with pytest.warns(DiskCacheWarning, match=message):
+            cache = _open(tmp_path, 16)
+        assert not cache.present(torch.arange(16)).any()
+        cache.close()
+
+
+def test_cache_ls_names_damaged_entries_and_rm_refuses_other_folders(tmp_path: Path) -> None:
+    from gpuload.cache.disk import list_entries, remove_entry
+
+    images, labels = _data(16)
+    cache = _open(tmp_path, 16)
+    cache.write(torch.arange(16), [images, labels])
+    cache.close()
+    entry = _entry(tmp_path)
+    (entry / "entry.json").write_bytes(b"{")
+    (entry / "manifest.json").write_bytes(b"[")
+    bare = tmp_path / ("0" * 32)
+    bare.mkdir()
+    found = {e.path: e for e in list_entries(tmp_path)}
+    assert found[entry].problem == "no readable entry.json (JSONDecodeError)"
+    assert found[bare].problem == "no readable entry.json (FileNotFoundError)" and not found[bare].in_use
+    (bare / "entry.json").write_text(json.dumps(
+        {"fingerprint": {"description": "d", "digest": "g", "kind": "k"}, "num_rows": 4, "block_rows": 2}))
+    assert {e.path: e for e in list_entries(tmp_path)}[bare].problem == "damaged manifest (ValueError)"
+    with pytest.raises(ValueError, match="is not a gpuload disk cache entry"):
+        remove_entry(tmp_path)
+    assert remove_entry(bare) and not bare.exists()  # no users file: nobody can have it open
