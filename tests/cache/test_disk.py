@@ -866,6 +866,8 @@ def test_cache_ls_names_damaged_entries_and_rm_refuses_other_folders(tmp_path: P
     assert found[bare].problem == "no readable entry.json (FileNotFoundError)" and not found[bare].in_use
     (bare / "entry.json").write_text(json.dumps(
         {"fingerprint": {"description": "d", "digest": "g", "kind": "k"}, "num_rows": 4, "block_rows": 2}))
+    assert {e.path: e for e in list_entries(tmp_path)}[bare].problem == ""  # no manifest: nothing published yet
+    (bare / "manifest.json").write_text(json.dumps({"blocks": "x"}))
     assert {e.path: e for e in list_entries(tmp_path)}[bare].problem == "damaged manifest (ValueError)"
     with pytest.raises(ValueError, match="is not a gpuload disk cache entry"):
         remove_entry(tmp_path)
