@@ -294,3 +294,29 @@ def test_device_columns_are_one_allocation_per_leaf() -> None:
 def test_numpy_text_arrays_are_kept_per_sample_not_as_a_column() -> None:
     part = prepare([np.array(["a", "b"]), np.array(["c", "d"])])
     assert isinstance(part, Objects) and layout(part) is None
+
+
+def test_a_closed_or_empty_store_finds_nothing_and_has_nothing_to_shrink() -> None:
+    store = _store(10)
+    assert store.shrink(0) == 0  # nothing stored yet
+    assert store.slots(torch.tensor([], dtype=torch.int64)).numel() == 0
+    assert _put(store, [1, 2], [_sample("tuple", 1), _sample("tuple", 2)]) == 2
+    assert store.shrink(1 << 30) == 0  # already within the bytes asked for
+    store.close()
+    assert store.slots(torch.tensor([1, 2])).tolist() == [-1, -1]
+
+
+def test_out_of_memory_while_writing_stops_filling_with_one_warning_and_other_errors_surface(monkeypatch) -> None:
+    store = _store(10)
+    assert _put(store, [0], [_sample("tuple", 0)]) == 1
+    message = iter(["a bad write", "CUDA out of memory. Tried to allocate 2.00 GiB"])
+
+    def failing(keys, write):
+        raise RuntimeError(next(message))
+
+    monkeypatch.setattr(store, "_write", failing)
+    with pytest.raises(RuntimeError, match="a bad write"):
+        _put(store, [1], [_sample("tuple", 1)])
+    with pytest.warns(CacheFallbackWarning, match="out of memory on cpu"):
+        assert _put(store, [2], [_sample("tuple", 2)]) == 0
+    assert not store.accepting and 2 not in store
