@@ -320,3 +320,35 @@ def test_out_of_memory_while_writing_stops_filling_with_one_warning_and_other_er
     with pytest.warns(CacheFallbackWarning, match="out of memory on cpu"):
         assert _put(store, [2], [_sample("tuple", 2)]) == 0
     assert not store.accepting and 2 not in store
+
+
+def test_tensors_off_the_host_are_kept_per_sample() -> None:
+    meta = torch.zeros(2, device="meta")
+    assert isinstance(prepare([meta, meta]), Objects)
+
+
+def test_a_batch_of_another_structure_is_not_assembled_with_the_stored_one() -> None:
+    samples = [{"x": torch.full((2,), float(i)), "name": f"n{i}"} for i in range(4)]
+    store = _store(4)
+    _put(store, [0, 1], samples[:2])
+    slots = store.slots(torch.tensor([2, 0]))
+    assert store.assemble(slots, prepare([(torch.zeros(2), "a")])) is None
+
+
+def test_per_sample_values_stop_at_the_free_memory_room_with_one_warning() -> None:
+    store = _store(100, room=lambda: 3 * 9 + 5)
+    samples = [f"sample {i:02d}" for i in range(8)]  # 9 bytes each, kept per sample
+    with pytest.warns(CacheFallbackWarning, match="reached the reserve after caching 3 samples"):
+        assert _put(store, list(range(8)), samples) == 3
+    assert not store.accepting and store.views(store.slots(torch.arange(3))) == samples[:3]
+
+
+def test_rows_that_cannot_be_allocated_at_all_stop_filling_with_one_warning(monkeypatch) -> None:
+    def empty(shape, **options):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB")
+
+    monkeypatch.setattr(torch, "empty", empty)
+    store = _store(4)
+    with pytest.warns(CacheFallbackWarning, match="out of memory on cpu"):
+        assert _put(store, [0, 1], [torch.zeros(2), torch.ones(2)]) == 0
+    assert not store.accepting
