@@ -352,3 +352,16 @@ def test_rows_that_cannot_be_allocated_at_all_stop_filling_with_one_warning(monk
     with pytest.warns(CacheFallbackWarning, match="out of memory on cpu"):
         assert _put(store, [0, 1], [torch.zeros(2), torch.ones(2)]) == 0
     assert not store.accepting
+
+
+def test_per_sample_tensors_read_into_a_device_batch_are_moved_to_the_device() -> None:
+    """The META device stands in for CUDA: read samples' per-sample tensors go to the device."""
+    meta = torch.device("meta")
+    # a tensor that requires grad is kept per sample (a column would drop its autograd flag)
+    samples = [{"x": torch.full((2,), float(i)), "w": torch.full((3,), float(i), requires_grad=True)} for i in range(4)]
+    store = ColumnStore(1 << 20, 4, meta, ledger=BudgetLedger())
+    assert store.put(torch.tensor([0, 2]), prepare([samples[0], samples[2]])) == 2
+    batch = store.assemble(store.slots(torch.tensor([1, 0, 3])), prepare([samples[1], samples[3]]))
+    assert batch["x"].device == meta and batch["x"].shape == (3, 2)
+    assert batch["w"].device == meta and batch["w"].shape == (3, 3)
+    store.close()
