@@ -365,3 +365,12 @@ def test_per_sample_tensors_read_into_a_device_batch_are_moved_to_the_device() -
     assert batch["x"].device == meta and batch["x"].shape == (3, 2)
     assert batch["w"].device == meta and batch["w"].shape == (3, 3)
     store.close()
+
+
+def test_a_worker_stacking_sparse_tensors_raises_torchs_own_error() -> None:
+    from gpuload.cache.columns import _stack_as_in_worker
+
+    sparse = torch.eye(2).to_sparse()
+    with pytest.raises(RuntimeError, match="Batches of sparse tensors are not currently supported"):
+        _stack_as_in_worker([sparse, sparse])
+    assert torch.equal(_stack_as_in_worker([torch.ones(2), torch.zeros(2)]), torch.tensor([[1.0, 1], [0, 0]]))
