@@ -377,3 +377,13 @@ def test_other_errors_while_shrinking_are_not_swallowed(monkeypatch):
 def test_arrays_need_one_row_per_sample():
     with pytest.raises(ValueError, match=r"every array needs one row per sample .* got shape \(\)"):
         TieredArrayStore({"a": torch.tensor(3.0)}, forced_plan(arrays(), 5, 0), "cpu")
+
+
+def test_a_store_says_how_many_samples_it_serves_and_whether_rows_cross_to_the_device():
+    data = arrays()
+    on_host = TieredArrayStore(data, forced_plan(data, 10, 10), "cpu", ledger=BudgetLedger())
+    on_meta = TieredArrayStore(data, forced_plan(data, 10, 10), "meta", ledger=BudgetLedger(), owner="m")
+    assert on_host.num_samples == on_meta.num_samples == N
+    assert not on_host.copies and on_meta.copies
+    on_host.close()
+    on_meta.close()
