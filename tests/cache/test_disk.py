@@ -872,3 +872,58 @@ def test_cache_ls_names_damaged_entries_and_rm_refuses_other_folders(tmp_path: P
     with pytest.raises(ValueError, match="is not a gpuload disk cache entry"):
         remove_entry(tmp_path)
     assert remove_entry(bare) and not bare.exists()  # no users file: nobody can have it open
+
+
+def test_a_file_system_without_fallocate_still_gets_whole_blocks(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    def unsupported(fd, offset, size):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    images, labels = _data(16)
+    cache = _open(tmp_path, 16)
+    cache.write(torch.arange(16), [images, labels])
+    assert cache.complete and torch.equal(cache.read(torch.arange(16))[0], images)
+    cache.close()
+
+
+def test_a_manifest_that_cannot_be_written_unpublishes_its_block_with_one_warning(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    images, labels = _data(16)
+    cache = _open(tmp_path, 16)
+    rename = os.rename
+
+    def no_room_for_the_manifest(source, target):
+        if str(target).endswith("manifest.json"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(target))
+        return rename(source, target)
+
+    monkeypatch.setattr(os, "rename", no_room_for_the_manifest)
+    with pytest.warns(DiskCacheWarning, match="the disk is full") as caught:
+        cache.write(torch.arange(8), [images[:8], labels[:8]])
+        cache.write(torch.arange(8, 16), [images[8:], labels[8:]])  # stopped: nothing more, no second warning
+    assert len(caught) == 1
+    assert not cache.present(torch.arange(16)).any() and cache.stats().stopped
+    entry = cache.root
+    assert not list(entry.glob("block-*.bin")) and not list(entry.glob("*.tmp-*"))  # nothing half-published
+    cache.close()
+
+
+def test_maps_and_open_parts_beyond_their_limits_are_closed_oldest_first(tmp_path: Path, monkeypatch) -> None:
+    import gpuload.cache.disk as disk_module
+
+    monkeypatch.setattr(disk_module, "_OPEN_MAPS", 2)
+    monkeypatch.setattr(disk_module, "_OPEN_PARTS", 2)
+    images, labels = _data(40)
+    cache = _open(tmp_path, 40)
+    firsts = torch.arange(0, 40, BLOCK_ROWS)  # the first row of each of the 5 blocks: 5 parts open at once
+    cache.write(firsts, [images[firsts], labels[firsts]])
+    cache.write(torch.arange(40), [images, labels])
+    assert cache.complete
+    for block in range(5):
+        rows = torch.tensor(_block_rows(block))
+        assert torch.equal(cache.read(rows)[0], images[rows])  # 5 blocks read through 2 maps
+    assert len(cache._maps) == 2 and not cache._parts
+    cache.close()
