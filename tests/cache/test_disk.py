@@ -927,3 +927,18 @@ def test_maps_and_open_parts_beyond_their_limits_are_closed_oldest_first(tmp_pat
         assert torch.equal(cache.read(rows)[0], images[rows])  # 5 blocks read through 2 maps
     assert len(cache._maps) == 2 and not cache._parts
     cache.close()
+
+
+def test_a_deleted_block_is_named_and_its_rows_filled_again(tmp_path: Path) -> None:
+    images, labels = _data(16)
+    cache = _open(tmp_path, 16)
+    cache.write(torch.arange(16), [images, labels])
+    cache.close()
+    (_entry(tmp_path) / "block-000001.bin").unlink()
+    cache = _open(tmp_path, 16)
+    with pytest.warns(DiskCacheWarning, match=r"block-000001.bin cannot be read \(No such file or directory\)"):
+        present = cache.present(torch.arange(16))
+    assert present.tolist() == [True] * 8 + [False] * 8
+    cache.write(torch.arange(8, 16), [images[8:], labels[8:]])
+    assert torch.equal(cache.read(torch.arange(16))[0], images)
+    cache.close()
