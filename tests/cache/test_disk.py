@@ -942,3 +942,17 @@ def test_a_deleted_block_is_named_and_its_rows_filled_again(tmp_path: Path) -> N
     cache.write(torch.arange(8, 16), [images[8:], labels[8:]])
     assert torch.equal(cache.read(torch.arange(16))[0], images)
     cache.close()
+
+
+def test_an_entry_whose_files_cannot_be_opened_closes_what_it_opened_and_warns(tmp_path: Path) -> None:
+    cache = _open(tmp_path, 16)
+    root = cache.root
+    cache.close()
+    (root / "rows.fill").unlink()
+    (root / "rows.fill").mkdir()  # a folder where the row flags should be
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.warns(DiskCacheWarning, match=r"cannot use .*rows.fill \(Is a directory\); running without a disk tier"):
+        assert DiskCache.open(tmp_path, Fingerprint.of("arrays", "test rows", {"seed": 0, "rows": 16}),
+                              [ColumnSpec("image", torch.uint8, SHAPE), ColumnSpec("label", torch.int64, ())], 16,
+                              1 << 30, block_bytes=BLOCK_ROWS * RECORD) is None
+    assert len(os.listdir("/proc/self/fd")) == before  # the lock and users files it opened are closed
