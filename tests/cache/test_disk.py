@@ -833,11 +833,17 @@ def test_a_closed_cache_has_no_rows_and_its_repr_says_what_it_holds(tmp_path: Pa
     assert not cache.present(torch.arange(8)).any()
 
 
-def test_a_manifest_for_other_columns_or_with_a_block_out_of_range_is_named(tmp_path: Path) -> None:
-    images, labels = _data(16)
-    cache = _open(tmp_path, 16)
-    cache.write(torch.arange(16), [images, labels])
+def _filled(folder: Path, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write every row of an n-row entry under ``folder`` and close it; the rows written."""
+    images, labels = _data(n)
+    cache = _open(folder, n)
+    cache.write(torch.arange(n), [images, labels])
     cache.close()
+    return images, labels
+
+
+def test_a_manifest_for_other_columns_or_with_a_block_out_of_range_is_named(tmp_path: Path) -> None:
+    _filled(tmp_path, 16)
     manifest = _entry(tmp_path) / "manifest.json"
     good = json.loads(manifest.read_bytes())
     for change, message in [({"block_rows": 3}, "manifest.json is for another block_rows"),
@@ -852,10 +858,7 @@ def test_a_manifest_for_other_columns_or_with_a_block_out_of_range_is_named(tmp_
 def test_cache_ls_names_damaged_entries_and_rm_refuses_other_folders(tmp_path: Path) -> None:
     from gpuload.cache.disk import list_entries, remove_entry
 
-    images, labels = _data(16)
-    cache = _open(tmp_path, 16)
-    cache.write(torch.arange(16), [images, labels])
-    cache.close()
+    _filled(tmp_path, 16)
     entry = _entry(tmp_path)
     (entry / "entry.json").write_bytes(b"{")
     (entry / "manifest.json").write_bytes(b"[")
@@ -930,10 +933,7 @@ def test_maps_and_open_parts_beyond_their_limits_are_closed_oldest_first(tmp_pat
 
 
 def test_a_deleted_block_is_named_and_its_rows_filled_again(tmp_path: Path) -> None:
-    images, labels = _data(16)
-    cache = _open(tmp_path, 16)
-    cache.write(torch.arange(16), [images, labels])
-    cache.close()
+    images, labels = _filled(tmp_path, 16)
     (_entry(tmp_path) / "block-000001.bin").unlink()
     cache = _open(tmp_path, 16)
     with pytest.warns(DiskCacheWarning, match=r"block-000001.bin cannot be read \(No such file or directory\)"):
