@@ -956,3 +956,59 @@ def test_an_entry_whose_files_cannot_be_opened_closes_what_it_opened_and_warns(t
                               [ColumnSpec("image", torch.uint8, SHAPE), ColumnSpec("label", torch.int64, ())], 16,
                               1 << 30, block_bytes=BLOCK_ROWS * RECORD) is None
     assert len(os.listdir("/proc/self/fd")) == before  # the lock and users files it opened are closed
+
+
+def test_a_process_opening_the_entry_while_another_probes_the_folder_leaves_both_usable(tmp_path: Path,
+                                                                                         monkeypatch) -> None:
+    """The first user of an entry discards stale ``.probe-*`` files: another process's probe,
+    deleted between its creation and its removal, must not make that process run without the
+    disk tier (it did: the probe's unlink raised FileNotFoundError)."""
+    import builtins
+    import threading
+
+    import gpuload.cache.disk as disk_module
+
+    _open(tmp_path, 16).close()  # the entry exists, nobody has it open
+    others: list[DiskCache | None] = []
+
+    def probe_then_another_opens(path, *args, **kwargs):
+        handle = builtins.open(path, *args, **kwargs)
+        if Path(path).name.startswith(".probe-") and not others:
+            others.append(None)  # once: the other opening probes too
+            # another thread (a probe of its own name), the only user: it recovers the entry
+            opener = threading.Thread(target=lambda: others.__setitem__(0, _open(tmp_path, 16)))
+            opener.start()
+            opener.join()
+        return handle
+
+    monkeypatch.setattr(disk_module, "open", probe_then_another_opens, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache = _open(tmp_path, 16)
+    assert others[0] is not None and cache.root == others[0].root
+    cache.close()
+    others[0].close()
+
+
+def test_the_first_user_recovering_an_entry_tolerates_a_probe_its_process_removed_meanwhile(tmp_path: Path,
+                                                                                           monkeypatch) -> None:
+    root = _open(tmp_path, 16)
+    entry = root.root
+    root.close()
+    probe = entry / ".probe-1-2"  # another process's probe, listed as stale, then removed by that process
+    probe.write_bytes(b"")
+    scandir = os.scandir
+
+    def listed_then_removed(path):
+        entries = list(scandir(path))
+        if Path(path) == entry:
+            probe.unlink(missing_ok=True)
+        return iter(entries)
+
+    monkeypatch.setattr(os, "scandir", listed_then_removed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache = _open(tmp_path, 16)
+    monkeypatch.undo()
+    assert cache.root == entry and not probe.exists()
+    cache.close()
