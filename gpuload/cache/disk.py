@@ -522,7 +522,7 @@ class DiskCache:
             probe = root / f".probe-{os.getpid()}-{threading.get_ident()}"
             with open(probe, "wb"):
                 pass
-            probe.unlink()
+            probe.unlink(missing_ok=True)  # the entry's first user may have discarded it as stale
             auto = budget_bytes is None or (isinstance(budget_bytes, SizeSpec) and budget_bytes.kind == "auto")
             if isinstance(budget_bytes, SizeSpec) or budget_bytes is None:
                 budget = disk_budget(root, budget_bytes or SizeSpec("auto"))
@@ -583,8 +583,8 @@ class DiskCache:
                 stale = entry.name.startswith((MANIFEST + ".tmp", ".probe-")) or entry.name in ("rows.fill", "rows.index")
                 if match and (match.group(2) == "part" or int(match.group(1)) not in listed):
                     stale = True
-                if stale:
-                    os.unlink(entry.path)
+                if stale:  # missing_ok: a probe's own process may remove it meanwhile
+                    Path(entry.path).unlink(missing_ok=True)
         fcntl.flock(self._users_fd, fcntl.LOCK_SH)
 
     # -- locks and the manifest ---------------------------------------------------------------

@@ -111,6 +111,7 @@ def _copy_tensor(value: torch.Tensor, device: torch.device) -> torch.Tensor:
         return type(value)(copied, requires_grad=value.requires_grad)
     if type(copied) is not type(value):  # a subclass detach() does not keep
         copied = copied.as_subclass(type(value))
+    if type(value) is not torch.Tensor:  # neither detach() nor to() copies a subclass's attributes
         copied.__dict__.update(value.__dict__)
     return copied.requires_grad_() if value.requires_grad else copied
 

@@ -327,3 +327,63 @@ def test_the_default_host_tier_is_the_stores_own_copy():
     store = TieredArrayStore(data, forced_plan(data, 0, 500), "cpu", ledger=BudgetLedger())
     assert store.stats.host_shared_ranks == 1
     assert TieredArrayStore(data, forced_plan(data, N, 0), "cpu", ledger=BudgetLedger()).stats.host_shared_ranks == 0
+
+
+def _no_room_for_a_second_copy_on_meta(monkeypatch):
+    """clone() of a meta tensor fails as a full device does; cpu() of one gives host rows of its
+    shape (meta tensors have no bytes to copy out)."""
+    real_clone, real_cpu = torch.Tensor.clone, torch.Tensor.cpu
+
+    def clone(self, *args, **kwargs):
+        if self.device.type == "meta":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+        return real_clone(self, *args, **kwargs)
+
+    def cpu(self, *args, **kwargs):
+        return torch.zeros(self.shape, dtype=self.dtype) if self.device.type == "meta" else real_cpu(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "clone", clone)
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+
+
+def test_shrinking_without_room_for_both_copies_stages_the_kept_rows_on_the_host(monkeypatch):
+    ledger = BudgetLedger()
+    data = arrays()
+    bps = bytes_per_sample(data)
+    store = TieredArrayStore(data, forced_plan(data, 300, 200), "meta", ledger=ledger, owner="m")
+    _no_room_for_a_second_copy_on_meta(monkeypatch)
+    assert store.shrink(120 * bps) == 180 * bps
+    assert ledger.owners("meta") == {"m": 120 * bps} and store.stats.device_samples == 120
+    assert store.gather(torch.arange(N), copy=copy_to("meta"))["label"].shape == (N,)
+    _oom_on("meta", monkeypatch)  # and no room for the smaller copy either
+    with pytest.warns(CacheFallbackWarning, match="out of memory while shrinking the device tier on meta; it is now empty"):
+        assert store.shrink(50 * bps) == 120 * bps
+    assert ledger.owners("meta") == {"m": 0}
+    assert store.stats.device_samples == 0
+    store.close()
+
+
+def test_other_errors_while_shrinking_are_not_swallowed(monkeypatch):
+    data = arrays()
+    store = TieredArrayStore(data, forced_plan(data, 300, 200), "meta", ledger=BudgetLedger(), owner="m")
+    monkeypatch.setattr(torch.Tensor, "clone", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("bad clone")))
+    with pytest.raises(RuntimeError, match="bad clone"):
+        store.shrink(0 + bytes_per_sample(data))
+    monkeypatch.undo()
+    store.close()
+    assert store.shrink(0) == 0  # closed: nothing to give back
+
+
+def test_arrays_need_one_row_per_sample():
+    with pytest.raises(ValueError, match=r"every array needs one row per sample .* got shape \(\)"):
+        TieredArrayStore({"a": torch.tensor(3.0)}, forced_plan(arrays(), 5, 0), "cpu")
+
+
+def test_a_store_says_how_many_samples_it_serves_and_whether_rows_cross_to_the_device():
+    data = arrays()
+    on_host = TieredArrayStore(data, forced_plan(data, 10, 10), "cpu", ledger=BudgetLedger())
+    on_meta = TieredArrayStore(data, forced_plan(data, 10, 10), "meta", ledger=BudgetLedger(), owner="m")
+    assert on_host.num_samples == on_meta.num_samples == N
+    assert not on_host.copies and on_meta.copies
+    on_host.close()
+    on_meta.close()

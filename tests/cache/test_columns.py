@@ -45,6 +45,8 @@ def _sample(kind: str, i: int):
         return np.full((2, 3), i, dtype=np.float64), np.int64(i), np.uint8(i % 256)
     if kind == "tensor":
         return x
+    if kind == "bfloat16":  # a dtype numpy lacks: its rows are written with torch, not numpy records
+        return x.to(torch.bfloat16), i
     if kind == "int":
         return i
     if kind == "string":
@@ -52,7 +54,7 @@ def _sample(kind: str, i: int):
     raise ValueError(kind)
 
 
-KINDS = ["tuple", "list", "dict", "namedtuple", "nested", "numpy", "tensor", "int", "string"]
+KINDS = ["tuple", "list", "dict", "namedtuple", "nested", "numpy", "tensor", "bfloat16", "int", "string"]
 
 
 def _store(n: int, budget: int = 1 << 30, **options) -> ColumnStore:
@@ -287,3 +289,88 @@ def test_device_columns_are_one_allocation_per_leaf() -> None:
     assert_same(batch, default_collate([samples[k] for k in order.tolist()]))
     store.close()
     assert ledger.owners("cuda:0") == {}
+
+
+def test_numpy_text_arrays_are_kept_per_sample_not_as_a_column() -> None:
+    part = prepare([np.array(["a", "b"]), np.array(["c", "d"])])
+    assert isinstance(part, Objects) and layout(part) is None
+
+
+def test_a_closed_or_empty_store_finds_nothing_and_has_nothing_to_shrink() -> None:
+    store = _store(10)
+    assert store.shrink(0) == 0  # nothing stored yet
+    assert store.slots(torch.tensor([], dtype=torch.int64)).numel() == 0
+    assert _put(store, [1, 2], [_sample("tuple", 1), _sample("tuple", 2)]) == 2
+    assert store.shrink(1 << 30) == 0  # already within the bytes asked for
+    store.close()
+    assert store.slots(torch.tensor([1, 2])).tolist() == [-1, -1]
+
+
+def test_out_of_memory_while_writing_stops_filling_with_one_warning_and_other_errors_surface(monkeypatch) -> None:
+    store = _store(10)
+    assert _put(store, [0], [_sample("tuple", 0)]) == 1
+    message = iter(["a bad write", "CUDA out of memory. Tried to allocate 2.00 GiB"])
+
+    def failing(keys, write):
+        raise RuntimeError(next(message))
+
+    monkeypatch.setattr(store, "_write", failing)
+    with pytest.raises(RuntimeError, match="a bad write"):
+        _put(store, [1], [_sample("tuple", 1)])
+    with pytest.warns(CacheFallbackWarning, match="out of memory on cpu"):
+        assert _put(store, [2], [_sample("tuple", 2)]) == 0
+    assert not store.accepting and 2 not in store
+
+
+def test_tensors_off_the_host_are_kept_per_sample() -> None:
+    meta = torch.zeros(2, device="meta")
+    assert isinstance(prepare([meta, meta]), Objects)
+
+
+def test_a_batch_of_another_structure_is_not_assembled_with_the_stored_one() -> None:
+    samples = [{"x": torch.full((2,), float(i)), "name": f"n{i}"} for i in range(4)]
+    store = _store(4)
+    _put(store, [0, 1], samples[:2])
+    slots = store.slots(torch.tensor([2, 0]))
+    assert store.assemble(slots, prepare([(torch.zeros(2), "a")])) is None
+
+
+def test_per_sample_values_stop_at_the_free_memory_room_with_one_warning() -> None:
+    store = _store(100, room=lambda: 3 * 9 + 5)
+    samples = [f"sample {i:02d}" for i in range(8)]  # 9 bytes each, kept per sample
+    with pytest.warns(CacheFallbackWarning, match="reached the reserve after caching 3 samples"):
+        assert _put(store, list(range(8)), samples) == 3
+    assert not store.accepting and store.views(store.slots(torch.arange(3))) == samples[:3]
+
+
+def test_rows_that_cannot_be_allocated_at_all_stop_filling_with_one_warning(monkeypatch) -> None:
+    def empty(shape, **options):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB")
+
+    monkeypatch.setattr(torch, "empty", empty)
+    store = _store(4)
+    with pytest.warns(CacheFallbackWarning, match="out of memory on cpu"):
+        assert _put(store, [0, 1], [torch.zeros(2), torch.ones(2)]) == 0
+    assert not store.accepting
+
+
+def test_per_sample_tensors_read_into_a_device_batch_are_moved_to_the_device() -> None:
+    """The META device stands in for CUDA: read samples' per-sample tensors go to the device."""
+    meta = torch.device("meta")
+    # a tensor that requires grad is kept per sample (a column would drop its autograd flag)
+    samples = [{"x": torch.full((2,), float(i)), "w": torch.full((3,), float(i), requires_grad=True)} for i in range(4)]
+    store = ColumnStore(1 << 20, 4, meta, ledger=BudgetLedger())
+    assert store.put(torch.tensor([0, 2]), prepare([samples[0], samples[2]])) == 2
+    batch = store.assemble(store.slots(torch.tensor([1, 0, 3])), prepare([samples[1], samples[3]]))
+    assert batch["x"].device == meta and batch["x"].shape == (3, 2)
+    assert batch["w"].device == meta and batch["w"].shape == (3, 3)
+    store.close()
+
+
+def test_a_worker_stacking_sparse_tensors_raises_torchs_own_error() -> None:
+    from gpuload.cache.columns import _stack_as_in_worker
+
+    sparse = torch.eye(2).to_sparse()
+    with pytest.raises(RuntimeError, match="Batches of sparse tensors are not currently supported"):
+        _stack_as_in_worker([sparse, sparse])
+    assert torch.equal(_stack_as_in_worker([torch.ones(2), torch.zeros(2)]), torch.tensor([[1.0, 1], [0, 0]]))

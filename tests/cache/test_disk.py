@@ -766,3 +766,249 @@ def test_two_users_of_one_ragged_entry_share_its_blocks(tmp_path: Path) -> None:
     third = _open_ragged(tmp_path, n)
     assert all(torch.equal(a, b) for a, b in zip(third.read_items(torch.arange(n)), images))
     assert len(list(_entry(tmp_path).glob("block-*.bin"))) == 4 and not list(_entry(tmp_path).glob("*.part"))
+
+
+# ---------------------------------------------------------------- argument and entry errors
+
+
+def test_fingerprint_settings_take_sets_paths_and_dtypes_and_name_what_they_refuse(tmp_path: Path) -> None:
+    from gpuload.cache.disk import fingerprint_arrays, fingerprint_dataset, fingerprint_images
+
+    a = np.arange(6, dtype=np.int32)
+    settings = {"s": {3, 1}, "p": tmp_path, "d": torch.float16, "n": np.dtype("int8"), "c": torch.device("cpu"),
+                "slice": slice(0, 2)}
+    assert fingerprint_for(a, settings) == fingerprint_for(a, dict(settings))
+    assert fingerprint_for(a, {**settings, "s": {1, 2}}).digest != fingerprint_for(a, settings).digest
+    assert fingerprint_for(a, {**settings, "slice": slice(0, 3)}).digest != fingerprint_for(a, settings).digest
+    with pytest.raises(TypeError, match="fingerprint_arrays takes tensors or numpy arrays .*not list"):
+        fingerprint_arrays([a, "not an array"])
+    with pytest.raises(TypeError, match="fingerprint_images needs a dataset with a samples list"):
+        fingerprint_images(object())
+    with pytest.raises(TypeError, match="stores map-style datasets with a length; object has none"):
+        fingerprint_dataset(object())
+
+
+def test_an_unreadable_image_file_changes_the_fingerprint_when_it_appears(tmp_path: Path) -> None:
+    from gpuload.cache.disk import fingerprint_images
+
+    class Listed:
+        samples = [(str(tmp_path / "missing.jpg"), 0)]
+
+    missing = fingerprint_images(Listed())
+    (tmp_path / "missing.jpg").write_bytes(b"x")
+    assert fingerprint_images(Listed()).digest != missing.digest
+
+
+def test_column_specs_are_checked_and_a_dict_is_accepted(tmp_path: Path) -> None:
+    fingerprint = Fingerprint.of("arrays", "x", {})
+    cache = DiskCache.open(tmp_path, fingerprint, {"x": ((2,), torch.int32)}, 4, 1 << 20)
+    assert cache.columns == (ColumnSpec("x", torch.int32, (2,)),)
+    cache.close()
+    with pytest.raises(TypeError, match=r"columns must be ColumnSpec\(name, dtype, shape\)s"):
+        DiskCache.open(tmp_path, fingerprint, [], 4)
+    with pytest.raises(TypeError, match="column 'x': dtype 'int32' is not a torch.dtype"):
+        DiskCache.open(tmp_path, fingerprint, [ColumnSpec("x", "int32", (2,))], 4)
+    with pytest.raises(ValueError, match=r"column 'x': shape \(-2,\) must be non-negative ints"):
+        DiskCache.open(tmp_path, fingerprint, [ColumnSpec("x", torch.int32, (-2,))], 4)
+    with pytest.raises(ValueError, match="num_rows=True must be a non-negative int"):
+        DiskCache.open(tmp_path, fingerprint, [ColumnSpec("x", torch.int32, (2,))], True)
+    with pytest.raises(ValueError, match="block_bytes=0 must be a positive int"):
+        DiskCache.open(tmp_path, fingerprint, [ColumnSpec("x", torch.int32, (2,))], 4, block_bytes=0)
+
+
+def test_a_file_where_the_folder_should_be_one_warning_and_no_disk_tier(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.warns(DiskCacheWarning, match="not a folder"):
+        cache = DiskCache.open(tmp_path / "file", Fingerprint.of("arrays", "x", {}), {"x": ((), torch.int32)}, 4)
+    assert cache is None
+
+
+def test_a_closed_cache_has_no_rows_and_its_repr_says_what_it_holds(tmp_path: Path) -> None:
+    images, labels = _data(16)
+    with _open(tmp_path, 16) as cache:
+        cache.write(torch.arange(8), [images[:8], labels[:8]])
+        assert f"DiskCache({cache.root}, 8/16 rows published" in repr(cache)
+        with pytest.raises(TypeError, match="holds fixed-size rows: read them with read"):
+            cache.read_items(torch.arange(2))
+    assert not cache.present(torch.arange(8)).any()
+
+
+def _filled(folder: Path, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write every row of an n-row entry under ``folder`` and close it; the rows written."""
+    images, labels = _data(n)
+    cache = _open(folder, n)
+    cache.write(torch.arange(n), [images, labels])
+    cache.close()
+    return images, labels
+
+
+def test_a_manifest_for_other_columns_or_with_a_block_out_of_range_is_named(tmp_path: Path) -> None:
+    _filled(tmp_path, 16)
+    manifest = _entry(tmp_path) / "manifest.json"
+    good = json.loads(manifest.read_bytes())
+    for change, message in [({"block_rows": 3}, "manifest.json is for another block_rows"),
+                            ({"blocks": [[9, 1, 1]]}, "block number is out of range")]:
+        manifest.write_text(json.dumps({**good, **change}))
+        with pytest.warns(DiskCacheWarning, match=message):
+            cache = _open(tmp_path, 16)
+        assert not cache.present(torch.arange(16)).any()
+        cache.close()
+
+
+def test_cache_ls_names_damaged_entries_and_rm_refuses_other_folders(tmp_path: Path) -> None:
+    from gpuload.cache.disk import list_entries, remove_entry
+
+    _filled(tmp_path, 16)
+    entry = _entry(tmp_path)
+    (entry / "entry.json").write_bytes(b"{")
+    (entry / "manifest.json").write_bytes(b"[")
+    bare = tmp_path / ("0" * 32)
+    bare.mkdir()
+    found = {e.path: e for e in list_entries(tmp_path)}
+    assert found[entry].problem == "no readable entry.json (JSONDecodeError)"
+    assert found[bare].problem == "no readable entry.json (FileNotFoundError)" and not found[bare].in_use
+    (bare / "entry.json").write_text(json.dumps(
+        {"fingerprint": {"description": "d", "digest": "g", "kind": "k"}, "num_rows": 4, "block_rows": 2}))
+    assert {e.path: e for e in list_entries(tmp_path)}[bare].problem == ""  # no manifest: nothing published yet
+    (bare / "manifest.json").write_text(json.dumps({"blocks": "x"}))
+    assert {e.path: e for e in list_entries(tmp_path)}[bare].problem == "damaged manifest (ValueError)"
+    with pytest.raises(ValueError, match="is not a gpuload disk cache entry"):
+        remove_entry(tmp_path)
+    assert remove_entry(bare) and not bare.exists()  # no users file: nobody can have it open
+
+
+def test_a_file_system_without_fallocate_still_gets_whole_blocks(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    def unsupported(fd, offset, size):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    images, labels = _data(16)
+    cache = _open(tmp_path, 16)
+    cache.write(torch.arange(16), [images, labels])
+    assert cache.complete and torch.equal(cache.read(torch.arange(16))[0], images)
+    cache.close()
+
+
+def test_a_manifest_that_cannot_be_written_unpublishes_its_block_with_one_warning(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    images, labels = _data(16)
+    cache = _open(tmp_path, 16)
+    rename = os.rename
+
+    def no_room_for_the_manifest(source, target):
+        if str(target).endswith("manifest.json"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(target))
+        return rename(source, target)
+
+    monkeypatch.setattr(os, "rename", no_room_for_the_manifest)
+    with pytest.warns(DiskCacheWarning, match="the disk is full") as caught:
+        cache.write(torch.arange(8), [images[:8], labels[:8]])
+        cache.write(torch.arange(8, 16), [images[8:], labels[8:]])  # stopped: nothing more, no second warning
+    assert len(caught) == 1
+    assert not cache.present(torch.arange(16)).any() and cache.stats().stopped
+    entry = cache.root
+    assert not list(entry.glob("block-*.bin")) and not list(entry.glob("*.tmp-*"))  # nothing half-published
+    cache.close()
+
+
+def test_maps_and_open_parts_beyond_their_limits_are_closed_oldest_first(tmp_path: Path, monkeypatch) -> None:
+    import gpuload.cache.disk as disk_module
+
+    monkeypatch.setattr(disk_module, "_OPEN_MAPS", 2)
+    monkeypatch.setattr(disk_module, "_OPEN_PARTS", 2)
+    images, labels = _data(40)
+    cache = _open(tmp_path, 40)
+    firsts = torch.arange(0, 40, BLOCK_ROWS)  # the first row of each of the 5 blocks: 5 parts open at once
+    cache.write(firsts, [images[firsts], labels[firsts]])
+    cache.write(torch.arange(40), [images, labels])
+    assert cache.complete
+    for block in range(5):
+        rows = torch.tensor(_block_rows(block))
+        assert torch.equal(cache.read(rows)[0], images[rows])  # 5 blocks read through 2 maps
+    assert len(cache._maps) == 2 and not cache._parts
+    cache.close()
+
+
+def test_a_deleted_block_is_named_and_its_rows_filled_again(tmp_path: Path) -> None:
+    images, labels = _filled(tmp_path, 16)
+    (_entry(tmp_path) / "block-000001.bin").unlink()
+    cache = _open(tmp_path, 16)
+    with pytest.warns(DiskCacheWarning, match=r"block-000001.bin cannot be read \(No such file or directory\)"):
+        present = cache.present(torch.arange(16))
+    assert present.tolist() == [True] * 8 + [False] * 8
+    cache.write(torch.arange(8, 16), [images[8:], labels[8:]])
+    assert torch.equal(cache.read(torch.arange(16))[0], images)
+    cache.close()
+
+
+def test_an_entry_whose_files_cannot_be_opened_closes_what_it_opened_and_warns(tmp_path: Path) -> None:
+    cache = _open(tmp_path, 16)
+    root = cache.root
+    cache.close()
+    (root / "rows.fill").unlink()
+    (root / "rows.fill").mkdir()  # a folder where the row flags should be
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.warns(DiskCacheWarning, match=r"cannot use .*rows.fill \(Is a directory\); running without a disk tier"):
+        assert DiskCache.open(tmp_path, Fingerprint.of("arrays", "test rows", {"seed": 0, "rows": 16}),
+                              [ColumnSpec("image", torch.uint8, SHAPE), ColumnSpec("label", torch.int64, ())], 16,
+                              1 << 30, block_bytes=BLOCK_ROWS * RECORD) is None
+    assert len(os.listdir("/proc/self/fd")) == before  # the lock and users files it opened are closed
+
+
+def test_a_process_opening_the_entry_while_another_probes_the_folder_leaves_both_usable(tmp_path: Path,
+                                                                                         monkeypatch) -> None:
+    """The first user of an entry discards stale ``.probe-*`` files: another process's probe,
+    deleted between its creation and its removal, must not make that process run without the
+    disk tier (it did: the probe's unlink raised FileNotFoundError)."""
+    import builtins
+    import threading
+
+    import gpuload.cache.disk as disk_module
+
+    _open(tmp_path, 16).close()  # the entry exists, nobody has it open
+    others: list[DiskCache | None] = []
+
+    def probe_then_another_opens(path, *args, **kwargs):
+        handle = builtins.open(path, *args, **kwargs)
+        if Path(path).name.startswith(".probe-") and not others:
+            others.append(None)  # once: the other opening probes too
+            # another thread (a probe of its own name), the only user: it recovers the entry
+            opener = threading.Thread(target=lambda: others.__setitem__(0, _open(tmp_path, 16)))
+            opener.start()
+            opener.join()
+        return handle
+
+    monkeypatch.setattr(disk_module, "open", probe_then_another_opens, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache = _open(tmp_path, 16)
+    assert others[0] is not None and cache.root == others[0].root
+    cache.close()
+    others[0].close()
+
+
+def test_the_first_user_recovering_an_entry_tolerates_a_probe_its_process_removed_meanwhile(tmp_path: Path,
+                                                                                           monkeypatch) -> None:
+    root = _open(tmp_path, 16)
+    entry = root.root
+    root.close()
+    probe = entry / ".probe-1-2"  # another process's probe, listed as stale, then removed by that process
+    probe.write_bytes(b"")
+    scandir = os.scandir
+
+    def listed_then_removed(path):
+        entries = list(scandir(path))
+        if Path(path) == entry:
+            probe.unlink(missing_ok=True)
+        return iter(entries)
+
+    monkeypatch.setattr(os, "scandir", listed_then_removed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache = _open(tmp_path, 16)
+    monkeypatch.undo()
+    assert cache.root == entry and not probe.exists()
+    cache.close()

@@ -258,3 +258,75 @@ def test_device_images_are_written_to_the_disk_tier_once_their_host_copy_is_done
     assert images._write_copied(wait=False) == 2 and disk.written == [[1, 2]]
     images.close()
     assert disk.written == [[1, 2], [3]] and disk.closed
+
+
+# ---------------------------------------------------------------- edges of the tiers
+
+
+def test_an_empty_disk_tier_holds_nothing_and_refuses_to_gather(tmp_path: Path) -> None:
+    data = _arrays()
+    empty = DiskTier.allocate(data, 10, 5, torch.device("cpu"))
+    assert (empty.rows, empty.nbytes, empty.first) == (0, 0, 10)
+    with pytest.raises(RuntimeError, match="this disk tier was closed"):
+        empty.gather(0, torch.arange(2))
+    no_folder = disk_tier_maker(CacheSettings.resolve(environ={}, cwd=tmp_path), lambda: fingerprint_arrays(data))
+    assert no_folder(data, 0, 10).rows == 0 and list(tmp_path.iterdir()) == []
+    settings = CacheSettings.resolve(cache_dir=tmp_path / "c", environ={}, cwd=tmp_path)
+    assert disk_tier_maker(settings, lambda: 1 / 0)(data, 0, 0).rows == 0  # no rows: not even fingerprinted
+
+
+def test_a_disk_tier_gathers_into_a_new_tensor_and_keeps_fewer_rows(tmp_path: Path) -> None:
+    data = _arrays()
+    settings = CacheSettings.resolve(cache_dir=tmp_path / "c", environ={}, cwd=tmp_path)
+    tier = disk_tier_maker(settings, lambda: fingerprint_arrays(data))(data, 100, 50)
+    assert tier.rows == 50 and tier.nbytes == 0
+    assert torch.equal(tier.gather(1, torch.tensor([0, 49])), data[1][torch.tensor([100, 149])])
+    tier.keep(20)
+    assert tier.rows == 20
+    tier.disk.close()
+
+
+class _Failing(Pictures):
+    def __getitem__(self, i: int):
+        raise OSError(f"sample {i} is unreadable")
+
+
+class _Named(Pictures):
+    def __getitem__(self, i: int):
+        return torch.zeros(2, dtype=torch.uint8), f"sample-{i}"
+
+
+class _Unpicklable(Pictures):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = __import__("threading").Lock()
+
+
+def test_the_sample_disk_tier_names_why_a_dataset_gets_none(tmp_path: Path) -> None:
+    from gpuload.cache.disk_tier import DiskRows
+
+    settings = CacheSettings.resolve(cache_dir=tmp_path / "c", environ={}, cwd=tmp_path)
+    with pytest.warns(DiskCacheWarning, match=r"reading _Failing\[0\] failed \(OSError: sample 0 is unreadable\)"):
+        assert DiskRows.open(_Failing(), settings) is None
+    with pytest.warns(DiskCacheWarning, match="the samples of this _Named are not fixed-shape"):
+        assert DiskRows.open(_Named(), settings) is None
+    with pytest.warns(DiskCacheWarning, match="cannot fingerprint _Unpicklable: its attributes do not pickle"):
+        assert DiskRows.open(_Unpicklable(), settings) is None
+    rows = DiskRows.open(Pictures(4), settings)
+    assert rows is not None and rows.accepting
+    rows.close()
+    assert not rows.disk.present(torch.arange(4)).any()
+
+
+def test_the_image_disk_tier_keeps_only_whole_uint8_images(tmp_path: Path) -> None:
+    from gpuload.cache.disk_tier import DiskImages
+
+    from gpuload.datasets import make_sample_image_folder
+
+    folder = make_sample_image_folder(tmp_path / "images", num_images=3, num_classes=1, seed=0)
+    settings = CacheSettings.resolve(cache_dir=tmp_path / "c", environ={}, cwd=tmp_path)
+    images = DiskImages.open(folder, settings, {"backend": "test"})
+    assert images is not None
+    assert images.write([0, 1], [torch.zeros(2, 2), torch.zeros(2, 2, 3, dtype=torch.float32)]) == 0
+    assert images.present([0, 1]) == [False, False]
+    images.disk.close()

@@ -141,3 +141,68 @@ def test_keeps_encoded_bytes_completes_and_settles() -> None:
         assert cache.accepting and cache.keep(index, data)
     assert cache.complete and not cache.accepting and cache.get(1) == blobs[1]
     assert cache.summary()["budget"] == sum(map(len, blobs))  # settled to what it holds
+
+
+class _Pair(tuple):
+    """A tuple subclass with no fields: rebuilt from its items."""
+
+
+class _Point(tuple):
+    """A tuple subclass whose constructor takes the coordinates, not an iterable."""
+
+    def __new__(cls, x: int, y: int):
+        return super().__new__(cls, (x, y))
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass torch's functions keep (detach() returns one)."""
+
+
+class _Plain(torch.Tensor):
+    """A tensor subclass torch's functions do not keep (detach() returns a torch.Tensor)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def test_copies_keep_container_and_tensor_subclasses_and_name_what_they_cannot_copy():
+    from gpuload.cache.sample_store import Uncacheable, copy_value
+
+    pair, size = copy_value(_Pair((torch.arange(2), 3)), torch.device("cpu"))
+    assert type(pair) is _Pair and torch.equal(pair[0], torch.arange(2)) and size == 16 + 8
+    for kind in (_Tagged, _Plain):
+        tagged = torch.arange(3).as_subclass(kind)
+        tagged.note = "kept"
+        copied, _ = copy_value(tagged, torch.device("cpu"))
+        assert type(copied) is kind and copied.note == "kept" and copied.data_ptr() != tagged.data_ptr()
+    with pytest.raises(Uncacheable, match="numpy object array"):
+        copy_value(np.array([1, "a"], dtype=object), torch.device("cpu"))
+    with pytest.raises(Uncacheable, match=r"_Point \(TypeError: .*\)"):
+        copy_value(_Point(1, 2), torch.device("cpu"))
+
+
+def test_a_negative_budget_is_refused_and_a_closed_cache_settles_to_nothing():
+    with pytest.raises(ValueError, match="budget_bytes must be >= 0, got -1"):
+        SampleCache(-1)
+    cache = SampleCache(100)
+    assert cache.keep(0, 1) and cache.keep(0, 1) and len(cache) == 1  # kept once
+    cache.close()
+    cache.settle()
+    assert not cache.full
+
+
+def test_out_of_memory_while_copying_stops_filling_with_one_warning_and_other_errors_surface(monkeypatch):
+    import gpuload.cache.sample_store as sample_store
+
+    cache = SampleCache(10**6)
+    assert cache.keep(0, torch.zeros(2))
+
+    def failing(value, device):
+        raise RuntimeError(value)
+
+    monkeypatch.setattr(sample_store, "copy_value", failing)
+    with pytest.raises(RuntimeError, match="a bad sample"):
+        cache.keep(1, "a bad sample")
+    with pytest.warns(CacheFallbackWarning, match="out of memory on cpu"):
+        assert not cache.keep(2, "CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert cache.full and cache.stats.rejected == 1 and len(cache) == 1
+    assert not cache.keep(3, torch.zeros(2))

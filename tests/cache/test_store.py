@@ -227,3 +227,32 @@ def test_the_column_store_shrinks_through_its_guard(monkeypatch):
     assert store.shrink(0) > 0
     assert calls == ["use", "before", ("replaced", 3)]  # the old rows of its three columns
     store.close()
+
+
+def test_shrink_to_reserve_gives_back_what_free_memory_no_longer_allows_on_cuda_only(monkeypatch):
+    """A host store relabelled as on CUDA, with a fake memory reader: the shrink runs only on a
+    CUDA device, only when the store holds device bytes, and warns with where samples come from."""
+    import gpuload.cache.store as store_module
+    from gpuload.device import MemoryInfo
+
+    case = columns_case()
+    store = case.store
+    seen: list = []
+
+    def keepable(device, memory, held):
+        seen.append((device.type, memory.free, held))
+        return 0
+
+    assert store.shrink_to_reserve(keepable) == 0 and seen == []  # not on CUDA: nothing to give back
+    monkeypatch.setattr(store_module, "device_memory", lambda device: MemoryInfo(free=123, total=1 << 30))
+    monkeypatch.setattr(store, "device", torch.device("cuda"))
+    held = store.device_bytes
+    assert held > 0
+    with pytest.warns(UserWarning, match=r"free memory on cuda fell below the reserve; .* read from the dataset"):
+        assert store.shrink_to_reserve(keepable, refill="they are read from the dataset") > 0
+    assert seen == [("cuda", 123, held)]
+    empty = columns_case().store
+    monkeypatch.setattr(empty, "device", torch.device("cuda"))
+    empty.close()
+    assert empty.shrink_to_reserve(keepable) == 0 and len(seen) == 1  # holds nothing: not asked
+    store.close()

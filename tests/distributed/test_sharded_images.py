@@ -140,3 +140,38 @@ def test_set_batch_size_on_every_rank_at_the_same_batch_cuts_the_rest_of_the_epo
         assert seen["path"] == "sharded-world"
         assert seen["equal"], f"rank {rank}: batches differ from the per-rank cache's after the change"
         assert seen["in_order"], f"rank {rank}: not torch's order cut at the new size"
+
+
+# ---------------------------------------------------------------- one rank's block, without ranks
+
+
+def test_a_rank_reads_its_block_in_chunks_and_stops_at_its_room_or_a_bad_decoder():
+    import torch
+
+    from gpuload.distributed.sharded_images import _OK, _TOO_BIG, DecodedShare, WholeImages, _read_block
+
+    def read(positions):  # position 2 is a bad file; the chunk [4, 6) has only bad files
+        kept = [p for p in positions if p not in (2, 4, 5)]
+        hwc = [torch.full((2, 3, 3), p, dtype=torch.uint8).permute(2, 0, 1) for p in kept]  # DALI-like CHW views
+        return WholeImages(kept, hwc, [(p, "cpu", "not a JPEG") for p in positions if p in (2, 4, 5)])
+
+    outcome, why, (chunks, views, shapes, bad) = _read_block(read, 0, 6, 2, 1 << 20, torch.device("cpu"))
+    assert (outcome, why, len(chunks), sorted(bad)) == (_OK, "", 2, [2, 4, 5])
+    share = DecodedShare(chunks, views, shapes, torch.device("cpu"), start=10, name=lambda p: f"img{p}.jpg", owner="t")
+    image = share.gather([3])[0]
+    assert image.shape == (3, 2, 3) and bool((image == 3).all())
+    with pytest.raises(IndexError, match="dataset index 12 is a bad file: img12.jpg"):
+        share.gather([2])
+    assert share.shrink(0) == 0  # one rank cannot shrink a share the others read
+    share.close()
+    share.close()
+    with pytest.raises(RuntimeError, match="this gpuload.DataLoader was closed"):
+        share.gather([0])
+    outcome, why, block = _read_block(read, 0, 6, 2, 20, torch.device("cpu"))
+    assert (outcome, block) == (_TOO_BIG, None) and why == "36 B read so far"
+
+    def four_dims(positions):
+        return WholeImages(positions, [torch.zeros(1, 3, 2, 2, dtype=torch.uint8) for _ in positions])
+
+    with pytest.raises(ValueError, match=r"the decoder gave an image that is not \(channels, height, width\)"):
+        _read_block(four_dims, 0, 2, 2, 1 << 20, torch.device("cpu"))

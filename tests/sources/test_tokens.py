@@ -295,3 +295,30 @@ def test_shrinking_the_device_tier_keeps_the_batches(shard: Path) -> None:
     for ours_batch, theirs_batch in zip(ours, theirs, strict=True):
         assert_same([t.cpu() for t in ours_batch], theirs_batch)
     assert ours.stats.extra["cache"]["device_bytes"] == 512
+
+
+def test_a_worker_init_fn_keeps_torchs_path_and_warm_places_the_tokens(shard: Path) -> None:
+    ds = TokenWindows(shard, 64)
+    ours, theirs = _pair(ds, batch_size=8, num_workers=1, worker_init_fn=print)
+    assert_same_epochs(ours, theirs, epochs=1)
+    assert ours.stats.path == "torch"  # the worker process runs the worker_init_fn
+    ours.close()
+    warmed = gpuload.DataLoader(ds, batch_size=8)
+    warmed.warm(progress=False)
+    assert warmed.stats.path == "device-gather"
+    warmed.close()
+
+
+def test_an_empty_batch_fails_like_torch_and_a_closed_loaders_iterator_says_why(shard: Path) -> None:
+    ds = TokenWindows(shard, 64)
+    ours, theirs = _pair(ds, seed=None, batch_sampler=[[]])
+    with pytest.raises(IndexError, match="list index out of range"):
+        next(iter(theirs))
+    with pytest.raises(IndexError, match="list index out of range"):
+        next(iter(ours))
+    loader = gpuload.DataLoader(ds, batch_size=8)
+    batches = iter(loader)
+    next(batches)
+    loader.close()
+    with pytest.raises(RuntimeError, match=r"stopped before its end .* the loader was closed"):
+        next(batches)
