@@ -35,6 +35,7 @@ import torch
 import gpuload
 from gpuload.bench.report import WIDTH, write_json
 from gpuload.bench.run import steady_host_allocator
+from gpuload.bench.tokens import anonymous_bytes
 from gpuload.cache import estimate_image_bytes, format_bytes
 
 __all__ = [
@@ -61,14 +62,7 @@ def anon_resident_bytes() -> int:
             ctypes.CDLL(name).malloc_trim(0)
         except (OSError, AttributeError):
             pass
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return anonymous_bytes()
 
 
 def decoded_folder(root: str | os.PathLike[str]) -> Any:
