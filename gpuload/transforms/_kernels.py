@@ -28,10 +28,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from gpuload.transfer import to_device
 from gpuload.transforms.geometry import PLAN_COLUMNS, geometry_plan
 from gpuload.transforms.ops import GEOMETRIC_OPS, ColorJitter, Normalize, Op, RandomErasing, ToDtype
 from gpuload.transforms.params import BatchParams
-from gpuload.transforms import reference, staging
+from gpuload.transforms import reference
 
 __all__ = [
     "GEOMETRY_COLUMNS",
@@ -367,7 +368,7 @@ def _launch(
                       memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     if n == 0 or oh * ow == 0:
         return out
-    table_d, consts_d = staging.to_device([table, consts], device)
+    table_d, consts_d = to_device([table, consts], device)
     physical = out.permute(0, 2, 3, 1) if channels_last else out  # contiguous either way
     if out_dtype == torch.bfloat16 or out_dtype == torch.float16:
         physical = physical.view(torch.int16)  # CuPy has no bfloat16; the kernel writes bits

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gpuload.transforms import _kernels, batched, reference, staging
+from gpuload.transfer import to_device
+from gpuload.transforms import _kernels, batched, reference
 from gpuload.transforms.ops import (
     CenterCrop,
     Op,
@@ -192,7 +193,7 @@ def _to_device(batch: reference.Batch, device: torch.device) -> reference.Batch:
     a copy from pageable memory would wait for the stream (a host sync every batch)."""
     images = [batch] if isinstance(batch, torch.Tensor) else list(batch)
     from_host = {k for k, image in enumerate(images) if image.device.type == "cpu" and device.type == "cuda"}
-    staged = iter(staging.to_device([images[k] for k in sorted(from_host)], device))
+    staged = iter(to_device([images[k] for k in sorted(from_host)], device))
     moved = [next(staged) if k in from_host else image.to(device, non_blocking=True)
              for k, image in enumerate(images)]
     return moved[0] if isinstance(batch, torch.Tensor) else moved

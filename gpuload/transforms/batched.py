@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from gpuload.transforms import reference, staging
+from gpuload.transfer import to_device
+from gpuload.transforms import reference
 from gpuload.transforms.geometry import crop_windows, geometry_plan
 from gpuload.transforms.ops import (
     GEOMETRIC_OPS,
@@ -165,7 +166,7 @@ def _gather(
     per_channel = layout[:, :1] + torch.arange(channels).view(1, -1) * layout[:, 1:2]
     per_row = (per_channel.view(n, channels, 1, 1) + (rows * layout[:, 2:3]).view(n, 1, oh, 1)).to(index_dtype)
     per_col = (cols * layout[:, 3:4]).view(n, 1, 1, ow).to(index_dtype)
-    moved = staging.to_device([per_row, per_col] + ([outside] if outside is not None else []), flat.device)
+    moved = to_device([per_row, per_col] + ([outside] if outside is not None else []), flat.device)
     out = flat.index_select(0, torch.add(moved[0], moved[1]).view(-1)).view(n, channels, oh, ow)
     if outside is not None:
         out = out.to(_fill_dtype(out.dtype, fill)).masked_fill_(moved[2], fill)
@@ -203,7 +204,7 @@ def _window_gather(
     base = slot * stride_n + (top + pads[0]) * stride_y + (left + pads[2]) * stride_x
     span = (channels - 1) * stride_c + (oh - 1) * stride_y + (ow - 1) * stride_x
     starts = source.as_strided((extent - span, channels, oh, ow), (1, stride_c, stride_y, stride_x))
-    (base,) = staging.to_device([base], source.device)
+    (base,) = to_device([base], source.device)
     return starts.index_select(0, base)
 
 
@@ -227,7 +228,7 @@ def _framed(
         return framed, torch.arange(n)
     kept = (~mirror).nonzero()[:, 0]
     device = images.device
-    kept_d, flipped_d = staging.to_device([kept, flipped], device)
+    kept_d, flipped_d = to_device([kept, flipped], device)
     if len(kept):
         inner[: len(kept)].copy_(images.index_select(0, kept_d))
     mirrored = images.index_select(0, flipped_d)
@@ -282,7 +283,7 @@ def _resized(images: torch.Tensor | Sequence[torch.Tensor], maps: _Maps, fill: f
             if len(ids) == 1:
                 source = source[int(ids[0]) : int(ids[0]) + 1]
             elif len(ids) < n:
-                source = source.index_select(0, staging.to_device([ids], device)[0])
+                source = source.index_select(0, to_device([ids], device)[0])
         else:
             windows = [images[k][:, y0 : y0 + h, x0 : x0 + w] for k in ids.tolist()]
             source = windows[0].unsqueeze(0) if len(windows) == 1 else torch.stack(windows)
@@ -298,7 +299,7 @@ def _resized(images: torch.Tensor | Sequence[torch.Tensor], maps: _Maps, fill: f
             first = int(ids[0])
             _resize(source, canvas_size, mirror, out=batch_canvas[first : first + len(ids)])
         else:
-            batch_canvas.index_copy_(0, staging.to_device([ids], device)[0], _resize(source, canvas_size, mirror))
+            batch_canvas.index_copy_(0, to_device([ids], device)[0], _resize(source, canvas_size, mirror))
     if mirror_here:
         return batch_canvas
     source = batch_canvas if batch_canvas is not None else canvases
@@ -368,7 +369,7 @@ def _mirror_some(images: torch.Tensor, mirror: torch.Tensor) -> torch.Tensor:
     """``images`` (G, C, H, W) with the samples where ``mirror`` (G,) mirrored left-right."""
     if bool(mirror.all()):
         return images.flip(-1)
-    (flipped,) = staging.to_device([mirror.nonzero()[:, 0]], images.device)
+    (flipped,) = to_device([mirror.nonzero()[:, 0]], images.device)
     return images.index_copy(0, flipped, images.index_select(0, flipped).flip(-1))
 
 

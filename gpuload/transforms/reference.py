@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from gpuload.transfer import to_device
 from gpuload.transforms.ops import (
     GEOMETRIC_OPS,
     CenterCrop,
@@ -38,7 +39,6 @@ from gpuload.transforms.ops import (
     ToChannelsLast,
     ToDtype,
 )
-from gpuload.transforms import staging
 from gpuload.transforms.params import BatchParams
 
 __all__ = [
@@ -166,7 +166,7 @@ def apply_value_ops(
                 x = x.div_(255.0) if owned else x / 255.0
                 scaled = owned = True
         elif isinstance(op, Normalize):
-            mean, std = staging.to_device(normalize_constants(op, scaled, x.shape[1]), x.device)
+            mean, std = to_device(normalize_constants(op, scaled, x.shape[1]), x.device)
             mean, std = _per_channel(mean, x), _per_channel(std, x)
             x = (x.sub_(mean) if owned else x - mean).div_(std)  # same rounding as (x - m) / s
             owned = True
@@ -217,7 +217,7 @@ def erase_values(op: RandomErasing, channels: int) -> torch.Tensor:
 def erase(x: torch.Tensor, p: dict[str, torch.Tensor], values: torch.Tensor) -> torch.Tensor:
     """Set each sample's rectangle (where ``apply``) to ``values`` (one per channel)."""
     dev = x.device
-    top, left, height, width, apply, values = staging.to_device(
+    top, left, height, width, apply, values = to_device(
         [p["top"], p["left"], p["height"], p["width"], p["apply"], values], dev
     )
     top, left = top.view(-1, 1, 1), left.view(-1, 1, 1)
@@ -235,7 +235,7 @@ def color_jitter(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
     Each step computes every adjustment for the whole batch and keeps, per sample, the one its
     order names (``torch.where``): no data-dependent indexing, so no host sync on a GPU.
     """
-    order, *factors = staging.to_device(
+    order, *factors = to_device(
         [p["order"], *(p[name].to(torch.float32) for name in ("brightness", "contrast", "saturation"))],
         x.device,
     )

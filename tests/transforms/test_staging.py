@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpuload import transforms as T
-from gpuload.transforms import staging
+from gpuload.transfer import pack, to_device, unpack
 
 
 def _mixed():
@@ -23,22 +23,22 @@ def _mixed():
 
 def test_pack_and_unpack_round_trip_every_dtype_and_shape():
     tensors = _mixed()
-    buffer, offsets = staging.pack(tensors)
+    buffer, offsets = pack(tensors)
     assert buffer.dtype == torch.uint8 and all(offset % 16 == 0 for offset in offsets)
-    for got, want in zip(staging.unpack(buffer.clone(), offsets, tensors), tensors):
+    for got, want in zip(unpack(buffer.clone(), offsets, tensors), tensors):
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
 
 
 def test_to_device_on_the_cpu_returns_the_tensors():
     tensors = _mixed()
-    for got, want in zip(staging.to_device(tensors, torch.device("cpu")), tensors):
+    for got, want in zip(to_device(tensors, torch.device("cpu")), tensors):
         assert got is want
 
 
 @pytest.mark.gpu
 def test_to_device_copies_once_from_pinned_memory():
     tensors = _mixed()
-    out = staging.to_device(tensors, torch.device("cuda"))
+    out = to_device(tensors, torch.device("cuda"))
     assert len({t.untyped_storage().data_ptr() for t in out}) == 1  # one device buffer
     for got, want in zip(out, tensors):
         assert got.is_cuda and torch.equal(got.cpu(), want)
