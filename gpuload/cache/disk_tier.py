@@ -216,8 +216,9 @@ class DiskRows:
         return self.disk.accepting and not self.disk.stats().full
 
     def read(self, keys: torch.Tensor) -> Part | None:
-        """The prepared batch of samples ``keys`` when every one is on disk, else None."""
-        if not keys.numel() or not bool(self.disk.present(keys).all()):
+        """The prepared batch of samples ``keys`` when every one is on disk, else None (an index
+        past the dataset's length, which torch hands to the dataset, is never on disk)."""
+        if not keys.numel() or not bool(self._in_range(keys).all()) or not bool(self.disk.present(keys).all()):
             return None
         try:
             rows = self.disk.read(keys)
@@ -226,10 +227,20 @@ class DiskRows:
         return _with_rows(self.template, iter(rows))
 
     def write(self, keys: torch.Tensor, part: Part) -> int:
-        """Keep the samples of ``part`` (prepared from the dataset, in order) under ``keys``."""
+        """Keep the samples of ``part`` (prepared from the dataset, in order) under ``keys``
+        (those inside the dataset's length: the entry has a row for each of them only)."""
         if not self.disk.accepting or layout(part) != self._layout:
             return 0
+        inside = self._in_range(keys)
+        if not bool(inside.all()):
+            where = inside.nonzero().view(-1)
+            keys, part = keys.index_select(0, where), select_rows(part, where)
+            if not keys.numel():
+                return 0
         return self.disk.write(keys, column_rows(part))
+
+    def _in_range(self, keys: torch.Tensor) -> torch.Tensor:
+        return (keys >= 0) & (keys < self.disk.num_rows)
 
     def stats(self) -> dict[str, Any]:
         return self.disk.stats().as_dict()

@@ -330,3 +330,13 @@ def test_the_image_disk_tier_keeps_only_whole_uint8_images(tmp_path: Path) -> No
     assert images.write([0, 1], [torch.zeros(2, 2), torch.zeros(2, 2, 3, dtype=torch.float32)]) == 0
     assert images.present([0, 1]) == [False, False]
     images.disk.close()
+
+
+def test_an_index_past_the_datasets_length_is_read_from_the_dataset_as_torch_does(tmp_path: Path) -> None:
+    """torch hands every index to the dataset, also one past a ``__len__`` that underreports;
+    the disk tier has rows for ``[0, len)`` only, so such an index is neither read nor written there."""
+    sampler = [0, 3, 130, 5, 1, 2]
+    loader = gpuload.DataLoader(Pictures(), batch_size=4, sampler=sampler, cache="host", cache_dir=tmp_path / "c")
+    reference = torch.utils.data.DataLoader(Pictures(), batch_size=4, sampler=sampler)
+    assert _same(_epochs(loader, 2), _epochs(reference, 2))
+    assert loader.stats.extra["cache"]["disk"]["rows_written"] == 5
