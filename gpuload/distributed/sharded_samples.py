@@ -9,6 +9,11 @@ Every batch then comes over the arrays' exchange and is rebuilt in the structure
 a custom ``collate_fn``, whatever stops arrays from splitting) each rank keeps its own sample
 cache as before, with a warning when a split was asked for.
 
+With ``cache_dir``, a rank reads its rows from the disk tier where it has them (the entry the
+unsplit sample cache uses, keyed by the dataset's fingerprint) and writes the rows it reads
+from the dataset there: the node's ranks fill one copy between them, each its own rows, and a
+later job (any scope) reads none of them from the dataset.
+
 The probe sees a few samples only: one whose structure, dtype or shape differs from them shows
 up while a rank reads its block, after the ranks agreed to split. The ranks then agree once
 more (one small gloo ``all_gather`` after every read) and fall back all together; a read that
@@ -26,6 +31,7 @@ import torch.distributed as dist
 
 from gpuload.cache import CacheSettings, looks_deterministic
 from gpuload.cache.columns import Part, column_rows, layout, prepare, rebuild
+from gpuload.cache.disk_tier import DiskRows
 from gpuload.distributed.group import DistributedContext, ExchangeError, loader_identity, release_groups
 from gpuload.distributed.sharded_store import (
     ShardedStore,
@@ -48,9 +54,10 @@ class ShardedSamples:
     """This rank's share of the samples (``store``) and the structure their batches take, as the
     sample source holds it: what it reports of it, as ``CachedSamples`` does of a cache."""
 
-    def __init__(self, store: ShardedStore, template: Part) -> None:
+    def __init__(self, store: ShardedStore, template: Part, disk: dict[str, Any] | None = None) -> None:
         self.store = store
         self._template = template
+        self._disk = disk  # cache_dir's disk tier as the share's read left it, or None
         self.h2d_bytes = store.stats.device_bytes  # the share, copied to the device once
 
     @property
@@ -70,8 +77,10 @@ class ShardedSamples:
 
     def entries(self) -> dict[str, Any]:
         """The sample source's entries in ``loader.stats.extra``."""
-        return {"cache": self.store.stats.as_dict(), "cache_plan": self.store.plan.describe(),
-                "sample_cache_decision": self.describe()}
+        cache = self.store.stats.as_dict()
+        if self._disk is not None:
+            cache["disk"] = self._disk
+        return {"cache": cache, "cache_plan": self.store.plan.describe(), "sample_cache_decision": self.describe()}
 
     def batch(self, rows: list[torch.Tensor]) -> Any:
         """The batch ``default_collate`` gives for one exchanged batch's columns."""
@@ -120,11 +129,16 @@ def shard_samples(
     start, stop = plan.partition.rows_of(context.rank)
     chunks = [list(range(first, min(first + chunk_size, stop))) for first in range(start, stop, chunk_size)]
     raised = ""
+    disk = DiskRows.open(dataset, settings)
     try:
-        block = _read_block(template, stop - start, chunks, read)
+        block = _read_block(template, stop - start, chunks, read, disk)
         outcome = _READ_OK if block is not None else _LAYOUT_DIFFERS
     except Exception as error:  # noqa: BLE001 - torch's path raises it again, at that sample's batch
         block, outcome, raised = None, _READ_FAILED, f": {type(error).__name__}: {error}"
+    finally:
+        disk_stats = disk.stats() if disk is not None else None
+        if disk is not None:
+            disk.close()
     failed = _failed_ranks(outcome, groups[0], context)
     if failed:
         release_groups(groups)
@@ -136,7 +150,7 @@ def shard_samples(
         first, end = plan.partition.rows_of(rank)
         decline_split(settings, f"rank {rank} {what} (among rows [{first}, {end}))", stacklevel=6)
         return None
-    return ShardedSamples(sharded_arrays(block, plan, device, groups, owner=owner), template)
+    return ShardedSamples(sharded_arrays(block, plan, device, groups, owner=owner), template, disk_stats)
 
 
 class _FirstReads:
@@ -180,21 +194,44 @@ def _columns_of(
     return None, template
 
 
-def _read_block(template: Part, rows: int, chunks: list[list[int]], read: ReadBlock) -> list[torch.Tensor] | None:
-    """This rank's rows by column, read chunk by chunk; None when a chunk's layout differs from
-    ``template``'s."""
+def _read_block(
+    template: Part, rows: int, chunks: list[list[int]], read: ReadBlock, disk: DiskRows | None = None,
+) -> list[torch.Tensor] | None:
+    """This rank's rows by column, chunk by chunk: from ``disk`` (``cache_dir``'s disk tier of
+    the dataset's samples) where it has a whole chunk, the others read from the dataset (and
+    written to ``disk``); None when a chunk's layout differs from ``template``'s."""
     expected = layout(template)
     block = [torch.empty((rows, *column.shape[1:]), dtype=column.dtype) for column in column_rows(template)]
-    at = 0
-    with read(chunks) as parts:
-        for chunk, part in zip(chunks, parts):
-            if layout(part) != expected:
+    starts = [0]
+    for chunk in chunks:
+        starts.append(starts[-1] + len(chunk))
+    if starts[-1] != rows:
+        raise ValueError(f"the chunks hold {starts[-1]} of this rank's {rows} samples")
+
+    def put(k: int, part: Part) -> bool:
+        if layout(part) != expected:
+            return False
+        for column, values in zip(block, column_rows(part)):
+            column[starts[k] : starts[k + 1]] = values
+        return True
+
+    pending = []
+    for k, chunk in enumerate(chunks):
+        stored = disk.read(torch.tensor(chunk)) if disk is not None else None
+        if stored is None or not put(k, stored):
+            pending.append(k)
+    if not pending:
+        return block
+    done = 0
+    with read([chunks[k] for k in pending]) as parts:
+        for k, part in zip(pending, parts):
+            if not put(k, part):
                 return None
-            for column, values in zip(block, column_rows(part)):
-                column[at : at + len(chunk)] = values
-            at += len(chunk)
-    if at != rows:
-        raise RuntimeError(f"read {at} of this rank's {rows} samples")
+            if disk is not None:
+                disk.write(torch.tensor(chunks[k]), part)
+            done += 1
+    if done != len(pending):
+        raise RuntimeError(f"read {done} of this rank's {len(pending)} chunks of samples")
     return block
 
 

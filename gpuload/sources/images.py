@@ -22,7 +22,9 @@ Below the image cache, ``cache_dir``'s disk tier (:class:`~gpuload.cache.disk_ti
 keeps every whole decoded image as it is decoded (in the first epoch, or by ``warm``); images the
 image cache lacks are then read back from it, memory-mapped, instead of reading and decoding
 their files, in later epochs and by later jobs with the same files and decoder. While it fills,
-images are decoded whole, as for the image cache. A split over ranks has no disk tier.
+images are decoded whole, as for the image cache. A split over ranks reads each rank's block
+from the same disk entry where it is published and writes what it decodes there, so the node's
+ranks fill one copy between them and a later job's ranks decode nothing.
 
 Serves gpuload's image datasets (``gpuload.datasets.ImageFolder``, ``ImageList``, or a
 torchvision ImageFolder) with torch's default collation: batches have the structure
@@ -103,6 +105,7 @@ class ImageFileSource(ImageDecoding, Source):
         # the ranks, or nothing.
         self.held: CachedImages | ShardedImages | None = None
         self.disk: DiskImages | None = None  # cache_dir's disk tier of whole decoded images
+        self._disk_summary: dict[str, Any] | None = None  # the tier's stats once a share was read
         self._decided = False
         self._released: dict[str, Any] | None = None
 
@@ -113,13 +116,18 @@ class ImageFileSource(ImageDecoding, Source):
         if self._decided:
             return
         self._decided = True
-        share = self._shard()
-        self.held = share if share is not None else self._image_cache()
-        if share is None and not self.setup.settings.off_reason():
+        if not self.setup.settings.off_reason():
             decode = {"backend": self.decoder.backend, "channels_last": self.decoder.channels_last}
             self.disk = DiskImages.open(self.images, self.setup.settings, decode)
             if self.disk is not None:
                 weakref.finalize(self, self.disk.close)
+        share = self._shard()  # its block is read from the disk tier where published, and fills it
+        if share is not None and self.disk is not None:
+            # The share holds every image this rank serves: no file is read again, nothing more to keep.
+            self._disk_summary = self.disk.stats()
+            self.disk.close()
+            self.disk = None
+        self.held = share if share is not None else self._image_cache()
 
     def _image_cache(self) -> CachedImages | None:
         """This rank's own image cache, when ``decide_images`` keeps one."""
@@ -182,8 +190,9 @@ class ImageFileSource(ImageDecoding, Source):
             extra.update(self.held.entries())
         elif self._released is not None:
             extra["cache"] = self._released
-        if self.disk is not None:
-            extra["cache"] = dict(extra.get("cache", {}), disk=self.disk.stats())
+        disk = self.disk.stats() if self.disk is not None else self._disk_summary
+        if disk is not None:
+            extra["cache"] = dict(extra.get("cache", {}), disk=disk)
         extra.update(self.exchange_stats())
         return extra
 
