@@ -73,3 +73,51 @@ def test_the_loaders_transforms_run_with_the_chosen_threads(two_threads, monkeyp
     assert len(list(loader)) == 2
     assert seen == [1, 1]
     assert torch.get_num_threads() == 2
+
+
+def test_the_sample_caches_copies_run_with_the_chosen_threads_and_the_datasets_with_the_users(two_threads, monkeypatch) -> None:
+    """The sample cache's batch-sized copies (storing, gathering, merging with the disk tier's
+    rows) run inside own_cpu_threads; the dataset's own ``__getitem__`` keeps the user's threads
+    (its results could depend on them)."""
+    import tempfile
+
+    import gpuload
+    from gpuload.cache.columns import ColumnStore
+
+    ours: list[tuple[str, int]] = []
+    for name in ("put", "gather_rows", "assemble"):
+        real = getattr(ColumnStore, name)
+
+        def recording(self, *args, _real=real, _name=name, **kwargs):
+            ours.append((_name, torch.get_num_threads()))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(ColumnStore, name, recording)
+
+    class Squares(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.threads: list[int] = []
+
+        def __len__(self) -> int:
+            return 32
+
+        def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+            self.threads.append(torch.get_num_threads())
+            return torch.full((4, 4), float(index)), index
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (14.0, 14.0, 14.0))
+    monkeypatch.setattr(cpu_threads, "usable_cpu_count", lambda: 2)
+    data = Squares()
+    with tempfile.TemporaryDirectory() as folder:
+        # A host tier of half the samples (the rest merged from the disk tier in later epochs),
+        # then one of every sample (later epochs gathered from it alone).
+        for cache_size in (16 * 72, "1MiB"):
+            loader = gpuload.DataLoader(data, batch_size=8, shuffle=True, device="cpu", cache="host",
+                                        cache_size=cache_size, cache_dir=folder)
+            for _ in range(3):
+                assert sorted(torch.cat([labels for _, labels in loader]).tolist()) == list(range(32))
+            loader.close()
+    assert {name for name, _ in ours} == {"put", "gather_rows", "assemble"}
+    assert {threads for _, threads in ours} == {1}
+    assert data.threads and set(data.threads) == {2}
+    assert torch.get_num_threads() == 2

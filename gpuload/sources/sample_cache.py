@@ -18,6 +18,7 @@ from torch.utils.data import default_collate
 from gpuload.cache import CacheDecision, format_bytes
 from gpuload.cache.columns import Branch, Column, ColumnStore, Part, prepare, worker_collate
 from gpuload.cache.disk_tier import DiskRows, select_rows
+from gpuload.cpu_threads import own_cpu_threads
 from gpuload.sources import Setup
 from gpuload.sources.torch_fetch import KeepSamples, PerBatch, fetch, read_prepared
 from gpuload.transfer import batch_nbytes, move_staged
@@ -148,7 +149,8 @@ class CachedSamples:
 
     def _store(self, keys: torch.Tensor, part: Part) -> int:
         """Put a prepared batch in the store; how many of its samples were stored now."""
-        stored = self.store.put(keys, part) if self.accepting else 0
+        with own_cpu_threads(self.device):  # gpuload's batch-sized copies (exact at any thread count)
+            stored = self.store.put(keys, part) if self.accepting else 0
         if stored and self._counts_copies:
             self.h2d_bytes += _column_bytes(part)
         return stored
@@ -201,7 +203,8 @@ class CachedSamples:
     def _from_store(self, slots: torch.Tensor) -> Any:
         """A batch of stored samples only."""
         if self.by_column:
-            return self.store.gather_rows(slots)
+            with own_cpu_threads(self.device):
+                return self.store.gather_rows(slots)
         return self._collate(self.store.views(slots))
 
     def _partial(self, slots: torch.Tensor, positions: list[int], fetched: list[Any]) -> Any:
@@ -217,7 +220,8 @@ class CachedSamples:
         if self.by_column:
             if self._counts_copies:
                 self.h2d_bytes += sum(batch_nbytes(sample) for sample in fetched)
-            batch = self.store.assemble(slots, prepare(fetched))
+            with own_cpu_threads(self.device):
+                batch = self.store.assemble(slots, prepare(fetched))
             if batch is not None:
                 return batch
         cached = iter(self.store.views(slots[slots >= 0]))
@@ -240,7 +244,8 @@ class CachedSamples:
             return part.batch()
         if self._counts_copies:
             self.h2d_bytes += _column_bytes(part)
-        batch = self.store.assemble(slots, part)
+        with own_cpu_threads(self.device):
+            batch = self.store.assemble(slots, part)
         if batch is None:  # the stored columns changed structure: as torch reads it
             batch = self._collate(self._fetch(items))
         return batch
