@@ -128,9 +128,9 @@ def shard_samples(
     plan, groups = agreed
     start, stop = plan.partition.rows_of(context.rank)
     chunks = [list(range(first, min(first + chunk_size, stop))) for first in range(start, stop, chunk_size)]
-    raised = ""
-    disk = DiskRows.open(dataset, settings)
-    try:
+    raised, disk = "", None
+    try:  # every rank reports its outcome below, whatever this raises
+        disk = DiskRows.open(dataset, settings)
         block = _read_block(template, stop - start, chunks, read, disk)
         outcome = _READ_OK if block is not None else _LAYOUT_DIFFERS
     except Exception as error:  # noqa: BLE001 - torch's path raises it again, at that sample's batch
