@@ -291,14 +291,20 @@ def test_backend_resolution_without_dali(monkeypatch: pytest.MonkeyPatch) -> Non
     assert decode_batch([F.jpeg("baseline-420")], ["a"], [0], device="cpu", backend="pil").backend == "pil"
 
 
-@requires_dali
-def test_auto_warns_and_falls_back_when_dali_cannot_import(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def dali_cannot_import(monkeypatch: pytest.MonkeyPatch) -> type[Exception]:
+    """DALI is installed but its import fails at run time; returns DaliUnavailable."""
     import gpuload.decode._dali as dali_module
 
     def broken() -> None:
         raise dali_module.DaliUnavailable("nvidia.dali could not be imported (pretend)")
 
     monkeypatch.setattr(dali_module, "_import_dali", broken)
+    return dali_module.DaliUnavailable
+
+
+@requires_dali
+def test_auto_warns_and_falls_back_when_dali_cannot_import(dali_cannot_import: type[Exception]) -> None:
     decoder = BatchDecoder("cpu", backend="auto")
     assert decoder.backend == "dali-cpu"
     with pytest.warns(UserWarning, match="decoding with (pil|torchvision) instead"):
@@ -307,15 +313,9 @@ def test_auto_warns_and_falls_back_when_dali_cannot_import(monkeypatch: pytest.M
 
 
 @requires_dali
-def test_a_dali_backend_asked_for_by_name_does_not_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gpuload.decode._dali as dali_module
-
-    def broken() -> None:
-        raise dali_module.DaliUnavailable("nvidia.dali could not be imported (pretend)")
-
-    monkeypatch.setattr(dali_module, "_import_dali", broken)
+def test_a_dali_backend_asked_for_by_name_does_not_fall_back(dali_cannot_import: type[Exception]) -> None:
     decoder = BatchDecoder("cpu", backend="dali-cpu")
-    with pytest.raises(dali_module.DaliUnavailable, match="pretend"):
+    with pytest.raises(dali_cannot_import, match="pretend"):
         decoder.decode([F.jpeg("baseline-420")], ["a"], [0])
     assert decoder.backend == "dali-cpu"
 
