@@ -381,16 +381,6 @@ class _Failure:
         return raised
 
 
-def _put(out: queue.Queue, item: Any, stop: threading.Event) -> None:
-    while True:
-        try:
-            out.put(item, timeout=_POLL_S)
-            return
-        except queue.Full:
-            if stop.is_set():
-                return
-
-
 def _work(
     owner: Prefetcher,
     source: Iterator[Any],
@@ -439,7 +429,7 @@ def _work(
                 outcome = _Failure(index, "copy", exc)
                 break
             del item
-            _put(out, delivery, stop)
+            out.put(delivery)
             del delivery
             index += 1
     except BaseException as exc:  # e.g. set_device failing: still tell the consumer
@@ -454,7 +444,7 @@ def _work(
                     outcome = _Failure(index, "source", exc)
         del source
         on_side_stream.close()
-        _put(out, outcome, stop)
+        out.put(outcome)
         del outcome  # a failure's traceback holds this frame: no reference cycle through it
 
 
@@ -468,7 +458,9 @@ class _Handoff(Iterator[Any]):
         self._timeout = owner.timeout
         self._join_timeout = owner.join_timeout
         self._depth = owner.depth
-        self._queue: queue.Queue = queue.Queue(maxsize=owner.depth + 1)
+        # Unbounded, yet never more than depth + 1 items: a batch is put only with a token
+        # (depth of them, one given back per batch taken) and the outcome once, so a put never waits.
+        self._queue: queue.Queue = queue.Queue()
         self._tokens = threading.Semaphore(owner.depth)
         self._stop = threading.Event()
         self._finished = False  # closed: no more batches come from this iterator

@@ -168,8 +168,6 @@ def _inverse(order: list[int]) -> list[int]:
 def move_staged(data: Any, device: torch.device) -> Any:
     """``data`` (any nesting) with every tensor on ``device``, the host ones in one copy through
     :func:`to_device`, each keeping its layout (as ``.to(device)`` does)."""
-    if device.type == "cpu":
-        return move_to_device(data, device)
     leaves: list[torch.Tensor] = []
     map_leaves(data, leaves.append)
     moved = iter(to_device(leaves, device, keep_layout=True))

@@ -5,14 +5,17 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import sys
 import threading
 import time
+import warnings
 
 import pytest
 from threads import snapshot, wait_threads
 import torch
 
 from gpuload.prefetch import (
+    EpochStoppedError,
     Fill,
     PrefetchError,
     Prefetcher,
@@ -119,6 +122,60 @@ def test_exception_that_cannot_be_recreated_becomes_prefetch_error():
     with pytest.raises(PrefetchError, match="batch 2") as info:
         list(Prefetcher(failing_source(2, original), "cpu"))
     assert info.value.__cause__ is original
+
+
+def test_an_exception_recreated_with_other_arguments_becomes_prefetch_error():
+    class Coded(Exception):
+        def __init__(self, message: str) -> None:
+            super().__init__(404, message)  # its args are not the message alone
+
+    original = Coded("not found")
+    with pytest.raises(PrefetchError, match=r"batch 1 failed .*Coded") as info:
+        list(Prefetcher(failing_source(1, original), "cpu"))
+    assert info.value.__cause__ is original and info.value.batch_index == 1
+
+
+def test_the_file_an_exception_names_is_reported():
+    original = FileNotFoundError(2, "No such file or directory", "/data/train/00042.jpg")
+    with pytest.raises(FileNotFoundError, match=r"batch 2 \(file /data/train/00042.jpg\)") as info:
+        list(Prefetcher(failing_source(2, original), "cpu"))
+    assert info.value.__cause__ is original
+
+
+class ClosingSource:
+    """Yields ``n`` batches; its ``close()`` (called by the prefetcher's thread at the end)
+    raises ``error``."""
+
+    def __init__(self, n: int, error: BaseException) -> None:
+        self.batches = iter(batches(n))
+        self.error = error
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        return next(self.batches)
+
+    def close(self) -> None:
+        raise self.error
+
+
+def test_a_source_whose_cleanup_fails_reports_it_after_its_batches():
+    original = OSError("cannot close the shard")
+    it = iter(Prefetcher(ClosingSource(3, original), "cpu", depth=2))
+    assert [int(next(it)[0, 0]) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(OSError, match=r"batch 3 failed in the prefetcher's source stage.*cannot close") as info:
+        next(it)
+    assert info.value.__cause__ is original and info.value.stage == "source"
+
+
+def test_a_failed_cleanup_does_not_hide_the_sources_own_error():
+    class FailingThenClosing(ClosingSource):
+        def __next__(self) -> torch.Tensor:
+            raise ValueError("bad record")
+
+    with pytest.raises(ValueError, match="bad record"):
+        list(Prefetcher(FailingThenClosing(0, OSError("cannot close")), "cpu"))
 
 
 def test_fill_exception_reported_as_fill_stage():
@@ -243,6 +300,86 @@ def test_new_epoch_supersedes_the_previous_iterator():
     assert len(list(second)) == 10
 
 
+class CancellableSource:
+    """Yields batch 0, then waits (as a collective exchange waits for its peers) until the
+    prefetcher cancels it, and ends."""
+
+    def __init__(self) -> None:
+        self.waiting = threading.Event()
+        self.cancelled = threading.Event()
+        self.pulled = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        self.pulled += 1
+        if self.pulled == 1:
+            return torch.zeros(2)
+        self.waiting.set()
+        self.cancelled.wait(5)
+        raise StopIteration
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def test_a_consumer_waiting_in_another_thread_when_a_new_epoch_starts_is_told_so():
+    """The loop's thread waits for batch 1 of a source that is waiting too; another thread
+    starts a new epoch, which cancels the source and ends the old epoch's thread. The waiting
+    consumer gets EpochStoppedError naming the newer epoch, not the end of its epoch."""
+    baseline = snapshot()
+    source = CancellableSource()
+    prefetcher = Prefetcher(source, "cpu", depth=1)
+    it = iter(prefetcher)
+    next(it)
+    raised: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            next(it)
+        except BaseException as exc:
+            raised.append(exc)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    assert source.waiting.wait(5)
+    assert len(list(prefetcher.epoch(batches(2)))) == 2
+    consumer.join(5)
+    assert len(raised) == 1 and isinstance(raised[0], EpochStoppedError), raised
+    assert "batch 1" in str(raised[0]) and "newer epoch" in str(raised[0])
+    assert not wait_threads(baseline)
+
+
+def test_dropping_an_iterator_whose_thread_will_not_stop_raises_nothing(monkeypatch):
+    """With warnings as errors, the warning that the thread did not stop cannot be shown from
+    ``__del__``: dropping the iterator still raises nothing (no unraisable exception)."""
+    unraisable: list[object] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    inside, release = threading.Event(), threading.Event()
+
+    def stuck():
+        yield torch.zeros(1)
+        inside.set()
+        release.wait(5)
+        yield torch.zeros(1)
+
+    prefetcher = Prefetcher(stuck(), "cpu", depth=1, join_timeout=0.05)
+    it = iter(prefetcher)
+    next(it)
+    thread = it.thread
+    assert inside.wait(5)  # the thread is inside its source: it cannot stop now
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match="did not stop"):
+            it.close()  # what __del__ meets
+        del it
+        gc.collect()
+    release.set()
+    thread.join(5)
+    assert unraisable == [] and not thread.is_alive()
+
+
 def test_consumer_stopping_while_producer_waits_does_not_hang():
     baseline = snapshot()
 
@@ -325,6 +462,16 @@ def test_default_depth_follows_batch_size_and_host_limit():
     assert 1 <= default_depth(1 << 20) <= 4
     with pytest.raises(ValueError, match="batch_bytes=-1"):
         default_depth(-1)
+    with pytest.raises(ValueError, match="max_depth=0"):
+        default_depth(1 << 20, host_limit_bytes=gib, max_depth=0)
+    with pytest.raises(ValueError, match="host_limit_bytes=-1"):
+        default_depth(1 << 20, host_limit_bytes=-1)
+
+
+def test_a_tensor_spec_of_negative_size_is_refused():
+    assert TensorSpec([2, 3.0], torch.float16).shape == (2, 3)
+    with pytest.raises(ValueError, match=r"shape \(2, -1\) has a negative size"):
+        TensorSpec((2, -1), torch.float32)
 
 
 # ---------------------------------------------------------------------- CUDA ordering, faked
@@ -443,6 +590,27 @@ def test_device_batches_are_ordered_and_protected_on_the_consumers_stream(fake_c
             assert len(protected) == 2 and all(k < returned for k in protected)  # x and its view
             assert int(batch["x"][0]) == i and batch["pair"][1] == "label"
     assert not any(entry[0] == "wait" and entry[1] is not consumer for entry in cuda.log)
+
+
+def test_the_copies_side_stream_is_exposed(fake_cuda):
+    assert Prefetcher(None, "cuda").stream is fake_cuda.side
+
+
+def test_no_side_stream_on_the_cpu():
+    assert Prefetcher(None, "cpu").stream is None
+
+
+def test_a_thread_that_cannot_select_the_device_tells_the_consumer(fake_cuda, monkeypatch):
+    """The thread selects the device before anything else; when that fails the consumer gets
+    the error (stage "copy", batch 0) instead of waiting forever."""
+
+    def no_device(device) -> None:
+        raise RuntimeError("CUDA error: all CUDA-capable devices are busy or unavailable")
+
+    monkeypatch.setattr(torch.cuda, "set_device", no_device)
+    with pytest.raises(RuntimeError, match=r"batch 0 failed in the prefetcher's copy stage.*busy") as info:
+        next(iter(Prefetcher(batches(3), "cuda", depth=2)))
+    assert info.value.stage == "copy" and info.value.batch_index == 0
 
 
 # ---------------------------------------------------------------------- GPU

@@ -329,3 +329,25 @@ def test_images_read_from_the_disk_tier_reach_the_device_through_the_staging(wat
     assert sorted(got) == [0, 2] and all(t.device == META for t in got.values())
     assert all(t.stride() == (1, 21, 3) for t in got.values())  # still channels-last
     assert watch.bypassed == [] and len(watch.staged) == 2
+
+
+def test_a_slot_is_refilled_only_after_its_previous_copy_is_done(staged_cuda) -> None:
+    """Host batches staged through two pinned slots: before a slot takes its next batch, the
+    host waits for the event recorded after that slot's previous copy (batch k waits for batch
+    k - 2's), and batches that find a fresh slot wait for nothing."""
+    cuda = staged_cuda
+    prefetcher = Prefetcher([torch.full((4,), i) for i in range(5)], "cuda", depth=2)
+    with cuda.stream(cuda.default):
+        assert [int(batch[0]) for batch in prefetcher] == [0, 1, 2, 3, 4]
+    log = cuda.log
+    copies = [k for k, entry in enumerate(log) if entry[:2] == ("alloc", "device")]  # one per batch
+    waits = [k for k, entry in enumerate(log) if entry[0] == "host waits"]
+    assert len(copies) == 5 and len(waits) == 3
+
+    def slot_event(batch: int):  # recorded on the side stream right after the batch's copy
+        return next(entry[1] for entry in log[copies[batch]:] if entry[0] == "record")
+
+    for batch, wait in zip([2, 3, 4], waits):
+        assert copies[batch - 1] < wait < copies[batch]
+        assert log[wait][1] is slot_event(batch - 2)
+    prefetcher.close()

@@ -29,16 +29,9 @@ import torch
 
 from gpuload.decode.headers import ROI, Header
 
-__all__ = ["NvjpegDecoder", "nvjpeg_available", "upright"]
+__all__ = ["NvjpegDecoder", "upright"]
 
 DecodeCall = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
-
-
-def nvjpeg_available() -> bool:
-    """True when torchvision is installed (its nvJPEG path needs a CUDA device at run time)."""
-    from gpuload.decode.cpu import torchvision_available
-
-    return torchvision_available()
 
 
 def _torchvision_decode(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -74,12 +67,11 @@ class NvjpegDecoder:
     def decode(
         self, encoded: Sequence[bytes], headers: Sequence[Header], rois: Sequence[ROI | None] | None = None
     ) -> list[torch.Tensor]:
-        """Decode JPEGs into upright uint8 (3, H, W) tensors on the device, cropped to ``rois``.
+        """Decode one or more JPEGs (never none: the caller skips empty batches) into upright uint8
+        (3, H, W) tensors on the device, cropped to ``rois``.
 
         Raises whatever the decoder raises; the caller classifies it and finds the bad file.
         """
-        if not encoded:
-            return []
         buffers = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in encoded]
         images = self._call(buffers, self.device)
         out = []

@@ -9,6 +9,7 @@ Tolerances against PIL (libjpeg-turbo), per image:
 
 from __future__ import annotations
 
+import io
 import threading
 
 import numpy as np
@@ -285,22 +286,38 @@ def test_backend_resolution_without_dali(monkeypatch: pytest.MonkeyPatch) -> Non
         resolve_backend(torch.device("cuda", 0), "nvjpeg")
     with pytest.raises(ValueError, match="backend='dali' needs nvidia.dali"):
         resolve_backend(CPU, "dali")
+    with pytest.raises(ValueError, match="backend='dali-cpu' needs nvidia.dali, which is not installed"):
+        resolve_backend(CPU, "dali-cpu")
     assert decode_batch([F.jpeg("baseline-420")], ["a"], [0], device="cpu", backend="pil").backend == "pil"
 
 
-@requires_dali
-def test_auto_warns_and_falls_back_when_dali_cannot_import(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def dali_cannot_import(monkeypatch: pytest.MonkeyPatch) -> type[Exception]:
+    """DALI is installed but its import fails at run time; returns DaliUnavailable."""
     import gpuload.decode._dali as dali_module
 
     def broken() -> None:
         raise dali_module.DaliUnavailable("nvidia.dali could not be imported (pretend)")
 
     monkeypatch.setattr(dali_module, "_import_dali", broken)
+    return dali_module.DaliUnavailable
+
+
+@requires_dali
+def test_auto_warns_and_falls_back_when_dali_cannot_import(dali_cannot_import: type[Exception]) -> None:
     decoder = BatchDecoder("cpu", backend="auto")
     assert decoder.backend == "dali-cpu"
     with pytest.warns(UserWarning, match="decoding with (pil|torchvision) instead"):
         result = decoder.decode([F.jpeg("baseline-420")], ["a"], [0])
     assert result.backend == decoder.backend and decoder.backend in ("pil", "torchvision")
+
+
+@requires_dali
+def test_a_dali_backend_asked_for_by_name_does_not_fall_back(dali_cannot_import: type[Exception]) -> None:
+    decoder = BatchDecoder("cpu", backend="dali-cpu")
+    with pytest.raises(dali_cannot_import, match="pretend"):
+        decoder.decode([F.jpeg("baseline-420")], ["a"], [0])
+    assert decoder.backend == "dali-cpu"
 
 
 @requires_dali
@@ -446,6 +463,27 @@ def test_16_bit_rgb_png_rounds_to_8_bits_and_pil_truncates(decoder: BatchDecoder
     else:  # DALI and torchvision see 16 bits and round
         assert (image == rounded).all()
     assert np.abs(rounded - high_byte).max() == 1  # the documented difference
+
+
+def test_16_bit_grey_png_rounds_to_8_bits_on_the_cpu_decoders() -> None:
+    """PIL opens a 16-bit grey PNG as 16-bit integers: scaled to 8 bits by rounding v / 257,
+    as DALI and torchvision do, on all three channels."""
+    from PIL import Image
+
+    samples = np.random.default_rng(3).integers(0, 65536, (5, 7), dtype=np.uint16)
+    samples[0, :3] = [0, 128, 65535]  # 0, 0.498 -> 0, 255
+    encoded = io.BytesIO()
+    Image.fromarray(samples).save(encoded, format="PNG")
+    expected = torch.from_numpy(np.rint(samples / 257.0).astype(np.uint8)).expand(3, -1, -1)
+    assert torch.equal(cpu.pil_decode(encoded.getvalue()), expected)
+    if cpu.torchvision_available():
+        assert torch.equal(cpu.torchvision_decode(encoded.getvalue()), expected)
+
+
+def test_a_cpu_decoder_name_other_than_torchvision_or_pil_is_refused() -> None:
+    assert cpu.cpu_decoder("pil") is cpu.pil_decode
+    with pytest.raises(ValueError, match="no CPU fallback decoder named 'dali-cpu'"):
+        cpu.cpu_decoder("dali-cpu")
 
 
 # --- device failures are not bad files ------------------------------------------------------------

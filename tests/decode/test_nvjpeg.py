@@ -150,6 +150,22 @@ def test_torch_out_of_memory_is_a_device_failure_by_type(nvjpeg: BatchDecoder) -
         nvjpeg.decode([F.jpeg("grayscale")], ["a"], [0], on_error="skip")
 
 
+def test_a_torch_accelerator_error_is_a_device_failure_by_type(nvjpeg: BatchDecoder) -> None:
+    """torch's AcceleratorError (a CUDA error raised as its own type) is the device's fault
+    whatever its text says: no bisecting, no CPU decode."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is None:
+        pytest.skip(f"torch {torch.__version__} has no AcceleratorError")
+
+    def failing(buffers: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        raise accelerator_error("the launch timed out and was terminated")
+
+    sizes = inject(nvjpeg, failing)
+    with pytest.raises(DecodeDeviceError, match="launch timed out"):
+        nvjpeg.decode([F.jpeg("grayscale"), F.jpeg("baseline-420")], ["a", "b"], [0, 1], on_error="skip")
+    assert sizes == [2]
+
+
 def test_bombs_and_empty_files_never_reach_the_decoder(nvjpeg: BatchDecoder) -> None:
     sizes = inject(nvjpeg, real_call)
     result = nvjpeg.decode(

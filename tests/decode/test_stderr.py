@@ -178,3 +178,35 @@ def test_a_closed_descriptor_is_neither_the_same_file_nor_an_error_to_write_to()
     os.close(write_fd)
     assert _same_file(2, write_fd) is False
     _write_all(write_fd, b"lost")  # the real stderr is gone: the bytes are dropped, nothing raised
+
+
+def test_after_a_fork_the_child_gets_its_stderr_back_and_starts_afresh(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """What ``os.register_at_fork`` runs in a forked child (whose coverage is not measured),
+    run here on a redirect of its own in the state a child finds during a run: fd 2 on the
+    pipe, no reader thread. fd 2 is the real stderr again, the pipe is closed, and the state is
+    that of a redirect never used, so a run in the child redirects afresh."""
+    from gpuload.decode import _stderr
+
+    class NoReader:  # a forked child has no reader thread
+        def __init__(self, **kwargs: object) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+    redirect = _stderr._Redirect()
+    with monkeypatch.context() as patched:
+        patched.setattr(_stderr.threading, "Thread", NoReader)
+        assert redirect.enter()
+    pipe = (redirect.read_fd, redirect.write_fd, redirect.out_fd)
+    assert _stderr._same_file(2, redirect.write_fd)
+    redirect.after_fork_in_child()
+    assert (redirect.users, redirect.read_fd, redirect.write_fd, redirect.out_fd) == (0, -1, -1, -1)
+    assert redirect.lines == [] and not redirect.flushed.is_set()
+    for fd in pipe:  # the pipe's ends and the saved stderr: closed, none left open in the child
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    os.write(2, b"[ERROR] [child] straight to the real stderr\n")
+    assert capfd.readouterr().err == "[ERROR] [child] straight to the real stderr\n"

@@ -76,6 +76,26 @@ def test_without_a_plan_it_halves() -> None:
     assert retry.batch_size == 10 and step.seen == list(range(40))
 
 
+def test_with_a_plan_but_no_free_memory_known_it_lowers_by_an_eighth() -> None:
+    """A batch off CUDA and no ``free_bytes``: the plan cannot say what fits, so each retry
+    takes an eighth off (26 -> 22 -> 19)."""
+    step = RunsOutAbove(20)
+    retry = OOMRetry(step, plan=_plan())
+    with pytest.warns(BatchSizeLoweredWarning) as caught:
+        retry(_batch(26))
+    assert ["pieces of 22" in str(w.message) for w in caught] == [True, False]
+    assert retry.batch_size == 19 and step.sizes == [26, 22, 19, 7] and step.seen == list(range(26))
+
+
+def test_a_loader_without_a_device_cache_only_gets_the_new_batch_size() -> None:
+    loader = FakeLoader(held=0)
+    retry = OOMRetry(RunsOutAbove(22), plan=_plan(), loader=loader, free_bytes=lambda: 1000 * MiB)
+    with pytest.warns(BatchSizeLoweredWarning) as caught:
+        retry(_batch(26))
+    assert loader.shrunk == [] and loader.batch_size == retry.batch_size == 22
+    assert "freed" not in str(caught[0].message) and "next batches come at that size" in str(caught[0].message)
+
+
 def test_no_error_no_split() -> None:
     step = RunsOutAbove(100)
     assert OOMRetry(step, plan=_plan())(_batch(64)) == [64 * 12] and step.sizes == [64]

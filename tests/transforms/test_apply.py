@@ -91,8 +91,11 @@ def _cupy_failing_to_build(error: BaseException):
         (lambda: _cupy_failing_to_build(
             pytest.importorskip("cupy").cuda.compiler.CompileException("error: x", "src", "k", ())),
          "NVRTC cannot compile"),
+        (lambda: _cupy_failing_to_build(pytest.importorskip("cupy").cuda.nvrtc.NVRTCError(6)), "NVRTC failed"),
+        (lambda: _cupy_failing_to_build(RuntimeError("CuPy failed to load libnvrtc.so.12")),
+         "a CUDA library is missing"),
     ],
-    ids=["no_cupy", "no_binary", "ptx_version", "compile_error"],
+    ids=["no_cupy", "no_binary", "ptx_version", "compile_error", "nvrtc_error", "missing_library"],
 )
 def test_capability_failures_fall_back_to_the_batched_ops_once(kernels_forced, monkeypatch, make_cupy, says):
     monkeypatch.setitem(sys.modules, "cupy", make_cupy())
@@ -131,3 +134,30 @@ def test_nvrtc_loads_here_so_auto_does_not_fall_back_for_it(monkeypatch):
     ok, reason = _kernels.available(torch.device("cuda", 0))
     if not torch.cuda.is_available():
         assert not ok and "NVRTC" not in reason and "CuPy does not import" not in reason, reason
+
+
+def test_an_nvrtc_out_of_memory_is_not_taken_for_a_missing_capability(kernels_forced, monkeypatch):
+    error = pytest.importorskip("cupy").cuda.nvrtc.NVRTCError(_kernels._NVRTC_ERROR_OUT_OF_MEMORY)
+    monkeypatch.setitem(sys.modules, "cupy", _cupy_failing_to_build(error))
+    monkeypatch.setattr(_kernels, "_functions", {})
+    with pytest.raises(type(error)) as raised:
+        T.transform_batch(OPS, _batch(), 0, 0, torch.arange(4), torch.device("cpu", 0), backend="auto")
+    assert raised.value is error and kernels_forced == []
+
+
+def test_available_counts_cupys_devices(monkeypatch):
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        nvrtc=types.SimpleNamespace(getVersion=lambda: (12, 4)),
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+    ))
+    monkeypatch.setattr(_kernels, "_status", {})
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    assert _kernels.available(torch.device("cuda", 0)) == (True, "")
+    assert _kernels.available(torch.device("cuda", 2)) == (False, "CuPy sees 1 device(s), not cuda:2")
+
+
+def test_a_device_marked_unavailable_stays_so_with_its_reason(monkeypatch):
+    monkeypatch.setattr(_kernels, "_status", {0: ""})
+    assert _kernels.available(torch.device("cuda", 0)) == (True, "")
+    _kernels.mark_unavailable(torch.device("cuda", 0), "the device cannot load the kernel")
+    assert _kernels.available(torch.device("cuda", 0)) == (False, "the device cannot load the kernel")

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from gpuload import transforms as T
 from gpuload.transforms import _kernels, apply, batched, geometry
 from gpuload.transforms.reference import apply_reference, batch_sizes
-from gpuload.transforms.windows import decode_windows
+from gpuload.transforms.windows import decode_windows, params_in_windows
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -333,3 +333,24 @@ def test_fuzz_on_the_gpu_equals_the_reference_there(seed: int) -> None:
     assert got.device.type == "cuda"
     rtol = {torch.float16: 2**-10, torch.bfloat16: 2**-7}.get(got.dtype, 1e-5)
     torch.testing.assert_close(got.float(), expected.float(), rtol=rtol, atol=1e-4 if got.is_floating_point() else 1)
+
+
+def test_canvases_of_different_sizes_equal_the_reference() -> None:
+    """A shorter-side resize of images of different shapes: each sample has its own canvas."""
+    ops = [T.Resize(12), T.CenterCrop(8), T.ToDtype(torch.float32)]
+    images = [_images(1, 3, 20, 30, seed=0)[0], _images(1, 3, 30, 20, seed=1)[0], _images(1, 3, 16, 16, seed=2)[0]]
+    params = T.sample_params(ops, 0, 0, torch.arange(3), batch_sizes(images))
+    table, _ = geometry.geometry_plan(params, params.sizes[0])
+    assert len({tuple(row) for row in table[:, 4:6].tolist()}) == 3  # three canvas sizes
+    assert torch.equal(batched.run(params, images), apply_reference(params, images))
+
+
+def test_decode_windows_of_no_images_and_refused_windows() -> None:
+    ops = [T.RandomResizedCrop(8), T.ToDtype()]
+    assert decode_windows(ops, 0, 0, [], []) == []
+    params = T.sample_params(ops, 0, 0, torch.arange(2), [(12, 12)] * 2)
+    with pytest.raises(ValueError, match="1 windows for 2 samples"):
+        params_in_windows(params, [(0, 0, 12, 12)])
+    flip_first = T.sample_params([T.RandomHorizontalFlip(), T.CenterCrop(8)], 0, 0, torch.arange(1), [(12, 12)])
+    with pytest.raises(ValueError, match="starts with a crop"):
+        params_in_windows(flip_first, [(0, 0, 12, 12)])

@@ -542,3 +542,24 @@ def test_a_wrongly_typed_argument_is_caught(cpu_cupy, monkeypatch):
     params, batch = _one_case()
     with pytest.raises(AssertionError, match="int64 for a i4 parameter"):
         _kernels.run(params, batch, DEVICE)
+
+
+def test_transform_batch_runs_the_kernels_or_says_why_cupy_cannot(cpu_cupy, monkeypatch):
+    """``transform_batch`` on a device whose kernels work: the kernels' batch, named "cupy"; a
+    geometry the fused map cannot express (two resizes) is refused under backend="cupy" and
+    computed by the torch ops under "auto"."""
+    monkeypatch.setattr(_kernels, "available", lambda device: (True, ""))
+    params, batch = _one_case()
+    out, backend = T.transform_batch(params.ops, batch, 0, 0, torch.arange(3), DEVICE, backend="cupy")
+    assert backend == "cupy" and cpu_cupy.launches
+    assert_matches_reference(out, params, batch)
+    two_resizes = [T.Resize((9, 8)), T.Resize((6, 5)), T.ToDtype()]
+    with pytest.raises(RuntimeError, match="needs the reference"):
+        T.transform_batch(two_resizes, batch, 0, 0, torch.arange(3), DEVICE, backend="cupy")
+    out, backend = T.transform_batch(two_resizes, batch, 0, 0, torch.arange(3), DEVICE, backend="auto")
+    assert backend == "torch" and out.shape == (3, 3, 6, 5)
+
+
+def test_a_kernel_input_dtype_other_than_uint8_or_float32_is_refused():
+    with pytest.raises(ValueError, match="uint8 or float32, not torch.float16"):
+        _kernels.kernel_source(torch.float16, torch.float32, False)

@@ -158,3 +158,16 @@ def test_resize_shorter_side_follows_torchvision():
 def test_image_sizes_must_match_indices():
     with pytest.raises(ValueError, match="2 image sizes for 3 indices"):
         T.sample_params(OPS, 0, 0, [0, 1, 2], [(8, 8), (8, 8)])
+
+
+def test_image_sizes_must_be_positive():
+    with pytest.raises(ValueError, match="image sizes must be positive, got 0"):
+        T.sample_params(OPS, 0, 0, [0, 1], [(8, 8), (0, 8)])
+
+
+def test_an_op_without_a_sampler_is_named():
+    class Sharpen(T.Op):
+        """An Op subclass gpuload has no parameter sampler for."""
+
+    with pytest.raises(TypeError, match="no parameter sampler for .*Sharpen"):
+        T.sample_params([Sharpen()], 0, 0, [0], [(8, 8)])

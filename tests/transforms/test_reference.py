@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from gpuload import transforms as T
+from gpuload.transforms import reference
 from gpuload.transforms.reference import grayscale
 
 
@@ -310,3 +311,36 @@ def test_grey_images_work():
         batch, 0, 0, [0, 1, 2],
     )
     assert out.shape == (3, 1, 8, 8) and out.dtype == torch.float32
+
+
+def test_plan_output_gives_size_layout_and_shape_before_any_data():
+    crop = T.plan_output([T.RandomResizedCrop((12, 10)), T.ToDtype(torch.float16), T.ToChannelsLast()])
+    assert crop.memory_format == torch.channels_last and crop.shape(5) == (5, 3, 12, 10)
+    fixed = T.plan_output([T.Resize((9, 7))])
+    assert fixed == T.OutputPlan(torch.uint8, False, (9, 7)) and fixed.memory_format == torch.contiguous_format
+    shorter_side = T.plan_output([T.Resize(16)])
+    assert shorter_side.size is None
+    with pytest.raises(ValueError, match="pass input_size"):
+        shorter_side.shape(2)
+    for size, expected in [((20, 40), (16, 32)), ((40, 20), (32, 16))]:  # what the images give
+        plan = T.plan_output([T.Resize(16)], input_size=size)
+        out = T.apply_transforms([T.Resize(16)], _images(1, *size, c=1), 0, 0, [0])
+        assert plan.shape(1, channels=1) == tuple(out.shape) == (1, 1, *expected)
+
+
+def test_parameters_for_another_number_of_images_are_refused():
+    params = T.sample_params([T.ToDtype()], 0, 0, [0, 1, 2], [(4, 4)] * 3)
+    with pytest.raises(ValueError, match="2 images but parameters for 3 samples"):
+        reference.apply_reference(params, _images(2, 4, 4))
+
+
+@pytest.mark.parametrize(
+    "op, message",
+    [
+        (T.Normalize((0.5, 0.5), (0.5, 0.5)), "has 2 means for 3-channel images"),
+        (T.RandomErasing(p=1.0, value=(1.0, 2.0)), "has 2 values for 3-channel images"),
+    ],
+)
+def test_per_channel_values_must_match_the_channels(op, message):
+    with pytest.raises(ValueError, match=message):
+        T.apply_transforms([T.ToDtype(), op], _images(2, 6, 6), 0, 0, [0, 1])
