@@ -292,6 +292,24 @@ def test_contention_runs_busy_neighbours_only_while_timing(tmp_path: Path, capsy
     assert document["contention"]["busy_neighbours"] == 2 and document["contention"]["load_after_run"] is not None
 
 
+def test_a_neighbour_that_ignores_sigterm_is_killed(tmp_path: Path, monkeypatch) -> None:
+    import signal
+    import time
+
+    import gpuload.bench.contention as contention
+
+    ready = tmp_path / "ignoring"
+    monkeypatch.setattr(contention, "_SPIN", "import pathlib, signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                        f"pathlib.Path({str(ready)!r}).touch()\nwhile True:\n    pass\n")
+    monkeypatch.setattr(contention, "_STOP_WAIT_S", 0.2)
+    with contention.busy_neighbours(1) as [neighbour]:
+        deadline = time.monotonic() + 10
+        while not ready.exists():  # SIGTERM is ignored from here on
+            assert time.monotonic() < deadline and neighbour.poll() is None
+            time.sleep(0.01)
+    assert neighbour.returncode == -signal.SIGKILL
+
+
 @pytest.mark.gpu
 def test_a_pretended_card_is_refused_on_a_gpu_before_measuring(tmp_path: Path, capsys) -> None:
     line = run_failing([*TINY[:-2], "--device", "cuda", "--device-memory", "1GiB", "--out", str(tmp_path / "out")],
