@@ -99,6 +99,10 @@ def _scalar(path: Path) -> None:
     np.save(path, np.float32(3.0))
 
 
+def _strings(path: Path) -> None:
+    np.save(path, np.array(["abc"] * 5))
+
+
 def _empty_folder(path: Path) -> None:
     path.mkdir()
 
@@ -109,6 +113,8 @@ def _empty_folder(path: Path) -> None:
     ("fake.npy", _text, "fake.npy as .npy arrays: the file is not a NumPy array (it does not start with NumPy's"),
     ("objects.npy", _objects, "holds Python objects (dtype object); give numeric arrays"),
     ("scalar.npy", _scalar, "is 0-dimensional; each array needs one row per sample"),
+    ("strings.npy", _strings, "strings.npy as .npy/.npz arrays: ArrayDataset column #0 has numpy dtype <U3, "
+     "which torch cannot hold"),
     ("emptydir", _empty_folder, "emptydir holds no class subfolders; the images scenario reads root/<class>/<images>"),
 ])
 @pytest.mark.parametrize("scenario", [[], ["--scenario", "partial"], ["--scenario", "augment"]])
