@@ -1,5 +1,6 @@
 """The epoch iterator: a stop from another thread raises EpochStoppedError, also inside a
-next() that waits, and never ends the epoch as if complete; len() stays what it was."""
+next() that waits, and never ends the epoch as if complete; len() stays what it was. A close
+waits for a busy epoch before it closes the source; torch's finished frames are released."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import threading
 import pytest
 import torch
 
-from gpuload.iterators import EpochIterator, OpenEpochs, close_when_idle, release_torch_frames
+from gpuload.iterators import (
+    EpochIterator,
+    OpenEpochs,
+    close_when_idle,
+    release_torch_frames,
+)
 from gpuload.prefetch import EpochStoppedError
 from gpuload.resume import Position, RandomStates
 from gpuload.sources import Work

@@ -327,7 +327,9 @@ def test_state_before_the_first_batch_of_a_loaded_stream() -> None:
 def test_state_before_the_first_batch_of_a_loaded_stream_iterator() -> None:
     """A state taken after load_state_dict and before iter() holds the loaded state of the
     iterator ``__iter__`` returns (the dataset itself has none)."""
-    make = lambda: _stream_loader(DrawingStream([30]), 0)  # noqa: E731
+    def make() -> gpuload.DataLoader:
+        return _stream_loader(DrawingStream([30]), 0)
+
     _, after, state = _interrupted(make, 7)
     loader = make()
     loader.load_state_dict(state)

@@ -113,8 +113,8 @@ def _empty_folder(path: Path) -> None:
     ("fake.npy", _text, "fake.npy as .npy arrays: the file is not a NumPy array (it does not start with NumPy's"),
     ("objects.npy", _objects, "holds Python objects (dtype object); give numeric arrays"),
     ("scalar.npy", _scalar, "is 0-dimensional; each array needs one row per sample"),
-    ("strings.npy", _strings, "strings.npy as .npy/.npz arrays: ArrayDataset column #0 has numpy dtype <U3, "
-     "which torch cannot hold"),
+    ("strings.npy", _strings, ("strings.npy as .npy/.npz arrays: ArrayDataset column #0 has numpy dtype <U3, "
+                               "which torch cannot hold")),
     ("emptydir", _empty_folder, "emptydir holds no class subfolders; the images scenario reads root/<class>/<images>"),
 ])
 @pytest.mark.parametrize("scenario", [[], ["--scenario", "partial"], ["--scenario", "augment"]])
@@ -302,7 +302,7 @@ def test_a_neighbour_that_ignores_sigterm_is_killed(tmp_path: Path, monkeypatch)
     import signal
     import time
 
-    import gpuload.bench.contention as contention
+    from gpuload.bench import contention
 
     ready = tmp_path / "ignoring"
     monkeypatch.setattr(contention, "_SPIN", "import pathlib, signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
