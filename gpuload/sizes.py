@@ -67,11 +67,13 @@ class SizeSpec:
 def format_bytes(nbytes: int | float) -> str:
     """``nbytes`` in the largest binary unit that keeps it >= 1 (``'1.50 GiB'``)."""
     value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+    if abs(value) < 1024:
+        return f"{int(value)} B"
+    for unit in ("KiB", "MiB", "GiB"):
         value /= 1024
-    raise AssertionError("unreachable")
+        if abs(value) < 1024:
+            return f"{value:.2f} {unit}"
+    return f"{value / 1024:.2f} TiB"
 
 
 def parse_size(value: SizeValue, *, setting: str = "cache_size", source: str = "keyword") -> SizeSpec:

@@ -1,5 +1,6 @@
 """The epoch iterator: a stop from another thread raises EpochStoppedError, also inside a
-next() that waits, and never ends the epoch as if complete; len() stays what it was."""
+next() that waits, and never ends the epoch as if complete; len() stays what it was. A close
+waits for a busy epoch before it closes the source; torch's finished frames are released."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import threading
 import pytest
 import torch
 
-from gpuload.iterators import EpochIterator, OpenEpochs
+from gpuload.iterators import (
+    EpochIterator,
+    OpenEpochs,
+    close_when_idle,
+    release_torch_frames,
+)
 from gpuload.prefetch import EpochStoppedError
 from gpuload.resume import Position, RandomStates
 from gpuload.sources import Work
@@ -75,3 +81,76 @@ def test_open_epochs_stop_every_epoch_and_report_those_still_inside() -> None:
     with pytest.raises(EpochStoppedError, match="closed"):
         next(first)
     assert open_epochs.stop("again", wait_s=1) == ([], [])  # forgotten once stopped
+
+
+def test_close_when_idle_closes_the_source_once_a_busy_epoch_leaves_next() -> None:
+    entered, release = threading.Event(), threading.Event()
+    closed, shut_down = threading.Event(), threading.Event()
+    events: list[str] = []
+
+    def items():
+        yield 0
+        entered.set()
+        assert release.wait(10)
+
+    iterator, work, _ = epoch_over(items())
+    assert next(iterator) == 0
+    outcome: list[BaseException] = []
+
+    def waiting_next() -> None:
+        try:
+            next(iterator)
+        except EpochStoppedError as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=waiting_next)
+    thread.start()
+    assert entered.wait(10)
+    open_epochs = OpenEpochs()
+    open_epochs.add(iterator, work, "a new epoch")
+    busy, _ = open_epochs.stop("the loader was closed", wait_s=0.01)
+    assert busy == [iterator]
+
+    class Source:
+        def close(self) -> None:
+            events.append("source closed")
+            closed.set()
+
+    class TorchIterator:
+        def _shutdown_workers(self) -> None:
+            events.append("workers shut down")
+            shut_down.set()
+
+    close_when_idle(Source(), [TorchIterator(), None], busy, prefetcher=None)
+    assert not closed.wait(0.2)  # the epoch is still inside next()
+    release.set()
+    assert shut_down.wait(10)
+    thread.join(10)
+    assert events == ["source closed", "workers shut down"] and isinstance(outcome[0], EpochStoppedError)
+
+
+_TORCH_LIKE_CODE = """
+def fetch(held):
+    raise KeyError("a worker's error")
+
+def reraise(release, held):
+    try:
+        fetch(held)
+    except KeyError:
+        try:
+            raise ValueError("the loop's error")
+        except ValueError as error:
+            release(error)
+            return error
+"""
+
+
+def test_releasing_torch_frames_skips_one_still_running_and_clears_the_rest() -> None:
+    """torch's code that handles an error and calls gpuload's, which raises: the handling frame
+    is still running (it cannot be cleared) and comes first in the error's context."""
+    scope = {"__name__": "torch.utils.data._utils.fetch_like"}
+    exec(_TORCH_LIKE_CODE, scope)
+    error = scope["reraise"](release_torch_frames, object())
+    running = error.__context__.__traceback__
+    assert running.tb_frame.f_code.co_name == "reraise" and "held" in running.tb_frame.f_locals
+    assert running.tb_next.tb_frame.f_code.co_name == "fetch" and running.tb_next.tb_frame.f_locals == {}

@@ -542,3 +542,11 @@ def test_a_source_whose_staging_changes_gets_a_new_prefetcher_and_keeps_its_coun
     assert loader.stats.extra["prefetch"]["bytes_staged"] == 0  # the new prefetcher staged nothing
     assert staged > 0
     assert len(second_epoch) == len(first_epoch) == 5
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, True, "1GiB", None])
+def test_shrink_cache_takes_a_non_negative_int_of_bytes(limit: object) -> None:
+    loader = gpuload.DataLoader(TensorDataset(torch.arange(8)), batch_size=4)
+    with pytest.raises(ValueError, match=r"max_device_bytes=.* must be a non-negative int"):
+        loader.shrink_cache(limit)
+    assert loader.shrink_cache(0) == 0  # a loader on the CPU holds nothing in device memory

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import pickle
 import warnings
@@ -9,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.utils.data as tud
+from torch.utils.data.distributed import DistributedSampler
 
 import gpuload
 from gpuload import transforms as T
@@ -378,3 +380,84 @@ def test_a_generator_passed_or_not_is_refused_at_load_state_dict() -> None:
     unseeded = gpuload.DataLoader(data, batch_size=4, shuffle=True)
     with pytest.raises(ResumeError, match=r"1 random generator\(s\).*this loader has 0"):
         unseeded.load_state_dict(state)
+
+
+def test_a_state_of_another_version_is_refused_naming_both() -> None:
+    data = images_uint8(30)
+    state = gpuload.DataLoader(data, batch_size=4).state_dict()
+    state["version"] = 0
+    with pytest.raises(ResumeError, match="loader state version 0 is not 1"):
+        gpuload.DataLoader(data, batch_size=4).load_state_dict(state)
+
+
+def test_generator_states_saved_as_tensors_or_lists_resume_exactly() -> None:
+    """States saved before generator states became base64 text held them as tensors (a list
+    after a trip through JSON); they load as the text does."""
+    make = seeded(dataset=images_uint8(30), batch_size=4, shuffle=True)
+    whole, _ = run(make, 2)
+    before, saved = run(make, 2, (0, 2))
+    state = torch.load(io.BytesIO(saved), weights_only=False)
+    random = state["random"]
+    random["generators"] = [torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+                            for text in random["generators"]]
+    random["global"] = list(base64.b64decode(random["global"]))
+    loader = make()
+    loader.load_state_dict(state)
+    after = [batch for _ in range(2) for batch in loader]
+    assert len(before) + len(after) == len(whole)
+    for ours, theirs in zip(before + after, whole):
+        assert_same(ours, theirs)
+
+
+SPLIT = tud.TensorDataset(torch.arange(48))
+
+
+def split_loader(world: int, batch_size: int | None = 3, drop_last: bool = False) -> gpuload.DataLoader:
+    """Rank 0 of ``world`` ranks of a DistributedSampler over 48 samples (no process group)."""
+    sampler = DistributedSampler(SPLIT, num_replicas=world, rank=0, shuffle=True, seed=3, drop_last=drop_last)
+    return gpuload.DataLoader(SPLIT, batch_size, sampler=sampler, device="cpu")
+
+
+def state_after(loader: gpuload.DataLoader, batches: int) -> dict:
+    iterator = iter(loader)
+    for _ in range(batches):
+        next(iterator)
+    return loader.state_dict()
+
+
+def test_a_state_of_a_sampler_that_drops_the_last_samples_otherwise_is_refused() -> None:
+    state = state_after(split_loader(2), 1)
+    with pytest.raises(ResumeError, match="orders the epoch differently: drop_last: saved False, now True"):
+        split_loader(4, drop_last=True).load_state_dict(state)
+
+
+def test_a_state_at_an_epochs_end_loads_at_another_world_size() -> None:
+    loader = split_loader(2)
+    list(loader)
+    loader_at_4 = split_loader(4)
+    loader_at_4.load_state_dict(loader.state_dict())
+    assert loader_at_4.state_dict()["distributed"]["num_replicas"] == 4
+    assert [batch[0].tolist() for batch in loader_at_4] == [batch[0].tolist() for batch in split_loader(4)]
+
+
+def test_a_state_after_a_batch_size_change_loads_at_its_own_world_size_only() -> None:
+    loader = split_loader(2)
+    iterator = iter(loader)
+    next(iterator)
+    loader.set_batch_size(6)
+    next(iterator)
+    with pytest.raises(ResumeError, match=r"batch size changed \(set_batch_size\); resume it at that world size"):
+        split_loader(4).load_state_dict(loader.state_dict())
+
+
+def test_another_world_size_needs_torchs_batch_sampler() -> None:
+    with pytest.raises(ResumeError, match="needs torch's BatchSampler over the DistributedSampler"):
+        split_loader(4, batch_size=None).load_state_dict(state_after(split_loader(2), 1))
+
+
+@pytest.mark.parametrize("world, ways", [(3, "(at world size 3: batch size 1, 2)"), (4, "(no world size fits)")])
+def test_a_world_size_no_batch_ends_at_names_the_batch_sizes_that_would(world: int, ways: str) -> None:
+    """1 batch of 3 on 2 ranks: 6 samples taken, which batches of 4 at 3 or 4 ranks do not end at."""
+    with pytest.raises(ResumeError, match="the first 6 samples") as caught:
+        split_loader(world, batch_size=4).load_state_dict(state_after(split_loader(2), 1))
+    assert ways in str(caught.value)

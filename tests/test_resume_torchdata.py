@@ -18,6 +18,7 @@ import torch
 import torch.utils.data as tud
 
 import gpuload
+from gpuload.resume import _packed, _unpacked
 
 
 def identity(x):
@@ -323,6 +324,20 @@ def test_state_before_the_first_batch_of_a_loaded_stream() -> None:
     assert _resumed(make, again) == after
 
 
+def test_state_before_the_first_batch_of_a_loaded_stream_iterator() -> None:
+    """A state taken after load_state_dict and before iter() holds the loaded state of the
+    iterator ``__iter__`` returns (the dataset itself has none)."""
+    def make() -> gpuload.DataLoader:
+        return _stream_loader(DrawingStream([30]), 0)
+
+    _, after, state = _interrupted(make, 7)
+    loader = make()
+    loader.load_state_dict(state)
+    again = loader.state_dict()
+    assert again["dataset_iterator"]["i"] == state["dataset_iterator"]["i"] == 7
+    assert _resumed(make, again) == after
+
+
 @pytest.mark.parametrize("interrupt", [0, 1, 10])
 @pytest.mark.parametrize("num_workers,pw", [(0, False), (3, True)])
 def test_map_random_sampler_with_generator(num_workers: int, pw: bool, interrupt: int) -> None:
@@ -434,6 +449,15 @@ def test_out_of_order_resumed_twice() -> None:
     third.load_state_dict(second.state_dict())
     output += [int(batch) for batch in third]
     assert sorted(output) == list(range(10))
+
+
+def test_the_places_done_out_of_order_are_kept_as_a_prefix_and_the_others() -> None:
+    """The first batches handed over in a row are one number; the state stays small however long the epoch."""
+    delivered = {0, 1, 2, 5, 7}
+    assert _packed(delivered) == {"prefix": 3, "others": [5, 7]}
+    assert _unpacked(_packed(delivered)) == delivered
+    assert _packed(set(range(10_000))) == {"prefix": 10_000, "others": []}
+    assert _packed(None) is None and _unpacked(None) is None
 
 
 def test_out_of_order_epoch_refuses_set_batch_size() -> None:

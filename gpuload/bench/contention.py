@@ -17,6 +17,7 @@ from collections.abc import Iterator
 __all__ = ["busy_neighbours"]
 
 _SPIN = "while True:\n    pass\n"
+_STOP_WAIT_S = 5.0  # how long a terminated neighbour may take to end before it is killed
 
 
 @contextlib.contextmanager
@@ -33,7 +34,7 @@ def busy_neighbours(count: int) -> Iterator[list[subprocess.Popen]]:
             process.terminate()
         for process in processes:
             try:
-                process.wait(timeout=5)
+                process.wait(timeout=_STOP_WAIT_S)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()

@@ -96,6 +96,18 @@ def second_process(root: str, batch_size: int, cache_dir: str, cache_size: int) 
     print(json.dumps({"epoch_s": seconds, "disk_hits": disk.get("hits", 0), "rows_written": disk.get("rows_written", 0)}))
 
 
+def in_a_second_process(root: str, batch_size: int, cache_dir: str, cache_size: int) -> dict[str, Any]:
+    """What :func:`second_process` prints, run in a new Python process; a RuntimeError with the
+    child's last line of error when it fails."""
+    command = [sys.executable, "-c", "import sys; from gpuload.bench.disk import second_process; "
+               f"second_process({root!r}, {batch_size}, {cache_dir!r}, {cache_size})"]
+    child = subprocess.run(command, capture_output=True, text=True, check=False, timeout=3600)
+    if child.returncode:
+        last = " ".join(child.stderr.strip().splitlines()[-1:])
+        raise RuntimeError(f"the second process failed (exit {child.returncode}): {last}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
 def run_disk(root: str, batch_size: int, workers: int, cache_dir: str) -> dict[str, Any]:
     """The measurements of one run (see the module docstring); ``cache_dir`` should be empty."""
     dataset = decoded_folder(root)
@@ -113,12 +125,7 @@ def run_disk(root: str, batch_size: int, workers: int, cache_dir: str) -> dict[s
     growth = anon_resident_bytes() - before
     stats = loader.stats.extra["cache"]
     loader.close()
-    command = [sys.executable, "-c", "import sys; from gpuload.bench.disk import second_process; "
-               f"second_process({root!r}, {batch_size}, {cache_dir!r}, {cache_size})"]
-    child = subprocess.run(command, capture_output=True, text=True, check=False, timeout=3600)
-    if child.returncode:
-        raise RuntimeError(f"the second process failed: {child.stderr.strip().splitlines()[-1:]}")
-    second = json.loads(child.stdout.strip().splitlines()[-1])
+    second = in_a_second_process(root, batch_size, cache_dir, cache_size)
     return {
         "images": len(dataset), "batch_size": batch_size, "num_workers": workers,
         "decoded_bytes": decoded, "host_tier_budget": cache_size, "host_tier_bytes": stats["bytes"],

@@ -86,10 +86,8 @@ def open_image_folder(path: str | os.PathLike[str]) -> ImageFolder:
         raise ValueError(f"{path}: no such folder (the images scenario reads root/<class>/<images>)")
     try:
         folder = ImageFolder(root)
-    except (FileNotFoundError, OSError) as error:
+    except (FileNotFoundError, OSError) as error:  # no class folder, or one without images
         raise ValueError(str(error)) from None
-    if len(folder) == 0:
-        raise ValueError(f"{path} holds no images in class subfolders")
     return folder
 
 

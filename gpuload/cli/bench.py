@@ -258,8 +258,6 @@ def _checked(make: Callable[[], Any], argument: str = "") -> Any:
     """``make()``, its ValueError (a bad --data, --cache-size, --device) turned into a UsageError."""
     try:
         return make()
-    except UsageError:
-        raise
     except ValueError as error:
         raise UsageError(f"argument {argument}: {error}" if argument else str(error)) from None
 

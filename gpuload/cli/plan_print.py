@@ -155,10 +155,9 @@ def _image_cache_line(path: Path, settings: CacheSettings, target: str, memory: 
 
 
 def load_factory(text: str) -> Callable[[], Any]:
-    """The function named by ``pkg.module:factory`` (``factory`` may be dotted), or a ValueError."""
-    module_name, colon, attribute = text.partition(":")
-    if not colon or not module_name or not attribute:
-        raise ValueError(f"--model {text!r} must be written pkg.module:factory, e.g. torchvision.models:resnet50")
+    """The function named by ``pkg.module:factory`` (``factory`` may be dotted), or a ValueError.
+    The form is checked with the other arguments, before torch is imported (``plan._problem``)."""
+    module_name, _, attribute = text.partition(":")
     try:
         found: Any = importlib.import_module(module_name)
     except ImportError as error:

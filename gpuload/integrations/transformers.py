@@ -86,9 +86,7 @@ class GpuloadTrainerMixin:
         return serve_from_gpuload(super().get_train_dataloader(), **self.gpuload_options)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> GpuloadShard:
-        prepared = super().get_eval_dataloader(eval_dataset)
-        if isinstance(prepared, GpuloadShard):
-            return prepared  # Trainer kept it (persistent workers)
+        prepared = super().get_eval_dataloader(eval_dataset)  # torch's, prepared (kept by Trainer or new)
         kept = self._gpuload_eval_loaders.get(id(prepared.dataset))
         if kept is not None and kept.dataset is prepared.dataset and kept.total_batch_size == prepared.total_batch_size:
             return kept

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes.util
 import json
 from pathlib import Path
 
+import pytest
+
+from gpuload.bench.disk import anon_resident_bytes, in_a_second_process
 from gpuload.cli import main
 
 
@@ -31,3 +35,16 @@ def test_the_quick_variant_serves_epoch_2_and_a_second_process_from_the_disk_tie
 def test_data_is_refused_for_the_disk_scenario(tmp_path: Path, capsys) -> None:
     assert main(["bench", "--scenario", "disk", "--data", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "the disk scenario makes its own JPEG folder" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # the child imports torch and torchvision
+def test_a_second_process_that_fails_is_an_error_with_its_last_line(tmp_path: Path) -> None:
+    missing = tmp_path / "missing"
+    with pytest.raises(RuntimeError, match=r"^the second process failed \(exit 1\): FileNotFoundError: .*missing'$"):
+        in_a_second_process(str(missing), 8, str(tmp_path / "cache"), 1 << 20)
+
+
+def test_resident_bytes_are_read_where_the_c_library_cannot_trim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A C library that will not load (or lacks glibc's malloc_trim, as musl does): nothing is trimmed."""
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: "libc-gpuload-test-missing.so.6")
+    assert anon_resident_bytes() > 0

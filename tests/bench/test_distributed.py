@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,8 @@ from gpuload.device import DeviceError, cuda_available
 STORED = Path(__file__).parent / "distributed-cpu.json"  # a real default run, 2 CPU ranks
 
 
-def test_two_ranks_get_torchs_batches_and_the_sharded_scopes_hold_half(tmp_path: Path, capsys) -> None:
+def test_two_ranks_get_torchs_batches_and_the_sharded_scopes_hold_half(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(os, "getloadavg", lambda: (10_000.0, 0.0, 0.0))  # the run notes a busy machine
     args = ["bench", "--scenario", "distributed", "--samples", "1000", "--batch-size", "100", "--epochs", "1",
             "--device", "cpu", "--out", str(tmp_path)]
     assert main(args) == 0
@@ -52,8 +54,10 @@ def test_two_ranks_get_torchs_batches_and_the_sharded_scopes_hold_half(tmp_path:
         assert all(0 < received < 500 * (3 * 32 * 32 + 8) for received in row["bytes_received_per_epoch"])
         assert row["bytes_sent_per_epoch"][0] == row["bytes_received_per_epoch"][1]
         assert all(waited >= 0 for waited in row["exchange_wait_s_per_epoch"])
+    assert document["environment"]["load_average_during"] == 10_000.0
     out = capsys.readouterr().out
     assert "gpuload (scope world)" in out and "BATCHES DIFFER" not in out
+    assert "note: the machine was busy (load average 10000.0 on" in out
     assert out.rstrip().endswith(f"results: {tmp_path / 'bench.json'}")
 
 

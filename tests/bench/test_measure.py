@@ -66,6 +66,36 @@ def test_host_peak_reads_a_number_on_linux() -> None:
     assert before is None or after >= before + 32 * 2**20
 
 
+def test_host_peak_is_none_where_the_kernel_does_not_say(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from gpuload.bench import measure
+
+    status = {"text": "Name:\tpython\nVmHWM:\t  2048 kB\n"}
+    monkeypatch.setattr(measure, "open", lambda path, *args, **kwargs: io.StringIO(status["text"]), raising=False)
+    assert HostPeak().read() == 2048 * 1024
+    status["text"] = "Name:\tpython\n"  # no VmHWM line
+    assert HostPeak().read() is None
+
+    def no_proc(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise PermissionError(path)  # /proc not mounted, or not readable
+
+    monkeypatch.setattr(measure, "open", no_proc, raising=False)
+    peak = HostPeak()
+    peak.reset()  # nothing to reset: no error
+    assert peak.read() is None
+
+
+@pytest.mark.parametrize("library", [None, "libc-gpuload-test-missing.so.6"])
+def test_the_steady_allocator_is_not_applied_without_glibc(library: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes.util
+
+    from gpuload.bench.run import steady_host_allocator
+
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: library)
+    assert steady_host_allocator() is False
+
+
 def test_run_loaders_counts_bytes_per_epoch_and_ratios() -> None:
     counter = {"bytes": 0}
 

@@ -31,6 +31,13 @@ def test_a_small_run_fills_the_cache_and_reports_every_target() -> None:
     assert all(len(line) <= 100 for line in table.splitlines())
 
 
+def test_a_cache_that_did_not_fill_is_an_error_not_a_cached_rate(pretend_host_memory) -> None:
+    pretend_host_memory(free=64 * 1024)  # room for a few hundred of the 3,000 samples
+    with pytest.warns(UserWarning, match="sample cache of this SmallSamples is partial"), \
+            pytest.raises(RuntimeError, match="gpuload's sample cache did not fill: "):
+        run_samples(3_000, 0, 256, torch.device("cpu"), rounds=1, cached_epochs=1)
+
+
 def test_targets_are_the_issues() -> None:
     run = SampleRun(400_000, 0, 256, torch_s=[1.0], fill_s=[1.3], cached_s=[0.2], rss_growth_bytes=[0],
                     layout="")

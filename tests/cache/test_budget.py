@@ -43,7 +43,7 @@ def test_parse_absolute_sizes(text, expected):
     assert spec.kind == "bytes" and spec.amount == expected
 
 
-@pytest.mark.parametrize("value", [0, "0", None, "off", "OFF", " 0 GiB "])
+@pytest.mark.parametrize("value", [0, "0", None, "off", "OFF", " 0 GiB ", 0.0, "0%"])
 def test_parse_off(value):
     assert parse_size(value).kind == "off"
 
@@ -58,7 +58,14 @@ def test_parse_auto_case_insensitive():
     assert parse_size("AUTO").kind == "auto"
 
 
-@pytest.mark.parametrize("value", ["12 parsecs", "lots", "1.5", 1.5, -3, True, "-1GiB", [1], "150%"])
+@pytest.mark.parametrize("value, text", [("1536", "1.50 KiB"), ("2TiB", "2.00 TiB"), ("4096TiB", "4096.00 TiB"),
+                                         (100, "100 B"), ("40%", "0.4 of free memory"), ("auto", "auto"),
+                                         ("off", "off")])
+def test_a_parsed_size_reads_back_as_a_person_writes_it(value, text):
+    assert str(parse_size(value)) == text
+
+
+@pytest.mark.parametrize("value", ["12 parsecs", "lots", "1.5", 1.5, -3, True, "-1GiB", [1], "150%", "half%"])
 def test_parse_errors_name_setting_value_and_source(value):
     with pytest.raises(CacheSettingError) as caught:
         parse_size(value, setting="cache_size", source="environment variable GPULOAD_CACHE_SIZE")

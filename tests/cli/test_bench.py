@@ -99,6 +99,10 @@ def _scalar(path: Path) -> None:
     np.save(path, np.float32(3.0))
 
 
+def _strings(path: Path) -> None:
+    np.save(path, np.array(["abc"] * 5))
+
+
 def _empty_folder(path: Path) -> None:
     path.mkdir()
 
@@ -109,6 +113,8 @@ def _empty_folder(path: Path) -> None:
     ("fake.npy", _text, "fake.npy as .npy arrays: the file is not a NumPy array (it does not start with NumPy's"),
     ("objects.npy", _objects, "holds Python objects (dtype object); give numeric arrays"),
     ("scalar.npy", _scalar, "is 0-dimensional; each array needs one row per sample"),
+    ("strings.npy", _strings, ("strings.npy as .npy/.npz arrays: ArrayDataset column #0 has numpy dtype <U3, "
+                               "which torch cannot hold")),
     ("emptydir", _empty_folder, "emptydir holds no class subfolders; the images scenario reads root/<class>/<images>"),
 ])
 @pytest.mark.parametrize("scenario", [[], ["--scenario", "partial"], ["--scenario", "augment"]])
@@ -132,6 +138,20 @@ def test_an_unwritable_out_is_found_before_the_benchmark(tmp_path: Path, capsys)
     blocker.write_text("")
     line = run_failing([*TINY, "--out", str(blocker / "results")], capsys)
     assert line.startswith(f"gpuload bench: error: argument --out: cannot write in {blocker / 'results'}")
+
+
+def test_an_out_in_a_folder_without_write_permission_is_refused_before_the_benchmark(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    import os
+
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    access = os.access  # root may write anywhere: the check is asked as an ordinary user would find it
+    monkeypatch.setattr(os, "access", lambda path, mode: False if Path(path) == locked else access(path, mode))
+    line = run_failing([*TINY, "--out", str(locked / "results")], capsys)
+    assert line == (f"gpuload bench: error: argument --out: cannot write in {locked / 'results'}: "
+                    f"permission denied in {locked}")
+    assert list(locked.iterdir()) == []
 
 
 def test_generated_images_are_kept_only_where_asked(tmp_path: Path, capsys) -> None:
@@ -182,10 +202,13 @@ def test_two_cores_or_fewer_default_to_one_torch_thread_and_the_run_restores_it(
     from gpuload.cli.bench import default_threads
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))  # a busy machine: the run says so
     assert default_threads() == 1
     before = torch.get_num_threads()
     assert main(["bench", *TINY, "--out", str(tmp_path)]) == 0
-    assert "1 torch thread(s) (the default on 2 cores or fewer" in " ".join(capsys.readouterr().out.split())
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "1 torch thread(s) (the default on 2 cores or fewer" in printed
+    assert "note: the machine was busy (load average 9.0 on 2 cores): the rates are noisy" in printed
     assert json.loads((tmp_path / "bench.json").read_text())["environment"]["torch_threads"] == 1
     assert torch.get_num_threads() == before
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
@@ -273,3 +296,29 @@ def test_contention_runs_busy_neighbours_only_while_timing(tmp_path: Path, capsy
     assert len(started) == 2 and all(p.poll() is not None for p in started)
     document = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert document["contention"]["busy_neighbours"] == 2 and document["contention"]["load_after_run"] is not None
+
+
+def test_a_neighbour_that_ignores_sigterm_is_killed(tmp_path: Path, monkeypatch) -> None:
+    import signal
+    import time
+
+    from gpuload.bench import contention
+
+    ready = tmp_path / "ignoring"
+    monkeypatch.setattr(contention, "_SPIN", "import pathlib, signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                        f"pathlib.Path({str(ready)!r}).touch()\nwhile True:\n    pass\n")
+    monkeypatch.setattr(contention, "_STOP_WAIT_S", 0.2)
+    with contention.busy_neighbours(1) as [neighbour]:
+        deadline = time.monotonic() + 10
+        while not ready.exists():  # SIGTERM is ignored from here on
+            assert time.monotonic() < deadline and neighbour.poll() is None
+            time.sleep(0.01)
+    assert neighbour.returncode == -signal.SIGKILL
+
+
+@pytest.mark.gpu
+def test_a_pretended_card_is_refused_on_a_gpu_before_measuring(tmp_path: Path, capsys) -> None:
+    line = run_failing([*TINY[:-2], "--device", "cuda", "--device-memory", "1GiB", "--out", str(tmp_path / "out")],
+                       capsys)
+    assert line.startswith("gpuload bench: error: argument --device-memory: it models the bytes on a CPU")
+    assert not (tmp_path / "out").exists()

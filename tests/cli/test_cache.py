@@ -55,6 +55,9 @@ def test_ls_takes_the_folder_from_the_settings_or_says_what_is_missing(tmp_path:
     assert "no cache folder: give DIR, or set GPULOAD_CACHE_DIR" in capsys.readouterr().err
     assert main(["cache", "ls", str(tmp_path / "missing")]) == 1
     assert "is not a folder" in capsys.readouterr().err
+    monkeypatch.setenv("GPULOAD_CACHE_SIZE", "lots")
+    assert main(["cache", "ls"]) == 1
+    assert capsys.readouterr().err.startswith("gpuload cache: cache_size='lots' (from environment variable")
 
 
 def test_clear_older_than_removes_only_old_unused_entries(tmp_path: Path, capsys) -> None:

@@ -17,6 +17,7 @@ from PIL import Image
 from gpuload.cli import main
 from gpuload.cli.plan import add_arguments as add_plan_arguments
 from gpuload.cli.plan import run as run_plan
+from gpuload.sizes import format_bytes
 
 
 @pytest.fixture(autouse=True)
@@ -306,6 +307,25 @@ def test_scope_plan_beside_a_models_step(capsys):
     assert "a scope plan (--gpus-per-node) with --model needs a dataset" in one_error(capsys)
 
 
+def test_scope_plan_beside_a_step_that_does_not_fit_leaves_no_cache_room(capsys):
+    args = ["plan", "--model", "job_models:cnn", "--input-shape", "3,32,32", "--optimizer", "sgd", "--synthetic",
+            "cifar", "--gpus-per-node", "2", "--device-memory", "4MiB", "--host-memory", "64GiB"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "no batch fits" in out and "cache room 0 B (the step at batch 1 alone does not fit)" in out
+    assert "auto picks rank" in out
+
+
+@pytest.mark.gpu
+def test_the_cache_plan_and_the_scope_plan_are_for_this_machines_cuda_device(capsys):
+    total = torch.cuda.mem_get_info()[1]
+    assert main(["plan", "--synthetic", "cifar", "--host-memory", "64GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "device: cuda" in out and "no CUDA device here" not in out
+    assert main(["plan", "--synthetic", "cifar", "--host-memory", "64GiB", "--gpus-per-node", "2"]) == 0
+    assert f"free of {format_bytes(total)}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -421,6 +441,7 @@ def test_the_choices_the_parser_offers_are_the_packages_own() -> None:
     (["--cache-size", "lots"], "argument --cache-size: 'lots' is not a size; "),
     (["--cache-reserve", "2.5"], "argument --cache-reserve: '2.5' is a number outside [0, 1]"),
     (["--device-free", "8GiB"], "--device-free needs --device-memory (the card it is part of)"),
+    (["--device-memory", "8GiB", "--device-free", "9GiB"], "--device-free cannot exceed --device-memory"),
 ])
 def test_size_settings_are_checked_when_the_arguments_parse(argv: list[str], message: str, capsys) -> None:
     try:

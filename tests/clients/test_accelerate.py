@@ -194,3 +194,13 @@ def test_an_iterable_dataset_keeps_its_batch_size() -> None:
     accelerator = accelerate.Accelerator(cpu=True)
     ours = prepare_data_loader(accelerator, gpuload.DataLoader(Counting(), batch_size=4))
     assert serves_from_gpuload(ours) and [b.tolist() for b in ours] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_an_accelerator_on_xla_devices_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a TPU Accelerate wraps the loader in torch_xla's MpDeviceLoader, which gpuload cannot serve."""
+    from accelerate.utils import DistributedType
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    monkeypatch.setattr(type(accelerator), "distributed_type", property(lambda _: DistributedType.XLA))
+    with pytest.raises(ValueError, match=r"^gpuload.integrations.accelerate does not run on XLA devices \(TPU\)"):
+        prepare_data_loader(accelerator, shuffled(gpuload.DataLoader))

@@ -174,3 +174,20 @@ def test_resume_errors_the_test_loader_and_an_older_transformers(tmp_path) -> No
 
     with pytest.raises(ImportError, match="get_resumed_dataloader"):
         OldGpuloadTrainer()
+
+
+def test_eval_loaders_with_persistent_workers_are_kept_and_read_from_gpuload(tmp_path) -> None:
+    """With persistent workers Trainer hands back the torch loader it kept; gpuload's, kept for
+    that eval dataset, serves it."""
+    ours = trainer(GpuloadTrainer, str(tmp_path))
+    ours.args.dataloader_persistent_workers, ours.args.dataloader_num_workers = True, 1
+    eval_loader = ours.get_eval_dataloader()
+    assert type(eval_loader.base_dataloader) is gpuload.DataLoader and ours.get_eval_dataloader() is eval_loader
+    assert ours.evaluate()["eval_loss"] == ours.evaluate()["eval_loss"]
+
+
+def test_a_loader_gpuload_does_not_serve_resumes_as_trainer_resumes_it(tmp_path) -> None:
+    ours = trainer(GpuloadTrainer, str(tmp_path))
+    torch_loader = torch.utils.data.DataLoader(torch.arange(40), batch_size=BATCH)
+    resumed = ours.get_resumed_dataloader(torch_loader, 2)
+    assert [batch.tolist() for batch in resumed] == [list(range(start, start + BATCH)) for start in (16, 24, 32)]

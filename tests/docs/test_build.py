@@ -4,7 +4,6 @@ link or a reference to a name that does not exist, fails the build; no network i
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +18,11 @@ DOCS = ROOT / "gpuload" / "docs"
 
 
 def _sphinx_build(source: Path, out: Path) -> subprocess.CompletedProcess[str]:
-    """``sphinx-build -E -W --keep-going -n`` (fresh, warnings are errors, nitpicky) into ``out``."""
+    """``sphinx-build -E -W --keep-going -n`` (fresh, warnings are errors, nitpicky) into ``out``,
+    with gpuload's own conf.py whatever the pages."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "sphinx", "-E", "-W", "--keep-going", "-n", "-q", "-b", "html",
-                           "-d", str(out / ".doctrees"), str(source), str(out / "html")],
+                           "-c", str(DOCS), "-d", str(out / ".doctrees"), str(source), str(out / "html")],
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
 
 
@@ -40,14 +40,16 @@ def test_the_docs_build_strictly(tmp_path: Path) -> None:
 def test_a_broken_link_or_reference_fails_the_build(tmp_path: Path) -> None:
     source = tmp_path / "src"
     source.mkdir()
-    shutil.copy(DOCS / "conf.py", source / "conf.py")
     (source / "index.md").write_text("# Index\n\nSee [the cache](caching.md).\n")
     done = _sphinx_build(source, tmp_path / "out")
     assert done.returncode != 0 and "caching.md" in done.stderr, done.stderr[-3000:]
     (source / "index.md").write_text("# Index\n\n```{eval-rst}\n.. autofunction:: gpuload.plan_job\n\n"
-                                     "See :class:`gpuload.NoSuchLoader`.\n```\n")
+                                     "See :class:`gpuload.NoSuchLoader`, :class:`gpuload_no_such_package.Loader` "
+                                     "and :ref:`no-such-label`.\n```\n")
     done = _sphinx_build(source, tmp_path / "out")
-    assert done.returncode != 0 and "gpuload.NoSuchLoader" in done.stderr, done.stderr[-3000:]
+    assert done.returncode != 0, done.stderr[-3000:]
+    for name in ("gpuload.NoSuchLoader", "gpuload_no_such_package.Loader", "no-such-label"):
+        assert name in done.stderr, done.stderr[-3000:]
 
 
 def test_the_docs_folder_is_no_python_package() -> None:
