@@ -14,16 +14,16 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from gpuload.distributed import DistributedContext
-from gpuload.distributed import sharded_store
+from gpuload.distributed import DistributedContext, sharded_store
 
 WORLD = 2
 CONTEXT = DistributedContext(rank=0, world_size=WORLD, local_world_size=WORLD, backend="gloo")
 GROUPS = ("control", "data")
 
-#: What the other rank sends in one ``all_gather``: a function of this rank's tensor (a copy)
-#: giving the other rank's, or an exception the collective raises (a peer gone).
-Answer = Callable[[torch.Tensor], torch.Tensor] | BaseException
+#: What the other rank sends in one ``all_gather``: None (what this rank sent), a function of
+#: this rank's tensor (a copy) giving the other rank's, or an exception the collective raises
+#: (a peer gone).
+Answer = Callable[[torch.Tensor], torch.Tensor] | BaseException | None
 
 
 def batches(num_samples: int, batch_size: int = 4) -> BatchSampler:
@@ -33,7 +33,8 @@ def batches(num_samples: int, batch_size: int = 4) -> BatchSampler:
 
 class FakePeers:
     """Answers this process's ``all_gather`` calls in turn from ``answers``; past them, the other
-    rank sends what this one sent (it agrees, and read its share as this one did)."""
+    rank sends what this one sent (it agrees, and read its share as this one did). ``calls``:
+    the collectives made."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, answers: list[Answer] | None = None) -> None:
         assert not dist.is_initialized()
