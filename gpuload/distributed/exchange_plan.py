@@ -44,10 +44,6 @@ class StepPlan:
     def sent(self) -> int:
         return sum(self.send_splits)
 
-    @property
-    def batch_size(self) -> int:
-        return self.inverse.numel()
-
 
 def plan_step(me: int, batches: Sequence[torch.Tensor], partition: Partition) -> StepPlan:
     """Rank ``me``'s plan for a step where rank ``r`` reads ``batches[r]`` (int64, in range)."""

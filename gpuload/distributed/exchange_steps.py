@@ -149,7 +149,8 @@ class ExchangeSteps(Iterator[T], Generic[T]):
 
 class MappedSteps(Iterator[U], Generic[U]):
     """:class:`ExchangeSteps` whose items go through ``fn`` as they are made (decoding, counters);
-    the loop and the prefetcher tell the steps through it (``handed_over``, ``cancel``, ``close``)."""
+    the prefetcher stops the steps through it (``cancel``, ``close``); the loop tells the steps
+    themselves of each batch it receives (``ExchangeSteps.handed_over``)."""
 
     def __init__(self, steps: ExchangeSteps[Any], fn: Callable[[Any], U]) -> None:
         self._steps, self._fn = steps, fn
@@ -159,9 +160,6 @@ class MappedSteps(Iterator[U], Generic[U]):
 
     def __next__(self) -> U:
         return self._fn(next(self._steps))
-
-    def handed_over(self) -> None:
-        self._steps.handed_over()
 
     def cancel(self) -> None:
         self._steps.cancel()

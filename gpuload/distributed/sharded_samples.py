@@ -131,7 +131,7 @@ def shard_samples(
     raised, disk = "", None
     try:  # every rank reports its outcome below, whatever this raises
         disk = DiskRows.open(dataset, settings)
-        block = _read_block(template, stop - start, chunks, read, disk)
+        block = _read_block(template, chunks, read, disk)
         outcome = _READ_OK if block is not None else _LAYOUT_DIFFERS
     except Exception as error:  # noqa: BLE001 - torch's path raises it again, at that sample's batch
         block, outcome, raised = None, _READ_FAILED, f": {type(error).__name__}: {error}"
@@ -195,18 +195,17 @@ def _columns_of(
 
 
 def _read_block(
-    template: Part, rows: int, chunks: list[list[int]], read: ReadBlock, disk: DiskRows | None = None,
+    template: Part, chunks: list[list[int]], read: ReadBlock, disk: DiskRows | None = None,
 ) -> list[torch.Tensor] | None:
     """This rank's rows by column, chunk by chunk: from ``disk`` (``cache_dir``'s disk tier of
     the dataset's samples) where it has a whole chunk, the others read from the dataset (and
-    written to ``disk``); None when a chunk's layout differs from ``template``'s."""
+    written to ``disk``); None when a chunk's layout differs from ``template``'s. A read that
+    yields another number of parts than the chunks it was given is a ``ValueError``."""
     expected = layout(template)
-    block = [torch.empty((rows, *column.shape[1:]), dtype=column.dtype) for column in column_rows(template)]
     starts = [0]
     for chunk in chunks:
         starts.append(starts[-1] + len(chunk))
-    if starts[-1] != rows:
-        raise ValueError(f"the chunks hold {starts[-1]} of this rank's {rows} samples")
+    block = [torch.empty((starts[-1], *column.shape[1:]), dtype=column.dtype) for column in column_rows(template)]
 
     def put(k: int, part: Part) -> bool:
         if layout(part) != expected:
@@ -222,16 +221,12 @@ def _read_block(
             pending.append(k)
     if not pending:
         return block
-    done = 0
     with read([chunks[k] for k in pending]) as parts:
-        for k, part in zip(pending, parts):
+        for k, part in zip(pending, parts, strict=True):
             if not put(k, part):
                 return None
             if disk is not None:
                 disk.write(torch.tensor(chunks[k]), part)
-            done += 1
-    if done != len(pending):
-        raise RuntimeError(f"read {done} of this rank's {len(pending)} chunks of samples")
     return block
 
 

@@ -675,9 +675,6 @@ def sharded_arrays(
     """The exchange over this rank's ``block`` of every array (rows ``plan.partition.rows_of``,
     in row order, read by the caller or sliced from whole arrays)."""
     start, stop = plan.partition.rows_of(plan.rank)
-    sizes = {column.shape[0] for column in block}
-    if not block or sizes != {stop - start}:
-        raise ValueError(f"rank {plan.rank}'s block holds rows [{start}, {stop}): got columns of {sorted(sizes)} rows")
     inner = array_share(block, plan, device, owner=owner, ledger=ledger)
     return ShardedStore(inner, ArrayRows(block), plan, device, groups,
                         shard_bytes=(stop - start) * ArrayRows(block).width)

@@ -70,6 +70,8 @@ def test_partition_blocks_and_errors():
     assert "rows [5, 10)" in node.describe(3, 4)
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
         Partition(10, 6, 4)
+    with pytest.raises(ValueError, match="num_samples must be >= 0, got -1"):
+        Partition(-1, 2, 2)
     with pytest.raises(ValueError, match="one batch per rank"):
         plan_step(0, [torch.tensor([1])], Partition(10, 2, 2))
 

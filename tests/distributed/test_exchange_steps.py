@@ -152,6 +152,28 @@ def test_host_wait_in_slices_returns_when_done_and_raises_the_works_own_error():
         wait_work(FakeWork(0.05, "Connection closed by peer"), True, lambda: False)
 
 
+def test_a_work_done_between_a_slices_timeout_and_the_check_is_not_waited_for_again():
+    """A slice's wait timed out, but the work completed before ``is_completed`` was asked: its own
+    (successful) outcome, whatever the loader's state."""
+
+    class DoneMeanwhile:
+        def __init__(self) -> None:
+            self.waits: list[object] = []
+
+        def is_completed(self) -> bool:
+            return True
+
+        def wait(self, timeout=None) -> bool:
+            self.waits.append(timeout)
+            if timeout is not None:
+                raise RuntimeError("Operation timed out!")
+            return True
+
+    work = DoneMeanwhile()
+    wait_work(work, True, lambda: True)
+    assert len(work.waits) == 2 and work.waits[1] is None
+
+
 def test_host_wait_is_abandoned_when_the_loader_closes():
     closed = threading.Event()
     threading.Timer(0.1, closed.set).start()

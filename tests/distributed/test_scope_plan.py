@@ -139,6 +139,13 @@ def test_one_gpu_per_node_or_one_node():
     assert one_node["world"].later_epochs.network == 0
 
 
+def test_a_scope_that_is_not_planned_is_named_with_the_ones_that_are():
+    plans = plan_scopes(10, 4, gpus_per_node=2, nodes=1, device_memory="1GiB", host_memory_per_node=HOST, room=20,
+                        settings=CacheSettings.resolve(**PINNED))
+    with pytest.raises(KeyError, match="no scope 'auto'; the scopes are rank, node, world"):
+        plans["auto"]
+
+
 @pytest.mark.parametrize("sampler_drop_last", [False, True])
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("num_samples, world", [(23, 4), (24, 4), (3, 4), (100, 7)])

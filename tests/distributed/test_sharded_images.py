@@ -14,6 +14,7 @@ import pytest
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
+import fake_peers
 import images_job
 import ranks_job
 
@@ -175,3 +176,74 @@ def test_a_rank_reads_its_block_in_chunks_and_stops_at_its_room_or_a_bad_decoder
 
     with pytest.raises(ValueError, match=r"the decoder gave an image that is not \(channels, height, width\)"):
         _read_block(four_dims, 0, 2, 2, 1 << 20, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- rank 0's split, its peer pretended
+
+
+def _split(monkeypatch, read, answers=(), num_images: int = 8):
+    """``shard_images`` on rank 0 of two (``fake_peers``), images of 12 bytes, room for all of
+    them; returns (what it returned, the warnings, the collectives it made)."""
+    import warnings
+
+    import torch
+
+    from gpuload.cache import CacheSettings
+    from gpuload.cache.budget import BudgetLedger
+    from gpuload.distributed.sharded_images import shard_images
+
+    peers = fake_peers.FakePeers(monkeypatch, list(answers))
+    settings = CacheSettings.resolve(cache_scope="world", environ={})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = shard_images(num_images, settings, torch.device("cpu"), fake_peers.batches(num_images), "t",
+                             estimate=lambda: 12 * num_images, room=lambda: 1 << 20, read=read, chunk_size=2,
+                             on_error="raise", name=str, failure=RuntimeError, context=fake_peers.CONTEXT,
+                             ledger=BudgetLedger())
+    return found, [str(w.message) for w in caught], peers.calls
+
+
+def _read_all(positions):
+    import torch
+
+    from gpuload.distributed.sharded_images import WholeImages
+
+    return WholeImages(positions, [torch.full((3, 2, 2), p, dtype=torch.uint8) for p in positions])
+
+
+def test_a_rank_whose_read_raised_makes_both_fall_back_saying_what_it_was(monkeypatch):
+    def read(positions):
+        raise OSError("the disk went away")
+
+    found, said, calls = _split(monkeypatch, read)
+    assert found is None and calls == 2  # the agreement, then the tables with every rank's outcome
+    assert said == ["gpuload: cache_scope='world' (keyword cache_scope=) is not used: rank 0 could not read its "
+                    "share of the images (rows [0, 4)): OSError: the disk went away; each rank caches the whole "
+                    "dataset"]
+
+
+def test_a_peer_whose_share_does_not_fit_its_room_makes_both_fall_back(monkeypatch):
+    from gpuload.distributed.sharded_images import _TOO_BIG
+
+    def too_big(mine):
+        mine[0] = _TOO_BIG  # its outcome; its rows stay empty
+        return mine
+
+    found, said, _ = _split(monkeypatch, _read_all, answers=[None, too_big])
+    assert found is None
+    assert len(said) == 1 and "rank 1's share of the decoded images (rows [4, 8)) does not fit its room (1" in said[0]
+    assert said[0].endswith("MiB); each rank caches the whole dataset")  # the peer's own detail is not known here
+
+
+def test_a_peer_that_died_before_reporting_its_read_is_an_exchange_error(monkeypatch):
+    from gpuload.distributed import ExchangeError
+
+    with pytest.raises(ExchangeError, match=r"rank 0 read its share of the images but another rank did not report "
+                                            r"its own \(it stopped or died\)\. Cause: Connection closed by peer"):
+        _split(monkeypatch, _read_all, answers=[None, RuntimeError("Connection closed by peer")])
+
+
+def test_an_empty_dataset_is_not_split_and_no_rank_is_asked(monkeypatch):
+    found, said, calls = _split(monkeypatch, _read_all, num_images=0)
+    assert found is None and calls == 0
+    assert len(said) == 1 and "is not used: the dataset is empty" in said[0]

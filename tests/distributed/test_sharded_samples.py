@@ -5,6 +5,7 @@ warning, wherever the samples cannot be split."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from pathlib import Path
@@ -15,10 +16,13 @@ from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from gpuload.cache import CacheSettings
-from gpuload.distributed import DistributedContext
-from gpuload.distributed.sharded_samples import shard_samples
+from gpuload.cache.columns import prepare
+from gpuload.distributed import DistributedContext, ExchangeError
+from gpuload.distributed.sharded_samples import _read_block, shard_samples
+from gpuload.sources.torch_fetch import read_prepared
 
 sys.path.insert(0, str(Path(__file__).parent))
+import fake_peers
 import ranks_job
 import samples_job
 
@@ -141,3 +145,70 @@ def test_nccl_ranks_get_torchs_batches_from_device_shares(tmp_path):
         for scope, result in found.items():
             assert result["equal"] and result["path"] == f"sharded-{scope}", (rank, scope)
             assert result["exchange"]["shard_bytes"] > 0
+
+
+class _Empty(samples_job.Pairs):
+    def __len__(self) -> int:
+        return 0
+
+
+class _Unreadable(samples_job.Pairs):
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        raise KeyError(f"row {index} is not there")
+
+
+@pytest.mark.parametrize("data, settings, says", [
+    (samples_job.Pairs(), dict(cache_size="0"), "cache_size='0' (keyword cache_size=) turns it off"),
+    (_Empty(), {}, "the dataset is empty"),
+    (_Unreadable(), {}, "reading its samples for the determinism probe failed (KeyError: 'row 0 is not there')"),
+])
+def test_what_this_rank_sees_alone_declines_the_split_before_any_collective(data, settings, says):
+    batches = BatchSampler(DistributedSampler(data, num_replicas=2, rank=0), 8, False)
+    context = DistributedContext(rank=0, world_size=2, local_world_size=2, backend="gloo")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = shard_samples(data, CacheSettings.resolve(cache_scope="world", environ={}, **settings),
+                              torch.device("cpu"), batches, "t", default_collate=True, read=None, chunk_size=8,
+                              context=context)
+    assert found is None
+    assert [str(w.message) for w in caught] == [
+        f"gpuload: cache_scope='world' (keyword cache_scope=) is not used: {says}; each rank caches the whole dataset"]
+
+
+def _split(monkeypatch, answers, scope: str = "world", local_world_size: int = 2) -> tuple[object, list[str], int]:
+    """``shard_samples`` of Pairs on rank 0 of two (``fake_peers``): what it returned, the
+    warnings, the collectives it made."""
+    data = samples_job.Pairs()
+    peers = fake_peers.FakePeers(monkeypatch, answers)
+    context = DistributedContext(rank=0, world_size=2, local_world_size=local_world_size, backend="gloo")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = shard_samples(data, _settings(scope), torch.device("cpu"), fake_peers.batches(len(data), 8), "t",
+                              default_collate=True, read=lambda chunks: read_prepared(data, chunks, 0, {}),
+                              chunk_size=8, context=context)
+    return found, [str(w.message) for w in caught], peers.calls
+
+
+def test_node_scope_on_nodes_of_one_rank_keeps_the_nodes_copy_whole_on_it(monkeypatch):
+    """One copy per node is the whole dataset on each rank: nothing to split, nothing to warn of
+    (the scope asked for is the one taken), once the ranks agreed."""
+    found, said, calls = _split(monkeypatch, [], scope="node", local_world_size=1)
+    assert found is None and said == [] and calls == 1
+
+
+def test_a_peer_that_died_before_reporting_its_read_is_an_exchange_error(monkeypatch):
+    with pytest.raises(ExchangeError, match=r"rank 0 read its share of the samples but another rank did not report "
+                                            r"its own \(it stopped or died\)\. Cause: Connection closed by peer"):
+        _split(monkeypatch, [None, RuntimeError("Connection closed by peer")])
+
+
+def test_a_read_that_yields_fewer_chunks_than_asked_is_an_error_not_a_block_of_empty_rows():
+    data = samples_job.Pairs()
+    template = prepare([data[i] for i in range(3)])
+
+    @contextlib.contextmanager
+    def first_chunk_only(chunks):
+        yield iter([prepare([data[i] for i in chunks[0]])])
+
+    with pytest.raises(ValueError, match="zip"):
+        _read_block(template, [[0, 1], [2, 3]], first_chunk_only)

@@ -4,15 +4,31 @@ sends (the gloo jobs run the real one)."""
 
 from __future__ import annotations
 
+import sys
 import threading
+import warnings
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
+from gpuload.cache import CacheSettings
 from gpuload.cache.budget import BudgetLedger
-from gpuload.distributed import Partition, ScopeDecision
+from gpuload.distributed import (
+    DistributedContext,
+    ExchangeError,
+    Partition,
+    ScopeDecision,
+    every_rank_batches,
+    plan_step,
+)
+from gpuload.distributed.exchange_steps import LoaderClosedError
 from gpuload.distributed.sharded_images import image_share
-from gpuload.distributed.sharded_store import ShardedStore, ShardPlan, sharded_arrays
+from gpuload.distributed.sharded_store import ShardedStore, ShardPlan, agree_on_split, shard_arrays, sharded_arrays
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fake_peers
 
 N, WORLD = 37, 2
 
@@ -106,3 +122,144 @@ def test_every_rank_gets_its_whole_images_in_order_from_every_share():
         assert all(torch.equal(a, images[k]) for a, k in zip(item.images, batches[rank].tolist()))
     for store in stores:
         store.close()
+
+
+# ---------------------------------------------------------------- rank 0 against a pretended peer
+
+
+def test_ranks_that_built_their_loaders_otherwise_or_died_fail_the_agreement(monkeypatch):
+    settings = CacheSettings.resolve(cache_scope="world", environ={})
+
+    def agree() -> Any:
+        return agree_on_split(settings, torch.device("cpu"), fake_peers.batches(N), "t", fake_peers.CONTEXT, N, 13)
+
+    def longer_dataset(mine: torch.Tensor) -> torch.Tensor:
+        mine[2] += 1  # (scope, room, samples, ...)
+        return mine
+
+    fake_peers.FakePeers(monkeypatch, [longer_dataset, RuntimeError("Connection closed by peer")])
+    with pytest.raises(ExchangeError, match=r"ranks disagree on the sharded cache: .* is \[3, -1, 37, 13, .* on rank 0 "
+                                            r"but \[3, -1, 38, 13, .* on rank 1; every rank must build the loader"):
+        agree()
+    with pytest.raises(ExchangeError, match=r"rank 0 could not agree on the sharded cache with the other ranks "
+                                            r"\(cache_scope='world'\): .* or died. Cause: Connection closed by peer"):
+        agree()
+
+
+def test_node_scope_on_nodes_of_one_rank_keeps_the_arrays_whole_on_each_rank(monkeypatch):
+    """One copy per node is every row on each rank: the ranks agree, then nothing is split."""
+    peers = fake_peers.FakePeers(monkeypatch)
+    context = DistributedContext(rank=0, world_size=WORLD, local_world_size=1, backend="gloo")
+    settings = CacheSettings.resolve(cache_scope="node", environ={})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert shard_arrays([torch.arange(N)], settings, torch.device("cpu"), fake_peers.batches(N), "t", context) is None
+    assert peers.calls == 1
+
+
+def _store(groups: tuple[Any, Any] = (None, None)) -> ShardedStore:
+    """Rank 0's share of 37 rows of one int64 array."""
+    start, stop = Partition(N, WORLD, WORLD).rows_of(0)
+    return sharded_arrays([torch.arange(start, stop)], _plan(0, 8), torch.device("cpu"), groups, owner="t",
+                          ledger=BudgetLedger())
+
+
+def test_batches_other_than_the_samplers_or_a_closed_store_are_refused_before_any_step():
+    store, sampler = _store(), fake_peers.batches(N)
+    mine = every_rank_batches(sampler)[0]
+    with pytest.raises(ExchangeError, match="rank 0's batches differ from the ones its DistributedSampler gives"):
+        store.epoch(sampler, [mine[0] + 1, *mine[1:]])
+    steps = store.epoch(sampler, mine)
+    store.close()
+    with pytest.raises(RuntimeError, match="this gpuload.DataLoader was closed"):
+        next(steps)  # made after the loader closed
+    with pytest.raises(RuntimeError, match="this gpuload.DataLoader was closed"):
+        store.epoch(sampler, mine)
+
+
+class _Peer:
+    """``all_to_all_single`` of rank 1 as rank 0 sees it: the step's header comes back as rank 1
+    sends it (``rows``: the row count it sends, given what rank 0 expects); the rows' swap
+    raises ``fails`` or, without it, never completes (a peer that stopped)."""
+
+    def __init__(self, rows: Any, fails: Exception | None = None) -> None:
+        self.rows, self.fails = rows, fails
+        self.waiting = threading.Event()
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        if group == fake_peers.GROUPS[0]:
+            header = input.tolist()
+            output.copy_(torch.tensor([*header[:-1], self.rows(header)]))
+            return _Done()
+        if self.fails is not None:
+            raise self.fails
+        return _NeverDone(self.waiting)
+
+
+class _Done:
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+class _NeverDone:
+    def __init__(self, waiting: threading.Event) -> None:
+        self.waiting = waiting
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, timeout=None) -> bool:
+        self.waiting.set()
+        threading.Event().wait(timeout.total_seconds())
+        raise RuntimeError("Operation timed out!")
+
+
+def _first_step(monkeypatch, peer: _Peer) -> tuple[ShardedStore, Any]:
+    """Rank 0's store and the steps of epoch 0, collectives by ``peer``."""
+    monkeypatch.setattr(torch.distributed, "all_to_all_single", peer.all_to_all_single)
+    store, sampler = _store(fake_peers.GROUPS), fake_peers.batches(N)
+    return store, store.epoch(sampler, every_rank_batches(sampler)[0])
+
+
+def test_a_peer_sending_other_row_counts_than_planned_fails_the_step(monkeypatch):
+    store, steps = _first_step(monkeypatch, _Peer(rows=lambda header: 99))
+    with pytest.raises(ExchangeError, match=r"rank 1 sends 99 rows at batch 1 of epoch 0 where rank 0 planned \d+: "
+                                            r"the ranks' datasets or samplers differ"):
+        next(steps)
+    store.close()
+
+
+def _planned(header: list[int]) -> int:
+    """The rows rank 1 sends rank 0 at the first step (what rank 0 expects)."""
+    batches = [everyone[0] for everyone in every_rank_batches(fake_peers.batches(N))]
+    return plan_step(0, batches, Partition(N, WORLD, WORLD)).recv_splits[1]
+
+
+def test_a_peer_gone_between_the_header_and_the_rows_is_named_as_a_stopped_rank(monkeypatch):
+    store, steps = _first_step(monkeypatch, _Peer(_planned, fails=RuntimeError("Connection closed by peer")))
+    with pytest.raises(ExchangeError, match=r"rank 0 waited \(up to 600 s, GPULOAD_EXCHANGE_TIMEOUT\) for the other "
+                                            r"ranks at batch 1 of 5 of epoch 0 .* Cause: Connection closed by peer"):
+        next(steps)
+    store.close()
+
+
+def test_closing_the_loader_abandons_a_rows_swap_its_peer_never_joins(monkeypatch):
+    """The abandoned swap is the loader's closing (``LoaderClosedError``), not a peer that stopped."""
+    peer = _Peer(_planned)
+    store, steps = _first_step(monkeypatch, peer)
+    raised: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            next(steps)
+        except BaseException as error:  # noqa: BLE001 - handed to the test's thread
+            raised.append(error)
+
+    runner = threading.Thread(target=first)
+    runner.start()
+    assert peer.waiting.wait(10)
+    store.close()
+    runner.join(10)
+    assert not runner.is_alive()
+    assert len(raised) == 1 and type(raised[0]) is LoaderClosedError

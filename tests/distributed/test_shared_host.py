@@ -5,10 +5,14 @@ group."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import signal
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +20,8 @@ import torch.multiprocessing as mp
 from torch.utils.data import BatchSampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from gpuload.cache import CacheSettings
+from gpuload.cache import CacheFallbackWarning, CacheSettings
+from gpuload.distributed import shared_host
 from gpuload.distributed.group import DistributedContext
 from gpuload.distributed.shared_host import NodeHostTier, node_host_tier
 
@@ -157,3 +162,91 @@ def test_the_loader_shares_only_on_cuda_with_a_distributed_sampler_and_a_host_ti
 
 def test_without_a_process_group_nothing_is_shared():
     assert node_host_tier(CacheSettings.resolve(environ={}, cwd="/"), torch.device("cuda"), _sampler()) is None
+
+
+# ---------------------------------------------------------------- one rank's setup, its leader pretended
+
+ROWS, ROW_BYTES = 20, 16
+
+
+def _source() -> list[torch.Tensor]:
+    return [torch.arange(2 * ROWS, dtype=torch.int64).reshape(ROWS, 2)]
+
+
+class _Leader:
+    """The setup's messages as rank 1 of a node of two sees them. Rank 0, the leader, wants
+    every row from the host tier (its device tier is empty), with the same budget and data;
+    it answers ``created`` for the segment it made, and every rank but this one opened it."""
+
+    def __init__(self, created: list[int]) -> None:
+        self.created = created
+
+    def gather(self, values: list[int], step: str) -> list[list[int]]:
+        if step == "agreeing on the rows":  # its pid and random name part, rows [0, ROWS)
+            return [[*values[:2], 4242, 0xABC, *values[4:6], 0, ROWS, *values[8:]], values]
+        if step == "creating the segment":
+            return [self.created, values]
+        return [[1] if step == "opening the segment" else [shared_host._OK, 0], values]
+
+
+def _rank_one(created: list[int], first: int) -> tuple[Any, list[str]]:
+    """Rank 1's host tier for rows ``[first, ROWS)`` with a node budget of every row; the warnings."""
+    context = DistributedContext(rank=1, world_size=2, local_world_size=2, backend="gloo")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tier = NodeHostTier(context)._build(_Leader(created), _source(), first, ROWS - first, ROWS * ROW_BYTES)
+    return tier, [str(w.message) for w in caught if issubclass(w.category, CacheFallbackWarning)]
+
+
+def test_a_rank_that_cannot_open_the_leaders_segment_keeps_its_own_copy_in_its_share_of_the_budget():
+    """The leader's segment is not in this rank's /dev/shm (here: no such file): the node falls back."""
+    tier, said = _rank_one([shared_host._OK, 1 << 30], first=5)
+    assert said == ["gpuload cache: the node's 2 ranks do not share one host tier: a rank could not open the shared "
+                    "segment in /dev/shm; each keeps its own copy of at most 10 samples (160 B, 1/2 of the node's "
+                    "host budget of 320 B)"]
+    assert tier.shared_by == 1 and tier.first == 5 and torch.equal(tier.columns[0], _source()[0][5:15])
+
+
+def test_a_rank_whose_device_tier_holds_its_rows_maps_nothing_and_the_node_shares():
+    tier, said = _rank_one([shared_host._OK, 1 << 30], first=ROWS)
+    assert said == [] and tier.shared_by == 2 and tier.rows == 0
+
+
+def test_a_segment_the_leader_could_not_create_is_named_with_the_systems_reason():
+    tier, said = _rank_one([shared_host._FAILED, errno.EMFILE], first=5)
+    assert len(said) == 1 and "creating the segment in /dev/shm failed (Too many open files)" in said[0]
+    assert tier.shared_by == 1 and tier.rows == 10
+
+
+def test_creating_a_segment_that_exists_is_the_systems_error_not_an_exception(tmp_path):
+    taken = tmp_path / "segment"
+    taken.write_bytes(b"")
+    assert shared_host._create(str(taken), 1) == ([shared_host._FAILED, errno.EEXIST], -1)
+
+
+def test_sizing_the_segment_says_whether_dev_shm_ran_out_or_the_call_failed(tmp_path):
+    """/dev/shm filled since its free space was read (the room asked for is more than it has);
+    a descriptor that cannot be sized (read only)."""
+    path = os.path.join(shared_host.SHM_DIR, f"{shared_host.SEGMENT_PREFIX}test-{os.getpid()}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.unlink(path)
+    try:
+        status, free = shared_host._fill(fd, shared_host.shm_free_bytes() + (1 << 30), _source(), [0], 0, ROWS)
+    finally:
+        os.close(fd)
+    assert status == shared_host._NO_SPACE and free > 0
+    (tmp_path / "read-only").write_bytes(b"")
+    fd = os.open(tmp_path / "read-only", os.O_RDONLY)
+    try:
+        assert shared_host._fill(fd, 64, _source(), [0], 0, ROWS) == [shared_host._FAILED, errno.EBADF]
+    finally:
+        os.close(fd)
+
+
+def test_a_machine_without_a_boot_id_still_has_one_identity(monkeypatch):
+    def no_proc(path, mode="r"):
+        raise FileNotFoundError(path)
+
+    with_boot_id = shared_host._machine_identity()
+    monkeypatch.setattr(shared_host, "open", no_proc, raising=False)
+    assert shared_host._machine_identity() == shared_host._machine_identity() != with_boot_id
