@@ -1015,13 +1015,10 @@ class DiskCache:
         first = block * self.block_rows
         if os.pread(self._flags_fd, self._rows_in(block), first).count(0):
             return
-        size = self._seal(block, fd)
+        size = self._seal(block, fd)  # never 0: a record is at least 1 byte, a ragged table 8 per row
         os.fsync(fd)
-        if size:
-            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
-                crc = _crc32(np.frombuffer(mapped, dtype=np.uint8))
-        else:
-            crc = 0
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
+            crc = _crc32(np.frombuffer(mapped, dtype=np.uint8))
         target = self._block_path(block, "bin")
         os.rename(self._block_path(block, "part"), target)
         _fsync_folder(self.root)

@@ -248,20 +248,6 @@ def test_from_settings_opens_the_folder_the_settings_name(tmp_path: Path) -> Non
     cache.close()
 
 
-def test_a_forked_process_must_open_its_own_cache(tmp_path: Path) -> None:
-    cache = _open(tmp_path, 8)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            cache.present(torch.arange(8))
-        except RuntimeError as error:
-            os._exit(7 if "open the cache again in this process" in str(error) else 1)
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 7
-    cache.close()
-
-
 # ---------------------------------------------------------------- identity
 
 
@@ -891,19 +877,24 @@ def test_a_file_system_without_fallocate_still_gets_whole_blocks(tmp_path: Path,
     cache.close()
 
 
-def test_a_manifest_that_cannot_be_written_unpublishes_its_block_with_one_warning(tmp_path: Path, monkeypatch) -> None:
+def no_room_for_the_manifest(monkeypatch) -> None:
+    """Make every rename onto ``manifest.json`` fail as on a full disk (ENOSPC)."""
     import errno
 
-    images, labels = _data(16)
-    cache = _open(tmp_path, 16)
     rename = os.rename
 
-    def no_room_for_the_manifest(source, target):
+    def failing(source, target):
         if str(target).endswith("manifest.json"):
             raise OSError(errno.ENOSPC, "No space left on device", str(target))
         return rename(source, target)
 
-    monkeypatch.setattr(os, "rename", no_room_for_the_manifest)
+    monkeypatch.setattr(os, "rename", failing)
+
+
+def test_a_manifest_that_cannot_be_written_unpublishes_its_block_with_one_warning(tmp_path: Path, monkeypatch) -> None:
+    images, labels = _data(16)
+    cache = _open(tmp_path, 16)
+    no_room_for_the_manifest(monkeypatch)
     with pytest.warns(DiskCacheWarning, match="the disk is full") as caught:
         cache.write(torch.arange(8), [images[:8], labels[:8]])
         cache.write(torch.arange(8, 16), [images[8:], labels[8:]])  # stopped: nothing more, no second warning
