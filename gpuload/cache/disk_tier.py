@@ -95,10 +95,6 @@ class DiskTier(Tier):
     def rows(self) -> int:
         return self._rows
 
-    @property
-    def nbytes(self) -> int:
-        return 0  # on disk, not in memory
-
     def gather(self, column: int, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.disk is None:
             raise RuntimeError("this disk tier was closed")
@@ -112,9 +108,6 @@ class DiskTier(Tier):
             return rows
         out.copy_(rows.view(out.dtype) if rows.dtype != out.dtype else rows)
         return out
-
-    def keep(self, rows: int) -> None:
-        self._rows = min(self._rows, rows)
 
     def close(self) -> None:
         self.disk = None

@@ -52,10 +52,6 @@ class TierPlan:
         return self.samples if self.room is None else max(self.samples, self.room)
 
     @property
-    def stop(self) -> int:
-        return self.first + self.samples
-
-    @property
     def bytes(self) -> int:
         return self.samples * self.bytes_per_sample
 

@@ -51,18 +51,10 @@ class Tier(ABC):
     def rows(self) -> int:
         return self.columns[0].shape[0] if self.columns else 0
 
-    @property
-    def nbytes(self) -> int:
-        return sum(column.numel() * column.element_size() for column in self.columns)
-
     def gather(self, column: int, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``slots`` (positions in this tier, on its memory's device) of one column."""
         storage = self.columns[column]
         return storage.index_select(0, slots) if out is None else torch.index_select(storage, 0, slots, out=out)
-
-    def keep(self, rows: int) -> None:
-        """Keep only the first ``rows`` rows (their own, smaller allocation)."""
-        self.columns = [column[:rows].clone() for column in self.columns] if rows else []
 
     def close(self) -> None:
         """Drop the rows; calls ``release`` once."""
@@ -123,6 +115,3 @@ class SourceTier(Tier):
     @classmethod
     def allocate(cls, source: list[torch.Tensor], first: int, rows: int, device: torch.device) -> SourceTier:
         return cls(0, list(source))
-
-    def keep(self, rows: int) -> None:
-        """The source is never shrunk."""

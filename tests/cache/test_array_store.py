@@ -167,6 +167,21 @@ def test_close_releases_memory_and_ledger():
         store.gather(torch.tensor([0]))
 
 
+def test_a_store_closed_by_another_thread_during_a_request_says_so(monkeypatch):
+    data = arrays()
+    store = TieredArrayStore(data, forced_plan(data, 100, 300), "cpu", ledger=BudgetLedger(), owner="train")
+    checked = store._check
+
+    def closed_after_the_check(indices):
+        flat = checked(indices)
+        store.close()  # as another thread closing it between the check and the gather
+        return flat
+
+    monkeypatch.setattr(store, "_check", closed_after_the_check)
+    with pytest.raises(RuntimeError, match="closed while a batch was gathered"):
+        store.request(torch.tensor([0, 150]))
+
+
 def test_host_oom_falls_back_to_source_with_one_warning(monkeypatch):
     def fail(cls, *args):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
@@ -369,6 +384,18 @@ def test_other_errors_while_shrinking_are_not_swallowed(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "clone", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("bad clone")))
     with pytest.raises(RuntimeError, match="bad clone"):
         store.shrink(0 + bytes_per_sample(data))
+    monkeypatch.undo()
+    _no_room_for_a_second_copy_on_meta(monkeypatch)  # staged on the host; copying them back fails otherwise
+    real_to = torch.Tensor.to
+
+    def bad_copy(self, *args, **kwargs):
+        if args and isinstance(args[0], torch.device) and args[0].type == "meta":
+            raise RuntimeError("bad copy")
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", bad_copy)
+    with pytest.raises(RuntimeError, match="bad copy"):
+        store.shrink(100 * bytes_per_sample(data))
     monkeypatch.undo()
     store.close()
     assert store.shrink(0) == 0  # closed: nothing to give back

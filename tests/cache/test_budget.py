@@ -156,6 +156,19 @@ def test_set_used_without_reservation_is_an_error():
         BudgetLedger().set_used("nobody", 1, device="cuda:0")
 
 
+def test_a_negative_reservation_is_an_error():
+    with pytest.raises(ValueError, match=r"cannot reserve a negative number of bytes \(-1\)"):
+        BudgetLedger().reserve(-1, "train", device="cuda:0")
+
+
+def test_release_on_one_device_keeps_the_owners_other_reservations():
+    ledger = BudgetLedger()
+    ledger.reserve(3 * GiB, "train", device="cuda:0")
+    ledger.reserve(2 * GiB, "train", device="cuda:1")
+    assert ledger.release("train", device="cuda:1") == 2 * GiB
+    assert ledger.owners("cuda:0") == {"train": 3 * GiB} and ledger.owners("cuda:1") == {}
+
+
 # -- settings precedence ---------------------------------------------------------------------
 
 TOML = """

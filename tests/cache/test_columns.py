@@ -343,6 +343,23 @@ def test_per_sample_values_stop_at_the_free_memory_room_with_one_warning() -> No
     assert not store.accepting and store.views(store.slots(torch.arange(3))) == samples[:3]
 
 
+def test_per_sample_values_larger_than_the_first_batchs_stop_at_the_free_memory_room() -> None:
+    store = _store(10, room=lambda: 20)  # the free memory left after the first batch: short values
+    assert _put(store, [0, 1], ["a", "b"]) == 2
+    longer = [f"sample {i:02d}" for i in range(2, 10)]
+    with pytest.warns(CacheFallbackWarning, match="reached the reserve after caching 4 samples"):
+        assert _put(store, list(range(2, 10)), longer) == 2
+    assert not store.accepting and store.views(store.slots(torch.arange(4))) == ["a", "b", *longer[:2]]
+
+
+def test_a_per_sample_leaf_that_becomes_a_container_is_kept_per_sample() -> None:
+    store = _store(4)
+    first = [{"x": torch.zeros(2), "meta": "a"}, {"x": torch.ones(2), "meta": "b"}]
+    later = [{"x": torch.full((2,), float(i)), "meta": {"w": torch.tensor(i / 2)}} for i in (2, 3)]
+    assert _put(store, [0, 1], first) == 2 and _put(store, [2, 3], later) == 2
+    assert_same(store.views(store.slots(torch.arange(4))), first + later)
+
+
 def test_rows_that_cannot_be_allocated_at_all_stop_filling_with_one_warning(monkeypatch) -> None:
     def empty(shape, **options):
         raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB")

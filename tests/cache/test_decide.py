@@ -62,6 +62,19 @@ def test_decision_matrix() -> None:
     assert decide(data, probe=same, free=8 * GiB).tier == "host"  # nothing above the reserve
 
 
+
+class _Unsized(torch.utils.data.Dataset):
+    """A map-style dataset without ``__len__`` (torch reads it through a sampler)."""
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def test_a_dataset_without_len_gets_no_cache_saying_why() -> None:
+    decision = decide(_Unsized(), cache="host")
+    assert decision.tier == "none" and decision.reason == "_Unsized has no len(): samples cannot be counted"
+
+
 def choose(source, device="cuda", free=40 * GiB, host_free=100 * GiB, **keywords):
     return decide_images(
         source, settings(**keywords), torch.device(device), owner=("test", id(source)),

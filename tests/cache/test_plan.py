@@ -73,6 +73,7 @@ def test_host_reserve_default():
         (dict(mode="vram"), "cache mode"),
         (dict(target="tpu"), "target"),
         (dict(bytes_per_sample=0), "bytes_per_sample"),
+        (dict(num_samples=-1), "num_samples must be >= 0"),
         (dict(budget=-1), "budget"),
     ],
 )

@@ -190,6 +190,22 @@ def test_a_negative_budget_is_refused_and_a_closed_cache_settles_to_nothing():
     assert not cache.full
 
 
+def test_a_cache_closed_while_a_sample_is_copied_does_not_keep_it(monkeypatch):
+    import gpuload.cache.sample_store as sample_store
+
+    cache = SampleCache(10**6)
+    copy = sample_store.copy_value
+
+    def copied_while_closed(value, device):
+        result = copy(value, device)
+        cache.close()  # as another thread closing the cache while this one copies (outside the lock)
+        return result
+
+    monkeypatch.setattr(sample_store, "copy_value", copied_while_closed)
+    assert not cache.keep(0, torch.zeros(2))
+    assert len(cache) == 0 and cache.stats.bytes == 0
+
+
 def test_out_of_memory_while_copying_stops_filling_with_one_warning_and_other_errors_surface(monkeypatch):
     import gpuload.cache.sample_store as sample_store
 

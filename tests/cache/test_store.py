@@ -15,7 +15,7 @@ from gpuload.cache import TieredArrayStore
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.sample_store import SampleCache
 from gpuload.cache.store import FillingStore, Store, StreamGuard
-from gpuload.cache.tiers import TIERS, Tier
+from gpuload.cache.tiers import TIERS, HostTier, Tier, register_tier
 from store_cases import (
     CASES, N, Case, SlowHostTier, _arrays, array_case, columns, columns_case, planned, sample_cache_case,
     sharded_arrays_case,
@@ -120,6 +120,15 @@ def test_a_plan_naming_an_unknown_tier_is_a_clear_error():
 def test_registered_tiers_are_classes_with_a_name():
     assert {"device", "host"} <= set(TIERS)
     assert all(issubclass(kind, Tier) and kind.name == name for name, kind in TIERS.items())
+
+
+def test_a_tier_without_a_name_is_not_registered():
+    class Unnamed(HostTier):
+        name = ""
+
+    with pytest.raises(ValueError, match="Unnamed needs a name to be registered as a tier"):
+        register_tier(Unnamed)
+    assert Unnamed not in TIERS.values()
 
 
 def test_a_copying_store_never_copies_by_itself():
