@@ -99,7 +99,7 @@ def detect(setup: Setup) -> TokenSource | None:
         return None  # a worker_init_fn asks for worker processes: torch's path runs it
     sample = dataset[0]
     template = setup.collate_fn([sample]) if setup.batched else setup.collate_fn(sample)
-    leaves, spec = tree_flatten(template)
+    leaves, spec = tree_flatten(template)  # default_collate of one unbatched (x, y) stacks them: one leaf
     if len(leaves) != 2 or not all(isinstance(leaf, torch.Tensor) and leaf.dtype == torch.int64 for leaf in leaves):
         return None
     return TokenSource(setup, dataset, spec)
@@ -231,10 +231,10 @@ class TokenSource(Source):
     def _gather_here(self, indices: Any, checked: bool, copy: Any) -> tuple[Any, int]:
         if self.store is not None:
             ids, count = self._from_store(indices, checked, copy)
-        elif self.buffer.device != self.setup.device:  # host buffer in the loop's thread (prefetch_depth=0)
+        elif self.buffer is not None and self.buffer.device != self.setup.device:  # host buffer, loop's thread
             count = torch.as_tensor(indices).numel()
             ids = copy(self._fill(indices))  # through the loader's staging, which counts the bytes
-        else:
+        else:  # the buffer in place, or none: closed meanwhile by another thread, which _flat names
             flat, count = self._flat(indices, checked)
             ids = self.buffer.index_select(0, flat)
         return self._batch(ids, count), count

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader as TorchDataLoader
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, default_collate
 
 import gpuload
 from gpuload.datasets.tokens import TokenFileError, TokenWindows, write_shard
@@ -172,6 +173,11 @@ def test_other_collate_or_subclass_takes_torchs_path(shard: Path) -> None:
             return x, y * 0
 
     assert not isinstance(gpuload.DataLoader(Masked(shard, 16), batch_size=4)._source, TokenSource)
+    # Unbatched, torch's default_collate stacks a window's x and y into one tensor: torch's path too.
+    unbatched = gpuload.DataLoader(ds, batch_size=None, collate_fn=default_collate)
+    assert not isinstance(unbatched._source, TokenSource)
+    want = next(iter(TorchDataLoader(ds, batch_size=None, collate_fn=default_collate)))
+    assert want.shape == (2, 16) and torch.equal(next(iter(unbatched)), want)
 
 
 def test_bad_sampler_index_fails_like_torch(shard: Path) -> None:
@@ -322,3 +328,32 @@ def test_an_empty_batch_fails_like_torch_and_a_closed_loaders_iterator_says_why(
     loader.close()
     with pytest.raises(RuntimeError, match=r"stopped before its end .* the loader was closed"):
         next(batches)
+
+
+def test_a_batch_begun_as_another_thread_closes_the_loader_stops_naming_the_close(shard: Path, monkeypatch) -> None:
+    """The loop's thread has checked for a stop and gathers a batch when another thread's
+    ``close()`` frees the token buffer: the gather says the loader was closed, and ``next()``
+    raises the loader's stop with that as its cause (arranged with events, in order)."""
+    loader = gpuload.DataLoader(TokenWindows(shard, 64), batch_size=8)
+    batches = iter(loader)
+    next(batches)
+    source = loader._source
+    gather, close = source._gather_here, source.close
+    source_closed = threading.Event()
+
+    def close_and_tell() -> None:
+        close()
+        source_closed.set()
+
+    def gather_once_closed(*args: Any) -> Any:
+        closer.start()  # close() frees the source first, then waits for this next() to return
+        source_closed.wait()
+        return gather(*args)
+
+    monkeypatch.setattr(source, "close", close_and_tell)
+    monkeypatch.setattr(source, "_gather_here", gather_once_closed)
+    closer = threading.Thread(target=loader.close)
+    with pytest.raises(RuntimeError, match=r"stopped before its end .* the loader was closed") as stopped:
+        next(batches)
+    closer.join()
+    assert "this gpuload.DataLoader was closed" in str(stopped.value.__cause__)
