@@ -184,6 +184,8 @@ def test_array_dataset_checks_its_columns() -> None:
         gpuload.ArrayDataset(torch.tensor(3))
     with pytest.raises(ValueError, match="not both"):
         gpuload.ArrayDataset(np.zeros(2), label=np.zeros(2))
+    with pytest.raises(ValueError, match="ArrayDataset needs at least one array"):
+        gpuload.ArrayDataset()
     with pytest.raises(TypeError, match="pass torch tensors or numpy arrays"):
         gpuload.ArrayDataset([1, 2, 3])
     assert "image=(4, 2):float64" in repr(gpuload.ArrayDataset(image=np.zeros((4, 2))))

@@ -244,6 +244,27 @@ def test_a_batch_made_in_the_loops_thread_copies_through_copy_now(staged_cuda) -
     assert prefetcher.stats.bytes_copied == 0
 
 
+def test_closing_staged_items_closes_the_sources_items() -> None:
+    """The loader closes an unfinished epoch's items: through the staging's wrapper, the
+    source's generator is closed (its ``finally`` runs); items without ``close`` are left be."""
+    closed = []
+
+    def items():
+        try:
+            yield from range(3)
+        finally:
+            closed.append(True)
+
+    cuda = torch.device("cuda", 0)
+    work = Work(items(), lambda item: (item, 1)).in_staging(lambda item: item, cuda, ahead=False)
+    assert next(work.items) == 0
+    work.items.close()
+    assert closed == [True]
+    plain = Work(iter([1]), lambda item: (item, 1)).in_staging(lambda item: item, cuda, ahead=False)
+    plain.items.close()
+    assert next(plain.items) == 1
+
+
 def test_on_a_cpu_device_the_work_is_left_as_it_is() -> None:
     work = Work(iter([1]), lambda item: (item, 1))
     assert work.in_staging(lambda item: item, torch.device("cpu"), ahead=False) is work

@@ -287,9 +287,9 @@ class Source(ABC):
     def warm(self, progress: bool) -> None:
         """Fill the cache now, in one pass, without touching samplers or random generators."""
 
+    @abstractmethod
     def stats(self) -> dict[str, Any]:
         """Entries for ``loader.stats.extra`` (cache counters, decisions)."""
-        return {}
 
     @abstractmethod
     def cache_store(self) -> Store | None:

@@ -20,6 +20,7 @@ while it serves.
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections import deque
@@ -225,7 +226,8 @@ class SampleSource(Source):
                 reader.generator = generator
         else:
             pairs = iter(reader)
-        at_end = self._end_of_worker_epoch if cached is not None and remaining is None else None
+        whole = cached is not None and remaining is None
+        at_end = functools.partial(self._end_of_worker_epoch, cached) if whole else None
         handing = pairs if handed is None else HandedOver(pairs, places, handed.append)
         batches = WorkerBatches(handing, recorder, lambda indices, part: cached is not None and cached.take(
             indices, part, keep), at_end)
@@ -236,14 +238,12 @@ class SampleSource(Source):
         return TorchDataLoader(self.setup.dataset, num_workers=self.torch.num_workers, collate_fn=keep,
                                **placement, **options)
 
-    def _end_of_worker_epoch(self) -> None:
+    def _end_of_worker_epoch(self, cached: CachedSamples) -> None:
         """After a whole worker epoch (not the rest of a resumed one, which cannot have filled
         the cache): with workers only a complete cache serves, so a partial one is kept only
         while the epochs still add to it (a sampler that visits a part of the dataset each
-        epoch), and dropped, saying why, once it cannot complete."""
-        cached = self.held
-        if cached is None:
-            return
+        epoch), and dropped, saying why, once it cannot complete. ``cached``: the cache the
+        epoch began with, still held (``close`` waits for a worker epoch's ``next()`` to return)."""
         if cached.end_of_epoch() or cached.complete:
             return
         if not cached.store.stats.full and not cached.unkeyed and not cached.store.stats.uncacheable:

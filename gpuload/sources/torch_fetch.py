@@ -184,9 +184,6 @@ class HandedOver(Iterator[Any]):
             self._note(self._places[number] if self._places is not None else number)
         return item
 
-    def __len__(self) -> int:
-        return len(self._inner)
-
 
 class WorkerBatches(Iterator[Any]):
     """A worker epoch's batches from torch's (samples, batch) pairs. Batches come back in the

@@ -64,6 +64,22 @@ def test_image_folder_indexes_like_torchvision(tree: Path) -> None:
     assert "6 images, 3 classes" in repr(ds)
 
 
+def test_a_folder_removed_while_it_is_listed_is_listed_as_the_walk_found_it(tree: Path, monkeypatch) -> None:
+    """The walk found ``dog/puppies`` and its file; the folder is gone when asked which folder it is
+    (another process removed it): nothing to tell apart from a link loop, its file stays listed."""
+    stat = os.stat
+    removed = os.path.join(tree, "dog", "puppies")
+
+    def gone(path, *args, **kwargs):
+        if os.fspath(path) == removed:
+            raise FileNotFoundError(2, "No such file or directory", removed)
+        return stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", gone)
+    ds = ImageFolder(tree)
+    assert ds.samples[-1] == (os.path.join(removed, "c.png"), 2) and len(ds) == 6
+
+
 def test_image_folder_extensions_can_be_narrowed(tree: Path) -> None:
     ds = ImageFolder(tree, extensions=[".PNG", ".jpeg"])
     assert [os.path.basename(p) for p, _ in ds.samples] == ["only.jpeg", "z.png", "a.JPEG", "c.png"]

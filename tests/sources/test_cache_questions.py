@@ -43,6 +43,9 @@ class _Serving(Source):
     def epoch(self, request):
         return Schedule(lambda ahead: ("own epoch", ahead))
 
+    def stats(self):
+        return {}
+
 
 def test_a_share_of_decoded_images_is_split_over_ranks():
     case = sharded_images_case()

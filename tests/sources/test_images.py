@@ -84,3 +84,25 @@ def test_each_files_header_is_read_once_per_dataset(folder: ImageFolder, monkeyp
     for _ in range(2):
         assert sum(len(labels) for _, labels in loader) == 12
     assert len(reads) == 12
+
+
+class _TorchvisionStyle(torch.utils.data.Dataset):
+    """A torchvision-style image dataset (``samples``) with its own transform."""
+
+    def __init__(self, folder: ImageFolder) -> None:
+        self.samples, self.classes, self.transform = list(folder.samples), list(folder.classes), abs
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        return self.samples[index]
+
+
+def test_transforms_asked_of_a_dataset_gpuload_cannot_read_raise_the_reason(folder: ImageFolder) -> None:
+    dataset = _TorchvisionStyle(folder)
+    with pytest.raises(ValueError, match="_TorchvisionStyle has a transform .* would not run"):
+        list(gpuload.DataLoader(dataset, batch_size=4, device="cpu", transforms=[T.Resize((16, 16))]))
+    plain = gpuload.DataLoader(dataset, batch_size=4, device="cpu")
+    next(iter(plain))
+    assert plain.stats.path == "torch"  # without transforms=, torch's path reads it as it is

@@ -68,11 +68,13 @@ def test_a_partial_cache_reads_only_what_it_lacks(samples) -> None:
     assert_close_epochs(ours, epochs(loader(ImageList(samples), "off"), 2))
 
 
-def test_warm_fills_the_cache_before_the_first_epoch(samples) -> None:
+@pytest.mark.parametrize("mode, keeps", [("device", "decoded"), ("host", "encoded")])
+def test_warm_fills_the_cache_before_the_first_epoch(samples, mode: str, keeps: str) -> None:
     source = CountingList(samples)
-    warmed = loader(source, "device")
+    warmed = loader(source, mode)
     stats = warmed.warm(progress=False)
-    assert stats.extra["cache"]["complete"] and source.reads == len(samples)
+    assert stats.extra["cache"]["complete"] and stats.extra["cache"]["mode"] == keeps
+    assert source.reads == len(samples)
     ours = epochs(warmed, 2)
     assert source.reads == len(samples)
     assert_close_epochs(ours, epochs(loader(ImageList(samples), "off"), 2))

@@ -50,3 +50,81 @@ def test_a_cache_of_samples_it_cannot_copy_says_so() -> None:
         for _ in range(2):
             list(loader)
     loader.close()
+
+
+class _Numbers(torch.utils.data.Dataset):
+    """Fixed-shape samples."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        return torch.full((3,), float(i)), i
+
+
+def _assert_same_epochs(loader, reference, epochs: int = 2) -> None:
+    for _ in range(epochs):
+        for got, want in zip(loader, reference, strict=True):
+            assert type(got) is type(want) and len(got) == len(want)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("from_disk", [False, True])
+def test_a_sample_drawn_twice_in_a_batch_is_stored_once_and_batches_equal_torch(tmp_path, from_disk: bool) -> None:
+    sampler = [0, 0, 1, 2, 3, 3, 4, 5]
+    options = {"cache_dir": tmp_path / "c"} if from_disk else {}
+    if from_disk:  # a first job publishes every sample on disk: this one reads them from there
+        list(gpuload.DataLoader(_Numbers(), batch_size=4, cache="host", **options))
+    loader = gpuload.DataLoader(_Numbers(), batch_size=2, sampler=sampler, cache="host", **options)
+    _assert_same_epochs(loader, torch.utils.data.DataLoader(_Numbers(), batch_size=2, sampler=sampler))
+    cache = loader.stats.extra["cache"]
+    assert cache["entries"] == 6 and cache["hits"] == 8  # the second epoch, from the cache
+    assert cache["disk"]["hits"] == 8 if from_disk else "disk" not in cache  # the first epoch, from disk
+
+
+def test_a_partial_cache_with_a_custom_collate_merges_stored_and_read_samples_in_order() -> None:
+    def collate(batch):
+        return [sample[0] for sample in batch]
+
+    def loader_of(kind, **options):
+        return kind(_Numbers(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5),
+                    collate_fn=collate, **options)
+
+    loader = loader_of(gpuload.DataLoader, cache="host", cache_size=120)  # room for 4 of the 8 samples
+    with pytest.warns(UserWarning, match="holds 4 of 8 samples"):
+        _assert_same_epochs(loader, loader_of(torch.utils.data.DataLoader), epochs=3)
+    assert loader.stats.extra["cache"]["hits"] > 0
+
+
+def test_warm_also_fills_the_disk_tier_so_a_later_job_reads_nothing_from_the_dataset(tmp_path) -> None:
+    gpuload.DataLoader(_Numbers(), batch_size=4, cache="host", cache_dir=tmp_path / "c").warm()
+    loader = gpuload.DataLoader(_Numbers(), batch_size=4, cache="host", cache_dir=tmp_path / "c")
+    _assert_same_epochs(loader, torch.utils.data.DataLoader(_Numbers(), batch_size=4), epochs=1)
+    disk = loader.stats.extra["cache"]["disk"]
+    assert disk["hits"] == 8 and disk["misses"] == disk["rows_written"] == 0
+
+
+class _TwoDtypes(torch.utils.data.Dataset):
+    """Samples 0-3 float32, 4-7 float64: a batch mixing them collates to float64, as torch does."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        return torch.full((3,), float(i), dtype=torch.float32 if i < 4 else torch.float64), i
+
+
+def test_rows_from_disk_that_do_not_fit_the_stored_columns_give_torchs_batch(tmp_path, monkeypatch) -> None:
+    """The disk tier keeps the samples of dataset[0]'s structure (float32 rows 0-3); the store's
+    columns were made from other samples (float64): a batch of both is read as torch reads it."""
+    import gpuload.cache.disk_tier as disk_tier
+
+    monkeypatch.setattr(disk_tier, "BLOCK_BYTES", 3 * 24)  # blocks of 3 rows (of 24 bytes): rows 0-2 publish
+    list(gpuload.DataLoader(_TwoDtypes(), batch_size=4, cache="host", cache_dir=tmp_path / "c"))
+    sampler = [4, 5, 6, 7, 4, 0, 5, 1]
+    loader = gpuload.DataLoader(_TwoDtypes(), batch_size=4, sampler=sampler, cache="host", cache_size=128,
+                                cache_dir=tmp_path / "c")  # full after the first batch
+    with pytest.warns(UserWarning, match="partial"):
+        _assert_same_epochs(loader, torch.utils.data.DataLoader(_TwoDtypes(), batch_size=4, sampler=sampler), epochs=1)
+    cache = loader.stats.extra["cache"]
+    assert cache["full"] and cache["disk"]["hits"] == 2  # rows 0 and 1, read from disk, then from the dataset
