@@ -328,3 +328,27 @@ def test_beside_an_encoded_bytes_cache_the_disk_tier_keeps_decoded_images(sample
     assert disk_stats(again)["hits"] == N
     for x, y in zip(first[0], later[0], strict=True):
         assert_same(x, y)
+
+
+def test_a_shares_block_dropped_between_its_check_and_its_read_is_decoded_again(samples, tmp_path, monkeypatch) -> None:
+    """A rank's share is read whole from the disk tier where published (``_read_whole``);
+    a block another process drops between the presence check and the read: all decoded again."""
+    epochs(loader(CountingList(samples), samples, transforms=None, cache_dir=tmp_path / "c"), 1)  # published
+    source = CountingList(samples)
+    reading = loader(source, samples, transforms=None, cache_dir=tmp_path / "c")
+    images = reading._source
+    images.begin_epoch()  # decides: the image cache and the disk tier
+    disk = images.disk
+    present = disk.present
+
+    def present_then_dropped(positions):
+        found = present(positions)
+        with pytest.warns(DiskCacheWarning, match="another process found it damaged"):
+            disk.disk._drop(0, "another process found it damaged")
+        return found
+
+    monkeypatch.setattr(disk, "present", present_then_dropped)
+    share = images._read_whole([0, 1, 2, 3])
+    assert share.positions == [0, 1, 2, 3] and not share.bad and source.reads == 4
+    for position, image in zip(share.positions, share.images, strict=True):
+        assert_same(image, ImageList(samples)[position][0])
