@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from threads import next_in_thread
 
 from gpuload.iterators import (
     EpochIterator,
@@ -95,16 +96,7 @@ def test_close_when_idle_closes_the_source_once_a_busy_epoch_leaves_next() -> No
 
     iterator, work, _ = epoch_over(items())
     assert next(iterator) == 0
-    outcome: list[BaseException] = []
-
-    def waiting_next() -> None:
-        try:
-            next(iterator)
-        except EpochStoppedError as error:
-            outcome.append(error)
-
-    thread = threading.Thread(target=waiting_next)
-    thread.start()
+    thread, outcome = next_in_thread(iterator)
     assert entered.wait(10)
     open_epochs = OpenEpochs()
     open_epochs.add(iterator, work, "a new epoch")

@@ -11,14 +11,14 @@ import time
 import warnings
 
 import pytest
-from threads import snapshot, wait_threads
 import torch
+from threads import next_in_thread, snapshot, wait_threads
 
 from gpuload.prefetch import (
     EpochStoppedError,
     Fill,
-    PrefetchError,
     Prefetcher,
+    PrefetchError,
     PrefetchStats,
     TensorSpec,
     default_depth,
@@ -333,16 +333,7 @@ def test_a_consumer_waiting_in_another_thread_when_a_new_epoch_starts_is_told_so
     prefetcher = Prefetcher(source, "cpu", depth=1)
     it = iter(prefetcher)
     next(it)
-    raised: list[BaseException] = []
-
-    def consume() -> None:
-        try:
-            next(it)
-        except BaseException as exc:
-            raised.append(exc)
-
-    consumer = threading.Thread(target=consume)
-    consumer.start()
+    consumer, raised = next_in_thread(it)
     assert source.waiting.wait(5)
     assert len(list(prefetcher.epoch(batches(2)))) == 2
     consumer.join(5)
