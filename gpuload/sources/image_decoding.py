@@ -62,18 +62,12 @@ class ImageDecoding:
         """The images of ``positions`` whole, bad files listed (not raised): a share's block,
         read before its first epoch from the disk tier where it has them (on this source's
         device), the others read and decoded (and written to the disk tier)."""
-        disk = self.disk
-        held = [p for p, present in zip(positions, disk.present(positions)) if present] if disk is not None else []
-        stored = disk.read(held) if held else []
-        if stored is None:  # a block was dropped (damaged, warned) meanwhile: decode its images
-            held, stored = [], []
-        if stored and self.setup.device.type != "cpu":
-            stored = to_device(stored, self.setup.device, keep_layout=True)
-        from_disk = set(held)
-        decoded = self._decode_whole([p for p in positions if p not in from_disk])
-        if disk is not None and disk.accepting:
-            disk.write(decoded.positions, decoded.images)
-        return WholeImages(held + decoded.positions, stored + decoded.images, decoded.bad)
+        stored = self._from_disk(positions, {}, None)  # slot -> image
+        decoded = self._decode_whole([p for slot, p in enumerate(positions) if slot not in stored])
+        if self.disk is not None and self.disk.accepting:
+            self.disk.write(decoded.positions, decoded.images)
+        return WholeImages([positions[slot] for slot in stored] + decoded.positions,
+                           list(stored.values()) + decoded.images, decoded.bad)
 
     def _decode_whole(self, positions: list[int]) -> WholeImages:
         """The files of ``positions`` read and decoded whole, bad ones listed."""
