@@ -75,12 +75,16 @@ class StreamGuard:
     waits for every noted stream's work queued so far, e.g. a batch still being written) and
     :meth:`replaced` with the memory it let go (kept reserved until every noted stream is done
     with it: ``record_stream``) once the new memory is written. Inert off CUDA.
+
+    Streams are told apart by what they are on the device (:func:`_stream_key`), not by the
+    Python object: ``torch.cuda.current_stream()`` returns a new object at each call, so one
+    stream used for a million batches is noted once.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
-        self._streams: dict[int, Any] = {}
+        self._streams: dict[tuple[int, int], Any] = {}
         self._ready: Any = None  # the latest replacement's event
         self._lock = threading.Lock()
 
@@ -90,7 +94,7 @@ class StreamGuard:
             return
         stream = torch.cuda.current_stream(self.device)
         with self._lock:
-            self._streams.setdefault(id(stream), stream)
+            self._streams.setdefault(_stream_key(stream), stream)
             ready = self._ready
         if ready is not None:
             stream.wait_event(ready)
@@ -103,7 +107,7 @@ class StreamGuard:
         with self._lock:
             streams = list(self._streams.values())
         for stream in streams:
-            if stream != current:
+            if _stream_key(stream) != _stream_key(current):
                 current.wait_stream(stream)
 
     def replaced(self, old: list[torch.Tensor]) -> None:
@@ -120,6 +124,11 @@ class StreamGuard:
             if tensor.is_cuda:
                 for stream in streams:
                     tensor.record_stream(stream)
+
+
+def _stream_key(stream: Any) -> tuple[int, int]:
+    """A CUDA stream's identity: its device and its handle (``cudaStream_t``)."""
+    return (stream.device_index, stream.cuda_stream)
 
 
 class Store(ABC):

@@ -6,6 +6,7 @@ with the device tier and the prefetcher's staging on CUDA."""
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import pytest
@@ -170,8 +171,13 @@ def test_a_share_split_over_ranks_on_cuda_is_held_whole_and_given_back_on_close(
 
 
 class _Stream:
+    """A stand-in CUDA stream: ``cuda_stream`` is its handle (one per name), as torch's has."""
+
+    device_index = 0
+
     def __init__(self, name: str, log: list) -> None:
         self.name, self.log = name, log
+        self.cuda_stream = sum(ord(c) << (8 * k) for k, c in enumerate(name))
 
     def wait_event(self, event) -> None:
         self.log.append((self.name, "waits for event", event.name))
@@ -223,6 +229,23 @@ def test_the_stream_guard_orders_a_replacement_after_every_use_and_protects_what
         ("old rows", "reserved on", "side"), ("old rows", "reserved on", "loop"),
         ("side", "waits for event", "e1"),
     ]
+
+
+def test_a_stream_used_for_every_batch_is_noted_once_though_each_call_returns_a_new_object(monkeypatch):
+    """``torch.cuda.current_stream()`` returns a new Python object at each call: 10,000 uses of
+    one stream keep one entry, so a shrink waits for it once and reserves the old rows once."""
+    log: list = []
+    current = {"name": "side"}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(current["name"], log))
+    monkeypatch.setattr(torch.cuda, "Event", lambda: types.SimpleNamespace(record=lambda stream: None))
+    guard = StreamGuard(torch.device("cuda"))
+    for _ in range(10_000):
+        guard.use()
+    assert len(guard._streams) == 1
+    current["name"] = "loop"
+    guard.before_replacing()
+    guard.replaced([_Tensor(log)])
+    assert log == [("loop", "waits for stream", "side"), ("old rows", "reserved on", "side")]
 
 
 def test_the_column_store_shrinks_through_its_guard(monkeypatch):
