@@ -237,9 +237,10 @@ class TieredArrayStore(Store):
 
     def shrink(self, max_device_bytes: int) -> int:
         """Keep at most ``max_device_bytes`` on the device; the rows let go are read from the
-        source. Returns the device bytes freed. Safe while another thread gathers: the index
-        maps change before the storage does, and on CUDA the old storage stays protected on
-        every stream that gathered from it."""
+        source. Returns the device bytes freed. Safe while another thread gathers: maps and
+        rows are swapped together under the lock, a gather reads both under it (the tiers'
+        snapshots), and on CUDA the old storage stays protected on every stream that gathered
+        from it."""
         bps = self._plan.bytes_per_sample
         device = [p for p, tier in enumerate(self._tiers) if tier.on_device]
         if self._closed or not device:
@@ -386,7 +387,9 @@ class TieredArrayStore(Store):
         with self._lock:
             loc = self._loc.index_select(0, flat)
             slot = self._slot.index_select(0, flat)
-            tiers = list(self._tiers)
+            # The rows as of these maps: a shrink from another thread swaps the device tier's
+            # columns for fewer rows, which these slots would index past (a device assert on CUDA).
+            tiers = [tier.snapshot() for tier in self._tiers]
             if self._copies:
                 self._streams.use()  # after the device tier's latest rows, protected on this stream
         counts = torch.bincount(loc.long(), minlength=len(tiers)).tolist()

@@ -95,6 +95,11 @@ class DiskTier(Tier):
     def rows(self) -> int:
         return self._rows
 
+    def snapshot(self) -> DiskTier:
+        """The tier itself: its rows are never replaced (no shrink reaches the disk), and a
+        gather racing ``close`` must find it closed rather than read an entry closed under it."""
+        return self
+
     def gather(self, column: int, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.disk is None:
             raise RuntimeError("this disk tier was closed")

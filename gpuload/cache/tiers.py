@@ -11,6 +11,7 @@ tier) is one subclass plus its registration.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import ClassVar
@@ -50,6 +51,12 @@ class Tier(ABC):
     @property
     def rows(self) -> int:
         return self.columns[0].shape[0] if self.columns else 0
+
+    def snapshot(self) -> Tier:
+        """This tier as it is now, for one batch: a shrink that replaces ``columns`` later does
+        not change the rows the snapshot gathers from (it keeps the old storage alive until the
+        batch is gathered), so they always agree with the index maps read with it."""
+        return copy.copy(self)
 
     def gather(self, column: int, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``slots`` (positions in this tier, on its memory's device) of one column."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import warnings
 import weakref
 
@@ -14,7 +15,7 @@ import gpuload.cache.array_store as array_store
 from gpuload.cache import CacheFallbackWarning, TieredArrayStore
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.plan import make_plan
-from gpuload.cache.tiers import HostTier
+from gpuload.cache.tiers import TIERS, DeviceTier, HostTier
 from gpuload.prefetch import Prefetcher
 from gpuload.sources.placed_arrays import staged_copier
 
@@ -375,6 +376,45 @@ def test_shrinking_without_room_for_both_copies_stages_the_kept_rows_on_the_host
         assert store.shrink(50 * bps) == 120 * bps
     assert ledger.owners("meta") == {"m": 0}
     assert store.stats.device_samples == 0
+    store.close()
+
+
+def test_a_shrink_between_a_gathers_maps_and_its_rows_leaves_the_gather_on_the_rows_its_maps_name():
+    """A deterministic interleaving of the prefetch thread and the loop: the thread's gather
+    has read the index maps (300 device rows) and waits inside the device tier while the loop
+    shrinks the tier to 100 rows. Its slots (up to 250) must index the rows they were read
+    with, not the 100 left: on CUDA that is an out-of-bounds device assert, or wrong rows."""
+    entered, proceed = threading.Event(), threading.Event()
+    reads: list[int] = []  # rows of the storage each column's gather read
+
+    class GatedDeviceTier(DeviceTier):
+        def gather(self, column, slots, out=None):
+            if not proceed.is_set():
+                entered.set()
+                assert proceed.wait(30)
+            reads.append(self.rows)
+            return super().gather(column, slots, out)
+
+    data = arrays()
+    bps = bytes_per_sample(data)
+    store = TieredArrayStore(data, forced_plan(data, 300, 0), "meta", ledger=BudgetLedger(), owner="m",
+                             tiers={**TIERS, "device": GatedDeviceTier})
+    index = torch.tensor([250, 3, 120, 299])  # all on the device tier
+    gathered: list = []
+    thread = threading.Thread(target=lambda: gathered.append(store.gather(index, copy=copy_to("meta"))))
+    thread.start()
+    try:
+        assert entered.wait(30)
+        assert store.shrink(100 * bps) == 200 * bps
+    finally:
+        proceed.set()
+        thread.join(30)
+    assert not thread.is_alive() and len(gathered) == 1
+    assert reads == [300, 300]  # both columns from the rows the maps were read with
+    assert gathered[0]["image"].shape == (4, 3, 4, 4)
+    assert store.stats.device_samples == 100  # later batches see the shrunk tier
+    store.gather(index, copy=copy_to("meta"))
+    assert reads[2:] == [100, 100]  # row 3 is still on the device tier, gathered from its 100 rows
     store.close()
 
 
