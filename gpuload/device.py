@@ -144,7 +144,8 @@ def device_memory(device: torch.device) -> MemoryInfo:
     Counting it as free at an epoch start would let a cache grow into the model's working set
     and make the next step run out of memory. It is reported as ``torch_cached``; a job that
     wants it counted can call ``torch.cuda.empty_cache()`` first, which gives it back to the
-    driver.
+    driver. A cache deciding what it may keep counts it (``MemoryInfo.free_to_torch``): its own
+    shrinks leave their bytes there.
     """
     if device.type != "cuda":
         raise DeviceError(f"{device} has no device memory of its own; ask host_memory()")

@@ -183,9 +183,13 @@ class CacheSettings:
             return f"cache_size={self.size.raw!r} ({self.size.source}) turns it off"
         return None
 
+    def _reserve_on(self, device: Any, memory: Any) -> int:
+        """The reserve's bytes on ``device`` (of ``memory``'s card)."""
+        return resolve_reserve(self.reserve_spec, memory, source=self.reserve.source, device_name=str(device))
+
     def device_room(self, device: Any, memory: Any, owner: Any = None) -> int:
         """Device bytes a new cache may fill now: the budget left to it, under free - reserve."""
-        reserve = resolve_reserve(self.reserve_spec, memory, source=self.reserve.source, device_name=str(device))
+        reserve = self._reserve_on(device, memory)
         budget = available_budget(self.size_spec, reserve, memory, device=device, owner=owner, source=self.size.source)
         return min(budget, max(0, memory.free - reserve))
 
@@ -252,18 +256,29 @@ class CacheSettings:
 
     def keepable(self, device: Any, memory: Any, held: int) -> int:
         """Device bytes a cache now holding ``held`` may keep with free memory above the reserve
-        (called at each epoch start: the model may have grown into the reserve)."""
-        reserve = resolve_reserve(self.reserve_spec, memory, source=self.reserve.source, device_name=str(device))
-        return max(0, memory.free + held - reserve)
+        (called at each epoch start: the model may have grown into the reserve).
+
+        Free here is what torch can allocate now (``MemoryInfo.free_to_torch``): the bytes a
+        shrink gives back stay in torch's caching allocator, not the driver's free memory, so
+        counting the driver's alone would find the reserve short again at every epoch start and
+        drain the cache epoch by epoch. Keeping needs no more room than the last step had with
+        the cache this size; growing does (:meth:`room_check`, :meth:`device_room`)."""
+        return max(0, memory.free_to_torch + held - self._reserve_on(device, memory))
 
     def room_check(self, device: Any) -> Any:
         """For a cache filling ``device`` bit by bit: a function giving the bytes it may still
-        add now (free memory above the reserve), or None off CUDA."""
+        add now (the driver's free memory above the reserve: torch's unused blocks are mostly
+        the next step's activations), or None off CUDA."""
         from gpuload.device import device_memory
 
         if getattr(device, "type", None) != "cuda":
             return None
-        return lambda: self.keepable(device, device_memory(device), 0)
+
+        def room() -> int:
+            memory = device_memory(device)
+            return max(0, memory.free - self._reserve_on(device, memory))
+
+        return room
 
     def host_room(self, memory: Any, *, sized: bool = True) -> int:
         """Host bytes a host-memory cache may fill: free minus the host reserve, or less if

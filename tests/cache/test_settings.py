@@ -37,6 +37,18 @@ def test_a_shared_plan_is_within_the_budget_and_keepable_is_free_memory_above_th
     assert str(settings.size) == f"{settings.size.value} (keyword cache_size=)"
 
 
+def test_keeping_counts_torchs_unused_blocks_as_free_and_growing_does_not(monkeypatch):
+    """A cache keeping what it holds counts what torch's allocator holds unused (where its own
+    shrinks put their bytes); a cache filling further counts only the driver's free memory."""
+    import gpuload.device as device_module
+
+    settings = CacheSettings.resolve(cache_reserve="2GiB", environ={}, cwd="/")
+    memory = MemoryInfo(free=3 * GiB, total=80 * GiB, torch_cached=3 * GiB)
+    assert settings.keepable("cuda:0", memory, held=GiB) == 5 * GiB
+    monkeypatch.setattr(device_module, "device_memory", lambda device: memory)
+    assert settings.room_check(torch.device("cuda", 0))() == GiB
+
+
 def test_a_relative_config_path_is_read_from_the_working_folder_and_jobs_must_be_tables(tmp_path):
     (tmp_path / "conf.toml").write_text('cache_dir = "cached"\n')
     settings = CacheSettings.resolve(environ={"GPULOAD_CONFIG": "conf.toml"}, cwd=tmp_path)

@@ -7,6 +7,7 @@ with the device tier and the prefetcher's staging on CUDA."""
 from __future__ import annotations
 
 import types
+import warnings
 from typing import Any
 
 import pytest
@@ -246,6 +247,48 @@ def test_a_stream_used_for_every_batch_is_noted_once_though_each_call_returns_a_
     guard.before_replacing()
     guard.replaced([_Tensor(log)])
     assert log == [("loop", "waits for stream", "side"), ("old rows", "reserved on", "side")]
+
+
+class _CachingAllocator:
+    """torch's caching allocator on a pretended card: what the model and the store hold is
+    allocated; blocks freed stay reserved in torch's pool (never handed back to the driver)."""
+
+    def __init__(self, monkeypatch, total: int, model: int, store: TieredArrayStore) -> None:
+        self.total, self.model, self.store = total, model, store
+        self.reserved = self.allocated()
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (self.total - self.reserved, self.total))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.reserved)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated())
+
+    def allocated(self) -> int:
+        return self.model + self.store.device_bytes
+
+
+def test_the_epoch_start_shrink_gives_back_once_not_every_epoch(monkeypatch):
+    """The model has grown into the reserve: the first epoch start shrinks the device tier. The
+    bytes it frees stay in torch's pool (the driver's free memory does not rise), and the later
+    epoch starts count them as free: the cache keeps what it has, with one warning, instead of
+    draining epoch by epoch."""
+    from gpuload.cache import CacheSettings
+
+    data = columns()
+    bps = sum(column[0].numel() * column.element_size() for column in data)
+    store = TieredArrayStore(data, planned(data, [("device", 200)]), "meta", ledger=BudgetLedger(), owner="m")
+    monkeypatch.setattr(store, "device", torch.device("cuda", 0))
+    allocator = _CachingAllocator(monkeypatch, total=100 * 1024, model=70 * 1024, store=store)
+    settings = CacheSettings.resolve(cache_reserve=20 * 1024, environ={}, cwd="/")
+    first_keep = (allocator.total - allocator.reserved + store.device_bytes - 20 * 1024) // bps
+    assert 0 < first_keep < 200
+    held = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            store.shrink_to_reserve(settings.keepable, refill="they are read from the source")
+            held.append(store.device_bytes)
+    assert held == [first_keep * bps] * 5
+    assert allocator.reserved == 70 * 1024 + 200 * bps  # the freed bytes are torch's, not the driver's
+    assert [str(w.message).count("fell below the reserve") for w in caught] == [1]
+    store.close()
 
 
 def test_the_column_store_shrinks_through_its_guard(monkeypatch):
