@@ -10,11 +10,18 @@ What it does not do itself, this module does:
   transposed on the device by the orientation read from its header (:class:`Header`).
 - **ROIs**: nvJPEG decodes whole images; the window is cropped after the orientation is applied.
 
-Streams: torchvision allocates the outputs on torch's current stream, decodes on its own
-stream and makes the current stream wait on an event, so the outputs are ordered for the
-caller's stream. It does wait on the host for its own decode stream (a ``cudaStreamSynchronize``
-inside torchvision), not for anything the training loop queued. The orientation and crop run as
-torch ops on the current stream.
+Streams: torchvision allocates the outputs on torch's current stream (the prefetcher's side
+stream, or the loop's), then decodes into them on a stream of its own without waiting for the
+current one (pytorch/vision PR 9606; nvJPEG's hardware engine ignores stream order). The caching
+allocator hands out memory freed on the current stream as soon as the work that freed it is
+queued, so the decoder could write pixels where queued work still reads or writes (a batch
+still being transformed): corrupt images, kept for good by the image cache. So the calling
+stream is drained first (:meth:`NvjpegDecoder.decode`), one host wait per decode call; memory
+freed on other streams is safe already (``record_stream`` keeps it until they are done). After
+the decode torchvision makes the current stream wait for its stream (and waits for it on the
+host), so the outputs are ordered for the caller's stream, where the orientation and crop run
+as torch ops; the prefetcher hands them to the loop's stream like any batch (an event and
+``record_stream``), so nothing else waits on them.
 
 Errors: torchvision raises one ``RuntimeError`` for the whole batch ("does not return partial
 results"); the caller bisects it, and :func:`gpuload.decode.errors.is_device_failure` tells an
@@ -73,6 +80,10 @@ class NvjpegDecoder:
         Raises whatever the decoder raises; the caller classifies it and finds the bad file.
         """
         buffers = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in encoded]
+        if self.device.type == "cuda":
+            # The decoder writes its outputs out of stream order: nothing queued may still use
+            # the memory they are given (see the module docstring).
+            torch.cuda.current_stream(self.device).synchronize()
         images = self._call(buffers, self.device)
         out = []
         for k, (image, header) in enumerate(zip(images, headers)):

@@ -17,6 +17,7 @@ from gpuload.decode import BatchDecoder, DecodeDeviceError, ImageDecodeError
 from gpuload.decode import batch as batch_module
 from gpuload.decode import cpu
 from gpuload.decode._nvjpeg import NvjpegDecoder, upright
+from gpuload.decode.headers import peek_header
 
 pytestmark = pytest.mark.skipif(not cpu.torchvision_available(), reason="torchvision is not installed")
 
@@ -175,6 +176,50 @@ def test_bombs_and_empty_files_never_reach_the_decoder(nvjpeg: BatchDecoder) -> 
     assert "20000x20000" in result.skipped[0][2] and "empty" in result.skipped[1][2]
 
 
+def test_the_calling_stream_is_drained_before_the_decoder_writes_out_of_stream_order(monkeypatch) -> None:
+    """torchvision's nvJPEG allocates its outputs on the current stream and writes them on its
+    own, without waiting: the calling stream (the prefetcher's side stream) must have finished
+    what it queued before the decode call, or its memory, freed and handed out again, is
+    written under work still running. A recording stand-in for the stream and the decoder."""
+    log: list[tuple[str, ...]] = []
+
+    class Stream:
+        def __init__(self, device: torch.device) -> None:
+            self.device = device
+
+        def synchronize(self) -> None:
+            log.append(("drained", str(self.device)))
+
+    def current_stream(device=None):  # type: ignore[no-untyped-def]
+        log.append(("asked", str(device)))
+        return Stream(device)
+
+    def decode_call(buffers: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        log.append(("decode", str(device)))
+        return real_call(buffers, torch.device("cpu"))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    cuda1 = torch.device("cuda", 1)
+    decoder = NvjpegDecoder(cuda1, decode_call)
+    data = F.jpeg("baseline-420")
+    for _ in range(2):
+        (image,) = decoder.decode([data], [peek_header(data)])
+        assert torch.equal(image, real_call([torch.frombuffer(bytearray(data), dtype=torch.uint8)], torch.device("cpu"))[0])
+    assert log == [("asked", "cuda:1"), ("drained", "cuda:1"), ("decode", "cuda:1")] * 2
+
+
+def test_a_cpu_target_asks_no_stream() -> None:
+    calls: list[str] = []
+
+    def decode_call(buffers: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        calls.append(str(device))
+        return real_call(buffers, device)
+
+    data = F.jpeg("grayscale")
+    NvjpegDecoder(torch.device("cpu"), decode_call).decode([data], [peek_header(data)])
+    assert calls == ["cpu"]
+
+
 # --- GPU: the real nvJPEG ---------------------------------------------------------------------------
 
 
@@ -196,6 +241,30 @@ def test_nvjpeg_matches_pil_within_the_mixed_decoders_tolerance() -> None:
     part = decoder.decode(encoded, names, list(range(len(encoded))), rois=rois)
     for whole, window in zip(result.images, part.images):
         assert torch.equal(window, whole[:, 10:110, 20:140])
+
+
+@pytest.mark.gpu
+def test_nvjpeg_pixels_survive_work_still_queued_on_the_calling_stream() -> None:
+    """torchvision's reproducer (pytorch/vision PR 9606): memory the calling stream freed while
+    work still queued on it writes there (behind a spin of ~50 ms) is handed to the decoder's
+    outputs; without draining the stream first, that late write lands on the decoded pixels."""
+    decoder = BatchDecoder("cuda", backend="nvjpeg", max_batch=4)
+    encoded = [F.jpeg("baseline-420")] * 4
+    want = [F.pil_reference(data) for data in encoded]
+    stream = torch.cuda.Stream()
+    cycles = 50_000_000
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            scratch = [torch.empty(image.numel(), dtype=torch.uint8, device="cuda") for image in want]
+            torch.cuda._sleep(cycles)
+            for block in scratch:
+                block.fill_(0)  # queued behind the spin: runs after the decode if nothing waits
+            del scratch
+            result = decoder.decode(encoded, ["a", "b", "c", "d"], [0, 1, 2, 3])
+            torch.cuda.current_stream().synchronize()
+            for image, reference in zip(result.images, want):
+                mean, worst = F.diff_stats(image, reference)
+                assert mean <= GPU_MEAN_TOL and worst <= GPU_MAX_TOL, (mean, worst)
 
 
 @pytest.mark.gpu
