@@ -304,8 +304,11 @@ class DiskImages:
         if not any(image.is_cuda for image in items):
             return self.disk.write_items(torch.tensor(rows), items)
         copies = pinned_host_copies(items)
+        # The copies are queued on the images' device's current stream, which is not the current
+        # device's in a thread that never chose it (a loader on cuda:$LOCAL_RANK, no set_device).
+        device = next(image.device for image in items if image.is_cuda)  # one decoder: one device
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(device))
         with self._lock:
             self._copying.append((rows, copies, done))
         return self._write_copied(wait=False)

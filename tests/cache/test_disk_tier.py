@@ -260,6 +260,52 @@ def test_device_images_are_written_to_the_disk_tier_once_their_host_copy_is_done
     assert disk.written == [[1, 2], [3]] and disk.closed
 
 
+def test_the_copies_done_event_is_recorded_on_the_images_device_not_the_current_one(monkeypatch) -> None:
+    """Images decoded on cuda:1 by a thread whose current device is cuda:0 (a loader on
+    cuda:$LOCAL_RANK whose job never called set_device): their host copies are queued on
+    cuda:1's stream, so the event that says they are done must be recorded there; one recorded
+    on cuda:0 would let unfinished pinned copies be written to disk. Stand-ins for the copies,
+    the streams and the event."""
+    import gpuload.cache.disk_tier as disk_tier
+    from gpuload.cache.disk_tier import DiskImages
+
+    recorded: list[str] = []
+
+    class OnCuda1(torch.Tensor):
+        @property
+        def is_cuda(self) -> bool:
+            return True
+
+        @property
+        def device(self) -> torch.device:
+            return torch.device("cuda", 1)
+
+    class Event:  # torch's: record() with no stream takes the current device's current stream
+        def record(self, stream=None) -> None:
+            recorded.append(stream if stream is not None else torch.cuda.current_stream())
+
+        def query(self) -> bool:
+            return False
+
+    def current_stream(device=None) -> str:
+        index = 0 if device is None else torch.device(device).index  # the current device: cuda:0
+        return f"stream of cuda:{index}"
+
+    class Disk:
+        accepting = True
+
+        def write_items(self, rows: torch.Tensor, items: list[torch.Tensor]) -> int:
+            raise AssertionError("nothing is written before its copy is done")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(disk_tier, "pinned_host_copies", lambda items: [item.clone() for item in items])
+    images = DiskImages(Disk())
+    image = torch.zeros(3, 4, 5, dtype=torch.uint8).as_subclass(OnCuda1)
+    assert images.write([7], [image]) == 0
+    assert recorded == ["stream of cuda:1"]
+
+
 # ---------------------------------------------------------------- edges of the tiers
 
 
