@@ -690,8 +690,12 @@ class Prefetcher:
         thread (``prefetch_depth=0``), that must be copied after its epoch was planned, or that
         a source does in the middle of its batch (``gpuload.transfer.to_device``). The caller's
         current stream waits for the copy (no host sync) and the batch's device tensors are
-        protected on it (``record_stream``). Safe from any thread. ``counted``: the bytes are
-        batch data, counted in ``stats.bytes_copied`` (indices and parameters are not)."""
+        protected on it (``record_stream``). The copy itself does not wait for the caller's
+        stream, so it overlaps the step queued there: it reads only the pinned slot (written by
+        the host, a Fill's callback included) and writes memory allocated on the side stream,
+        which the allocator hands out only once every stream it was recorded on is done with it.
+        Safe from any thread. ``counted``: the bytes are batch data, counted in
+        ``stats.bytes_copied`` (indices and parameters are not)."""
         with self._inline_lock:
             if self._inline_ring is None:
                 depth = max(self.depth, _INLINE_SLOTS)
@@ -701,8 +705,6 @@ class Prefetcher:
                 if not ring.cuda:
                     return ring.transfer(0, item, counted).batch
                 current = torch.cuda.current_stream(self.device)
-                if current != self._stream:
-                    self._stream.wait_stream(current)  # device work the caller queued (rows gathered) comes first
                 with torch.cuda.stream(self._stream):
                     delivery = ring.transfer(self._inline_count, item, counted)
             except _StageFailure as failure:  # a Fill's own error, raised as it was raised

@@ -220,8 +220,10 @@ def test_a_source_running_ahead_copies_through_the_prefetchers_slots_on_its_side
 
 def test_a_batch_made_in_the_loops_thread_copies_through_copy_now(staged_cuda) -> None:
     """``prefetch_depth=0``: the loader's work runs in the loop's thread, with its staging in
-    force (``Work.in_staging``): the copy is made on the side stream after the loop's queued
-    work, and the loop's stream waits for it (no host sync) and protects the memory."""
+    force (``Work.in_staging``): the copy is made on the side stream without waiting for the
+    loop's queued work (the step before: the copy reads only its pinned slot, so it overlaps
+    the step), and the loop's stream waits for the copy's own event (no host sync) before it
+    gets the batch, and protects the memory."""
     cuda = staged_cuda
     loop = FakeCuda.Stream(cuda, "loop")
     prefetcher = Prefetcher(None, "cuda", depth=2)
@@ -235,10 +237,12 @@ def test_a_batch_made_in_the_loops_thread_copies_through_copy_now(staged_cuda) -
         made = [work.finish(item) for item in work.items]  # items and finish both staged
     assert [int(batch[0]) for batch, _ in made] == [100, 101]
     log = cuda.log
-    assert cuda.find("wait_stream", cuda.side, loop) < cuda.find("alloc", "device", cuda.side)  # after the loop's work
+    assert not any(entry[0] == "wait_stream" for entry in log)  # the side stream is not held behind the loop's
+    copies = [k for k, entry in enumerate(log) if entry == ("alloc", "device", cuda.side)]
     waits = [k for k, entry in enumerate(log) if entry[:2] == ("wait", loop)]
-    assert len(waits) == 4  # two items, two finishes: each copy waited for by the loop's stream
-    assert all(cuda.find("record", log[k][2], cuda.side) < k for k in waits)  # for its own copy
+    assert len(copies) == len(waits) == 4  # two items, two finishes: each copy waited for by the loop's stream
+    for copy, wait in zip(copies, waits):  # copy, its event on the side stream, the loop waits for that event
+        assert copy < cuda.find("record", log[wait][2], cuda.side) < wait
     assert [entry[2] for entry in log if entry[0] == "protect"] == [loop] * 4
     assert not any(entry[0] == "host waits" for entry in log)
     assert prefetcher.stats.bytes_copied == 0
