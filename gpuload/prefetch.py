@@ -100,7 +100,8 @@ class Fill:
     ``layout`` is the batch's structure with :class:`TensorSpec` leaves where tensors will be
     (other leaves, including host tensors, are treated as in a normal batch). ``fill`` is called
     in the prefetcher's thread with the same structure, each spec replaced by a host tensor of
-    that shape and dtype living in the slot (pinned on CUDA); it writes the data in place.
+    that shape and dtype living in the slot (pinned on CUDA); it writes the data in place, from
+    host memory: the copy that follows waits for no stream but the side stream.
     """
 
     layout: Any
