@@ -9,26 +9,57 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpuload.bench.measure import synchronize
 from gpuload.bench.memory import tensor_bytes
 
-__all__ = ["make_step", "SmallCnnStep"]
+__all__ = ["GpuSleepStep", "make_step", "SmallCnnStep"]
 
 
 def _images(batch: Any) -> torch.Tensor:
     return batch["image"] if isinstance(batch, dict) else batch[0]
 
 
-def _gpu_sleep(device: torch.device, seconds: float) -> Callable[[Any], None]:
-    """A kernel that spins for ``seconds``: GPU work that leaves the host and PCIe free."""
-    probe_cycles = 10_000_000
-    synchronize(device)
-    started = time.perf_counter()
-    torch.cuda._sleep(probe_cycles)
-    synchronize(device)
-    cycles_per_s = probe_cycles / (time.perf_counter() - started)
-    cycles = int(cycles_per_s * seconds)
-    return lambda batch: torch.cuda._sleep(cycles)
+class GpuSleepStep:
+    """``seconds`` of GPU time per step: a kernel that spins, leaving the host and PCIe free.
+
+    ``torch.cuda._sleep`` spins for clock cycles, and the clock rises under load (GPU boost:
+    cycles counted at idle clocks made steps about 5x shorter), so each step's spin is timed
+    with CUDA events and the cycles follow the latest timing: read when its end event is done
+    (``query``), never waited for on the host, so a step adds no host sync.
+    """
+
+    PROBE_CYCLES = 10_000_000
+
+    def __init__(self, device: torch.device, seconds: float) -> None:
+        self.device, self.seconds = device, seconds
+        with torch.cuda.device(device):
+            probe = self._timed(self.PROBE_CYCLES)
+            probe[2].synchronize()  # once, before the first step
+        self.cycles = self._rescaled(*probe)
+        self._pending: tuple[int, Any, Any] | None = None
+
+    @staticmethod
+    def _timed(cycles: int) -> tuple[int, Any, Any]:
+        """A spin of ``cycles`` between two timing events, on the current stream."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        return cycles, start, end
+
+    def _rescaled(self, cycles: int, start: Any, end: Any) -> int:
+        """The cycles that last ``seconds`` at the clock this spin of ``cycles`` ran at."""
+        elapsed_s = start.elapsed_time(end) / 1000
+        return max(1, int(cycles / elapsed_s * self.seconds)) if elapsed_s > 0 else cycles
+
+    def __call__(self, batch: Any) -> None:
+        with torch.cuda.device(self.device):
+            if self._pending is not None and self._pending[2].query():
+                self.cycles = self._rescaled(*self._pending)
+                self._pending = None
+            if self._pending is None:
+                self._pending = self._timed(self.cycles)
+            else:
+                torch.cuda._sleep(self.cycles)
 
 
 class SmallCnnStep:
@@ -78,5 +109,5 @@ def make_step(kind: str, device: torch.device, step_ms: float) -> Callable[[Any]
     if kind != "sleep":
         raise ValueError(f"unknown step {kind!r}; use none, sleep or cnn")
     if device.type == "cuda":
-        return _gpu_sleep(device, step_ms / 1000)
+        return GpuSleepStep(device, step_ms / 1000)
     return lambda batch: time.sleep(step_ms / 1000)

@@ -88,6 +88,64 @@ def test_the_steps_a_benchmark_can_take() -> None:
         make_step("train", CPU, 5.0)
 
 
+class _ClockedGpu:
+    """Stand-ins for ``torch.cuda._sleep`` and timing events on one stream: a spin of ``c``
+    cycles lasts ``c / rate`` seconds of GPU time; ``rate`` rises when the clock boosts. The
+    GPU runs ``lag`` spins behind the host (an event is done once that many spins follow it)."""
+
+    def __init__(self, rate: float, lag: int = 0) -> None:
+        self.rate, self.lag = rate, lag
+        self.now = 0.0  # GPU time at the end of the last spin queued
+        self.spins: list[float] = []  # each spin's duration
+        self.host_waits = 0
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing
+                self.at, self.spins_before = None, 0
+
+            def record(self, stream=None) -> None:
+                self.at, self.spins_before = gpu.now, len(gpu.spins)
+
+            def query(self) -> bool:
+                return len(gpu.spins) - self.spins_before >= gpu.lag
+
+            def synchronize(self) -> None:
+                gpu.host_waits += 1
+
+            def elapsed_time(self, end: "Event") -> float:
+                return (end.at - self.at) * 1000
+
+        self.Event = Event
+
+    def sleep(self, cycles: int) -> None:
+        self.spins.append(cycles / self.rate)
+        self.now += cycles / self.rate
+
+
+def test_the_gpu_sleep_step_follows_the_clock_when_it_boosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calibrated at an idle clock, the spin would last a fifth of the step once the clock runs
+    5x faster; timed with events each step, the spins are back to the step's length within a
+    few steps, and no step waits for the GPU on the host."""
+    import contextlib
+
+    from gpuload.bench.steps import make_step
+
+    gpu = _ClockedGpu(rate=1e9, lag=2)
+    monkeypatch.setattr(torch.cuda, "_sleep", gpu.sleep)
+    monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    step = make_step("sleep", torch.device("cuda", 0), 10.0)
+    gpu.rate = 5e9  # boost
+    for _ in range(20):
+        step(None)
+    assert gpu.spins[1] == pytest.approx(0.002)  # the idle calibration: a fifth of the step
+    assert all(spin == pytest.approx(0.010, rel=1e-3) for spin in gpu.spins[-10:])
+    assert gpu.host_waits == 1  # the probe's, before any step
+
+
 def test_model_memory_as_a_document() -> None:
     memory = measure_model_memory(SmallCnnStep(CPU), [torch.zeros(2, 3, 8, 8, dtype=torch.uint8)], CPU)
     document = memory.as_dict()
