@@ -268,14 +268,11 @@ def test_the_copies_done_event_is_recorded_on_the_images_device_not_the_current_
     the streams and the event."""
     import gpuload.cache.disk_tier as disk_tier
     from gpuload.cache.disk_tier import DiskImages
+    from test_prefetch import DeviceTensor
 
     recorded: list[str] = []
 
-    class OnCuda1(torch.Tensor):
-        @property
-        def is_cuda(self) -> bool:
-            return True
-
+    class OnCuda1(DeviceTensor):
         @property
         def device(self) -> torch.device:
             return torch.device("cuda", 1)
