@@ -114,7 +114,7 @@ class _ClockedGpu:
             def synchronize(self) -> None:
                 gpu.host_waits += 1
 
-            def elapsed_time(self, end: "Event") -> float:
+            def elapsed_time(self, end: Event) -> float:
                 return (end.at - self.at) * 1000
 
         self.Event = Event

@@ -266,7 +266,7 @@ def test_the_copies_done_event_is_recorded_on_the_images_device_not_the_current_
     cuda:1's stream, so the event that says they are done must be recorded there; one recorded
     on cuda:0 would let unfinished pinned copies be written to disk. Stand-ins for the copies,
     the streams and the event."""
-    import gpuload.cache.disk_tier as disk_tier
+    from gpuload.cache import disk_tier
     from gpuload.cache.disk_tier import DiskImages
     from test_prefetch import DeviceTensor
 
