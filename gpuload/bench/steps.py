@@ -22,9 +22,10 @@ class GpuSleepStep:
     """``seconds`` of GPU time per step: a kernel that spins, leaving the host and PCIe free.
 
     ``torch.cuda._sleep`` spins for clock cycles, and the clock rises under load (GPU boost:
-    cycles counted at idle clocks made steps about 5x shorter), so each step's spin is timed
-    with CUDA events and the cycles follow the latest timing: read when its end event is done
-    (``query``), never waited for on the host, so a step adds no host sync.
+    cycles counted at idle clocks made steps about 5x shorter), so the spins are timed with
+    CUDA events, a new one as soon as the last timing is read, and the cycles follow the latest
+    timing: read once its end event is done (``query``), never waited for on the host, so a
+    step adds no host sync.
     """
 
     PROBE_CYCLES = 10_000_000
