@@ -44,6 +44,7 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 def fake_check(out: Path) -> None:
     rows = [
         ("machine", "passed", "0", "1.0", "30"),
+        ("truth", "failed", "1", "52.0", "100"),
         ("gpu-tests", "failed", "1", "80.5", "150"),
         ("kernel-parity", "timeout", "124", "75.0", "75"),
         ("prefetch", "passed", "0", "20.0", "50"),
@@ -56,6 +57,14 @@ def fake_check(out: Path) -> None:
     (out / "machine.log").write_text('nvidia-smi ...\nMACHINE_JSON {"torch": "2.11.0", "cuda_available": true}\n')
     (out / "gpu-tests.xml").write_text(JUNIT)
     # kernel-parity timed out: no XML
+    (out / "truth").mkdir()
+    (out / "truth" / "array-shrink.json").write_text(json.dumps({
+        "check": "array-shrink", "defects": [2], "device": "cuda", "passed": True, "problems": [],
+        "details": {"shrinks": 1024}, "seconds": 6.5}))
+    (out / "truth" / "epoch-shrink.json").write_text(json.dumps({
+        "check": "epoch-shrink", "defects": [6], "device": "cuda", "passed": False,
+        "problems": ["the cache drains epoch by epoch: held [268566528, 134217728, 0, 0, 0] bytes"],
+        "details": {"held_per_epoch": [268566528, 134217728, 0, 0, 0], "traceback": "..."}, "seconds": 9.0}))
     (out / "prefetch.json").write_text(json.dumps({
         "device": "cuda:0", "rows": [
             {"feed": "step alone", "wait_share": 0.0, "overhead": 0.0, "batches_per_s": 250.0},
@@ -92,6 +101,9 @@ def test_the_summary_reads_every_part_and_reports_broken_ones(tmp_path: Path) ->
     assert tests["failing"][0] == {"test": "tests.decode.test_nvjpeg::test_b", "message": "AssertionError: mean |diff| 1.7"}
     assert tests["skip_reasons"] == {"needs DALI": 1}
     assert summary["tests"]["kernel-parity"] == {"error": "kernel-parity.xml was not written"}
+    assert summary["truth"]["array-shrink"] == {"passed": True, "defects": [2], "problems": [],
+                                                "details": {"shrinks": 1024}, "seconds": 6.5}
+    assert summary["truth"]["epoch-shrink"]["details"] == {"held_per_epoch": [268566528, 134217728, 0, 0, 0]}
     assert summary["prefetch"]["prefetcher_share_of_pinned_peak"] == pytest.approx(0.9)
     assert "JSONDecodeError" in summary["bench"]["cache-device"]["error"]
     assert summary["bench"]["images"]["loaders"][1]["samples_per_s"] == 5400.0
@@ -103,13 +115,16 @@ def test_the_summary_reads_every_part_and_reports_broken_ones(tmp_path: Path) ->
             "without prefetching": {"torch DataLoader(num_workers=0, pin_memory=True)": 0.4},
             "with gpuload's prefetcher": {"gpuload Prefetcher(depth=3) over DataLoader(num_workers=0)": 0.02},
         },
+        "truth": {"array-shrink": "passed",
+                  "epoch-shrink": "FAILED: the cache drains epoch by epoch: held [268566528, 134217728, 0, 0, 0] bytes"},
         "images_samples_per_s": {"torch_best": 900.0, "gpuload": {
             "gpuload DataLoader": {"samples_per_s": 5400.0, "x_torch": 6.0, "decode_backend": "nvjpeg"}}},
     }
     assert "cache-partial" not in summary["bench"] or "error" in summary["bench"]["cache-partial"]
     assert summary["totals"] == {
-        "steps": 7, "steps_passed": 4, "steps_not_passed": ["gpu-tests", "kernel-parity", "cache-partial"],
+        "steps": 8, "steps_passed": 4, "steps_not_passed": ["truth", "gpu-tests", "kernel-parity", "cache-partial"],
         "tests_passed": 1, "tests_failed": 2, "tests_skipped": 1,
+        "truth_passed": ["array-shrink"], "truth_failed": ["epoch-shrink"],
     }
 
 
@@ -170,12 +185,15 @@ def test_the_script_skips_what_no_longer_fits_and_still_writes_the_summary(tmp_p
     }
 
 
-def test_the_whole_check_fits_six_minutes_so_a_rerun_fits_the_lease() -> None:
+def test_the_whole_check_fits_five_minutes_so_a_rerun_fits_the_lease() -> None:
     script = SCRIPT.read_text()
     budget = int(re.search(r'budget_s="\$\{GPULOAD_CHECK_BUDGET_S:-(\d+)\}"', script)[1])
     summary_limit = re.search(r"timeout -k (\d+) (\d+) \"\$python\" benchmarks/device_check_summary.py", script)
     # every step ends within the budget (limits are cut to what is left), then the summary and packing
-    assert budget + int(summary_limit[1]) + int(summary_limit[2]) + 10 <= 6 * 60
+    assert budget + int(summary_limit[1]) + int(summary_limit[2]) + 10 <= 5 * 60
+    # the estimates written beside the steps fit the budget too
+    estimates = [int(s) for s in re.findall(r"^#   [\w-]+ +\(~(\d+) s\)", script, flags=re.MULTILINE)]
+    assert len(estimates) == len(re.findall(r"^step [\w-]+ \d+ ", script, flags=re.MULTILINE)) and sum(estimates) <= budget
 
 
 @pytest.mark.slow
@@ -184,3 +202,15 @@ def test_the_dry_run_of_the_machine_step_passes_here(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["totals"]["steps_not_passed"] == [] and summary["doctor"]["versions"]["torch"]
+
+
+@pytest.mark.slow
+def test_the_dry_run_of_the_truth_step_runs_every_check_on_the_cpu(tmp_path: Path) -> None:
+    env = {**os.environ, "GPULOAD_CHECK_DEVICE": "cpu", "GPULOAD_CHECK_KEEP_FILES": "1"}
+    done = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=400,
+                          env={**env, "GPULOAD_CHECK_STEPS": "truth", "GPULOAD_CHECK_PYTHON": sys.executable})
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["totals"]["truth_failed"] == []
+    assert summary["totals"]["truth_passed"] == ["array-shrink", "column-oom", "epoch-shrink", "nvjpeg-stall", "stream-guard"]
+    assert {verdict["details"].get("decode_backend") for verdict in summary["truth"].values()} >= {"nvjpeg"}
