@@ -15,8 +15,8 @@ nvjpeg-stall    1        stalls the prefetcher's side stream (``torch.cuda._slee
 stream-guard    3        an epoch of an array loader and of a sample cache, then each store's
                          ``StreamGuard`` asked to order a probe stream after every stream it
                          noted: a handful of ``wait_stream`` calls, not one per batch
-array-shrink    2        a tiered array loader whose cache is shrunk from the loop after every
-                         batch while the prefetcher gathers ahead: every row equals its index's
+array-shrink    2        a tiered array loader whose cache is shrunk from the loop every few
+                         batches while the prefetcher gathers ahead: every row equals its index's
                          expected row, every index once per epoch
 column-oom      4, 5     a sample (column) cache filled under a tight
                          ``torch.cuda.set_per_process_memory_fraction`` until the allocator
@@ -216,8 +216,13 @@ def memory_fraction(device: torch.device, headroom: int) -> Iterator[dict[str, i
         counts["ooms"] = torch.cuda.memory_stats(device).get("num_ooms", 0) - before
 
 
-def is_oom(error: BaseException) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error)
+def is_oom(error: BaseException | None) -> bool:
+    """Whether ``error``, or an error it was raised from (the loader names the batch), is an OOM."""
+    while error is not None:
+        if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 # ---------------------------------------------------------------- 1: nvJPEG and a stalled side stream
@@ -387,7 +392,7 @@ def check_stream_guard(device: torch.device, work: Path) -> Result:
         entries[name] = [guard_entries(guard, device) for guard in guards]
         loader.close()
     result.details.update(guards=entries, batches=batches)
-    if device.type == "cuda" and not all(entries.values()):
+    if device.type == "cuda" and not all(any(counts) for counts in entries.values()):
         result.fail(f"no StreamGuard with a noted stream found behind a loader: {entries}")
     for problem in guard_problems(entries, batches):
         result.fail(problem)
@@ -409,13 +414,15 @@ def check_array_shrink(device: torch.device, work: Path) -> Result:
     loader = gpuload.DataLoader(TensorDataset(data, torch.arange(size.rows)), batch_size=size.row_batch,
                                 shuffle=True, device=device, cache_size=int(0.6 * size.rows) * row_bytes,
                                 cache_reserve=0, generator=torch.Generator().manual_seed(3))
-    step = max(1, int(0.6 * size.rows) // (2 * len(loader))) * row_bytes  # the tier empties over two epochs
+    every = 4  # batches between shrinks: the tier empties over two epochs
+    step = max(1, int(0.6 * size.rows) * every // (2 * len(loader))) * row_bytes
     held: list[int] = []
 
-    def shrink(_: int) -> None:
-        now = loader.device_cache_bytes
-        held.append(now)
-        loader.shrink_cache(max(0, now - step))
+    def shrink(batch: int) -> None:
+        if batch % every == 0:
+            now = loader.device_cache_bytes
+            held.append(now)
+            loader.shrink_cache(max(0, now - step))
 
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)  # the prefetch thread and the loop interleave as finely as they can

@@ -151,6 +151,17 @@ def test_the_epoch_start_shrink_verdict(held: list[int], fails: str | None) -> N
     assert (fails is None and not problems) or (fails is not None and any(fails in p for p in problems)), problems
 
 
+def test_an_oom_is_told_also_when_the_loader_raised_it_as_the_cause_of_its_own_error() -> None:
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 MiB")
+        except RuntimeError as oom:
+            raise RuntimeError("batch 1 failed in the prefetcher's copy stage") from oom
+    except RuntimeError as error:
+        assert truth.is_oom(error)
+    assert not truth.is_oom(RuntimeError("CUDA error: an illegal memory access was encountered"))
+
+
 def test_a_check_whose_process_writes_nothing_is_recorded_as_failed(tmp_path: Path) -> None:
     result = truth.run_isolated("array-shrink", "cpu", tmp_path, timeout=0.01)
     assert not result.passed and "ended without a result" in result.problems[0]
