@@ -183,3 +183,15 @@ def test_an_exception_inside_a_check_is_its_failure_with_the_traceback(tmp_path:
 def test_the_script_runs_each_check_in_its_own_process(tmp_path: Path) -> None:
     assert truth.main(["--out", str(tmp_path), "--device", "cpu", "--only", "stream-guard", "epoch-shrink"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-shrink.json", "stream-guard.json"]
+
+
+def test_a_check_the_step_never_reached_is_written_as_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def stopped(name: str, device: str, out: Path, timeout: float) -> None:
+        raise KeyboardInterrupt  # as the step's time limit ends the script
+
+    monkeypatch.setattr(truth, "run_isolated", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        truth.main(["--out", str(tmp_path), "--device", "cpu", "--only", "array-shrink", "column-oom"])
+    for name in ("array-shrink", "column-oom"):
+        written = json.loads((tmp_path / f"{name}.json").read_text())
+        assert not written["passed"] and written["problems"] == ["not run: the step ended before it"]
