@@ -133,6 +133,34 @@ def test_the_guard_count_is_the_streams_a_replacement_waits_for(fake_streams: li
     assert FakeStream.wait_stream is not None and "counting" not in FakeStream.wait_stream.__qualname__  # restored
 
 
+def test_a_shrink_that_raises_out_of_memory_fails_the_column_check(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """What defect 5 does (the kept rows' copy needs memory exactly when it is short), forced."""
+    import gpuload
+
+    def no_room(self: gpuload.DataLoader, max_device_bytes: int) -> int:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 MiB")
+
+    monkeypatch.setattr(gpuload.DataLoader, "shrink_cache", no_room)
+    result = truth.check_column_oom(CPU, tmp_path)
+    assert any(p.startswith("shrink_cache(") and "raised: CUDA out of memory" in p for p in result.problems)
+    assert result.details["freed"] == -1
+
+
+def test_rows_a_shrink_leaves_wrong_fail_the_array_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What defect 2 does (a gather reading the new, smaller tier with the old slots), as a shrink
+    that overwrites rows the next batches serve (on a CPU the arrays are served in place)."""
+    import gpuload
+
+    def overwriting(self: gpuload.DataLoader, max_device_bytes: int) -> int:
+        self.dataset.tensors[0][:64] = -1
+        return 0
+
+    monkeypatch.setattr(gpuload.DataLoader, "shrink_cache", overwriting)
+    result = truth.check_array_shrink(CPU, tmp_path)
+    assert result.problems and all("row(s) differ from their index's row" in p for p in result.problems), result.problems
+
+
 def test_more_than_a_handful_of_guard_entries_after_an_epoch_fails() -> None:
     assert truth.guard_problems({"arrays": [2, 1], "samples": [3]}, {"arrays": 64, "samples": 32}) == []
     assert truth.guard_problems({"arrays": [64]}, {"arrays": 64}) == [
