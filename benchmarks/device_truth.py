@@ -305,7 +305,8 @@ def check_nvjpeg_stall(device: torch.device, work: Path) -> Result:
             decode_calls=calls["decodes"], stalled_decodes=calls["stalls"],
             stall_ms=size.stall_ms if calls["stalls"] else 0,
         )
-        cached.close(), uncached.close()
+        cached.close()
+        uncached.close()
     if result.details["decode_backend"] != "nvjpeg":
         result.fail(f"decoded by {result.details['decode_backend']!r}, not the nvjpeg backend")
     if device.type == "cuda" and not calls["stalls"]:
@@ -352,7 +353,7 @@ def guard_entries(guard: Any, device: torch.device) -> int:
         waited.append(other)
         return original(self, other)
 
-    torch.cuda.Stream.wait_stream = counting  # type: ignore[method-assign]
+    torch.cuda.Stream.wait_stream = counting  # type: ignore[method-assign, assignment]
     try:
         with torch.cuda.stream(probe):
             guard.before_replacing()
@@ -386,8 +387,8 @@ def check_stream_guard(device: torch.device, work: Path) -> Result:
     entries: dict[str, list[int]] = {}
     batches: dict[str, int] = {}
     for name, loader in loaders.items():
-        count = len(loader.dataset)
-        check_epoch(result, name, iter(loader), loader.dataset[0][0].numel(), count)
+        dataset: Any = loader.dataset
+        check_epoch(result, name, iter(loader), dataset[0][0].numel(), len(dataset))
         batches[name] = len(loader)
         guards = reachable(loader, StreamGuard)
         entries[name] = [guard_entries(guard, device) for guard in guards]
@@ -602,7 +603,7 @@ def run_isolated(name: str, device: str, out: Path, timeout: float) -> Result:
     started = time.perf_counter()
     command = [sys.executable, __file__, "--out", str(out), "--device", device, "--only", name, "--here"]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
         rc, tail = done.returncode, (done.stdout + done.stderr)[-2000:]
     except subprocess.TimeoutExpired as expired:
         rc, tail = None, f"timed out after {timeout:.0f}s\n" + str(expired.stderr or "")[-2000:]

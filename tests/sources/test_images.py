@@ -12,8 +12,10 @@ import gpuload
 from gpuload import transforms as T
 from gpuload.datasets import ImageFolder, make_sample_image_folder
 from gpuload.decode import ImageDecodeError
+from gpuload.decode import batch as batch_module
 from gpuload.transforms import apply_transforms
 from equivalence import assert_same_epochs
+from image_fixtures import diff_stats
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +124,6 @@ def test_on_cuda_without_dali_a_folder_is_decoded_by_nvjpeg_close_to_the_cpu_dec
     """The image source's CUDA branch as a CUDA machine without DALI runs it (the device check's
     image): the nvjpeg backend decoding ahead on the side stream, the decoded-image cache filled in
     epoch 1 and serving epoch 2; every image within nvJPEG's tolerance of the CPU decode."""
-    from gpuload.decode import batch as batch_module
-    from image_fixtures import diff_stats
-
     monkeypatch.setattr(batch_module, "_dali_installed", lambda: False)  # as on a machine without DALI
     loader = gpuload.DataLoader(folder, batch_size=None, device="cuda", cache="device", cache_reserve=0)
     for epoch in range(2):
