@@ -1,30 +1,39 @@
 #!/usr/bin/env bash
-# Everything GPU-only in one call of under 6 minutes (so a rerun fits the same lease), on a machine
-# with torch (CUDA 13), CuPy and torchvision but no DALI, using that machine's python3 and
-# installing nothing:
+# Everything GPU-only in one call of under 5 minutes (so a rerun fits 15 minutes of device time
+# with the machine's start), on a machine with torch (CUDA 13), CuPy and torchvision but no DALI,
+# using that machine's python3 and installing nothing. Each step's seconds on an H100/H200 are
+# an estimate (nothing has run on a GPU yet): steps.tsv records what each took, and the limits
+# below leave about 1.5x of it.
 #
-#   machine        nvidia-smi, the versions of python3's torch, CuPy, torchvision, DALI, and
-#                  gpuload doctor --json (doctor.json)
-#   gpu-tests      the gpu-marked tests, except the kernels' (junit: gpu-tests.xml)
-#   kernel-parity  the gpu-marked tests of tests/transforms: CuPy kernels against the torch reference
-#   prefetch       benchmarks/bench_prefetch.py: loop wait with prefetching, pinned H2D bandwidth
-#   cache-device   gpuload bench --quick: arrays in the device-tier cache against torch
-#   cache-partial  gpuload bench --quick --scenario partial: arrays larger than the device budget
-#   images         gpuload bench --quick --scenario images: the image path, decoded on the GPU
+#   machine        (~10 s) nvidia-smi, the versions of python3's torch, CuPy, torchvision, DALI,
+#                  and gpuload doctor --json (doctor.json)
+#   truth          (~60 s) benchmarks/device_truth.py: the CUDA-path hazards of issue 34 made to
+#                  bite (a stalled side stream under nvJPEG, a shrink while the prefetcher gathers,
+#                  StreamGuard entries, a column cache out of memory, the epoch-start shrink), the
+#                  data served checked; one JSON per check in truth/
+#   gpu-tests      (~70 s) the gpu-marked tests, except the kernels' (junit: gpu-tests.xml), with the
+#                  25 slowest durations in its log; no test scales with the card's memory
+#   kernel-parity  (~30 s) the gpu-marked tests of tests/transforms: CuPy kernels against the torch reference
+#   prefetch       (~15 s) benchmarks/bench_prefetch.py: loop wait with prefetching, pinned H2D bandwidth
+#   cache-device   (~20 s) gpuload bench --quick: arrays in the device-tier cache against torch
+#   cache-partial  (~15 s) gpuload bench --quick --scenario partial: arrays larger than the device budget
+#   images         (~30 s) gpuload bench --quick --scenario images: the image path, decoded on the GPU
 #                  without DALI (the nvjpeg backend) and transformed by the CuPy kernels
 #
 # Each step has its own time limit and its exit status, duration and log are recorded; a step
 # that fails or times out does not stop the next, and steps that no longer fit the budget
 # are recorded as skipped. At the end benchmarks/device_check_summary.py writes summary.json
-# (pass/fail counts, skip reasons, the headline numbers: H2D GB/s pinned and pageable, the
-# loop's wait with and without prefetching, samples/s against torch); if even that fails, a minimal summary.json is written here. Then
+# (pass/fail counts, skip reasons, each truth check's verdict, the headline numbers: H2D GB/s
+# pinned and pageable, the loop's wait with and without prefetching, samples/s against torch);
+# if even that fails, a minimal summary.json is written here. Then
 # everything but summary.json and steps.tsv is packed into logs.tar.gz (the device tool brings
 # back at most 8 files; GPULOAD_CHECK_KEEP_FILES=1 keeps them loose).
 #
 # What only a CUDA driver runs, and which step or gpu test here runs it: benchmarks/cuda_only_lines.md.
 #
 # Usage: benchmarks/device_check.sh OUT_DIR   (default: $OUT, else ./device-check)
-# GPULOAD_CHECK_STEPS="machine gpu-tests" runs only the steps named (for trying it out).
+# GPULOAD_CHECK_STEPS="machine gpu-tests" runs only the steps named (for trying it out);
+# GPULOAD_CHECK_DEVICE=cpu runs the truth step's dry run (its checks at small sizes on the CPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-device-check}}"
@@ -32,7 +41,8 @@ mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python="${GPULOAD_CHECK_PYTHON:-python3}"
-budget_s="${GPULOAD_CHECK_BUDGET_S:-320}"  # steps; with the summary and packing, under 6 minutes
+budget_s="${GPULOAD_CHECK_BUDGET_S:-260}"  # steps (~250 s estimated); with the summary and packing, under 5 minutes
+device="${GPULOAD_CHECK_DEVICE:-cuda}"
 only="${GPULOAD_CHECK_STEPS:-}"
 started=$(date +%s)
 steps="$out/steps.tsv"
@@ -95,7 +105,8 @@ fi
 export python out
 export -f machine_info
 step machine 60 bash -c machine_info  # seconds on a quiet machine; the limit is for a busy one
-step gpu-tests 110 "$python" -m pytest "${pytest_args[@]}" --junitxml="$out/gpu-tests.xml" \
+step truth 100 "$python" benchmarks/device_truth.py --device "$device" --out "$out/truth" --timeout 45
+step gpu-tests 110 "$python" -m pytest "${pytest_args[@]}" --durations=25 --junitxml="$out/gpu-tests.xml" \
   --ignore=tests/transforms tests
 step kernel-parity 50 "$python" -m pytest "${pytest_args[@]}" --junitxml="$out/kernel-parity.xml" tests/transforms
 step prefetch 35 "$python" benchmarks/bench_prefetch.py --quick --device cuda --json "$out/prefetch.json"

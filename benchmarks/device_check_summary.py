@@ -1,7 +1,8 @@
-"""One JSON of what ``benchmarks/device_check.sh`` found: steps, test counts, benchmark numbers.
+"""One JSON of what ``benchmarks/device_check.sh`` found: steps, test counts, the truth checks'
+verdicts, benchmark numbers.
 
-Reads the folder the check wrote (``steps.tsv``, junit XML of the test steps, the benchmarks'
-JSON, ``machine.log``, ``doctor.json``) and writes ``summary.json`` beside them. Every part is read on its own:
+Reads the folder the check wrote (``steps.tsv``, junit XML of the test steps, ``truth/*.json`` of
+``benchmarks/device_truth.py``, the benchmarks' JSON, ``machine.log``, ``doctor.json``) and writes ``summary.json`` beside them. Every part is read on its own:
 a missing or broken file becomes an ``"error"`` entry in its section, never a missing summary.
 
 Usage: python benchmarks/device_check_summary.py OUT_DIR
@@ -57,6 +58,23 @@ def junit_counts(path: Path) -> dict[str, Any]:
                 if len(failing) < _FAILING_LISTED:
                     failing.append({"test": test_id, "message": (outcome.get("message") or "")[:300]})
     return {**counts, "failing": failing, "skip_reasons": skip_reasons}
+
+
+def truth_verdicts(folder: Path) -> dict[str, Any]:
+    """Each ``device_truth.py`` check's verdict: passed, the defects it proves, what failed, its
+    measured details and seconds (by check name)."""
+    checks = sorted(folder.glob("*.json"))
+    if not checks:
+        raise ValueError(f"no check wrote its JSON into {folder.name}/")
+    verdicts = {}
+    for path in checks:
+        result = json.loads(path.read_text(encoding="utf-8"))
+        details = {k: v for k, v in result.get("details", {}).items() if k not in ("traceback", "output_tail")}
+        verdicts[result.get("check", path.stem)] = {
+            "passed": bool(result.get("passed")), "defects": result.get("defects", []),
+            "problems": result.get("problems", []), "details": details, "seconds": result.get("seconds"),
+        }
+    return verdicts
 
 
 def bench_numbers(path: Path) -> dict[str, Any]:
@@ -117,7 +135,8 @@ def _rate(loader: dict[str, Any]) -> float | None:
 
 def headline(summary: dict[str, Any]) -> dict[str, Any]:
     """The numbers a reader wants first: host-to-device GB/s pinned against pageable, the loop's
-    wait with and without prefetching, and gpuload's samples/s against torch's best per scenario."""
+    wait with and without prefetching, each truth check's verdict, and gpuload's samples/s
+    against torch's best per scenario."""
     numbers: dict[str, Any] = {}
     prefetch = summary.get("prefetch") or {}
     h2d = prefetch.get("h2d") or {}
@@ -130,6 +149,10 @@ def headline(summary: dict[str, Any]) -> dict[str, Any]:
             "without prefetching": {k: v for k, v in waits.items() if k.startswith("torch DataLoader")},
             "with gpuload's prefetcher": {k: v for k, v in waits.items() if k.startswith("gpuload Prefetcher")},
         }
+    truth = summary.get("truth")
+    if isinstance(truth, dict) and "error" not in truth:
+        numbers["truth"] = {name: "passed" if verdict["passed"] else "FAILED: " + "; ".join(verdict["problems"])[:300]
+                            for name, verdict in truth.items()}
     for name, bench in (summary.get("bench") or {}).items():
         loaders = bench.get("loaders", []) if isinstance(bench, dict) else []
         torch_rates = [r for r in (_rate(row) for row in loaders if str(row.get("name", "")).startswith("torch")) if r]
@@ -172,6 +195,7 @@ def summarize(out: Path) -> dict[str, Any]:
     summary["doctor"] = _guarded(doctor_findings, out / "doctor.json") if ran_machine else None
     ran = {row["step"] for row in steps}
     summary["tests"] = {name: _guarded(junit_counts, out / f"{name}.xml") for name in TEST_STEPS if name in ran}
+    summary["truth"] = _guarded(truth_verdicts, out / "truth") if "truth" in ran else None
     summary["prefetch"] = _guarded(prefetch_numbers, out / "prefetch.json") if "prefetch" in ran else None
     summary["bench"] = {
         name: _guarded(bench_numbers, out / name / "bench.json") for name in BENCH_STEPS if name in ran
@@ -181,6 +205,7 @@ def summarize(out: Path) -> dict[str, Any]:
     summary["images_decode_backends"] = backends
     summary["headline"] = headline(summary)
     tests = [counts for counts in summary["tests"].values() if "tests" in counts]
+    truth = summary["truth"] if isinstance(summary["truth"], dict) and "error" not in summary["truth"] else {}
     summary["totals"] = {
         "steps": len(steps),
         "steps_passed": sum(row["status"] == "passed" for row in steps),
@@ -188,6 +213,8 @@ def summarize(out: Path) -> dict[str, Any]:
         "tests_passed": sum(c["passed"] for c in tests),
         "tests_failed": sum(c["failed"] + c["errors"] for c in tests),
         "tests_skipped": sum(c["skipped"] for c in tests),
+        "truth_passed": sorted(name for name, verdict in truth.items() if verdict["passed"]),
+        "truth_failed": sorted(name for name, verdict in truth.items() if not verdict["passed"]),
     }
     return summary
 

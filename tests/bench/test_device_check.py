@@ -7,6 +7,7 @@ steps, a step that fails (no CUDA) and a budget too small for any step.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -44,6 +45,7 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 def fake_check(out: Path) -> None:
     rows = [
         ("machine", "passed", "0", "1.0", "30"),
+        ("truth", "failed", "1", "52.0", "100"),
         ("gpu-tests", "failed", "1", "80.5", "150"),
         ("kernel-parity", "timeout", "124", "75.0", "75"),
         ("prefetch", "passed", "0", "20.0", "50"),
@@ -56,6 +58,14 @@ def fake_check(out: Path) -> None:
     (out / "machine.log").write_text('nvidia-smi ...\nMACHINE_JSON {"torch": "2.11.0", "cuda_available": true}\n')
     (out / "gpu-tests.xml").write_text(JUNIT)
     # kernel-parity timed out: no XML
+    (out / "truth").mkdir()
+    (out / "truth" / "array-shrink.json").write_text(json.dumps({
+        "check": "array-shrink", "defects": [2], "device": "cuda", "passed": True, "problems": [],
+        "details": {"shrinks": 1024}, "seconds": 6.5}))
+    (out / "truth" / "epoch-shrink.json").write_text(json.dumps({
+        "check": "epoch-shrink", "defects": [6], "device": "cuda", "passed": False,
+        "problems": ["the cache drains epoch by epoch: held [268566528, 134217728, 0, 0, 0] bytes"],
+        "details": {"held_per_epoch": [268566528, 134217728, 0, 0, 0], "traceback": "..."}, "seconds": 9.0}))
     (out / "prefetch.json").write_text(json.dumps({
         "device": "cuda:0", "rows": [
             {"feed": "step alone", "wait_share": 0.0, "overhead": 0.0, "batches_per_s": 250.0},
@@ -92,6 +102,9 @@ def test_the_summary_reads_every_part_and_reports_broken_ones(tmp_path: Path) ->
     assert tests["failing"][0] == {"test": "tests.decode.test_nvjpeg::test_b", "message": "AssertionError: mean |diff| 1.7"}
     assert tests["skip_reasons"] == {"needs DALI": 1}
     assert summary["tests"]["kernel-parity"] == {"error": "kernel-parity.xml was not written"}
+    assert summary["truth"]["array-shrink"] == {"passed": True, "defects": [2], "problems": [],
+                                                "details": {"shrinks": 1024}, "seconds": 6.5}
+    assert summary["truth"]["epoch-shrink"]["details"] == {"held_per_epoch": [268566528, 134217728, 0, 0, 0]}
     assert summary["prefetch"]["prefetcher_share_of_pinned_peak"] == pytest.approx(0.9)
     assert "JSONDecodeError" in summary["bench"]["cache-device"]["error"]
     assert summary["bench"]["images"]["loaders"][1]["samples_per_s"] == 5400.0
@@ -103,13 +116,16 @@ def test_the_summary_reads_every_part_and_reports_broken_ones(tmp_path: Path) ->
             "without prefetching": {"torch DataLoader(num_workers=0, pin_memory=True)": 0.4},
             "with gpuload's prefetcher": {"gpuload Prefetcher(depth=3) over DataLoader(num_workers=0)": 0.02},
         },
+        "truth": {"array-shrink": "passed",
+                  "epoch-shrink": "FAILED: the cache drains epoch by epoch: held [268566528, 134217728, 0, 0, 0] bytes"},
         "images_samples_per_s": {"torch_best": 900.0, "gpuload": {
             "gpuload DataLoader": {"samples_per_s": 5400.0, "x_torch": 6.0, "decode_backend": "nvjpeg"}}},
     }
     assert "cache-partial" not in summary["bench"] or "error" in summary["bench"]["cache-partial"]
     assert summary["totals"] == {
-        "steps": 7, "steps_passed": 4, "steps_not_passed": ["gpu-tests", "kernel-parity", "cache-partial"],
+        "steps": 8, "steps_passed": 4, "steps_not_passed": ["truth", "gpu-tests", "kernel-parity", "cache-partial"],
         "tests_passed": 1, "tests_failed": 2, "tests_skipped": 1,
+        "truth_passed": ["array-shrink"], "truth_failed": ["epoch-shrink"],
     }
 
 
@@ -170,12 +186,15 @@ def test_the_script_skips_what_no_longer_fits_and_still_writes_the_summary(tmp_p
     }
 
 
-def test_the_whole_check_fits_six_minutes_so_a_rerun_fits_the_lease() -> None:
+def test_the_whole_check_fits_five_minutes_so_a_rerun_fits_the_lease() -> None:
     script = SCRIPT.read_text()
     budget = int(re.search(r'budget_s="\$\{GPULOAD_CHECK_BUDGET_S:-(\d+)\}"', script)[1])
     summary_limit = re.search(r"timeout -k (\d+) (\d+) \"\$python\" benchmarks/device_check_summary.py", script)
     # every step ends within the budget (limits are cut to what is left), then the summary and packing
-    assert budget + int(summary_limit[1]) + int(summary_limit[2]) + 10 <= 6 * 60
+    assert budget + int(summary_limit[1]) + int(summary_limit[2]) + 10 <= 5 * 60
+    # the estimates written beside the steps fit the budget too
+    estimates = [int(s) for s in re.findall(r"^#   [\w-]+ +\(~(\d+) s\)", script, flags=re.MULTILINE)]
+    assert len(estimates) == len(re.findall(r"^step [\w-]+ \d+ ", script, flags=re.MULTILINE)) and sum(estimates) <= budget
 
 
 @pytest.mark.slow
@@ -184,3 +203,140 @@ def test_the_dry_run_of_the_machine_step_passes_here(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["totals"]["steps_not_passed"] == [] and summary["doctor"]["versions"]["torch"]
+
+
+@pytest.mark.slow
+def test_the_dry_run_of_the_truth_step_runs_every_check_on_the_cpu(tmp_path: Path) -> None:
+    env = {**os.environ, "GPULOAD_CHECK_DEVICE": "cpu", "GPULOAD_CHECK_KEEP_FILES": "1"}
+    done = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=400, check=False,
+                          env={**env, "GPULOAD_CHECK_STEPS": "truth", "GPULOAD_CHECK_PYTHON": sys.executable})
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["totals"]["truth_failed"] == []
+    assert summary["totals"]["truth_passed"] == ["array-shrink", "column-oom", "epoch-shrink", "nvjpeg-stall", "stream-guard"]
+    assert {verdict["details"].get("decode_backend") for verdict in summary["truth"].values()} >= {"nvjpeg"}
+
+
+# -------------------------------------------------- cuda_only_lines.md: what runs each range on the device check
+
+NOT_ON_THE_CHECK = "**not on the device check**"
+# How a test says it will not run on the device check's image (one GPU, no DALI): its skip marks,
+# an importorskip, or the helper the NCCL tests call for two GPUs.
+_NEEDS = {
+    "DALI": re.compile(r"dali", re.IGNORECASE),
+    "several GPUs": re.compile(r"nccl_world\(|device_count\(\)\s*<\s*2|count\s*<\s*2|2 (?:CUDA devices|GPUs)"),
+}
+
+
+def check_steps() -> set[str]:
+    """The steps device_check.sh runs."""
+    return set(re.findall(r"^step ([\w-]+) ", SCRIPT.read_text(), flags=re.MULTILINE))
+
+
+def listed_runs(text: str) -> list[tuple[str, list[str], list[tuple[str, str]]]]:
+    """Per range of cuda_only_lines.md: (the range, the device-check steps that run it, the tests
+    it names) from its last column; no steps when it is marked not on the device check."""
+    rows, previous = [], ([], [])
+    for line in text.splitlines():
+        if not line.startswith("| `gpuload/"):
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+        where, runner = cells[0].split("`")[1], cells[-1]
+        if runner.startswith("as above"):
+            steps, tests = previous
+        elif runner.startswith(NOT_ON_THE_CHECK):
+            steps, tests = [], []
+        else:
+            head = re.match(r"steps? ((?:`[\w-]+`(?:, )?)+)", runner)
+            steps = re.findall(r"`([\w-]+)`", head[1]) if head else ["<no step named>"]
+            tests, module = [], ""
+            for path, name, relative in re.findall(r"`(?:(tests/[\w/]+\.py)::(\w+)|::(\w+))`", runner):
+                module = path or module
+                tests.append((module, name or relative))
+        previous = (steps, tests)
+        rows.append((where, steps, tests))
+    return rows
+
+
+def device_image_skip(path: str, name: str) -> str | None:
+    """Why test ``path::name`` does not run in the gpu-tests or kernel-parity step on the device
+    image (one GPU, no DALI), or None when it runs there."""
+    source = (ROOT / path).read_text()
+    module = ast.parse(source)
+    found = [(node, None) for node in module.body if isinstance(node, ast.FunctionDef) and node.name == name]
+    found += [(node, cls) for cls in module.body if isinstance(cls, ast.ClassDef)
+              for node in cls.body if isinstance(node, ast.FunctionDef) and node.name == name]
+    if not found:
+        return "no such test"
+    function, cls = found[0]
+    aliases = {target.id: ast.get_source_segment(source, statement) or "" for statement in module.body
+               if isinstance(statement, ast.Assign) for target in statement.targets if isinstance(target, ast.Name)}
+    decorators = list(function.decorator_list) + (list(cls.decorator_list) if cls is not None else [])
+    marks = []
+    for decorator in decorators:  # a mark, or a name for one defined in the module (gpu = pytest.mark.gpu)
+        text = ast.get_source_segment(source, decorator) or ""
+        marks += [text] + [aliases[name] for name in re.findall(r"\w+", text) if name in aliases]
+    scopes = [module.body] + ([cls.body] if cls is not None else [])
+    for scope in scopes:  # pytestmark and importorskip at module and class level
+        for statement in scope:
+            text = ast.get_source_segment(source, statement) or ""
+            if isinstance(statement, (ast.Assign, ast.Expr)) and ("pytestmark" in text or "importorskip" in text):
+                marks.append(text)
+    if not any("mark.gpu" in mark for mark in marks):
+        return "not gpu-marked: the gpu-tests step (pytest -m gpu) does not run it"
+    body = ast.get_source_segment(source, function) or ""
+    skips = "\n".join(marks) + "\n" + "\n".join(line for line in body.splitlines()
+                                                 if "skip" in line or "nccl_world(" in line or "count" in line)
+    for need, pattern in _NEEDS.items():
+        if pattern.search(skips):
+            return f"needs {need}: skips on the device check's image (one GPU, no DALI)"
+    return None
+
+
+def range_problems(text: str) -> list[str]:
+    """Ranges of cuda_only_lines.md whose last column names no device-check step, a step the
+    check does not have, or a test that does not run on its image (or in another step)."""
+    problems, known = [], check_steps()
+    for where, steps, tests in listed_runs(text):
+        unknown = [step for step in steps if step not in known]
+        if unknown:
+            problems.append(f"{where}: names {unknown}, not a step of device_check.sh (nor {NOT_ON_THE_CHECK!r})")
+        for path, name in tests if steps else []:
+            step = "kernel-parity" if path.startswith("tests/transforms/") else "gpu-tests"
+            why = device_image_skip(path, name)
+            if why is not None:
+                problems.append(f"{where}: {path}::{name} {why}; mark the range {NOT_ON_THE_CHECK!r}")
+            elif step not in steps:
+                problems.append(f"{where}: {path}::{name} runs in step {step!r}, which the range does not name")
+    return problems
+
+
+def test_every_listed_range_names_the_device_check_step_that_runs_it() -> None:
+    text = (ROOT / "benchmarks" / "cuda_only_lines.md").read_text()
+    assert range_problems(text) == []
+    runs = listed_runs(text)
+    assert sum(bool(steps) for _, steps, _ in runs) >= 30 and any(not steps for _, steps, _ in runs)
+
+
+def test_a_range_run_by_a_test_that_skips_on_the_device_image_is_named() -> None:
+    dali = "tests/sources/test_images_background.py::test_on_cuda_batches_are_decoded_and_transformed_ahead_on_the_side_stream"
+    two_gpus = "tests/distributed/test_sharded_images.py::test_nccl_ranks_get_the_per_rank_caches_batches"
+    runs_there = "tests/test_sampling.py::test_indices_on_the_gpu_come_back_on_the_host_in_range"
+    not_gpu = "tests/sources/test_images.py::test_batches_are_decoded_then_transformed_per_sample"
+    table = "\n".join([
+        f"| `gpuload/a.py:1` (`f`) | why | step `gpu-tests`: `{dali}` |",
+        f"| `gpuload/b.py:2` (`g`) | why | step `gpu-tests`: `{two_gpus}` |",
+        "| `gpuload/c.py:3` (`h`) | why | as above |",
+        f"| `gpuload/d.py:4` (`i`) | why | step `gpu-tests`: `{runs_there}` |",
+        f"| `gpuload/e.py:5` (`j`) | why | step `images`: `{runs_there}` |",
+        f"| `gpuload/f.py:6` (`k`) | why | step `gpu-tests`: `{not_gpu}` |",
+        f"| `gpuload/g.py:7` (`l`) | why | {NOT_ON_THE_CHECK}: `{dali}` where DALI is installed |",
+        f"| `gpuload/h.py:8` (`m`) | why | `{runs_there}` |",
+        "| `gpuload/i.py:9` (`n`) | why | step `truths` |",
+    ])
+    problems = range_problems(table)
+    assert [p.split(":")[0] for p in problems] == ["gpuload/a.py", "gpuload/b.py", "gpuload/c.py", "gpuload/e.py",
+                                                   "gpuload/f.py", "gpuload/h.py", "gpuload/h.py", "gpuload/i.py"]
+    assert "needs DALI" in problems[0] and "needs several GPUs" in problems[1] and "needs several GPUs" in problems[2]
+    assert "runs in step 'gpu-tests'" in problems[3] and "not gpu-marked" in problems[4]
+    assert "<no step named>" in problems[5] and "runs in step 'gpu-tests'" in problems[6] and "'truths'" in problems[7]

@@ -12,8 +12,10 @@ import gpuload
 from gpuload import transforms as T
 from gpuload.datasets import ImageFolder, make_sample_image_folder
 from gpuload.decode import ImageDecodeError
+from gpuload.decode import batch as batch_module
 from gpuload.transforms import apply_transforms
 from equivalence import assert_same_epochs
+from image_fixtures import diff_stats
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +108,30 @@ def test_transforms_asked_of_a_dataset_gpuload_cannot_read_raise_the_reason(fold
     plain = gpuload.DataLoader(dataset, batch_size=4, device="cpu")
     next(iter(plain))
     assert plain.stats.path == "torch"  # without transforms=, torch's path reads it as it is
+
+
+# nvJPEG against libjpeg-turbo (the CPU decoders) on the same file: their IDCT and 4:2:0 chroma
+# upsampling differ, a few levels on average and up to ~20 at sharp edges; a wrong, stale or
+# half-written image is off by tens on average. The bounds of the nvjpeg backend's own tests
+# (tests/decode/test_nvjpeg.py, GPU_MEAN_TOL and GPU_MAX_TOL: DALI's mixed decoder's too).
+NVJPEG_MEAN_TOL, NVJPEG_MAX_TOL = 1.0, 24
+
+
+@pytest.mark.gpu
+def test_on_cuda_without_dali_a_folder_is_decoded_by_nvjpeg_close_to_the_cpu_decoder(
+    folder: ImageFolder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The image source's CUDA branch as a CUDA machine without DALI runs it (the device check's
+    image): the nvjpeg backend decoding ahead on the side stream, the decoded-image cache filled in
+    epoch 1 and serving epoch 2; every image within nvJPEG's tolerance of the CPU decode."""
+    monkeypatch.setattr(batch_module, "_dali_installed", lambda: False)  # as on a machine without DALI
+    loader = gpuload.DataLoader(folder, batch_size=None, device="cuda", cache="device", cache_reserve=0)
+    for epoch in range(2):
+        for position, (image, label) in enumerate(loader):
+            expected, expected_label = folder[position]
+            assert image.is_cuda and image.dtype == torch.uint8 and label == expected_label
+            mean, worst = diff_stats(image.cpu(), expected)
+            assert mean <= NVJPEG_MEAN_TOL and worst <= NVJPEG_MAX_TOL, (epoch, position, mean, worst)
+    assert loader.stats.extra["decode_backend"] == "nvjpeg"
+    assert loader.stats.extra["image_cache_decision"].startswith("decoded")
+    loader.close()
