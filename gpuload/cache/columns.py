@@ -601,7 +601,12 @@ class ColumnStore(BudgetedCache):
         positions = None if everyone else ok.nonzero().view(-1)
         target = slots if everyone else slots.index_select(0, positions)
         writes = [(column, rows if everyone else rows.index_select(0, positions)) for column, rows in write.columns]
-        _write_columns(writes, target.numpy(), self._device)
+        try:
+            _write_columns(writes, target.numpy(), self._device)
+        except BaseException:  # an out of memory too: no key may name a row that was not written
+            self._slot_of[fresh] = -1
+            self._used -= take
+            raise
         if write.objects:
             chosen = range(n) if everyone else positions.tolist()
             seen = set()
@@ -631,7 +636,11 @@ class ColumnStore(BudgetedCache):
         if not np.array_equal(slot_of[at], rows):
             slot_of[at] = -1  # a key drawn twice: the general path
             return 0
-        _write_columns(write.columns, rows, self._device)
+        try:
+            _write_columns(write.columns, rows, self._device)
+        except BaseException:  # an out of memory too: no key may name a row that was not written
+            slot_of[at] = -1
+            raise
         self._used += n
         self._stats.entries = self._used
         return n

@@ -391,3 +391,95 @@ def test_a_worker_stacking_sparse_tensors_raises_torchs_own_error() -> None:
     with pytest.raises(RuntimeError, match="Batches of sparse tensors are not currently supported"):
         _stack_as_in_worker([sparse, sparse])
     assert torch.equal(_stack_as_in_worker([torch.ones(2), torch.zeros(2)]), torch.tensor([[1.0, 1], [0, 0]]))
+
+
+def _two_columns(i: int):
+    return torch.arange(3, dtype=torch.float32) + 10 * i + 0.5, i
+
+
+def _failing_column_write(monkeypatch, error: Exception, at_call: int) -> None:
+    """Host columns' writes (one per column and batch) with call ``at_call`` raising ``error``:
+    the columns before it in that batch are written, the rest are not."""
+    from gpuload.cache.columns import _StoredColumn
+
+    real, calls = _StoredColumn.write, iter(range(1, 1 << 30))
+
+    def write(self, where, source):
+        if next(calls) == at_call:
+            raise error
+        return real(self, where, source)
+
+    monkeypatch.setattr(_StoredColumn, "write", write)
+
+
+def _assert_serves_the_dataset(store: ColumnStore, samples: list) -> None:
+    """Every sample, in a shuffled order, from the store where held and from ``samples`` where not,
+    as a loader's batch is built: equal to default_collate of the samples themselves."""
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))
+    slots = store.slots(order)
+    read = [samples[k] for k, slot in zip(order.tolist(), slots.tolist()) if slot < 0]
+    assert_same(store.assemble(slots, prepare(read)), default_collate([samples[k] for k in order.tolist()]))
+    held = slots[slots >= 0]
+    assert_same(store.views(held), [samples[k] for k in order[slots >= 0].tolist()])
+
+
+@pytest.mark.parametrize("keys", [[4, 5, 6, 7], [4, 5, 5, 6]], ids=["distinct", "drawn-twice"])
+def test_out_of_memory_halfway_through_a_batchs_columns_leaves_no_key_on_unwritten_rows(monkeypatch, keys) -> None:
+    """Issue #34, defect 4: the second column's copy runs out of memory after the first was
+    written. The batch's keys stay unstored (read from the dataset), the counts stay those of the
+    samples held, and filling stops with the one warning."""
+    samples = [_two_columns(i) for i in range(12)]
+    store = _store(12)
+    assert _put(store, [0, 1, 2, 3], samples[:4]) == 4
+    held = store.stats.bytes
+    _failing_column_write(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 2)
+    with pytest.warns(CacheFallbackWarning, match="out of memory on cpu after caching 4 samples"):
+        assert _put(store, keys, [samples[k] for k in keys]) == 0
+    assert store.slots(torch.arange(12)).tolist() == [0, 1, 2, 3] + [-1] * 8
+    stats = store.stats
+    assert (len(store), stats.entries, stats.bytes, stats.full) == (4, 4, held, True)
+    assert not store.accepting
+    _assert_serves_the_dataset(store, samples)
+
+
+@pytest.mark.parametrize("keys", [[4, 5, 6, 7], [4, 5, 5, 6]], ids=["distinct", "drawn-twice"])
+def test_another_error_halfway_through_a_batchs_columns_surfaces_and_the_batch_is_stored_again(
+        monkeypatch, keys) -> None:
+    """Not an out of memory: raised as it is, filling goes on, and the batch put again is stored
+    whole (its keys did not stay claimed by rows half written)."""
+    samples = [_two_columns(i) for i in range(12)]
+    store = _store(12)
+    assert _put(store, [0, 1, 2, 3], samples[:4]) == 4
+    _failing_column_write(monkeypatch, RuntimeError("a bad copy"), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="a bad copy"):
+            _put(store, keys, [samples[k] for k in keys])
+    assert store.accepting and len(store) == 4 and store.slots(torch.tensor(keys)).tolist() == [-1] * 4
+    assert _put(store, keys, [samples[k] for k in keys]) == len(set(keys))
+    _assert_serves_the_dataset(store, samples)
+
+
+def test_out_of_memory_copying_a_batch_to_device_columns_leaves_its_keys_unstored(monkeypatch) -> None:
+    """The device path (META stands in for CUDA): the batch's one copy to the device runs out of
+    memory; none of its keys is stored and the bytes are the columns allocated for the first."""
+    from gpuload.cache import columns
+
+    real, calls = columns.to_device, iter(range(1, 1 << 30))
+
+    def to_device(tensors, device, keep_layout=False):
+        if next(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(tensors, device, keep_layout)
+
+    monkeypatch.setattr(columns, "to_device", to_device)
+    samples = [_two_columns(i) for i in range(8)]
+    store = ColumnStore(1 << 20, 8, "meta", ledger=BudgetLedger())
+    assert store.put(torch.arange(4), prepare(samples[:4])) == 4
+    held = store.stats.bytes
+    assert held == 8 * (3 * 4 + 8)
+    with pytest.warns(CacheFallbackWarning, match="out of memory on meta after caching 4 samples"):
+        assert store.put(torch.arange(4, 8), prepare(samples[4:])) == 0
+    assert store.slots(torch.arange(8)).tolist() == [0, 1, 2, 3, -1, -1, -1, -1]
+    assert (len(store), store.stats.bytes, store.accepting) == (4, held, False)
+    store.close()
