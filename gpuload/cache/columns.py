@@ -18,6 +18,7 @@ Anything that breaks the rule turns that part of the tree into per-sample storag
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -25,11 +26,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import default_collate
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
-from gpuload.cache.oom import is_oom
+from gpuload.cache.oom import CacheFallbackWarning, is_oom
 from gpuload.cache.sample_store import BudgetedCache, Uncacheable, copy_value
 from gpuload.transfer import move_staged, to_device
 
@@ -667,7 +669,9 @@ class ColumnStore(BudgetedCache):
 
     def shrink(self, max_device_bytes: int) -> int:
         """Keep the first rows that fit ``max_device_bytes`` (in a new, smaller allocation) and
-        stop adding; returns the bytes freed. Dropped samples are read from the source again."""
+        stop adding; returns the bytes freed. Dropped samples are read from the source again.
+        Without memory for the smaller copy beside the old rows, the kept rows go through host
+        memory; without memory even then, the store is emptied (with a warning)."""
         max_bytes = max_device_bytes
         with self._lock:
             if self._root is None or self._stats.bytes <= max_bytes:
@@ -686,20 +690,72 @@ class ColumnStore(BudgetedCache):
             # The copy waits (on the device) for rows still being written or read on other
             # streams; the old rows stay reserved until those streams are done with them.
             self._streams.before_replacing()
-            old = [column.rows for column in columns]
-            for column in columns:
-                column.place(column.rows[:keep].clone())
-            self._streams.replaced(old)
-            for node in objects:
-                node.values, node.sizes = node.values[:keep], node.sizes[:keep]
-            self._slot_of[self._slot_of >= keep] = -1
-            self._capacity = self._used = self._stats.entries = keep
-            self._stats.bytes = held
-            self._stats.full = True
+            try:
+                kept = self._kept_rows(columns, keep)
+            except BaseException:
+                if columns and columns[0].rows.shape[0] == 0:  # the old rows were let go: none is held
+                    self._keep_first(0, objects, row_bytes)
+                raise
+            emptied = kept is None
+            if emptied:
+                keep = 0
+            else:
+                for column, rows in zip(columns, kept):
+                    column.place(rows)
+            self._keep_first(keep, objects, row_bytes)
             freed = before - self._stats.bytes
+        if emptied:
+            warnings.warn(f"gpuload cache: out of memory while shrinking the sample cache on {self._device}; it is "
+                          "now empty and its samples are read from the dataset", CacheFallbackWarning, stacklevel=2)
         if freed:
             self._book()
         return freed
+
+    def _kept_rows(self, columns: list[_StoredColumn], keep: int) -> list[torch.Tensor] | None:
+        """Each column's first ``keep`` rows in a new allocation, the old rows let go (lock held;
+        the caller places them). Without room for both copies at once, the kept rows are staged
+        in host memory and copied back once the old rows are let go (on CUDA the allocator frees
+        rows that other streams used once those streams are done, waiting for them before it
+        reports out of memory); None when even that finds no room, the columns then holding no
+        rows. Every column ends with its ``keep`` rows or, after None or an error raised once
+        the old rows were let go, with none: never some shrunk and some not."""
+        old = [column.rows for column in columns]
+        try:
+            kept = [rows[:keep].clone() for rows in old]
+        except RuntimeError as error:
+            if not is_oom(error):
+                raise
+        else:
+            self._streams.replaced(old)
+            return kept
+        staged = [rows[:keep].to(_HOST, copy=True) for rows in old]  # out of memory here: nothing changed
+        self._streams.replaced(old)
+        for column in columns:
+            column.place(column.rows.new_empty((0, *column.rows.shape[1:])))
+        old.clear()  # the last references: the allocator may now reuse the old rows
+        try:
+            kept = [rows.to(self._device) for rows in staged]
+        except RuntimeError as error:
+            if not is_oom(error):
+                raise
+            return None
+        self._streams.replaced([])  # later uses wait for the rows copied back
+        return kept
+
+    def _keep_first(self, keep: int, objects: list[_StoredObjects], row_bytes: int) -> None:
+        """Only the samples in the first ``keep`` slots stay stored, and no more are added (lock
+        held; the columns hold ``keep`` rows already). The per-sample tensors let go stay
+        reserved, as the old rows do, until the streams that used them are done."""
+        dropped = [leaf for node in objects for value in node.values[keep:]
+                   for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+        if dropped:
+            self._streams.replaced(dropped)
+        for node in objects:
+            node.values, node.sizes = node.values[:keep], node.sizes[:keep]
+        self._slot_of[self._slot_of >= keep] = -1
+        self._capacity = self._used = self._stats.entries = keep
+        self._stats.bytes = self._host_bytes + row_bytes * keep + sum(sum(node.sizes) for node in objects)
+        self._stats.full = True
 
     def _drop(self) -> None:
         self._root = None

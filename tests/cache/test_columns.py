@@ -418,7 +418,8 @@ def _assert_serves_the_dataset(store: ColumnStore, samples: list) -> None:
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))
     slots = store.slots(order)
     read = [samples[k] for k, slot in zip(order.tolist(), slots.tolist()) if slot < 0]
-    assert_same(store.assemble(slots, prepare(read)), default_collate([samples[k] for k in order.tolist()]))
+    batch = store.assemble(slots, prepare(read)) if read else store.gather_rows(slots)
+    assert_same(batch, default_collate([samples[k] for k in order.tolist()]))
     held = slots[slots >= 0]
     assert_same(store.views(held), [samples[k] for k in order[slots >= 0].tolist()])
 
@@ -482,4 +483,108 @@ def test_out_of_memory_copying_a_batch_to_device_columns_leaves_its_keys_unstore
         assert store.put(torch.arange(4, 8), prepare(samples[4:])) == 0
     assert store.slots(torch.arange(8)).tolist() == [0, 1, 2, 3, -1, -1, -1, -1]
     assert (len(store), store.stats.bytes, store.accepting) == (4, held, False)
+    store.close()
+
+
+def _failing_clone(monkeypatch, error: Exception, at_call: int) -> None:
+    """``Tensor.clone`` with call ``at_call`` (and every later one) raising ``error``."""
+    real, calls = torch.Tensor.clone, iter(range(1, 1 << 30))
+
+    def clone(self, *args, **kwargs):
+        if next(calls) >= at_call:
+            raise error
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "clone", clone)
+
+
+def _three_leaves(i: int):
+    """Two columns and a leaf kept per sample."""
+    return torch.arange(3, dtype=torch.float32) + 10 * i + 0.5, i, f"sample {i}"
+
+
+def _held_bytes(store: ColumnStore) -> int:
+    """What the store really holds: its columns' storage, its per-sample values, its slot map."""
+    from gpuload.cache.columns import _columns_of, _objects_of
+
+    columns = _columns_of(store._root)
+    assert len({column.rows.shape[0] for column in columns}) == 1  # every column shrunk alike
+    objects = sum(len(value) for node in _objects_of(store._root) for value in node.values if value is not None)
+    return (sum(column.rows.untyped_storage().nbytes() for column in columns) + objects
+            + store._slot_of.numel() * store._slot_of.element_size())
+
+
+def test_shrink_without_room_for_the_second_columns_copy_stages_the_kept_rows_through_the_host(monkeypatch) -> None:
+    """Issue #34, defect 5: the smaller copy of the second column runs out of memory beside the old
+    rows. Every column is then shrunk through host memory (none left as it was), the counts
+    equal what is held, and every sample is served right."""
+    samples = [_three_leaves(i) for i in range(12)]
+    store = _store(12)
+    assert _put(store, list(range(8)), samples[:8]) == 8
+    before = store.stats.bytes
+    assert before == _held_bytes(store)
+    _failing_clone(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 2)
+    row = 3 * 4 + 8 + len("sample 0")
+    freed = store.shrink(12 * 4 + 5 * row)
+    monkeypatch.undo()
+    assert len(store) == 5 and store.slots(torch.arange(12)).tolist() == [0, 1, 2, 3, 4] + [-1] * 7
+    assert store.stats.bytes == _held_bytes(store) == 12 * 4 + 5 * row and freed == before - store.stats.bytes
+    assert store.full and not store.accepting
+    _assert_serves_the_dataset(store, samples)
+
+
+def test_shrink_without_room_for_the_kept_rows_at_all_empties_the_store_with_a_warning(monkeypatch) -> None:
+    """META stands in for a full device: no room for the smaller copy, nor for the staged rows'
+    way back once the old rows are let go. The store holds nothing and books nothing."""
+    ledger = BudgetLedger()
+    store = ColumnStore(1 << 20, 8, "meta", ledger=ledger, owner="m")
+    assert store.put(torch.arange(6), prepare([_three_leaves(i) for i in range(6)])) == 6
+    assert ledger.used("meta") == store.stats.bytes > 0
+    out_of_memory = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    _failing_clone(monkeypatch, out_of_memory, 1)
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        target = torch.device(args[0] if args else kwargs["device"])
+        if self.device.type == "meta" and target.type == "cpu":  # meta tensors have no bytes to copy out
+            return torch.zeros(self.shape, dtype=self.dtype)
+        if target.type == "meta":
+            raise out_of_memory
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    held = store.stats.bytes
+    with pytest.warns(CacheFallbackWarning, match="out of memory while shrinking the sample cache on meta; it is now empty"):
+        assert store.shrink(held // 2) == held
+    monkeypatch.undo()
+    assert store.stats.bytes == _held_bytes(store) - store._slot_of.numel() * 4 == 0  # device store: host map not counted
+    assert len(store) == 0 and ledger.used("meta") == 0 and store.slots(torch.arange(8)).tolist() == [-1] * 8
+    store.close()
+
+
+def test_shrink_raises_another_error_with_every_column_as_it_was(monkeypatch) -> None:
+    samples = [_three_leaves(i) for i in range(8)]
+    store = _store(8)
+    assert _put(store, list(range(8)), samples) == 8
+    before = store.stats.bytes
+    _failing_clone(monkeypatch, RuntimeError("a bad copy"), 2)
+    with pytest.raises(RuntimeError, match="a bad copy"):
+        store.shrink(before // 2)
+    monkeypatch.undo()
+    assert len(store) == 8 and store.stats.bytes == before == _held_bytes(store)
+    _assert_serves_the_dataset(store, samples)
+
+
+def test_shrink_keeps_the_per_sample_device_tensors_it_lets_go_reserved_for_the_streams_that_used_them(
+        monkeypatch) -> None:
+    """Per-sample tensors let go by a shrink go through the stream guard as the old rows do (on
+    CUDA: ``record_stream`` on every stream that read them), not straight back to the allocator."""
+    samples = [{"x": torch.full((2,), float(i)), "w": torch.full((3,), float(i), requires_grad=True)} for i in range(6)]
+    store = ColumnStore(1 << 20, 6, "meta", ledger=BudgetLedger())
+    assert store.put(torch.arange(6), prepare(samples)) == 6
+    let_go: list = []
+    monkeypatch.setattr(store._streams, "replaced", lambda old: let_go.append(list(old)))
+    assert store.shrink(2 * (2 * 4 + 3 * 4)) > 0 and len(store) == 2
+    assert [len(old) for old in let_go] == [1, 4]  # the column's old rows, then the 4 per-sample tensors
+    assert all(t.device.type == "meta" and t.shape == (3,) for t in let_go[1])
     store.close()
