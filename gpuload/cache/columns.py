@@ -257,10 +257,15 @@ class _StoredColumn(_Stored):
         return self.rows.numel() * self.rows.element_size()
 
     def gather(self, slots: torch.Tensor, where: torch.Tensor, collate: Callable[[Any], Any]) -> torch.Tensor:
-        return self.rows.index_select(0, where)
+        return self._select(slots, where)
 
     def views(self, slots: torch.Tensor, where: torch.Tensor) -> list[Any]:
-        return _values_of(self.rows.index_select(0, where), self.kind, self.dtype)
+        return _values_of(self._select(slots, where), self.kind, self.dtype)
+
+    def _select(self, slots: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """Rows ``slots`` (host) or ``where`` (the same on the store's device), whichever is
+        where this column lives."""
+        return self.rows.index_select(0, slots if self.rows.device == slots.device else where)
 
 
 def _values_of(rows: torch.Tensor, kind: type, dtype: Any) -> list[Any]:
@@ -350,7 +355,11 @@ class ColumnStore(BudgetedCache):
     batch gathered from them is a new tensor, copied to a device through the prefetcher's
     pinned slots, so pinning the columns would buy nothing. ``collate``: what ``gather``
     collates per-sample leaves with, ``default_collate`` as torch runs it for the loader (in its
-    process, or in a worker: ``worker_collate``).
+    process, or in a worker: ``worker_collate``). ``views_only``: the store serves per-sample
+    values (``views``, for a collate_fn that is not ``default_collate``) and never collated
+    batches; its columns of numbers and numpy values, which a view returns as host objects, are
+    then kept in host memory (counted in the same budget), so a view copies nothing back from
+    the device: no host sync per batch.
     """
 
     def __init__(
@@ -363,9 +372,11 @@ class ColumnStore(BudgetedCache):
         owner: Hashable | None = None,
         room: Callable[[], int] | None = None,
         collate: Callable[[Any], Any] = default_collate,
+        views_only: bool = False,
     ) -> None:
         super().__init__(budget_bytes, device, ledger=ledger, owner=owner, room=room, num_samples=num_samples)
         self.collate = collate
+        self._views_only = views_only
         self._slot_dtype = torch.int32 if num_samples < 2**31 else torch.int64
         self._slot_of = torch.full((num_samples,), -1, dtype=self._slot_dtype)
         self._host_bytes = self._slot_of.numel() * self._slot_of.element_size() if self._device.type == "cpu" else 0
@@ -424,6 +435,7 @@ class ColumnStore(BudgetedCache):
         ``index_select`` per column, on the store's device."""
         with self._lock:
             self._check_open()
+            self._check_collates()
             self._streams.use()
             return self._root.gather(slots, self._where(slots), self.collate)
 
@@ -441,12 +453,18 @@ class ColumnStore(BudgetedCache):
         if self._closed:
             raise RuntimeError("this gpuload.DataLoader's sample cache was closed; iterate the loader again")
 
+    def _check_collates(self) -> None:
+        if self._views_only:
+            raise RuntimeError("this ColumnStore was made with views_only=True (its number and array columns are in "
+                               "host memory): it serves per-sample values (views), not collated batches")
+
     def assemble(self, slots: torch.Tensor, part: Part) -> Any | None:
         """``default_collate`` of a batch whose rows ``slots >= 0`` are stored and whose other
         samples were read (``part``, prepared from them in order): cached rows gathered, the
         rest placed between them. None when ``part`` does not fit the stored columns."""
         with self._lock:
             self._check_open()
+            self._check_collates()
             self._streams.use()
             hit = (slots >= 0).nonzero().view(-1)
             miss = (slots < 0).nonzero().view(-1)
@@ -510,7 +528,8 @@ class ColumnStore(BudgetedCache):
             try:
                 for column in columns:
                     shape = (capacity, *column.rows.shape[1:])
-                    column.place(torch.empty(shape, dtype=column.rows.dtype, device=self._device))
+                    on_host = self._views_only and column.kind is not torch.Tensor
+                    column.place(torch.empty(shape, dtype=column.rows.dtype, device=_HOST if on_host else self._device))
                 break
             except RuntimeError as error:  # out of memory: as many rows as can be allocated
                 if not is_oom(error) or capacity == 0:
@@ -734,7 +753,7 @@ class ColumnStore(BudgetedCache):
             column.place(column.rows.new_empty((0, *column.rows.shape[1:])))
         old.clear()  # the last references: the allocator may now reuse the old rows
         try:
-            kept = [rows.to(self._device) for rows in staged]
+            kept = [rows.to(column.rows.device) for rows, column in zip(staged, columns)]  # host columns stay there
         except RuntimeError as error:
             if not is_oom(error):
                 raise
@@ -813,12 +832,14 @@ def _describe(node: _Stored, capacity: int, num_samples: int, prefix: str = "") 
 def _write_columns(writes: list[tuple[_StoredColumn, torch.Tensor]], where: np.ndarray, device: torch.device) -> None:
     """Each column's rows ``where`` (host integers) = its host batch of rows. On a device the
     positions and every column's rows get there in one copy through the staging in force."""
-    if device.type == "cpu":
-        for column, source in writes:
+    on_device = [(column, source) for column, source in writes if column.rows.device.type != "cpu"]
+    for column, source in writes:
+        if column.rows.device.type == "cpu":
             column.write(where, source)
+    if not on_device:
         return
-    index, *moved = to_device([torch.from_numpy(where).to(torch.int64), *(source for _, source in writes)], device)
-    for (column, _), rows in zip(writes, moved):
+    index, *moved = to_device([torch.from_numpy(where).to(torch.int64), *(source for _, source in on_device)], device)
+    for (column, _), rows in zip(on_device, moved):
         column.rows.index_copy_(0, index, rows)
 
 

@@ -588,3 +588,19 @@ def test_shrink_keeps_the_per_sample_device_tensors_it_lets_go_reserved_for_the_
     assert [len(old) for old in let_go] == [1, 4]  # the column's old rows, then the 4 per-sample tensors
     assert all(t.device.type == "meta" and t.shape == (3,) for t in let_go[1])
     store.close()
+
+
+def test_a_views_only_stores_number_columns_stay_on_the_host_through_a_staged_shrink(monkeypatch) -> None:
+    samples = [_three_leaves(i) for i in range(6)]
+    store = ColumnStore(1 << 20, 6, "meta", ledger=BudgetLedger(), views_only=True)
+    assert store.put(torch.arange(6), prepare(samples)) == 6
+    _failing_clone(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 1)
+    real_to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: torch.zeros(self.shape, dtype=self.dtype)
+                        if self.is_meta and torch.device(args[0]).type == "cpu" else real_to(self, *args, **kwargs))
+    assert store.shrink(3 * (3 * 4 + 8 + len("sample 0"))) > 0
+    monkeypatch.undo()
+    views = store.views(store.slots(torch.arange(3)))
+    assert [(view[0].device.type, view[0].shape, view[1], view[2]) for view in views] == [
+        ("meta", (3,), i, f"sample {i}") for i in range(3)]
+    store.close()
