@@ -343,6 +343,12 @@ class _Write:
     objects: list[tuple[_StoredObjects, list[Any], list[int | None]]] = field(default_factory=list)
     changed: bool = False  # part of the stored tree became per-sample storage
 
+    def move_objects(self, device: torch.device) -> None:
+        """The per-sample values' tensors moved to ``device``, all in one copy through the
+        loader's staging."""
+        moved = move_staged([values for _, values, _ in self.objects], device)
+        self.objects = [(node, values, sizes) for (node, _, sizes), values in zip(self.objects, moved)]
+
 
 class ColumnStore(BudgetedCache):
     """A map-style dataset's samples by column (see the module docstring), up to ``budget_bytes``.
@@ -486,15 +492,19 @@ class ColumnStore(BudgetedCache):
                 self._stats.rejected += keys.numel()
                 return 0
             self._streams.use()  # the rows are written on this stream
+            write = _Write()
+            first_batch = self._root is None
             try:
-                write = _Write()
-                first_batch = self._root is None
                 root = _stored_tree(part, list, self._device) if first_batch else self._root
-                self._root = self._plan(root, part, write, list)
+                try:
+                    self._root = self._plan(root, part, write, list)
+                finally:  # leaves turned per-sample stay so, also when a later one fails
+                    if write.changed:
+                        self.layout = _describe(self._root, self._capacity, self._slot_of.numel(), "changed: ")
                 if first_batch:
                     self._allocate(write, keys.numel())
-                elif write.changed:
-                    self.layout = _describe(self._root, self._capacity, self._slot_of.numel(), "changed: ")
+                if self._device.type != "cpu" and write.objects:
+                    write.move_objects(self._device)
                 stored = self._write(keys, write)
                 why = f"free memory on {self._device} reached the reserve" if (
                     self._stats.full and self._short_of_room) else None
@@ -549,14 +559,19 @@ class ColumnStore(BudgetedCache):
         part does not fit it) and notes in ``write`` what to store."""
         if isinstance(node, _StoredBranch) and node.matches(part):
             child_sequence = list if node.kind is dict else tuple
-            node.children = [self._plan(child, child_part, write, child_sequence)
-                             for child, child_part in zip(node.children, part.children)]
+            for position, (child, child_part) in enumerate(zip(node.children, part.children)):
+                # In place: a child turned per-sample (and counted so) stays in the tree even if
+                # a later child's turn runs out of memory.
+                node.children[position] = self._plan(child, child_part, write, child_sequence)
             return node
         if isinstance(node, _StoredColumn) and node.matches(part):
             write.columns.append((node, part.rows))
             return node
         if not isinstance(node, _StoredObjects):
-            node = self._per_sample(node, sequence)
+            turned = self._per_sample(node, sequence)
+            if node is self._root:
+                self._root = turned
+            node = turned
             write.changed = True
         copies, sizes = [], []
         for value in _part_values(part):
@@ -566,9 +581,7 @@ class ColumnStore(BudgetedCache):
                 copied, nbytes = None, None
             copies.append(copied)
             sizes.append(nbytes)
-        if self._device.type != "cpu":  # the batch's tensors in one copy, through the loader's staging
-            copies = move_staged(copies, self._device)
-        write.objects.append((node, copies, sizes))
+        write.objects.append((node, copies, sizes))  # host copies, moved by ``put`` once the tree is planned
         return node
 
     def _per_sample(self, node: _Stored, sequence: type) -> _StoredObjects:

@@ -506,10 +506,12 @@ def _three_leaves(i: int):
 def _held_bytes(store: ColumnStore) -> int:
     """What the store really holds: its columns' storage, its per-sample values, its slot map."""
     from gpuload.cache.columns import _columns_of, _objects_of
+    from gpuload.cache.sample_store import copy_value
 
     columns = _columns_of(store._root)
     assert len({column.rows.shape[0] for column in columns}) == 1  # every column shrunk alike
-    objects = sum(len(value) for node in _objects_of(store._root) for value in node.values if value is not None)
+    objects = sum(copy_value(value, torch.device("cpu"))[1]
+                  for node in _objects_of(store._root) for value in node.values if value is not None)
     return (sum(column.rows.untyped_storage().nbytes() for column in columns) + objects
             + store._slot_of.numel() * store._slot_of.element_size())
 
@@ -604,3 +606,30 @@ def test_a_views_only_stores_number_columns_stay_on_the_host_through_a_staged_sh
     assert [(view[0].device.type, view[0].shape, view[1], view[2]) for view in views] == [
         ("meta", (3,), i, f"sample {i}") for i in range(3)]
     store.close()
+
+
+def test_out_of_memory_turning_the_second_leaf_per_sample_keeps_the_first_turned_and_counted(monkeypatch) -> None:
+    """A batch whose two leaves both stop fitting their columns: the first is turned into
+    per-sample storage, the second's turn runs out of memory. The first stays turned (its
+    column let go, its values counted), the second stays a column, and every sample is served."""
+    from gpuload.cache.columns import _StoredColumn
+
+    stored = [{"x": torch.full((2,), i + 0.5), "y": i} for i in range(4)]
+    store = _store(8)
+    assert _put(store, [0, 1, 2, 3], stored) == 4
+    real, calls = _StoredColumn.views, iter(range(1, 1 << 30))
+
+    def views(self, slots, where):
+        if next(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, slots, where)
+
+    monkeypatch.setattr(_StoredColumn, "views", views)
+    later = [{"x": torch.full((2,), i, dtype=torch.int64), "y": i / 2} for i in (4, 5)]
+    with pytest.warns(CacheFallbackWarning, match="out of memory on cpu after caching 4 samples"):
+        assert _put(store, [4, 5], later) == 0
+    monkeypatch.undo()
+    assert store.stats.bytes == _held_bytes(store)
+    assert store.describe().startswith("changed: by column: 1 column(s) [int64[]]")
+    assert store.slots(torch.arange(8)).tolist() == [0, 1, 2, 3, -1, -1, -1, -1]
+    _assert_serves_the_dataset(store, stored)
