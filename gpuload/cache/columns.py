@@ -18,6 +18,7 @@ Anything that breaks the rule turns that part of the tree into per-sample storag
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -25,11 +26,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import default_collate
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
-from gpuload.cache.oom import is_oom
+from gpuload.cache.oom import CacheFallbackWarning, is_oom
 from gpuload.cache.sample_store import BudgetedCache, Uncacheable, copy_value
 from gpuload.transfer import move_staged, to_device
 
@@ -255,10 +257,15 @@ class _StoredColumn(_Stored):
         return self.rows.numel() * self.rows.element_size()
 
     def gather(self, slots: torch.Tensor, where: torch.Tensor, collate: Callable[[Any], Any]) -> torch.Tensor:
-        return self.rows.index_select(0, where)
+        return self._select(slots, where)
 
     def views(self, slots: torch.Tensor, where: torch.Tensor) -> list[Any]:
-        return _values_of(self.rows.index_select(0, where), self.kind, self.dtype)
+        return _values_of(self._select(slots, where), self.kind, self.dtype)
+
+    def _select(self, slots: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """Rows ``slots`` (host) or ``where`` (the same on the store's device), whichever is
+        where this column lives."""
+        return self.rows.index_select(0, slots if self.rows.device == slots.device else where)
 
 
 def _values_of(rows: torch.Tensor, kind: type, dtype: Any) -> list[Any]:
@@ -336,6 +343,12 @@ class _Write:
     objects: list[tuple[_StoredObjects, list[Any], list[int | None]]] = field(default_factory=list)
     changed: bool = False  # part of the stored tree became per-sample storage
 
+    def move_objects(self, device: torch.device) -> None:
+        """The per-sample values' tensors moved to ``device``, all in one copy through the
+        loader's staging."""
+        moved = move_staged([values for _, values, _ in self.objects], device)
+        self.objects = [(node, values, sizes) for (node, _, sizes), values in zip(self.objects, moved)]
+
 
 class ColumnStore(BudgetedCache):
     """A map-style dataset's samples by column (see the module docstring), up to ``budget_bytes``.
@@ -348,7 +361,11 @@ class ColumnStore(BudgetedCache):
     batch gathered from them is a new tensor, copied to a device through the prefetcher's
     pinned slots, so pinning the columns would buy nothing. ``collate``: what ``gather``
     collates per-sample leaves with, ``default_collate`` as torch runs it for the loader (in its
-    process, or in a worker: ``worker_collate``).
+    process, or in a worker: ``worker_collate``). ``views_only``: the store serves per-sample
+    values (``views``, for a collate_fn that is not ``default_collate``) and never collated
+    batches; its columns of numbers and numpy values, which a view returns as host objects, are
+    then kept in host memory (counted in the same budget), so a view copies nothing back from
+    the device: no host sync per batch.
     """
 
     def __init__(
@@ -361,9 +378,11 @@ class ColumnStore(BudgetedCache):
         owner: Hashable | None = None,
         room: Callable[[], int] | None = None,
         collate: Callable[[Any], Any] = default_collate,
+        views_only: bool = False,
     ) -> None:
         super().__init__(budget_bytes, device, ledger=ledger, owner=owner, room=room, num_samples=num_samples)
         self.collate = collate
+        self._views_only = views_only
         self._slot_dtype = torch.int32 if num_samples < 2**31 else torch.int64
         self._slot_of = torch.full((num_samples,), -1, dtype=self._slot_dtype)
         self._host_bytes = self._slot_of.numel() * self._slot_of.element_size() if self._device.type == "cpu" else 0
@@ -422,6 +441,7 @@ class ColumnStore(BudgetedCache):
         ``index_select`` per column, on the store's device."""
         with self._lock:
             self._check_open()
+            self._check_collates()
             self._streams.use()
             return self._root.gather(slots, self._where(slots), self.collate)
 
@@ -439,12 +459,18 @@ class ColumnStore(BudgetedCache):
         if self._closed:
             raise RuntimeError("this gpuload.DataLoader's sample cache was closed; iterate the loader again")
 
+    def _check_collates(self) -> None:
+        if self._views_only:
+            raise RuntimeError("this ColumnStore was made with views_only=True (its number and array columns are in "
+                               "host memory): it serves per-sample values (views), not collated batches")
+
     def assemble(self, slots: torch.Tensor, part: Part) -> Any | None:
         """``default_collate`` of a batch whose rows ``slots >= 0`` are stored and whose other
         samples were read (``part``, prepared from them in order): cached rows gathered, the
         rest placed between them. None when ``part`` does not fit the stored columns."""
         with self._lock:
             self._check_open()
+            self._check_collates()
             self._streams.use()
             hit = (slots >= 0).nonzero().view(-1)
             miss = (slots < 0).nonzero().view(-1)
@@ -466,15 +492,19 @@ class ColumnStore(BudgetedCache):
                 self._stats.rejected += keys.numel()
                 return 0
             self._streams.use()  # the rows are written on this stream
+            write = _Write()
+            first_batch = self._root is None
             try:
-                write = _Write()
-                first_batch = self._root is None
                 root = _stored_tree(part, list, self._device) if first_batch else self._root
-                self._root = self._plan(root, part, write, list)
+                try:
+                    self._root = self._plan(root, part, write, list)
+                finally:  # leaves turned per-sample stay so, also when a later one fails
+                    if write.changed:
+                        self.layout = _describe(self._root, self._capacity, self._slot_of.numel(), "changed: ")
                 if first_batch:
                     self._allocate(write, keys.numel())
-                elif write.changed:
-                    self.layout = _describe(self._root, self._capacity, self._slot_of.numel(), "changed: ")
+                if self._device.type != "cpu" and write.objects:
+                    write.move_objects(self._device)
                 stored = self._write(keys, write)
                 why = f"free memory on {self._device} reached the reserve" if (
                     self._stats.full and self._short_of_room) else None
@@ -508,7 +538,8 @@ class ColumnStore(BudgetedCache):
             try:
                 for column in columns:
                     shape = (capacity, *column.rows.shape[1:])
-                    column.place(torch.empty(shape, dtype=column.rows.dtype, device=self._device))
+                    on_host = self._views_only and column.kind is not torch.Tensor
+                    column.place(torch.empty(shape, dtype=column.rows.dtype, device=_HOST if on_host else self._device))
                 break
             except RuntimeError as error:  # out of memory: as many rows as can be allocated
                 if not is_oom(error) or capacity == 0:
@@ -528,14 +559,19 @@ class ColumnStore(BudgetedCache):
         part does not fit it) and notes in ``write`` what to store."""
         if isinstance(node, _StoredBranch) and node.matches(part):
             child_sequence = list if node.kind is dict else tuple
-            node.children = [self._plan(child, child_part, write, child_sequence)
-                             for child, child_part in zip(node.children, part.children)]
+            for position, (child, child_part) in enumerate(zip(node.children, part.children)):
+                # In place: a child turned per-sample (and counted so) stays in the tree even if
+                # a later child's turn runs out of memory.
+                node.children[position] = self._plan(child, child_part, write, child_sequence)
             return node
         if isinstance(node, _StoredColumn) and node.matches(part):
             write.columns.append((node, part.rows))
             return node
         if not isinstance(node, _StoredObjects):
-            node = self._per_sample(node, sequence)
+            turned = self._per_sample(node, sequence)
+            if node is self._root:
+                self._root = turned
+            node = turned
             write.changed = True
         copies, sizes = [], []
         for value in _part_values(part):
@@ -545,9 +581,7 @@ class ColumnStore(BudgetedCache):
                 copied, nbytes = None, None
             copies.append(copied)
             sizes.append(nbytes)
-        if self._device.type != "cpu":  # the batch's tensors in one copy, through the loader's staging
-            copies = move_staged(copies, self._device)
-        write.objects.append((node, copies, sizes))
+        write.objects.append((node, copies, sizes))  # host copies, moved by ``put`` once the tree is planned
         return node
 
     def _per_sample(self, node: _Stored, sequence: type) -> _StoredObjects:
@@ -601,7 +635,12 @@ class ColumnStore(BudgetedCache):
         positions = None if everyone else ok.nonzero().view(-1)
         target = slots if everyone else slots.index_select(0, positions)
         writes = [(column, rows if everyone else rows.index_select(0, positions)) for column, rows in write.columns]
-        _write_columns(writes, target.numpy(), self._device)
+        try:
+            _write_columns(writes, target.numpy(), self._device)
+        except BaseException:  # an out of memory too: no key may name a row that was not written
+            self._slot_of[fresh] = -1
+            self._used -= take
+            raise
         if write.objects:
             chosen = range(n) if everyone else positions.tolist()
             seen = set()
@@ -631,7 +670,11 @@ class ColumnStore(BudgetedCache):
         if not np.array_equal(slot_of[at], rows):
             slot_of[at] = -1  # a key drawn twice: the general path
             return 0
-        _write_columns(write.columns, rows, self._device)
+        try:
+            _write_columns(write.columns, rows, self._device)
+        except BaseException:  # an out of memory too: no key may name a row that was not written
+            slot_of[at] = -1
+            raise
         self._used += n
         self._stats.entries = self._used
         return n
@@ -658,7 +701,9 @@ class ColumnStore(BudgetedCache):
 
     def shrink(self, max_device_bytes: int) -> int:
         """Keep the first rows that fit ``max_device_bytes`` (in a new, smaller allocation) and
-        stop adding; returns the bytes freed. Dropped samples are read from the source again."""
+        stop adding; returns the bytes freed. Dropped samples are read from the source again.
+        Without memory for the smaller copy beside the old rows, the kept rows go through host
+        memory; without memory even then, the store is emptied (with a warning)."""
         max_bytes = max_device_bytes
         with self._lock:
             if self._root is None or self._stats.bytes <= max_bytes:
@@ -677,20 +722,72 @@ class ColumnStore(BudgetedCache):
             # The copy waits (on the device) for rows still being written or read on other
             # streams; the old rows stay reserved until those streams are done with them.
             self._streams.before_replacing()
-            old = [column.rows for column in columns]
-            for column in columns:
-                column.place(column.rows[:keep].clone())
-            self._streams.replaced(old)
-            for node in objects:
-                node.values, node.sizes = node.values[:keep], node.sizes[:keep]
-            self._slot_of[self._slot_of >= keep] = -1
-            self._capacity = self._used = self._stats.entries = keep
-            self._stats.bytes = held
-            self._stats.full = True
+            try:
+                kept = self._kept_rows(columns, keep)
+            except BaseException:
+                if columns and columns[0].rows.shape[0] == 0:  # the old rows were let go: none is held
+                    self._keep_first(0, objects, row_bytes)
+                raise
+            emptied = kept is None
+            if emptied:
+                keep = 0
+            else:
+                for column, rows in zip(columns, kept):
+                    column.place(rows)
+            self._keep_first(keep, objects, row_bytes)
             freed = before - self._stats.bytes
+        if emptied:
+            warnings.warn(f"gpuload cache: out of memory while shrinking the sample cache on {self._device}; it is "
+                          "now empty and its samples are read from the dataset", CacheFallbackWarning, stacklevel=2)
         if freed:
             self._book()
         return freed
+
+    def _kept_rows(self, columns: list[_StoredColumn], keep: int) -> list[torch.Tensor] | None:
+        """Each column's first ``keep`` rows in a new allocation, the old rows let go (lock held;
+        the caller places them). Without room for both copies at once, the kept rows are staged
+        in host memory and copied back once the old rows are let go (on CUDA the allocator frees
+        rows that other streams used once those streams are done, waiting for them before it
+        reports out of memory); None when even that finds no room, the columns then holding no
+        rows. Every column ends with its ``keep`` rows or, after None or an error raised once
+        the old rows were let go, with none: never some shrunk and some not."""
+        old = [column.rows for column in columns]
+        try:
+            kept = [rows[:keep].clone() for rows in old]
+        except RuntimeError as error:
+            if not is_oom(error):
+                raise
+        else:
+            self._streams.replaced(old)
+            return kept
+        staged = [rows[:keep].to(_HOST, copy=True) for rows in old]  # out of memory here: nothing changed
+        self._streams.replaced(old)
+        for column in columns:
+            column.place(column.rows.new_empty((0, *column.rows.shape[1:])))
+        old.clear()  # the last references: the allocator may now reuse the old rows
+        try:
+            kept = [rows.to(column.rows.device) for rows, column in zip(staged, columns)]  # host columns stay there
+        except RuntimeError as error:
+            if not is_oom(error):
+                raise
+            return None
+        self._streams.replaced([])  # later uses wait for the rows copied back
+        return kept
+
+    def _keep_first(self, keep: int, objects: list[_StoredObjects], row_bytes: int) -> None:
+        """Only the samples in the first ``keep`` slots stay stored, and no more are added (lock
+        held; the columns hold ``keep`` rows already). The per-sample tensors let go stay
+        reserved, as the old rows do, until the streams that used them are done."""
+        dropped = [leaf for node in objects for value in node.values[keep:]
+                   for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+        if dropped:
+            self._streams.replaced(dropped)
+        for node in objects:
+            node.values, node.sizes = node.values[:keep], node.sizes[:keep]
+        self._slot_of[self._slot_of >= keep] = -1
+        self._capacity = self._used = self._stats.entries = keep
+        self._stats.bytes = self._host_bytes + row_bytes * keep + sum(sum(node.sizes) for node in objects)
+        self._stats.full = True
 
     def _drop(self) -> None:
         self._root = None
@@ -748,12 +845,14 @@ def _describe(node: _Stored, capacity: int, num_samples: int, prefix: str = "") 
 def _write_columns(writes: list[tuple[_StoredColumn, torch.Tensor]], where: np.ndarray, device: torch.device) -> None:
     """Each column's rows ``where`` (host integers) = its host batch of rows. On a device the
     positions and every column's rows get there in one copy through the staging in force."""
-    if device.type == "cpu":
-        for column, source in writes:
+    on_device = [(column, source) for column, source in writes if column.rows.device.type != "cpu"]
+    for column, source in writes:
+        if column.rows.device.type == "cpu":
             column.write(where, source)
+    if not on_device:
         return
-    index, *moved = to_device([torch.from_numpy(where).to(torch.int64), *(source for _, source in writes)], device)
-    for (column, _), rows in zip(writes, moved):
+    index, *moved = to_device([torch.from_numpy(where).to(torch.int64), *(source for _, source in on_device)], device)
+    for (column, _), rows in zip(on_device, moved):
         column.rows.index_copy_(0, index, rows)
 
 

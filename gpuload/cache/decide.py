@@ -139,7 +139,7 @@ def decide_images(
             "on a CPU device images are decoded every epoch; cache='device' keeps them decoded in "
             "memory, cache='host' keeps the files' bytes"
         )
-    decoded, encoded = estimate_image_bytes(source)
+    decoded, encoded = estimate_image_bytes(source, on_device=device.type != "cpu")
     host = host_memory_info or host_memory()
     estimate = f"decoded ~{format_bytes(decoded)}, encoded ~{format_bytes(encoded)}"
     if mode == "host":

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpuload.cache.allocator import reserved_bytes
 from gpuload.datasets.images import ImageSource
 from gpuload.decode.cpu import describe_error
 from gpuload.decode.headers import PixelLimitError, check_pixels, peek_header
@@ -140,13 +141,15 @@ def probe_images(source: ImageSource, probe: int = _PROBE_FILES) -> ImageProbe:
     return ImageProbe(sizes, bad)
 
 
-def estimate_image_bytes(source: ImageSource, probe: int = _PROBE_FILES) -> tuple[int, int]:
-    """(decoded, encoded) bytes of the whole source, from the headers and sizes of a few files."""
+def estimate_image_bytes(source: ImageSource, probe: int = _PROBE_FILES, on_device: bool = False) -> tuple[int, int]:
+    """(decoded, encoded) bytes of the whole source, from the headers and sizes of a few files;
+    ``on_device``: decoded images as a device's caching allocator takes them, one tensor each."""
     sizes = probe_images(source, probe).sizes
     if not sizes:
         return 0, 0
     count = len(source)
-    return (sum(d for d, _ in sizes) * count // len(sizes), sum(e for _, e in sizes) * count // len(sizes))
+    decoded = [reserved_bytes(d) if on_device else d for d, _ in sizes]
+    return sum(decoded) * count // len(sizes), sum(e for _, e in sizes) * count // len(sizes)
 
 
 def _header(source: ImageSource, index: int) -> tuple[int, int, int]:

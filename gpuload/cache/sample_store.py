@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 
+from gpuload.cache.allocator import reserved_bytes
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.oom import CacheFallbackWarning, is_oom
 from gpuload.cache.store import FillingStore, StreamGuard
@@ -306,6 +307,8 @@ class SampleCache(BudgetedCache):
             return False
         try:
             copied, nbytes = copy_value(sample, self._device)
+            if self._on_device:  # one allocation per tensor: count what the device gives up for it
+                nbytes = _as_allocated(copied, nbytes)
         except Uncacheable:
             with self._lock:
                 self._stats.uncacheable += 1
@@ -380,6 +383,16 @@ class SampleCache(BudgetedCache):
     def _drop(self) -> None:
         self._entries = {}
         self._sizes = {}
+
+
+def _as_allocated(copied: Any, nbytes: int) -> int:
+    """``nbytes`` of a copy with each device tensor in it counted as torch's CUDA caching
+    allocator takes it (:func:`~gpuload.cache.allocator.reserved_bytes`), not by its size."""
+    for leaf in tree_leaves(copied):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
+            size = leaf.numel() * leaf.element_size()
+            nbytes += reserved_bytes(size) - size
+    return nbytes
 
 
 MISSING = object()

@@ -73,7 +73,8 @@ class CachedSamples:
         where = setup.device if decision.tier == "device" else torch.device("cpu")
         self.store = ColumnStore(decision.budget, self.num_samples, where, owner=setup.owner,
                                  room=setup.settings.room_check(where),
-                                 collate=worker_collate if num_workers else default_collate)
+                                 collate=worker_collate if num_workers else default_collate,
+                                 views_only=not self.by_column)
         self.unkeyed = False  # an index that is not an int was seen: nothing more is cached
         self.fill_epochs = 0
         self._entries_seen = 0  # entries at the end of the last epoch: does an epoch still add?

@@ -391,3 +391,245 @@ def test_a_worker_stacking_sparse_tensors_raises_torchs_own_error() -> None:
     with pytest.raises(RuntimeError, match="Batches of sparse tensors are not currently supported"):
         _stack_as_in_worker([sparse, sparse])
     assert torch.equal(_stack_as_in_worker([torch.ones(2), torch.zeros(2)]), torch.tensor([[1.0, 1], [0, 0]]))
+
+
+def _two_columns(i: int):
+    return torch.arange(3, dtype=torch.float32) + 10 * i + 0.5, i
+
+
+def _failing_column_write(monkeypatch, error: Exception, at_call: int) -> None:
+    """Host columns' writes (one per column and batch) with call ``at_call`` raising ``error``:
+    the columns before it in that batch are written, the rest are not."""
+    from gpuload.cache.columns import _StoredColumn
+
+    real, calls = _StoredColumn.write, iter(range(1, 1 << 30))
+
+    def write(self, where, source):
+        if next(calls) == at_call:
+            raise error
+        return real(self, where, source)
+
+    monkeypatch.setattr(_StoredColumn, "write", write)
+
+
+def _assert_serves_the_dataset(store: ColumnStore, samples: list) -> None:
+    """Every sample, in a shuffled order, from the store where held and from ``samples`` where not,
+    as a loader's batch is built: equal to default_collate of the samples themselves."""
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))
+    slots = store.slots(order)
+    read = [samples[k] for k, slot in zip(order.tolist(), slots.tolist()) if slot < 0]
+    batch = store.assemble(slots, prepare(read)) if read else store.gather_rows(slots)
+    assert_same(batch, default_collate([samples[k] for k in order.tolist()]))
+    held = slots[slots >= 0]
+    assert_same(store.views(held), [samples[k] for k in order[slots >= 0].tolist()])
+
+
+@pytest.mark.parametrize("keys", [[4, 5, 6, 7], [4, 5, 5, 6]], ids=["distinct", "drawn-twice"])
+def test_out_of_memory_halfway_through_a_batchs_columns_leaves_no_key_on_unwritten_rows(monkeypatch, keys) -> None:
+    """Issue #34, defect 4: the second column's copy runs out of memory after the first was
+    written. The batch's keys stay unstored (read from the dataset), the counts stay those of the
+    samples held, and filling stops with the one warning."""
+    samples = [_two_columns(i) for i in range(12)]
+    store = _store(12)
+    assert _put(store, [0, 1, 2, 3], samples[:4]) == 4
+    held = store.stats.bytes
+    _failing_column_write(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 2)
+    with pytest.warns(CacheFallbackWarning, match="out of memory on cpu after caching 4 samples"):
+        assert _put(store, keys, [samples[k] for k in keys]) == 0
+    assert store.slots(torch.arange(12)).tolist() == [0, 1, 2, 3] + [-1] * 8
+    stats = store.stats
+    assert (len(store), stats.entries, stats.bytes, stats.full) == (4, 4, held, True)
+    assert not store.accepting
+    _assert_serves_the_dataset(store, samples)
+
+
+@pytest.mark.parametrize("keys", [[4, 5, 6, 7], [4, 5, 5, 6]], ids=["distinct", "drawn-twice"])
+def test_another_error_halfway_through_a_batchs_columns_surfaces_and_the_batch_is_stored_again(
+        monkeypatch, keys) -> None:
+    """Not an out of memory: raised as it is, filling goes on, and the batch put again is stored
+    whole (its keys did not stay claimed by rows half written)."""
+    samples = [_two_columns(i) for i in range(12)]
+    store = _store(12)
+    assert _put(store, [0, 1, 2, 3], samples[:4]) == 4
+    _failing_column_write(monkeypatch, RuntimeError("a bad copy"), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="a bad copy"):
+            _put(store, keys, [samples[k] for k in keys])
+    assert store.accepting and len(store) == 4 and store.slots(torch.tensor(keys)).tolist() == [-1] * 4
+    assert _put(store, keys, [samples[k] for k in keys]) == len(set(keys))
+    _assert_serves_the_dataset(store, samples)
+
+
+def test_out_of_memory_copying_a_batch_to_device_columns_leaves_its_keys_unstored(monkeypatch) -> None:
+    """The device path (META stands in for CUDA): the batch's one copy to the device runs out of
+    memory; none of its keys is stored and the bytes are the columns allocated for the first."""
+    from gpuload.cache import columns
+
+    real, calls = columns.to_device, iter(range(1, 1 << 30))
+
+    def to_device(tensors, device, keep_layout=False):
+        if next(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(tensors, device, keep_layout)
+
+    monkeypatch.setattr(columns, "to_device", to_device)
+    samples = [_two_columns(i) for i in range(8)]
+    store = ColumnStore(1 << 20, 8, "meta", ledger=BudgetLedger())
+    assert store.put(torch.arange(4), prepare(samples[:4])) == 4
+    held = store.stats.bytes
+    assert held == 8 * (3 * 4 + 8)
+    with pytest.warns(CacheFallbackWarning, match="out of memory on meta after caching 4 samples"):
+        assert store.put(torch.arange(4, 8), prepare(samples[4:])) == 0
+    assert store.slots(torch.arange(8)).tolist() == [0, 1, 2, 3, -1, -1, -1, -1]
+    assert (len(store), store.stats.bytes, store.accepting) == (4, held, False)
+    store.close()
+
+
+def _failing_clone(monkeypatch, error: Exception, at_call: int) -> None:
+    """``Tensor.clone`` with call ``at_call`` (and every later one) raising ``error``."""
+    real, calls = torch.Tensor.clone, iter(range(1, 1 << 30))
+
+    def clone(self, *args, **kwargs):
+        if next(calls) >= at_call:
+            raise error
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "clone", clone)
+
+
+def _three_leaves(i: int):
+    """Two columns and a leaf kept per sample."""
+    return torch.arange(3, dtype=torch.float32) + 10 * i + 0.5, i, f"sample {i}"
+
+
+def _held_bytes(store: ColumnStore) -> int:
+    """What the store really holds: its columns' storage, its per-sample values, its slot map."""
+    from gpuload.cache.columns import _columns_of, _objects_of
+    from gpuload.cache.sample_store import copy_value
+
+    columns = _columns_of(store._root)
+    assert len({column.rows.shape[0] for column in columns}) == 1  # every column shrunk alike
+    objects = sum(copy_value(value, torch.device("cpu"))[1]
+                  for node in _objects_of(store._root) for value in node.values if value is not None)
+    return (sum(column.rows.untyped_storage().nbytes() for column in columns) + objects
+            + store._slot_of.numel() * store._slot_of.element_size())
+
+
+def test_shrink_without_room_for_the_second_columns_copy_stages_the_kept_rows_through_the_host(monkeypatch) -> None:
+    """Issue #34, defect 5: the smaller copy of the second column runs out of memory beside the old
+    rows. Every column is then shrunk through host memory (none left as it was), the counts
+    equal what is held, and every sample is served right."""
+    samples = [_three_leaves(i) for i in range(12)]
+    store = _store(12)
+    assert _put(store, list(range(8)), samples[:8]) == 8
+    before = store.stats.bytes
+    assert before == _held_bytes(store)
+    _failing_clone(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 2)
+    row = 3 * 4 + 8 + len("sample 0")
+    freed = store.shrink(12 * 4 + 5 * row)
+    monkeypatch.undo()
+    assert len(store) == 5 and store.slots(torch.arange(12)).tolist() == [0, 1, 2, 3, 4] + [-1] * 7
+    assert store.stats.bytes == _held_bytes(store) == 12 * 4 + 5 * row and freed == before - store.stats.bytes
+    assert store.full and not store.accepting
+    _assert_serves_the_dataset(store, samples)
+
+
+def test_shrink_without_room_for_the_kept_rows_at_all_empties_the_store_with_a_warning(monkeypatch) -> None:
+    """META stands in for a full device: no room for the smaller copy, nor for the staged rows'
+    way back once the old rows are let go. The store holds nothing and books nothing."""
+    ledger = BudgetLedger()
+    store = ColumnStore(1 << 20, 8, "meta", ledger=ledger, owner="m")
+    assert store.put(torch.arange(6), prepare([_three_leaves(i) for i in range(6)])) == 6
+    assert ledger.used("meta") == store.stats.bytes > 0
+    out_of_memory = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    _failing_clone(monkeypatch, out_of_memory, 1)
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        target = torch.device(args[0] if args else kwargs["device"])
+        if self.device.type == "meta" and target.type == "cpu":  # meta tensors have no bytes to copy out
+            return torch.zeros(self.shape, dtype=self.dtype)
+        if target.type == "meta":
+            raise out_of_memory
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    held = store.stats.bytes
+    with pytest.warns(CacheFallbackWarning, match="out of memory while shrinking the sample cache on meta; it is now empty"):
+        assert store.shrink(held // 2) == held
+    monkeypatch.undo()
+    assert store.stats.bytes == _held_bytes(store) - store._slot_of.numel() * 4 == 0  # device store: host map not counted
+    assert len(store) == 0 and ledger.used("meta") == 0 and store.slots(torch.arange(8)).tolist() == [-1] * 8
+    store.close()
+
+
+def test_shrink_raises_another_error_with_every_column_as_it_was(monkeypatch) -> None:
+    samples = [_three_leaves(i) for i in range(8)]
+    store = _store(8)
+    assert _put(store, list(range(8)), samples) == 8
+    before = store.stats.bytes
+    _failing_clone(monkeypatch, RuntimeError("a bad copy"), 2)
+    with pytest.raises(RuntimeError, match="a bad copy"):
+        store.shrink(before // 2)
+    monkeypatch.undo()
+    assert len(store) == 8 and store.stats.bytes == before == _held_bytes(store)
+    _assert_serves_the_dataset(store, samples)
+
+
+def test_shrink_keeps_the_per_sample_device_tensors_it_lets_go_reserved_for_the_streams_that_used_them(
+        monkeypatch) -> None:
+    """Per-sample tensors let go by a shrink go through the stream guard as the old rows do (on
+    CUDA: ``record_stream`` on every stream that read them), not straight back to the allocator."""
+    samples = [{"x": torch.full((2,), float(i)), "w": torch.full((3,), float(i), requires_grad=True)} for i in range(6)]
+    store = ColumnStore(1 << 20, 6, "meta", ledger=BudgetLedger())
+    assert store.put(torch.arange(6), prepare(samples)) == 6
+    let_go: list = []
+    monkeypatch.setattr(store._streams, "replaced", lambda old: let_go.append(list(old)))
+    assert store.shrink(2 * (2 * 4 + 3 * 4)) > 0 and len(store) == 2
+    assert [len(old) for old in let_go] == [1, 4]  # the column's old rows, then the 4 per-sample tensors
+    assert all(t.device.type == "meta" and t.shape == (3,) for t in let_go[1])
+    store.close()
+
+
+def test_a_views_only_stores_number_columns_stay_on_the_host_through_a_staged_shrink(monkeypatch) -> None:
+    samples = [_three_leaves(i) for i in range(6)]
+    store = ColumnStore(1 << 20, 6, "meta", ledger=BudgetLedger(), views_only=True)
+    assert store.put(torch.arange(6), prepare(samples)) == 6
+    _failing_clone(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 1)
+    real_to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: torch.zeros(self.shape, dtype=self.dtype)
+                        if self.is_meta and torch.device(args[0]).type == "cpu" else real_to(self, *args, **kwargs))
+    assert store.shrink(3 * (3 * 4 + 8 + len("sample 0"))) > 0
+    monkeypatch.undo()
+    views = store.views(store.slots(torch.arange(3)))
+    assert [(view[0].device.type, view[0].shape, view[1], view[2]) for view in views] == [
+        ("meta", (3,), i, f"sample {i}") for i in range(3)]
+    store.close()
+
+
+def test_out_of_memory_turning_the_second_leaf_per_sample_keeps_the_first_turned_and_counted(monkeypatch) -> None:
+    """A batch whose two leaves both stop fitting their columns: the first is turned into
+    per-sample storage, the second's turn runs out of memory. The first stays turned (its
+    column let go, its values counted), the second stays a column, and every sample is served."""
+    from gpuload.cache.columns import _StoredColumn
+
+    stored = [{"x": torch.full((2,), i + 0.5), "y": i} for i in range(4)]
+    store = _store(8)
+    assert _put(store, [0, 1, 2, 3], stored) == 4
+    real, calls = _StoredColumn.views, iter(range(1, 1 << 30))
+
+    def views(self, slots, where):
+        if next(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, slots, where)
+
+    monkeypatch.setattr(_StoredColumn, "views", views)
+    later = [{"x": torch.full((2,), i, dtype=torch.int64), "y": i / 2} for i in (4, 5)]
+    with pytest.warns(CacheFallbackWarning, match="out of memory on cpu after caching 4 samples"):
+        assert _put(store, [4, 5], later) == 0
+    monkeypatch.undo()
+    assert store.stats.bytes == _held_bytes(store)
+    assert store.describe().startswith("changed: by column: 1 column(s) [int64[]]")
+    assert store.slots(torch.arange(8)).tolist() == [0, 1, 2, 3, -1, -1, -1, -1]
+    _assert_serves_the_dataset(store, stored)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuload.cache import CacheSettings, decide_images, decide_samples, estimate_image_bytes
+from gpuload.cache import CacheSettings, decide_images, decide_samples, estimate_image_bytes, format_bytes
 from gpuload.datasets.images import make_sample_image_folder
 from gpuload.device import MemoryInfo
 
@@ -100,3 +100,16 @@ def test_image_cache_keeps_what_the_budget_allows(folder) -> None:
     assert not cpu.caches and "cache='device'" in cpu.reason
     assert choose(folder, device="cpu", cache="device").holds == "decoded"
     assert choose(folder, device="cpu", cache="host", cache_size="1MiB").budget == MiB
+
+
+def test_decoded_images_are_weighed_against_a_device_budget_as_the_allocator_takes_them(folder) -> None:
+    """Issue #34 (also-check): one tensor per decoded image takes its rounded block and a share
+    of its segment; a budget that holds the images' sizes but not that does not hold them all."""
+    by_size, encoded = estimate_image_bytes(folder)
+    on_device, same_encoded = estimate_image_bytes(folder, on_device=True)
+    assert on_device > by_size and same_encoded == encoded
+    decision = choose(folder, cache_size=by_size)
+    assert (decision.tier, decision.holds) == ("host", "encoded") and "would not fit" in decision.reason
+    assert choose(folder, cache_size=on_device).holds == "decoded"
+    assert choose(folder, device="cpu", cache="device", cache_size=by_size).reason.endswith(
+        f"decoded ~{format_bytes(by_size)}, encoded ~{format_bytes(encoded)})")

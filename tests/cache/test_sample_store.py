@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gpuload.cache import CacheFallbackWarning, SampleCache
+from gpuload.cache.allocator import reserved_bytes
 from gpuload.cache.budget import BudgetLedger
 
 GiB = 2**30
@@ -65,7 +66,7 @@ def test_cuda_sample_cache_books_ledger():
     cache = SampleCache(1000, "cuda", ledger=ledger, owner="s")
     cache.keep(0, torch.zeros(100, dtype=torch.uint8))
     assert cache.get(0).device.type == "cuda"
-    assert ledger.used("cuda:0") == 100
+    assert ledger.used("cuda:0") == reserved_bytes(100) == 512  # the allocator's block, not the 100 bytes
     cache.close()
     assert ledger.owners("cuda:0") == {}
 
@@ -86,7 +87,7 @@ def test_cuda_sample_cache_settle_gives_the_unused_booking_back():
     cache.keep(0, torch.zeros(100, dtype=torch.uint8))
     assert ledger.reserved("cuda:0") == 1000
     cache.settle()
-    assert ledger.reserved("cuda:0") == 100 and ledger.used("cuda:0") == 100
+    assert ledger.reserved("cuda:0") == 512 and ledger.used("cuda:0") == 512  # reserved_bytes(100)
     cache.close()
     assert ledger.owners("cuda:0") == {}
 

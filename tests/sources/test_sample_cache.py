@@ -128,3 +128,46 @@ def test_rows_from_disk_that_do_not_fit_the_stored_columns_give_torchs_batch(tmp
         _assert_same_epochs(loader, torch.utils.data.DataLoader(_TwoDtypes(), batch_size=4, sampler=sampler), epochs=1)
     cache = loader.stats.extra["cache"]
     assert cache["full"] and cache["disk"]["hits"] == 2  # rows 0 and 1, read from disk, then from the dataset
+
+
+class _LabelledArrays(torch.utils.data.Dataset):
+    """Samples whose leaves a per-sample view returns as host objects: numbers and arrays."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int):
+        return {"x": torch.full((2,), float(i)), "label": i, "weight": i / 4,
+                "box": np.full((2, 2), i, dtype=np.int16), "score": np.float32(i) / 3}
+
+
+def test_a_device_cache_serving_per_sample_values_keeps_numbers_and_arrays_on_the_host(tmp_path) -> None:
+    """Issue #34: a device-tier sample cache serving a collate_fn other than default_collate (here
+    batch_size=None, torch's default_convert) made each view copy its number and array columns
+    back from the device (``.tolist()``, ``.cpu()``: a host sync per batch). Those columns are
+    kept in host memory instead. META stands in for CUDA: reading a META tensor's values raises
+    as a host sync would block, so a view that needed one fails."""
+    from torch.utils.data import default_convert
+
+    from gpuload.cache import CacheDecision, CacheSettings
+    from gpuload.sources import Setup
+    from gpuload.sources.sample_cache import CachedSamples
+    from gpuload.stats import LoaderStats
+
+    meta = torch.device("meta")
+    settings = CacheSettings.resolve(cache="device", environ={}, cwd=tmp_path)
+    setup = Setup(dataset=_LabelledArrays(), map_style=True, device=meta, settings=settings, batched=False,
+                  batch_size=None, collate_fn=default_convert, stats=LoaderStats(), owner="views")
+    cached = CachedSamples(setup, CacheDecision("device", "samples", 1 << 20, "test"))
+    dataset = _LabelledArrays()
+    for epoch in range(2):  # the first fills the cache, the second is served from it
+        for i in (3, 0, 5, 1, 4, 2):
+            got, want = cached.batch(i), default_convert(dataset[i])
+            assert got["x"].device == meta and got["x"].shape == (2,)
+            assert (got["label"], got["weight"]) == (want["label"], want["weight"]) == (i, i / 4)
+            assert torch.equal(got["box"], want["box"]) and not got["box"].is_meta  # default_convert: a host tensor
+            assert type(got["score"]) is type(want["score"]) and torch.equal(got["score"], want["score"])
+    assert cached.store.stats.hits == 6 and cached.store.complete
+    with pytest.raises(RuntimeError, match="serves per-sample values"):
+        cached.store.gather_rows(cached.store.slots(torch.arange(2)))
+    cached.close()
