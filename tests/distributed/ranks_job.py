@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -30,6 +29,7 @@ from gpuload.distributed import ExchangeError
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 import threads
+from recorded_warnings import recorded_warnings
 
 #: World sizes the tests spawn: (ranks, LOCAL_WORLD_SIZE); four: two pretended nodes of two ranks.
 JOBS = {"two": (2, None), "four": (4, 2)}  # four: two pretended nodes of two ranks (LOCAL_WORLD_SIZE)
@@ -93,8 +93,7 @@ def all_stop_together(data: tud.Dataset, prefetch_depth: int, end: str) -> dict:
     theirs = tud.DataLoader(data, 4, sampler=DistributedSampler(data, seed=SEED))
     ours = gpuload.DataLoader(data, 4, sampler=DistributedSampler(data, seed=SEED), device="cpu",
                               cache_scope="world", prefetch_depth=prefetch_depth)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with recorded_warnings() as caught:
         for _ in ours:
             if dist.get_rank() != 0:
                 time.sleep(0.3)
@@ -148,8 +147,7 @@ def stop_together_and_resume(data: tud.Dataset) -> dict:
 def other_sampler(data: tud.Dataset) -> dict:
     """A sampler that is not a DistributedSampler: an explicit scope warns, batches stay torch's."""
     theirs = tud.DataLoader(data, 8, shuffle=True, generator=torch.Generator().manual_seed(SEED))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with recorded_warnings() as caught:
         ours = gpuload.DataLoader(data, 8, shuffle=True, generator=torch.Generator().manual_seed(SEED),
                                   device="cpu", cache_scope="node")
         equal = all(same(a, b) for a, b in zip(theirs, ours))
