@@ -420,8 +420,10 @@ class ShardedStore(Store):
     def close(self) -> None:
         """Drop the share, its ledger booking and the exchange's groups. Safe to call twice.
 
-        An exchange waiting for other ranks in another thread (run ahead) is abandoned: it
-        notices within a fraction of a second, and the groups are released after it let go.
+        After the loop stopped an epoch, the steps every rank completes are let end first (up
+        to 30 s). Otherwise an exchange waiting for other ranks in another thread (run ahead) is
+        abandoned: it notices within a fraction of a second, and the groups are released after
+        it let go.
         """
         if self._closed:
             return
