@@ -162,6 +162,11 @@ def disagree(data: tud.Dataset, sizes: tuple[int | None, ...], at: int | None, p
 def restart_same_epoch(data: tud.Dataset) -> dict:
     """Rank 0 stops after two batches and iterates again without set_epoch (the same sampler
     epoch, the same size); the others go on: what each raised (not a batch-size error)."""
+    with ranks_job.stopped_peer_timeout():
+        return _restart_same_epoch(data)
+
+
+def _restart_same_epoch(data: tud.Dataset) -> dict:
     ours = loader(data, "world", prefetch_depth=0)
     error = None
     try:

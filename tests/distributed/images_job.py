@@ -131,6 +131,11 @@ def compare(samples: list, scope: str, epochs: int = 3, warm: bool = False, **op
 def stop_early(samples: list) -> dict:
     """Rank 0 breaks after one batch of epoch 0, more than the run-ahead bound before its end;
     the others go on and must fail, not hang."""
+    with ranks_job.stopped_peer_timeout():
+        return _stop_early(samples)
+
+
+def _stop_early(samples: list) -> dict:
     ours = loader(samples, "world", batch_size=1)
     began, error = time.perf_counter(), None
     try:
