@@ -88,6 +88,7 @@ class ExchangeSteps(Iterator[T], Generic[T]):
         self._state = threading.Condition()
         self._cancelled = False
         self._over = False  # every step made, one failed, or the epoch was completed
+        self._settled = threading.Event()  # _over, and no completing step is being made
 
     def __iter__(self) -> ExchangeSteps[T]:
         return self
@@ -100,12 +101,12 @@ class ExchangeSteps(Iterator[T], Generic[T]):
                     raise StopIteration
         with self._lock:
             if self._over or self._next >= self._steps.stop:
-                self._over = True
+                self._end()
                 raise StopIteration
             try:
                 item = self._make(self._next)
             except BaseException:
-                self._over = True
+                self._end()
                 raise
             self._next += 1
             return item
@@ -134,6 +135,11 @@ class ExchangeSteps(Iterator[T], Generic[T]):
             self._cancelled = True
             self._state.notify_all()
 
+    @property
+    def stopped(self) -> bool:
+        """Whether the loop stopped this epoch (:meth:`cancel`)."""
+        return self._cancelled
+
     def close(self) -> None:
         """End the epoch here: make the steps up to the bound every rank stopping at this batch
         reaches (none when the epoch ended, failed, or the loader was closed). Idempotent."""
@@ -141,10 +147,23 @@ class ExchangeSteps(Iterator[T], Generic[T]):
             if self._over:
                 return
             self._over = True
-            bound = self._bound()
-            while self._next < bound and not self._closed():
-                self._make(self._next)
-                self._next += 1
+            try:
+                bound = self._bound()
+                while self._next < bound and not self._closed():
+                    self._make(self._next)
+                    self._next += 1
+            finally:
+                self._settled.set()
+
+    def settle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the steps :meth:`close` completes after a stop, made by
+        the thread that ran them ahead; whether none is left. Closing the loader under them
+        would leave this rank's part of a collective in flight, and a peer waiting for it."""
+        return not self._limit or self._settled.wait(timeout)
+
+    def _end(self) -> None:
+        self._over = True
+        self._settled.set()
 
 
 class MappedSteps(Iterator[U], Generic[U]):

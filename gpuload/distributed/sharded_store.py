@@ -74,6 +74,7 @@ __all__ = [
 ]
 
 _LET_GO_S = 2.0  # how long close() waits for a thread inside the exchange to abandon it
+_SETTLE_S = 30.0  # how long close() waits for a stopped epoch's steps to be completed
 _SCOPE_CODES = {"auto": 0, "rank": 1, "node": 2, "world": 3}
 # What each step swaps first (gloo, host): where every rank is, then the rows it sends. The batch
 # size and the step's first position in the epoch's sample order catch ranks that changed the
@@ -419,11 +420,18 @@ class ShardedStore(Store):
     def close(self) -> None:
         """Drop the share, its ledger booking and the exchange's groups. Safe to call twice.
 
-        An exchange waiting for other ranks in another thread (run ahead) is abandoned: it
-        notices within a fraction of a second, and the groups are released after it let go.
+        After the loop stopped an epoch, the steps every rank completes are let end first (up
+        to 30 s). Otherwise an exchange waiting for other ranks in another thread (run ahead) is
+        abandoned: it notices within a fraction of a second, and the groups are released after
+        it let go.
         """
         if self._closed:
             return
+        if self._steps is not None and self._steps.stopped:
+            # The loop stopped the epoch at a batch every rank stops at: its steps are being
+            # completed to the same step everywhere (at most RUN_AHEAD_LIMIT). Let them end
+            # rather than leave a collective in flight when the groups are destroyed.
+            self._steps.settle(_SETTLE_S)
         self._closed = True
         if self._steps is not None:
             self._steps.cancel()

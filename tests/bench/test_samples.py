@@ -28,7 +28,22 @@ def test_a_small_run_fills_the_cache_and_reports_every_target() -> None:
     assert run.data_bytes == 3_000 * 72 == len(SmallSamples(3_000)) * SmallSamples.sample_bytes
     table = format_samples([run])
     assert "fill/torch" in table and "    3,000       0" in table
+    # Whether this machine met the targets depends on its load: only that they are reported.
+    (row,) = [line for line in table.splitlines() if line.startswith("    3,000")]
+    assert row.endswith(("  all met", "  MISSED"))
     assert all(len(line) <= 100 for line in table.splitlines())
+
+
+def test_missed_targets_are_named_within_100_columns() -> None:
+    slow = SampleRun(400_000, 2, 256, torch_s=[1.0], fill_s=[13.3], cached_s=[0.9],
+                     rss_growth_bytes=[1 << 40], layout="")
+    met = SampleRun(400_000, 2, 256, torch_s=[1.0], fill_s=[1.0], cached_s=[0.1], rss_growth_bytes=[0],
+                    layout="")
+    lines = format_samples([slow, met]).splitlines()
+    first = next(k for k, line in enumerate(lines) if line.startswith("  400,000"))
+    assert lines[first].endswith("  MISSED") and lines[first + 1].strip() == "missed: fill, cached, memory"
+    assert lines[first + 2].startswith("  400,000") and lines[first + 2].endswith("  all met")
+    assert all(len(line) <= 100 for line in lines), max(map(len, lines))
 
 
 def test_a_cache_that_did_not_fill_is_an_error_not_a_cached_rate(pretend_host_memory) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +81,7 @@ def change_on_every_rank(data: tud.Dataset, scope: str, shuffle: bool, drop_last
     CHANGES (rank 0's exchange ahead waits for them)."""
     ours = loader(data, scope, shuffle, drop_last, prefetch_depth=prefetch_depth, device=device)
     equal, sizes, lengths, changes = True, [], [], dict(CHANGES)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with ranks_job.recorded_warnings() as caught:
         for epoch, first_size in enumerate((BATCH, 5, LAST)):
             ours.sampler.set_epoch(epoch)
             got, batches = [], iter(ours)
@@ -164,6 +162,11 @@ def disagree(data: tud.Dataset, sizes: tuple[int | None, ...], at: int | None, p
 def restart_same_epoch(data: tud.Dataset) -> dict:
     """Rank 0 stops after two batches and iterates again without set_epoch (the same sampler
     epoch, the same size); the others go on: what each raised (not a batch-size error)."""
+    with ranks_job.stopped_peer_timeout():
+        return _restart_same_epoch(data)
+
+
+def _restart_same_epoch(data: tud.Dataset) -> dict:
     ours = loader(data, "world", prefetch_depth=0)
     error = None
     try:
@@ -200,8 +203,7 @@ def oom_retry(data: tud.Dataset) -> dict:
     ours = loader(data, "world")
     step = RankRunsOut(limit=5)
     retry = OOMRetry(step, loader=ours)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with ranks_job.recorded_warnings() as caught:
         error = None
         try:
             for epoch in range(2):
@@ -224,8 +226,7 @@ def shrink(data: tud.Dataset) -> dict:
     """shrink_cache on a split cache frees nothing, says why, and the batches stay torch's."""
     ours = loader(data, "world")
     list(ours)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with ranks_job.recorded_warnings() as caught:
         freed = ours.shrink_cache(0)
     ours.sampler.set_epoch(1)
     got = [on_cpu(batch) for batch in ours]

@@ -6,8 +6,9 @@ dataset (samples by index, image files) and writes its findings to ``rank<r>.jso
 from __future__ import annotations
 
 import json
-import warnings
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import gpuload
 import gpuload.cache.disk_tier as disk_tier
+import gpuload.decode.batch as decode_batch
 from gpuload.datasets import ImageList
 
 
@@ -60,8 +62,7 @@ def sample_epochs(data: tud.Dataset, scope: str, cache_dir: str | None, epochs: 
         theirs.sampler.set_epoch(epoch)
         expected.append(list(theirs))
     data.reads.clear()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with ranks_job.recorded_warnings() as caught:
         ours = gpuload.DataLoader(data, 8, sampler=sampler(), device="cpu", cache_scope=scope, cache_dir=cache_dir,
                                   **options)
         got = []
@@ -79,8 +80,7 @@ def sample_epochs(data: tud.Dataset, scope: str, cache_dir: str | None, epochs: 
 def image_epochs(samples: list, scope: str, cache_dir: str | None, epochs: int = 2) -> dict[str, Any]:
     """gpuload's image loader with ``scope``: its batches, the files it read, its disk stats."""
     data = CountedImages(samples)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with ranks_job.recorded_warnings() as caught:
         ours = gpuload.DataLoader(data, images_job.BATCH, sampler=images_job.sampler(data), device="cpu",
                                   transforms=images_job.OPS, cache_scope=scope, cache_dir=cache_dir)
         batches = []
@@ -123,6 +123,9 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
         after_damage = image_epochs(samples, "node", str(folder / "images-cache"))
         dist.barrier()
         refilled = image_epochs(samples, "node", str(folder / "images-cache"))
+        with without_dali():  # as on the README's CPU install: torchvision decodes, and warns
+            by_torchvision = image_epochs(samples, "node", str(folder / "images-cache-torchvision"))
+        found["images_by_torchvision"] = {key: by_torchvision[key] for key in ("path", "reads", "warnings")}
         found["images"] = {
             "same_as_without": [images_job.same(a, b) for run in (filled, again, after_damage, refilled)
                                 for a, b in zip(without["batches"], run["batches"], strict=True)],
@@ -131,6 +134,17 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
                for key in ("path", "reads", "disk", "warnings")},
         }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
+
+
+@contextmanager
+def without_dali() -> Iterator[None]:
+    """The image decoders made inside pick a backend as where DALI is not installed."""
+    installed = decode_batch._dali_installed
+    decode_batch._dali_installed = lambda: False
+    try:
+        yield
+    finally:
+        decode_batch._dali_installed = installed
 
 
 def damage_one_block(cache: Path, rank: int) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +91,7 @@ def compare(samples: list, scope: str, epochs: int = 3, warm: bool = False, **op
     gpuload's loader is warmed first (its share decoded before the first epoch)."""
     order = tud.DataLoader(range(len(samples)), BATCH, sampler=sampler(range(len(samples))))
     reference = loader(samples, "rank", cache="device", **options)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with ranks_job.recorded_warnings() as caught:
         ours = loader(samples, scope, **options)
         warmed = ours.warm(progress=False).extra.get("cache") if warm else None
         equal = in_order = True
@@ -133,6 +131,11 @@ def compare(samples: list, scope: str, epochs: int = 3, warm: bool = False, **op
 def stop_early(samples: list) -> dict:
     """Rank 0 breaks after one batch of epoch 0, more than the run-ahead bound before its end;
     the others go on and must fail, not hang."""
+    with ranks_job.stopped_peer_timeout():
+        return _stop_early(samples)
+
+
+def _stop_early(samples: list) -> dict:
     ours = loader(samples, "world", batch_size=1)
     began, error = time.perf_counter(), None
     try:

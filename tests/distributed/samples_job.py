@@ -8,7 +8,6 @@ processes start once; each rank writes its findings to ``rank<r>.json``.
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -108,8 +107,7 @@ def compare(data: tud.Dataset, scope: str, *, shuffle: bool = True, drop_last: b
 
     collate = {"collate_fn": options["collate_fn"]} if "collate_fn" in options else {}
     theirs = tud.DataLoader(data, batch_size, sampler=sampler(), drop_last=drop_last, **collate)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with ranks_job.recorded_warnings() as caught:
         ours = gpuload.DataLoader(data, batch_size, sampler=sampler(), drop_last=drop_last, device=device,
                                   cache_scope=scope, **options)
         warmed = ours.warm(progress=False).path if warm else None

@@ -263,3 +263,83 @@ def test_closing_the_loader_abandons_a_rows_swap_its_peer_never_joins(monkeypatc
     runner.join(10)
     assert not runner.is_alive()
     assert len(raised) == 1 and type(raised[0]) is LoaderClosedError
+
+
+class _SlowerPeer(_Peer):
+    """Rank 1 alive but slower than rank 0: every step's rows' swap completes once ``release``
+    is set. ``swaps``: the rows' swaps rank 0 started."""
+
+    def __init__(self) -> None:
+        super().__init__(_planned_at)
+        self.release = threading.Event()
+        self.swaps = 0
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        if group == fake_peers.GROUPS[0]:
+            return super().all_to_all_single(output, input, group=group)
+        self.swaps += 1
+        output.zero_()
+        return _DoneOnceReleased(self.release, self.waiting)
+
+
+class _DoneOnceReleased:
+    def __init__(self, release: threading.Event, waiting: threading.Event) -> None:
+        self.release, self.waiting = release, waiting
+
+    def is_completed(self) -> bool:
+        return self.release.is_set()
+
+    def wait(self, timeout=None) -> bool:
+        self.waiting.set()
+        if self.release.wait(None if timeout is None else timeout.total_seconds()):
+            return True
+        raise RuntimeError("Operation timed out!")
+
+
+def _planned_at(header: list[int]) -> int:
+    """The rows rank 1 sends rank 0 at the header's step."""
+    batches = [everyone[header[1]] for everyone in every_rank_batches(fake_peers.batches(N))]
+    return plan_step(0, batches, Partition(N, WORLD, WORLD)).recv_splits[1]
+
+
+def test_closing_after_the_loop_stopped_lets_the_epochs_completing_steps_end_first(monkeypatch):
+    """The loop stopped after its first batch; the thread that ran the steps ahead completes them
+    to the bound every rank reaches (batch 1 + RUN_AHEAD_LIMIT) while the loader closes. close()
+    lets them end: abandoned, this rank's part of a collective stays in flight, a peer waits for
+    it, and the groups are destroyed under it (the torchrun example's rare abort at exit)."""
+    peer = _SlowerPeer()
+    monkeypatch.setattr(torch.distributed, "all_to_all_single", peer.all_to_all_single)
+    store, sampler = _store(fake_peers.GROUPS), fake_peers.batches(N)
+    steps = store.epoch(sampler, every_rank_batches(sampler)[0], ahead=True)
+    assert len(every_rank_batches(sampler)[0]) == 5
+    peer.release.set()
+    next(steps)
+    steps.handed_over()
+    steps.cancel()  # the loop stopped after that batch
+    peer.release.clear()
+    peer.waiting.clear()
+    raised: list[BaseException] = []
+
+    def completing() -> None:  # what the prefetcher's thread does when its epoch stops
+        try:
+            steps.close()
+        except BaseException as error:  # noqa: BLE001 - handed to the test's thread
+            raised.append(error)
+
+    thread = threading.Thread(target=completing)
+    thread.start()
+    assert peer.waiting.wait(10)  # inside step 1's swap
+    settling = threading.Event()
+    settle = steps.settle if hasattr(steps, "settle") else None
+    monkeypatch.setattr(steps, "settle", lambda timeout: settling.set() or settle(timeout), raising=False)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    for _ in range(1000):  # until close() waits for the steps, or gave them up and returned
+        if settling.wait(0.01) or not closer.is_alive():
+            break
+    peer.release.set()
+    thread.join(30)
+    closer.join(30)
+    assert not thread.is_alive() and not closer.is_alive()
+    assert raised == [] and peer.swaps == 5  # steps 0 to 4, the last one every rank makes
