@@ -396,6 +396,34 @@ def disk_budget(path: str | os.PathLike[str], spec: SizeSpec) -> int:
     return max(0, free - default_disk_reserve(total))
 
 
+def _no_room(folder: Path, budget_bytes: int | SizeSpec | None) -> bool:
+    """True, with one :class:`DiskCacheWarning` saying why, when ``budget_bytes`` resolves to 0
+    for a new entry under ``folder`` (``auto`` on a file system with less free space than the
+    reserve): the tier could store nothing, so nothing is created. A raised error is the caller's."""
+    spec = SizeSpec("auto", text="auto") if budget_bytes is None else budget_bytes
+    if isinstance(spec, SizeSpec) and spec.kind == "off":
+        return True  # asked for: no tier, nothing to say
+    existing = folder.absolute()
+    while not existing.exists() and existing != existing.parent:  # the folder is made when first used
+        existing = existing.parent
+    room = disk_budget(existing, spec) if isinstance(spec, SizeSpec) else int(spec)
+    if room > 0:
+        return False
+    if isinstance(spec, SizeSpec) and spec.kind == "auto":
+        status = os.statvfs(existing)
+        free, total = status.f_bavail * status.f_frsize, status.f_blocks * status.f_frsize
+        why = (f"disk_cache_size='auto' is its free space ({format_bytes(free)}) less the reserve "
+               f"({format_bytes(default_disk_reserve(total))}): 0 B")
+    else:
+        why = f"disk_cache_size={getattr(spec, 'text', spec)!r} gives it 0 B"
+    warnings.warn(
+        f"gpuload disk cache: no room in {folder}: {why}; running without a disk tier. Free space there, point "
+        "cache_dir= (or GPULOAD_CACHE_DIR) at a larger file system, or set disk_cache_size",
+        DiskCacheWarning, stacklevel=3,
+    )
+    return True
+
+
 # ---------------------------------------------------------------- the cache
 
 
@@ -516,6 +544,8 @@ class DiskCache:
         try:
             if folder.exists() and not folder.is_dir():
                 raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(folder))
+            if not root.exists() and _no_room(folder, budget_bytes):
+                return None  # said why; nothing created
             root.mkdir(parents=True, exist_ok=True)  # mode 0o777 less the umask
             probe = root / f".probe-{os.getpid()}-{threading.get_ident()}"
             with open(probe, "wb"):
