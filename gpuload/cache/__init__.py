@@ -15,7 +15,9 @@
 - ``oom``: telling OOM from other errors.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from gpuload.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from gpuload.cache.array_store import TieredArrayStore
@@ -113,18 +115,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """The names above, and the submodules, load on first use."""
-    import importlib
-
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("_"):
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as error:
-            if error.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module 'gpuload.cache' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
