@@ -115,25 +115,31 @@ def remove_entry(entry: EntryInfo | str | os.PathLike[str]) -> bool:
     try:
         fd = os.open(root / USERS, os.O_RDONLY)
     except FileNotFoundError:  # no process has opened it yet, or it is gone
-        return _remove_files(root, os.listdir(root) if root.is_dir() else [])
+        return _remove_files(root, _names(root))
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
-        theirs = [name for name in os.listdir(root) if name != USERS]
-        if not _remove_files(root, theirs, keep_folder=True):
-            return False
-        if any(name != USERS for name in os.listdir(root)):
+        _remove_files(root, [name for name in _names(root) if name != USERS], keep_folder=True)
+        if any(name != USERS for name in _names(root)):
             return False  # a process opened it meanwhile: it waits for this lock, then uses the entry
         return _remove_files(root, [USERS])
     finally:
         os.close(fd)
 
 
+def _names(root: Path) -> list[str]:
+    """The files in ``root``; none when another clear removed it meanwhile."""
+    try:
+        return os.listdir(root)
+    except FileNotFoundError:
+        return []
+
+
 def _remove_files(root: Path, names: list[str], *, keep_folder: bool = False) -> bool:
     """Remove ``names`` in ``root`` (gone already is fine), then ``root`` unless ``keep_folder``;
-    False when ``root`` is no longer empty (a process put files there meanwhile)."""
+    False when ``root`` is not empty then (a process put files there meanwhile)."""
     for name in names:
         path = root / name
         try:

@@ -157,3 +157,43 @@ def test_cache_commands_do_not_import_torch(tmp_path: Path, argv: list[str]) -> 
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "1 entr" in done.stdout and "torch imported: False False" in done.stdout
+
+
+def test_clear_leaves_an_entry_to_a_job_that_opened_it_while_its_files_were_removed(tmp_path: Path,
+                                                                                   monkeypatch, capsys) -> None:
+    """The job arrives after clear took the entry's lock and removed its files: it waits on the
+    lock, clear sees its new files and leaves the entry (and its lock file) to it."""
+    import threading
+
+    from gpuload.cache import entries
+
+    first = _entry(tmp_path, "late")
+    first.close()
+    root = first.root
+    real_listdir = os.listdir
+    calls: list[int] = []
+    opened: list[DiskCache] = []
+    job = threading.Thread(target=lambda: opened.append(_entry(tmp_path, "late")), daemon=True)
+
+    def listdir_then_a_job_opens(path):
+        if Path(path) == root:
+            calls.append(1)
+            if len(calls) == 2:  # clear has removed the files and looks again
+                job.start()
+                deadline = time.monotonic() + 60
+                while not (root / "lock").exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the job has made its lock file and waits for clear's lock
+        return real_listdir(path)
+
+    monkeypatch.setattr(entries.os, "listdir", listdir_then_a_job_opens)
+    assert main(["cache", "clear", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "removed 0 entries" in out and "kept" in out and "1 in use kept" in out
+    job.join(timeout=60)
+    assert not job.is_alive() and opened
+    cache = opened[0]
+    assert cache.root == root and cache.present(torch.arange(20)).all()
+    assert torch.equal(cache.read(torch.arange(20))[0], torch.ones(20, 4))
+    (listed,) = entries.list_entries(tmp_path)
+    assert listed.in_use  # its lock is on the entry's users file, not on one clear unlinked
+    cache.close()
