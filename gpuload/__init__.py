@@ -1,6 +1,8 @@
 """gpuload: a drop-in replacement for torch's DataLoader that keeps data on the GPU."""
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from gpuload.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from gpuload.datasets.arrays import ArrayDataset
@@ -17,18 +19,4 @@ _LAZY = {"DataLoader": "gpuload.loader", "ArrayDataset": "gpuload.datasets.array
          "TokenWindows": "gpuload.datasets.tokens", "plan_job": "gpuload.job.plan", "JobPlan": "gpuload.job.plan"}
 
 
-def __getattr__(name: str) -> Any:
-    """The public names and the subpackages (``gpuload.datasets``, ...) load on first use."""
-    import importlib
-
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("_"):
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as error:
-            if error.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module 'gpuload' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

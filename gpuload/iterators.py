@@ -21,9 +21,23 @@ from gpuload.resume import Position
 from gpuload.sources import Work
 from gpuload.stats import LoaderStats
 
-__all__ = ["EpochIterator", "OpenEpochs", "close_when_idle", "release_torch_frames", "shut_down_workers"]
+__all__ = ["EpochIterator", "OpenEpochs", "close_when_idle", "release_torch_frames", "shut_down_workers",
+           "unequal_stack"]
 
 _TORCH_LOADING = ("torch.utils.data", "torch._utils")  # modules of torch's iterators and its re-raise
+_UNEQUAL_STACK = "stack expects each tensor to be equal size"  # torch.stack, in torch's default collate
+SHAPE_HINT = (
+    "gpuload: the samples of this batch have different shapes, which the default collate_fn cannot stack "
+    "into one tensor. Give them one shape: in the dataset's __getitem__ (a resize or a crop), with transforms= "
+    "on images gpuload serves itself (gpuload.datasets.ImageFolder with transforms.RandomResizedCrop, Resize "
+    "or CenterCrop), or pass a collate_fn that pads them or keeps them in a list"
+)
+
+
+def unequal_stack(error: BaseException) -> bool:
+    """Whether ``error`` is torch's bare "stack expects each tensor to be equal size" (also as
+    re-raised from a worker): the loop gets it again with :data:`SHAPE_HINT` added."""
+    return type(error) is RuntimeError and _UNEQUAL_STACK in str(error)
 
 
 class EpochIterator(Iterator[Any]):
@@ -128,6 +142,8 @@ class EpochIterator(Iterator[Any]):
         except Exception as error:
             release_torch_frames(error)
             self._raise_if_stopped(error)  # torch's iterator torn down under it: the stop is the cause
+            if unequal_stack(error):  # raised unbound: a local holding it would make a cycle through this frame
+                raise RuntimeError(f"{error}\n{SHAPE_HINT}") from error
             raise
         finally:
             self._stats.wait_time_s += time.perf_counter() - started

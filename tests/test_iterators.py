@@ -146,3 +146,36 @@ def test_releasing_torch_frames_skips_one_still_running_and_clears_the_rest() ->
     running = error.__context__.__traceback__
     assert running.tb_frame.f_code.co_name == "reraise" and "held" in running.tb_frame.f_locals
     assert running.tb_next.tb_frame.f_code.co_name == "fetch" and running.tb_next.tb_frame.f_locals == {}
+
+
+class _TwoShapes(torch.utils.data.Dataset):
+    """Samples of two heights: torch's default collate cannot stack a batch of them."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.zeros(3, 4 + index % 2, 4), index
+
+
+@pytest.mark.parametrize("num_workers, cache", [(0, "auto"), (0, "off"), (2, "off")])
+def test_samples_of_different_shapes_get_torchs_error_and_what_to_do(num_workers: int, cache: str) -> None:
+    """Before: torch's bare "stack expects each tensor to be equal size", no word on the fix."""
+    import gpuload
+
+    loader = gpuload.DataLoader(_TwoShapes(), batch_size=4, num_workers=num_workers, cache=cache)
+    with pytest.raises(RuntimeError) as raised:
+        next(iter(loader))
+    message = str(raised.value)
+    assert "stack expects each tensor to be equal size" in message
+    assert "different shapes" in message and "transforms=" in message and "collate_fn" in message
+    loader.close()
+
+
+def test_other_errors_are_not_given_the_shape_hint() -> None:
+    from gpuload.iterators import unequal_stack
+
+    assert not unequal_stack(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not unequal_stack(ValueError("stack expects each tensor to be equal size"))  # not torch's RuntimeError
+    assert unequal_stack(RuntimeError("Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback ...\n"
+                                      "RuntimeError: stack expects each tensor to be equal size, but got [3, 4, 4]"))

@@ -39,7 +39,7 @@ from gpuload.bench.tokens import anonymous_bytes
 from gpuload.cache import estimate_image_bytes, format_bytes
 
 __all__ = [
-    "DISK_TARGET", "TORCH_TARGET", "anon_resident_bytes", "decoded_folder", "run_disk", "run_disk_bench",
+    "DISK_TARGET", "TORCH_TARGET", "anon_resident_bytes", "decoded_folder", "load_line", "run_disk", "run_disk_bench",
     "run_own_images",
 ]
 
@@ -202,6 +202,12 @@ def format_disk(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def load_line(load: list[float | None], cores: int | None) -> str:
+    """The load averages before and after the run, one decimal each ("?" where unknown)."""
+    loads = " / ".join("?" if value is None else f"{value:.1f}" for value in load)
+    return f"  load average before / after: {loads} on {cores or '?'} cores"
+
+
 def run_disk_bench(quick: bool, samples: int | None, batch_size: int | None, out: Path,
                    environment: dict[str, Any], quiet: bool = False, workers: int = 2) -> int:
     """``gpuload bench --scenario disk``: generate the JPEGs, run, print, write ``bench.json``; 0."""
@@ -218,7 +224,7 @@ def run_disk_bench(quick: bool, samples: int | None, batch_size: int | None, out
         run = run_disk(str(root), batch_size, workers, str(cache_dir))
         run.update(run_own_images(str(root), batch_size, str(Path(scratch) / "own-cache")))
     load = [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None]
-    say("", format_disk(run), f"  load average before / after: {load[0]} / {load[1]} on {os.cpu_count()} cores", "")
+    say("", format_disk(run), load_line(load, os.cpu_count()), "")
     write_json(out / "bench.json", {"scenario": "disk", "environment": environment, "run": run, "load": load})
     print(f"disk tier: epoch 2 {run['epoch1_s'] / run['epoch2_s']:.1f}x faster than epoch 1 and "
           f"{run['torch_s'] / run['epoch2_s']:.1f}x torch's DataLoader; a second process's first epoch "

@@ -232,7 +232,9 @@ def _times(x: float) -> str:
 
 
 def headline(results: list[dict[str, Any]]) -> str:
-    """The result in words: gpuload's best speed against torch's, and the bytes after the first epoch."""
+    """The result in words: gpuload's fastest row against torch's, and that row's bytes after the
+    first epoch (one row's figures: a streaming row's speed beside a cache row's bytes would claim
+    what no loader did)."""
     ours = [r for r in results if _is_gpuload(r)]
     theirs = [r for r in results if _is_torch(r)]
     if not ours or not theirs:
@@ -248,14 +250,10 @@ def headline(results: list[dict[str, Any]]) -> str:
         text += (f", {_times(fastest['samples_per_s'] / best_torch['samples_per_s'])} with "
                  f"{workers.group() if workers else display_name(best_torch['name'])}")
     text += " on this machine"
-    with_bytes = [(r, h2d_figures(r)) for r in ours if h2d_figures(r) is not None]
-    torch_bytes = h2d_figures(baseline)
-    if with_bytes and torch_bytes is not None:
-        row, figures = min(with_bytes, key=lambda pair: (pair[1][1], pair[0] is not fastest))
-        label = re.search(r"\((.*)\)$", row["name"])
-        who = "" if row is fastest else f"with {label.group(1) if label else display_name(row['name'])}; "
+    figures, torch_bytes = h2d_figures(fastest), h2d_figures(baseline)
+    if figures is not None and torch_bytes is not None:  # the same row's bytes: never another row's
         text += (f"; after the first epoch {_size(figures[1])} per epoch cross to the device "
-                 f"({who}torch: {_size(torch_bytes[1])})")
+                 f"(torch: {_size(torch_bytes[1])})")
         if figures[2] is not None or torch_bytes[2] is not None:
             text += f", modelled for {_modelled_card(results) or 'a card'}"
     return text

@@ -15,27 +15,32 @@
 - ``oom``: telling OOM from other errors.
 """
 
-from gpuload.cache.array_store import TieredArrayStore
-from gpuload.cache.budget import (
-    LEDGER,
-    BudgetLedger,
-    CacheSettingError,
-    SizeSpec,
-    available_budget,
-    default_reserve,
-    format_bytes,
-    parse_size,
-    resolve_budget,
-    resolve_reserve,
-)
-from gpuload.cache.decide import CacheDecision, decide_images, decide_samples
-from gpuload.cache.oom import CacheFallbackWarning
-from gpuload.cache.plan import MODES, CachePlan, TierPlan, default_host_reserve, make_plan
-from gpuload.cache.probe import estimate_image_bytes, looks_deterministic
-from gpuload.cache.sample_store import SampleCache, SampleCacheStats
-from gpuload.cache.settings import CacheSettings, Setting
-from gpuload.cache.store import FillingStore, Store, StoreStats
-from gpuload.cache.tiers import TIERS, Tier, register_tier
+from typing import TYPE_CHECKING
+
+from gpuload.lazy import lazy_getattr
+
+if TYPE_CHECKING:
+    from gpuload.cache.array_store import TieredArrayStore
+    from gpuload.cache.budget import (
+        LEDGER,
+        BudgetLedger,
+        CacheSettingError,
+        SizeSpec,
+        available_budget,
+        default_reserve,
+        format_bytes,
+        parse_size,
+        resolve_budget,
+        resolve_reserve,
+    )
+    from gpuload.cache.decide import CacheDecision, decide_images, decide_samples
+    from gpuload.cache.oom import CacheFallbackWarning
+    from gpuload.cache.plan import MODES, CachePlan, TierPlan, default_host_reserve, make_plan
+    from gpuload.cache.probe import estimate_image_bytes, looks_deterministic
+    from gpuload.cache.sample_store import SampleCache, SampleCacheStats
+    from gpuload.cache.settings import CacheSettings, Setting
+    from gpuload.cache.store import FillingStore, Store, StoreStats
+    from gpuload.cache.tiers import TIERS, Tier, register_tier
 
 __all__ = [
     "LEDGER",
@@ -71,3 +76,43 @@ __all__ = [
     "resolve_budget",
     "resolve_reserve",
 ]
+
+# Loaded on first use: the torch-free parts (settings, the disk tier's entry listing) then
+# import without torch, so that ``gpuload cache ls`` answers at once.
+_LAZY = {
+    "BudgetLedger": "gpuload.cache.budget",
+    "CacheDecision": "gpuload.cache.decide",
+    "CacheFallbackWarning": "gpuload.cache.oom",
+    "CachePlan": "gpuload.cache.plan",
+    "CacheSettingError": "gpuload.cache.budget",
+    "CacheSettings": "gpuload.cache.settings",
+    "FillingStore": "gpuload.cache.store",
+    "LEDGER": "gpuload.cache.budget",
+    "MODES": "gpuload.cache.plan",
+    "SampleCache": "gpuload.cache.sample_store",
+    "SampleCacheStats": "gpuload.cache.sample_store",
+    "Setting": "gpuload.cache.settings",
+    "SizeSpec": "gpuload.cache.budget",
+    "Store": "gpuload.cache.store",
+    "StoreStats": "gpuload.cache.store",
+    "TIERS": "gpuload.cache.tiers",
+    "Tier": "gpuload.cache.tiers",
+    "TierPlan": "gpuload.cache.plan",
+    "TieredArrayStore": "gpuload.cache.array_store",
+    "available_budget": "gpuload.cache.budget",
+    "decide_images": "gpuload.cache.decide",
+    "decide_samples": "gpuload.cache.decide",
+    "default_host_reserve": "gpuload.cache.plan",
+    "default_reserve": "gpuload.cache.budget",
+    "estimate_image_bytes": "gpuload.cache.probe",
+    "format_bytes": "gpuload.cache.budget",
+    "looks_deterministic": "gpuload.cache.probe",
+    "make_plan": "gpuload.cache.plan",
+    "parse_size": "gpuload.cache.budget",
+    "register_tier": "gpuload.cache.tiers",
+    "resolve_budget": "gpuload.cache.budget",
+    "resolve_reserve": "gpuload.cache.budget",
+}
+
+
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
-import torch
-
-from gpuload.device import MemoryInfo
 from gpuload.sizes import CacheSettingError, SizeSpec, SizeValue, format_bytes, parse_size
 
 __all__ = [
@@ -37,6 +35,11 @@ __all__ = [
     "DEFAULT_RESERVE_MIN_BYTES",
     "DEFAULT_RESERVE_FRACTION",
 ]
+
+if TYPE_CHECKING:  # torch loads with the ledger's first call: the settings import without it (gpuload cache)
+    import torch
+
+    from gpuload.device import MemoryInfo
 
 DEFAULT_RESERVE_MIN_BYTES = 2 << 30
 DEFAULT_RESERVE_FRACTION = 0.10
@@ -95,6 +98,8 @@ def resolve_budget(
 
 
 def _device_key(device: torch.device | str) -> str:
+    import torch
+
     resolved = torch.device(device)
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", 0)
@@ -194,6 +199,8 @@ def available_budget(
     off. So a val loader built after a train loader gets what the train loader left, whether
     the train loader has filled its tier yet or not.
     """
+    from gpuload.device import MemoryInfo
+
     others_used = ledger.used(device, exclude=owner)
     seen = MemoryInfo(free=min(memory.total, memory.free + others_used), total=memory.total)
     limit = resolve_budget(spec, seen, reserve, setting=setting, source=source, device_name=str(device))

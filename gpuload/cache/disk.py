@@ -54,7 +54,6 @@ import mmap
 import os
 import pickle
 import re
-import shutil
 import sys
 import threading
 import time
@@ -70,6 +69,7 @@ import numpy as np
 import torch
 
 from gpuload.cache.budget import SizeSpec, format_bytes
+from gpuload.cache.entries import MANIFEST, EntryInfo, list_entries, remove_entry
 from gpuload.cache.settings import CacheSettings
 from gpuload.datasets.arrays import ArrayDataset
 from gpuload.datasets.images import ImageSource
@@ -100,8 +100,6 @@ RAGGED = -1
 """A dimension of a ragged column's shape: each row has its own size there (stored per row)."""
 
 DEFAULT_BLOCK_BYTES = 64 << 20
-MANIFEST = "manifest.json"
-_ENTRY_NAME = re.compile(r"^[0-9a-f]{32}$")
 _BLOCK_NAME = re.compile(r"^block-(\d{6,})\.(bin|part)$")
 _OPEN_MAPS = 64  # memory maps (each holds a file descriptor) kept open per cache
 _OPEN_PARTS = 64
@@ -398,6 +396,34 @@ def disk_budget(path: str | os.PathLike[str], spec: SizeSpec) -> int:
     return max(0, free - default_disk_reserve(total))
 
 
+def _no_room(folder: Path, budget_bytes: int | SizeSpec | None) -> bool:
+    """True, with one :class:`DiskCacheWarning` saying why, when ``budget_bytes`` resolves to 0
+    for a new entry under ``folder`` (``auto`` on a file system with less free space than the
+    reserve): the tier could store nothing, so nothing is created. A raised error is the caller's."""
+    spec = SizeSpec("auto", text="auto") if budget_bytes is None else budget_bytes
+    if isinstance(spec, SizeSpec) and spec.kind == "off":
+        return True  # asked for: no tier, nothing to say
+    existing = folder.absolute()
+    while not existing.exists() and existing != existing.parent:  # the folder is made when first used
+        existing = existing.parent
+    room = disk_budget(existing, spec) if isinstance(spec, SizeSpec) else int(spec)
+    if room > 0:
+        return False
+    if isinstance(spec, SizeSpec) and spec.kind == "auto":
+        status = os.statvfs(existing)
+        free, total = status.f_bavail * status.f_frsize, status.f_blocks * status.f_frsize
+        why = (f"disk_cache_size='auto' is its free space ({format_bytes(free)}) less the reserve "
+               f"({format_bytes(default_disk_reserve(total))}): 0 B")
+    else:
+        why = f"disk_cache_size={getattr(spec, 'text', spec)!r} gives it 0 B"
+    warnings.warn(
+        f"gpuload disk cache: no room in {folder}: {why}; running without a disk tier. Free space there, point "
+        "cache_dir= (or GPULOAD_CACHE_DIR) at a larger file system, or set disk_cache_size",
+        DiskCacheWarning, stacklevel=3,
+    )
+    return True
+
+
 # ---------------------------------------------------------------- the cache
 
 
@@ -518,6 +544,8 @@ class DiskCache:
         try:
             if folder.exists() and not folder.is_dir():
                 raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(folder))
+            if not root.exists() and _no_room(folder, budget_bytes):
+                return None  # said why; nothing created
             root.mkdir(parents=True, exist_ok=True)  # mode 0o777 less the umask
             probe = root / f".probe-{os.getpid()}-{threading.get_ident()}"
             with open(probe, "wb"):
@@ -1197,97 +1225,3 @@ def _crc32(data: np.ndarray) -> int:
     for start in range(0, data.size, step):
         crc = zlib.crc32(memoryview(data[start:start + step]), crc)
     return crc
-
-
-# ---------------------------------------------------------------- entries (the CLI)
-
-
-@dataclass(frozen=True)
-class EntryInfo:
-    """One entry of a cache folder as ``gpuload cache ls`` shows it."""
-
-    path: Path
-    description: str
-    fingerprint: str
-    kind: str
-    num_rows: int
-    published_rows: int
-    bytes_on_disk: int
-    last_used: float
-    in_use: bool
-    problem: str = ""
-
-
-def list_entries(cache_dir: str | os.PathLike[str]) -> list[EntryInfo]:
-    """The gpuload entries in ``cache_dir`` (folders named by a 32-hex key), newest use first;
-    other files and folders there are not gpuload's and are left out."""
-    folder = Path(cache_dir).expanduser()
-    entries = []
-    for item in sorted(os.scandir(folder), key=lambda e: e.name) if folder.is_dir() else []:
-        if not item.is_dir(follow_symlinks=False) or not _ENTRY_NAME.match(item.name):
-            continue
-        root = Path(item.path)
-        problem, description, digest, kind, num_rows, block_rows, published = "", "?", "?", "?", 0, 1, 0
-        try:
-            info = json.loads((root / "entry.json").read_bytes())
-            fingerprint = info["fingerprint"]
-            description, digest, kind = fingerprint["description"], fingerprint["digest"], fingerprint["kind"]
-            num_rows, block_rows = int(info["num_rows"]), int(info["block_rows"])
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            problem = f"no readable entry.json ({type(error).__name__})"
-        try:
-            manifest = json.loads((root / MANIFEST).read_bytes())
-            published = sum(min(block_rows, num_rows - b * block_rows) for b, _, _ in manifest["blocks"])
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            problem = problem or f"damaged manifest ({type(error).__name__})"
-        size, used = 0, 0.0
-        for file in os.scandir(root):
-            status = file.stat(follow_symlinks=False)
-            size += status.st_blocks * 512
-            used = max(used, status.st_mtime) if file.name in ("users", MANIFEST) else used
-        entries.append(
-            EntryInfo(root, description, digest, kind, num_rows, published, size, used, _in_use(root), problem)
-        )
-    return sorted(entries, key=lambda e: -e.last_used)
-
-
-def _in_use(root: Path) -> bool:
-    try:
-        fd = os.open(root / "users", os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
-def remove_entry(entry: EntryInfo | str | os.PathLike[str]) -> bool:
-    """Delete one entry folder unless a process has it open (then False). Holds its ``users``
-    lock exclusively while deleting, so no process can open it halfway."""
-    root = Path(entry.path if isinstance(entry, EntryInfo) else entry)
-    if not _ENTRY_NAME.match(root.name):
-        raise ValueError(f"{root} is not a gpuload disk cache entry (a folder named by a 32-hex key)")
-    try:
-        fd = os.open(root / "users", os.O_RDONLY)
-    except FileNotFoundError:
-        shutil.rmtree(root, ignore_errors=True)
-        return True
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        for item in os.scandir(root):
-            if item.name != "users":
-                os.unlink(item.path) if not item.is_dir(follow_symlinks=False) else shutil.rmtree(item.path)
-        os.unlink(root / "users")
-        root.rmdir()
-        return True
-    finally:
-        os.close(fd)

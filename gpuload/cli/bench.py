@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 import textwrap
@@ -212,6 +214,9 @@ def _distributed_problem(args: argparse.Namespace, scenario: str) -> str | None:
             return "argument --data: the samples scenario makes its own dataset (--samples N)"
         if scenario == "disk" and args.data is not None:
             return "argument --data: the disk scenario makes its own JPEG folder (--samples N)"
+        if scenario == "disk" and importlib.util.find_spec("torchvision") is None:
+            return ("argument --scenario disk: it reads its JPEGs with torchvision's ImageFolder, and torchvision "
+                    "is not installed: pip install 'gpuload[torchvision]'")
         if scenario == "tokens" and args.data is not None:
             return "argument --data: the tokens scenario makes its own 100M-token shard"
         return None
@@ -242,13 +247,29 @@ def _distributed_config(args: argparse.Namespace, config) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``gpuload bench`` with parsed arguments; 0 on success, 2 on a bad argument."""
+    """Run ``gpuload bench`` with parsed arguments; 0 on success, 2 on a bad argument, 130 when
+    interrupted (Ctrl-C: one line, and an ``--out`` this run created is removed)."""
+    created = _first_missing(Path(args.out))
     try:
         with contextlib.ExitStack() as cleanup:
             return _run(args, cleanup)
     except UsageError as error:
         print(f"gpuload bench: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if created is not None and created.is_dir():
+            shutil.rmtree(created, ignore_errors=True)
+        print(f"\ngpuload bench: interrupted; {'nothing written' if created else f'{args.out} left as it was'}",
+              file=sys.stderr)
+        return 130
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of ``path`` that does not exist yet (what a run would create), or None."""
+    missing = None
+    while not os.path.lexists(path) and path != path.parent:
+        missing, path = path, path.parent
+    return missing
 
 
 run_bench = run

@@ -3,7 +3,8 @@ tier's entries, and removing them.
 
 DIR defaults to the resolved ``cache_dir`` (``GPULOAD_CACHE_DIR``, else ``gpuload.toml``). Only
 gpuload's entry folders are listed or removed; other files in DIR are left alone, and so is an
-entry a running process has open.
+entry a running process has open or opens meanwhile. Neither torch nor NumPy is imported: the
+command answers at once while another process fills the folder.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _folder(args: argparse.Namespace) -> Path | None:
     if args.dir is not None:
         return Path(args.dir).expanduser()
-    from gpuload.cache.settings import CacheSettings  # imports torch: only when the command runs
+    from gpuload.cache.settings import CacheSettings
 
     try:
         settings = CacheSettings.resolve()
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if not folder.is_dir():
         print(f"gpuload cache: {folder} is not a folder", file=sys.stderr)
         return 1
-    from gpuload.cache.disk import list_entries, remove_entry  # imports torch: only when the command runs
+    from gpuload.cache.entries import list_entries, remove_entry
 
     entries = list_entries(folder)
     now = time.time()
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             removed, freed = removed + 1, freed + e.bytes_on_disk
         else:
             kept_in_use += 1
-            print(f"  kept {e.path.name} ({e.description}): a running process has it open")
+            print(f"  kept {e.path.name} ({e.description}): a running process has it open or opened it meanwhile")
     print(f"{folder}: removed {removed} entr{'y' if removed == 1 else 'ies'}, freed {format_bytes(freed)}"
           + (f"; {kept_in_use} in use kept" if kept_in_use else ""))
     return 0

@@ -29,7 +29,7 @@ from typing import Any
 __all__ = ["Finding", "add_arguments", "collect", "run"]
 
 TORCH_FLOOR = (2, 6)  # pyproject.toml's torch>=2.6: DataLoader's in_order=
-INSTALL_GPU = "pip install 'gpuload[cuda12]' (or 'gpuload[cuda13]' for an all-CUDA-13 stack; never both)"
+INSTALL_GPU = "pip install 'gpuload[cuda13]' (or 'gpuload[cuda12]' beside a torch built for CUDA 12; never both)"
 _PINNED_LOW = 1 << 30  # a memlock limit under this may cap pinned memory (and NCCL over InfiniBand)
 
 

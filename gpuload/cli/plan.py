@@ -2,7 +2,8 @@
 
 The dataset is an image folder (bytes per sample estimated from the decoded size of a few
 images, 3*H*W uint8, plus an int64 label), an ``.npy``/``.npz`` file (read from its header, not
-loaded) or a synthetic shape (``--synthetic cifar``, the default). ``--device-memory`` and
+loaded), a ``.bin`` token shard or a glob of them (their tokens, as ``TokenWindows`` reads them)
+or a synthetic shape (``--synthetic cifar``, the default). ``--device-memory`` and
 ``--host-memory`` pretend a machine, so the plan for an 80 GiB card can be read on a laptop.
 
 With ``--model pkg.module:factory --input-shape 3,224,224`` it prints the job's plan instead
@@ -41,7 +42,8 @@ MAX_RANKS = 1 << 17
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``gpuload plan`` options, added to ``parser``."""
     parser.add_argument("dataset", nargs="?", default=None,
-                        help="an image folder or an .npy/.npz file (default: --synthetic cifar)")
+                        help="an image folder, an .npy/.npz file, a .bin token shard or a quoted glob of shards "
+                             "('data/train_*.bin') (default: --synthetic cifar)")
     parser.add_argument("--synthetic", choices=SYNTHETIC_NAMES, default=None,
                         help="a well-known dataset shape instead of a path (default cifar)")
     parser.add_argument("--cache", choices=CACHE_MODES, default=None,

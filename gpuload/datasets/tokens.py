@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["HEADER_FORMATS", "Shard", "TokenFileError", "TokenWindows", "read_shard", "write_shard"]
+__all__ = ["HEADER_FORMATS", "Shard", "TokenFileError", "TokenWindows", "read_shard", "shard_paths", "write_shard"]
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -208,7 +208,9 @@ def _from_array(array: np.ndarray | torch.Tensor, dtype: Any) -> Shard:
     return Shard(name, array)
 
 
-def _paths(source: Any) -> list[str] | None:
+def shard_paths(source: Any) -> list[str] | None:
+    """The token files ``source`` names (a path, a glob of shards, a list of paths), sorted for a
+    glob; None when it names none (an array). ``gpuload plan`` reads a glob as this does."""
     if isinstance(source, (str, os.PathLike)):
         name = os.fspath(source)
         if any(ch in name for ch in "*?["):
@@ -248,7 +250,7 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride <= 0:
             raise ValueError(f"stride={stride!r} must be a positive int (tokens between window starts)")
         self.seq_len, self.stride, self.concatenate = int(seq_len), int(stride), bool(concatenate)
-        paths = _paths(source)
+        paths = shard_paths(source)
         if paths is not None:
             self.shards = [read_shard(path, dtype) for path in paths]
         elif isinstance(source, (np.ndarray, torch.Tensor)):

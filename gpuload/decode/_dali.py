@@ -76,7 +76,7 @@ def _import_dali() -> tuple[Any, Any, Any, Any]:
     except Exception as error:  # a broken install raises all sorts
         raise DaliUnavailable(
             f"nvidia.dali could not be imported ({type(error).__name__}: {error}); install "
-            "gpuload[cuda12] (or gpuload[cuda13]), or decode with backend='torchvision' or backend='pil'"
+            "gpuload[cuda13] (or gpuload[cuda12]), or decode with backend='torchvision' or backend='pil'"
         ) from error
     from nvidia.dali import Pipeline, __version__
 
@@ -84,7 +84,7 @@ def _import_dali() -> tuple[Any, Any, Any, Any]:
         raise DaliUnavailable(
             f"nvidia.dali {__version__} is too old: gpuload binds each run to torch's stream "
             "(Pipeline.run(cuda_stream), exec_dynamic), which DALI has since 1.44; upgrade "
-            "it: pip install -U 'gpuload[cuda12]' (or [cuda13]), or decode with backend='nvjpeg', 'torchvision' or 'pil'"
+            "it: pip install -U 'gpuload[cuda13]' (or [cuda12]), or decode with backend='nvjpeg', 'torchvision' or 'pil'"
         )
     return fn, types, pipeline_def, feed_ndarray
 

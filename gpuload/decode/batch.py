@@ -100,7 +100,7 @@ def resolve_backend(device: torch.device, backend: str = "auto") -> str:
         if backend == "dali":
             raise ValueError(
                 "backend='dali' needs nvidia.dali, which is not installed; install "
-                "gpuload[cuda12] (or gpuload[cuda13]), or use backend='auto' to fall back to nvjpeg, torchvision or PIL"
+                "gpuload[cuda13] (or gpuload[cuda12]), or use backend='auto' to fall back to nvjpeg, torchvision or PIL"
             )
         return _without_dali(device)
     if backend.startswith("dali") and not _dali_installed():

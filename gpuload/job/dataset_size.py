@@ -3,8 +3,8 @@
 Used by ``gpuload plan`` and :func:`gpuload.plan_job`. An image folder is read as the loader reads it
 (``ImageFolder``) and estimated from the decoded size of a few images' headers (3*H*W uint8, plus
 an int64 label, by the estimator the image cache uses); an ``.npy``/``.npz`` file from
-its header; a ``.bin`` token shard from its header (its tokens); a synthetic name from a table;
-an in-memory dataset from a few of its samples.
+its header; a ``.bin`` token shard, or a glob of them, from their headers (their tokens); a
+synthetic name from a table; an in-memory dataset from a few of its samples.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from gpuload.array_files import read_array_file
 from gpuload.cache.budget import format_bytes
 from gpuload.cache.probe import probe_images
 from gpuload.datasets.images import ImageFolder
-from gpuload.datasets.tokens import read_shard
+from gpuload.datasets.tokens import read_shard, shard_paths
 from gpuload.transfer import batch_nbytes
 
 __all__ = ["DatasetShape", "estimate_dataset", "dataset_shape", "image_folder", "LABEL_BYTES", "SYNTHETIC"]
@@ -92,6 +92,8 @@ def estimate_dataset(path: str | None, synthetic: str | None, probes: int = 16) 
     if path is None:
         samples, per_sample, description = SYNTHETIC[synthetic or "cifar"]
         return DatasetShape(samples, per_sample, f"synthetic {description}")
+    if any(ch in path for ch in "*?["):  # a glob of token shards, as TokenWindows takes
+        return _token_shards(shard_paths(path))
     where = Path(path)
     if where.is_dir():
         return _image_folder(where, probes)
@@ -107,6 +109,17 @@ def _token_shard(path: Path) -> DatasetShape:
     shard = read_shard(path)  # a TokenFileError (a ValueError) names the file
     described = f"token shard {path}: {len(shard)} {shard.tokens.dtype} tokens (TokenWindows caches the tokens)"
     return DatasetShape(len(shard), shard.tokens.dtype.itemsize, described)
+
+
+def _token_shards(paths: list[str]) -> DatasetShape:
+    """The shards a glob matches, as one TokenWindows caches them: all their tokens."""
+    shards = [read_shard(p) for p in paths]  # a TokenFileError (a ValueError) names the file
+    dtypes = sorted({str(s.tokens.dtype) for s in shards})
+    if len(dtypes) > 1:  # as TokenWindows refuses them
+        raise ValueError(f"the shards {paths[0]} .. {paths[-1]} hold ids of different dtypes ({', '.join(dtypes)})")
+    itemsize, tokens = shards[0].tokens.dtype.itemsize, sum(len(s) for s in shards)
+    return DatasetShape(tokens, itemsize, f"token shards {paths[0]} .. {paths[-1]} ({len(paths)} files): {tokens} "
+                        "tokens (TokenWindows caches the tokens)")
 
 
 def dataset_shape(dataset: Any, probes: int = 3) -> DatasetShape:

@@ -258,7 +258,7 @@ def _runtime_problem(index: int) -> str:
         import cupy
     except Exception as exc:  # ImportError, or a broken install
         return (f"CuPy does not import ({type(exc).__name__}: {exc}); install the CuPy build for "
-                "your CUDA, e.g. pip install cupy-cuda12x")
+                "your CUDA, e.g. pip install cupy-cuda13x")
     try:
         cupy.cuda.nvrtc.getVersion()
     except Exception as exc:

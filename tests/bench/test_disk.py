@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ def test_the_quick_variant_serves_epoch_2_and_a_second_process_from_the_disk_tie
                  "--out", str(tmp_path / "out")]) == 0
     printed = capsys.readouterr().out
     assert "gpuload epoch 2 (host tier + disk tier)" in printed and "second process" in printed
+    assert re.search(r"load average before / after: \d+\.\d / \d+\.\d on \d+ cores\n", printed)  # not raw floats
     run = json.loads((tmp_path / "out" / "bench.json").read_text())["run"]
     assert run["images"] == 40 and run["decoded_bytes"] == 40 * 3 * 224 * 224
     assert run["host_tier_bytes"] <= run["host_tier_budget"] < run["decoded_bytes"]  # the host tier is forced small
@@ -48,3 +50,23 @@ def test_resident_bytes_are_read_where_the_c_library_cannot_trim(monkeypatch: py
     """A C library that will not load (or lacks glibc's malloc_trim, as musl does): nothing is trimmed."""
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: "libc-gpuload-test-missing.so.6")
     assert anon_resident_bytes() > 0
+
+
+def test_without_torchvision_the_disk_scenario_is_one_line_and_writes_nothing(tmp_path: Path, monkeypatch,
+                                                                              capsys) -> None:
+    """It reads its JPEGs with torchvision's ImageFolder (before: a raw ModuleNotFoundError, --out left empty)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # not installed: find_spec says so, import fails
+    out = tmp_path / "out"
+    assert main(["bench", "--scenario", "disk", "--quick", "--samples", "40", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "torchvision is not installed: pip install 'gpuload[torchvision]'" in err
+    assert not out.exists()
+
+
+def test_the_load_averages_are_printed_with_one_decimal() -> None:
+    from gpuload.bench.disk import load_line
+
+    assert load_line([0.6923828125, 12.25], 2) == "  load average before / after: 0.7 / 12.2 on 2 cores"
+    assert load_line([None, 3.0], None) == "  load average before / after: ? / 3.0 on ? cores"

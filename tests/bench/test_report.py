@@ -22,6 +22,7 @@ from gpuload.bench.report import (
     draw_chart,
     format_details,
     format_table,
+    h2d_figures,
     headline,
     write_chart,
     write_json,
@@ -212,3 +213,17 @@ def test_a_loader_with_no_byte_figures_is_marked_not_modelled_in_the_chart() -> 
         assert all(f"bytes-later:{r['name']}" in bars for r in results if r["kind"] != "ideal" and r is not unmodelled)
     finally:
         plt.close(figure)
+
+
+def test_the_headline_gives_one_rows_speed_and_bytes_never_another_rows() -> None:
+    """A streaming row faster than the device cache (a noisy CPU run): its speed beside the device
+    cache's 0 B was a claim no loader made; before: "(with device cache; torch: 12.0 MiB)"."""
+    results = load(Path(__file__).parent / "fixtures" / "inmemory-cpu.json")["results"]
+    streaming = next(r for r in results if r["name"] == "gpuload DataLoader (streaming, no cache)")
+    streaming["samples_per_s"] = 10 * max(r["samples_per_s"] for r in results)
+    add_ratios(results)
+    line = headline(results)
+    per_epoch = h2d_figures(streaming)[1]
+    assert line.startswith("gpuload (streaming, no cache): ") and per_epoch > 0
+    assert f"after the first epoch {per_epoch / 2**20:.1f} MiB per epoch cross to the device (torch: " in line
+    assert "device cache" not in line

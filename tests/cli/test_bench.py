@@ -322,3 +322,31 @@ def test_a_pretended_card_is_refused_on_a_gpu_before_measuring(tmp_path: Path, c
                        capsys)
     assert line.startswith("gpuload bench: error: argument --device-memory: it models the bytes on a CPU")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("scenario, interrupted", [("inmemory", "gpuload.bench.run.run_loaders"),
+                                                  ("disk", "gpuload.bench.disk.run_disk")])
+@pytest.mark.parametrize("out_existed", [False, True])
+def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_behind(scenario: str, interrupted: str, out_existed: bool,
+                                                               tmp_path: Path, monkeypatch, capsys) -> None:
+    """Before: a 30-line KeyboardInterrupt traceback and an empty --out folder."""
+    import importlib
+
+    module, name = interrupted.rsplit(".", 1)
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(module), name, ctrl_c)
+    out = tmp_path / "results" / "out"
+    if out_existed:
+        out.mkdir(parents=True)
+        (out / "bench.json").write_text("{}")
+    assert main(["bench", "--scenario", scenario, "--quick", "--samples", "64", "--epochs", "1",
+                 "--torch-workers", "0", "--device", "cpu", "--out", str(out)]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("gpuload bench: interrupted"), err
+    if out_existed:
+        assert [p.name for p in out.iterdir()] == ["bench.json"] and (out / "bench.json").read_text() == "{}"
+    else:
+        assert not (tmp_path / "results").exists()  # nor the parent folder the run made

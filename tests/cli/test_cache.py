@@ -83,3 +83,117 @@ def test_clear_rejects_a_bad_age(tmp_path: Path, capsys) -> None:
         main(["cache", "clear", str(tmp_path), "--older-than", "a week"])
     assert exit_info.value.code == 2
     assert "'a week' is not an age" in capsys.readouterr().err
+
+
+def test_ls_leaves_out_files_and_entries_removed_while_it_reads(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Another process fills (renaming parts, replacing the manifest) or clears the folder while
+    ``ls`` reads it: a file gone before its stat, an entry gone before its scan, are left out."""
+    from gpuload.cache import entries
+
+    kept, gone = _entry(tmp_path, "kept"), _entry(tmp_path, "gone")
+    kept.close()
+    gone.close()
+    (kept.root / "block-000009.part").write_bytes(b"x" * 4096)
+    real_scandir = os.scandir
+
+    def racing_scandir(path):
+        listed = list(real_scandir(path))
+        if Path(path) == tmp_path:  # the entry is removed after the folder is listed
+            for name in os.listdir(gone.root):
+                os.unlink(gone.root / name)
+            os.rmdir(gone.root)
+        if Path(path) == kept.root:  # the part is renamed after the entry is listed
+            os.unlink(kept.root / "block-000009.part")
+        return iter(listed)
+
+    monkeypatch.setattr(entries.os, "scandir", racing_scandir)
+    assert main(["cache", "ls", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith(f"{tmp_path}: 1 entry") and len(lines) == 2
+    assert kept.root.name in lines[1] and "complete" in lines[1]
+
+
+def test_clear_leaves_an_entry_opened_meanwhile_to_its_user(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A job opens the entry while ``clear`` deletes it: clear says so in one line and the job
+    keeps a working entry (before: ``OSError: Directory not empty``)."""
+    _entry(tmp_path, "raced").close()
+    opened: list[DiskCache] = []
+    real_rmdir = os.rmdir
+
+    def opening_rmdir(path, *args, **kwargs):
+        if not opened and Path(path).parent == tmp_path:  # clear has emptied the folder, a job opens it
+            opened.append(_entry(tmp_path, "raced"))
+        return real_rmdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", opening_rmdir)
+    assert main(["cache", "clear", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "removed 0 entries" in out and "1 in use kept" in out
+    assert sum("kept" in line and "raced(rows)" in line for line in out.splitlines()) == 1
+    cache = opened[0]
+    assert cache.root.is_dir() and cache.present(torch.arange(20)).all()
+    assert torch.equal(cache.read(torch.arange(20))[0], torch.ones(20, 4))
+    cache.close()
+    monkeypatch.undo()
+    assert main(["cache", "clear", str(tmp_path)]) == 0
+    assert "removed 1 entry" in capsys.readouterr().out and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv", [["ls", "DIR"], ["ls"], ["clear", "DIR"]])
+def test_cache_commands_do_not_import_torch(tmp_path: Path, argv: list[str]) -> None:
+    """Listing a folder needs no torch (3 to 8 s to import): ``ls`` and ``clear`` answer at once,
+    with the folder given or taken from the settings."""
+    import subprocess
+    import sys
+
+    _entry(tmp_path, "one").close()
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys\nfrom gpuload.cli import main\ncode = main(sys.argv[1:])\n"
+            "print('torch imported:', 'torch' in sys.modules, 'numpy' in sys.modules)\nsys.exit(code)")
+    env = {**os.environ, "GPULOAD_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    env.pop("GPULOAD_CONFIG", None)
+    done = subprocess.run([sys.executable, "-c", code, "cache", *[str(tmp_path) if a == "DIR" else a for a in argv]],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "1 entr" in done.stdout and "torch imported: False False" in done.stdout
+
+
+def test_clear_leaves_an_entry_to_a_job_that_opened_it_while_its_files_were_removed(tmp_path: Path,
+                                                                                   monkeypatch, capsys) -> None:
+    """The job arrives after clear took the entry's lock and removed its files: it waits on the
+    lock, clear sees its new files and leaves the entry (and its lock file) to it."""
+    import threading
+
+    from gpuload.cache import entries
+
+    first = _entry(tmp_path, "late")
+    first.close()
+    root = first.root
+    real_listdir = os.listdir
+    calls: list[int] = []
+    opened: list[DiskCache] = []
+    job = threading.Thread(target=lambda: opened.append(_entry(tmp_path, "late")), daemon=True)
+
+    def listdir_then_a_job_opens(path):
+        if Path(path) == root:
+            calls.append(1)
+            if len(calls) == 2:  # clear has removed the files and looks again
+                job.start()
+                deadline = time.monotonic() + 60
+                while not (root / "lock").exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the job has made its lock file and waits for clear's lock
+        return real_listdir(path)
+
+    monkeypatch.setattr(entries.os, "listdir", listdir_then_a_job_opens)
+    assert main(["cache", "clear", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "removed 0 entries" in out and "kept" in out and "1 in use kept" in out
+    job.join(timeout=60)
+    assert not job.is_alive() and opened
+    cache = opened[0]
+    assert cache.root == root and cache.present(torch.arange(20)).all()
+    assert torch.equal(cache.read(torch.arange(20))[0], torch.ones(20, 4))
+    (listed,) = entries.list_entries(tmp_path)
+    assert listed.in_use  # its lock is on the entry's users file, not on one clear unlinked
+    cache.close()

@@ -308,7 +308,7 @@ def test_the_cupy_line_for_a_broken_install_a_missing_nvrtc_and_one_cuda_major(
     monkeypatch.setattr(doctor, "_distributions", lambda prefixes: [])
     line = doctor._check_cupy({}, "12.6")
     assert line.status == "FAIL" and line.summary.startswith("CuPy does not import (ModuleNotFoundError: ")
-    assert line.fix.startswith("reinstall it: pip install 'gpuload[cuda12]'")
+    assert line.fix.startswith("reinstall it: pip install 'gpuload[cuda13]'")
 
     def no_nvrtc() -> tuple[int, int]:
         raise RuntimeError("libnvrtc.so.12: cannot open shared object file")
@@ -401,3 +401,62 @@ def test_the_memory_lines_give_each_devices_cache_room(monkeypatch: pytest.Monke
     assert "free memory is under the reserve" in second.fix
     assert versions["device_memory"]["cuda:0"] == {"free": 60 << 30, "total": 80 << 30, "torch_cached": 0,
                                                    "cache_room": 56 << 30}
+
+
+def _readme_install_packages() -> tuple[str, list[str]]:
+    """The CUDA extra the README's install command takes, and the packages pyproject lists for it."""
+    import re
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - python 3.10 only
+        import tomli as tomllib
+
+    command = re.findall(r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text())[0]
+    (extra,) = [e for e in re.search(r"install -e '\.\[([\w,]+)\]'", command)[1].split(",") if e.startswith("cuda")]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    return extra, [re.match(r"[\w-]+", requirement)[0] for requirement in extras[extra]]
+
+
+def _torch_wheel_cuda() -> str | None:
+    """The CUDA of the torch wheel pip installs by default: its cuda-toolkit pin, else the build's."""
+    import importlib.metadata
+    import re
+
+    for requirement in importlib.metadata.requires("torch") or []:
+        pinned = re.match(r"cuda-toolkit\S*==(\d+\.\d+)", requirement)
+        if pinned:
+            return pinned[1]
+    return torch.version.cuda
+
+
+@pytest.mark.skipif(_torch_wheel_cuda() is None, reason="needs torch's CUDA wheel (the README's install)")
+def test_the_readmes_install_gets_no_warning_from_the_doctor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the README's install loads, fed to the doctor's checks: the extra's CuPy and DALI
+    (their CUDA major read from their package names) beside torch's default wheel, whose NVRTC
+    CuPy picks up (torch loads it first). Before: the cuda12 extra, 'two CUDA majors in one
+    process', and a fix telling the user to undo the README's install."""
+    extra, packages = _readme_install_packages()
+    torch_cuda = _torch_wheel_cuda()
+    torch_major = int(torch_cuda.split(".")[0])
+    (cupy_package,) = [p for p in packages if p.startswith("cupy-cuda")]
+    (dali_package,) = [p for p in packages if p.startswith("nvidia-dali-cuda")]
+    cupy_major = int(cupy_package.removeprefix("cupy-cuda").rstrip("x"))
+    installed = {("cupy",): [f"{cupy_package}==14.2.0"], ("nvidia-dali",): [f"{dali_package}==2.4.0"]}
+    _fake_cupy(monkeypatch, cupy_major * 1000, lambda: (torch_major, 0))
+    monkeypatch.setattr(doctor, "_distributions", lambda prefixes: installed[prefixes])
+    monkeypatch.setattr(doctor, "_loaded_libraries", lambda pattern: [f"/venv/nvidia/cu{torch_major}/lib/libnvrtc.so"])
+    nvidia = types.ModuleType("nvidia")
+    nvidia.__spec__, nvidia.__path__ = importlib.machinery.ModuleSpec("nvidia", None, is_package=True), []
+    dali = types.ModuleType("nvidia.dali")
+    dali.__spec__, dali.__version__ = importlib.machinery.ModuleSpec("nvidia.dali", None), "2.4.0"
+    monkeypatch.setitem(sys.modules, "nvidia", nvidia)
+    monkeypatch.setitem(sys.modules, "nvidia.dali", dali)
+    from gpuload.decode import _dali
+
+    monkeypatch.setattr(_dali, "_import_dali", lambda: None)
+    versions = {"driver_cuda": torch_cuda}  # a driver for torch's CUDA
+    found = [doctor._check_cupy(versions, torch_cuda), doctor._check_dali(versions, torch_cuda)]
+    assert [line.status for line in found] == ["OK", "OK"], (extra, found)
+    assert f"CUDA runtime {cupy_major}.0; compiles with NVRTC {torch_major}.0" in found[0].summary
+    assert "beside torch's" not in found[1].summary, found[1]  # one CUDA major: no note on a second

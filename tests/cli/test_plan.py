@@ -482,3 +482,26 @@ def test_the_disk_tier_is_planned_beside_the_others_with_a_cache_dir(tmp_path: P
     assert not folder.exists()  # planning writes nothing
     assert main(["plan", "--synthetic", "cifar", "--device-memory", "4GiB"]) == 0
     assert "disk tier" not in capsys.readouterr().out
+
+
+def test_a_glob_of_token_shards_is_planned_as_token_windows_reads_it(tmp_path: Path, capsys) -> None:
+    """``gpuload plan 'train_*.bin'`` (before: "neither an image folder nor ..."), and the help names .bin."""
+    from gpuload import TokenWindows
+    from gpuload.datasets.tokens import write_shard
+
+    for k in range(3):
+        write_shard(tmp_path / f"train_{k:03d}.bin", np.arange(1000) % 500)
+    pattern = str(tmp_path / "train_*.bin")
+    assert TokenWindows(pattern, seq_len=8).num_tokens == 3000
+    assert main(["plan", pattern, "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"token shards {tmp_path / 'train_000.bin'} .. {tmp_path / 'train_002.bin'} (3 files): 3000 tokens" in out
+    assert "3000 samples x 2 B (2 bytes per sample)" in out
+    write_shard(tmp_path / "train_009.bin", np.arange(10), magic=20240801)  # uint32 beside uint16: refused by both
+    assert main(["plan", pattern, "--device", "cpu"]) == 2
+    assert "hold ids of different dtypes (uint16, uint32)" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path / "none_*.bin"), "--device", "cpu"]) == 2
+    assert "no token files match this pattern" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert ".bin token shard" in " ".join(capsys.readouterr().out.split())

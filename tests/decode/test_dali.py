@@ -98,7 +98,7 @@ def test_a_dali_that_does_not_import_is_unavailable_with_the_way_out(monkeypatch
     monkeypatch.setitem(sys.modules, "nvidia.dali.fn", None)  # importing it raises ModuleNotFoundError
     with pytest.raises(_dali.DaliUnavailable, match=r"^nvidia.dali could not be imported \(ModuleNotFoundError: "
                        r"import of nvidia.dali.fn halted; None in sys.modules\); "
-                       r"install gpuload\[cuda12\] \(or gpuload\[cuda13\]\), or decode with backend='torchvision' "
+                       r"install gpuload\[cuda13\] \(or gpuload\[cuda12\]\), or decode with backend='torchvision' "
                        r"or backend='pil'$"):
         _dali._import_dali()
     broken = type(sys)("gpuload_test_no_spec")
