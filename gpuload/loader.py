@@ -24,10 +24,20 @@ from gpuload.device import resolve_device
 from gpuload.elastic import distributed_layout, for_this_world_size
 from gpuload.iterators import EpochIterator, OpenEpochs, close_when_idle, shut_down_workers
 from gpuload.prefetch import Prefetcher
-from gpuload.resume import Position, RandomStates, begin_epoch, load_state, save_state, stream_of, take_up_iterable
+from gpuload.resume import (
+    Position,
+    RandomStates,
+    begin_epoch,
+    load_state,
+    save_state,
+    stream_ended,
+    stream_of,
+    take_up_iterable,
+)
 from gpuload.sampling import checked_batch_size, draws_in_range
 from gpuload.sources import Indices, Schedule, Source, Work, runs_ahead
 from gpuload.sources.choose import choose_source
+from gpuload.state_format import check_format
 from gpuload.stats import LoaderStats, Tally
 
 __all__ = ["DataLoader"]
@@ -226,8 +236,9 @@ class DataLoader(tud.DataLoader[T_co]):
         """This loader's position after the batches handed to the loop (not those made ahead): a small
         dict that ``load_state_dict`` continues from, at this or another world size (README, resume)."""
         current = self._current() if self._current is not None else None
-        stream = stream_of(current) if current is not None and current.position is self._position else None
-        state = save_state(self, self._resume or self._position, self._epoch, self._transform_seed, stream)
+        in_progress = current is not None and current.position is self._position
+        stream, ended = (stream_of(current), stream_ended(current)) if in_progress else (None, False)
+        state = save_state(self, self._resume or self._position, self._epoch, self._transform_seed, stream, ended)
         state["distributed"] = distributed_layout(self)  # taken up at another world size (gpuload.elastic)
         return state
 
@@ -236,7 +247,7 @@ class DataLoader(tud.DataLoader[T_co]):
         saved, reading nothing before that point. :class:`gpuload.resume.ResumeError` names
         what differs (arguments, dataset, generators, a DistributedSampler's seed, a world size
         the saved position cannot be split over) or what a malformed state lacks."""
-        state = for_this_world_size(self, state)
+        state = for_this_world_size(self, check_format(state))
         loaded = load_state(self, state, iterable=self._dataset_kind != _DatasetKind.Map)
         if loaded.transform_seed != self._transform_seed:
             self._transform_seed = loaded.transform_seed
