@@ -161,6 +161,14 @@ class DataLoader(tud.DataLoader[T_co]):
         """Make the next ``iter()`` epoch ``epoch`` (0-based) for the transforms' randomness."""
         self._epoch = int(epoch) - 1
 
+    @property
+    def next_epoch(self) -> int:
+        """The epoch (0-based) the next ``iter()`` runs. After ``load_state_dict``: the saved epoch
+        when it was cut short (the next ``iter()`` finishes it), else the one after it (0 for a
+        state saved before the first ``iter()``), so a resumed loop is
+        ``for epoch in range(loader.next_epoch, epochs)`` wherever the state was saved."""
+        return self._epoch + 1
+
     def __iter__(self) -> Iterator[T_co]:
         self._tally.begin_epoch(self._source, self._prefetcher, self.device.type)
         self._epoch += 1

@@ -80,7 +80,7 @@ class GpuloadShard(DataLoaderShard):
         """Continue from a gpuload ``state_dict()`` (see ``gpuload.DataLoader.load_state_dict``);
         the next ``iter()`` is the saved epoch (or the one after it, when it had ended)."""
         self.base_dataloader.load_state_dict(state_dict)
-        self.iteration = int(state_dict["epoch"]) + (1 if state_dict["finished"] else 0)
+        self.iteration = self.base_dataloader.next_epoch
         self.dl_state_dict = self.base_dataloader.state_dict()
 
     def __reduce__(self) -> tuple[Any, ...]:
