@@ -10,6 +10,7 @@ source's schedule in the thread ``runs_ahead`` picks, and adds up the counters (
 
 from __future__ import annotations
 
+import inspect
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -40,7 +41,7 @@ from gpuload.sources.choose import choose_source
 from gpuload.state_format import check_format
 from gpuload.stats import LoaderStats, Tally
 
-__all__ = ["DataLoader"]
+__all__ = ["OPTIONS", "DataLoader"]
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -385,3 +386,12 @@ class DataLoader(tud.DataLoader[T_co]):
                 "call loader.set_batch_size(n), which keeps the epoch's sample order"
             )
         super().__setattr__(attr, value)
+
+
+#: gpuload's own options, in the constructor's order: its keyword arguments that torch's DataLoader
+#: lacks. Each is kept as a public attribute of that name; a wrapper that rebuilds a loader must
+#: carry every one (the integrations do; tests/clients/test_options.py checks each over this tuple).
+OPTIONS: tuple[str, ...] = tuple(
+    name for name in inspect.signature(DataLoader.__init__).parameters
+    if name != "self" and name not in inspect.signature(tud.DataLoader.__init__).parameters
+)

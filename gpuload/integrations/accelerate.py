@@ -38,11 +38,13 @@ from torch.utils.data import BatchSampler, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import gpuload
+from gpuload.loader import OPTIONS
 
 __all__ = ["GPULOAD_OPTIONS", "GpuloadShard", "prepare", "prepare_data_loader", "serve_from_gpuload"]
 
-#: gpuload's own keyword-only options, carried from a loader to the one that replaces it.
-GPULOAD_OPTIONS = ("transforms", "cache", "cache_size", "cache_reserve", "cache_scope", "job", "prefetch_depth", "on_error")
+#: gpuload's own options (``gpuload.loader.OPTIONS``), carried from a loader to the one that
+#: replaces it; all but ``device``, which is the shard's (the Accelerator's device).
+GPULOAD_OPTIONS = tuple(name for name in OPTIONS if name != "device")
 
 # torch's arguments that do not choose the batches (those come from the prepared batch sampler).
 _TORCH_OPTIONS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
