@@ -24,6 +24,9 @@ gpuload serves each rank's batches on the rank that uses them.
 
 from __future__ import annotations
 
+import os
+import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,8 +42,13 @@ from torch.utils.data.distributed import DistributedSampler
 
 import gpuload
 from gpuload.loader import OPTIONS
+from gpuload.resume import ResumeError
 
-__all__ = ["GPULOAD_OPTIONS", "GpuloadShard", "prepare", "prepare_data_loader", "serve_from_gpuload"]
+__all__ = ["GPULOAD_OPTIONS", "POSITION_FILE", "GpuloadShard", "prepare", "prepare_data_loader", "serve_from_gpuload"]
+
+#: Where ``accelerator.save_state`` puts each process's position of each gpuload loader (``loader``:
+#: its number among the Accelerator's loaders, as in Accelerate's ``dl_state_dict_{i}.bin``).
+POSITION_FILE = "gpuload_loader_{loader}_{process}.pt"
 
 #: gpuload's own options (``gpuload.loader.OPTIONS``), carried from a loader to the one that
 #: replaces it; all but ``device``, which is the shard's (the Accelerator's device).
@@ -58,8 +66,8 @@ class GpuloadShard(DataLoaderShard):
     gradient-accumulation bookkeeping), adopted: only the loader under it is gpuload's. Besides,
     ``set_epoch`` reaches the gpuload loader (the transforms' randomness follows the epoch),
     ``state_dict``/``load_state_dict`` are gpuload's exact position (``accelerator.save_state``
-    and ``load_state`` carry it, as for torchdata's StatefulDataLoader), and a loaded state
-    sets the epoch the shard goes on with. ``isinstance(shard, gpuload.DataLoader)`` holds, as
+    and ``load_state`` carry it, one file per process: see :func:`prepare_data_loader`), and a
+    loaded state sets the epoch the shard goes on with. ``isinstance(shard, gpuload.DataLoader)`` holds, as
     Accelerate's shards answer ``isinstance`` for the loader they wrap.
     """
 
@@ -70,7 +78,10 @@ class GpuloadShard(DataLoaderShard):
         adopted = cls.__new__(cls)
         adopted.__dict__.update(shard.__dict__)
         adopted.base_dataloader = loader
-        adopted.use_stateful_dataloader = True  # Accelerate's save_state/load_state save our state_dict()
+        # Accelerate's save_state would write every process's state_dict() to one dl_state_dict.bin
+        # (the processes' positions differ with uneven batches): saved per process instead
+        # (_keep_positions_per_process)
+        adopted.use_stateful_dataloader = False
         adopted.dl_state_dict = loader.state_dict()
         return adopted
 
@@ -108,6 +119,11 @@ def prepare_data_loader(
 
     Batches are delivered on ``accelerator.device`` when device placement is on (Accelerate's
     default), so Accelerate's own move to the device finds them there and copies nothing.
+
+    ``accelerator.save_state`` then writes each process's position of each gpuload loader
+    (:data:`POSITION_FILE`), and ``accelerator.load_state`` loads each process its own; a
+    checkpoint saved by another number of processes, or without these files, raises
+    :class:`~gpuload.resume.ResumeError`.
     """
     if not isinstance(loader, gpuload.DataLoader):
         raise TypeError(
@@ -151,7 +167,61 @@ def prepare_data_loader(
     )
     prepared = serve_from_gpuload(shard, loader)
     prepared._is_accelerate_prepared = True
+    _keep_positions_per_process(accelerator)
     return accelerator.prepare_data_loader(prepared)  # registers it (save_state, join_uneven_inputs)
+
+
+def _keep_positions_per_process(accelerator: Accelerator) -> None:
+    """Have ``accelerator``'s ``save_state``/``load_state`` save and load each process's position
+    of its gpuload loaders (once per Accelerator; its hooks hold it weakly)."""
+    if getattr(accelerator, "_gpuload_positions_kept", False):
+        return
+    accelerator._gpuload_positions_kept = True
+    owner = weakref.ref(accelerator)
+    accelerator.register_save_state_pre_hook(lambda models, weights, folder: _save_positions(owner(), folder))
+    accelerator.register_load_state_pre_hook(lambda models, folder: _load_positions(owner(), folder))
+
+
+def _gpuload_loaders(accelerator: Accelerator) -> list[tuple[int, GpuloadShard]]:
+    """The gpuload loaders among those ``accelerator`` holds, with their number there (the ``i``
+    of Accelerate's own ``dl_state_dict_{i}.bin``)."""
+    return [(number, loader) for number, loader in enumerate(accelerator._dataloaders)
+            if isinstance(loader, GpuloadShard)]
+
+
+def _save_positions(accelerator: Accelerator | None, folder: str | os.PathLike[str]) -> None:
+    if accelerator is None:  # the hook is held by the Accelerator itself: it lives while the hook runs
+        return
+    for number, loader in _gpuload_loaders(accelerator):
+        path = Path(folder, POSITION_FILE.format(loader=number, process=accelerator.process_index))
+        torch.save(loader.state_dict(), path)
+
+
+def _load_positions(accelerator: Accelerator | None, folder: str | os.PathLike[str]) -> None:
+    if accelerator is None:
+        return
+    for number, loader in _gpuload_loaders(accelerator):
+        processes = accelerator.num_processes
+        own = Path(folder, POSITION_FILE.format(loader=number, process=accelerator.process_index))
+        saved = len(list(Path(folder).glob(POSITION_FILE.format(loader=number, process="*"))))
+        if saved and (saved != processes or not own.is_file()):
+            raise ResumeError(
+                f"{folder} holds the positions of gpuload loader {number} for {saved} processes, but this job "
+                f"has {processes} (no {own.name}): Accelerate deals each epoch's batches out over the processes, "
+                f"so a position at one number of processes is another point of the epoch at another; resume "
+                f"with {saved} processes, or from a checkpoint at an epoch's end with a new loader state"
+            )
+        if not saved:
+            shared = Path(folder, "dl_state_dict.bin" if number == 0 else f"dl_state_dict_{number}.bin")
+            if processes > 1 or not shared.is_file():
+                found = f" (its {shared.name} holds one process's position, written by all)" if shared.is_file() else ""
+                raise ResumeError(
+                    f"{folder} holds no position of gpuload loader {number} for this process, {own.name}{found}: "
+                    "save the checkpoint with a loader prepared by gpuload.integrations.accelerate, which saves "
+                    "each process's position"
+                )
+            own = shared  # one process: Accelerate's own file is its position (a checkpoint of an earlier gpuload)
+        loader.load_state_dict(torch.load(own, weights_only=False))
 
 
 def prepare(accelerator: Accelerator, *objects: Any, device_placement: list[bool] | None = None) -> Any:

@@ -74,7 +74,7 @@ def test_accelerates_rebuilt_shard_keeps_every_option(values: dict[str, Any]) ->
 def test_the_trainer_mixin_takes_every_option(values: dict[str, Any], tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     transformers = pytest.importorskip("transformers", reason="HF Transformers is a test dependency")
-    import transformers.trainer
+    import transformers.trainer  # noqa: F811 (the submodule, after the importorskip)
 
     # tests/datasets/ on sys.path looks like HF datasets to Trainer (see test_transformers.py)
     monkeypatch.setattr(transformers.trainer, "is_datasets_available", lambda: False)
