@@ -84,11 +84,6 @@ def _flag(key: str, value: Any) -> None:
         raise _impossible(key, value, "must be True or False")
 
 
-def _mapping_or_none(key: str, value: Any) -> None:
-    if value is not None and not isinstance(value, Mapping):
-        raise _impossible(key, value, "must be a dict or None")
-
-
 def _cuts(key: str, value: Any) -> None:
     if not isinstance(value, (list, tuple)):
         raise _impossible(key, value, "must be a list of [batches done, samples done, new batch size]")
@@ -167,9 +162,9 @@ _CHECKS: dict[str, Callable[[str, Any], None]] = {
     "out_of_order": _out_of_order,
     "stream_ended": _flag,
     "distributed": _distributed,
-    "signature": _mapping_or_none,
-    # "dataset" and "dataset_iterator" are the dataset's and its iterator's own states: any value
-    # (checked against the dataset by gpuload.resume.load_state)
+    # "version", "signature", "random": checked above; "dataset" and "dataset_iterator" are the
+    # dataset's and its iterator's own states, any value (checked against the dataset by
+    # gpuload.resume.load_state, as "signature" is against the loader)
 }
 _RANDOM_CHECKS: dict[str, Callable[[str, Any], None]] = {
     "generators": _generators,
