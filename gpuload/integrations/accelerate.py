@@ -41,6 +41,7 @@ from torch.utils.data import BatchSampler, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import gpuload
+from gpuload.elastic import distributed_layout
 from gpuload.loader import OPTIONS
 from gpuload.resume import ResumeError
 
@@ -201,27 +202,37 @@ def _load_positions(accelerator: Accelerator | None, folder: str | os.PathLike[s
     if accelerator is None:
         return
     for number, loader in _gpuload_loaders(accelerator):
-        processes = accelerator.num_processes
-        own = Path(folder, POSITION_FILE.format(loader=number, process=accelerator.process_index))
-        saved = len(list(Path(folder).glob(POSITION_FILE.format(loader=number, process="*"))))
-        if saved and (saved != processes or not own.is_file()):
-            raise ResumeError(
-                f"{folder} holds the positions of gpuload loader {number} for {saved} processes, but this job "
-                f"has {processes} (no {own.name}): Accelerate deals each epoch's batches out over the processes, "
-                f"so a position at one number of processes is another point of the epoch at another; resume "
-                f"with {saved} processes, or from a checkpoint at an epoch's end with a new loader state"
-            )
-        if not saved:
-            shared = Path(folder, "dl_state_dict.bin" if number == 0 else f"dl_state_dict_{number}.bin")
-            if processes > 1 or not shared.is_file():
-                found = f" (its {shared.name} holds one process's position, written by all)" if shared.is_file() else ""
-                raise ResumeError(
-                    f"{folder} holds no position of gpuload loader {number} for this process, {own.name}{found}: "
-                    "save the checkpoint with a loader prepared by gpuload.integrations.accelerate, which saves "
-                    "each process's position"
-                )
-            own = shared  # one process: Accelerate's own file is its position (a checkpoint of an earlier gpuload)
-        loader.load_state_dict(torch.load(own, weights_only=False))
+        path = _position_file(Path(folder), number, loader, accelerator.process_index, accelerator.num_processes)
+        loader.load_state_dict(torch.load(path, weights_only=False))
+
+
+def _position_file(folder: Path, number: int, loader: GpuloadShard, process: int, processes: int) -> Path:
+    """The file in ``folder`` that holds this process's position of gpuload loader ``number``;
+    ResumeError when it holds none, or positions of another number of processes that cannot be
+    taken up at this one."""
+    own = folder / POSITION_FILE.format(loader=number, process=process)
+    saved = len(list(folder.glob(POSITION_FILE.format(loader=number, process="*"))))
+    if saved == processes and own.is_file():
+        return own
+    if saved and distributed_layout(loader.base_dataloader) is not None:
+        # sharded by its DistributedSampler: every process saved the same point of the epoch's
+        # order, which gpuload.elastic takes up at this number of processes
+        return folder / POSITION_FILE.format(loader=number, process=0)
+    if saved:
+        raise ResumeError(
+            f"{folder} holds the positions of gpuload loader {number} for {saved} processes, but this job has "
+            f"{processes}: Accelerate deals each epoch's batches out over the processes, so a position saved at "
+            f"one number of processes is another point of the epoch at another; resume with {saved} processes "
+            "(or give the loader torch's DistributedSampler, whose position gpuload takes up at any number)"
+        )
+    shared = folder / ("dl_state_dict.bin" if number == 0 else f"dl_state_dict_{number}.bin")
+    if processes == 1 and shared.is_file():
+        return shared  # one process: Accelerate's own file is its position (a checkpoint of an earlier gpuload)
+    found = f" (its {shared.name} holds one process's position, written by all)" if shared.is_file() else ""
+    raise ResumeError(
+        f"{folder} holds no position of gpuload loader {number} for this process, {own.name}{found}: save the "
+        "checkpoint with a loader prepared by gpuload.integrations.accelerate, which saves each process's position"
+    )
 
 
 def prepare(accelerator: Accelerator, *objects: Any, device_placement: list[bool] | None = None) -> Any:

@@ -151,6 +151,31 @@ def test_a_checkpoint_without_this_processs_position_is_refused(tmp_path) -> Non
         accelerator.load_state(str(folder))
 
 
+def test_positions_of_a_distributed_sampler_are_taken_up_at_another_number_of_processes(tmp_path) -> None:
+    """A loader sharded by torch's DistributedSampler saved the same point of the epoch's order on
+    every process (pretended: 2 processes' files, the sampler over 2 replicas): one process takes
+    it up (gpuload.elastic) from sample 2 batches x 4 x 2 replicas = 16 of the epoch's order."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = shuffled(TorchDataLoader).dataset
+
+    def loader(replicas: int) -> gpuload.DataLoader:
+        return gpuload.DataLoader(data, batch_size=4, sampler=DistributedSampler(data, replicas, 0, seed=3))
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    ours = prepare_data_loader(accelerator, loader(2))
+    epoch = iter(ours)
+    next(epoch), next(epoch)
+    folder = tmp_path / "ckpt"
+    accelerator.save_state(str(folder))
+    (folder / "gpuload_loader_0_1.pt").write_bytes((folder / "gpuload_loader_0_0.pt").read_bytes())
+    accelerator = accelerate.Accelerator(cpu=True)
+    resumed = prepare_data_loader(accelerator, loader(1))
+    accelerator.load_state(str(folder))
+    order = list(DistributedSampler(data, 1, 0, seed=3))
+    assert [label for batch in resumed for label in batch[1].tolist()] == order[16:]
+
+
 def test_a_prepared_loader_pickles() -> None:
     accelerator = accelerate.Accelerator(cpu=True)
     ours = prepare_data_loader(accelerator, shuffled(gpuload.DataLoader))
