@@ -116,3 +116,42 @@ def test_every_position_the_loader_saves_loads_and_goes_on_from_there(batches: i
     resumed = loader()
     resumed.load_state_dict(json.loads(json.dumps(saved(batches))))
     assert [batch[0].tolist() for batch in resumed] == whole[batches:]
+
+
+@pytest.mark.parametrize(("key", "value", "named"), [
+    ("cuts", "3", "'cuts'"), ("cuts", [[1, 2]], r"'cuts\[0\]'"), ("out_of_order", [1], "'out_of_order'"),
+    ("out_of_order", {"prefix": -1, "others": []}, "'out_of_order.prefix'"), ("distributed", "x", "'distributed'"),
+    ("random.generators", "abc", "'random.generators'"), ("random.samplers", [{"seed": 1}],
+                                                          r"'random.samplers\[0\]'.*no sampler with state_dict"),
+    ("batches", 40, "'batches' is 40"),
+])
+def test_each_malformed_value_names_where_it_is(key: str, value: Any, named: str) -> None:
+    with pytest.raises(ResumeError, match=named):
+        loader().load_state_dict(with_value(saved(), key, value))
+
+
+def test_a_cut_beyond_the_epochs_samples_or_batches_of_a_batch_sampler_of_its_own_are_refused() -> None:
+    state = with_value(saved(8), "cuts", [[8, 32, 1]])  # 8 batches of 4: the last had 2
+    with pytest.raises(ResumeError, match="'cuts' put 32 samples done in an epoch of 30"):
+        loader().load_state_dict(state)
+
+    class Batches(tud.BatchSampler):
+        pass
+
+    def own_batches() -> gpuload.DataLoader:
+        return gpuload.DataLoader(tud.TensorDataset(torch.arange(30)),
+                                  batch_sampler=Batches(tud.SequentialSampler(range(30)), 4, False))
+
+    source = own_batches()
+    next(iter(source))
+    state = source.state_dict()
+    assert state["batches"] == 1 and state["epoch_batch_size"] is None  # batch_size=None: batches of its own
+    with pytest.raises(ResumeError, match="not cut by torch's BatchSampler"):
+        own_batches().load_state_dict(with_value(state, "cuts", [[1, 1, 2]]))
+    with pytest.raises(ResumeError, match="'batches' is 9, but epoch 0 of this loader has 8 batches"):
+        own_batches().load_state_dict(with_value(state, "batches", 9))
+
+
+def test_a_stream_that_ended_after_its_epoch_ended_is_refused() -> None:
+    with pytest.raises(ResumeError, match="'stream_ended'.*only inside an epoch"):
+        loader().load_state_dict(with_value(loader().state_dict(), "stream_ended", True))

@@ -25,7 +25,6 @@ gpuload serves each rank's batches on the rank that uses them.
 from __future__ import annotations
 
 import os
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -174,13 +173,12 @@ def prepare_data_loader(
 
 def _keep_positions_per_process(accelerator: Accelerator) -> None:
     """Have ``accelerator``'s ``save_state``/``load_state`` save and load each process's position
-    of its gpuload loaders (once per Accelerator; its hooks hold it weakly)."""
+    of its gpuload loaders (once per Accelerator)."""
     if getattr(accelerator, "_gpuload_positions_kept", False):
         return
     accelerator._gpuload_positions_kept = True
-    owner = weakref.ref(accelerator)
-    accelerator.register_save_state_pre_hook(lambda models, weights, folder: _save_positions(owner(), folder))
-    accelerator.register_load_state_pre_hook(lambda models, folder: _load_positions(owner(), folder))
+    accelerator.register_save_state_pre_hook(lambda models, weights, folder: _save_positions(accelerator, folder))
+    accelerator.register_load_state_pre_hook(lambda models, folder: _load_positions(accelerator, folder))
 
 
 def _gpuload_loaders(accelerator: Accelerator) -> list[tuple[int, GpuloadShard]]:
@@ -190,17 +188,13 @@ def _gpuload_loaders(accelerator: Accelerator) -> list[tuple[int, GpuloadShard]]
             if isinstance(loader, GpuloadShard)]
 
 
-def _save_positions(accelerator: Accelerator | None, folder: str | os.PathLike[str]) -> None:
-    if accelerator is None:  # the hook is held by the Accelerator itself: it lives while the hook runs
-        return
+def _save_positions(accelerator: Accelerator, folder: str | os.PathLike[str]) -> None:
     for number, loader in _gpuload_loaders(accelerator):
         path = Path(folder, POSITION_FILE.format(loader=number, process=accelerator.process_index))
         torch.save(loader.state_dict(), path)
 
 
-def _load_positions(accelerator: Accelerator | None, folder: str | os.PathLike[str]) -> None:
-    if accelerator is None:
-        return
+def _load_positions(accelerator: Accelerator, folder: str | os.PathLike[str]) -> None:
     for number, loader in _gpuload_loaders(accelerator):
         path = _position_file(Path(folder), number, loader, accelerator.process_index, accelerator.num_processes)
         loader.load_state_dict(torch.load(path, weights_only=False))
