@@ -61,7 +61,7 @@ state = torch.load(io.BytesIO(saved), weights_only=False)
 model.load_state_dict(state["model"])
 optimizer.load_state_dict(state["optimizer"])
 loader.load_state_dict(state["loader"])
-train(loader, model, optimizer, epochs=3, seen=interrupted, start_epoch=state["loader"]["epoch"])
+train(loader, model, optimizer, epochs=3, seen=interrupted, start_epoch=loader.next_epoch)
 
 same = len(interrupted) == len(uninterrupted) and all(
     torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(interrupted, uninterrupted)

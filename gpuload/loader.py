@@ -10,6 +10,7 @@ source's schedule in the thread ``runs_ahead`` picks, and adds up the counters (
 
 from __future__ import annotations
 
+import inspect
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -24,13 +25,23 @@ from gpuload.device import resolve_device
 from gpuload.elastic import distributed_layout, for_this_world_size
 from gpuload.iterators import EpochIterator, OpenEpochs, close_when_idle, shut_down_workers
 from gpuload.prefetch import Prefetcher
-from gpuload.resume import Position, RandomStates, begin_epoch, load_state, save_state, stream_of, take_up_iterable
+from gpuload.resume import (
+    Position,
+    RandomStates,
+    begin_epoch,
+    load_state,
+    save_state,
+    stream_ended,
+    stream_of,
+    take_up_iterable,
+)
 from gpuload.sampling import checked_batch_size, draws_in_range
 from gpuload.sources import Indices, Schedule, Source, Work, runs_ahead
 from gpuload.sources.choose import choose_source
+from gpuload.state_format import check_format
 from gpuload.stats import LoaderStats, Tally
 
-__all__ = ["DataLoader"]
+__all__ = ["OPTIONS", "DataLoader"]
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -151,6 +162,14 @@ class DataLoader(tud.DataLoader[T_co]):
         """Make the next ``iter()`` epoch ``epoch`` (0-based) for the transforms' randomness."""
         self._epoch = int(epoch) - 1
 
+    @property
+    def next_epoch(self) -> int:
+        """The epoch (0-based) the next ``iter()`` runs. After ``load_state_dict``: the saved epoch
+        when it was cut short (the next ``iter()`` finishes it), else the one after it (0 for a
+        state saved before the first ``iter()``), so a resumed loop is
+        ``for epoch in range(loader.next_epoch, epochs)`` wherever the state was saved."""
+        return self._epoch + 1
+
     def __iter__(self) -> Iterator[T_co]:
         self._tally.begin_epoch(self._source, self._prefetcher, self.device.type)
         self._epoch += 1
@@ -226,8 +245,9 @@ class DataLoader(tud.DataLoader[T_co]):
         """This loader's position after the batches handed to the loop (not those made ahead): a small
         dict that ``load_state_dict`` continues from, at this or another world size (README, resume)."""
         current = self._current() if self._current is not None else None
-        stream = stream_of(current) if current is not None and current.position is self._position else None
-        state = save_state(self, self._resume or self._position, self._epoch, self._transform_seed, stream)
+        in_progress = current is not None and current.position is self._position
+        stream, ended = (stream_of(current), stream_ended(current)) if in_progress else (None, False)
+        state = save_state(self, self._resume or self._position, self._epoch, self._transform_seed, stream, ended)
         state["distributed"] = distributed_layout(self)  # taken up at another world size (gpuload.elastic)
         return state
 
@@ -236,7 +256,7 @@ class DataLoader(tud.DataLoader[T_co]):
         saved, reading nothing before that point. :class:`gpuload.resume.ResumeError` names
         what differs (arguments, dataset, generators, a DistributedSampler's seed, a world size
         the saved position cannot be split over) or what a malformed state lacks."""
-        state = for_this_world_size(self, state)
+        state = for_this_world_size(self, check_format(state))
         loaded = load_state(self, state, iterable=self._dataset_kind != _DatasetKind.Map)
         if loaded.transform_seed != self._transform_seed:
             self._transform_seed = loaded.transform_seed
@@ -366,3 +386,12 @@ class DataLoader(tud.DataLoader[T_co]):
                 "call loader.set_batch_size(n), which keeps the epoch's sample order"
             )
         super().__setattr__(attr, value)
+
+
+#: gpuload's own options, in the constructor's order: its keyword arguments that torch's DataLoader
+#: lacks. Each is kept as a public attribute of that name; a wrapper that rebuilds a loader must
+#: carry every one (the integrations do; tests/clients/test_options.py checks each over this tuple).
+OPTIONS: tuple[str, ...] = tuple(
+    name for name in inspect.signature(DataLoader.__init__).parameters
+    if name != "self" and name not in inspect.signature(tud.DataLoader.__init__).parameters
+)

@@ -31,7 +31,7 @@ import base64
 import random
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -41,6 +41,7 @@ from torch.utils.data.dataloader import _DatasetKind
 from torch.utils.data.distributed import DistributedSampler
 
 from gpuload.sampling import begin_drawing, cut_order, draw_epoch, draw_order, epoch_order
+from gpuload.state_format import STATE_VERSION, ResumeError, check_format, decoded_generator_state
 
 __all__ = [
     "STATE_VERSION",
@@ -55,18 +56,13 @@ __all__ = [
     "save_state",
     "signature",
     "stateful",
+    "stream_ended",
     "stream_of",
     "take_up_iterable",
     "unrestorable",
 ]
 
-STATE_VERSION = 1
-
 T = TypeVar("T")
-
-
-class ResumeError(ValueError):
-    """A saved loader state does not fit the loader it is loaded into."""
 
 
 def stateful(obj: Any) -> bool:
@@ -132,6 +128,14 @@ class RandomStates:
                 f"but this loader has {len(generators)}; build it with the same generator/sampler arguments "
                 "(a generator= passed or not, to the loader and to its sampler)"
             )
+        for place, (generator, state) in enumerate(zip(generators, self.generators)):
+            try:
+                torch.Generator(device=generator.device).set_state(state)
+            except RuntimeError as error:
+                raise ResumeError(
+                    f"this loader state's 'random.generators[{place}]' is not a state of this loader's "
+                    f"{generator.device.type} generator there ({error})"
+                ) from None
 
     def restore_explicit(self, loader: tud.DataLoader) -> None:
         """Set the loader's and samplers' own generators (and stateful samplers) back; the
@@ -175,8 +179,9 @@ class RandomStates:
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> RandomStates:
         return cls(
-            generators=[_decoded(s) for s in state["generators"]],
-            global_state=_decoded(state["global"]),
+            generators=[decoded_generator_state(f"random.generators[{place}]", saved)
+                        for place, saved in enumerate(state["generators"])],
+            global_state=decoded_generator_state("random.global", state["global"]),
             samplers=list(state.get("samplers", [state.get("sampler")])),
             distributed_epoch=state.get("distributed_epoch"),
             worker_seed_drawn=bool(state.get("worker_seed_drawn", False)),
@@ -186,13 +191,6 @@ class RandomStates:
 def _encoded(generator_state: torch.Tensor) -> str:
     """A generator's state as base64 text: the state stays JSON-safe (as torchdata's) and small."""
     return base64.b64encode(generator_state.numpy().tobytes()).decode("ascii")
-
-
-def _decoded(saved: Any) -> torch.Tensor:
-    """A generator state saved by :func:`_encoded`, or as a tensor or list (earlier states)."""
-    if isinstance(saved, str):
-        return torch.frombuffer(bytearray(base64.b64decode(saved)), dtype=torch.uint8)
-    return torch.as_tensor(saved, dtype=torch.uint8)
 
 
 # (batches done, samples of the epoch's order done, new batch size) at one ``set_batch_size``
@@ -211,7 +209,9 @@ class Position:
     ``delivered``: the places (among the epoch's index batches) of the batches done, when
     workers handed them over as they finished (``in_order=False``): then they need not be the
     first ones. ``dataset_state``, ``stream_state``: a
-    resumed iterable dataset's own state and its iterator's, loaded by :func:`take_up_iterable`."""
+    resumed iterable dataset's own state and its iterator's, loaded by :func:`take_up_iterable`;
+    ``stream_ended``: its stream had ended inside the epoch (torch's fetcher met its end filling
+    the last, shorter batch), so the rest of the epoch is empty whatever the dataset's state says."""
 
     number: int
     states: RandomStates
@@ -227,6 +227,7 @@ class Position:
     untracked: bool = False  # a batch was handed over out of order at a place not told
     dataset_state: Any = None  # a resumed iterable dataset's own state (take_up_iterable)
     stream_state: Any = None  # the state of the iterator its __iter__ returned, when it has one
+    stream_ended: bool = False  # torch's fetcher had run the stream to its end (a partial last batch)
 
     def samples_done(self) -> int:
         """Positions of the epoch's flat sample order done (past its end once the last, shorter
@@ -306,6 +307,12 @@ def stream_of(torch_iterator: Any) -> Any:
     return getattr(getattr(torch_iterator, "_dataset_fetcher", None), "dataset_iter", None)
 
 
+def stream_ended(torch_iterator: Any) -> bool:
+    """Whether torch's single-process iterator of an iterable dataset has met the end of the
+    stream (filling a last, shorter batch: the loop has not seen the epoch end yet)."""
+    return bool(getattr(getattr(torch_iterator, "_dataset_fetcher", None), "ended", False))
+
+
 def take_up_iterable(loader: tud.DataLoader, position: Position, make_iterator: Callable[[], Iterator[T]]) -> Iterator[T]:
     """torch's iterator (``make_iterator()``) for a resumed epoch of an iterable dataset, made
     from the random states the epoch began with (the loader's generator, and the global one
@@ -328,6 +335,8 @@ def take_up_iterable(loader: tud.DataLoader, position: Position, make_iterator: 
             loader.dataset.load_state_dict(dataset_state)
         elif stream_state is not None and stateful(stream):
             stream.load_state_dict(stream_state)
+        if position.stream_ended:  # the saved states are those after the end: the rest is empty
+            iterator._dataset_fetcher.ended = True
         return iterator
 
     def replayed() -> Iterator[T]:
@@ -457,10 +466,11 @@ def warn_unrestorable(loader: tud.DataLoader) -> None:
 
 
 def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, transform_seed: int,
-               stream: Any = None) -> dict[str, Any]:
+               stream: Any = None, ended: bool = False) -> dict[str, Any]:
     """The state dict of ``loader`` at ``progress`` (None: no epoch begun; ``epoch`` is then
     the epoch counter as it stands); ``stream``: the iterator an iterable dataset's ``__iter__``
-    gave the epoch in progress (:func:`stream_of`), saved when it has its own state."""
+    gave the epoch in progress (:func:`stream_of`), saved when it has its own state; ``ended``:
+    torch's iterator of that epoch had met the stream's end (:func:`stream_ended`)."""
     warn_unrestorable(loader)
     epoch_batch_size, cuts, started, delivered = loader.batch_size, [], True, None
     if progress is None:
@@ -493,6 +503,7 @@ def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, tr
         "out_of_order": delivered,
         "dataset": _dataset_state(loader, progress),
         "dataset_iterator": _stream_state(loader, progress, stream),
+        "stream_ended": progress is not None and not progress.finished and (progress.stream_ended or ended),
     }
 
 
@@ -569,56 +580,79 @@ class LoadedState:
     batch_size: int | None = None
 
 
-_REQUIRED = ("signature", "epoch", "batches", "finished", "transform_seed", "random", "dataset")
+def _check_own_states(loader: tud.DataLoader, state: dict[str, Any], iterable: bool) -> None:
+    """ResumeError naming the key of ``state`` that holds an own state no part of ``loader`` takes:
+    a dataset's without ``state_dict``, a sampler's without one, an iterator's or a stream's end
+    for a map-style dataset."""
+    if state["dataset"] is not None and not stateful(loader.dataset):
+        raise ResumeError(f"this loader state holds a 'dataset' state, but this {type(loader.dataset).__name__} has "
+                          "no state_dict()/load_state_dict() to take it: build the loader over the dataset that saved it")
+    for key in ("dataset_iterator", "stream_ended"):
+        if state.get(key) and not iterable:
+            raise ResumeError(f"this loader state's {key!r} is {state[key]!r}, which only an iterable dataset's "
+                              f"epoch saves, but this loader's {type(loader.dataset).__name__} is map-style")
+    chain = _samplers(loader)
+    for place, own in enumerate(state["random"].get("samplers", [])):
+        if own is not None and (place >= len(chain) or not stateful(chain[place])):
+            raise ResumeError(f"this loader state's 'random.samplers[{place}]' is a sampler's own state, but this "
+                              "loader has no sampler with state_dict()/load_state_dict() there")
 
 
-def _checked(state: Any) -> dict[str, Any]:
-    """``state`` if it is a whole state of this version, else the ResumeError saying what it lacks."""
-    if not isinstance(state, Mapping):
-        raise ResumeError(
-            f"load_state_dict takes the dict that gpuload.DataLoader.state_dict() returned, not "
-            f"{type(state).__name__}"
-        )
-    if state.get("version") != STATE_VERSION:
-        raise ResumeError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}")
-    missing = [key for key in _REQUIRED if key not in state]
-    missing += [f"random.{key}" for key in ("generators", "global")
-                if isinstance(state.get("random"), Mapping) and key not in state["random"]]
-    if missing or not isinstance(state["signature"], Mapping) or not isinstance(state["random"], Mapping):
-        raise ResumeError(
-            f"this loader state lacks {', '.join(missing) or 'a dict signature/random'}: it is not a whole "
-            "gpuload.DataLoader.state_dict() (cut short, or made by another loader class)"
-        )
-    return dict(state)
+def _check_batches_fit(loader: tud.DataLoader, position: Position) -> None:
+    """ResumeError when ``position`` has more batches (or samples, after a batch-size change)
+    done than its epoch has: taken up, it would be an empty epoch or other samples."""
+    if loader._dataset_kind != _DatasetKind.Map:
+        return  # a stream's length is known only at its end
+    batch_sampler = loader.batch_sampler
+    samples = _length(batch_sampler.sampler) if type(batch_sampler) is tud.BatchSampler else None
+    if samples is not None:
+        done, samples_done, size = position.cuts[-1] if position.cuts else (0, 0, position.batch_size or 1)
+        if samples_done > samples:
+            raise ResumeError(f"this loader state's 'cuts' put {samples_done} samples done in an epoch of {samples}")
+        rest = samples - samples_done
+        most = done + (rest // size if loader.drop_last else -(-rest // size))
+    elif position.cuts:
+        raise ResumeError("this loader state's 'cuts' change the batch size, but this loader's batches are not "
+                          "cut by torch's BatchSampler (batch_size=None or batch_sampler=)")
+    else:
+        most = _length(_index_sampler(loader))
+    if most is not None and position.batches > most:
+        raise ResumeError(f"this loader state's 'batches' is {position.batches}, but epoch {position.number} of this "
+                          f"loader has {most} batches: the state was edited, or saved by another loader")
 
 
 def load_state(loader: tud.DataLoader, state: dict[str, Any], *, iterable: bool) -> LoadedState:
     """Check ``state`` against ``loader`` and restore what is restored at once: the dataset's own
     state and, when the saved epoch had ended, the generators. A position inside an epoch is
     returned for the next ``iter()`` to take up."""
-    state = _checked(state)
+    state = check_format(state)
     check_signature(state["signature"], signature(loader))
     states = RandomStates.from_dict(state["random"])
     states.check_fits(loader)
+    _check_own_states(loader, state, iterable)
     warn_unrestorable(loader)
     # an iterable dataset's own state, saved without workers, is loaded into the dataset only
     # once the resumed epoch's iterator has called its __iter__ (take_up_iterable)
     dataset_state = state["dataset"] if not iterable or loader.num_workers == 0 else None
     stream_state = state.get("dataset_iterator") if iterable and loader.num_workers == 0 else None
     deferred = iterable and not state["finished"]
+    batch_size = state.get("batch_size", state["signature"].get("batch_size"))
+    progress = None
+    if not state["finished"]:
+        done = state["batches"]
+        cuts = [(int(b), int(n), int(size)) for b, n, size in state.get("cuts", [])] if done else []
+        progress = Position(state["epoch"], states, batches=done, skipped=done,
+                            batch_size=state.get("epoch_batch_size", batch_size), cuts=cuts,
+                            sampler_started=bool(state.get("sampler_started", True)) or done > 0,
+                            dataset_state=dataset_state if deferred else None, stream_state=stream_state,
+                            delivered=_unpacked(state.get("out_of_order")) if done else None,
+                            stream_ended=bool(state.get("stream_ended", False)))
+        _check_batches_fit(loader, progress)
     if dataset_state is not None and not deferred:
         loader.dataset.load_state_dict(dataset_state)
-    batch_size = state.get("batch_size", state["signature"].get("batch_size"))
-    if state["finished"]:
+    if progress is None:
         states.restore_explicit(loader)
         return LoadedState(state["epoch"], None, state["transform_seed"], batch_size)
-    done = state["batches"]
-    if done and _replays_out_of_order(loader):
+    if progress.batches and _replays_out_of_order(loader):
         _warn_once(loader, _REPLAY_OUT_OF_ORDER)
-    cuts = [(int(b), int(n), int(size)) for b, n, size in state.get("cuts", [])] if done else []
-    progress = Position(state["epoch"], states, batches=done, skipped=done,
-                        batch_size=state.get("epoch_batch_size", batch_size), cuts=cuts,
-                        sampler_started=bool(state.get("sampler_started", True)) or done > 0,
-                        dataset_state=dataset_state if deferred else None, stream_state=stream_state,
-                        delivered=_unpacked(state.get("out_of_order")) if done else None)
     return LoadedState(state["epoch"], progress, state["transform_seed"], batch_size)

@@ -221,6 +221,28 @@ def test_a_stateful_iterable_dataset_continues_from_its_own_state() -> None:
         assert_same(ours, theirs)
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_stateful_stream_saved_after_its_partial_last_batch_resumes_as_an_empty_epoch(workers: int) -> None:
+    """torch's fetcher ran the stream to its end filling the last batch of 2, so the dataset's
+    saved state is the one after the end (reset): the resumed epoch is empty, as torchdata's
+    StatefulDataLoader resumes it, and the next one whole (read by a worker: replayed)."""
+    def make() -> gpuload.DataLoader:
+        return gpuload.DataLoader(Stream(10), batch_size=4, num_workers=workers)
+
+    whole = [b.flatten().tolist() for _ in range(2) for b in make()]
+    loader = make()
+    iterator = iter(loader)
+    before = [next(iterator).flatten().tolist() for _ in range(3)]
+    state = pickle.loads(pickle.dumps(loader.state_dict()))
+    assert state["stream_ended"] is (workers == 0) and not state["finished"]
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [b.flatten().tolist() for b in resumed]
+    assert rest == []
+    assert before + rest + [b.flatten().tolist() for b in resumed] == whole
+    assert resumed.state_dict()["epoch"] == 1
+
+
 def test_an_iterable_dataset_without_state_is_replayed_to_its_position() -> None:
     class Plain(tud.IterableDataset):
         def __iter__(self):

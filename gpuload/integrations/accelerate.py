@@ -24,6 +24,8 @@ gpuload serves each rank's batches on the rank that uses them.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,11 +40,19 @@ from torch.utils.data import BatchSampler, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import gpuload
+from gpuload.elastic import distributed_layout
+from gpuload.loader import OPTIONS
+from gpuload.resume import ResumeError
 
-__all__ = ["GPULOAD_OPTIONS", "GpuloadShard", "prepare", "prepare_data_loader", "serve_from_gpuload"]
+__all__ = ["GPULOAD_OPTIONS", "POSITION_FILE", "GpuloadShard", "prepare", "prepare_data_loader", "serve_from_gpuload"]
 
-#: gpuload's own keyword-only options, carried from a loader to the one that replaces it.
-GPULOAD_OPTIONS = ("transforms", "cache", "cache_size", "cache_reserve", "cache_scope", "job", "prefetch_depth", "on_error")
+#: Where ``accelerator.save_state`` puts each process's position of each gpuload loader (``loader``:
+#: its number among the Accelerator's loaders, as in Accelerate's ``dl_state_dict_{i}.bin``).
+POSITION_FILE = "gpuload_loader_{loader}_{process}.pt"
+
+#: gpuload's own options (``gpuload.loader.OPTIONS``), carried from a loader to the one that
+#: replaces it; all but ``device``, which is the shard's (the Accelerator's device).
+GPULOAD_OPTIONS = tuple(name for name in OPTIONS if name != "device")
 
 # torch's arguments that do not choose the batches (those come from the prepared batch sampler).
 _TORCH_OPTIONS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
@@ -56,8 +66,8 @@ class GpuloadShard(DataLoaderShard):
     gradient-accumulation bookkeeping), adopted: only the loader under it is gpuload's. Besides,
     ``set_epoch`` reaches the gpuload loader (the transforms' randomness follows the epoch),
     ``state_dict``/``load_state_dict`` are gpuload's exact position (``accelerator.save_state``
-    and ``load_state`` carry it, as for torchdata's StatefulDataLoader), and a loaded state
-    sets the epoch the shard goes on with. ``isinstance(shard, gpuload.DataLoader)`` holds, as
+    and ``load_state`` carry it, one file per process: see :func:`prepare_data_loader`), and a
+    loaded state sets the epoch the shard goes on with. ``isinstance(shard, gpuload.DataLoader)`` holds, as
     Accelerate's shards answer ``isinstance`` for the loader they wrap.
     """
 
@@ -68,7 +78,10 @@ class GpuloadShard(DataLoaderShard):
         adopted = cls.__new__(cls)
         adopted.__dict__.update(shard.__dict__)
         adopted.base_dataloader = loader
-        adopted.use_stateful_dataloader = True  # Accelerate's save_state/load_state save our state_dict()
+        # Accelerate's save_state would write every process's state_dict() to one dl_state_dict.bin
+        # (the processes' positions differ with uneven batches): saved per process instead
+        # (_keep_positions_per_process)
+        adopted.use_stateful_dataloader = False
         adopted.dl_state_dict = loader.state_dict()
         return adopted
 
@@ -80,7 +93,7 @@ class GpuloadShard(DataLoaderShard):
         """Continue from a gpuload ``state_dict()`` (see ``gpuload.DataLoader.load_state_dict``);
         the next ``iter()`` is the saved epoch (or the one after it, when it had ended)."""
         self.base_dataloader.load_state_dict(state_dict)
-        self.iteration = int(state_dict["epoch"]) + (1 if state_dict["finished"] else 0)
+        self.iteration = self.base_dataloader.next_epoch
         self.dl_state_dict = self.base_dataloader.state_dict()
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -106,6 +119,11 @@ def prepare_data_loader(
 
     Batches are delivered on ``accelerator.device`` when device placement is on (Accelerate's
     default), so Accelerate's own move to the device finds them there and copies nothing.
+
+    ``accelerator.save_state`` then writes each process's position of each gpuload loader
+    (:data:`POSITION_FILE`), and ``accelerator.load_state`` loads each process its own; a
+    checkpoint saved by another number of processes, or without these files, raises
+    :class:`~gpuload.resume.ResumeError`.
     """
     if not isinstance(loader, gpuload.DataLoader):
         raise TypeError(
@@ -149,7 +167,66 @@ def prepare_data_loader(
     )
     prepared = serve_from_gpuload(shard, loader)
     prepared._is_accelerate_prepared = True
+    _keep_positions_per_process(accelerator)
     return accelerator.prepare_data_loader(prepared)  # registers it (save_state, join_uneven_inputs)
+
+
+def _keep_positions_per_process(accelerator: Accelerator) -> None:
+    """Have ``accelerator``'s ``save_state``/``load_state`` save and load each process's position
+    of its gpuload loaders (once per Accelerator)."""
+    if getattr(accelerator, "_gpuload_positions_kept", False):
+        return
+    accelerator._gpuload_positions_kept = True
+    accelerator.register_save_state_pre_hook(lambda models, weights, folder: _save_positions(accelerator, folder))
+    accelerator.register_load_state_pre_hook(lambda models, folder: _load_positions(accelerator, folder))
+
+
+def _gpuload_loaders(accelerator: Accelerator) -> list[tuple[int, GpuloadShard]]:
+    """The gpuload loaders among those ``accelerator`` holds, with their number there (the ``i``
+    of Accelerate's own ``dl_state_dict_{i}.bin``)."""
+    return [(number, loader) for number, loader in enumerate(accelerator._dataloaders)
+            if isinstance(loader, GpuloadShard)]
+
+
+def _save_positions(accelerator: Accelerator, folder: str | os.PathLike[str]) -> None:
+    for number, loader in _gpuload_loaders(accelerator):
+        path = Path(folder, POSITION_FILE.format(loader=number, process=accelerator.process_index))
+        torch.save(loader.state_dict(), path)
+
+
+def _load_positions(accelerator: Accelerator, folder: str | os.PathLike[str]) -> None:
+    for number, loader in _gpuload_loaders(accelerator):
+        path = _position_file(Path(folder), number, loader, accelerator.process_index, accelerator.num_processes)
+        loader.load_state_dict(torch.load(path, weights_only=False))
+
+
+def _position_file(folder: Path, number: int, loader: GpuloadShard, process: int, processes: int) -> Path:
+    """The file in ``folder`` that holds this process's position of gpuload loader ``number``;
+    ResumeError when it holds none, or positions of another number of processes that cannot be
+    taken up at this one."""
+    own = folder / POSITION_FILE.format(loader=number, process=process)
+    saved = len(list(folder.glob(POSITION_FILE.format(loader=number, process="*"))))
+    if saved == processes and own.is_file():
+        return own
+    if saved and distributed_layout(loader.base_dataloader) is not None:
+        # sharded by its DistributedSampler: every process saved the same point of the epoch's
+        # order, which gpuload.elastic takes up at this number of processes
+        return folder / POSITION_FILE.format(loader=number, process=0)
+    if saved:
+        raise ResumeError(
+            f"{folder} holds the positions of gpuload loader {number} for {saved} processes, but this job has "
+            f"{processes}: Accelerate deals each epoch's batches out over the processes, so a position saved at "
+            f"one number of processes is another point of the epoch at another; resume with {saved} processes "
+            "(or give the loader torch's DistributedSampler, whose position gpuload takes up at any number)"
+        )
+    shared = folder / ("dl_state_dict.bin" if number == 0 else f"dl_state_dict_{number}.bin")
+    if processes == 1 and shared.is_file():
+        return shared  # one process: Accelerate's own file is its position (a checkpoint of an earlier gpuload)
+    found = f" (its {shared.name} holds one process's position, written by all)" if shared.is_file() else ""
+    raise ResumeError(
+        f"{folder} holds no position of gpuload loader {number} for this process, {own.name}{found}: save the "
+        "checkpoint with a loader prepared by gpuload.integrations.accelerate, which saves each process's position"
+    )
 
 
 def prepare(accelerator: Accelerator, *objects: Any, device_placement: list[bool] | None = None) -> Any:

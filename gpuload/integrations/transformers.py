@@ -61,9 +61,9 @@ class SaveLoaderState(TrainerCallback):
 class GpuloadTrainerMixin:
     """Mix in before ``transformers.Trainer``: its train, eval and test loaders are gpuload's.
 
-    ``gpuload_options``: gpuload's own options for every loader (``cache``, ``cache_size``,
-    ``cache_scope``, ``transforms``, ``prefetch_depth``, ...); batches are always delivered
-    on ``args.device``. Eval loaders are kept per eval dataset, so its cache is placed once,
+    ``gpuload_options``: gpuload's own options for every loader (each of
+    ``gpuload.integrations.accelerate.GPULOAD_OPTIONS``: ``cache``, ``cache_size``,
+    ``cache_dir``, ``transforms``, ...); batches are always delivered on ``args.device``. Eval loaders are kept per eval dataset, so its cache is placed once,
     not at every evaluation.
     """
 

@@ -28,6 +28,7 @@ import accelerate.data_loader  # noqa: F811 (the submodule, after the importorsk
 from accelerate.utils import DataLoaderConfiguration
 
 from gpuload.integrations.accelerate import GpuloadShard, prepare, prepare_data_loader
+from gpuload.resume import ResumeError
 
 pytestmark = pytest.mark.slow  # importing Accelerate alone takes seconds
 
@@ -102,8 +103,9 @@ def test_dispatch_batches_is_refused_with_the_fix() -> None:
 
 
 def test_save_state_and_load_state_resume_mid_epoch_exactly(tmp_path) -> None:
-    """``accelerator.save_state`` stores the gpuload loader's exact position (the shard says it
-    is stateful); a new Accelerator and loader after ``load_state`` go on with the same batches."""
+    """``accelerator.save_state`` stores the gpuload loader's exact position (one file per
+    process, not Accelerate's shared dl_state_dict.bin); a new Accelerator and loader after
+    ``load_state`` go on with the same batches."""
     def run() -> tuple[accelerate.Accelerator, GpuloadShard]:
         accelerator = accelerate.Accelerator(cpu=True)
         return accelerator, prepare_data_loader(accelerator, shuffled(gpuload.DataLoader))
@@ -119,6 +121,59 @@ def test_save_state_and_load_state_resume_mid_epoch_exactly(tmp_path) -> None:
     rest = [list(resumed), list(resumed)]
     assert_same(first + rest[0], whole[0])
     assert_same(rest[1], whole[1])
+    assert sorted(path.name for path in (tmp_path / "ckpt").glob("*loader*")) == ["gpuload_loader_0_0.pt"]
+    assert not (tmp_path / "ckpt" / "dl_state_dict.bin").exists()
+
+
+def test_a_checkpoint_without_this_processs_position_is_refused(tmp_path) -> None:
+    """Saved by 2 processes (pretended: the other's file), or without gpuload's files: a
+    ResumeError naming what is missing; Accelerate's one dl_state_dict.bin of an earlier
+    gpuload still loads in one process."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    ours = prepare_data_loader(accelerator, shuffled(gpuload.DataLoader))
+    epoch = iter(ours)
+    first = [next(epoch) for _ in range(2)]
+    folder = tmp_path / "ckpt"
+    accelerator.save_state(str(folder))
+    position = folder / "gpuload_loader_0_0.pt"
+    (folder / "gpuload_loader_0_1.pt").write_bytes(position.read_bytes())
+    accelerator = accelerate.Accelerator(cpu=True)
+    resumed = prepare_data_loader(accelerator, shuffled(gpuload.DataLoader))
+    with pytest.raises(ResumeError, match="for 2 processes, but this job has 1"):
+        accelerator.load_state(str(folder))
+    (folder / "gpuload_loader_0_1.pt").unlink()
+    position.rename(folder / "dl_state_dict.bin")
+    accelerator.load_state(str(folder))
+    assert_same(first + list(resumed), list(prepare_data_loader(accelerate.Accelerator(cpu=True),
+                                                                shuffled(gpuload.DataLoader))))
+    (folder / "dl_state_dict.bin").unlink()
+    with pytest.raises(ResumeError, match="holds no position of gpuload loader 0 for this process"):
+        accelerator.load_state(str(folder))
+
+
+def test_positions_of_a_distributed_sampler_are_taken_up_at_another_number_of_processes(tmp_path) -> None:
+    """A loader sharded by torch's DistributedSampler saved the same point of the epoch's order on
+    every process (pretended: 2 processes' files, the sampler over 2 replicas): one process takes
+    it up (gpuload.elastic) from sample 2 batches x 4 x 2 replicas = 16 of the epoch's order."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = shuffled(TorchDataLoader).dataset
+
+    def loader(replicas: int) -> gpuload.DataLoader:
+        return gpuload.DataLoader(data, batch_size=4, sampler=DistributedSampler(data, replicas, 0, seed=3))
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    ours = prepare_data_loader(accelerator, loader(2))
+    epoch = iter(ours)
+    next(epoch), next(epoch)
+    folder = tmp_path / "ckpt"
+    accelerator.save_state(str(folder))
+    (folder / "gpuload_loader_0_1.pt").write_bytes((folder / "gpuload_loader_0_0.pt").read_bytes())
+    accelerator = accelerate.Accelerator(cpu=True)
+    resumed = prepare_data_loader(accelerator, loader(1))
+    accelerator.load_state(str(folder))
+    order = list(DistributedSampler(data, 1, 0, seed=3))
+    assert [label for batch in resumed for label in batch[1].tolist()] == order[16:]
 
 
 def test_a_prepared_loader_pickles() -> None:

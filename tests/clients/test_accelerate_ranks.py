@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,14 @@ accelerate = pytest.importorskip("accelerate", reason="HF Accelerate is a test d
 from accelerate.utils import DataLoaderConfiguration
 
 from gpuload.integrations.accelerate import prepare_data_loader
+from gpuload.resume import ResumeError
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 import ranks_job
 
 pytestmark = pytest.mark.slow  # a spawn of 2 processes that import torch and Accelerate
+
+RANKS_DEADLINE_S = 480  # the job takes under a minute on a busy machine: past this, it hangs
 
 CONFIGS = {
     "default": {},
@@ -69,8 +73,35 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     reference = tud.DataLoader(data, 8, sampler=DistributedSampler(data, shuffle=True, seed=ranks_job.SEED))
     found["distributed"] = {"ours": batches_of(ours), "torch": batches_of(reference), "path": ours.stats.path,
                             "shard_bytes": ours.stats.extra["exchange"]["shard_bytes"]}
+    found["resume"] = resume_uneven(out_dir)
     accelerator.wait_for_everyone()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
+
+
+def uneven_loader() -> tuple[Any, Any]:
+    """A new Accelerator (even_batches=False: rank 0 has 7 batches an epoch, rank 1 has 6) and
+    its gpuload loader."""
+    accelerator = accelerate.Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(even_batches=False))
+    loader = gpuload.DataLoader(ranks_job.dataset(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5))
+    return accelerator, prepare_data_loader(accelerator, loader)
+
+
+def resume_uneven(out_dir: str) -> dict[str, Any]:
+    """Two epochs whole; then 3 batches, ``save_state`` into one folder for both ranks, and a new
+    Accelerator and loader after ``load_state``: the batches each rank sees."""
+    _, loader = uneven_loader()
+    whole = batches_of(loader)
+    accelerator, loader = uneven_loader()
+    epoch = iter(loader)
+    before = [next(epoch)[2].tolist() for _ in range(3)]
+    accelerator.save_state(str(Path(out_dir, "uneven")))
+    accelerator, loader = uneven_loader()
+    try:
+        accelerator.load_state(str(Path(out_dir, "uneven")))
+        after = [[batch[2].tolist() for batch in loader] for _ in range(2)]
+    except Exception as error:  # noqa: BLE001 (reported to the test process, which shows it)
+        return {"whole": whole, "before": before, "error": repr(error)}
+    return {"whole": whole, "before": before, "after": after, "error": None, "folder": str(Path(out_dir, "uneven"))}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +110,13 @@ def ranks(tmp_path_factory) -> list[dict]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    torch.multiprocessing.spawn(run_rank, args=(2, port, str(folder)), nprocs=2)
+    ranks = torch.multiprocessing.spawn(run_rank, args=(2, port, str(folder)), nprocs=2, join=False)
+    deadline = time.monotonic() + RANKS_DEADLINE_S
+    while not ranks.join(timeout=2):
+        if time.monotonic() > deadline:  # a rank waits in a collective the other never joins
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the 2 ranks did not finish in {RANKS_DEADLINE_S} s: one waits for the other")
     return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -106,3 +143,18 @@ def test_a_distributed_sampler_is_kept_and_the_cache_split_over_ranks(ranks) -> 
         assert seen["path"].startswith("sharded-"), rank
     total = sum(t.numel() * t.element_size() for t in ranks_job.dataset().tensors)
     assert sum(found["distributed"]["shard_bytes"] for found in ranks) == total
+
+
+def test_save_state_with_uneven_batches_resumes_each_rank_at_its_own_position(ranks) -> None:
+    """even_batches=False: the ranks' epochs have 7 and 6 batches, so their positions differ;
+    ``save_state`` writes each rank's (not one dl_state_dict.bin for both) and ``load_state``
+    gives each its own: every rank sees the batches of its uninterrupted run."""
+    for rank, found in enumerate(ranks):
+        seen = found["resume"]
+        assert seen["error"] is None, (rank, seen["error"])
+        assert [len(epoch) for epoch in seen["whole"]] == [7 - rank] * 2
+        assert seen["before"] + seen["after"][0] == seen["whole"][0], rank
+        assert seen["after"][1] == seen["whole"][1], rank
+    accelerator, _ = uneven_loader()  # this process alone: one process of the two is not the job
+    with pytest.raises(ResumeError, match="for 2 processes, but this job has 1"):
+        accelerator.load_state(ranks[0]["resume"]["folder"])
