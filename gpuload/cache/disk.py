@@ -927,6 +927,10 @@ class DiskCache:
             if not self._room_for(size):
                 self._stats.full = True
                 return None
+            # No row of the new part is written yet: its flags are cleared before it exists, so
+            # a process killed at any point after leaves no set flag over a part's zeros (flags
+            # a block left set when its process died between its rename and the manifest).
+            os.pwrite(self._flags_fd, bytes(self._rows_in(block)), block * self.block_rows)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
             try:
                 _preallocate(fd, 0 if self.ragged else size)  # a ragged block grows row by row
@@ -934,8 +938,6 @@ class DiskCache:
                 os.close(fd)
                 path.unlink(missing_ok=True)
                 raise
-            first = block * self.block_rows
-            os.pwrite(self._flags_fd, bytes(self._rows_in(block)), first)  # no row of it is written yet
         else:
             fd = os.open(path, os.O_RDWR)
         self._parts[block] = (fd, os.fstat(fd).st_ino)

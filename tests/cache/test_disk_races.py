@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import sys
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,50 @@ def test_blocks_of_fixed_rows_always_have_bytes(tmp_path: Path) -> None:
     assert cache.read(torch.arange(4))[0].shape == (4, 0)
     cache.close()
 
+
+
+class _Killed(BaseException):
+    """A process killed at a chosen point: nothing after it runs (not an OSError, which the
+    cache handles), and closing the cache afterwards only releases its locks, as death does."""
+
+
+def _killed_after(monkeypatch, name: str, when: Callable[[], bool] = lambda: True) -> None:
+    """Make ``disk_module.<name>`` die (raise _Killed) right after doing its work, when ``when()``."""
+    real = getattr(disk_module, name)
+
+    def dying(*args: object, **kwargs: object) -> object:
+        result = real(*args, **kwargs)
+        if when():
+            raise _Killed(name)
+        return result
+
+    monkeypatch.setattr(disk_module, name, dying)
+
+
+def test_two_crashes_around_a_block_never_publish_rows_nobody_wrote(tmp_path: Path, monkeypatch) -> None:
+    """Job 1 dies after renaming block 0 to .bin, before the manifest lists it (its rows'
+    flags stay set); job 2 dies after creating block 0's new .part. Another user keeps the
+    entry open throughout, so no open discards what they left. Job 3 must write block 0's rows
+    (the part's flags are clear) and publish them, not the part's zeros."""
+    images, labels = _data(16)
+    holder = _open(tmp_path, 16)  # e.g. another rank: no later open is the entry's only user
+    job1 = _open(tmp_path, 16)
+    with monkeypatch.context() as patch:
+        _killed_after(patch, "_fsync_folder", lambda: (job1.root / "block-000000.bin").exists())
+        with pytest.raises(_Killed):
+            job1.write(torch.arange(8), [images[:8], labels[:8]])
+    job1.close()
+    assert (holder.root / "block-000000.bin").exists() and not holder.complete  # renamed, not listed
+    job2 = _open(tmp_path, 16)
+    with monkeypatch.context() as patch:
+        _killed_after(patch, "_preallocate")  # block 0's new part is created (and sized)
+        with pytest.raises(_Killed):
+            job2.write(torch.arange(8), [images[:8], labels[:8]])
+    job2.close()
+    job3 = _open(tmp_path, 16)
+    job3.write(torch.arange(16), [images, labels])
+    assert job3.complete
+    got_images, got_labels = job3.read(torch.arange(16))
+    assert torch.equal(got_images, images) and torch.equal(got_labels, labels)
+    for cache in (job3, holder):
+        cache.close()
