@@ -518,6 +518,10 @@ class DiskCache:
         try:
             if folder.exists() and not folder.is_dir():
                 raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(folder))
+            link = _dangling_link(folder)
+            if link is not None:  # mkdir would say only "File exists"
+                raise FileNotFoundError(errno.ENOENT, f"{link} is a symbolic link to {os.readlink(link)}, which "
+                                        "does not exist (a file system not mounted?)")
             root.mkdir(parents=True, exist_ok=True)  # mode 0o777 less the umask
             probe = root / f".probe-{os.getpid()}-{threading.get_ident()}"
             with open(probe, "wb"):
@@ -530,8 +534,10 @@ class DiskCache:
                 budget = int(budget_bytes)
             cache = cls(root, fingerprint, spec, num_rows, budget, block_bytes, auto, row_bytes)
         except OSError as error:
+            reason = f"{error.filename or folder} ({error.strerror or error})" if error.filename or not error.strerror \
+                else f"{folder}: {error.strerror}"
             warnings.warn(
-                f"gpuload disk cache: cannot use {error.filename or folder} ({error.strerror or error}); "
+                f"gpuload disk cache: cannot use {reason}; "
                 "running without a disk tier. Point cache_dir= (or GPULOAD_CACHE_DIR) at a writable "
                 "local folder, or unset it",
                 DiskCacheWarning, stacklevel=2,
@@ -1143,6 +1149,17 @@ def _read_manifest(root: Path, cache: DiskCache) -> tuple[_Manifest, str]:
     except (ValueError, KeyError, TypeError) as error:
         return _Manifest(identity=identity), f"{path} is damaged ({type(error).__name__}: {error})"
     return _Manifest(blocks, identity), ""
+
+
+def _dangling_link(folder: Path) -> Path | None:
+    """The symbolic link on the way to ``folder`` (itself or a folder above it) whose target
+    does not exist, if any."""
+    for path in (folder, *folder.parents):
+        if path.is_symlink():
+            return None if path.exists() else path
+        if path.exists():
+            return None
+    return None
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -809,6 +809,20 @@ def test_a_file_where_the_folder_should_be_one_warning_and_no_disk_tier(tmp_path
     assert cache is None
 
 
+@pytest.mark.parametrize("below", ["", "jobs/a"])
+def test_a_symlink_to_a_missing_folder_is_named_as_such_in_the_one_warning(tmp_path: Path, below: str) -> None:
+    (tmp_path / "link").symlink_to(tmp_path / "gone")  # e.g. a scratch disk not mounted yet
+    folder = tmp_path / "link" / below if below else tmp_path / "link"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = DiskCache.open(folder, Fingerprint.of("arrays", "x", {}), {"x": ((), torch.int32)}, 4)
+    assert cache is None
+    (warning,) = [str(w.message) for w in caught if issubclass(w.category, DiskCacheWarning)]
+    assert f"cannot use {folder}: {tmp_path / 'link'} is a symbolic link to {tmp_path / 'gone'}, which does " \
+           "not exist" in warning and "File exists" not in warning and "without a disk tier" in warning
+    assert not (tmp_path / "gone").exists()  # nothing is created through the link
+
+
 def test_a_closed_cache_has_no_rows_and_its_repr_says_what_it_holds(tmp_path: Path) -> None:
     images, labels = _data(16)
     with _open(tmp_path, 16) as cache:
