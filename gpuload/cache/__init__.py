@@ -29,6 +29,7 @@ from gpuload.cache.budget import (
     resolve_reserve,
 )
 from gpuload.cache.decide import CacheDecision, decide_images, decide_samples
+from gpuload.cache.identity import IdentityError
 from gpuload.cache.oom import CacheFallbackWarning
 from gpuload.cache.plan import MODES, CachePlan, TierPlan, default_host_reserve, make_plan
 from gpuload.cache.probe import estimate_image_bytes, looks_deterministic
@@ -47,6 +48,7 @@ __all__ = [
     "CacheSettingError",
     "CacheSettings",
     "FillingStore",
+    "IdentityError",
     "SampleCache",
     "SampleCacheStats",
     "Setting",

@@ -36,6 +36,7 @@ from gpuload.cache.disk import (
     DiskCache,
     DiskCacheWarning,
     Fingerprint,
+    fingerprint_dataset,
     fingerprint_for,
 )
 from gpuload.cache.probe import estimate_image_bytes
@@ -151,12 +152,12 @@ def select_rows(part: Part, positions: torch.Tensor) -> Part:
     return _with_rows(part, (rows.index_select(0, positions) for rows in column_rows(part)))
 
 
-def sample_fingerprint(dataset: Any) -> Fingerprint:
-    """What produced a map-style dataset's samples: its files or attributes
-    (:func:`fingerprint_for`) and its transforms, by their repr."""
-    settings = {name: repr(getattr(dataset, name)) for name in ("transform", "target_transform", "transforms")
-                if getattr(dataset, name, None) is not None}
-    return fingerprint_for(dataset, settings)
+def sample_fingerprint(dataset: Any, settings: CacheSettings) -> Fingerprint:
+    """What produced a map-style dataset's samples: ``cache_key=`` when given, else its whole
+    state and the files it names (:func:`~gpuload.cache.disk.fingerprint_dataset`; its
+    transforms are part of that state), leaving out ``cache_dir``'s own files."""
+    folder = settings.disk_dir.value
+    return fingerprint_dataset(dataset, key=settings.disk_key, skip=[folder] if folder is not None else [])
 
 
 class DiskRows:
@@ -176,8 +177,9 @@ class DiskRows:
     @classmethod
     def open(cls, dataset: Any, settings: CacheSettings) -> DiskRows | None:
         """The disk tier of ``dataset``'s samples in ``settings``' ``cache_dir``, or None: no
-        folder set, samples that are not fixed-shape columns, a dataset that cannot be
-        fingerprinted or a folder that cannot be used (each warned once, except the first)."""
+        folder set, samples that are not fixed-shape columns, a dataset without a length or a
+        folder that cannot be used (each warned once, except the first). A dataset gpuload
+        cannot identify without ``cache_key=`` is refused (:class:`~gpuload.cache.identity.IdentityError`)."""
         if settings.disk_dir.value is None or settings.disk_size.value.kind == "off":
             return None
         name = type(dataset).__name__
@@ -192,8 +194,8 @@ class DiskRows:
                           "and numbers; no disk tier", DiskCacheWarning, stacklevel=3)
             return None
         try:
-            fingerprint = sample_fingerprint(dataset)
-        except (TypeError, ValueError) as error:
+            fingerprint = sample_fingerprint(dataset, settings)  # IdentityError: refused, cache_key= is needed
+        except TypeError as error:  # no len()
             warnings.warn(f"gpuload disk cache: {error}; no disk tier", DiskCacheWarning, stacklevel=3)
             return None
         disk = DiskCache.from_settings(settings, fingerprint, _specs(column_rows(template)), len(dataset),
@@ -248,7 +250,7 @@ class DiskRows:
 class DiskImages:
     """Whole decoded images of an image-file dataset on disk, by dataset index (a ragged entry:
     uint8, each of its own shape and dimension order, as the decoder gave it). Keyed by the
-    files (paths, sizes, mtimes) and ``decode`` (what shapes the pixels: backend, layout), so a
+    files (paths, sizes, mtimes, ctimes, inodes; or ``cache_key=``) and ``decode`` (what shapes the pixels: backend, layout), so a
     changed file or another decoder never reads old pixels.
 
     Images decoded on a GPU are copied to pinned host memory without waiting for the device,
@@ -267,7 +269,7 @@ class DiskImages:
         one that cannot be used (warned)."""
         if settings.disk_dir.value is None or settings.disk_size.value.kind == "off" or not len(images):
             return None
-        fingerprint = fingerprint_for(images, {"decoded": dict(decode, whole=True)})
+        fingerprint = fingerprint_for(images, {"decoded": dict(decode, whole=True)}, key=settings.disk_key)
         decoded, _ = estimate_image_bytes(images)
         spec = [ColumnSpec("image", torch.uint8, (RAGGED, RAGGED, RAGGED))]
         disk = DiskCache.from_settings(settings, fingerprint, spec, len(images), block_bytes=BLOCK_BYTES,

@@ -4,6 +4,7 @@ sample cache's disk tier through the loader (batches equal torch's DataLoader's)
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import gpuload
 from gpuload.cache import TieredArrayStore
 from gpuload.cache.disk import DiskCacheWarning, fingerprint_arrays
 from gpuload.cache.disk_tier import DiskTier, disk_tier_maker
+from gpuload.cache.identity import IdentityError
 from gpuload.cache.plan import make_plan
 from gpuload.cache.settings import CacheSettings
 from gpuload.cache.tiers import TIERS
@@ -308,8 +310,8 @@ def test_the_sample_disk_tier_names_why_a_dataset_gets_none(tmp_path: Path) -> N
         assert DiskRows.open(_Failing(), settings) is None
     with pytest.warns(DiskCacheWarning, match="the samples of this _Named are not fixed-shape"):
         assert DiskRows.open(_Named(), settings) is None
-    with pytest.warns(DiskCacheWarning, match="cannot fingerprint _Unpicklable: its attributes do not pickle"):
-        assert DiskRows.open(_Unpicklable(), settings) is None
+    with pytest.raises(IdentityError, match="cannot identify _Unpicklable: its state does not pickle"):
+        DiskRows.open(_Unpicklable(), settings)
     rows = DiskRows.open(Pictures(4), settings)
     assert rows is not None and rows.accepting
     rows.close()
@@ -338,3 +340,59 @@ def test_an_index_past_the_datasets_length_is_read_from_the_dataset_as_torch_doe
     reference = torch.utils.data.DataLoader(Pictures(), batch_size=4, sampler=sampler)
     assert _same(_epochs(loader, 2), _epochs(reference, 2))
     assert loader.stats.extra["cache"]["disk"]["rows_written"] == 5
+
+
+def test_a_dataset_gpuload_cannot_identify_is_refused_unless_the_loader_gets_a_cache_key(tmp_path: Path) -> None:
+    loader = gpuload.DataLoader(_Unpicklable(), batch_size=16, cache="host", cache_dir=tmp_path / "c")
+    with pytest.raises(IdentityError, match=r"cannot identify _Unpicklable: .*; pass cache_key="):
+        iter(loader)  # the cache is set up, and the dataset looked at, by the first epoch
+    loader.close()
+    with pytest.raises(gpuload.cache.CacheSettingError, match="cache_key"):
+        gpuload.DataLoader(Pictures(), batch_size=16, cache="host", cache_dir=tmp_path / "c", cache_key="")
+    expected = _torch_epochs(Pictures(), 1)
+
+    def job(key: str) -> tuple[list, dict]:
+        loader = gpuload.DataLoader(_Unpicklable(), batch_size=16, shuffle=True, cache="host", cache_size=1,
+                                    generator=torch.Generator().manual_seed(5), cache_dir=tmp_path / "c", cache_key=key)
+        assert loader.cache_key == key and f"cache_key={key!r}" in loader.cache_settings.describe()
+        got = list(loader)
+        disk = loader.stats.extra["cache"]["disk"]
+        loader.close()
+        return got, disk
+
+    for key, written in (("v1", 120), ("v1", 0), ("v2", 120)):  # one entry per key, read back by the same key
+        got, disk = job(key)
+        assert _same([got], expected) and disk["rows_written"] == written
+        assert disk["hits"] == (120 if written == 0 else 0)
+
+
+class _Files(torch.utils.data.Dataset):
+    """One sample per file of a list attribute."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.frombuffer(bytearray(Path(self.paths[i]).read_bytes()), dtype=torch.uint8)
+
+
+def test_a_file_rewritten_with_its_size_and_mtime_kept_is_never_served_from_the_old_entry(tmp_path: Path) -> None:
+    files = [tmp_path / f"{k}.bin" for k in range(8)]
+    for k, file in enumerate(files):
+        file.write_bytes(bytes([k]) * 4)
+
+    def epoch() -> torch.Tensor:
+        loader = gpuload.DataLoader(_Files([str(f) for f in files]), batch_size=8, cache="host", cache_size=1,
+                                    cache_dir=tmp_path / "c")
+        (batch,) = list(loader)
+        loader.close()
+        return batch
+
+    assert torch.equal(epoch(), torch.arange(8).repeat_interleave(4).view(8, 4).to(torch.uint8))
+    status = files[3].stat()
+    files[3].write_bytes(b"\x63" * 4)  # cp -p: other bytes, same size, the old mtime put back
+    os.utime(files[3], ns=(status.st_atime_ns, status.st_mtime_ns))
+    assert epoch()[3].tolist() == [0x63] * 4
