@@ -203,6 +203,26 @@ def test_random_samples_are_never_written_to_disk(tmp_path: Path) -> None:
     assert not list((tmp_path / "c").glob("*/block-*")) if (tmp_path / "c").exists() else True
 
 
+class FlippedSymmetric(Pictures):
+    """torchvision's RandomHorizontalFlip of an image that reads the same flipped: equal reads,
+    but a random transform all the same (its draw moves torch's generator)."""
+
+    def __getitem__(self, i: int):
+        from torchvision.transforms import RandomHorizontalFlip
+
+        _, target = super().__getitem__(i)
+        return RandomHorizontalFlip()(torch.full((3, 6, 6), i % 256, dtype=torch.uint8)), target
+
+
+def test_samples_of_a_dataset_drawing_from_a_global_generator_are_never_written_to_disk(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="draws from torch's global random generator"):
+        loader = gpuload.DataLoader(FlippedSymmetric(), batch_size=16, cache="host", cache_dir=tmp_path / "c")
+        list(loader)
+    assert "disk" not in loader.stats.extra["cache"]
+    assert not list((tmp_path / "c").glob("*/block-*"))
+    loader.close()
+
+
 @pytest.mark.gpu
 def test_on_cuda_array_rows_past_host_memory_come_from_the_disk_tier(tmp_path: Path, pretend_host_memory) -> None:
     total = 64 * GiB
