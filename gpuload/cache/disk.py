@@ -39,8 +39,8 @@ bytes are written once and each block is published once; rows another process ha
 published yet are simply absent (the caller reads them from the source). Nothing is written
 outside ``cache_dir``; folders and files are created with the process's umask.
 
-A DiskCache belongs to the process that opened it (its locks are per open file): a worker
-process opens its own. Do not edit an entry's files while a job has it open: a block truncated
+A forked child using a DiskCache its parent opened opens the entry's files again at its first
+use (a flock belongs to an open file, which a fork shares: the child's locks must be its own). Do not edit an entry's files while a job has it open: a block truncated
 under a live memory map faults its reader (SIGBUS); ``gpuload cache clear`` skips entries in use.
 """
 
@@ -58,6 +58,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -459,6 +460,7 @@ class DiskCache:
         self._closed = False
         self._pid = os.getpid()
         self._lock_fd = self._users_fd = self._flags_fd = self._index_fd = -1
+        _OPEN.add(self)
         try:
             self._lock_fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o666)
             self._users_fd = os.open(root / "users", os.O_RDWR | os.O_CREAT, 0o666)
@@ -586,6 +588,35 @@ class DiskCache:
                     Path(entry.path).unlink(missing_ok=True)
         fcntl.flock(self._users_fd, fcntl.LOCK_SH)
 
+    def _open_in_this_process(self) -> None:
+        """In a forked child: its own descriptors of the entry's files. A flock belongs to an
+        open file, which a fork shares: on the inherited descriptors the child would hold the
+        parent's locks (the entry lock granted to both at once) instead of its own. The memory
+        maps stay: the child reads the same published bytes."""
+        with self._mutex:
+            if os.getpid() == self._pid:
+                return
+            self._pid = os.getpid()
+            inherited = [fd for fd, _ in self._parts.values()]
+            self._parts.clear()
+            inherited += [self._flags_fd, self._index_fd, self._lock_fd, self._users_fd]
+            self._lock_fd = self._users_fd = self._flags_fd = self._index_fd = -1
+            for fd in inherited:
+                if fd >= 0:
+                    os.close(fd)  # the parent's locks stay: it still has the same files open
+            if self._closed:
+                return
+            try:
+                self._lock_fd = os.open(self.root / "lock", os.O_RDWR)
+                self._users_fd = os.open(self.root / "users", os.O_RDWR)
+                fcntl.flock(self._users_fd, fcntl.LOCK_SH)  # a user, as the parent: nothing to recover
+                self._flags_fd = os.open(self.root / "rows.fill", os.O_RDWR)
+                if self.ragged:
+                    self._index_fd = os.open(self.root / "rows.index", os.O_RDWR)
+            except OSError as error:  # the entry removed meanwhile: the source serves
+                self._stop(error, Path(error.filename or self.root))
+                self.close()
+
     # -- locks and the manifest ---------------------------------------------------------------
 
     def _entry_lock(self) -> _Flock:
@@ -633,10 +664,7 @@ class DiskCache:
 
     def _as_rows(self, rows: Any) -> np.ndarray:
         if os.getpid() != self._pid:
-            raise RuntimeError(
-                f"this DiskCache ({self.root}) was opened by process {self._pid}; its file locks do not "
-                "hold across fork: open the cache again in this process"
-            )
+            self._open_in_this_process()
         array = rows.detach().cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
         array = array.astype(np.int64, copy=False).reshape(-1)
         if array.size and (array.min() < 0 or array.max() >= self.num_rows):
@@ -1101,6 +1129,19 @@ class DiskCache:
         s = self._stats
         return (f"DiskCache({self.root}, {s.published_rows}/{self.num_rows} rows published, "
                 f"{format_bytes(s.published_bytes)} of {format_bytes(self.budget)})")
+
+
+_OPEN: weakref.WeakSet[DiskCache] = weakref.WeakSet()
+
+
+def _new_mutexes_after_fork() -> None:
+    """In a forked child: a new mutex for each cache (a thread of the parent may have held one
+    at the fork); each opens its own descriptors at its next use (``_open_in_this_process``)."""
+    for cache in list(_OPEN):
+        cache._mutex = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_mutexes_after_fork)
 
 
 class _Flock:

@@ -6,6 +6,7 @@ OSError raised by a patched function. No sleeps."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
 import json
 import multiprocessing
@@ -118,19 +119,39 @@ def test_a_block_another_user_dropped_is_forgotten_at_the_next_look_at_the_manif
     two.close()
 
 
-def _present_in_child(cache: DiskCache) -> None:
+def _lock_in_child(cache: DiskCache) -> None:
+    """In a forked child while the parent holds the entry lock: the child's lock is its own
+    (a flock on the inherited descriptor would be the parent's, granted at once)."""
+    assert cache.present(torch.arange(8)).all()
     try:
-        cache.present(torch.arange(8))
-    except RuntimeError as error:
-        sys.exit(7 if "open the cache again in this process" in str(error) else 1)
+        fcntl.flock(cache._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.exit(0)
+    sys.exit(3)
 
 
-def test_a_forked_process_must_open_its_own_cache(tmp_path: Path) -> None:
-    cache = _open(tmp_path, 8)
-    child = multiprocessing.get_context("fork").Process(target=_present_in_child, args=(cache,))
+def _use_in_child(cache: DiskCache, images: torch.Tensor, labels: torch.Tensor) -> None:
+    """In a forked child: read the published block, write and publish the other."""
+    got = cache.read(torch.arange(8))
+    written = cache.write(torch.arange(8, 16), [images[8:], labels[8:]])
+    sys.exit(0 if torch.equal(got[0], images[:8]) and written == 8 and cache.complete else 1)
+
+
+def _forked(target: Callable[..., None], *args: object) -> int | None:
+    child = multiprocessing.get_context("fork").Process(target=target, args=args)
     child.start()
-    child.join(timeout=60)
-    assert child.exitcode == 7
+    child.join(timeout=120)
+    return child.exitcode
+
+
+def test_a_forked_process_uses_the_cache_it_inherited_through_its_own_files(tmp_path: Path) -> None:
+    images, labels = _data(16)
+    cache = _open(tmp_path, 16)
+    cache.write(torch.arange(8), [images[:8], labels[:8]])
+    with cache._entry_lock():
+        assert _forked(_lock_in_child, cache) == 0
+    assert _forked(_use_in_child, cache, images, labels) == 0
+    assert cache.complete and torch.equal(cache.read(torch.arange(16))[1], labels)  # the child's block, published
     cache.close()
 
 

@@ -416,3 +416,22 @@ def test_a_file_rewritten_with_its_size_and_mtime_kept_is_never_served_from_the_
     files[3].write_bytes(b"\x63" * 4)  # cp -p: other bytes, same size, the old mtime put back
     os.utime(files[3], ns=(status.st_atime_ns, status.st_mtime_ns))
     assert epoch()[3].tolist() == [0x63] * 4
+
+
+def _epoch_in_child(loader: gpuload.DataLoader, expected: list) -> None:
+    got = list(loader)
+    os._exit(0 if _same(got, expected) and loader.stats.extra["cache"]["disk"]["hits"] > 0 else 1)
+
+
+def test_a_forked_child_iterates_a_loader_whose_disk_tier_serves(tmp_path: Path) -> None:
+    import multiprocessing
+
+    loader = gpuload.DataLoader(Pictures(), batch_size=16, cache="host", cache_size=1, cache_dir=tmp_path / "c")
+    expected = list(loader)  # fills the disk tier
+    assert loader.stats.extra["cache"]["disk"]["published_rows"] == 120
+    child = multiprocessing.get_context("fork").Process(target=_epoch_in_child, args=(loader, expected))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0
+    assert _same(list(loader), expected)  # the parent's tier is untouched
+    loader.close()
