@@ -38,8 +38,9 @@ from gpuload.cache.disk import (
     Fingerprint,
     fingerprint_dataset,
     fingerprint_for,
+    list_entries,
 )
-from gpuload.cache.probe import estimate_image_bytes
+from gpuload.cache.probe import estimate_image_bytes, looks_deterministic
 from gpuload.cache.settings import CacheSettings
 from gpuload.cache.tiers import Tier, register_tier
 from gpuload.transfer import pinned_host_copies
@@ -174,8 +175,34 @@ class DiskRows:
         self.template = template
         self._layout = layout(template)
 
+    @staticmethod
+    def identify(dataset: Any, settings: CacheSettings) -> Fingerprint | None:
+        """The fingerprint the disk tier would key ``dataset``'s samples by (None without a
+        ``cache_dir``): taken before gpuload reads a sample, so every job takes it of the
+        dataset in the same state. :class:`~gpuload.cache.identity.IdentityError` when the
+        dataset cannot be identified and no ``cache_key=`` is given."""
+        if settings.disk_dir.value is None or settings.disk_size.value.kind == "off":
+            return None
+        try:
+            return sample_fingerprint(dataset, settings)
+        except TypeError:  # no len(): open() says so
+            return None
+
+    @staticmethod
+    def probe(dataset: Any, settings: CacheSettings, fingerprint: Fingerprint | None) -> tuple[bool, str]:
+        """:func:`~gpuload.cache.probe.looks_deterministic`, without reading a sample when
+        ``cache_dir`` already holds published samples of this fingerprint: only a job whose probe
+        passed writes them, and the fingerprint is the dataset's whole state (a later job reads
+        them back from disk, not from the dataset)."""
+        folder = settings.disk_dir.value
+        if fingerprint is not None and folder is not None and any(
+            entry.fingerprint == fingerprint.digest and entry.published_rows for entry in list_entries(folder)
+        ):
+            return True, "its samples are on disk, written by a job whose determinism probe passed"
+        return looks_deterministic(dataset)
+
     @classmethod
-    def open(cls, dataset: Any, settings: CacheSettings) -> DiskRows | None:
+    def open(cls, dataset: Any, settings: CacheSettings, fingerprint: Fingerprint | None = None) -> DiskRows | None:
         """The disk tier of ``dataset``'s samples in ``settings``' ``cache_dir``, or None: no
         folder set, samples that are not fixed-shape columns, a dataset without a length or a
         folder that cannot be used (each warned once, except the first). A dataset gpuload
@@ -193,8 +220,8 @@ class DiskRows:
             warnings.warn(f"gpuload disk cache: the samples of this {name} are not fixed-shape tensors, arrays "
                           "and numbers; no disk tier", DiskCacheWarning, stacklevel=3)
             return None
-        try:
-            fingerprint = sample_fingerprint(dataset, settings)  # IdentityError: refused, cache_key= is needed
+        try:  # IdentityError: refused, cache_key= is needed
+            fingerprint = fingerprint or sample_fingerprint(dataset, settings)
         except TypeError as error:  # no len()
             warnings.warn(f"gpuload disk cache: {error}; no disk tier", DiskCacheWarning, stacklevel=3)
             return None
