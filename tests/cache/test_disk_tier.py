@@ -19,6 +19,7 @@ from gpuload.cache.identity import IdentityError
 from gpuload.cache.plan import make_plan
 from gpuload.cache.settings import CacheSettings
 from gpuload.cache.tiers import TIERS
+from tests.cache.test_disk import _Listed
 
 GiB = 2**30
 N = 300
@@ -387,26 +388,13 @@ def test_a_dataset_gpuload_cannot_identify_is_refused_unless_the_loader_gets_a_c
         assert disk["hits"] == (120 if written == 0 else 0)
 
 
-class _Files(torch.utils.data.Dataset):
-    """One sample per file of a list attribute."""
-
-    def __init__(self, paths: list[str]) -> None:
-        self.paths = paths
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.frombuffer(bytearray(Path(self.paths[i]).read_bytes()), dtype=torch.uint8)
-
-
 def test_a_file_rewritten_with_its_size_and_mtime_kept_is_never_served_from_the_old_entry(tmp_path: Path) -> None:
     files = [tmp_path / f"{k}.bin" for k in range(8)]
     for k, file in enumerate(files):
         file.write_bytes(bytes([k]) * 4)
 
     def epoch() -> torch.Tensor:
-        loader = gpuload.DataLoader(_Files([str(f) for f in files]), batch_size=8, cache="host", cache_size=1,
+        loader = gpuload.DataLoader(_Listed([str(f) for f in files]), batch_size=8, cache="host", cache_size=1,
                                     cache_dir=tmp_path / "c")
         (batch,) = list(loader)
         loader.close()

@@ -35,14 +35,22 @@ def test_looks_deterministic_true_for_fixed_data():
     assert ok and reason == "6 reads each of dataset[0, 3, 6, 9] were equal and drew no random numbers"
 
 
+def _seed_all(seed: int) -> tuple:
+    """Seed torch's, NumPy's and Python's global generators; their next draws after ``seed``,
+    with the generators seeded again (what a probe that puts them back leaves)."""
+    def seed_them() -> None:
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+
+    seed_them()
+    expected = (torch.rand(1), np.random.rand(), random.random())
+    seed_them()
+    return expected
+
+
 def test_looks_deterministic_false_for_random_augmentation_and_restores_rng():
-    torch.manual_seed(7)
-    np.random.seed(7)
-    random.seed(7)
-    expected_next = (torch.rand(1), np.random.rand(), random.random())
-    torch.manual_seed(7)
-    np.random.seed(7)
-    random.seed(7)
+    expected_next = _seed_all(7)
     ok, reason = looks_deterministic(Augmenting(), [2])
     assert not ok
     assert "dataset[2]" in reason and "['x']" in reason and "augmented" in reason
@@ -174,13 +182,7 @@ class _DrawsButReturnsTheSame(Fixed):
     (lambda: torch.rand(1), "torch"), (lambda: np.random.rand(), "NumPy"), (lambda: random.random(), "Python's random"),
 ])
 def test_a_dataset_drawing_from_a_global_generator_is_random_even_when_its_reads_are_equal(draw, name: str) -> None:
-    torch.manual_seed(3)
-    np.random.seed(3)
-    random.seed(3)
-    expected = (torch.rand(1), np.random.rand(), random.random())
-    torch.manual_seed(3)
-    np.random.seed(3)
-    random.seed(3)
+    expected = _seed_all(3)
     deterministic, reason = looks_deterministic(_DrawsButReturnsTheSame(draw))
     assert not deterministic
     assert reason == f"reading dataset[0] draws from {name}'s global random generator: it looks randomly augmented"
