@@ -1193,3 +1193,59 @@ def test_the_first_user_recovering_an_entry_tolerates_a_probe_its_process_remove
     monkeypatch.undo()
     assert cache.root == entry and not probe.exists()
     cache.close()
+
+
+def _class_with(scale: int, lookup: object) -> torch.utils.data.Dataset:
+    def later() -> int:
+        return missing  # a cell not filled when the class is fingerprinted
+
+    class Scaled(torch.utils.data.Dataset):
+        table = lookup  # a class attribute neither plain data nor a function: by its type
+
+        @classmethod
+        def factor(cls) -> int:
+            return scale
+
+        @staticmethod
+        def offset() -> int:
+            return later()
+
+        @property
+        def size(self) -> int:
+            return 4
+
+        def __len__(self) -> int:
+            return self.size
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            return torch.full((2,), index * self.factor())
+
+    missing = None  # noqa: F841 - read by later(), assigned after the class: an empty cell until here
+    return Scaled()
+
+
+def test_a_local_class_is_fingerprinted_by_its_methods_properties_and_their_closures() -> None:
+    base = fingerprint_for(_class_with(1, threading.Lock()))
+    assert fingerprint_for(_class_with(1, threading.Lock())) == base  # a lock in the class body: its type only
+    assert fingerprint_for(_class_with(2, threading.Lock())).digest != base.digest  # a classmethod's closure
+
+
+def test_a_dangling_link_in_a_named_folder_is_part_of_the_fingerprint_until_its_target_appears(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    (root / "part").mkdir(parents=True)
+    (root / "part" / "0.bin").symlink_to(tmp_path / "elsewhere.bin")
+    dangling = fingerprint_for(_InFolder(str(root)))
+    (tmp_path / "elsewhere.bin").write_bytes(b"now")
+    assert fingerprint_for(_InFolder(str(root))).digest != dangling.digest
+
+
+def test_a_set_attribute_is_fingerprinted_in_one_order_and_its_paths_are_seen(tmp_path: Path) -> None:
+    files = [tmp_path / f"{k}.bin" for k in range(3)]
+    for file in files:
+        file.write_bytes(b"abc")
+    one, other = _Samples("x", 1.0), _Samples("x", 1.0)
+    one.paths, other.paths = {str(f) for f in files}, {str(f) for f in reversed(files)}
+    before = fingerprint_for(one)
+    assert fingerprint_for(other) == before
+    files[1].write_bytes(b"xyz!")
+    assert fingerprint_for(one).digest != before.digest

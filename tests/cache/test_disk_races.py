@@ -11,7 +11,9 @@ import gc
 import json
 import multiprocessing
 import os
+import shutil
 import sys
+import warnings
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -315,3 +317,25 @@ def test_two_crashes_around_a_block_never_publish_rows_nobody_wrote(tmp_path: Pa
     assert torch.equal(got_images, images) and torch.equal(got_labels, labels)
     for cache in (job3, holder):
         cache.close()
+
+
+def _present_in_child(cache: DiskCache, warned: str = "") -> None:
+    """No row present in a forked child, and one DiskCacheWarning saying ``warned`` if given."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        none = not cache.present(torch.arange(16)).any()
+    said = _warnings(caught)
+    sys.exit(0 if none and (len(said) == 1 and warned in said[0] if warned else not said) else 1)
+
+
+def test_a_forked_process_with_a_closed_or_removed_entry_finds_no_rows(tmp_path: Path) -> None:
+    images, labels = _data(16)
+    closed = _open(tmp_path / "a", 16)
+    closed.write(torch.arange(16), [images, labels])
+    closed.close()
+    assert _forked(_present_in_child, closed) == 0
+    removed = _open(tmp_path / "b", 16)
+    removed.write(torch.arange(16), [images, labels])
+    shutil.rmtree(removed.root)  # its files gone: the child cannot open them, and says so
+    assert _forked(_present_in_child, removed, "No such file or directory") == 0
+    removed.close()
