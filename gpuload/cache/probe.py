@@ -1,8 +1,9 @@
-"""Looking at a dataset before caching it: does it read the same twice, and how large is it.
+"""Looking at a dataset before caching it: does it read the same every time, and how large is it.
 
-:func:`looks_deterministic` tells whether a dataset returns the same sample twice, which
-caching needs; :func:`estimate_image_bytes` estimates an image source's decoded and encoded
-bytes from a few files' headers (the loader's image cache and ``gpuload plan`` both use it).
+:func:`looks_deterministic` tells whether a dataset returns the same sample at every read,
+drawing no random numbers, which caching needs; :func:`estimate_image_bytes` estimates an
+image source's decoded and encoded bytes from a few files' headers (the loader's image cache
+and ``gpuload plan`` both use it).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from gpuload.datasets.images import ImageSource
 from gpuload.decode.cpu import describe_error
 from gpuload.decode.headers import PixelLimitError, check_pixels, peek_header
 
-__all__ = ["PROBE_COMPARISONS", "PROBE_SAMPLES", "ImageProbe", "estimate_image_bytes", "looks_deterministic", "probe_images", "probed_indices"]
+__all__ = [
+    "PROBE_COMPARISONS", "PROBE_SAMPLES", "ImageProbe", "estimate_image_bytes", "looks_deterministic", "probe_images",
+    "probed_indices",
+]
 
 _PROBE_FILES = 32
 _HEADER_BYTES = 64 << 10  # JPEG/PNG headers, EXIF included, sit well within this
