@@ -73,7 +73,7 @@ def hash_state(obj: Any, hasher: Any, skip: Iterable[str | os.PathLike[str]] = (
         pickler.dump(obj)
     except IdentityError:
         raise
-    except (Exception, RecursionError) as error:  # noqa: BLE001 - pickling runs arbitrary __reduce__ code
+    except Exception as error:  # noqa: BLE001 - pickling runs any __reduce__ (RecursionError included)
         raise IdentityError(f"its state does not pickle ({type(error).__name__}: {error})") from None
     return dict(sorted(pickler.files.items()))
 
