@@ -67,7 +67,9 @@ class DataLoader(tud.DataLoader[T_co]):
       dataset is split (``"rank"``, ``"node"``, ``"world"``, ``"auto"``; README, multi-GPU).
       ``cache_dir``, ``disk_cache_size``: the disk tier below host memory (README): array rows,
       a sample cache's fixed-shape samples and gpuload's image source's whole decoded images
-      spilled to a local folder, read back memory-mapped.
+      spilled to a local folder, read back memory-mapped. ``cache_key``: a string you change
+      whenever the data does, keying the disk tier's entry instead of gpuload's look at the
+      dataset (needed for a dataset gpuload cannot identify: one that does not pickle).
     - ``prefetch_depth``: batches made ahead of the loop (0: none, in the loop's thread).
     - ``on_error``: ``"skip"`` leaves out image files that cannot be decoded.
 
@@ -103,6 +105,7 @@ class DataLoader(tud.DataLoader[T_co]):
         cache_scope: str | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         disk_cache_size: int | float | str | None = None,
+        cache_key: str | None = None,
         job: str | None = None,
         prefetch_depth: int | None = None,
         on_error: str = "raise",
@@ -125,13 +128,13 @@ class DataLoader(tud.DataLoader[T_co]):
             raise ValueError(f"on_error={on_error!r} must be 'raise' or 'skip' (bad image files)")
         self._cache_settings = CacheSettings.resolve(
             cache=cache, cache_size=cache_size, cache_reserve=cache_reserve, job=job, cache_scope=cache_scope,
-            cache_dir=cache_dir, disk_cache_size=disk_cache_size,
+            cache_dir=cache_dir, disk_cache_size=disk_cache_size, cache_key=cache_key,
         )
         # Public attributes with the constructor's names, so wrappers can rebuild the loader.
         self.device = resolve_device(device)
         self.transforms, self.cache, self.cache_size, self.cache_reserve = transforms, cache, cache_size, cache_reserve
         self.cache_scope, self.job, self.prefetch_depth, self.on_error = cache_scope, job, prefetch_depth, on_error
-        self.cache_dir, self.disk_cache_size = cache_dir, disk_cache_size
+        self.cache_dir, self.disk_cache_size, self.cache_key = cache_dir, disk_cache_size, cache_key
         self._transform_seed = generator.initial_seed() if generator is not None else torch.initial_seed()
         self._stats = LoaderStats(device=str(self.device))
         self._tally = Tally(self._stats)  # what the source and prefetcher counted, added once

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         resolve_reserve,
     )
     from gpuload.cache.decide import CacheDecision, decide_images, decide_samples
+    from gpuload.cache.identity import IdentityError
     from gpuload.cache.oom import CacheFallbackWarning
     from gpuload.cache.plan import MODES, CachePlan, TierPlan, default_host_reserve, make_plan
     from gpuload.cache.probe import estimate_image_bytes, looks_deterministic
@@ -52,6 +53,7 @@ __all__ = [
     "CacheSettingError",
     "CacheSettings",
     "FillingStore",
+    "IdentityError",
     "SampleCache",
     "SampleCacheStats",
     "Setting",
@@ -87,6 +89,7 @@ _LAZY = {
     "CacheSettingError": "gpuload.cache.budget",
     "CacheSettings": "gpuload.cache.settings",
     "FillingStore": "gpuload.cache.store",
+    "IdentityError": "gpuload.cache.identity",
     "LEDGER": "gpuload.cache.budget",
     "MODES": "gpuload.cache.plan",
     "SampleCache": "gpuload.cache.sample_store",

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from gpuload.cache.budget import format_bytes
+from gpuload.cache.identity import IdentityError
 from gpuload.cache.probe import estimate_image_bytes, looks_deterministic
 from gpuload.cache.settings import CacheSettings
 from gpuload.datasets.images import ImageSource
@@ -90,6 +91,8 @@ def decide_samples(
         return _none("on a CPU device the dataset serves the loop itself; cache='host' keeps its samples in memory")
     try:
         deterministic, why = probe(dataset)
+    except IdentityError:  # cache_dir's disk tier refuses the dataset: the user must pass cache_key=
+        raise
     except Exception as error:  # indices that are not 0..len-1 (a dict, a keyed store): no probe
         if mode == "auto":
             return _none(f"reading dataset[0] for the determinism probe failed ({type(error).__name__}: {error})")

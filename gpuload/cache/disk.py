@@ -39,8 +39,8 @@ bytes are written once and each block is published once; rows another process ha
 published yet are simply absent (the caller reads them from the source). Nothing is written
 outside ``cache_dir``; folders and files are created with the process's umask.
 
-A DiskCache belongs to the process that opened it (its locks are per open file): a worker
-process opens its own. Do not edit an entry's files while a job has it open: a block truncated
+A forked child using a DiskCache its parent opened opens the entry's files again at its first
+use (a flock belongs to an open file, which a fork shares: the child's locks must be its own). Do not edit an entry's files while a job has it open: a block truncated
 under a live memory map faults its reader (SIGBUS); ``gpuload cache clear`` skips entries in use.
 """
 
@@ -52,12 +52,12 @@ import hashlib
 import json
 import mmap
 import os
-import pickle
 import re
 import sys
 import threading
 import time
 import warnings
+import weakref
 import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -70,6 +70,7 @@ import torch
 
 from gpuload.cache.budget import SizeSpec, format_bytes
 from gpuload.cache.entries import MANIFEST, EntryInfo, list_entries, remove_entry
+from gpuload.cache.identity import IdentityError, file_identity, hash_array, hash_state
 from gpuload.cache.settings import CacheSettings
 from gpuload.datasets.arrays import ArrayDataset
 from gpuload.datasets.images import ImageSource
@@ -117,7 +118,7 @@ class DiskCacheWarning(UserWarning):
 class Fingerprint:
     """What produced an entry's bytes: ``kind`` (``arrays``, ``images``, ``dataset``), a short
     human ``description`` and ``digest``, a hash of everything that identifies the bytes
-    (class, length, files with sizes and mtimes, settings, :data:`FORMAT_VERSION`)."""
+    (class, length, files with sizes, mtimes, ctimes and inodes, settings, :data:`FORMAT_VERSION`)."""
 
     kind: str
     description: str
@@ -159,24 +160,11 @@ def _class_name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def _hash_array(hasher: Any, array: torch.Tensor | np.ndarray) -> None:
-    if isinstance(array, torch.Tensor):
-        tensor = array.detach().cpu().contiguous()
-        hasher.update(_canonical([str(tensor.dtype), list(tensor.shape)]))
-        data = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)
-    else:
-        data_array = np.ascontiguousarray(array)
-        hasher.update(_canonical([str(data_array.dtype), list(data_array.shape)]))
-        data = data_array.reshape(-1).view(np.uint8)
-    step = 64 << 20
-    for start in range(0, data.size, step):
-        hasher.update(memoryview(data[start:start + step]))
-
-
-def fingerprint_arrays(arrays: Any, settings: Mapping[str, Any] | None = None) -> Fingerprint:
+def fingerprint_arrays(arrays: Any, settings: Mapping[str, Any] | None = None, *, key: str | None = None) -> Fingerprint:
     """The fingerprint of in-memory arrays (a tensor, an ndarray, a tuple/list/dict of them, or
     an :class:`~gpuload.datasets.ArrayDataset`): their dtypes, shapes and contents (hashed; about
-    a second per GB on one core)."""
+    a second per GB on one core), or with ``key`` (a string the caller changes whenever the
+    contents change) their dtypes and shapes and the key."""
     columns = arrays.columns if isinstance(arrays, ArrayDataset) else arrays
     if isinstance(columns, (torch.Tensor, np.ndarray)):
         columns = {"#0": columns}
@@ -190,45 +178,54 @@ def fingerprint_arrays(arrays: Any, settings: Mapping[str, Any] | None = None) -
             f"not {type(arrays).__name__}"
         )
     hasher = hashlib.blake2b(digest_size=16)
-    hasher.update(_canonical({"class": _class_name(arrays), "settings": dict(settings or {})}))
+    hasher.update(_canonical({"class": _class_name(arrays), "settings": dict(settings or {}), **_keyed(key)}))
     for name in sorted(columns):
         hasher.update(_canonical(name))
-        _hash_array(hasher, columns[name])
+        if key is None:
+            hash_array(hasher, columns[name])
+        else:
+            hasher.update(_canonical([str(columns[name].dtype), list(columns[name].shape)]))
     first = next(iter(columns.values()))
     return Fingerprint.of("arrays", f"{type(arrays).__name__}({len(first)} rows, {len(columns)} columns)", hasher)
 
 
-def fingerprint_images(dataset: Any, settings: Mapping[str, Any] | None = None) -> Fingerprint:
+def fingerprint_images(dataset: Any, settings: Mapping[str, Any] | None = None, *, key: str | None = None) -> Fingerprint:
     """The fingerprint of image files (a gpuload ImageFolder/ImageList or anything with a
     torchvision-style ``samples`` list of ``(path, label)``): the class, each file's absolute
-    path, label, size and mtime, and ``settings`` (decode size, pre-cache transforms). Changing,
-    adding or removing a file changes it."""
+    path, label and :func:`~gpuload.cache.identity.file_identity` (size, mtime, ctime, inode),
+    and ``settings`` (decode size, pre-cache transforms). Changing, replacing, adding or
+    removing a file changes it. With ``key``, the paths and labels and the key (no file is
+    looked at)."""
     samples = getattr(dataset, "samples", None)
     if not isinstance(samples, Sequence) or isinstance(samples, (str, bytes)):
         raise TypeError(f"fingerprint_images needs a dataset with a samples list of (path, label), not {dataset!r}")
     hasher = hashlib.blake2b(digest_size=16)
-    hasher.update(_canonical({"class": _class_name(dataset), "length": len(samples), "settings": dict(settings or {})}))
+    hasher.update(_canonical({"class": _class_name(dataset), "length": len(samples), "settings": dict(settings or {}),
+                              **_keyed(key)}))
     for path, label in samples:
         full = os.path.abspath(os.fspath(path))
         try:
-            status = os.stat(full)
-            identity = [status.st_size, status.st_mtime_ns]
+            identity = file_identity(full) if key is None else []
         except OSError as error:
             identity = [f"unreadable: {error.strerror}"]
         hasher.update(_canonical([full, int(label), *identity]))
     return Fingerprint.of("images", f"{type(dataset).__name__}({len(samples)} images)", hasher)
 
 
-def fingerprint_dataset(dataset: Any, settings: Mapping[str, Any] | None = None, key: str | None = None) -> Fingerprint:
-    """The fingerprint of any map-style dataset: its class, its length, the size and mtime of
-    the file that defines the class, and either ``key`` (a string the caller promises changes
-    with the data, e.g. a dataset version) or a hash of the dataset's pickled attributes plus
-    the size and mtime of every existing file or folder an attribute names.
+def fingerprint_dataset(dataset: Any, settings: Mapping[str, Any] | None = None, key: str | None = None,
+                        skip: Sequence[str | os.PathLike[str]] = ()) -> Fingerprint:
+    """The fingerprint of any map-style dataset: its class, its length, the identity of the
+    file that defines the class, and either ``key`` (a string the caller promises changes with
+    the samples: data, transforms, code) or :func:`~gpuload.cache.identity.hash_state`: the
+    dataset's whole pickled state (attributes, slots, nested datasets, functions with their
+    closures, arrays by contents) and the identity of every file or folder (each file under it)
+    a string anywhere in it names, but those under ``skip`` (the cache's folder).
 
-    A dataset whose attributes cannot be pickled (open files, locks, lambdas) needs ``key=``:
-    raising is better than a fingerprint that would not notice the data change. Data the
-    dataset reads from elsewhere (a database, files under a folder it names) is only seen
-    through ``key=``.
+    :class:`~gpuload.cache.identity.IdentityError` (a ValueError) when that state does not
+    pickle (open files, locks, database handles) or names a folder of more than
+    :data:`~gpuload.cache.identity.FOLDER_FILES` files: a fingerprint that would not notice
+    the data change is worse than none. Data read from elsewhere (a database, a URL) is only
+    seen through ``key=``.
     """
     parts: dict[str, Any] = {"class": _class_name(dataset), "settings": dict(settings or {})}
     try:
@@ -240,54 +237,51 @@ def fingerprint_dataset(dataset: Any, settings: Mapping[str, Any] | None = None,
     source = sys.modules.get(type(dataset).__module__)
     source_file = getattr(source, "__file__", None)
     if source_file and os.path.exists(source_file):
-        status = os.stat(source_file)
-        parts["code"] = [os.path.abspath(source_file), status.st_size, status.st_mtime_ns]
+        parts["code"] = [os.path.abspath(source_file), *file_identity(source_file)]
     hasher = hashlib.blake2b(digest_size=16)
     if key is not None:
-        parts["key"] = str(key)
+        parts.update(_keyed(key))
     else:
-        state = getattr(dataset, "__dict__", {})
         try:
-            for name, value in sorted(state.items()):
-                hasher.update(_canonical(name))
-                if isinstance(value, (torch.Tensor, np.ndarray)):
-                    _hash_array(hasher, value)  # streamed: no pickled copy of a large array
-                else:
-                    hasher.update(pickle.dumps(value, protocol=4))
-        except Exception as error:
-            raise ValueError(
-                f"the disk cache cannot fingerprint {type(dataset).__name__}: its attributes do not pickle "
-                f"({type(error).__name__}: {error}); pass key= (a string that changes whenever its data does)"
+            parts["files"] = hash_state(dataset, hasher, skip)
+        except IdentityError as error:
+            raise IdentityError(
+                f"the disk cache cannot identify {type(dataset).__name__}: {error}; pass cache_key= (a string you "
+                "change whenever its samples change), or no cache_dir"
             ) from None
-        files = []
-        for name, value in sorted(state.items()):
-            if isinstance(value, (str, os.PathLike)) and len(os.fspath(value)) < 4096:
-                path = os.fspath(value)
-                if os.path.exists(path):
-                    status = os.stat(path)
-                    files.append([name, os.path.abspath(path), status.st_size, status.st_mtime_ns])
-        parts["files"] = files
     hasher.update(_canonical(parts))
     return Fingerprint.of("dataset", f"{type(dataset).__name__}({parts['length']} samples)", hasher)
 
 
-def fingerprint_for(dataset: Any, settings: Mapping[str, Any] | None = None, *, key: str | None = None) -> Fingerprint:
+def _keyed(key: str | None) -> dict[str, str]:
+    """The caller's key as a fingerprint part (none without one); a key must be a non-empty string."""
+    if key is None:
+        return {}
+    if not isinstance(key, str) or not key.strip():
+        raise ValueError(f"cache_key={key!r} must be a non-empty string that changes whenever the data does")
+    return {"key": key}
+
+
+def fingerprint_for(dataset: Any, settings: Mapping[str, Any] | None = None, *, key: str | None = None,
+                    skip: Sequence[str | os.PathLike[str]] = ()) -> Fingerprint:
     """The fingerprint of ``dataset``: image files (:func:`fingerprint_images`), arrays
-    (:func:`fingerprint_arrays`) or any other dataset (:func:`fingerprint_dataset`).
+    (:func:`fingerprint_arrays`) or any other dataset (:func:`fingerprint_dataset`; ``skip``:
+    folders whose files are not its data).
 
     ``settings``: what else shapes the stored bytes, e.g. ``{"decode_size": [224, 224],
     "pre_cache": ["Resize(256)", "CenterCrop(224)"]}``. Random augmentations run after the
-    cache and are never part of it.
+    cache and are never part of it. ``key``: a string the caller changes whenever the data
+    does, used instead of looking at the files, contents or state.
     """
     if isinstance(dataset, ImageSource) or _has_image_samples(dataset):
-        return fingerprint_images(dataset, settings)
+        return fingerprint_images(dataset, settings, key=key)
     parts = dataset.values() if isinstance(dataset, Mapping) else dataset
     if isinstance(dataset, (ArrayDataset, torch.Tensor, np.ndarray)) or (
         isinstance(dataset, (tuple, list, Mapping)) and dataset
         and all(isinstance(a, (torch.Tensor, np.ndarray)) for a in parts)
     ):
-        return fingerprint_arrays(dataset, settings)
-    return fingerprint_dataset(dataset, settings, key=key)
+        return fingerprint_arrays(dataset, settings, key=key)
+    return fingerprint_dataset(dataset, settings, key=key, skip=skip)
 
 
 def _has_image_samples(dataset: Any) -> bool:
@@ -492,6 +486,7 @@ class DiskCache:
         self._closed = False
         self._pid = os.getpid()
         self._lock_fd = self._users_fd = self._flags_fd = self._index_fd = -1
+        _OPEN.add(self)
         try:
             self._lock_fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o666)
             self._users_fd = os.open(root / "users", os.O_RDWR | os.O_CREAT, 0o666)
@@ -544,6 +539,10 @@ class DiskCache:
         try:
             if folder.exists() and not folder.is_dir():
                 raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(folder))
+            link = _dangling_link(folder)
+            if link is not None:  # mkdir would say only "File exists"
+                raise FileNotFoundError(errno.ENOENT, f"{link} is a symbolic link to {os.readlink(link)}, which "
+                                        "does not exist (a file system not mounted?)")
             if not root.exists() and _no_room(folder, budget_bytes):
                 return None  # said why; nothing created
             root.mkdir(parents=True, exist_ok=True)  # mode 0o777 less the umask
@@ -558,8 +557,10 @@ class DiskCache:
                 budget = int(budget_bytes)
             cache = cls(root, fingerprint, spec, num_rows, budget, block_bytes, auto, row_bytes)
         except OSError as error:
+            reason = f"{error.filename or folder} ({error.strerror or error})" if error.filename or not error.strerror \
+                else f"{folder}: {error.strerror}"
             warnings.warn(
-                f"gpuload disk cache: cannot use {error.filename or folder} ({error.strerror or error}); "
+                f"gpuload disk cache: cannot use {reason}; "
                 "running without a disk tier. Point cache_dir= (or GPULOAD_CACHE_DIR) at a writable "
                 "local folder, or unset it",
                 DiskCacheWarning, stacklevel=2,
@@ -615,6 +616,35 @@ class DiskCache:
                     Path(entry.path).unlink(missing_ok=True)
         fcntl.flock(self._users_fd, fcntl.LOCK_SH)
 
+    def _open_in_this_process(self) -> None:
+        """In a forked child: its own descriptors of the entry's files. A flock belongs to an
+        open file, which a fork shares: on the inherited descriptors the child would hold the
+        parent's locks (the entry lock granted to both at once) instead of its own. The memory
+        maps stay: the child reads the same published bytes."""
+        with self._mutex:
+            if os.getpid() == self._pid:
+                return
+            self._pid = os.getpid()
+            inherited = [fd for fd, _ in self._parts.values()]
+            self._parts.clear()
+            inherited += [self._flags_fd, self._index_fd, self._lock_fd, self._users_fd]
+            self._lock_fd = self._users_fd = self._flags_fd = self._index_fd = -1
+            for fd in inherited:
+                if fd >= 0:
+                    os.close(fd)  # the parent's locks stay: it still has the same files open
+            if self._closed:
+                return
+            try:
+                self._lock_fd = os.open(self.root / "lock", os.O_RDWR)
+                self._users_fd = os.open(self.root / "users", os.O_RDWR)
+                fcntl.flock(self._users_fd, fcntl.LOCK_SH)  # a user, as the parent: nothing to recover
+                self._flags_fd = os.open(self.root / "rows.fill", os.O_RDWR)
+                if self.ragged:
+                    self._index_fd = os.open(self.root / "rows.index", os.O_RDWR)
+            except OSError as error:  # the entry removed meanwhile: the source serves
+                self._stop(error, Path(error.filename or self.root))
+                self.close()
+
     # -- locks and the manifest ---------------------------------------------------------------
 
     def _entry_lock(self) -> _Flock:
@@ -662,10 +692,7 @@ class DiskCache:
 
     def _as_rows(self, rows: Any) -> np.ndarray:
         if os.getpid() != self._pid:
-            raise RuntimeError(
-                f"this DiskCache ({self.root}) was opened by process {self._pid}; its file locks do not "
-                "hold across fork: open the cache again in this process"
-            )
+            self._open_in_this_process()
         array = rows.detach().cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
         array = array.astype(np.int64, copy=False).reshape(-1)
         if array.size and (array.min() < 0 or array.max() >= self.num_rows):
@@ -955,6 +982,10 @@ class DiskCache:
             if not self._room_for(size):
                 self._stats.full = True
                 return None
+            # No row of the new part is written yet: its flags are cleared before it exists, so
+            # a process killed at any point after leaves no set flag over a part's zeros (flags
+            # a block left set when its process died between its rename and the manifest).
+            os.pwrite(self._flags_fd, bytes(self._rows_in(block)), block * self.block_rows)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
             try:
                 _preallocate(fd, 0 if self.ragged else size)  # a ragged block grows row by row
@@ -962,8 +993,6 @@ class DiskCache:
                 os.close(fd)
                 path.unlink(missing_ok=True)
                 raise
-            first = block * self.block_rows
-            os.pwrite(self._flags_fd, bytes(self._rows_in(block)), first)  # no row of it is written yet
         else:
             fd = os.open(path, os.O_RDWR)
         self._parts[block] = (fd, os.fstat(fd).st_ino)
@@ -1130,6 +1159,19 @@ class DiskCache:
                 f"{format_bytes(s.published_bytes)} of {format_bytes(self.budget)})")
 
 
+_OPEN: weakref.WeakSet[DiskCache] = weakref.WeakSet()
+
+
+def _new_mutexes_after_fork() -> None:
+    """In a forked child: a new mutex for each cache (a thread of the parent may have held one
+    at the fork); each opens its own descriptors at its next use (``_open_in_this_process``)."""
+    for cache in list(_OPEN):
+        cache._mutex = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_mutexes_after_fork)
+
+
 class _Flock:
     """An exclusive flock held for a ``with`` block."""
 
@@ -1169,6 +1211,17 @@ def _read_manifest(root: Path, cache: DiskCache) -> tuple[_Manifest, str]:
     except (ValueError, KeyError, TypeError) as error:
         return _Manifest(identity=identity), f"{path} is damaged ({type(error).__name__}: {error})"
     return _Manifest(blocks, identity), ""
+
+
+def _dangling_link(folder: Path) -> Path | None:
+    """The symbolic link on the way to ``folder`` (itself or a folder above it) whose target
+    does not exist, if any."""
+    for path in (folder, *folder.parents):
+        if path.is_symlink():
+            return None if path.exists() else path
+        if path.exists():
+            return None
+    return None
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -36,9 +36,11 @@ from gpuload.cache.disk import (
     DiskCache,
     DiskCacheWarning,
     Fingerprint,
+    fingerprint_dataset,
     fingerprint_for,
+    list_entries,
 )
-from gpuload.cache.probe import estimate_image_bytes
+from gpuload.cache.probe import estimate_image_bytes, looks_deterministic
 from gpuload.cache.settings import CacheSettings
 from gpuload.cache.tiers import Tier, register_tier
 from gpuload.transfer import pinned_host_copies
@@ -156,12 +158,12 @@ def select_rows(part: Part, positions: torch.Tensor) -> Part:
     return _with_rows(part, (rows.index_select(0, positions) for rows in column_rows(part)))
 
 
-def sample_fingerprint(dataset: Any) -> Fingerprint:
-    """What produced a map-style dataset's samples: its files or attributes
-    (:func:`fingerprint_for`) and its transforms, by their repr."""
-    settings = {name: repr(getattr(dataset, name)) for name in ("transform", "target_transform", "transforms")
-                if getattr(dataset, name, None) is not None}
-    return fingerprint_for(dataset, settings)
+def sample_fingerprint(dataset: Any, settings: CacheSettings) -> Fingerprint:
+    """What produced a map-style dataset's samples: ``cache_key=`` when given, else its whole
+    state and the files it names (:func:`~gpuload.cache.disk.fingerprint_dataset`; its
+    transforms are part of that state), leaving out ``cache_dir``'s own files."""
+    folder = settings.disk_dir.value
+    return fingerprint_dataset(dataset, key=settings.disk_key, skip=[folder] if folder is not None else [])
 
 
 class DiskRows:
@@ -178,11 +180,38 @@ class DiskRows:
         self.template = template
         self._layout = layout(template)
 
+    @staticmethod
+    def identify(dataset: Any, settings: CacheSettings) -> Fingerprint | None:
+        """The fingerprint the disk tier would key ``dataset``'s samples by (None without a
+        ``cache_dir``): taken before gpuload reads a sample, so every job takes it of the
+        dataset in the same state. :class:`~gpuload.cache.identity.IdentityError` when the
+        dataset cannot be identified and no ``cache_key=`` is given."""
+        if settings.disk_dir.value is None or settings.disk_size.value.kind == "off":
+            return None
+        try:
+            return sample_fingerprint(dataset, settings)
+        except TypeError:  # no len(): open() says so
+            return None
+
+    @staticmethod
+    def probe(dataset: Any, settings: CacheSettings, fingerprint: Fingerprint | None) -> tuple[bool, str]:
+        """:func:`~gpuload.cache.probe.looks_deterministic`, without reading a sample when
+        ``cache_dir`` already holds published samples of this fingerprint: only a job whose probe
+        passed writes them, and the fingerprint is the dataset's whole state (a later job reads
+        them back from disk, not from the dataset)."""
+        folder = settings.disk_dir.value
+        if fingerprint is not None and folder is not None and any(
+            entry.fingerprint == fingerprint.digest and entry.published_rows for entry in list_entries(folder)
+        ):
+            return True, "its samples are on disk, written by a job whose determinism probe passed"
+        return looks_deterministic(dataset)
+
     @classmethod
-    def open(cls, dataset: Any, settings: CacheSettings) -> DiskRows | None:
+    def open(cls, dataset: Any, settings: CacheSettings, fingerprint: Fingerprint | None = None) -> DiskRows | None:
         """The disk tier of ``dataset``'s samples in ``settings``' ``cache_dir``, or None: no
-        folder set, samples that are not fixed-shape columns, a dataset that cannot be
-        fingerprinted or a folder that cannot be used (each warned once, except the first)."""
+        folder set, samples that are not fixed-shape columns, a dataset without a length or a
+        folder that cannot be used (each warned once, except the first). A dataset gpuload
+        cannot identify without ``cache_key=`` is refused (:class:`~gpuload.cache.identity.IdentityError`)."""
         if settings.disk_dir.value is None or settings.disk_size.value.kind == "off":
             return None
         name = type(dataset).__name__
@@ -196,9 +225,9 @@ class DiskRows:
             warnings.warn(f"gpuload disk cache: the samples of this {name} are not fixed-shape tensors, arrays "
                           "and numbers; no disk tier", DiskCacheWarning, stacklevel=3)
             return None
-        try:
-            fingerprint = sample_fingerprint(dataset)
-        except (TypeError, ValueError) as error:
+        try:  # IdentityError: refused, cache_key= is needed
+            fingerprint = fingerprint or sample_fingerprint(dataset, settings)
+        except TypeError as error:  # no len()
             warnings.warn(f"gpuload disk cache: {error}; no disk tier", DiskCacheWarning, stacklevel=3)
             return None
         disk = DiskCache.from_settings(settings, fingerprint, _specs(column_rows(template)), len(dataset),
@@ -253,7 +282,7 @@ class DiskRows:
 class DiskImages:
     """Whole decoded images of an image-file dataset on disk, by dataset index (a ragged entry:
     uint8, each of its own shape and dimension order, as the decoder gave it). Keyed by the
-    files (paths, sizes, mtimes) and ``decode`` (what shapes the pixels: backend, layout), so a
+    files (paths, sizes, mtimes, ctimes, inodes; or ``cache_key=``) and ``decode`` (what shapes the pixels: backend, layout), so a
     changed file or another decoder never reads old pixels.
 
     Images decoded on a GPU are copied to pinned host memory without waiting for the device,
@@ -272,7 +301,7 @@ class DiskImages:
         one that cannot be used (warned)."""
         if settings.disk_dir.value is None or settings.disk_size.value.kind == "off" or not len(images):
             return None
-        fingerprint = fingerprint_for(images, {"decoded": dict(decode, whole=True)})
+        fingerprint = fingerprint_for(images, {"decoded": dict(decode, whole=True)}, key=settings.disk_key)
         decoded, _ = estimate_image_bytes(images)
         spec = [ColumnSpec("image", torch.uint8, (RAGGED, RAGGED, RAGGED))]
         disk = DiskCache.from_settings(settings, fingerprint, spec, len(images), block_bytes=BLOCK_BYTES,

@@ -1,8 +1,9 @@
-"""Looking at a dataset before caching it: does it read the same twice, and how large is it.
+"""Looking at a dataset before caching it: does it read the same every time, and how large is it.
 
-:func:`looks_deterministic` tells whether a dataset returns the same sample twice, which
-caching needs; :func:`estimate_image_bytes` estimates an image source's decoded and encoded
-bytes from a few files' headers (the loader's image cache and ``gpuload plan`` both use it).
+:func:`looks_deterministic` tells whether a dataset returns the same sample at every read,
+drawing no random numbers, which caching needs; :func:`estimate_image_bytes` estimates an
+image source's decoded and encoded bytes from a few files' headers (the loader's image cache
+and ``gpuload plan`` both use it).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from gpuload.datasets.images import ImageSource
 from gpuload.decode.cpu import describe_error
 from gpuload.decode.headers import PixelLimitError, check_pixels, peek_header
 
-__all__ = ["ImageProbe", "estimate_image_bytes", "looks_deterministic", "probe_images"]
+__all__ = [
+    "PROBE_COMPARISONS", "PROBE_SAMPLES", "ImageProbe", "estimate_image_bytes", "looks_deterministic", "probe_images",
+    "probed_indices",
+]
 
 _PROBE_FILES = 32
 _HEADER_BYTES = 64 << 10  # JPEG/PNG headers, EXIF included, sit well within this
@@ -73,32 +77,78 @@ def _difference(a: Any, b: Any, where: str) -> str | None:
     return None if same else f"{where}: {a!r} vs {b!r}"
 
 
+PROBE_SAMPLES = 4
+PROBE_COMPARISONS = 20
+"""Reads of a sample compared with its first read, over the probed samples. A transform that
+changes a sample with probability ``p`` at each read passes all of them with probability
+``(1 - p) ** 20``: for a flip with ``p = 1/2``, ``2 ** -20`` = 9.5e-7, below one in a million
+(4 samples read 6 times each: 24 reads). A transform drawing from torch's, NumPy's or Python's
+global random generator is caught at its first read, whatever its ``p``: the probe sees the
+generator's state move."""
+
+
+def probed_indices(length: int) -> list[int]:
+    """The samples :func:`looks_deterministic` reads of a dataset of ``length``: up to
+    :data:`PROBE_SAMPLES`, spread from the first to the last."""
+    return sorted({k * (length - 1) // (PROBE_SAMPLES - 1) for k in range(PROBE_SAMPLES)}) if length else []
+
+
 def looks_deterministic(dataset: Any, probe_indices: Sequence[int] | None = None) -> tuple[bool, str]:
-    """Read a few samples twice; (True, reason) when every pair is equal, else (False, reason).
+    """Read a few samples several times; (True, reason) when every read of a sample equals its
+    first and no read moved a global random generator, else (False, reason).
 
     Caching a dataset that augments at random would freeze its first epoch's augmentation, so
-    ``cache="auto"`` caches only datasets that pass. Random number generator states (torch,
-    numpy, python) are restored afterwards, so probing does not shift the training's randomness.
+    ``cache="auto"`` caches only datasets that pass, and the disk tier stores only their samples.
+    ``probe_indices`` (default: :data:`PROBE_SAMPLES` spread over the dataset) are read until
+    :data:`PROBE_COMPARISONS` reads have been compared, stopping at the first difference.
+    Random number generator states (torch, numpy, python) are restored afterwards, so probing
+    does not shift the training's randomness.
     """
     if probe_indices is None:
-        n = len(dataset)
-        probe_indices = sorted({0, n // 2, n - 1}) if n else []
+        probe_indices = probed_indices(len(dataset))
     if not probe_indices:
         return True, "the dataset is empty: nothing to compare"
-    python_state = random.getstate()
-    numpy_state = np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        try:
-            for index in probe_indices:
-                first, second = dataset[index], dataset[index]
-                found = _difference(first, second, f"dataset[{index}]")
+    reads = 1 + -(-PROBE_COMPARISONS // len(probe_indices))
+    before = _global_rng_states()
+    try:
+        for index in probe_indices:
+            first = dataset[index]
+            for _ in range(reads - 1):
+                found = _difference(first, dataset[index], f"dataset[{index}]")
                 if found:
                     return False, f"two reads of dataset[{index}] differ ({found}): it looks randomly augmented"
-        finally:
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
+                moved = _moved(before)
+                if moved:
+                    return False, (f"reading dataset[{index}] draws from {moved}'s global random generator: it looks "
+                                   "randomly augmented")
+    finally:
+        _restore(before)
     shown = ", ".join(str(i) for i in probe_indices)
-    return True, f"two reads of dataset[{shown}] were equal"
+    return True, f"{reads} reads each of dataset[{shown}] were equal and drew no random numbers"
+
+
+def _global_rng_states() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "NumPy": np.random.get_state(), "Python's random": random.getstate()}
+
+
+def _moved(before: dict[str, Any]) -> str:
+    """The global generators whose state is no longer ``before``'s ("" when none moved)."""
+    now = _global_rng_states()
+    moved = []
+    if not torch.equal(now["torch"], before["torch"]):
+        moved.append("torch")
+    old, new = before["NumPy"], now["NumPy"]
+    if old[0] != new[0] or not np.array_equal(old[1], new[1]) or old[2:] != new[2:]:
+        moved.append("NumPy")
+    if now["Python's random"] != before["Python's random"]:
+        moved.append("Python's random")
+    return " and ".join(moved)
+
+
+def _restore(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    np.random.set_state(states["NumPy"])
+    random.setstate(states["Python's random"])
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,9 @@ class CacheSettings:
     tier; ``reserve`` is device memory the cache never takes; ``scope`` (one of ``SCOPES``)
     says over which ranks of a torch.distributed job one copy of the dataset is split.
     ``disk_dir``: the disk tier's folder (a ``Path``, or None: no disk tier); ``disk_size``:
-    its :class:`SizeSpec` (``auto``: the file system's free space less a reserve).
+    its :class:`SizeSpec` (``auto``: the file system's free space less a reserve); ``disk_key``:
+    the ``cache_key=`` keyword (a string the user changes whenever the data does, keying the disk
+    tier's entry instead of gpuload's look at the dataset), or None.
     """
 
     mode: Setting
@@ -96,6 +98,7 @@ class CacheSettings:
     scope: Setting = Setting("auto", "default", "auto")
     disk_dir: Setting = Setting(None, "default", None)
     disk_size: Setting = Setting(SizeSpec("auto", text="auto"), "default", "auto")
+    disk_key: str | None = None
 
     @property
     def size_spec(self) -> SizeSpec:
@@ -116,12 +119,14 @@ class CacheSettings:
         cache_scope: str | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         disk_cache_size: SizeValue = None,
+        cache_key: str | None = None,
         environ: Mapping[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
     ) -> CacheSettings:
         """Resolve each setting; a keyword left at ``None`` means "not given here".
 
-        ``environ`` and ``cwd`` default to the process's; tests pass their own.
+        ``environ`` and ``cwd`` default to the process's; tests pass their own. ``cache_key`` is
+        a keyword only: it names one dataset's data, not a job's defaults.
         """
         env = os.environ if environ is None else environ
         check_environment(env)  # gpuload's other variables: a bad value fails here, not mid-epoch
@@ -173,6 +178,7 @@ class CacheSettings:
             disk_size=Setting(
                 parse_size(disk_raw, setting="disk_cache_size", source=disk_source), disk_source, disk_raw
             ),
+            disk_key=_parse_key(cache_key),
         )
 
     def off_reason(self) -> str | None:
@@ -301,6 +307,8 @@ class CacheSettings:
         if self.disk_dir.value is not None:
             lines.append(f"cache_dir={self.disk_dir.value} ({self.disk_dir.source})")
             lines.append(f"disk_cache_size={self.disk_size.value} ({self.disk_size.source})")
+            if self.disk_key is not None:
+                lines.append(f"cache_key={self.disk_key!r} (keyword cache_key=)")
         if self.job is not None:
             lines.append(f"job={self.job}")
         if self.config_path is not None:
@@ -328,6 +336,15 @@ def _parse_scope(value: Any, source: str) -> str:
     raise CacheSettingError(
         "cache_scope", value, source,
         f"is not a cache scope; use one of {', '.join(repr(s) for s in SCOPES)}",
+    )
+
+
+def _parse_key(value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and value.strip()):
+        return value
+    raise CacheSettingError(
+        "cache_key", value, "keyword cache_key=",
+        "is not a non-empty string; give one you change whenever the dataset's samples change (e.g. 'v3')",
     )
 
 

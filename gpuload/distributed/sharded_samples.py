@@ -115,8 +115,9 @@ def shard_samples(
     if context is None:
         return None
     why_not = split_obstacle(settings, batch_sampler, num_samples, context)
-    template = None
-    if why_not is None:
+    template = fingerprint = None
+    if why_not is None:  # the disk tier's key first: taken before any read, as a rank's own cache takes it
+        fingerprint = DiskRows.identify(dataset, settings) if default_collate else None
         why_not, template = _columns_of(dataset, settings, default_collate, probe)
     if why_not is not None:
         decline_split(settings, why_not, stacklevel=6)
@@ -130,7 +131,7 @@ def shard_samples(
     chunks = [list(range(first, min(first + chunk_size, stop))) for first in range(start, stop, chunk_size)]
     raised, disk = "", None
     try:  # every rank reports its outcome below, whatever this raises
-        disk = DiskRows.open(dataset, settings)
+        disk = DiskRows.open(dataset, settings, fingerprint)
         block = _read_block(template, chunks, read, disk)
         outcome = _READ_OK if block is not None else _LAYOUT_DIFFERS
     except Exception as error:  # noqa: BLE001 - torch's path raises it again, at that sample's batch

@@ -17,7 +17,7 @@ from torch.utils.data import default_collate
 
 from gpuload.cache import CacheDecision, format_bytes
 from gpuload.cache.columns import Branch, Column, ColumnStore, Part, prepare, worker_collate
-from gpuload.cache.disk_tier import DiskRows, select_rows
+from gpuload.cache.disk_tier import DiskRows, Fingerprint, select_rows
 from gpuload.cpu_threads import own_cpu_threads
 from gpuload.sources import Setup
 from gpuload.sources.torch_fetch import KeepSamples, PerBatch, fetch, read_prepared
@@ -59,7 +59,7 @@ class CachedSamples:
     first sample's, as there).
     """
 
-    def __init__(self, setup: Setup, decision: CacheDecision, num_workers: int = 0) -> None:
+    def __init__(self, setup: Setup, decision: CacheDecision, num_workers: int = 0, fingerprint: Fingerprint | None = None) -> None:
         self.dataset = setup.dataset
         self.setup = setup
         self.tier = decision.tier
@@ -83,8 +83,8 @@ class CachedSamples:
         self.h2d_bytes = 0  # samples put on the device tier, and misses moved there to be collated
         # Below the memory tiers, ``cache_dir``'s disk tier: samples read back from it instead
         # of the dataset. Only deterministic samples collated by column (a frozen random epoch
-        # is never written).
-        self.disk = DiskRows.open(setup.dataset, setup.settings) if self.by_column and not decision.warn else None
+        # is never written), keyed by ``fingerprint`` (``DiskRows.identify``, taken before any read).
+        self.disk = DiskRows.open(setup.dataset, setup.settings, fingerprint) if self.by_column and not decision.warn else None
 
     @property
     def complete(self) -> bool:

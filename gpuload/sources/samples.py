@@ -32,6 +32,8 @@ from torch.utils.data import default_collate
 from torch.utils.data.dataloader import DataLoader as TorchDataLoader
 
 from gpuload.cache import Store, decide_samples
+from gpuload.cache.disk import Fingerprint
+from gpuload.cache.disk_tier import DiskRows
 from gpuload.distributed.sharded_samples import ShardedSamples, shard_samples
 from gpuload.resume import stateful
 from gpuload.sources import Indices, Schedule, Setup, Source, Work
@@ -80,10 +82,17 @@ class SampleSource(Source):
     def _sample_cache(self) -> CachedSamples | None:
         """This rank's own sample cache, when ``decide_samples`` keeps one."""
         setup = self.setup
+        by_column = setup.batched and setup.collate_fn is default_collate  # what the disk tier keeps
+        identity: dict[str, Fingerprint | None] = {}
+
+        def probe(dataset: Any) -> tuple[bool, str]:  # run only when a cache is considered
+            identity["fingerprint"] = DiskRows.identify(dataset, setup.settings) if by_column else None
+            return DiskRows.probe(dataset, setup.settings, identity["fingerprint"])
+
         decision = decide_samples(
             setup.dataset, setup.settings, setup.device,
             default_collate=is_default_collate(setup.collate_fn), num_workers=self.torch.num_workers,
-            in_order=self.torch.options.get("in_order", True), owner=setup.owner,
+            in_order=self.torch.options.get("in_order", True), owner=setup.owner, probe=probe,
         )
         setup.stats.extra["sample_cache_decision"] = f"{decision.tier}: {decision.reason}"
         if decision.warn:
@@ -91,7 +100,7 @@ class SampleSource(Source):
             warnings.warn(f"gpuload: {doing} this {type(setup.dataset).__name__}: {decision.reason}", stacklevel=5)
         if not decision.caches:
             return None
-        cached = CachedSamples(setup, decision, self.torch.num_workers)
+        cached = CachedSamples(setup, decision, self.torch.num_workers, identity.get("fingerprint"))
         weakref.finalize(self, cached.store.close)
         return cached
 

@@ -7,6 +7,7 @@ in memory: what it reads, it reads from the folder.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -34,6 +36,7 @@ from gpuload.cache.disk import (
     disk_budget,
     fingerprint_for,
 )
+from gpuload.cache.identity import IdentityError
 from gpuload.cache.settings import CacheSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -340,10 +343,183 @@ def test_generic_dataset_fingerprints_follow_attributes_and_the_files_they_name(
     data.write_text("1,2,3\n")
     assert fingerprint_for(_Samples(str(data), 1.0)).digest != base.digest
     unpicklable = _Samples(str(data), 1.0)
-    unpicklable.handle = lambda: None
-    with pytest.raises(ValueError, match="pass key="):
+    unpicklable.handle = threading.Lock()
+    with pytest.raises(IdentityError, match=r"cannot identify _Samples: its state does not pickle \(TypeError: "
+                                            r".*lock.*\); pass cache_key="):
         fingerprint_for(unpicklable)
     assert fingerprint_for(unpicklable, key="v1").digest != fingerprint_for(unpicklable, key="v2").digest
+    with pytest.raises(ValueError, match="cache_key='' must be a non-empty string"):
+        fingerprint_for(unpicklable, key="")
+
+
+# ---------------------------------------------------------------- identity: what a dataset names or holds
+
+
+def _rewritten_in_place(path: Path, data: bytes) -> None:
+    """``cp -p`` / ``rsync -t`` onto ``path``: other bytes of the same size, the old mtime put back."""
+    status = path.stat()
+    assert len(data) == status.st_size and data != path.read_bytes()
+    path.write_bytes(data)
+    os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns))
+
+
+class _Listed(torch.utils.data.Dataset):
+    """Reads the files of a list attribute (top-level strings are not the only paths)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.frombuffer(bytearray(Path(self.paths[index]).read_bytes()), dtype=torch.uint8)
+
+
+class _InFolder(torch.utils.data.Dataset):
+    """Names only its folder; reads the files in it."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.frombuffer(bytearray((Path(self.root) / "part" / f"{index}.bin").read_bytes()), dtype=torch.uint8)
+
+
+class _Slotted(torch.utils.data.Dataset):
+    __slots__ = ("scale",)
+
+    def __init__(self, scale: int) -> None:
+        self.scale = scale
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((2,), index * self.scale)
+
+
+def _closed_over(scale: int) -> torch.utils.data.Dataset:
+    class Scaled(torch.utils.data.Dataset):  # its samples depend on ``scale``, held by a closure only
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            return torch.full((2,), index * scale)
+
+    return Scaled()
+
+
+class _NpyRows(torch.utils.data.Dataset):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return np.load(self.path)[index]
+
+
+def test_a_file_in_a_list_attribute_rewritten_changes_the_fingerprint(tmp_path: Path) -> None:
+    files = [tmp_path / f"{k}.bin" for k in range(3)]
+    for k, file in enumerate(files):
+        file.write_bytes(bytes([k]) * 4)
+    before = fingerprint_for(_Listed([str(f) for f in files]))
+    assert fingerprint_for(_Listed([str(f) for f in files])) == before
+    files[1].write_bytes(b"\7" * 5)
+    assert fingerprint_for(_Listed([str(f) for f in files])).digest != before.digest
+
+
+def test_a_subset_of_a_dataset_whose_file_changed_changes_the_fingerprint(tmp_path: Path) -> None:
+    files = [tmp_path / f"{k}.bin" for k in range(4)]
+    for k, file in enumerate(files):
+        file.write_bytes(bytes([k]) * 4)
+    generator = torch.Generator().manual_seed(0)
+    train, _ = torch.utils.data.random_split(_Listed([str(f) for f in files]), [2, 2], generator=generator)
+    before = fingerprint_for(train)
+    files[int(train.indices[0])].write_bytes(b"\7" * 6)
+    assert fingerprint_for(train).digest != before.digest
+    other = torch.utils.data.Subset(train.dataset, [i for i in range(4) if i not in train.indices])
+    assert fingerprint_for(other).digest != fingerprint_for(train).digest  # another split, another entry
+
+
+def test_a_file_under_a_folder_the_dataset_names_changes_the_fingerprint(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    (root / "part").mkdir(parents=True)
+    for index in range(2):
+        (root / "part" / f"{index}.bin").write_bytes(bytes([index]) * 4)
+    before = fingerprint_for(_InFolder(str(root)))
+    assert fingerprint_for(_InFolder(str(root))) == before
+    (root / "part" / "1.bin").write_bytes(b"\7" * 5)  # the folders' own mtimes stay
+    changed = fingerprint_for(_InFolder(str(root)))
+    assert changed.digest != before.digest
+    (root / "part" / "new.bin").write_bytes(b"")
+    assert fingerprint_for(_InFolder(str(root))).digest not in (before.digest, changed.digest)
+    cache = root / "cache"  # a cache_dir inside the folder: its files are not the dataset's
+    cache.mkdir()
+    keyed = fingerprint_for(_InFolder(str(root)), skip=[cache])
+    (cache / "entry").write_bytes(b"filling")
+    assert fingerprint_for(_InFolder(str(root)), skip=[cache]) == keyed
+
+
+def test_a_folder_too_large_to_list_is_refused_naming_it(tmp_path: Path, monkeypatch) -> None:
+    from gpuload.cache import identity
+
+    monkeypatch.setattr(identity, "FOLDER_FILES", 2)
+    (tmp_path / "data").mkdir()
+    for index in range(3):
+        (tmp_path / "data" / f"{index}.bin").write_bytes(b"x")
+    with pytest.raises(IdentityError, match=f"it names the folder {tmp_path / 'data'}, which holds more than 2 files"):
+        fingerprint_for(_InFolder(str(tmp_path / "data")))
+
+
+def test_slot_state_changes_the_fingerprint() -> None:
+    assert fingerprint_for(_Slotted(1)) == fingerprint_for(_Slotted(1))
+    assert fingerprint_for(_Slotted(1)).digest != fingerprint_for(_Slotted(2)).digest
+
+
+def test_closure_state_changes_the_fingerprint() -> None:
+    assert fingerprint_for(_closed_over(1)) == fingerprint_for(_closed_over(1))
+    assert fingerprint_for(_closed_over(1)).digest != fingerprint_for(_closed_over(2)).digest
+    with_transform = _Samples("x", 1.0)
+    with_transform.transform = functools.partial(lambda x, k: x * k, k=2)
+    other = _Samples("x", 1.0)
+    other.transform = functools.partial(lambda x, k: x * k, k=3)
+    assert fingerprint_for(with_transform).digest != fingerprint_for(other).digest
+
+
+def test_a_named_file_rewritten_with_its_size_and_mtime_kept_changes_the_fingerprint(tmp_path: Path) -> None:
+    data = tmp_path / "table.csv"
+    data.write_text("1,2\n")
+    before = fingerprint_for(_Samples(str(data), 1.0))
+    _rewritten_in_place(data, b"3,4\n")
+    assert fingerprint_for(_Samples(str(data), 1.0)).digest != before.digest
+
+
+def test_an_npy_file_rewritten_with_its_size_and_mtime_kept_changes_the_fingerprint(tmp_path: Path) -> None:
+    path = tmp_path / "rows.npy"
+    np.save(path, np.arange(8).reshape(4, 2))
+    before = fingerprint_for(_NpyRows(str(path)))
+    replacement = tmp_path / "new.npy"
+    np.save(replacement, np.arange(8).reshape(4, 2) * 10)
+    _rewritten_in_place(path, replacement.read_bytes())
+    assert fingerprint_for(_NpyRows(str(path))).digest != before.digest
+
+
+def test_an_image_rewritten_with_its_size_and_mtime_kept_changes_the_image_fingerprint(tmp_path: Path) -> None:
+    from gpuload.datasets import ImageFolder
+
+    _photos(tmp_path / "data")
+    before = fingerprint_for(ImageFolder(tmp_path / "data"), {"size": [8, 8]})
+    path = Path(ImageFolder(tmp_path / "data").path(0))
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # same size: a changed byte of its pixel data
+    _rewritten_in_place(path, bytes(data))
+    assert fingerprint_for(ImageFolder(tmp_path / "data"), {"size": [8, 8]}).digest != before.digest
 
 
 # ---------------------------------------------------------------- faults, each in a subprocess
@@ -809,6 +985,20 @@ def test_a_file_where_the_folder_should_be_one_warning_and_no_disk_tier(tmp_path
     assert cache is None
 
 
+@pytest.mark.parametrize("below", ["", "jobs/a"])
+def test_a_symlink_to_a_missing_folder_is_named_as_such_in_the_one_warning(tmp_path: Path, below: str) -> None:
+    (tmp_path / "link").symlink_to(tmp_path / "gone")  # e.g. a scratch disk not mounted yet
+    folder = tmp_path / "link" / below if below else tmp_path / "link"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = DiskCache.open(folder, Fingerprint.of("arrays", "x", {}), {"x": ((), torch.int32)}, 4)
+    assert cache is None
+    (warning,) = [str(w.message) for w in caught if issubclass(w.category, DiskCacheWarning)]
+    assert f"cannot use {folder}: {tmp_path / 'link'} is a symbolic link to {tmp_path / 'gone'}, which does " \
+           "not exist" in warning and "File exists" not in warning and "without a disk tier" in warning
+    assert not (tmp_path / "gone").exists()  # nothing is created through the link
+
+
 def test_a_closed_cache_has_no_rows_and_its_repr_says_what_it_holds(tmp_path: Path) -> None:
     images, labels = _data(16)
     with _open(tmp_path, 16) as cache:
@@ -1003,3 +1193,59 @@ def test_the_first_user_recovering_an_entry_tolerates_a_probe_its_process_remove
     monkeypatch.undo()
     assert cache.root == entry and not probe.exists()
     cache.close()
+
+
+def _class_with(scale: int, lookup: object) -> torch.utils.data.Dataset:
+    def later() -> int:
+        return missing  # a cell not filled when the class is fingerprinted
+
+    class Scaled(torch.utils.data.Dataset):
+        table = lookup  # a class attribute neither plain data nor a function: by its type
+
+        @classmethod
+        def factor(cls) -> int:
+            return scale
+
+        @staticmethod
+        def offset() -> int:
+            return later()
+
+        @property
+        def size(self) -> int:
+            return 4
+
+        def __len__(self) -> int:
+            return self.size
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            return torch.full((2,), index * self.factor())
+
+    missing = None  # noqa: F841 - read by later(), assigned after the class: an empty cell until here
+    return Scaled()
+
+
+def test_a_local_class_is_fingerprinted_by_its_methods_properties_and_their_closures() -> None:
+    base = fingerprint_for(_class_with(1, threading.Lock()))
+    assert fingerprint_for(_class_with(1, threading.Lock())) == base  # a lock in the class body: its type only
+    assert fingerprint_for(_class_with(2, threading.Lock())).digest != base.digest  # a classmethod's closure
+
+
+def test_a_dangling_link_in_a_named_folder_is_part_of_the_fingerprint_until_its_target_appears(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    (root / "part").mkdir(parents=True)
+    (root / "part" / "0.bin").symlink_to(tmp_path / "elsewhere.bin")
+    dangling = fingerprint_for(_InFolder(str(root)))
+    (tmp_path / "elsewhere.bin").write_bytes(b"now")
+    assert fingerprint_for(_InFolder(str(root))).digest != dangling.digest
+
+
+def test_a_set_attribute_is_fingerprinted_in_one_order_and_its_paths_are_seen(tmp_path: Path) -> None:
+    files = [tmp_path / f"{k}.bin" for k in range(3)]
+    for file in files:
+        file.write_bytes(b"abc")
+    one, other = _Samples("x", 1.0), _Samples("x", 1.0)
+    one.paths, other.paths = {str(f) for f in files}, {str(f) for f in reversed(files)}
+    before = fingerprint_for(one)
+    assert fingerprint_for(other) == before
+    files[1].write_bytes(b"xyz!")
+    assert fingerprint_for(one).digest != before.digest

@@ -6,12 +6,16 @@ OSError raised by a patched function. No sleeps."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
 import json
 import multiprocessing
 import os
+import shutil
 import sys
+import warnings
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -117,19 +121,39 @@ def test_a_block_another_user_dropped_is_forgotten_at_the_next_look_at_the_manif
     two.close()
 
 
-def _present_in_child(cache: DiskCache) -> None:
+def _lock_in_child(cache: DiskCache) -> None:
+    """In a forked child while the parent holds the entry lock: the child's lock is its own
+    (a flock on the inherited descriptor would be the parent's, granted at once)."""
+    assert cache.present(torch.arange(8)).all()
     try:
-        cache.present(torch.arange(8))
-    except RuntimeError as error:
-        sys.exit(7 if "open the cache again in this process" in str(error) else 1)
+        fcntl.flock(cache._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.exit(0)
+    sys.exit(3)
 
 
-def test_a_forked_process_must_open_its_own_cache(tmp_path: Path) -> None:
-    cache = _open(tmp_path, 8)
-    child = multiprocessing.get_context("fork").Process(target=_present_in_child, args=(cache,))
+def _use_in_child(cache: DiskCache, images: torch.Tensor, labels: torch.Tensor) -> None:
+    """In a forked child: read the published block, write and publish the other."""
+    got = cache.read(torch.arange(8))
+    written = cache.write(torch.arange(8, 16), [images[8:], labels[8:]])
+    sys.exit(0 if torch.equal(got[0], images[:8]) and written == 8 and cache.complete else 1)
+
+
+def _forked(target: Callable[..., None], *args: object) -> int | None:
+    child = multiprocessing.get_context("fork").Process(target=target, args=args)
     child.start()
-    child.join(timeout=60)
-    assert child.exitcode == 7
+    child.join(timeout=120)
+    return child.exitcode
+
+
+def test_a_forked_process_uses_the_cache_it_inherited_through_its_own_files(tmp_path: Path) -> None:
+    images, labels = _data(16)
+    cache = _open(tmp_path, 16)
+    cache.write(torch.arange(8), [images[:8], labels[:8]])
+    with cache._entry_lock():
+        assert _forked(_lock_in_child, cache) == 0
+    assert _forked(_use_in_child, cache, images, labels) == 0
+    assert cache.complete and torch.equal(cache.read(torch.arange(16))[1], labels)  # the child's block, published
     cache.close()
 
 
@@ -246,3 +270,72 @@ def test_blocks_of_fixed_rows_always_have_bytes(tmp_path: Path) -> None:
     assert cache.read(torch.arange(4))[0].shape == (4, 0)
     cache.close()
 
+
+
+class _Killed(BaseException):
+    """A process killed at a chosen point: nothing after it runs (not an OSError, which the
+    cache handles), and closing the cache afterwards only releases its locks, as death does."""
+
+
+def _killed_after(monkeypatch, name: str, when: Callable[[], bool] = lambda: True) -> None:
+    """Make ``disk_module.<name>`` die (raise _Killed) right after doing its work, when ``when()``."""
+    real = getattr(disk_module, name)
+
+    def dying(*args: object, **kwargs: object) -> object:
+        result = real(*args, **kwargs)
+        if when():
+            raise _Killed(name)
+        return result
+
+    monkeypatch.setattr(disk_module, name, dying)
+
+
+def test_two_crashes_around_a_block_never_publish_rows_nobody_wrote(tmp_path: Path, monkeypatch) -> None:
+    """Job 1 dies after renaming block 0 to .bin, before the manifest lists it (its rows'
+    flags stay set); job 2 dies after creating block 0's new .part. Another user keeps the
+    entry open throughout, so no open discards what they left. Job 3 must write block 0's rows
+    (the part's flags are clear) and publish them, not the part's zeros."""
+    images, labels = _data(16)
+    holder = _open(tmp_path, 16)  # e.g. another rank: no later open is the entry's only user
+    job1 = _open(tmp_path, 16)
+    with monkeypatch.context() as patch:
+        _killed_after(patch, "_fsync_folder", lambda: (job1.root / "block-000000.bin").exists())
+        with pytest.raises(_Killed):
+            job1.write(torch.arange(8), [images[:8], labels[:8]])
+    job1.close()
+    assert (holder.root / "block-000000.bin").exists() and not holder.complete  # renamed, not listed
+    job2 = _open(tmp_path, 16)
+    with monkeypatch.context() as patch:
+        _killed_after(patch, "_preallocate")  # block 0's new part is created (and sized)
+        with pytest.raises(_Killed):
+            job2.write(torch.arange(8), [images[:8], labels[:8]])
+    job2.close()
+    job3 = _open(tmp_path, 16)
+    job3.write(torch.arange(16), [images, labels])
+    assert job3.complete
+    got_images, got_labels = job3.read(torch.arange(16))
+    assert torch.equal(got_images, images) and torch.equal(got_labels, labels)
+    for cache in (job3, holder):
+        cache.close()
+
+
+def _present_in_child(cache: DiskCache, warned: str = "") -> None:
+    """No row present in a forked child, and one DiskCacheWarning saying ``warned`` if given."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        none = not cache.present(torch.arange(16)).any()
+    said = _warnings(caught)
+    sys.exit(0 if none and (len(said) == 1 and warned in said[0] if warned else not said) else 1)
+
+
+def test_a_forked_process_with_a_closed_or_removed_entry_finds_no_rows(tmp_path: Path) -> None:
+    images, labels = _data(16)
+    closed = _open(tmp_path / "a", 16)
+    closed.write(torch.arange(16), [images, labels])
+    closed.close()
+    assert _forked(_present_in_child, closed) == 0
+    removed = _open(tmp_path / "b", 16)
+    removed.write(torch.arange(16), [images, labels])
+    shutil.rmtree(removed.root)  # its files gone: the child cannot open them, and says so
+    assert _forked(_present_in_child, removed, "No such file or directory") == 0
+    removed.close()

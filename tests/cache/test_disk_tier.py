@@ -4,6 +4,7 @@ sample cache's disk tier through the loader (batches equal torch's DataLoader's)
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -14,9 +15,11 @@ import gpuload
 from gpuload.cache import TieredArrayStore
 from gpuload.cache.disk import DiskCacheWarning, fingerprint_arrays
 from gpuload.cache.disk_tier import DiskTier, disk_tier_maker
+from gpuload.cache.identity import IdentityError
 from gpuload.cache.plan import make_plan
 from gpuload.cache.settings import CacheSettings
 from gpuload.cache.tiers import TIERS
+from tests.cache.test_disk import _Listed
 
 GiB = 2**30
 N = 300
@@ -170,12 +173,13 @@ def test_sample_cache_spills_to_disk_and_batches_equal_torch(tmp_path: Path) -> 
     disk = loader.stats.extra["cache"]["disk"]
     assert disk["published_rows"] == 120 and disk["hits"] > 0
     assert dataset.reads == after_fill  # epochs 2 and 3: from the host tier and the disk
-    setup_reads = after_fill - 120  # the determinism probe and dataset[0] for the structure
-    # A second loader (a later job) reads no epoch from the dataset, its first one included.
+    assert after_fill - 120 == 24 + 1  # the determinism probe's reads and dataset[0] for the structure
+    # A second loader (a later job) reads no epoch from the dataset, its first one included, and
+    # no probe either: the samples on disk were written by a job whose probe passed.
     again = Pictures()
     later = gpuload.DataLoader(again, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(5),
                                cache="host", cache_size=30 * (3 * 36 + 16), cache_dir=tmp_path / "c")
-    assert _same(_epochs(later, 3), expected) and again.reads == setup_reads
+    assert _same(_epochs(later, 3), expected) and again.reads == 1  # dataset[0], for the structure
 
 
 def test_without_cache_dir_nothing_changes(tmp_path: Path, monkeypatch) -> None:
@@ -199,6 +203,26 @@ def test_random_samples_are_never_written_to_disk(tmp_path: Path) -> None:
         list(loader)
     assert "disk" not in loader.stats.extra["cache"]
     assert not list((tmp_path / "c").glob("*/block-*")) if (tmp_path / "c").exists() else True
+
+
+class FlippedSymmetric(Pictures):
+    """torchvision's RandomHorizontalFlip of an image that reads the same flipped: equal reads,
+    but a random transform all the same (its draw moves torch's generator)."""
+
+    def __getitem__(self, i: int):
+        from torchvision.transforms import RandomHorizontalFlip
+
+        _, target = super().__getitem__(i)
+        return RandomHorizontalFlip()(torch.full((3, 6, 6), i % 256, dtype=torch.uint8)), target
+
+
+def test_samples_of_a_dataset_drawing_from_a_global_generator_are_never_written_to_disk(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="draws from torch's global random generator"):
+        loader = gpuload.DataLoader(FlippedSymmetric(), batch_size=16, cache="host", cache_dir=tmp_path / "c")
+        list(loader)
+    assert "disk" not in loader.stats.extra["cache"]
+    assert not list((tmp_path / "c").glob("*/block-*"))
+    loader.close()
 
 
 @pytest.mark.gpu
@@ -351,8 +375,8 @@ def test_the_sample_disk_tier_names_why_a_dataset_gets_none(tmp_path: Path) -> N
         assert DiskRows.open(_Failing(), settings) is None
     with pytest.warns(DiskCacheWarning, match="the samples of this _Named are not fixed-shape"):
         assert DiskRows.open(_Named(), settings) is None
-    with pytest.warns(DiskCacheWarning, match="cannot fingerprint _Unpicklable: its attributes do not pickle"):
-        assert DiskRows.open(_Unpicklable(), settings) is None
+    with pytest.raises(IdentityError, match="cannot identify _Unpicklable: its state does not pickle"):
+        DiskRows.open(_Unpicklable(), settings)
     rows = DiskRows.open(Pictures(4), settings)
     assert rows is not None and rows.accepting
     rows.close()
@@ -381,3 +405,65 @@ def test_an_index_past_the_datasets_length_is_read_from_the_dataset_as_torch_doe
     reference = torch.utils.data.DataLoader(Pictures(), batch_size=4, sampler=sampler)
     assert _same(_epochs(loader, 2), _epochs(reference, 2))
     assert loader.stats.extra["cache"]["disk"]["rows_written"] == 5
+
+
+def test_a_dataset_gpuload_cannot_identify_is_refused_unless_the_loader_gets_a_cache_key(tmp_path: Path) -> None:
+    loader = gpuload.DataLoader(_Unpicklable(), batch_size=16, cache="host", cache_dir=tmp_path / "c")
+    with pytest.raises(IdentityError, match=r"cannot identify _Unpicklable: .*; pass cache_key="):
+        iter(loader)  # the cache is set up, and the dataset looked at, by the first epoch
+    loader.close()
+    with pytest.raises(gpuload.cache.CacheSettingError, match="cache_key"):
+        gpuload.DataLoader(Pictures(), batch_size=16, cache="host", cache_dir=tmp_path / "c", cache_key="")
+    expected = _torch_epochs(Pictures(), 1)
+
+    def job(key: str) -> tuple[list, dict]:
+        loader = gpuload.DataLoader(_Unpicklable(), batch_size=16, shuffle=True, cache="host", cache_size=1,
+                                    generator=torch.Generator().manual_seed(5), cache_dir=tmp_path / "c", cache_key=key)
+        assert loader.cache_key == key and f"cache_key={key!r}" in loader.cache_settings.describe()
+        got = list(loader)
+        disk = loader.stats.extra["cache"]["disk"]
+        loader.close()
+        return got, disk
+
+    for key, written in (("v1", 120), ("v1", 0), ("v2", 120)):  # one entry per key, read back by the same key
+        got, disk = job(key)
+        assert _same([got], expected) and disk["rows_written"] == written
+        assert disk["hits"] == (120 if written == 0 else 0)
+
+
+def test_a_file_rewritten_with_its_size_and_mtime_kept_is_never_served_from_the_old_entry(tmp_path: Path) -> None:
+    files = [tmp_path / f"{k}.bin" for k in range(8)]
+    for k, file in enumerate(files):
+        file.write_bytes(bytes([k]) * 4)
+
+    def epoch() -> torch.Tensor:
+        loader = gpuload.DataLoader(_Listed([str(f) for f in files]), batch_size=8, cache="host", cache_size=1,
+                                    cache_dir=tmp_path / "c")
+        (batch,) = list(loader)
+        loader.close()
+        return batch
+
+    assert torch.equal(epoch(), torch.arange(8).repeat_interleave(4).view(8, 4).to(torch.uint8))
+    status = files[3].stat()
+    files[3].write_bytes(b"\x63" * 4)  # cp -p: other bytes, same size, the old mtime put back
+    os.utime(files[3], ns=(status.st_atime_ns, status.st_mtime_ns))
+    assert epoch()[3].tolist() == [0x63] * 4
+
+
+def _epoch_in_child(loader: gpuload.DataLoader, expected: list) -> None:
+    got = list(loader)
+    os._exit(0 if _same(got, expected) and loader.stats.extra["cache"]["disk"]["hits"] > 0 else 1)
+
+
+def test_a_forked_child_iterates_a_loader_whose_disk_tier_serves(tmp_path: Path) -> None:
+    import multiprocessing
+
+    loader = gpuload.DataLoader(Pictures(), batch_size=16, cache="host", cache_size=1, cache_dir=tmp_path / "c")
+    expected = list(loader)  # fills the disk tier
+    assert loader.stats.extra["cache"]["disk"]["published_rows"] == 120
+    child = multiprocessing.get_context("fork").Process(target=_epoch_in_child, args=(loader, expected))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0
+    assert _same(list(loader), expected)  # the parent's tier is untouched
+    loader.close()

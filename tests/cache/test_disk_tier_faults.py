@@ -44,7 +44,7 @@ CHILD = textwrap.dedent(
     def dataset(delay=0.0):
         folder = Folder(IMAGES, transform=transforms.Compose(
             [transforms.Resize(32), transforms.CenterCrop(32), transforms.PILToTensor()]))
-        folder.delay = delay
+        Folder.delay = delay  # the class's: an instance attribute is the dataset's state, part of its fingerprint
         return folder
 
     def batches(loader, epochs):

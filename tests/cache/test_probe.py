@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -31,17 +32,25 @@ class Augmenting(Fixed):
 
 def test_looks_deterministic_true_for_fixed_data():
     ok, reason = looks_deterministic(Fixed())
-    assert ok and "equal" in reason and "dataset[0, 5, 9]" in reason
+    assert ok and reason == "6 reads each of dataset[0, 3, 6, 9] were equal and drew no random numbers"
+
+
+def _seed_all(seed: int) -> tuple:
+    """Seed torch's, NumPy's and Python's global generators; their next draws after ``seed``,
+    with the generators seeded again (what a probe that puts them back leaves)."""
+    def seed_them() -> None:
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+
+    seed_them()
+    expected = (torch.rand(1), np.random.rand(), random.random())
+    seed_them()
+    return expected
 
 
 def test_looks_deterministic_false_for_random_augmentation_and_restores_rng():
-    torch.manual_seed(7)
-    np.random.seed(7)
-    random.seed(7)
-    expected_next = (torch.rand(1), np.random.rand(), random.random())
-    torch.manual_seed(7)
-    np.random.seed(7)
-    random.seed(7)
+    expected_next = _seed_all(7)
     ok, reason = looks_deterministic(Augmenting(), [2])
     assert not ok
     assert "dataset[2]" in reason and "['x']" in reason and "augmented" in reason
@@ -97,7 +106,7 @@ class _NoTruth:
     (_NoTruth(), _NoTruth(), "dataset[0]: _NoTruth values cannot be compared"),
 ])
 def test_the_probe_says_where_and_how_two_reads_differ(first: object, second: object, says: str | None) -> None:
-    reads = iter([first, second])
+    reads = itertools.chain([first], itertools.repeat(second))
     dataset = type("TwoReads", (), {"__len__": lambda self: 1, "__getitem__": lambda self, i: next(reads)})()
     deterministic, reason = looks_deterministic(dataset)
     assert deterministic == (says is None)
@@ -118,3 +127,63 @@ def test_an_empty_dataset_or_source_has_nothing_to_probe(tmp_path) -> None:
     assert estimate_image_bytes(source) == (0, 0)  # no readable header: nothing to estimate from
     (bad,) = probe_images(source).bad
     assert bad.startswith(f"{folder / 'cat' / 'broken.jpg'}: not a readable image header")
+
+
+class _Flipping(Dataset):
+    """A flip with p=0.5 from the dataset's own generator (not a global one): only comparing
+    reads catches it."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        sample = torch.arange(4) + i
+        return sample.flip(0) if self.rng.random() < 0.5 else sample
+
+
+def test_a_random_flip_is_caught_whatever_its_draws() -> None:
+    """2**-20 is the chance of one passing; three reads of three samples let 1 in 8 through."""
+    for seed in range(64):
+        deterministic, reason = looks_deterministic(_Flipping(seed))
+        assert not deterministic and "differ" in reason, seed
+
+
+class _Counting(Fixed):
+    def __init__(self, n: int) -> None:
+        self.n, self.reads = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize(("n", "reads"), [(1, 21), (2, 22), (3, 24), (10, 24), (10**6, 24)])
+def test_the_probe_compares_at_least_twenty_reads_with_a_first_and_stays_cheap(n: int, reads: int) -> None:
+    dataset = _Counting(n)
+    assert looks_deterministic(dataset)[0] and dataset.reads == reads
+
+
+class _DrawsButReturnsTheSame(Fixed):
+    def __init__(self, draw) -> None:
+        self.draw = draw
+
+    def __getitem__(self, i):
+        self.draw()  # e.g. a random flip of a symmetric image: equal outputs, a random transform
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize(("draw", "name"), [
+    (lambda: torch.rand(1), "torch"), (lambda: np.random.rand(), "NumPy"), (lambda: random.random(), "Python's random"),
+])
+def test_a_dataset_drawing_from_a_global_generator_is_random_even_when_its_reads_are_equal(draw, name: str) -> None:
+    expected = _seed_all(3)
+    deterministic, reason = looks_deterministic(_DrawsButReturnsTheSame(draw))
+    assert not deterministic
+    assert reason == f"reading dataset[0] draws from {name}'s global random generator: it looks randomly augmented"
+    assert (torch.rand(1), np.random.rand(), random.random()) == expected  # put back as they were
