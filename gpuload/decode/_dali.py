@@ -84,7 +84,8 @@ def _import_dali() -> tuple[Any, Any, Any, Any]:
         raise DaliUnavailable(
             f"nvidia.dali {__version__} is too old: gpuload binds each run to torch's stream "
             "(Pipeline.run(cuda_stream), exec_dynamic), which DALI has since 1.44; upgrade "
-            "it: pip install -U 'gpuload[cuda12]' (or [cuda13]), or decode with backend='nvjpeg', 'torchvision' or 'pil'"
+            "it: pip install -U 'gpuload[cuda12]' (or [cuda13]), or decode with backend='nvjpeg', "
+            "'torchvision' or 'pil'"
         )
     return fn, types, pipeline_def, feed_ndarray
 
@@ -193,7 +194,7 @@ class DaliDecoder:
             exec_dynamic=True,
             prefetch_queue_depth=1,
         )
-        def graph():  # type: ignore[no-untyped-def]
+        def graph():
             data = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
             if roi:
                 anchor = fn.external_source(name="anchor", dtype=types.INT32, ndim=1)
