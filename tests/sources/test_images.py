@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from equivalence import assert_same_epochs
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import gpuload
@@ -13,7 +14,6 @@ from gpuload import transforms as T
 from gpuload.datasets import ImageFolder, make_sample_image_folder
 from gpuload.decode import ImageDecodeError
 from gpuload.transforms import apply_transforms
-from equivalence import assert_same_epochs
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,8 @@ def folder(tmp_path_factory) -> ImageFolder:
 
 
 def test_unbatched_images_match_torchs_loader_over_the_same_folder(folder: ImageFolder) -> None:
-    ours = gpuload.DataLoader(folder, batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(2), device="cpu")
+    ours = gpuload.DataLoader(folder, batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(2),
+                              device="cpu")
     theirs = TorchDataLoader(folder, batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(2))
     assert_same_epochs(ours, theirs, epochs=1)
     assert ours.stats.path == "image-decode"

@@ -9,15 +9,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from equivalence import assert_same, assert_same_epochs
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import DistributedSampler, default_collate
 
 import gpuload
-from gpuload.datasets.tokens import TokenFileError, TokenWindows, write_shard
 from gpuload.cache import CacheSettings
+from gpuload.datasets.tokens import TokenFileError, TokenWindows, write_shard
 from gpuload.device import MemoryInfo, host_memory
 from gpuload.sources.tokens import TokenRows, TokenSource
-from equivalence import assert_same, assert_same_epochs
 
 
 def _ids(n: int, high: int = 65535, seed: int = 0) -> np.ndarray:
@@ -79,9 +79,9 @@ def test_distributed_sampler_with_set_epoch(shard: Path) -> None:
         ours = gpuload.DataLoader(ds, batch_size=8, sampler=sampler_ours)
         theirs = TorchDataLoader(ds, batch_size=8, sampler=sampler_theirs)
 
-        def set_epoch(epoch: int) -> None:
-            sampler_ours.set_epoch(epoch)
-            sampler_theirs.set_epoch(epoch)
+        def set_epoch(epoch: int) -> None:  # called only by this iteration's assert_same_epochs
+            sampler_ours.set_epoch(epoch)  # noqa: B023
+            sampler_theirs.set_epoch(epoch)  # noqa: B023
 
         assert_same_epochs(ours, theirs, epochs=2, before_epoch=set_epoch)
 
