@@ -69,7 +69,8 @@ def main() -> None:
             epoch_seconds(GpuloadTrainer, dataset, options.batch_size, options.features))
     steps = -(-options.samples // options.batch_size)
     print(f"one epoch through Trainer: {options.samples:,} samples x {options.features} float32, batch "
-          f"{options.batch_size} ({steps} steps), device {torch.device('cuda' if torch.cuda.is_available() else 'cpu')}, "
+          f"{options.batch_size} ({steps} steps), "
+          f"device {torch.device('cuda' if torch.cuda.is_available() else 'cpu')}, "
           f"{options.rounds} rounds interleaved, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     baseline = statistics.median(times["Trainer's DataLoader"])
     for name, seconds in times.items():

@@ -177,7 +177,7 @@ def usable_cpu_count() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def new_side_stream(device: torch.device) -> "torch.cuda.Stream | None":
+def new_side_stream(device: torch.device) -> torch.cuda.Stream | None:
     """A new CUDA stream on ``device`` for copies, or None on the CPU (no streams there)."""
     if device.type != "cuda":
         return None

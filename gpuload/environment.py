@@ -2,8 +2,9 @@
 
 Every ``GPULOAD_*`` variable gpuload reads is listed in :data:`VARIABLES` (a test checks that no
 other name appears in the package), so the documentation lists them from here
-(:func:`markdown_table`; the configuration page's table is that, checked by a test). A value gpuload cannot use is one line naming the variable, its value
-and what it accepts (:class:`~gpuload.sizes.CacheSettingError`, as for every setting): the cache
+(:func:`markdown_table`; the configuration page's table is that, checked by a test). A value
+gpuload cannot use is one line naming the variable, its value and what it accepts
+(:class:`~gpuload.sizes.CacheSettingError`, as for every setting): the cache
 settings' variables are parsed by ``gpuload.cache.settings``; the others by the readers here,
 which :func:`check_environment` runs when a loader's settings are resolved, so a bad value fails
 at once rather than when (or if) the code that reads it runs.
@@ -54,18 +55,21 @@ VARIABLES: tuple[EnvironmentVariable, ...] = (
     EnvironmentVariable("GPULOAD_CACHE_RESERVE", "device memory the cache never takes (`cache_reserve=`)",
                         _size("the card's total"),
                         "`auto`: max(2 GiB, 10% of the card's total)"),
-    EnvironmentVariable("GPULOAD_CACHE_SCOPE", "over which ranks one copy of the dataset is split (`cache_scope=`, [multi-GPU](multi-gpu.md))",
+    EnvironmentVariable("GPULOAD_CACHE_SCOPE",
+                        "over which ranks one copy of the dataset is split (`cache_scope=`, [multi-GPU](multi-gpu.md))",
                         "`auto`, `rank`, `node`, `world`", "`auto`"),
-    EnvironmentVariable("GPULOAD_CACHE_DIR", "the disk tier's folder (`cache_dir=`, [caching](caching.md))", "a folder path (created if missing)",
-                        "unset: no disk tier"),
+    EnvironmentVariable("GPULOAD_CACHE_DIR", "the disk tier's folder (`cache_dir=`, [caching](caching.md))",
+                        "a folder path (created if missing)", "unset: no disk tier"),
     EnvironmentVariable("GPULOAD_DISK_CACHE_SIZE", "the disk tier's budget (`disk_cache_size=`)",
                         _size("the folder's free space"), "`auto`"),
     EnvironmentVariable("GPULOAD_CONFIG", "the config file (`./gpuload.toml` is then not read)",
                         "the path of a TOML file", "`./gpuload.toml`, if there is one"),
     EnvironmentVariable("GPULOAD_JOB", "the `[jobs.NAME]` table of the config file to use (`job=`)",
                         "a job named in the config file", "unset: the file's top-level settings"),
-    EnvironmentVariable(EXCHANGE_TIMEOUT, "how long a rank waits for the others in a split cache's exchange ([multi-GPU](multi-gpu.md))",
-                        f"seconds, a number > 0 and <= {MAX_EXCHANGE_TIMEOUT_S:.0e}", f"`{DEFAULT_EXCHANGE_TIMEOUT_S:g}`"),
+    EnvironmentVariable(EXCHANGE_TIMEOUT,
+                        "how long a rank waits for the others in a split cache's exchange ([multi-GPU](multi-gpu.md))",
+                        f"seconds, a number > 0 and <= {MAX_EXCHANGE_TIMEOUT_S:.0e}",
+                        f"`{DEFAULT_EXCHANGE_TIMEOUT_S:g}`"),
     EnvironmentVariable(DALI_STDERR, "where DALI's native log lines go while it decodes ([images](images.md))",
                         "`filter` (to the `gpuload.decode.dali` logger) or `keep` (left on stderr)", "`filter`"),
 )
@@ -87,7 +91,8 @@ def dali_stderr(environ: Mapping[str, str] | None = None) -> str:
     if text.lower() in _DALI_STDERR_CHOICES:
         return text.lower()
     raise CacheSettingError(DALI_STDERR, text, _source(DALI_STDERR),
-                            f"is not one of {', '.join(map(repr, _DALI_STDERR_CHOICES))}; unset it for the default 'filter'")
+                            f"is not one of {', '.join(map(repr, _DALI_STDERR_CHOICES))}; "
+                            "unset it for the default 'filter'")
 
 
 def exchange_timeout_seconds(environ: Mapping[str, str] | None = None) -> float:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import inspect
 import os
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.utils.data as tud
@@ -182,7 +182,7 @@ class DataLoader(tud.DataLoader[T_co]):
         source.begin_epoch()
         self._stats.path = source.path
         map_style = self._dataset_kind == _DatasetKind.Map
-        self._in_range = map_style and draws_in_range(self.batch_sampler, len(self.dataset))
+        self._in_range = map_style and draws_in_range(self.batch_sampler, len(cast(Sized, self.dataset)))
         resume, self._resume = self._resume, None
         position, draw, length = begin_epoch(self, self._epoch, resume)
         self._position = position
@@ -325,7 +325,14 @@ class DataLoader(tud.DataLoader[T_co]):
     def _choose_source(self) -> Source:
         """The Source that serves this dataset (``gpuload.sources.choose``)."""
         torch_epoch = weakref.WeakMethod(self._torch_epoch)  # the source must not keep the loader alive
-        return choose_source(self, self._cache_settings, self._stats, self._transform_seed, lambda: torch_epoch()())
+
+        def epoch() -> Iterator[Any]:
+            method = torch_epoch()
+            if method is None:
+                raise RuntimeError("the gpuload.DataLoader of this epoch was garbage-collected")
+            return method()
+
+        return choose_source(self, self._cache_settings, self._stats, self._transform_seed, epoch)
 
     def _torch_epoch(self) -> Iterator[Any]:
         """torch's own iterator for one epoch (fetch, collate, worker processes); for an iterable
@@ -371,6 +378,7 @@ class DataLoader(tud.DataLoader[T_co]):
         """The source's work for the rest of the epoch in progress, after a batch-size change:
         made as for a resumed epoch, from the remaining batches (what ran ahead is dropped)."""
         _, draw, length = begin_epoch(self, position.number, position)  # the rest of its order, cut
+        assert length is not None  # only a BatchSampler's epoch is cut: begin_epoch counts its rest
         indices = Indices(position.number, draw, self._in_range, resumed=True, copy_now=self._copy_now,
                           worker_seed_drawn=self._persistent_seed_drawn, position=position.after_cut())
         stopping = "the rest of this epoch at a new batch size (set_batch_size)"
@@ -380,7 +388,7 @@ class DataLoader(tud.DataLoader[T_co]):
     def _apply_batch_size(self, size: int) -> None:
         """The batch size in force: torch's attribute and the BatchSampler the sources share."""
         object.__setattr__(self, "batch_size", size)
-        self.batch_sampler.batch_size = size
+        cast(tud.BatchSampler, self.batch_sampler).batch_size = size  # set_batch_size checked it is one
 
     def __setattr__(self, attr: str, value: Any) -> None:
         if attr == "batch_size" and self.__dict__.get("_DataLoader__initialized", False):

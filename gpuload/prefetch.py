@@ -7,8 +7,8 @@ source itself runs on that side stream too, so device tensors it makes (e.g. a c
 cached device rows) are ordered like the copies. Each batch carries an event recorded after
 all of its work; the training loop's current stream waits for it and records every device
 tensor of the batch (``record_stream``), so the loop gets tensors that are ready and protected
-on its stream, while the next batches are already being assembled and copied. Tensors keep their stored dtype (uint8 crosses PCIe as
-uint8) and come out contiguous.
+on its stream, while the next batches are already being assembled and copied. Tensors keep
+their stored dtype (uint8 crosses PCIe as uint8) and come out contiguous.
 
 Two ways to put a batch into a slot:
 
@@ -293,7 +293,7 @@ class _Ring:
             except BaseException as exc:
                 raise _StageFailure(exc) from exc
 
-        target: torch.Tensor | None = None
+        target = buffer  # the device copy or the clone below whenever bytes were staged (total > 0)
         if total:
             if self.cuda:
                 with torch.cuda.stream(self.stream):
@@ -368,6 +368,7 @@ class _Failure:
             f"{where} failed in the prefetcher's {self.stage} stage: "
             f"{type(self.exc).__name__}: {self.exc}"
         )
+        raised: Any  # the stage's own exception type where it takes the message, with the batch's attributes
         try:
             raised = type(self.exc)(message)
             if not isinstance(raised, BaseException) or raised.args != (message,):
@@ -705,6 +706,7 @@ class Prefetcher:
             try:
                 if not ring.cuda:
                     return ring.transfer(0, item, counted).batch
+                assert self._stream is not None  # a CUDA ring copies on the loader's side stream
                 current = torch.cuda.current_stream(self.device)
                 with torch.cuda.stream(self._stream):
                     delivery = ring.transfer(self._inline_count, item, counted)

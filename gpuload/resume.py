@@ -33,7 +33,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 import torch.utils.data as tud
@@ -90,6 +90,19 @@ def _generators(loader: tud.DataLoader) -> list[torch.Generator]:
         if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
             found.append(generator)
     return found
+
+
+class _Stateful(Protocol):
+    """A dataset that saves and restores its own position (``state_dict``/``load_state_dict``)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+def _stateful(dataset: tud.Dataset) -> _Stateful:
+    """``dataset`` as one that keeps its own state; the callers checked that it has both methods."""
+    return cast(_Stateful, dataset)
 
 
 def _index_sampler(loader: tud.DataLoader) -> Any:
@@ -291,12 +304,12 @@ def begin_epoch(
             # in the uninterrupted run, which made them after the save.
             drawn = resume.states.with_global(lambda: draw_epoch(loader))
             return resume, lambda: _NotesFirstPull(drawn, resume), None
-        drawn = resume.states.draw_with_global(lambda: draw_epoch(loader))
+        epoch_draws = resume.states.draw_with_global(lambda: draw_epoch(loader))
         if resume.delivered is None:
-            resume.places = list(range(resume.batches, len(drawn)))
+            resume.places = list(range(resume.batches, len(epoch_draws)))
         else:  # handed over out of order: the ones not done, wherever they are
-            resume.places = [place for place in range(len(drawn)) if place not in resume.delivered]
-        remaining = [drawn[place] for place in resume.places]
+            resume.places = [place for place in range(len(epoch_draws)) if place not in resume.delivered]
+        remaining = [epoch_draws[place] for place in resume.places]
     done = resume.batches
     return resume, lambda: iter(remaining), lambda: done + len(remaining)
 
@@ -328,7 +341,7 @@ def take_up_iterable(loader: tud.DataLoader, position: Position, make_iterator: 
     dataset_state, stream_state = position.dataset_state, position.stream_state
     if dataset_state is not None or stream_state is not None:
         if dataset_state is not None:
-            loader.dataset.load_state_dict(dataset_state)
+            _stateful(loader.dataset).load_state_dict(dataset_state)
         iterator = position.states.with_global(make_iterator)
         stream = stream_of(iterator)
         if stream is loader.dataset and dataset_state is not None:
@@ -364,7 +377,7 @@ def remaining_batches(loader: tud.DataLoader, position: Position) -> list[Any]:
         order = position.states.with_global(lambda: draw_order(loader))
     else:  # the sampler draws now, from the live global generator (see begin_epoch)
         position.states.with_global(lambda: begin_drawing(loader))
-        order, position.sampler_started = epoch_order(loader.batch_sampler.sampler), True
+        order, position.sampler_started = epoch_order(_index_sampler(loader).sampler), True
     return cut_order(order[position.samples_done() :], position.cuts[-1][2], loader.drop_last)
 
 
@@ -385,8 +398,10 @@ def signature(loader: tud.DataLoader) -> dict[str, Any]:
     inner = getattr(sampler, "sampler", None)
     built = built_batch_size(loader)
     batches = _length(sampler)
-    if type(sampler) is tud.BatchSampler and built != loader.batch_size and _length(inner) is not None:
-        whole, rest = divmod(len(inner), built)  # what it was before set_batch_size changed it
+    inner_length = _length(inner)
+    if type(sampler) is tud.BatchSampler and built is not None and built != loader.batch_size \
+            and inner_length is not None:
+        whole, rest = divmod(inner_length, built)  # what it was before set_batch_size changed it
         batches = whole + (1 if rest and not loader.drop_last else 0)
     distributed = next((s for s in _samplers(loader) if isinstance(s, DistributedSampler)), None)
     return {
@@ -528,7 +543,7 @@ def _dataset_state(loader: tud.DataLoader, progress: Position | None) -> Any:
             return None
         if progress is not None and progress.dataset_state is not None:
             return progress.dataset_state
-    return loader.dataset.state_dict()
+    return _stateful(loader.dataset).state_dict()
 
 
 _REPLAY_OUT_OF_ORDER = (

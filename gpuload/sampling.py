@@ -15,9 +15,9 @@ the real iterator is used instead if they ever disagree (a different torch relea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from numbers import Integral
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch.utils.data import (
@@ -31,8 +31,8 @@ from torch.utils.data.dataloader import _DatasetKind
 from torch.utils.data.distributed import DistributedSampler
 
 __all__ = [
-    "MAX_BATCH_SIZE", "begin_drawing", "can_draw_whole_epoch", "checked_batch_size", "cut_order", "draw_epoch", "draw_order",
-    "draws_in_range", "epoch_batches", "epoch_order", "in_range", "start_epoch_like_torch",
+    "MAX_BATCH_SIZE", "begin_drawing", "can_draw_whole_epoch", "checked_batch_size", "cut_order", "draw_epoch",
+    "draw_order", "draws_in_range", "epoch_batches", "epoch_order", "in_range", "start_epoch_like_torch",
 ]
 
 # The largest batch size ``set_batch_size`` takes (index tensors and kernels count in int32).
@@ -125,7 +125,7 @@ def checked_batch_size(loader: Any, batch_size: Any, built_batch_size: int | Non
     return batch_size
 
 
-def can_draw_whole_epoch(batch_sampler: object) -> bool:
+def can_draw_whole_epoch(batch_sampler: object) -> TypeGuard[BatchSampler]:
     """True when ``batch_sampler`` is torch's BatchSampler over one of torch's own samplers
     (a SubsetRandomSampler only over integer indices: its keys may be anything)."""
     if type(batch_sampler) is not BatchSampler:
@@ -151,7 +151,8 @@ def draws_in_range(batch_sampler: object, num_samples: int) -> bool:
     if not can_draw_whole_epoch(batch_sampler):
         return False
     sampler = batch_sampler.sampler
-    return type(sampler) in (RandomSampler, SequentialSampler) and len(sampler.data_source) == num_samples
+    return (type(sampler) is RandomSampler or type(sampler) is SequentialSampler) \
+        and len(sampler.data_source) == num_samples
 
 
 def in_range(indices: object, size: int) -> torch.Tensor:
@@ -182,7 +183,7 @@ def epoch_batches(batch_sampler: BatchSampler) -> Iterator[torch.Tensor]:
     and the one that finds the end pulls position ``len(sampler)``).
     """
     sampler = batch_sampler.sampler
-    total = len(sampler)
+    total = len(cast(Sized, sampler))  # torch's BatchSampler takes len() of it too
     size = batch_sampler.batch_size
     draws = list(_draws(sampler))
     pending: list[torch.Tensor] = []
@@ -206,14 +207,14 @@ def epoch_batches(batch_sampler: BatchSampler) -> Iterator[torch.Tensor]:
         yield from chunk.split(size)
 
 
-def epoch_order(sampler: object) -> torch.Tensor | list[Any]:
+def epoch_order(sampler: Iterable[Any]) -> torch.Tensor | list[Any]:
     """The flat index order of one pass of ``sampler``, making every random draw the pass makes
     (as a whole epoch of torch's BatchSampler over it does, with or without drop_last): an
     int64 tensor, or a list when the sampler yields indices that are not all integers."""
     if type(sampler) in (*_SINGLE_DRAW_SAMPLERS, RandomSampler) and (
             type(sampler) is not SubsetRandomSampler or _integers(sampler.indices)):
         return torch.cat([draw() for _, draw in _draws(sampler)])
-    order = list(iter(sampler))  # type: ignore[call-overload]
+    order = list(iter(sampler))
     if all(type(index) is int for index in order):
         return torch.tensor(order, dtype=torch.int64)
     return order
@@ -232,7 +233,7 @@ def cut_order(order: torch.Tensor | list[Any], size: int, drop_last: bool) -> li
     return batches
 
 
-def _draws(sampler: object) -> Iterator[Draw]:
+def _draws(sampler: Iterable[Any]) -> Iterator[Draw]:
     if type(sampler) is SequentialSampler:
         yield 0, lambda: torch.arange(len(sampler.data_source), dtype=torch.int64)
     elif type(sampler) is RandomSampler and _replay_is_exact(sampler):

@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
 __all__ = ["CacheSettingError", "SizeSpec", "SizeValue", "parse_size", "format_bytes"]
 
-SizeValue = Union[int, float, str, None]
+SizeValue = int | float | str | None
 
 _UNITS = {
     "b": 1,
@@ -129,9 +129,9 @@ def parse_size(value: SizeValue, *, setting: str = "cache_size", source: str = "
 
 def _byte_count(nbytes: int, setting: str, original: object, source: str, text: str) -> SizeSpec:
     if nbytes > _LARGEST_SIZE:
+        shown = original if len(str(original)) <= 40 else f"{str(original)[:20]}...({len(str(original))} characters)"
         raise CacheSettingError(
-            setting, original if len(str(original)) <= 40 else f"{str(original)[:20]}...({len(str(original))} characters)",
-            source, "is larger than any memory (more than 2**64 bytes); " + _HOW_TO_WRITE,
+            setting, shown, source, "is larger than any memory (more than 2**64 bytes); " + _HOW_TO_WRITE,
         )
     return SizeSpec("off", text=text) if nbytes == 0 else SizeSpec("bytes", nbytes, text)
 

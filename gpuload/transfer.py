@@ -47,8 +47,9 @@ def map_leaves(data: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], boo
             clone = copy.copy(data)
             clone.update(mapped)
             return clone
+        mapping_type: Any = type(data)  # a Mapping subclass, rebuilt from a dict as torch's collate does
         try:
-            return type(data)(mapped)
+            return mapping_type(mapped)
         except TypeError:
             return mapped
     if isinstance(data, tuple) and hasattr(data, "_fields"):
@@ -57,8 +58,9 @@ def map_leaves(data: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], boo
         return tuple(map_leaves(value, fn, is_leaf) for value in data)
     if isinstance(data, collections.abc.Sequence):
         items = [map_leaves(value, fn, is_leaf) for value in data]
+        sequence_type: Any = type(data)  # a Sequence subclass, rebuilt from a list as torch's collate does
         try:
-            return type(data)(items)
+            return sequence_type(items)
         except TypeError:
             return items
     return data
@@ -152,7 +154,8 @@ def pinned_host_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def _memory_order(t: torch.Tensor) -> list[int] | None:
     """The permutation of ``t``'s dimensions that is contiguous in memory (None: the identity,
     or no permutation is: such a tensor is copied contiguous)."""
-    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: -strides[d])
     if order == list(range(t.dim())) or not t.permute(order).is_contiguous():
         return None
     return order

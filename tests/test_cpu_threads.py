@@ -75,7 +75,8 @@ def test_the_loaders_transforms_run_with_the_chosen_threads(two_threads, monkeyp
     assert torch.get_num_threads() == 2
 
 
-def test_the_sample_caches_copies_run_with_the_chosen_threads_and_the_datasets_with_the_users(two_threads, monkeypatch) -> None:
+def test_the_sample_caches_copies_run_with_the_chosen_threads_and_the_datasets_with_the_users(two_threads,
+                                                                                              monkeypatch) -> None:
     """The sample cache's batch-sized copies (storing, gathering, merging with the disk tier's
     rows) run inside own_cpu_threads; the dataset's own ``__getitem__`` keeps the user's threads
     (its results could depend on them)."""

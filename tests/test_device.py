@@ -7,7 +7,14 @@ import torch
 
 from gpuload import device as device_module
 from gpuload.device import (
-    DeviceError, MemoryInfo, device_memory, host_memory, new_side_stream, resolve_device, usable_cpu_count)
+    DeviceError,
+    MemoryInfo,
+    device_memory,
+    host_memory,
+    new_side_stream,
+    resolve_device,
+    usable_cpu_count,
+)
 
 GiB = 1 << 30
 CUDA0 = torch.device("cuda", 0)

@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.utils.data as tud
+from equivalence import assert_same_epochs
 from torch.utils.data import Dataset, TensorDataset
 
 import gpuload
 from gpuload.datasets import ImageFolder, make_sample_image_folder
-from equivalence import assert_same_epochs
 
 TORCH_DATALOADER = tud.DataLoader
 
@@ -155,7 +155,8 @@ def test_torchs_loader_passes_the_same_pickling_check() -> None:
 
 @pytest.mark.parametrize("epochs_before", [0, 1])
 def test_an_unpickled_image_folder_loader_yields_the_same_batches(folder: ImageFolder, epochs_before: int) -> None:
-    with gpuload.DataLoader(folder, batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(4)) as loader:
+    with gpuload.DataLoader(folder, batch_size=None, shuffle=True,
+                            generator=torch.Generator().manual_seed(4)) as loader:
         for _ in range(epochs_before):
             list(loader)
         with pickle.loads(pickle.dumps(loader)) as clone:

@@ -19,10 +19,11 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import image_fixtures as F
 import pytest
-from threads import snapshot, wait_threads
 import torch
 import torchvision
+from threads import snapshot, wait_threads
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, TensorDataset
 
@@ -36,7 +37,6 @@ from gpuload.decode import BatchDecoder, ImageDecodeError
 from gpuload.decode.batch import resolve_backend
 from gpuload.device import DeviceError
 from gpuload.prefetch import EpochStoppedError
-import image_fixtures as F
 
 N = 12
 RESIZE = [T.Resize((16, 16))]
@@ -80,7 +80,8 @@ PREFETCHED: dict[str, Callable[[ImageFolder], gpuload.DataLoader]] = {
     "dataset": lambda folder: gpuload.DataLoader(Slow(delay=0.02), batch_size=2, device="cpu", prefetch_depth=2),
     "arrays-cache-off": lambda folder: gpuload.DataLoader(
         TensorDataset(torch.arange(N)), batch_size=2, device="cpu", cache="off"),
-    "images": lambda folder: gpuload.DataLoader(folder, batch_size=2, device="cpu", transforms=RESIZE, prefetch_depth=2),
+    "images": lambda folder: gpuload.DataLoader(folder, batch_size=2, device="cpu", transforms=RESIZE,
+                                                prefetch_depth=2),
 }
 
 
@@ -123,14 +124,14 @@ def test_an_iterator_waiting_in_next_when_a_newer_epoch_starts_raises() -> None:
         loader = gpuload.DataLoader(Slow(n=100, delay=0.02), batch_size=None, device="cpu", prefetch_depth=2)
         outcome: dict[str, object] = {}
 
-        def consume() -> None:
+        def consume() -> None:  # its thread is joined within this iteration: loader and outcome are its own
             count = 0
             try:
-                for _ in loader:
+                for _ in loader:  # noqa: B023
                     count += 1
-                outcome["ended"] = count
+                outcome["ended"] = count  # noqa: B023
             except EpochStoppedError:
-                outcome["stopped"] = count
+                outcome["stopped"] = count  # noqa: B023
 
         thread = threading.Thread(target=consume)
         thread.start()
@@ -165,7 +166,8 @@ INDEXED: dict[str, Callable[[ImageFolder, list], tuple[gpuload.DataLoader, Torch
         gpuload.DataLoader(TensorDataset(torch.arange(N)), batch_sampler=bs, device="cpu", cache="off"),
         TorchDataLoader(TensorDataset(torch.arange(N)), batch_sampler=bs)),
     "arrays-streamed-in-loop": lambda folder, bs: (
-        gpuload.DataLoader(TensorDataset(torch.arange(N)), batch_sampler=bs, device="cpu", cache="off", prefetch_depth=0),
+        gpuload.DataLoader(TensorDataset(torch.arange(N)), batch_sampler=bs, device="cpu", cache="off",
+                           prefetch_depth=0),
         TorchDataLoader(TensorDataset(torch.arange(N)), batch_sampler=bs)),
     "images": lambda folder, bs: (
         gpuload.DataLoader(folder, batch_sampler=bs, device="cpu", transforms=RESIZE),
@@ -349,7 +351,8 @@ def test_a_symlink_loop_in_a_class_folder_warns_and_lists_what_torchvision_lists
     (tmp_path / "a" / "loop").symlink_to("..")
     with pytest.warns(UserWarning, match=r"class 'a' reaches \d+ folder\(s\) a second time through symbolic links"):
         ours = ImageFolder(tmp_path)
-    assert [path for path, _ in ours.samples] == [path for path, _ in torchvision.datasets.ImageFolder(tmp_path).samples]
+    theirs = torchvision.datasets.ImageFolder(tmp_path)
+    assert [path for path, _ in ours.samples] == [path for path, _ in theirs.samples]
 
 
 # ------------------------------------------------------------------- bad settings

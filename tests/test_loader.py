@@ -10,15 +10,15 @@ import time
 
 import numpy as np
 import pytest
-from threads import snapshot, wait_threads
 import torch
-from torch.utils.data import Dataset, IterableDataset, TensorDataset
+from equivalence import assert_same_epochs
+from threads import snapshot, wait_threads
 from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 import gpuload
 from gpuload.device import DeviceError
 from gpuload.prefetch import EpochStoppedError
-from equivalence import assert_same_epochs
 
 
 def dataset(n: int = 20) -> TensorDataset:
@@ -146,7 +146,8 @@ def test_unknown_device_and_cache_mode_are_clear_errors() -> None:
 
 def test_empty_dataset_behaves_like_torch() -> None:
     empty = TensorDataset(torch.empty(0, 3), torch.empty(0))
-    assert list(gpuload.DataLoader(empty, batch_size=4, device="cpu")) == list(TorchDataLoader(empty, batch_size=4)) == []
+    ours = list(gpuload.DataLoader(empty, batch_size=4, device="cpu"))
+    assert ours == list(TorchDataLoader(empty, batch_size=4)) == []
     with pytest.raises(ValueError) as theirs:
         TorchDataLoader(empty, shuffle=True)
     with pytest.raises(ValueError) as ours:
@@ -200,7 +201,7 @@ def test_early_break_and_close_leave_no_threads_or_workers() -> None:
     baseline = snapshot()
     loader = gpuload.DataLoader(torch.utils.data.Subset(dataset(), range(20)), batch_size=2,
                                 num_workers=2, persistent_workers=True, device="cpu")
-    for epoch in range(3):
+    for _epoch in range(3):
         for i, _ in enumerate(loader):
             if i == 2:
                 break
@@ -359,7 +360,8 @@ def test_a_caught_worker_error_leaves_torchs_iterator_to_end_with_its_epoch(path
 def test_cache_off_serves_identical_batches() -> None:
     data = dataset(33)
     on = gpuload.DataLoader(data, batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(1), device="cpu")
-    off = gpuload.DataLoader(data, batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(1), device="cpu", cache="off")
+    off = gpuload.DataLoader(data, batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(1),
+                             device="cpu", cache="off")
     assert_same_epochs(on, off)
 
 
@@ -442,7 +444,8 @@ def test_cache_settings_come_from_keyword_env_and_file(tmp_path, monkeypatch) ->
     settings = loader.cache_settings
     assert "gpuload.toml" in settings.size.source and "small" in settings.size.source
     assert settings.reserve.source.startswith("env")
-    assert gpuload.DataLoader(dataset(), device="cpu", cache_size="2GiB").cache_settings.size.source.startswith("keyword")
+    loader = gpuload.DataLoader(dataset(), device="cpu", cache_size="2GiB")
+    assert loader.cache_settings.size.source.startswith("keyword")
     with pytest.raises(ValueError, match="small"):
         gpuload.DataLoader(dataset(), device="cpu", job="nope")
     with pytest.raises(ValueError, match="cache_size='12 parsecs'"):

@@ -7,6 +7,7 @@ import collections
 import numpy as np
 import pytest
 import torch
+from equivalence import assert_same, assert_same_epochs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import (
@@ -22,7 +23,6 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import gpuload
-from equivalence import assert_same, assert_same_epochs
 
 Point = collections.namedtuple("Point", ["x", "label"])
 
@@ -112,7 +112,8 @@ def resolve_kwargs(kwargs: dict, n: int, seed: int) -> dict:
     elif sampler == "subset":
         kwargs["sampler"] = SubsetRandomSampler(list(range(0, n, 2)), generator=g)
     elif sampler == "weighted":
-        kwargs["sampler"] = WeightedRandomSampler(torch.rand(n, generator=torch.Generator().manual_seed(3)), n, generator=g)
+        kwargs["sampler"] = WeightedRandomSampler(torch.rand(n, generator=torch.Generator().manual_seed(3)), n,
+                                                  generator=g)
     elif sampler == "list":
         kwargs["sampler"] = list(reversed(range(n)))
     batch_sampler = kwargs.pop("batch_sampler", None)
@@ -187,12 +188,14 @@ def test_distributed_sampler_with_set_epoch(path: str) -> None:
     n = 30
     dataset = array_datasets(n)["TensorDataset"] if path == "array" else RichDataset(n, "tuple")
     for rank in range(2):
-        ours = gpuload.DataLoader(dataset, batch_size=4, sampler=DistributedSampler(dataset, num_replicas=2, rank=rank, seed=3), device="cpu")
-        theirs = TorchDataLoader(dataset, batch_size=4, sampler=DistributedSampler(dataset, num_replicas=2, rank=rank, seed=3))
+        ours = gpuload.DataLoader(dataset, batch_size=4,
+                                  sampler=DistributedSampler(dataset, num_replicas=2, rank=rank, seed=3), device="cpu")
+        theirs = TorchDataLoader(dataset, batch_size=4,
+                                 sampler=DistributedSampler(dataset, num_replicas=2, rank=rank, seed=3))
 
-        def set_epoch(epoch: int) -> None:
-            ours.sampler.set_epoch(epoch)
-            theirs.sampler.set_epoch(epoch)
+        def set_epoch(epoch: int) -> None:  # called only by this iteration's assert_same_epochs
+            ours.sampler.set_epoch(epoch)  # noqa: B023
+            theirs.sampler.set_epoch(epoch)  # noqa: B023
 
         assert_same_epochs(ours, theirs, epochs=3, before_epoch=set_epoch)
     first = [b[1].tolist() for b in ours]
@@ -211,7 +214,8 @@ def test_iterable_dataset_matches_torch() -> None:
 @pytest.mark.parametrize("path", ["array", "generic", "iterable"])
 def test_worker_processes_match_torch(path: str, persistent: bool) -> None:
     n = 29
-    dataset = {"array": array_datasets(n)["TensorDataset"], "generic": RichDataset(n, "nested"), "iterable": Stream(n)}[path]
+    dataset = {"array": array_datasets(n)["TensorDataset"], "generic": RichDataset(n, "nested"),
+               "iterable": Stream(n)}[path]
     shuffle = path != "iterable"
     ours, theirs = twin_loaders(dataset, batch_size=4, shuffle=shuffle, num_workers=2, persistent_workers=persistent)
     assert_same_epochs(ours, theirs, epochs=2)

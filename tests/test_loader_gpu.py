@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from equivalence import assert_same_epochs
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Subset, TensorDataset
 
 import gpuload
 from gpuload.device import DeviceError
-from equivalence import assert_same_epochs
 
 pytestmark = pytest.mark.gpu
 
@@ -65,7 +65,8 @@ def test_missing_cuda_index_is_a_clear_error() -> None:
 def test_close_gives_device_memory_back() -> None:
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    loader = gpuload.DataLoader(TensorDataset(torch.zeros(1000, 1024, dtype=torch.uint8)), batch_size=100, device="cuda")
+    loader = gpuload.DataLoader(TensorDataset(torch.zeros(1000, 1024, dtype=torch.uint8)), batch_size=100,
+                                device="cuda")
     next(iter(loader))
     assert torch.cuda.memory_allocated() >= before + 1000 * 1024
     loader.close()
@@ -107,7 +108,8 @@ def test_transforms_run_as_cupy_kernels_and_match_the_reference() -> None:
 
     ops = [T.RandomResizedCrop(6), T.RandomHorizontalFlip(), T.ToDtype(torch.float32)]
     dataset = data(64)
-    loader = gpuload.DataLoader(dataset, batch_size=16, device="cuda", transforms=ops, generator=torch.Generator().manual_seed(3))
+    loader = gpuload.DataLoader(dataset, batch_size=16, device="cuda", transforms=ops,
+                                generator=torch.Generator().manual_seed(3))
     images = torch.cat([x.cpu() for x, _ in loader])
     assert loader.stats.extra["transform_backend"] == "cupy"
     expected = apply_transforms(ops, dataset.tensors[0], 3, 0, torch.arange(64))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from equivalence import assert_same_epochs
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, TensorDataset
 
@@ -12,7 +13,6 @@ import gpuload
 from gpuload import transforms as T
 from gpuload.datasets import ImageFolder, make_sample_image_folder
 from gpuload.prefetch import Prefetcher, check_ring_fits, default_depth
-from equivalence import assert_same_epochs
 
 MiB, GiB = 2**20, 2**30
 TOTAL = 64 * GiB  # host reserve: max(4 GiB, 10%) = 6.4 GiB
@@ -49,7 +49,8 @@ def test_the_same_loader_caches_with_room(pretend_host_memory) -> None:
 
 
 @pytest.mark.parametrize("cache", ["host", "device"])
-def test_the_image_cache_takes_nothing_and_decodes_every_epoch(folder: ImageFolder, pretend_host_memory, cache: str) -> None:
+def test_the_image_cache_takes_nothing_and_decodes_every_epoch(folder: ImageFolder, pretend_host_memory,
+                                                               cache: str) -> None:
     ops = [T.Resize((12, 12))]
     reference = [list(gpuload.DataLoader(folder, batch_size=3, device="cpu", transforms=ops, cache="off"))]
     pretend_host_memory(free=SQUEEZED, total=TOTAL)
@@ -75,7 +76,8 @@ def test_a_prefetch_depth_past_half_the_available_memory_is_refused(pretend_host
     dataset = TensorDataset(torch.zeros(64, 256, 256))
     pretend_host_memory(free=64 * MiB, total=TOTAL)
     loader = gpuload.DataLoader(dataset, batch_size=16, device="cpu", cache="off", prefetch_depth=100)
-    with pytest.raises(ValueError, match=r"prefetch_depth=100 needs 100 host slots of 4.00 MiB.*limit of 32.00 MiB.*<= 8"):
+    with pytest.raises(ValueError,
+                       match=r"prefetch_depth=100 needs 100 host slots of 4.00 MiB.*limit of 32.00 MiB.*<= 8"):
         list(loader)
     with pytest.raises(ValueError, match="prefetch_depth=3 needs"):
         check_ring_fits(3, 40 * MiB)

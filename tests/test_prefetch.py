@@ -277,7 +277,7 @@ def test_hundreds_of_epochs_leave_no_threads_and_reuse_the_slots():
         got = list(prefetcher)
         assert len(got) == 6
         if epoch % 3 == 0:
-            for batch in prefetcher:
+            for _batch in prefetcher:
                 break  # early exits too
     assert stats.slot_allocations == 3
     assert not wait_threads(baseline)
@@ -649,7 +649,7 @@ def test_gpu_copy_of_next_batch_overlaps_consumer_work():
         prefetcher = Prefetcher(source(), device, depth=2)
         torch.cuda.synchronize()
         started = time.perf_counter()
-        for batch in prefetcher:
+        for _batch in prefetcher:
             if step_cycles:
                 torch.cuda._sleep(step_cycles)
         torch.cuda.synchronize()

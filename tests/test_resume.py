@@ -10,14 +10,14 @@ import warnings
 import pytest
 import torch
 import torch.utils.data as tud
+from counting import Counted
+from equivalence import assert_same
 from torch.utils.data.distributed import DistributedSampler
 
 import gpuload
 from gpuload import transforms as T
 from gpuload.datasets import make_sample_image_folder
 from gpuload.resume import ResumeError
-from counting import Counted
-from equivalence import assert_same
 
 EPOCHS = 3
 
@@ -257,7 +257,8 @@ def test_an_iterable_dataset_without_state_is_replayed_to_its_position() -> None
         warnings.simplefilter("error")
         resumed.load_state_dict(state)
         assert [b.tolist() for b in resumed] == [[3, 4, 5], [6, 7, 8], [9]]
-        gpuload.DataLoader(Plain(), batch_size=3).load_state_dict(gpuload.DataLoader(Plain(), batch_size=3).state_dict())
+        fresh_state = gpuload.DataLoader(Plain(), batch_size=3).state_dict()
+        gpuload.DataLoader(Plain(), batch_size=3).load_state_dict(fresh_state)
 
 
 def test_a_replay_that_ends_early_says_so() -> None:

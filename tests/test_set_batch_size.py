@@ -7,16 +7,16 @@ import io
 import time
 import warnings
 
+import image_fixtures as F
 import pytest
 import torch
 import torch.utils.data as tud
-
-import gpuload
-import image_fixtures as F
-from gpuload import transforms as T
-from gpuload.datasets import ImageFolder
 from counting import Counted
 from equivalence import assert_same
+
+import gpuload
+from gpuload import transforms as T
+from gpuload.datasets import ImageFolder
 
 SEED = 7
 
@@ -43,7 +43,8 @@ def seeded(**keywords):
 
 def torch_orders(dataset, epochs: int, **keywords) -> list[list[int]]:
     """Each epoch's sample order from torch's own DataLoader with the same generator."""
-    loader = tud.DataLoader(dataset, batch_size=1, shuffle=True, generator=torch.Generator().manual_seed(SEED), **keywords)
+    loader = tud.DataLoader(dataset, batch_size=1, shuffle=True, generator=torch.Generator().manual_seed(SEED),
+                            **keywords)
     orders = []
     for _ in range(epochs):
         orders.append([int(i) for i in torch.cat([torch.as_tensor(b).view(-1) for b in (ids(x) for x in loader)])])

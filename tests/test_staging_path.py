@@ -15,11 +15,11 @@ import threading
 
 import pytest
 import torch
+from store_cases import columns, planned
+from test_prefetch import DeviceTensor, FakeCuda, fake_cuda  # noqa: F401 - the fixture this file extends
 from torch.utils.data import default_collate
 
 import gpuload.prefetch as prefetch
-from store_cases import columns, planned
-from test_prefetch import DeviceTensor, FakeCuda, fake_cuda  # noqa: F401 - the fixture this file extends
 from gpuload import transforms as T
 from gpuload.cache import TieredArrayStore
 from gpuload.cache.budget import BudgetLedger
@@ -141,7 +141,8 @@ def test_the_batched_transforms_stage_their_per_batch_tables(watch: Watch, ops, 
 def test_cpu_decoded_images_reach_the_device_in_one_staged_copy_keeping_their_layout(watch: Watch) -> None:
     decoder = BatchDecoder(device="cpu")
     decoder.device = META  # decoded on the CPU, bound for a device
-    hwc = [torch.zeros(5, 7, 3, dtype=torch.uint8).permute(2, 0, 1), torch.zeros(4, 6, 3, dtype=torch.uint8).permute(2, 0, 1)]
+    hwc = [torch.zeros(5, 7, 3, dtype=torch.uint8).permute(2, 0, 1),
+           torch.zeros(4, 6, 3, dtype=torch.uint8).permute(2, 0, 1)]
     moved = decoder._to_device([0, 2, 3], [hwc[0], ValueError("broken file"), hwc[1]])
     assert sorted(moved) == [0, 3] and all(t.device == META for t in moved.values())
     assert [t.stride() for t in moved.values()] == [t.stride() for t in hwc]  # still channels-last
@@ -321,7 +322,8 @@ def test_gpu_a_loader_with_transforms_gives_the_cpu_loaders_batches(depth) -> No
     ``copy_now``: the same batches as the same loader on the CPU."""
     import gpuload
 
-    dataset = torch.utils.data.TensorDataset(torch.randint(0, 256, (64, 3, 20, 20), dtype=torch.uint8), torch.arange(64))
+    dataset = torch.utils.data.TensorDataset(torch.randint(0, 256, (64, 3, 20, 20), dtype=torch.uint8),
+                                             torch.arange(64))
     ops = [T.RandomCrop(16, padding=2, fill=3), T.RandomHorizontalFlip()]  # uint8 out: exact on any backend
 
     def epochs(device: str) -> list:

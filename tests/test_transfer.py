@@ -31,6 +31,7 @@ def test_map_leaves_keeps_each_container_type_where_it_can() -> None:
     from types import MappingProxyType
 
     from containers import Fields
+
     from gpuload.transfer import map_leaves, move_to_device
 
     double = lambda tensor: tensor * 2  # noqa: E731

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset, TensorDataset
 import gpuload
 from gpuload import transforms as T
 from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, plan_notes
-from gpuload.bench.scenarios import BenchConfig, LoaderSpec, served_from, synthetic_cifar, torch_spec
+from gpuload.bench.scenarios import BenchConfig, LoaderSpec, not_opened, served_from, synthetic_cifar, torch_spec
 
 __all__ = ["MEAN", "STD", "PADDING", "PerSampleAugment", "augment_ops", "augment_loaders"]
 
@@ -70,7 +70,7 @@ def _gpuload_spec(
     """gpuload over the uint8 arrays with the op list; notes say where batches came from (and,
     on a CPU, the cache plan a pretended card of ``device_memory`` bytes would get: the uint8
     arrays are cached, the transforms run on the device)."""
-    spec = LoaderSpec("gpuload DataLoader (batched transforms)", lambda: None)
+    spec = LoaderSpec("gpuload DataLoader (batched transforms)", not_opened)
     if device.type != "cuda":
         spec.notes.update(plan_notes(dataset, "auto", None, device_memory))
 
@@ -78,7 +78,7 @@ def _gpuload_spec(
         loader = gpuload.DataLoader(
             dataset, batch_size=config.batch_size, shuffle=True, device=device,
             generator=torch.Generator().manual_seed(config.seed),
-            transforms=augment_ops(tuple(dataset.tensors[0].shape[-2:])),
+            transforms=augment_ops((dataset.tensors[0].shape[-2], dataset.tensors[0].shape[-1])),
         )
 
         def close() -> None:

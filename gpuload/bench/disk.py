@@ -8,8 +8,9 @@ folder: epoch 1 decodes (with the loader's workers) and writes the disk tier, ep
 what the host tier lacks from it, memory-mapped. Measured beside torch's DataLoader with PIL on
 the same folder, and a second process started afterwards, whose first epoch reads the disk
 tier. Host memory growth is the anonymous resident memory held after the epochs (the page cache
-and the memory maps' file pages aside; freed heap handed back first). Targets (issue 27): epoch 2 at least 5x epoch 1 and 3x torch's; the second
-process's first epoch as fast as epoch 2; growth within the host tier's budget + 64 MiB.
+and the memory maps' file pages aside; freed heap handed back first). Targets (issue 27): epoch
+2 at least 5x epoch 1 and 3x torch's; the second process's first epoch as fast as epoch 2;
+growth within the host tier's budget + 64 MiB.
 
 A second part runs gpuload's own ``ImageFolder`` on the same folder (gpuload's decoder, whole
 decoded images cached with ``cache="device"`` in host memory at a quarter of their decoded
@@ -93,7 +94,8 @@ def second_process(root: str, batch_size: int, cache_dir: str, cache_size: int) 
     loader = _loader(decoded_folder(root), batch_size, 0, cache_dir, cache_size)
     seconds = _epoch_s(loader)
     disk = loader.stats.extra["cache"].get("disk", {})
-    print(json.dumps({"epoch_s": seconds, "disk_hits": disk.get("hits", 0), "rows_written": disk.get("rows_written", 0)}))
+    print(json.dumps({"epoch_s": seconds, "disk_hits": disk.get("hits", 0),
+                      "rows_written": disk.get("rows_written", 0)}))
 
 
 def in_a_second_process(root: str, batch_size: int, cache_dir: str, cache_size: int) -> dict[str, Any]:
@@ -161,8 +163,8 @@ def run_own_images(root: str, batch_size: int, cache_dir: str) -> dict[str, Any]
     second_s = _epoch_s(second)
     second_disk = second.stats.extra["cache"]["disk"]
     second.close()
-    return {"own_decoded_bytes": decoded, "own_without_disk_epoch2_s": without_s, "own_epoch1_s": epoch1_s, "own_epoch2_s": epoch2_s,
-            "own_new_loader_s": second_s, "own_disk_bytes": disk["published_bytes"],
+    return {"own_decoded_bytes": decoded, "own_without_disk_epoch2_s": without_s, "own_epoch1_s": epoch1_s,
+            "own_epoch2_s": epoch2_s, "own_new_loader_s": second_s, "own_disk_bytes": disk["published_bytes"],
             "own_disk_rows": disk["published_rows"], "own_new_loader_disk_hits": second_disk["hits"],
             "own_new_loader_rows_written": second_disk["rows_written"]}
 

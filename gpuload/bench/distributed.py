@@ -158,7 +158,7 @@ class _RankLoader:
         if isinstance(self.loader, gpuload.DataLoader):
             self.loader.close()
         elif self.loader._iterator is not None:
-            self.loader._iterator._shutdown_workers()
+            self.loader._iterator._shutdown_workers()  # type: ignore[attr-defined]  # torch's iterators have it; its stub does not
 
 
 def _where(device: torch.device) -> str:
@@ -326,6 +326,12 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(known) if known else None
 
 
+def _median_size(values: list[float | None]) -> str:
+    """The median of byte counts, formatted; "-" when none is known."""
+    median = _median(values)
+    return "-" if median is None else format_bytes(median)
+
+
 NAME_WIDTH = 23
 
 
@@ -339,7 +345,7 @@ def format_distributed(document: dict[str, Any]) -> str:
         rates = row["samples_per_s"]
         received = _median(row["bytes_received_per_epoch"])
         waited = _median(row["exchange_wait_s_per_epoch"])
-        holds = "-" if row["held_where"] == "-" else f"{format_bytes(_median(row['held_bytes']))} {row['held_where']}"
+        holds = "-" if row["held_where"] == "-" else f"{_median_size(row['held_bytes'])} {row['held_where']}"
         lines.append(
             f"{display_name(row['name']):<{NAME_WIDTH}} {_rate(statistics.median(rates)):>14} "
             f"{_rate(min(rates)) + '-' + _rate(max(rates)):>13} {statistics.median(row['x_torch']):>6.2f}x "
@@ -370,7 +376,7 @@ def distributed_headline(document: dict[str, Any]) -> str:
     ours = [r for r in rows if r["kind"] == "gpuload"]
     if not ours:
         return ""
-    parts = [f"{r['scope']} {statistics.median(r['x_torch']):.2f}x holding {format_bytes(_median(r['held_bytes']))}"
+    parts = [f"{r['scope']} {statistics.median(r['x_torch']):.2f}x holding {_median_size(r['held_bytes'])}"
              for r in ours]
     dataset = f" (the dataset: {format_bytes(document['ranks'][0]['dataset_bytes'])})" if document.get("ranks") else ""
     return (f"gpuload per rank, {config['processes']} {config['backend']} ranks, against torch's DataLoader + "
@@ -412,7 +418,7 @@ def run_distributed_bench(config: DistributedConfig, out: Path, environment: dic
         print(*_ranks_said(error), sep="\n", file=sys.stderr)
         return 1
     load = max(load_before or 0, _load_average() or 0) or None
-    document = {"scenario": "distributed", "config": {**asdict(config), "backend": config.backend},
+    document: dict[str, Any] = {"scenario": "distributed", "config": {**asdict(config), "backend": config.backend},
                 "environment": {**environment, "load_average_during": load}, "rows": gather_rows(ranks),
                 "ranks": ranks}
     say("", format_distributed(document), "")

@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 import gpuload
 from gpuload import transforms as T
 from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, modelled_h2d, pretended_card
-from gpuload.bench.scenarios import BenchConfig, CountingEpochs, LoaderSpec
+from gpuload.bench.scenarios import BenchConfig, CountingEpochs, LoaderSpec, not_opened
 from gpuload.cache import CacheSettings, decide_images, estimate_image_bytes
 from gpuload.datasets import ImageFolder
 from gpuload.device import MemoryInfo, host_memory
@@ -144,7 +144,7 @@ def _modelled_image_h2d(folder: ImageFolder, cache: str, device: torch.device, d
 
 def _torch_spec(workers: int, folder: ImageFolder, config: BenchConfig, device: torch.device, size: int) -> LoaderSpec:
     """torch's DataLoader with ``workers`` processes running the PIL pipeline."""
-    spec = LoaderSpec(f"torch DataLoader + PIL (num_workers={workers})", lambda: None,
+    spec = LoaderSpec(f"torch DataLoader + PIL (num_workers={workers})", not_opened,
                       "baseline" if workers == 0 else "loader")
 
     def open_torch():
@@ -164,7 +164,7 @@ def _gpuload_spec(name: str, folder: ImageFolder, config: BenchConfig, device: t
                   cache: str) -> LoaderSpec:
     """gpuload on the folder: decoding every epoch (``cache="off"``) or from the image cache."""
     ops = [T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToDtype(torch.float16), T.Normalize(MEAN, STD)]
-    spec = LoaderSpec(name, lambda: None)
+    spec = LoaderSpec(name, not_opened)
 
     def open_gpuload():
         loader = gpuload.DataLoader(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -49,6 +49,12 @@ class ModelMemory:
         return asdict(self)
 
 
+class _ModelStep(Protocol):
+    """A training step with a model (``gpuload.bench.steps.SmallCnnStep``)."""
+
+    def parameters(self) -> Iterable[torch.Tensor]: ...
+
+
 def measure_model_memory(step: Callable[[Any], None], batch: Any, device: torch.device) -> ModelMemory | None:
     """The model's memory for a step with a model (``step.state_bytes``), else None.
 
@@ -58,7 +64,8 @@ def measure_model_memory(step: Callable[[Any], None], batch: Any, device: torch.
     state_bytes = getattr(step, "state_bytes", None)
     if state_bytes is None:
         return None
-    parameters = {p.untyped_storage().data_ptr() for p in step.parameters()}
+    model = cast(_ModelStep, step)  # a step with state_bytes is a model's (gpuload.bench.steps)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:

@@ -128,7 +128,8 @@ def _speed_table(results: list[dict[str, Any]]) -> list[str]:
         wait = "-" if r.get("wait_share") is None else f"{100 * r['wait_share']:.0f}%"
         lines.append(
             f"{display_name(r['name']):<{NAME_WIDTH}} {_rate(r['samples_per_s']):>13} {_spread_pct(r):>7} "
-            f"{r['first_epoch_s']:>8.3f} s {_ratio(r['x_baseline']):>8} {_of_ideal(r):>9}" + (f" {wait:>5}" if waits else "")
+            f"{r['first_epoch_s']:>8.3f} s {_ratio(r['x_baseline']):>8} {_of_ideal(r):>9}"
+            + (f" {wait:>5}" if waits else "")
         )
     notes = [f"samples/s: median of the steady epochs; spread: half their range. x torch: against "
              f"{display_name(results[0]['baseline_name'])}."]
@@ -177,7 +178,9 @@ def _bytes_table(results: list[dict[str, Any]]) -> list[str]:
             line += f"  [{bases.index(f[2] or MEASURED) + 1}]"
         else:
             peak = r.get("loader_device_peak_bytes")
-            line += f" {r['h2d_gbps']:>6.2f}" + (f" {'-' if peak is None else _size(peak):>19}" if measured_memory else "")
+            line += f" {r['h2d_gbps']:>6.2f}"
+            if measured_memory:
+                line += f" {'-' if peak is None else _size(peak):>19}"
         lines.append(line)
     if modelled:
         for number, basis in enumerate(bases, 1):
@@ -270,7 +273,7 @@ def busy_note(load_average: float | None, cpu_count: int | None, threads: int = 
     ))
 
 
-def _replace_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+def _replace_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Write ``path`` through a new file beside it, then rename it into place.
 
     The new file is created exclusively (never through an existing link) and the rename

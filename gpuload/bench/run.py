@@ -60,9 +60,10 @@ def run_loaders(
     """Time each loader for a warm-up plus ``epochs`` epochs; one result dict per loader.
 
     An ideal runs at least ``IDEAL_EPOCHS`` epochs (it is cheap), so that its best epoch is a
-    bound a loader's median does not pass by noise alone. Bytes copied host-to-device are counted for the warm-up epoch (which fills a cache) and
-    per steady epoch apart; device memory is the loader's own, the model's is measured once on
-    the first loader's first batch and kept in ``model_memory``.
+    bound a loader's median does not pass by noise alone. Bytes copied host-to-device are
+    counted for the warm-up epoch (which fills a cache) and per steady epoch apart; device
+    memory is the loader's own, the model's is measured once on the first loader's first batch
+    and kept in ``model_memory``.
     """
     results = RunResults()
     step_s: float | None = None
@@ -86,10 +87,11 @@ def run_loaders(
             first_epoch_bytes: list[int] = []
             timed = max(epochs, IDEAL_EPOCHS) if spec.kind == "ideal" else epochs
 
+            # on_epoch runs only inside this iteration's time_epochs: the loop variables it reads are this spec's.
             def on_epoch(epoch: int) -> None:
                 if epoch == 0:
-                    first_epoch_bytes.append(bytes_h2d() - bytes_at_start)
-                progress(spec.name, epoch + 1, timed + 1)
+                    first_epoch_bytes.append(bytes_h2d() - bytes_at_start)  # noqa: B023
+                progress(spec.name, epoch + 1, timed + 1)  # noqa: B023
 
             times = time_epochs(make_epoch, device, timed, counted_step, on_epoch)
             steady_bytes = (bytes_h2d() - bytes_at_start - first_epoch_bytes[0]) / max(timed, 1)

@@ -278,7 +278,8 @@ def run_samples_bench(quick: bool, samples: int | None, batch_size: int | None, 
     say("", format_samples(runs), "")
     documents = [run.as_dict() for run in runs]
     write_json(out / "bench.json", {"scenario": "samples", "environment": environment, "runs": documents})
-    save_figure(out / "bench.png", draw_samples_chart(documents, f"gpuload bench: samples, batch {batch_size}, {device}"))
+    title = f"gpuload bench: samples, batch {batch_size}, {device}"
+    save_figure(out / "bench.png", draw_samples_chart(documents, title))
     print(*textwrap.wrap(samples_headline(documents), WIDTH, subsequent_indent="    "), sep="\n")
     print(f"results: {out / 'bench.json'}; chart: {out / 'bench.png'}")
     return 0

@@ -44,12 +44,20 @@ class BenchConfig:
     seed: int = 0
 
 
+Opened = tuple[Callable[[], Iterable[Any]], Callable[[], int], Callable[[], None]]
+
+
+def not_opened() -> Opened:
+    """A ``LoaderSpec.open`` until the scenario sets its own (which reads the spec's notes)."""
+    raise RuntimeError("this LoaderSpec's open() was not set")
+
+
 @dataclass
 class LoaderSpec:
     """One loader in a scenario. ``open()`` returns (epoch factory, bytes counter, closer)."""
 
     name: str
-    open: Callable[[], tuple[Callable[[], Iterable[Any]], Callable[[], int], Callable[[], None]]]
+    open: Callable[[], Opened]
     kind: str = "loader"  # "loader", "baseline" (torch, num_workers=0) or "ideal"
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -89,7 +97,7 @@ class CountingEpochs:
     def close(self) -> None:
         iterator = self.loader._iterator
         if iterator is not None:
-            iterator._shutdown_workers()
+            iterator._shutdown_workers()  # type: ignore[attr-defined]  # torch's iterators have it; its stub does not
         if self.device.type != "cuda" and self.batch_bytes_per_epoch:
             per_epoch = self.batch_bytes_per_epoch
             self.notes["h2d_modelled"] = modelled_h2d(

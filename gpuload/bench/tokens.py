@@ -182,11 +182,11 @@ def run_tokens(config: TokenConfig, device: torch.device, folder: Path, card: in
                 closer = loader.close
             elif row.name.startswith("torch"):
                 workers = int(row.name.split("=")[1].rstrip(")"))
-                loader = TorchDataLoader(dataset, batch_size=config.batch_size, shuffle=True, num_workers=workers,
+                theirs = TorchDataLoader(dataset, batch_size=config.batch_size, shuffle=True, num_workers=workers,
                                          pin_memory=device.type == "cuda", persistent_workers=workers > 0,
                                          generator=torch.Generator().manual_seed(seed))
-                batches, move = iter(_forever(loader)), True
-                closer = _shutdown(loader)
+                batches, move = iter(_forever(theirs)), True
+                closer = _shutdown(theirs)
             else:
                 batches, move = get_batch_loop(path, config, device), False
             try:

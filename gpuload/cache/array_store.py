@@ -52,7 +52,7 @@ it. The maker is always called, once, also for no rows (a node's maker is a coll
 HostTierMaker = TierMaker
 
 
-def private_host_tier(source: list[torch.Tensor], first: int, rows: int, budget: int = 0) -> Tier:
+def private_host_tier(source: list[torch.Tensor], first: int, rows: int, budget: int = 0) -> HostTier:
     """This process's own copy of rows ``[first, first + rows)`` in pageable host memory.
 
     ``budget`` is not needed: the plan already fitted ``rows`` to it."""
@@ -99,8 +99,9 @@ class TieredArrayStore(Store):
     :data:`TierMaker`, e.g. a node's shared copy); by default each store keeps its own copy.
     ``disk_tier`` builds the disk tier (``gpuload.cache.disk_tier.disk_tier_maker``); without
     it a plan's disk tier stays empty.
-    ``tiers`` maps further tier names to their classes (default: the registered ones). ``stage_host_rows``: whether host rows go through the loader's staging
-    (default: on any target but the CPU).
+    ``tiers`` maps further tier names to their classes (default: the registered ones).
+    ``stage_host_rows``: whether host rows go through the loader's staging (default: on any
+    target but the CPU).
     """
 
     def __init__(
@@ -364,7 +365,8 @@ class TieredArrayStore(Store):
                 snapshot.device_samples, snapshot.device_hits = counts.samples, counts.hits
                 snapshot.device_bytes = counts.bytes if self._on_card else 0
             elif name == "host":
-                snapshot.host_samples, snapshot.host_bytes, snapshot.host_hits = counts.samples, counts.bytes, counts.hits
+                snapshot.host_samples, snapshot.host_bytes = counts.samples, counts.bytes
+                snapshot.host_hits = counts.hits
                 snapshot.host_shared_ranks = shared_by if counts.samples else 0
             elif name == "source":
                 snapshot.source_samples, snapshot.source_hits = counts.samples, counts.hits
@@ -425,7 +427,7 @@ class TieredArrayStore(Store):
                     begin = end
 
         shapes = [((staged_rows, *source.shape[1:]), source.dtype) for source in self._source] if staged else []
-        inverse = torch.argsort(order) if grouped else None  # host indices, moved in ``assemble``
+        inverse = torch.argsort(order) if order is not None else None  # (grouped) host indices, moved in ``assemble``
 
         def assemble(device_part: list[torch.Tensor], staged_part: list[torch.Tensor]) -> Any:
             # Runs where the batch is used (the loop's thread and stream): the order it puts the
@@ -443,12 +445,12 @@ class TieredArrayStore(Store):
                 leaves.append(leaf.view(self._dtypes[c]))
             return tree_unflatten(leaves, self._spec)
 
-        moved = staged_rows * sum(self._row_bytes) if self._on_card else 0
+        moved_bytes = staged_rows * sum(self._row_bytes) if self._on_card else 0
         with self._lock:
             for position, count in enumerate(counts):
                 if position < len(self._hits):
                     self._hits[position] += count
-            self._stats.h2d_bytes += moved
+            self._stats.h2d_bytes += moved_bytes
         return BatchRequest(device_leaves, shapes, fill_staged, assemble)
 
     def gather(self, indices: Any, copy: Copier | None = None) -> Any:

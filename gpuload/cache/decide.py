@@ -112,9 +112,10 @@ def decide_samples(
         return CacheDecision("host", "samples", settings.host_room(host), f"{why}: host memory{frozen}", bool(frozen))
     budget = settings.device_room(device, device_memory_info or device_memory(device), owner)
     if budget == 0 and mode == "auto":
-        return CacheDecision("host", "samples", settings.host_room(host), f"no device budget left on {device}: host memory")
-    return CacheDecision("device", "samples", budget, f"device memory on {device} (budget {format_bytes(budget)}){frozen}",
-                         bool(frozen))
+        return CacheDecision("host", "samples", settings.host_room(host),
+                             f"no device budget left on {device}: host memory")
+    return CacheDecision("device", "samples", budget,
+                         f"device memory on {device} (budget {format_bytes(budget)}){frozen}", bool(frozen))
 
 
 def decide_images(

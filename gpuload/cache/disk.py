@@ -24,10 +24,10 @@ consecutive rows is one sequential read of one memory map. A ragged block holds 
 back to back in the order they arrived (each in its own dimension order, aligned to its item
 size), then its table: per row, an int64 offset, shape and dimension order (``B`` is chosen from
 the caller's typical row size, ``row_bytes``). The table is copied from ``rows.index`` when the
-block is sealed, so the checksum covers it; a reader checks it too (every row inside the data). Filling follows the epoch's order:
-a row goes into its block's ``.part`` at its offset (``pwrite``; a ragged row at the part's end,
-its ``rows.index`` entry after it), its flag is set, and when a
-block's last row arrives the block is fsync'ed, checksummed (CRC-32), renamed to ``.bin`` and
+block is sealed, so the checksum covers it; a reader checks it too (every row inside the data).
+Filling follows the epoch's order: a row goes into its block's ``.part`` at its offset
+(``pwrite``; a ragged row at the part's end, its ``rows.index`` entry after it), its flag is
+set, and when a block's last row arrives the block is fsync'ed, checksummed (CRC-32), renamed to ``.bin`` and
 only then listed in the manifest (itself written to a temporary name, fsync'ed and renamed). A
 reader trusts only blocks the manifest lists, after checking each one's size and checksum the
 first time this process maps it; a block that fails is reported once (naming the file), dropped
@@ -480,7 +480,7 @@ class DiskCache:
         self._mutex = threading.RLock()
         self._manifest = _Manifest()
         self._verified: set[int] = set()
-        self._maps: OrderedDict[int, tuple[mmap.mmap, np.ndarray]] = OrderedDict()
+        self._maps: OrderedDict[int, tuple[mmap.mmap | None, np.ndarray]] = OrderedDict()
         self._parts: OrderedDict[int, tuple[int, int]] = OrderedDict()  # block -> (fd, inode)
         self._stats = DiskCacheStats(path=str(root), budget=budget, rows=num_rows)
         self._closed = False
@@ -609,7 +609,8 @@ class DiskCache:
             listed = set(_read_manifest(self.root, self)[0].blocks)
             for entry in os.scandir(self.root):
                 match = _BLOCK_NAME.match(entry.name)
-                stale = entry.name.startswith((MANIFEST + ".tmp", ".probe-")) or entry.name in ("rows.fill", "rows.index")
+                stale = (entry.name.startswith((MANIFEST + ".tmp", ".probe-"))
+                         or entry.name in ("rows.fill", "rows.index"))
                 if match and (match.group(2) == "part" or int(match.group(1)) not in listed):
                     stale = True
                 if stale:  # missing_ok: a probe's own process may remove it meanwhile
@@ -815,19 +816,23 @@ class DiskCache:
                 actual = os.fstat(file.fileno()).st_size
                 if actual != size or size != expected:
                     problem = f"{path} is {actual} bytes, the manifest says {size} (expected {expected})"
-                    return self._drop(block, problem)
+                    self._drop(block, problem)
+                    return None
                 mapped = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_READ) if size else None
         except OSError as error:
-            return self._drop(block, f"{path} cannot be read ({error.strerror or error})")
+            self._drop(block, f"{path} cannot be read ({error.strerror or error})")
+            return None
         view = np.frombuffer(mapped, dtype=np.uint8) if mapped is not None else np.empty(0, np.uint8)
         if block not in self._verified:
             if _crc32(view) != crc:
                 del view, mapped  # unmapped when the last reference goes
-                return self._drop(block, f"{path} fails its checksum (its bytes changed after it was written)")
+                self._drop(block, f"{path} fails its checksum (its bytes changed after it was written)")
+                return None
             problem = self._table_problem(block, view) if self.ragged else ""
             if problem:
                 del view, mapped
-                return self._drop(block, f"{path} {problem}")
+                self._drop(block, f"{path} {problem}")
+                return None
             self._verified.add(block)
         records = view if self.ragged else view.reshape(self._rows_in(block), self.record_bytes)
         self._maps[block] = (mapped, records)
@@ -958,7 +963,8 @@ class DiskCache:
                 got = f"{tuple(item.shape)} {item.dtype}" if isinstance(item, torch.Tensor) else type(item).__name__
                 raise ValueError(f"column {spec.name!r}: write_items needs tensors of shape {spec.shape} "
                                  f"(-1: any size) and dtype {spec.dtype}, got {got}")
-            order = sorted(range(item.dim()), key=lambda d: (-item.stride(d), d))  # as laid out in memory
+            strides = item.stride()
+            order = sorted(range(item.dim()), key=lambda d: (-strides[d], d))  # as laid out in memory
             data = item.detach().cpu().permute(order).contiguous().reshape(-1).view(torch.uint8).numpy()
             packed[k] = (data, list(item.shape), order)
         return packed
@@ -1026,7 +1032,7 @@ class DiskCache:
         cuts = np.flatnonzero(np.diff(rows) != 1) + 1
         for run_rows, run_records in zip(np.split(rows, cuts), np.split(records, cuts)):
             offset = (int(run_rows[0]) - first) * self.record_bytes
-            _pwrite_all(fd, memoryview(np.ascontiguousarray(run_records)).cast("B"), offset)
+            _pwrite_all(fd, memoryview(np.ascontiguousarray(run_records)).cast("B"), offset)  # type: ignore[arg-type]  # numpy stubs
         for run_rows in np.split(rows, cuts):  # flags after the bytes: a set flag means written
             os.pwrite(self._flags_fd, b"\x01" * len(run_rows), int(run_rows[0]))
         return len(rows)
@@ -1276,5 +1282,5 @@ def _distinct(values: np.ndarray) -> list[int]:
 def _crc32(data: np.ndarray) -> int:
     crc, step = 0, 16 << 20
     for start in range(0, data.size, step):
-        crc = zlib.crc32(memoryview(data[start:start + step]), crc)
+        crc = zlib.crc32(memoryview(data[start:start + step]), crc)  # type: ignore[arg-type]  # numpy stubs: no __buffer__ before 3.12
     return crc

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from gpuload.cache.budget import format_bytes
 
-__all__ = ["MODES", "CachePlan", "TierPlan", "make_plan", "default_host_reserve", "HOST_RESERVE_MIN_BYTES", "HOST_RESERVE_FRACTION"]
+__all__ = ["MODES", "CachePlan", "TierPlan", "make_plan", "default_host_reserve", "HOST_RESERVE_MIN_BYTES",
+           "HOST_RESERVE_FRACTION"]
 
 HOST_RESERVE_MIN_BYTES = 4 << 30
 HOST_RESERVE_FRACTION = 0.10
@@ -250,7 +251,7 @@ def make_plan(
                 )
         if total and device_samples == num_samples:
             notes.append("the whole dataset fits on the device: epochs after the fill copy nothing")
-    tiers = (TierPlan("device", 0, device_samples, bytes_per_sample),
+    tiers: tuple[TierPlan, ...] = (TierPlan("device", 0, device_samples, bytes_per_sample),
              TierPlan("host", device_samples, host_samples, bytes_per_sample, room=host_room))
     if disk_room > 0 and target != "cpu" and mode in ("auto", "host"):
         left = num_samples - device_samples - host_samples

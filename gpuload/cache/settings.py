@@ -226,7 +226,8 @@ class CacheSettings:
         name = str(device)
         reserve = resolve_reserve(self.reserve_spec, memory, source=self.reserve.source, device_name=name)
         if shared:
-            budget = available_budget(self.size_spec, reserve, memory, device=device, owner=owner, source=self.size.source)
+            budget = available_budget(self.size_spec, reserve, memory, device=device, owner=owner,
+                                      source=self.size.source)
         else:
             budget = resolve_budget(self.size_spec, memory, reserve, source=self.size.source, device_name=name)
         host_reserve = default_host_reserve(host.total)
@@ -355,7 +356,8 @@ def _parse_folder(value: Any, source: str, base: Path) -> Path | None:
         return None
     if not isinstance(value, (str, os.PathLike)):
         raise CacheSettingError(
-            "cache_dir", value, source, f"is a {type(value).__name__}, not a folder path; give a path such as '/scratch/gpuload'"
+            "cache_dir", value, source,
+            f"is a {type(value).__name__}, not a folder path; give a path such as '/scratch/gpuload'"
         )
     path = Path(os.fspath(value)).expanduser()
     path = path if path.is_absolute() else base / path

@@ -6,8 +6,8 @@ or one by one, decoded images, a rank's share of a dataset split over ranks) is 
 device memory back when the model needs it, ``stats`` reports, ``close`` gives everything
 back. Stores that fill as samples pass (the sample caches) are filling stores
 (:class:`FillingStore`) and also take ``put``; the others are filled when they are built
-(arrays are placed from their source, a rank's share is read before the first epoch). Sources depend on this interface, not
-on a store class, for shrinking, counting and closing.
+(arrays are placed from their source, a rank's share is read before the first epoch). Sources
+depend on this interface, not on a store class, for shrinking, counting and closing.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ import argparse
 import ctypes
 import math
 import re
-
 from typing import TYPE_CHECKING
 
 from gpuload.sizes import CacheSettingError, parse_size
@@ -128,7 +127,7 @@ def cuda_missing(text: str | None, flag: str = "--device") -> str | None:
             "to use the CPU")
 
 
-def command_device(text: str | None, flag: str = "--device") -> "torch.device":
+def command_device(text: str | None, flag: str = "--device") -> torch.device:
     """``--device`` resolved on this machine (imports torch); ``ValueError`` in the command line's words."""
     import torch
 

@@ -427,7 +427,7 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
         say(details)
     if ceilings:
         say("machine ceilings, GB/s: " + ", ".join(f"{k.removesuffix('_gbps')} {v:.1f}" for k, v in ceilings.items()))
-    document = {
+    document: dict[str, Any] = {
         "scenario": scenario if not args.data else f"{scenario}:{args.data}",
         "config": dataclasses.asdict(config),
         "contention": {"busy_neighbours": args.contention, "load_before": load_before, "load_after_run": load_during},

@@ -165,7 +165,8 @@ def _check_torch(torch: Any, driver: dict[str, Any], versions: dict[str, Any]) -
     summary = f"torch {version}, built for CUDA {built}, sees no CUDA device"
     if not driver.get("cuda"):
         return Finding("torch", "OK", f"{summary} (no driver): gpuload runs on the CPU")
-    if _major(driver["cuda"]) is not None and _major(driver["cuda"]) < (_major(built) or 0):
+    driver_major = _major(driver["cuda"])
+    if driver_major is not None and driver_major < (_major(built) or 0):
         return Finding("torch", "FAIL", f"{summary}: the driver supports CUDA {driver['cuda']}, older than "
                        f"torch's CUDA {built}",
                        f"upgrade the NVIDIA driver to one for CUDA {_major(built)}, or install torch for "
@@ -281,7 +282,8 @@ def _check_torchvision(versions: dict[str, Any], torch_cuda: str | None) -> Find
     if cuda is None:
         return Finding("torchvision", "OK" if torch_cuda is None else "WARN",
                        f"torchvision {version}, a CPU-only build: no nvJPEG decoder",
-                       "" if torch_cuda is None else "install the CUDA build that matches torch: pip install -U torchvision")
+                       "" if torch_cuda is None
+                       else "install the CUDA build that matches torch: pip install -U torchvision")
     if torch_cuda and _major(cuda) != _major(torch_cuda):
         return Finding("torchvision", "FAIL", f"torchvision {version} is built for CUDA {cuda}, torch for CUDA "
                        f"{torch_cuda}", "install the pair built together: pip install -U torch torchvision")

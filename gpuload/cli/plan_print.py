@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from gpuload.cache import CacheSettingError, CacheSettings, decide_images, format_bytes, make_plan
-from gpuload.cli.arguments import command_device, setting_error
-from gpuload.cli.arguments import parse_shape
+from gpuload.cli.arguments import command_device, parse_shape, setting_error
 from gpuload.device import MemoryInfo, cuda_available, device_memory, host_memory
 from gpuload.distributed.scope_plan import ScopePlans, plan_scopes
 from gpuload.job.dataset_size import DatasetShape, estimate_dataset, image_folder
@@ -195,7 +194,8 @@ def _run_job_plan(args: argparse.Namespace) -> int:
                              "with one GPU's memory (e.g. --device-memory 80GiB)")
         try:
             plan = plan_job(
-                factory, torch.empty(shape, device="meta"), optimizer=None if args.optimizer == "none" else args.optimizer,
+                factory, torch.empty(shape, device="meta"),
+                optimizer=None if args.optimizer == "none" else args.optimizer,
                 autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.autocast),
                 dataset=dataset, device_memory=memory, cache=settings, batch_size=args.batch_size,
                 batch_multiple=args.batch_multiple,
@@ -204,7 +204,8 @@ def _run_job_plan(args: argparse.Namespace) -> int:
         except RuntimeError as error:  # raised by the model's own code on the fake input
             raise RuntimeError(
                 f"the training step of {args.model} failed on a {args.input_shape} input: {error}") from None
-        scopes = _scope_plan(args, dataset, settings, plan.memory, **_room_beside_step(plan)) if scoped else None
+        scopes = _scope_plan(args, dataset, settings, plan.memory, **_room_beside_step(plan)) \
+            if scoped and dataset is not None else None
     except (ValueError, TypeError, RuntimeError) as error:  # bad input, or a step the trace cannot run
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(f"gpuload plan: error: {message}", file=sys.stderr)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-ArrayLike = Union[torch.Tensor, np.ndarray]
+ArrayLike = torch.Tensor | np.ndarray
 
 __all__ = ["ArrayDataset", "as_tensor_columns"]
 

@@ -23,8 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from gpuload.decode import ImageDecodeError, check_pixels
-from gpuload.decode import cpu
+from gpuload.decode import ImageDecodeError, check_pixels, cpu
 
 __all__ = [
     "IMG_EXTENSIONS",
@@ -140,17 +139,19 @@ class ImageFolder(ImageSource):
             folder = os.path.join(self.root, name)
             seen: dict[tuple[int, int], str] = {}  # (device, inode) -> first path to the folder
             again: list[str] = []
+            first_of_again = ""  # the first path to the folder again[0] reaches
             for parent, _, files in sorted(os.walk(folder, followlinks=True)):
                 key = _folder_identity(parent)
                 if key is not None and seen.setdefault(key, parent) != parent:
                     again.append(parent)
+                    first_of_again = first_of_again or seen[key]
                 for file in sorted(files):
                     if file.lower().endswith(self.extensions):
                         self.samples.append((os.path.join(parent, file), self.class_to_idx[name]))
             if again:
                 warnings.warn(
                     f"ImageFolder: class {name!r} reaches {len(again)} folder(s) a second time through "
-                    f"symbolic links (a link loop?), e.g. {again[0]!r} is {seen[_folder_identity(again[0])]!r}; "
+                    f"symbolic links (a link loop?), e.g. {again[0]!r} is {first_of_again!r}; "
                     "their files are listed once per path, as torchvision does: remove the link to "
                     "count each image once",
                     stacklevel=2,

@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ HEADER_FORMATS: dict[int, tuple[int, np.dtype]] = {
     20240801: (7, np.dtype(np.uint32)),  # Llama 3 tokens
 }
 
-TokenSource = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]], np.ndarray, torch.Tensor]
+TokenSource = str | os.PathLike | Sequence[str | os.PathLike] | np.ndarray | torch.Tensor
 
 
 class TokenFileError(ValueError):

@@ -193,7 +193,7 @@ class DaliDecoder:
             exec_dynamic=True,
             prefetch_queue_depth=1,
         )
-        def graph():  # type: ignore[no-untyped-def]
+        def graph():
             data = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
             if roi:
                 anchor = fn.external_source(name="anchor", dtype=types.INT32, ndim=1)

@@ -155,10 +155,11 @@ def _screen(
         if rois is None:
             continue
         height, width = header.upright
-        window = (0, 0, height, width) if rois[k] is None else clip_roi(rois[k], height, width)
-        if window is None:
+        roi = rois[k]
+        window = (0, 0, height, width) if roi is None else clip_roi(roi, height, width)
+        if window is None:  # clip_roi: no overlap
             raise ValueError(
-                f"ROI {tuple(rois[k])} (y0, x0, h, w) of sample index {indices[k]} "
+                f"ROI {tuple(roi or ())} (y0, x0, h, w) of sample index {indices[k]} "
                 f"({names[k]!r}) does not overlap its {height}x{width} image"
             )
         windows[k] = window
@@ -277,13 +278,13 @@ class BatchDecoder:
 
         dali = self._dali_decoder(rois is not None) if self.backend.startswith("dali") else None
         backend = self.backend
-        failures, headers, windows = _screen(encoded, names, indices, rois, limit, backend == "nvjpeg", headers)
+        failures, screened, windows = _screen(encoded, names, indices, rois, limit, backend == "nvjpeg", headers)
         todo = [k for k in range(n) if k not in failures]
         decoded: dict[int, torch.Tensor] = {}
         roi_mode = "none" if rois is None else ("decoder" if dali is not None else "crop")
         rescued = on_cpu = 0
         if dali is not None or backend == "nvjpeg":
-            run, on_gpu, cpu_todo = self._gpu_stage(dali, encoded, todo, headers, windows, rois is not None)
+            run, on_gpu, cpu_todo = self._gpu_stage(dali, encoded, todo, screened, windows, rois is not None)
             decoded, gpu_failures = self._decode_gpu(run, on_gpu, names, backend)
             leftovers = sorted(gpu_failures)
             second = cpu.decode_many(

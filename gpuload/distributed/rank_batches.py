@@ -10,7 +10,8 @@ every rank computes alike too (the ranks change at the same batch).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import BatchSampler
@@ -37,17 +38,18 @@ def shardable_sampler(batch_sampler: Any, num_samples: int, world_size: int, ran
             f"the DistributedSampler has num_replicas={sampler.num_replicas}, rank={sampler.rank} "
             f"but the process group has {world_size} ranks and this is rank {rank}"
         )
-    if len(sampler.dataset) != num_samples:
-        return f"the DistributedSampler's dataset has {len(sampler.dataset)} samples, the arrays {num_samples}"
+    dataset_size = len(cast(Sized, sampler.dataset))  # DistributedSampler took len() of it
+    if dataset_size != num_samples:
+        return f"the DistributedSampler's dataset has {dataset_size} samples, the arrays {num_samples}"
     return None
 
 
 def sampler_fingerprint(batch_sampler: BatchSampler) -> list[int]:
     """The numbers every rank's epoch order depends on, for checking that all ranks agree."""
-    sampler = batch_sampler.sampler
+    sampler = _distributed(batch_sampler)
     return [
         int(sampler.seed), int(sampler.epoch), int(sampler.shuffle), int(sampler.drop_last),
-        len(sampler.dataset), int(batch_sampler.batch_size), int(batch_sampler.drop_last),
+        len(cast(Sized, sampler.dataset)), int(batch_sampler.batch_size), int(batch_sampler.drop_last),
     ]
 
 
@@ -61,10 +63,10 @@ def every_rank_batches(
     the batches of the rest of each rank's sample order, from that position, cut at that size
     (as ``BatchSampler`` cuts: ``drop_last`` leaves out a shorter last batch).
     """
-    mine = batch_sampler.sampler
+    mine = _distributed(batch_sampler)
     everyone = []
     for rank in range(mine.num_replicas):
-        shadow = DistributedSampler(
+        shadow: DistributedSampler[int] = DistributedSampler(
             mine.dataset, num_replicas=mine.num_replicas, rank=rank, shuffle=mine.shuffle,
             seed=mine.seed, drop_last=mine.drop_last,
         )
@@ -77,3 +79,8 @@ def every_rank_batches(
             batches = cut_order(order[done:], size, batch_sampler.drop_last)
         everyone.append(batches)
     return everyone
+
+
+def _distributed(batch_sampler: BatchSampler) -> DistributedSampler[Any]:
+    """The ``DistributedSampler`` under ``batch_sampler``, as :func:`shardable_sampler` checked."""
+    return cast("DistributedSampler[Any]", batch_sampler.sampler)

@@ -208,7 +208,8 @@ def _memory(value: MemoryInfo | int | str, what: str) -> MemoryInfo:
     return MemoryInfo(free=int(spec.amount), total=int(spec.amount))
 
 
-def _card_room(settings: CacheSettings, bps: int, num_samples: int, memory: MemoryInfo, host: MemoryInfo) -> tuple[int, int]:
+def _card_room(settings: CacheSettings, bps: int, num_samples: int, memory: MemoryInfo,
+               host: MemoryInfo) -> tuple[int, int]:
     """``(room, reserve)`` on one pretended card, as the loader resolves its cache settings."""
     card = f"a pretended {format_bytes(memory.total)} card"
     plan = settings.array_plan(bps, num_samples, memory, host, device=card, shared=False)

@@ -8,7 +8,8 @@ decoded shape and whether its file was bad. From it and the epoch's index order 
 computes, for each step, how many bytes it sends to and receives from each rank (images differ
 in size), so no message is spent deciding who sends what; the step itself is one
 ``all_to_all_single`` of bytes (a :class:`~gpuload.distributed.sharded_store.ShardedStore` over
-the :class:`DecodedShare`, rows as :class:`ImageRows`). The transforms then run on the receiving rank as on the unsplit path.
+the :class:`DecodedShare`, rows as :class:`ImageRows`). The transforms then run on the
+receiving rank as on the unsplit path.
 
 Reading the block up front (not decoding each image for the batch that first needs it) keeps
 every step's sizes known before any step runs, including a file that turns out corrupt only
@@ -177,7 +178,8 @@ class ImageRows(RowFormat):
     def decode(self, data: torch.Tensor, positions: torch.Tensor, sizes: torch.Tensor) -> list[torch.Tensor]:
         return [_image(part, self.shapes[p]) for part, p in zip(data.split(sizes.tolist()), positions.tolist())]
 
-    def in_order(self, arrived: list[torch.Tensor], local: list[torch.Tensor], inverse: torch.Tensor) -> list[torch.Tensor]:
+    def in_order(self, arrived: list[torch.Tensor], local: list[torch.Tensor],
+                 inverse: torch.Tensor) -> list[torch.Tensor]:
         grouped = arrived + local
         return [grouped[g] for g in inverse.tolist()]
 
@@ -329,6 +331,7 @@ def shard_images(
                 f"rank {rank} could not read its share of the images (rows [{first}, {end}))")
         decline_split(settings, what + (f": {why}" if rank == context.rank and why else ""), stacklevel=7)
         return None
+    assert block is not None  # every rank read its share, this one too
     chunks, views, _, bad = block
     if bool((table[:, 0] == _BAD).any()):
         everyone: list[Any] = [None] * context.world_size

@@ -122,6 +122,7 @@ def shard_samples(
     if why_not is not None:
         decline_split(settings, why_not, stacklevel=6)
         return None
+    assert template is not None  # _columns_of gives the template whenever it finds no obstacle
     bytes_per_sample = sum(rows[0].numel() * rows.element_size() for rows in column_rows(template))
     agreed = agree_on_split(settings, device, batch_sampler, owner, context, num_samples, bytes_per_sample)
     if agreed is None:
@@ -151,6 +152,7 @@ def shard_samples(
         first, end = plan.partition.rows_of(rank)
         decline_split(settings, f"rank {rank} {what} (among rows [{first}, {end}))", stacklevel=6)
         return None
+    assert block is not None  # every rank read its share, this one too
     return ShardedSamples(sharded_arrays(block, plan, device, groups, owner=owner), template, disk_stats)
 
 
@@ -191,7 +193,8 @@ def _columns_of(
         return why, None
     template = prepare(list(seen.samples.values()))
     if layout(template) is None:
-        return "its samples do not collate to fixed-shape tensors (a leaf is a string, an object or varies in shape)", None
+        return ("its samples do not collate to fixed-shape tensors (a leaf is a string, an object or varies in shape)",
+                None)
     return None, template
 
 

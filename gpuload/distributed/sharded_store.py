@@ -643,7 +643,8 @@ class ArrayRows(RowFormat):
             offset += row_bytes
         return leaves
 
-    def in_order(self, arrived: list[torch.Tensor], local: list[torch.Tensor], inverse: torch.Tensor) -> list[torch.Tensor]:
+    def in_order(self, arrived: list[torch.Tensor], local: list[torch.Tensor],
+                 inverse: torch.Tensor) -> list[torch.Tensor]:
         if arrived and arrived[0].is_cuda:
             (inverse,) = to_device([inverse], arrived[0].device)
         return [torch.cat([a, b]).index_select(0, inverse) for a, b in zip(arrived, local)]

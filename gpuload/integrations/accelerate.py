@@ -235,7 +235,8 @@ def prepare(accelerator: Accelerator, *objects: Any, device_placement: list[bool
     prepares them); returns what ``accelerator.prepare`` returns."""
     placements = device_placement if device_placement is not None else [None] * len(objects)
     if len(placements) != len(objects):
-        raise ValueError(f"device_placement should be a list with {len(objects)} elements (the number of objects passed)")
+        raise ValueError(
+            f"device_placement should be a list with {len(objects)} elements (the number of objects passed)")
     objects = tuple(
         prepare_data_loader(accelerator, obj, placement) if isinstance(obj, gpuload.DataLoader) else obj
         for obj, placement in zip(objects, placements)
@@ -260,7 +261,8 @@ def serve_from_gpuload(
             "(dispatch_batches=True makes a DataLoaderDispatcher, which gpuload does not serve)"
         )
     if unknown := sorted(set(options) - set(GPULOAD_OPTIONS) - {"device"}):
-        raise TypeError(f"serve_from_gpuload: unknown gpuload option(s) {unknown}; gpuload's are {list(GPULOAD_OPTIONS)}")
+        raise TypeError(
+            f"serve_from_gpuload: unknown gpuload option(s) {unknown}; gpuload's are {list(GPULOAD_OPTIONS)}")
     base = shard.base_dataloader
     device = shard.device if shard.device is not None else options.get("device", getattr(template, "device", None))
     if (

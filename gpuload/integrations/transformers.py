@@ -22,7 +22,7 @@ again): the rest of the epoch, and the epochs after it, are those of an uninterr
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -39,6 +39,11 @@ from gpuload.integrations.accelerate import (
     serve_from_gpuload,
 )
 from gpuload.resume import ResumeError
+
+if TYPE_CHECKING:  # the mixin's methods call Trainer's (it comes after the mixin in the class's bases)
+    from transformers import Trainer as _MixedInto
+else:
+    _MixedInto = object
 
 __all__ = ["LOADER_STATE_FILE", "GpuloadTrainerMixin", "SaveLoaderState"]
 
@@ -58,7 +63,7 @@ class SaveLoaderState(TrainerCallback):
             torch.save(loader.state_dict(), os.path.join(folder, LOADER_STATE_FILE.format(process=args.process_index)))
 
 
-class GpuloadTrainerMixin:
+class GpuloadTrainerMixin(_MixedInto):
     """Mix in before ``transformers.Trainer``: its train, eval and test loaders are gpuload's.
 
     ``gpuload_options``: gpuload's own options for every loader (each of
@@ -102,7 +107,9 @@ class GpuloadTrainerMixin:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-        self._gpuload_checkpoint = resume_from_checkpoint or None
+        # a folder, or None for False, "" or None (True was replaced by the last checkpoint above)
+        self._gpuload_checkpoint = (resume_from_checkpoint
+                                    if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint else None)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def get_resumed_dataloader(self, dataloader: GpuloadShard, num_batches: int) -> GpuloadShard:

@@ -67,7 +67,12 @@ class ResizableLoader(Protocol):
 
 def _first_device(batch: Any) -> torch.device | None:
     found: list[torch.device] = []
-    map_leaves(batch, lambda t: found.append(t.device) or t)
+
+    def note(tensor: torch.Tensor) -> torch.Tensor:
+        found.append(tensor.device)
+        return tensor
+
+    map_leaves(batch, note)
     return found[0] if found else None
 
 
@@ -163,8 +168,9 @@ def _piece(value: Any, start: int, stop: int, total: int, path: str) -> Any:
         return value
     if isinstance(value, collections.abc.Mapping):
         parts = {k: _piece(v, start, stop, total, f"{path}[{k!r}]") for k, v in value.items()}
+        mapping_type: Any = type(value)  # a Mapping subclass, built from a dict as torch's collate does
         try:
-            return type(value)(parts)
+            return mapping_type(parts)
         except TypeError:
             return parts
     if isinstance(value, tuple) and hasattr(value, "_fields"):
@@ -226,13 +232,13 @@ class OOMRetry(Generic[T]):
             raise ValueError(f"min_batch_size must be a whole number of samples, at least 1; got {min_batch_size!r}")
         if loader is not None:
             loader.set_batch_size(loader.batch_size)  # a loader that cannot change says so now, not mid-step
-        self.loader = loader
-        self.step = step
-        self.plan = plan
-        self.min_batch_size = int(min_batch_size)
-        self._free_bytes = free_bytes
+        self.loader: ResizableLoader | None = loader
+        self.step: Callable[[Any], T] = step
+        self.plan: JobPlan | None = plan
+        self.min_batch_size: int = int(min_batch_size)
+        self._free_bytes: Callable[[], int | None] | None = free_bytes
         self.batch_size: int | None = None  # None: whole batches, no out-of-memory error yet
-        self.retries = 0
+        self.retries: int = 0
 
     def __call__(self, batch: Any) -> list[T]:
         total = _samples_in(batch)

@@ -302,6 +302,11 @@ def _with_tradeoff(
     elif data is None or plan.cache is None:
         lines.append(f"batch {b} fits; the largest that fits is {largest_alone}")
     else:
+        def planned(batch: int) -> CachePlan:
+            cache = cache_beside(batch)
+            assert cache is not None  # cache_beside plans a cache for any batch once a dataset is given
+            return cache
+
         def off_device(cache: CachePlan) -> str:
             share = 100 * (cache.num_samples - cache.device_samples) / cache.num_samples
             where = "on the host" if cache.source_samples == 0 else "off the device"
@@ -315,12 +320,12 @@ def _with_tradeoff(
                 lines.append(f"{head}; no larger batch{multiple} fits")
             else:
                 largest = " (the largest that fits)" if bigger == largest_alone else ""
-                lines.append(f"{head}; batch {bigger}{largest} would leave {off_device(cache_beside(bigger))}")
+                lines.append(f"{head}; batch {bigger}{largest} would leave {off_device(planned(bigger))}")
         else:
             head = f"batch {b} + {_percent(plan._cached_share())} of the data cached, {off_device(plan.cache)}"
             smaller = b // 2
             if smaller >= 1:
-                other = cache_beside(smaller)
+                other = planned(smaller)
                 what = ("the whole dataset" if other.device_samples == data.num_samples
                         else f"{_percent(100 * other.device_samples / data.num_samples)} of the data")
                 lines.append(f"{head}; batch {smaller} would cache {what}")

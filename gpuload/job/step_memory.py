@@ -25,7 +25,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from gpuload.device import cuda_available, resolve_device
 
 __all__ = ["StepTrace", "StepMemory", "StepTracer", "OptimizerSpec", "estimate_step_memory", "DEFAULT_TRACE_SIZES"]
 
-OptimizerSpec = Union[str, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], torch.optim.Optimizer, None]
+OptimizerSpec = str | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | torch.optim.Optimizer | None
 DEFAULT_TRACE_SIZES = (8, 64)
 _OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = {
     "adamw": lambda params: torch.optim.AdamW(params),
@@ -151,9 +151,9 @@ def _fake_module(
     map from each real parameter's id to its fake one. A factory is called under the fake mode,
     so even a model larger than this machine's memory is never built for real."""
     built_here = not isinstance(model, nn.Module)
-    if built_here:
+    if not isinstance(model, nn.Module):
         with mode:
-            model = model()  # type: ignore[operator]
+            model = model()
         if not isinstance(model, nn.Module):
             raise TypeError(f"the model factory returned a {type(model).__name__}, not a torch.nn.Module")
     memo: dict[int, Any] = {}
@@ -180,7 +180,8 @@ def _fake_optimizer(
             {**{k: v for k, v in group.items() if k != "params"}, "params": [fakes[id(p)] for p in group["params"]]}
             for group in spec.param_groups
         ]
-        optimizer = type(spec)(groups)
+        optimizer_type: Any = type(spec)  # a subclass, built as its users build it: from param groups
+        optimizer = optimizer_type(groups)
     elif isinstance(spec, str):
         if spec.lower() not in _OPTIMIZERS:
             raise ValueError(f"optimizer {spec!r} is not one of {', '.join(_OPTIMIZERS)}; or pass an optimizer class")

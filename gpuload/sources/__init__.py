@@ -40,7 +40,7 @@ import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -117,7 +117,7 @@ class Indices:
     position: tuple[int, int, int] | None = None
     copy_now: Callable[[Any], Any] | None = None
     places: list[int] | None = None
-    handed_over: Callable[[int], None] | None = None
+    handed_over: Callable[[int | None], None] | None = None
 
     def batches(self, ahead: bool) -> Iterator[Any]:
         """This epoch's batch indices. Ahead of the loop they are all drawn now, in the loop's
@@ -146,7 +146,7 @@ class Work:
     from_torch: bool = False
     torch_iterator: Any = None
 
-    def in_staging(self, copy_now: Callable[[Any], Any], device: torch.device, ahead: bool) -> Work:
+    def in_staging(self, copy_now: CopyNow, device: torch.device, ahead: bool) -> Work:
         """This work with the loader's staging in force (``gpuload.transfer.staging_through``)
         wherever it runs in the loop's thread (``finish``; the items too unless ``ahead``, where
         the prefetcher's thread puts its own in force): on CUDA, host tensors that making a
@@ -163,6 +163,12 @@ class Work:
                 return finish(item)
 
         return dataclasses.replace(self, items=items, finish=staged_finish)
+
+
+class CopyNow(Protocol):
+    """The loader's copy of host tensors to the device now (``DataLoader._copy_now``)."""
+
+    def __call__(self, item: Any, counted: bool = True) -> Any: ...
 
 
 class _Staged(Iterator[Any]):
@@ -243,7 +249,7 @@ class Source(ABC):
     def __init__(self, setup: Setup) -> None:
         self.setup = setup
 
-    def begin_epoch(self) -> None:
+    def begin_epoch(self) -> None:  # noqa: B027 - optional: a source with nothing to place keeps it
         """Get ready for the next epoch: place the data or decide the cache the first time;
         later, give memory back if the model has grown into the reserve."""
 
@@ -286,7 +292,7 @@ class Source(ABC):
             return {"exchange": store.describe_exchange(loop_wait_s=self.setup.stats.wait_time_s)}
         return {}
 
-    def warm(self, progress: bool) -> None:
+    def warm(self, progress: bool) -> None:  # noqa: B027 - optional: a source without a cache keeps it
         """Fill the cache now, in one pass, without touching samplers or random generators."""
 
     @abstractmethod
@@ -319,5 +325,5 @@ class Source(ABC):
         store = self.cache_store()
         return store is not None and store.split_over_ranks
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a source holding no memory keeps it
         """Give back device and pinned memory; the next epoch rebuilds what it needs."""

@@ -14,8 +14,8 @@ import torch
 from torch.utils.data import default_collate, default_convert
 
 from gpuload.augment import BatchAugmenter, image_column
-from gpuload.cpu_threads import own_cpu_threads
 from gpuload.cache import Store, TieredArrayStore
+from gpuload.cpu_threads import own_cpu_threads
 from gpuload.prefetch import default_depth
 from gpuload.sources import Indices, Schedule, Setup, Source, Work
 from gpuload.sources.placed_arrays import ArrayColumns, ResidentColumns, find_columns, raw_columns, same_arrays
@@ -53,6 +53,13 @@ class ArraySource(Source):
             leaf = image_column(columns.columns)
             self.augment = BatchAugmenter(setup.transforms, setup.seed, setup.device, leaf)
 
+    @property
+    def _placed(self) -> ResidentColumns:
+        """The arrays where the cache plan put them (``begin_epoch`` places them first)."""
+        if self.resident is None:
+            raise RuntimeError("the arrays are not placed: begin_epoch() comes before the epoch's batches")
+        return self.resident
+
     def _place(self) -> bool:
         """Place the arrays where the cache plan says, once; False if they were placed already."""
         if self.resident is not None:
@@ -66,7 +73,7 @@ class ArraySource(Source):
     def begin_epoch(self) -> None:
         self._follow_dataset()
         if not self._place():
-            self.resident.shrink_to_reserve(self.setup.settings)
+            self._placed.shrink_to_reserve(self.setup.settings)
 
     def warm(self, progress: bool) -> None:
         self._follow_dataset()
@@ -99,11 +106,11 @@ class ArraySource(Source):
         run ahead (on a CPU device too: ``cache="off"`` asks for the pinned staging); arrays on
         the device are served in place."""
         sample_bytes = self.columns.nbytes // max(self.columns.num_samples, 1)
-        return Schedule(lambda ahead: self._work(indices, ahead), ahead=self.resident.copies_batches,
+        return Schedule(lambda ahead: self._work(indices, ahead), ahead=self._placed.copies_batches,
                         ahead_on_cpu=True, depth=default_depth(sample_bytes * (self.setup.batch_size or 1)))
 
     def _work(self, request: Indices, ahead: bool) -> Work:
-        resident, batched = self.resident, self.setup.batched
+        resident, batched = self._placed, self.setup.batched
         indices = request.batches(ahead)
         if not ahead:
             checked = request.in_range

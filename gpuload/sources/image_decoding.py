@@ -11,7 +11,7 @@ gives it ``images``, ``decoder``, ``headers``, ``cache``, ``keeps``, ``disk``, `
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,14 @@ from gpuload.distributed.sharded_images import BadFile, WholeImages
 from gpuload.sampling import in_range
 from gpuload.transfer import to_device
 from gpuload.transforms.windows import Window
+
+if TYPE_CHECKING:
+    from gpuload.augment import BatchAugmenter
+    from gpuload.cache import SampleCache
+    from gpuload.cache.disk_tier import DiskImages
+    from gpuload.datasets.images import ImageSource
+    from gpuload.decode import BatchDecoder, HeaderTable
+    from gpuload.sources import Setup
 
 __all__ = ["DecodedBatch", "ImageDecoding"]
 
@@ -44,6 +52,29 @@ class DecodedBatch:
 
 class ImageDecoding:
     """Reading and decoding image files a batch at once (see the module docstring)."""
+
+    if TYPE_CHECKING:  # given by ImageFileSource
+        setup: Setup
+        images: ImageSource
+        decoder: BatchDecoder
+        headers: HeaderTable
+        augment: BatchAugmenter | None
+        disk: DiskImages | None
+        skipped: int
+        skipped_files: dict[int, tuple[str, str]]
+        _skipped_in_epoch: tuple[int, int]
+        fallback_decoded: int
+        cpu_decoded: int
+        roi: str
+
+        @property
+        def cache(self) -> SampleCache | None: ...
+
+        @property
+        def keeps(self) -> str: ...
+
+        @property
+        def _keeps_encoded(self) -> bool: ...
 
     def _note_skipped(self, entries: list[tuple[int, str, str]], epoch: int) -> None:
         """Count skipped files, in total and in ``epoch``; keep the first distinct ones named."""
@@ -91,7 +122,9 @@ class ImageDecoding:
 
     def _skip_reason(self, position: int, backend: str, reason: str) -> str:
         """What the unsplit path lists for a skipped file: a read error's whole message."""
-        return str(ImageDecodeError(position, self.images.path(position), "read", reason)) if backend == "read" else reason
+        if backend != "read":
+            return reason
+        return str(ImageDecodeError(position, self.images.path(position), "read", reason))
 
     def _failure(self, bad: list[BadFile]) -> ImageDecodeError:
         """The error the unsplit path raises for a batch holding ``bad`` (in batch order): the
@@ -124,14 +157,13 @@ class ImageDecoding:
     def decode(self, indices: Any, epoch: int) -> DecodedBatch:
         """Read and decode the files of ``indices`` (only the transforms' windows, if any)."""
         positions = in_range(indices, len(self.images)).tolist()
-        cache = self.cache
-        keeps_decoded = cache is not None and self.keeps == "decoded"
+        decoded_cache = self.cache if self.keeps == "decoded" else None
         hits: dict[int, torch.Tensor] = {}  # batch slot -> cached decoded image
         for slot, position in enumerate(positions):
-            image = cache.get(position) if keeps_decoded else None
+            image = decoded_cache.get(position) if decoded_cache is not None else None
             if image is not None:
                 hits[slot] = image
-        hits.update(self._from_disk(positions, hits, cache if keeps_decoded else None))
+        hits.update(self._from_disk(positions, hits, decoded_cache))
         encoded, names, readable, slots = [], [], [], []
         for slot, position in enumerate(positions):
             if slot in hits:
@@ -144,8 +176,8 @@ class ImageDecoding:
             readable.append(position)
             slots.append(slot)
         disk = self.disk if self.disk is not None and self.disk.accepting else None
-        filling_memory = keeps_decoded and cache.accepting
-        filling = filling_memory or disk is not None  # whole images, to keep
+        keeping = decoded_cache if decoded_cache is not None and decoded_cache.accepting else None
+        filling = keeping is not None or disk is not None  # whole images, to keep
         headers = self._headers(encoded, readable)
         sizes, windows = (None, None) if filling else self._windows(headers, readable, epoch)
         decoded: dict[int, tuple[torch.Tensor, Window | None, tuple[int, int] | None]] = {}
@@ -158,19 +190,21 @@ class ImageDecoding:
             self.cpu_decoded += result.cpu_decoded
             self.roi = result.roi
             for k, image in zip(result.kept_positions, result.images):
-                if filling_memory:
-                    cache.keep(readable[k], image)
+                if keeping is not None:
+                    keeping.keep(readable[k], image)
                 window = None if windows is None else windows[k]
                 decoded[slots[k]] = (image, window, None if sizes is None else sizes[k])
             if disk is not None:
                 disk.write([readable[k] for k in result.kept_positions], result.images)
         order = sorted([*hits, *decoded])
-        images, kept_windows, kept_sizes = [], [], []
+        images, kept_windows = [], []
+        kept_sizes: list[tuple[int, int]] = []
         for slot in order:
             image, window, size = (hits[slot], None, None) if slot in hits else decoded[slot]
             if window is None:  # a whole image is the window (0, 0, H, W) of itself
                 size = (image.shape[-2], image.shape[-1])
                 window = (0, 0, *size)
+            assert size is not None  # _windows draws a window only where the header gave the size
             images.append(image)
             kept_windows.append(window)
             kept_sizes.append(size)
@@ -231,7 +265,8 @@ class ImageDecoding:
             return None, None
         sizes = [None if header is None else header.upright for header in headers]
         known = [k for k, size in enumerate(sizes) if size is not None]
-        drawn = self.augment.windows(torch.tensor([positions[k] for k in known]), [sizes[k] for k in known], epoch)
+        known_sizes = [size for size in sizes if size is not None]
+        drawn = self.augment.windows(torch.tensor([positions[k] for k in known]), known_sizes, epoch)
         windows: list[Window | None] = [None] * len(headers)
         for k, window in zip(known, drawn):
             windows[k] = window

@@ -219,7 +219,8 @@ class ImageFileSource(ImageDecoding, Source):
         filling_disk = disk is not None and disk.accepting
         if (cache is None or not cache.accepting) and not filling_disk:
             return
-        on_disk = disk.present(list(range(len(self.images)))) if filling_disk else [False] * len(self.images)
+        on_disk = disk.present(list(range(len(self.images)))) if disk is not None and filling_disk \
+            else [False] * len(self.images)
         todo = [i for i in range(len(self.images)) if not on_disk[i] and (cache is None or i not in cache)]
         batch_size = self.setup.batch_size or 1
         with tqdm(total=len(todo), unit="image", desc="gpuload warm", disable=not progress) as bar:

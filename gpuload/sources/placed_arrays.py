@@ -27,8 +27,8 @@ from gpuload.cache.disk_tier import disk_tier_maker
 from gpuload.datasets.arrays import ArrayDataset
 from gpuload.device import device_memory, host_memory
 from gpuload.distributed.group import current_context
-from gpuload.distributed.shared_host import node_host_tier
 from gpuload.distributed.sharded_store import ShardedStore, shard_arrays
+from gpuload.distributed.shared_host import node_host_tier
 from gpuload.prefetch import Fill, TensorSpec
 from gpuload.sampling import in_range
 from gpuload.transfer import to_device
@@ -261,7 +261,9 @@ class ResidentColumns:
         """A batch of the cache's tiers for the prefetcher: rows on the device gathered now (in
         the prefetcher's thread, on its side stream), the others gathered on the host straight
         into its pinned slot; ``finished`` turns what it delivers into the batch."""
-        return _staged_fill(self.store.request(flat), lambda leaves: self._built(leaves, batched))
+        store = self.store
+        assert isinstance(store, TieredArrayStore)  # ArraySource asks only a tiered store for requests
+        return _staged_fill(store.request(flat), lambda leaves: self._built(leaves, batched))
 
     def finished(self, delivered: Any) -> Any:
         """The batch of a delivered :meth:`request`: device and copied rows put in order."""
@@ -274,7 +276,8 @@ class ResidentColumns:
         ``flat`` comes from ``checked_index``: the check runs in the loop's thread, in order.
         """
         shapes = [(flat.numel(), *c.shape[1:]) if batched else tuple(c.shape[1:]) for c in self.columns]
-        layout = tree_unflatten([TensorSpec(shape, dtype) for shape, dtype in zip(shapes, self.dtypes)], self.source.spec)
+        layout = tree_unflatten([TensorSpec(shape, dtype) for shape, dtype in zip(shapes, self.dtypes)],
+                                self.source.spec)
         columns = self.columns
 
         def gather_into(slot: Any) -> None:

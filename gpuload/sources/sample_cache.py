@@ -301,7 +301,8 @@ class CachedSamples:
         if self.unkeyed:
             why = "its sampler yields indices that are not integers"
         elif stats.uncacheable:
-            why = f"{stats.uncacheable} samples are of types gpuload cannot copy (tensors, arrays, numbers, strings and containers of them)"
+            why = (f"{stats.uncacheable} samples are of types gpuload cannot copy "
+                   "(tensors, arrays, numbers, strings and containers of them)")
         elif stats.full:
             why = f"the budget ({format_bytes(stats.budget)}) holds {stats.entries} of {self.num_samples} samples"
         else:  # the sampler has not visited the rest (yet): nothing to say

@@ -24,8 +24,8 @@ import functools
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import default_collate
@@ -39,8 +39,16 @@ from gpuload.resume import stateful
 from gpuload.sources import Indices, Schedule, Setup, Source, Work
 from gpuload.sources.sample_cache import CachedSamples
 from gpuload.sources.torch_fetch import (
-    HandedOver, KeepSamples, PerBatch, RecordingSampler, TorchBatches, TorchLoading, WorkerBatches, fetch,
-    is_default_collate, read_prepared,
+    HandedOver,
+    KeepSamples,
+    PerBatch,
+    RecordingSampler,
+    TorchBatches,
+    TorchLoading,
+    WorkerBatches,
+    fetch,
+    is_default_collate,
+    read_prepared,
 )
 from gpuload.transfer import batch_length, batch_nbytes
 
@@ -139,11 +147,12 @@ class SampleSource(Source):
         return Schedule(lambda ahead: self._work(indices, ahead), ahead=may_run_ahead)
 
     def _work(self, request: Indices, ahead: bool) -> Work:
-        cached = self.held  # a share split over ranks is served by the exchange (Source.schedule)
-        finish = self._passed if ahead else (lambda batch: self._moved(batch, request.copy_now))
+        cached = self.held
+        assert not isinstance(cached, ShardedSamples)  # a share split over ranks is served by exchanged()
+        finish: Callable[[Any], Any] = self._passed if ahead else (lambda batch: self._moved(batch, request.copy_now))
         if not self.setup.map_style:
             batches = self.torch.iterate()  # an iterable dataset: torch's own iterator, workers included
-            return Work(batches, finish, length=batches.__len__, from_torch=True, torch_iterator=batches)
+            return Work(batches, finish, length=cast(Sized, batches).__len__, from_torch=True, torch_iterator=batches)
         if self.torch.num_workers == 0 or (cached is not None and cached.complete):
             # Read in this process as torch's fetcher reads (dataset[i] or __getitems__, then
             # collate_fn), from the sample cache when there is one.
@@ -152,7 +161,7 @@ class SampleSource(Source):
             if cached is not None:
                 return Work(cached.batches(indices, request.in_range, whole=not request.resumed), finish)
             return Work(self._fetched(indices), finish)
-        handed: deque[int] | None = None
+        handed: deque[int | None] | None = None
         if not self.torch.options.get("in_order", True) and request.handed_over is not None:
             handed = deque()  # each batch's place, queued as it leaves torch's iterator (HandedOver)
             finish = self._noting_places(finish, handed, request.handed_over)
@@ -164,7 +173,7 @@ class SampleSource(Source):
                     torch_iterator=epoch.torch_iterator)
 
     @staticmethod
-    def _noting_places(finish: Callable[[Any], Any], places: deque[int], note: Callable[[int], None]
+    def _noting_places(finish: Callable[[Any], Any], places: deque[int | None], note: Callable[[int | None], None]
                        ) -> Callable[[Any], Any]:
         """``finish``, first telling ``note`` (in the loop's thread) the place of the batch handed
         to the loop: ``places`` were queued in the same order as the batches left torch's iterator."""
@@ -176,6 +185,7 @@ class SampleSource(Source):
     def exchanged(self, steps: Any, number: int, ahead: bool) -> Work:
         """Batches assembled from every rank's share, rebuilt as ``default_collate`` gives them."""
         share = self.held
+        assert isinstance(share, ShardedSamples)  # Source.schedule exchanges only a share split over ranks
 
         def finish(item: tuple[list[torch.Tensor], torch.Tensor]) -> tuple[Any, int]:
             rows, flat = item
@@ -197,7 +207,7 @@ class SampleSource(Source):
 
     def _worker_epoch(
         self, cached: CachedSamples | None, remaining: list[Any] | None = None, seed_drawn: bool = False,
-        handed: deque[int] | None = None, places: list[int] | None = None,
+        handed: deque[int | None] | None = None, places: list[int] | None = None,
     ) -> TorchBatches:
         """An epoch read by torch's worker processes, through a private torch DataLoader over the
         same dataset, sampler and generator (it draws what the loader's own iterator would),
@@ -220,7 +230,7 @@ class SampleSource(Source):
             options = dict(self.torch.options, generator=torch.Generator(), persistent_workers=False)
             reader = self._torch_loader(keep, recorder, options)
         else:
-            if self._fill_loader is None:
+            if self._fill_loader is None or self._keep is None or self._recorder is None:  # made together
                 self._keep, self._recorder = KeepSamples(collate, batched), RecordingSampler(self.torch.index_sampler)
                 self._fill_loader = self._torch_loader(self._keep, self._recorder, self.torch.options)
             keep, recorder, reader = self._keep, self._recorder, self._fill_loader
@@ -235,11 +245,15 @@ class SampleSource(Source):
                 reader.generator = generator
         else:
             pairs = iter(reader)
-        whole = cached is not None and remaining is None
-        at_end = functools.partial(self._end_of_worker_epoch, cached) if whole else None
+        at_end = functools.partial(self._end_of_worker_epoch, cached) if cached is not None and remaining is None \
+            else None
         handing = pairs if handed is None else HandedOver(pairs, places, handed.append)
-        batches = WorkerBatches(handing, recorder, lambda indices, part: cached is not None and cached.take(
-            indices, part, keep), at_end)
+
+        def take(indices: Any, part: Any) -> None:
+            if cached is not None:
+                cached.take(indices, part, keep)
+
+        batches = WorkerBatches(handing, recorder, take, at_end)
         return TorchBatches(batches, pairs.__len__, pairs)
 
     def _torch_loader(self, keep: KeepSamples, recorder: RecordingSampler, options: dict[str, Any]) -> TorchDataLoader:

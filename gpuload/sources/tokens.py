@@ -51,6 +51,7 @@ PER_RANK_REASON = (
     "(ids, not windows), and a copy split over ranks would make every batch a collective exchanging "
     "batch x (seq_len + 1) ids"
 )
+_CLOSED = "this gpuload.DataLoader was closed; iterate a new loader instead"
 
 
 def row_tokens(seq_len: int, num_tokens: int) -> int:
@@ -193,7 +194,7 @@ class TokenSource(Source):
     def _offsets(self, indices: Any, checked: bool) -> torch.Tensor:
         """The first token of each window in ``indices`` (checked as torch's fetch checks them)."""
         if not self._placed():
-            raise RuntimeError("this gpuload.DataLoader was closed; iterate a new loader instead")
+            raise RuntimeError(_CLOSED)
         windows = indices if checked else in_range(indices, len(self.dataset))
         if windows.numel() == 0:
             raise IndexError("list index out of range")  # torch collates an empty list, which fails so
@@ -208,7 +209,9 @@ class TokenSource(Source):
         """The windows' ids (signed view) on the device: their rows gathered from the store (rows
         in host memory copied by ``copy``, the loader's staging), then the windows cut from the
         rows by one gather on the device."""
-        rows, store, device = self.rows, self.store, self.setup.device
+        rows, store, tail, window, device = self.rows, self.store, self.tail, self.window_device, self.setup.device
+        if rows is None or store is None or tail is None or window is None:  # closed meanwhile by another thread
+            raise RuntimeError(_CLOSED)
         offsets = self._offsets(indices, checked)
         count = offsets.numel()
         row_index, beyond = rows.rows_of(offsets)
@@ -216,8 +219,8 @@ class TokenSource(Source):
         block = gatherable(gathered).view(count, rows.span, rows.row_tokens)
         start, *tail_rows = to_device([offsets % rows.row_tokens, *([] if beyond is None else [beyond])], device)
         if tail_rows:  # windows reaching into the tail, which fills no whole row
-            block = torch.where(tail_rows[0][:, :, None], self.tail, block)
-        ids = block.view(count, -1).gather(1, start[:, None] + self.window_device)
+            block = torch.where(tail_rows[0][:, :, None], tail, block)
+        ids = block.view(count, -1).gather(1, start[:, None] + window)
         return ids, count
 
     def _batch(self, ids: torch.Tensor, count: int) -> Any:
@@ -236,12 +239,17 @@ class TokenSource(Source):
             ids = copy(self._fill(indices))  # through the loader's staging, which counts the bytes
         else:  # the buffer in place, or none: closed meanwhile by another thread, which _flat names
             flat, count = self._flat(indices, checked)
-            ids = self.buffer.index_select(0, flat)
+            buffer = self.buffer
+            if buffer is None:  # closed by another thread after _flat's check
+                raise RuntimeError(_CLOSED)
+            ids = buffer.index_select(0, flat)
         return self._batch(ids, count), count
 
     def _fill(self, indices: Any) -> Fill:
         flat, count = self._flat(indices, False)
         buffer = self.buffer
+        if buffer is None:  # closed after _flat's check
+            raise RuntimeError(_CLOSED)
 
         def gather_into(slot: torch.Tensor) -> None:
             torch.index_select(buffer, 0, flat, out=slot)

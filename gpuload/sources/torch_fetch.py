@@ -24,8 +24,8 @@ from torch.utils.data.dataloader import DataLoader as TorchDataLoader
 
 from gpuload.cache.columns import Part, prepare
 
-__all__ = ["HandedOver", "KeepSamples", "PerBatch", "RecordingSampler", "TorchBatches", "TorchLoading", "WorkerBatches", "add_note",
-           "fetch", "is_default_collate", "read_prepared"]
+__all__ = ["HandedOver", "KeepSamples", "PerBatch", "RecordingSampler", "TorchBatches", "TorchLoading", "WorkerBatches",
+           "add_note", "fetch", "is_default_collate", "read_prepared"]
 
 
 class KeepSamples:
@@ -63,7 +63,8 @@ class RecordingSampler:
         self.drawn: deque[Any] = deque()
 
     def __iter__(self) -> Iterator[Any]:
-        self.drawn = drawn = deque()
+        drawn: deque[Any] = deque()
+        self.drawn = drawn
         for index in self.sampler:
             drawn.append(index)
             yield index
@@ -90,7 +91,7 @@ def read_prepared(
     try:
         yield reader
     finally:
-        reader._shutdown_workers()
+        reader._shutdown_workers()  # type: ignore[attr-defined]  # torch's worker iterator has it; its stub does not
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,8 @@ def fetch(dataset: Any, indices: list[Any], batched: bool) -> list[Any]:
         try:
             return list(getitems(indices))
         except Exception as error:
-            add_note(error, f"gpuload: raised by {type(dataset).__name__}.__getitems__ for the batch of dataset indices {indices}")
+            add_note(error, f"gpuload: raised by {type(dataset).__name__}.__getitems__ "
+                            f"for the batch of dataset indices {indices}")
             raise
     samples = []
     for index in indices:
@@ -149,7 +151,8 @@ class PerBatch(Iterator[Any]):
     iterators do (the failed batch is consumed; the next ``next()`` makes the one after), and
     ``at_end()`` once when the items run out."""
 
-    def __init__(self, items: Iterator[Any], make: Callable[[Any], Any], at_end: Callable[[], None] | None = None) -> None:
+    def __init__(self, items: Iterator[Any], make: Callable[[Any], Any],
+                 at_end: Callable[[], object] | None = None) -> None:
         self._items, self._make, self._at_end = items, make, at_end
 
     def __next__(self) -> Any:

@@ -29,10 +29,10 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from gpuload.transfer import to_device
+from gpuload.transforms import reference
 from gpuload.transforms.geometry import PLAN_COLUMNS, geometry_plan
 from gpuload.transforms.ops import GEOMETRIC_OPS, ColorJitter, Normalize, Op, RandomErasing, ToDtype
 from gpuload.transforms.params import BatchParams
-from gpuload.transforms import reference
 
 __all__ = [
     "GEOMETRY_COLUMNS",

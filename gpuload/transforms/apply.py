@@ -23,6 +23,7 @@ from gpuload.transforms.ops import (
     RandomCrop,
     RandomResizedCrop,
     Resize,
+    size_pair,
     validate_pipeline,
 )
 from gpuload.transforms.params import BatchParams, sample_params
@@ -57,14 +58,14 @@ def plan_output(ops: Sequence[Op], input_size: tuple[int, int] | None = None) ->
     ops = validate_pipeline(ops)
     dtype, channels_last = reference.output_format(ops)
     if input_size is not None:
-        size = sample_params(ops, 0, 0, torch.zeros(1, dtype=torch.int64), [input_size]).output_size()
-        return OutputPlan(dtype, channels_last, size)
+        params = sample_params(ops, 0, 0, torch.zeros(1, dtype=torch.int64), [input_size])
+        return OutputPlan(dtype, channels_last, params.output_size())
     size: tuple[int, int] | None = None
     for op in ops:
         if isinstance(op, (RandomResizedCrop, CenterCrop, RandomCrop)):
-            size = op.size
+            size = size_pair(op)
         elif isinstance(op, Resize):
-            size = None if op.shorter_side else op.size
+            size = None if op.shorter_side else size_pair(op)
     return OutputPlan(dtype, channels_last, size)
 
 

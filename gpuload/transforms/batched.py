@@ -58,10 +58,14 @@ def run(params: BatchParams, batch: reference.Batch) -> torch.Tensor | None:
     ops = params.ops
     n_geo = sum(isinstance(op, GEOMETRIC_OPS) for op in ops)
     value_ops, value_params = ops[n_geo:], params.per_op[n_geo:]
-    windows = crop_windows(table, out_size, images.shape[-2:]) if isinstance(images, torch.Tensor) else None
+    if isinstance(images, torch.Tensor):
+        windows = crop_windows(table, out_size, (images.shape[-2], images.shape[-1]))
+    else:
+        windows = None
     maps = None if windows is not None else _Maps(table, out_size, _mirrored_before_resize(params))
     if maps is None or not maps.resizes:
-        if windows is not None:
+        if maps is None:
+            assert isinstance(images, torch.Tensor) and windows is not None  # windows only of a stacked batch
             pixels = _window_gather(images, *windows, out_size, fill)
         else:
             pixels = _gather(images, maps.rows(from_window=True), maps.cols(from_window=True), fill)
@@ -300,10 +304,13 @@ def _resized(images: torch.Tensor | Sequence[torch.Tensor], maps: _Maps, fill: f
             _resize(source, canvas_size, mirror, out=batch_canvas[first : first + len(ids)])
         else:
             batch_canvas.index_copy_(0, to_device([ids], device)[0], _resize(source, canvas_size, mirror))
-    if mirror_here:
-        return batch_canvas
-    source = batch_canvas if batch_canvas is not None else canvases
-    return _gather(source, maps.rows(from_window=False), maps.cols(from_window=False), fill)
+    if batch_canvas is not None:
+        if mirror_here:
+            return batch_canvas
+        return _gather(batch_canvas, maps.rows(from_window=False), maps.cols(from_window=False), fill)
+    made = [canvas for canvas in canvases if canvas is not None]
+    assert len(made) == n  # the window groups cover every sample
+    return _gather(made, maps.rows(from_window=False), maps.cols(from_window=False), fill)
 
 
 def _window_groups(images: torch.Tensor | Sequence[torch.Tensor], table: torch.Tensor):
@@ -337,15 +344,15 @@ def _resize(
     antialias; unchanged when already that size), then mirrored where ``mirror``; into ``out``
     when given."""
     same = tuple(source.shape[-2:]) == tuple(size)
-    flips = mirror is not None and bool(mirror.any())
+    flips = mirror if mirror is not None and bool(mirror.any()) else None
     if out is None:
         resized = source if same else _bilinear(source, size)
-        return _mirror_some(resized, mirror) if flips else resized
+        return _mirror_some(resized, flips) if flips is not None else resized
     if same:
         out.copy_(source)
     else:
         _bilinear(source, size, out)
-    return out.copy_(_mirror_some(out, mirror)) if flips else out
+    return out.copy_(_mirror_some(out, flips)) if flips is not None else out
 
 
 def _canvas_format(images: torch.Tensor | Sequence[torch.Tensor]) -> torch.memory_format:

@@ -15,10 +15,12 @@ the mirrored image for a flipped sample, and the fill exactly where that lies ou
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
-from gpuload.transforms.ops import GEOMETRIC_OPS, RandomCrop, RandomHorizontalFlip, RandomResizedCrop, Resize
+from gpuload.transforms.ops import GEOMETRIC_OPS, RandomCrop, RandomHorizontalFlip, RandomResizedCrop, Resize, size_pair
 from gpuload.transforms.params import BatchParams
 
 __all__ = ["PLAN_COLUMNS", "geometry_plan", "crop_windows"]
@@ -42,7 +44,7 @@ def geometry_plan(
     if len(resizes) > 1:
         return None
     n = len(source_sizes)
-    i64 = dict(dtype=torch.int64)
+    i64: dict[str, Any] = {"dtype": torch.int64}
     h, w = source_sizes[:, 0].clone(), source_sizes[:, 1].clone()
     zeros = torch.zeros(n, **i64)
     win = [zeros.clone(), zeros.clone(), h.clone(), w.clone()]  # y0, x0, h, w (unmirrored)
@@ -56,7 +58,8 @@ def geometry_plan(
         if isinstance(op, RandomHorizontalFlip):
             flip ^= p["flip"]
             continue
-        th, tw = torch.full((n,), op.size[0], **i64), torch.full((n,), op.size[1], **i64)
+        height, width = size_pair(op)
+        th, tw = torch.full((n,), height, **i64), torch.full((n,), width, **i64)
         top, left = p["top"], p["left"]
         if bool(((top < 0) | (left < 0) | (top + th > win[2]) | (left + tw > win[3])).any()):
             return None  # padding before a resize: the map cannot express it
@@ -68,7 +71,8 @@ def geometry_plan(
             top, left, ch, cw = p["top"], p["left"], p["height"], p["width"]
             left = torch.where(flip, win[3] - left - cw, left)
             win = [win[0] + top, win[1] + left, ch, cw]
-            canvas = [torch.full((n,), op.size[0], **i64), torch.full((n,), op.size[1], **i64)]
+            height, width = size_pair(op)
+            canvas = [torch.full((n,), height, **i64), torch.full((n,), width, **i64)]
         else:
             canvas = [p["height"].clone(), p["width"].clone()]
     else:
@@ -86,18 +90,18 @@ def geometry_plan(
         if isinstance(op, RandomHorizontalFlip):
             flip ^= p["flip"]
             continue
-        th, tw = op.size
+        crop_h, crop_w = size_pair(op)
         top, left = p["top"], p["left"]
-        left = torch.where(flip, cur[1] - left - tw, left)
-        pads = (top < 0) | (left < 0) | (top + th > cur[0]) | (left + tw > cur[1])
+        left = torch.where(flip, cur[1] - left - crop_w, left)
+        pads = (top < 0) | (left < 0) | (top + crop_h > cur[0]) | (left + crop_w > cur[1])
         if bool(pads.any()):
             fills.add(float(op.fill) if isinstance(op, RandomCrop) else 0.0)
         off = [off[0] + top, off[1] + left]
         box = [
-            (box[0] - top).clamp(min=0), torch.minimum(box[1] - top, torch.full_like(top, th)),
-            (box[2] - left).clamp(min=0), torch.minimum(box[3] - left, torch.full_like(left, tw)),
+            (box[0] - top).clamp(min=0), torch.minimum(box[1] - top, torch.full_like(top, crop_h)),
+            (box[2] - left).clamp(min=0), torch.minimum(box[3] - left, torch.full_like(left, crop_w)),
         ]
-        cur = [torch.full((n,), th, **i64), torch.full((n,), tw, **i64)]
+        cur = [torch.full((n,), crop_h, **i64), torch.full((n,), crop_w, **i64)]
     if len(fills) > 1:
         return None
     # A mirrored output reads the unmirrored map at OW - 1 - x; box and offsets stay as they are.

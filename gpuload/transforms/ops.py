@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Any
 
 import torch
 
@@ -40,7 +40,7 @@ __all__ = [
     "validate_pipeline",
 ]
 
-SizeArg = Union[int, Sequence[int]]
+SizeArg = int | Sequence[int]
 
 
 def _size2(name: str, op: str, size: SizeArg) -> tuple[int, int]:
@@ -60,12 +60,12 @@ def _size2(name: str, op: str, size: SizeArg) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
-def _range2(name: str, op: str, value: Sequence[float], low: float = 0.0) -> tuple[float, float]:
-    """A (min, max) pair of floats with low <= min <= max."""
+def _range2(name: str, op: str, value: Any, low: float = 0.0) -> tuple[float, float]:
+    """A (min, max) pair of floats with low <= min <= max (``value`` as the user gave it: checked here)."""
     try:
         lo, hi = (float(v) for v in value)
     except (TypeError, ValueError):
-        raise TypeError(f"{op}({name}={value!r}): {name} must be a (min, max) pair of numbers")
+        raise TypeError(f"{op}({name}={value!r}): {name} must be a (min, max) pair of numbers") from None
     if not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi or lo < low:
         raise ValueError(
             f"{op}({name}={value!r}): {name} must be finite with {low} <= min <= max"
@@ -156,7 +156,7 @@ class RandomCrop(Op):
         elif isinstance(pad, Sequence) and len(pad) == 2:
             ltrb = (pad[0], pad[1], pad[0], pad[1])
         elif isinstance(pad, Sequence) and len(pad) == 4:
-            ltrb = tuple(pad)
+            ltrb = (pad[0], pad[1], pad[2], pad[3])
         else:
             raise TypeError(
                 f"RandomCrop(padding={pad!r}): padding is an int, (left/right, top/bottom) "
@@ -257,7 +257,7 @@ class Normalize(Op):
             raise TypeError(
                 f"Normalize(mean={self.mean!r}, std={self.std!r}): mean and std are sequences "
                 "of numbers, one per channel"
-            )
+            ) from None
         if not mean or len(mean) != len(std):
             raise ValueError(
                 f"Normalize(mean={self.mean!r}, std={self.std!r}): give one mean and one std "
@@ -319,6 +319,16 @@ class ToChannelsLast(Op):
 
     A separate op rather than a ToDtype flag, so uint8 outputs can be channels-last too.
     """
+
+
+def size_pair(op: Op) -> tuple[int, int]:
+    """The ``(height, width)`` of a crop or of a resize to an exact size: its ``size``, which the op
+    made a pair when it was built (a ``Resize`` of the shorter side has none: ValueError)."""
+    size = getattr(op, "size", None)
+    if not isinstance(size, tuple):
+        raise ValueError(f"{op!r} has no (height, width) size")
+    height, width = size
+    return height, width
 
 
 GEOMETRIC_OPS = (RandomResizedCrop, Resize, CenterCrop, RandomCrop, RandomHorizontalFlip)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from gpuload.transforms.ops import (
     Resize,
     ToChannelsLast,
     ToDtype,
+    size_pair,
     validate_pipeline,
 )
 
@@ -154,27 +156,28 @@ def _sample_one(
     if isinstance(op, RandomResizedCrop):
         u = uniform(seed, epoch, indices, pos, 2 * _ATTEMPTS + 2)
         top, left, ch, cw = _resized_crop_box(op, u, h, w)
-        out = torch.tensor(op.size, dtype=torch.int64).expand(n, 2).clone()
+        out = torch.tensor(size_pair(op), dtype=torch.int64).expand(n, 2).clone()
         return {"top": top, "left": left, "height": ch, "width": cw}, out
     if isinstance(op, Resize):
-        if op.shorter_side:
+        if isinstance(op.size, int):  # op.shorter_side
             short, long = torch.minimum(h, w), torch.maximum(h, w)
             new_long = (op.size * long) // short  # int(size * long / short), as torchvision
             new_h = torch.where(w <= h, new_long, torch.full_like(h, op.size))
             new_w = torch.where(w <= h, torch.full_like(w, op.size), new_long)
         else:
-            new_h, new_w = torch.full_like(h, op.size[0]), torch.full_like(w, op.size[1])
+            exact_h, exact_w = size_pair(op)
+            new_h, new_w = torch.full_like(h, exact_h), torch.full_like(w, exact_w)
         out = torch.stack([new_h, new_w], 1)
         return {"height": new_h, "width": new_w}, out
     if isinstance(op, CenterCrop):
-        th, tw = op.size
+        th, tw = size_pair(op)
         top = _center_offset(h, th)
         left = _center_offset(w, tw)
-        out = torch.tensor(op.size, dtype=torch.int64).expand(n, 2).clone()
+        out = torch.tensor(size_pair(op), dtype=torch.int64).expand(n, 2).clone()
         return {"top": top, "left": left}, out
     if isinstance(op, RandomCrop):
-        th, tw = op.size
-        pl, pt, pr, pb = op.padding
+        th, tw = size_pair(op)
+        pl, pt, pr, pb = cast("tuple[int, int, int, int]", op.padding)  # (left, top, right, bottom) once built
         ph, pw = h + pt + pb, w + pl + pr
         small = (ph < th) | (pw < tw)
         if bool(small.any()):
@@ -187,7 +190,7 @@ def _sample_one(
         u = uniform(seed, epoch, indices, pos, 2)
         top = _randint(u[:, 0], ph - th + 1) - pt
         left = _randint(u[:, 1], pw - tw + 1) - pl
-        out = torch.tensor(op.size, dtype=torch.int64).expand(n, 2).clone()
+        out = torch.tensor(size_pair(op), dtype=torch.int64).expand(n, 2).clone()
         return {"top": top, "left": left}, out
     if isinstance(op, RandomHorizontalFlip):
         u = uniform(seed, epoch, indices, pos, 1)

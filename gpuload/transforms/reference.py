@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ from gpuload.transforms.ops import (
     Resize,
     ToChannelsLast,
     ToDtype,
+    size_pair,
 )
 from gpuload.transforms.params import BatchParams
 
@@ -100,12 +102,12 @@ def _geometry(ops: Sequence[Op], params: BatchParams, k: int, image: torch.Tenso
     for op, p in zip(ops, params.per_op):
         if isinstance(op, RandomResizedCrop):
             x = crop(x, int(p["top"][k]), int(p["left"][k]), int(p["height"][k]), int(p["width"][k]))
-            x = resize(x, op.size)
+            x = resize(x, size_pair(op))
         elif isinstance(op, Resize):
             x = resize(x, (int(p["height"][k]), int(p["width"][k])))
         elif isinstance(op, (CenterCrop, RandomCrop)):
             fill = float(op.fill) if isinstance(op, RandomCrop) else 0.0
-            x = crop(x, int(p["top"][k]), int(p["left"][k]), op.size[0], op.size[1], fill)
+            x = crop(x, int(p["top"][k]), int(p["left"][k]), *size_pair(op), fill)
         elif isinstance(op, RandomHorizontalFlip):
             if bool(p["flip"][k]):
                 x = x.flip(-1)
@@ -209,9 +211,10 @@ def normalize_constants(op: Normalize, scaled: bool, channels: int) -> tuple[tor
 
 
 def erase_values(op: RandomErasing, channels: int) -> torch.Tensor:
-    if len(op.value) not in (1, channels):
-        raise ValueError(f"{op!r} has {len(op.value)} values for {channels}-channel images")
-    return torch.tensor(op.value, dtype=torch.float32).expand(channels).clone()
+    values = cast("tuple[float, ...]", op.value)  # one or one per channel, made a tuple when built
+    if len(values) not in (1, channels):
+        raise ValueError(f"{op!r} has {len(values)} values for {channels}-channel images")
+    return torch.tensor(values, dtype=torch.float32).expand(channels).clone()
 
 
 def erase(x: torch.Tensor, p: dict[str, torch.Tensor], values: torch.Tensor) -> torch.Tensor:

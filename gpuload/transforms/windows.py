@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from gpuload.transforms.ops import CenterCrop, Op, RandomCrop, RandomResizedCrop, validate_pipeline
+from gpuload.transforms.ops import CenterCrop, Op, RandomCrop, RandomResizedCrop, size_pair, validate_pipeline
 from gpuload.transforms.params import BatchParams, sample_params
 
 __all__ = ["Window", "starts_with_crop", "decode_windows", "params_in_windows"]
@@ -37,7 +37,8 @@ def _first_crop_box(params: BatchParams) -> tuple[torch.Tensor, torch.Tensor, to
     if isinstance(op, RandomResizedCrop):
         return p["top"], p["left"], p["height"], p["width"]
     n = len(params.indices)
-    return p["top"], p["left"], torch.full((n,), op.size[0]), torch.full((n,), op.size[1])
+    height, width = size_pair(op)
+    return p["top"], p["left"], torch.full((n,), height), torch.full((n,), width)
 
 
 def decode_windows(

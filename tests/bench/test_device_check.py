@@ -23,7 +23,8 @@ SCRIPT = ROOT / "benchmarks" / "device_check.sh"
 
 
 def load_summary_module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("device_check_summary", ROOT / "benchmarks" / "device_check_summary.py")
+    spec = importlib.util.spec_from_file_location("device_check_summary",
+                                                  ROOT / "benchmarks" / "device_check_summary.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
@@ -99,7 +100,8 @@ def test_the_summary_reads_every_part_and_reports_broken_ones(tmp_path: Path) ->
     assert summary["machine"] == {"torch": "2.11.0", "cuda_available": True}
     tests = summary["tests"]["gpu-tests"]
     assert (tests["tests"], tests["passed"], tests["failed"], tests["errors"], tests["skipped"]) == (4, 1, 1, 1, 1)
-    assert tests["failing"][0] == {"test": "tests.decode.test_nvjpeg::test_b", "message": "AssertionError: mean |diff| 1.7"}
+    assert tests["failing"][0] == {"test": "tests.decode.test_nvjpeg::test_b",
+                                   "message": "AssertionError: mean |diff| 1.7"}
     assert tests["skip_reasons"] == {"needs DALI": 1}
     assert summary["tests"]["kernel-parity"] == {"error": "kernel-parity.xml was not written"}
     assert summary["truth"]["array-shrink"] == {"passed": True, "defects": [2], "problems": [],

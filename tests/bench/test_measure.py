@@ -87,7 +87,8 @@ def test_host_peak_is_none_where_the_kernel_does_not_say(monkeypatch: pytest.Mon
 
 
 @pytest.mark.parametrize("library", [None, "libc-gpuload-test-missing.so.6"])
-def test_the_steady_allocator_is_not_applied_without_glibc(library: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_steady_allocator_is_not_applied_without_glibc(library: str | None,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     import ctypes.util
 
     from gpuload.bench.run import steady_host_allocator

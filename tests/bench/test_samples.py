@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 import json
 from pathlib import Path
+
+import pytest
+import torch
 
 from gpuload.bench.samples import (
     SampleRun,

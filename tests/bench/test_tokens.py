@@ -32,14 +32,16 @@ def test_the_shard_is_a_speedrun_shard_and_get_batch_reads_it(tmp_path: Path) ->
     x, y = next(get_batch_loop(path, TokenConfig(num_tokens=10_000, seq_len=16, batch_size=4), torch.device("cpu")))
     assert x.shape == y.shape == (4, 16) and x.dtype == torch.int64
     for row_x, row_y in zip(x, y):  # each row is a window of the shard, y shifted by one
-        start = int(np.flatnonzero(np.lib.stride_tricks.sliding_window_view(tokens.numpy(), 16).__eq__(row_x.numpy()).all(1))[0])
+        windows = np.lib.stride_tricks.sliding_window_view(tokens.numpy(), 16)
+        start = int(np.flatnonzero((windows == row_x.numpy()).all(1))[0])
         assert torch.equal(row_y, tokens[start + 1 : start + 17])
 
 
 def test_a_small_run_times_every_loader(tmp_path: Path) -> None:
     config = TokenConfig(num_tokens=50_000, seq_len=64, batch_size=8, steps=5, rounds=1, torch_workers=(0,))
     rows = run_tokens(config, torch.device("cpu"), tmp_path)
-    assert [row.name for row in rows] == ["gpuload DataLoader", "torch DataLoader (num_workers=0)", "nanoGPT get_batch loop"]
+    assert [row.name for row in rows] == ["gpuload DataLoader", "torch DataLoader (num_workers=0)",
+                                          "nanoGPT get_batch loop"]
     assert all(len(row.seconds) == len(row.anon_growth_bytes) == 1 and row.samples_per_s(config) > 0 for row in rows)
     ours = rows[0]
     assert ours.notes["path"] == "device-gather" and ours.notes["token_bytes"] == 100_000

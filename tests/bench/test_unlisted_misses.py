@@ -13,13 +13,15 @@ SCRIPT = ROOT / "benchmarks" / "unlisted_misses.py"
 
 def report(missing: dict[str, list[int]]) -> dict:
     return {"files": {path: {"missing_lines": lines} for path, lines in missing.items()},
-            "totals": {"num_statements": 100, "missing_lines": sum(map(len, missing.values())), "percent_covered": 97.0}}
+            "totals": {"num_statements": 100, "missing_lines": sum(map(len, missing.values())),
+                       "percent_covered": 97.0}}
 
 
 def run(tmp_path: Path, missing: dict[str, list[int]]) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "coverage.json"
     path.write_text(json.dumps(report(missing)))
-    return subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True, timeout=60,
+                          check=False)
 
 
 def test_misses_inside_listed_ranges_pass_and_one_outside_is_named(tmp_path: Path) -> None:

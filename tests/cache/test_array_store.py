@@ -356,7 +356,9 @@ def _no_room_for_a_second_copy_on_meta(monkeypatch):
         return real_clone(self, *args, **kwargs)
 
     def cpu(self, *args, **kwargs):
-        return torch.zeros(self.shape, dtype=self.dtype) if self.device.type == "meta" else real_cpu(self, *args, **kwargs)
+        if self.device.type == "meta":
+            return torch.zeros(self.shape, dtype=self.dtype)
+        return real_cpu(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "clone", clone)
     monkeypatch.setattr(torch.Tensor, "cpu", cpu)
@@ -372,7 +374,8 @@ def test_shrinking_without_room_for_both_copies_stages_the_kept_rows_on_the_host
     assert ledger.owners("meta") == {"m": 120 * bps} and store.stats.device_samples == 120
     assert store.gather(torch.arange(N), copy=copy_to("meta"))["label"].shape == (N,)
     _oom_on("meta", monkeypatch)  # and no room for the smaller copy either
-    with pytest.warns(CacheFallbackWarning, match="out of memory while shrinking the device tier on meta; it is now empty"):
+    with pytest.warns(CacheFallbackWarning,
+                      match="out of memory while shrinking the device tier on meta; it is now empty"):
         assert store.shrink(50 * bps) == 120 * bps
     assert ledger.owners("meta") == {"m": 0}
     assert store.stats.device_samples == 0

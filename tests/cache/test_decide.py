@@ -26,14 +26,20 @@ def decide(dataset, device="cuda", *, collate=True, workers=0, in_order=True, pr
     return decide_samples(
         dataset, settings(**kw), torch.device(device), default_collate=collate, num_workers=workers,
         in_order=in_order, owner=("test", id(dataset)), device_memory_info=MemoryInfo(free=free, total=80 * GiB),
-        host_memory_info=MemoryInfo(free=100 * GiB, total=128 * GiB), probe=probe or (lambda _: (True, "two reads were equal")),
+        host_memory_info=MemoryInfo(free=100 * GiB, total=128 * GiB),
+        probe=probe or (lambda _: (True, "two reads were equal")),
     )
 
 
 def test_decision_matrix() -> None:
     data = list(range(37))  # the decision needs only len(); the probe's answer is given
-    same = lambda _: (True, "equal")
-    differs = lambda _: (False, "two reads differ")
+
+    def same(_: object) -> tuple[bool, str]:
+        return True, "equal"
+
+    def differs(_: object) -> tuple[bool, str]:
+        return False, "two reads differ"
+
     assert decide(data, cache="off").tier == "none"
     assert decide(data, cache_size=0).tier == "none"
     assert decide([]).tier == "none"

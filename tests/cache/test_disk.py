@@ -179,7 +179,8 @@ def test_rows_written_in_shuffled_batches_read_back_exactly(tmp_path: Path) -> N
                ColumnSpec("y", torch.float64, (2, 2)), ColumnSpec("id", torch.int16, ())]
     n = 301
     x = torch.randn(n, 3).to(torch.bfloat16)
-    flag, y, ids = torch.arange(n) % 3 == 0, torch.randn(n, 2, 2, dtype=torch.float64), torch.arange(n, dtype=torch.int16)
+    flag, y = torch.arange(n) % 3 == 0, torch.randn(n, 2, 2, dtype=torch.float64)
+    ids = torch.arange(n, dtype=torch.int16)
     cache = DiskCache.open(tmp_path, Fingerprint.of("arrays", "mixed", {"n": n}), columns, n, 1 << 20, block_bytes=1000)
     assert cache is not None and cache.record_bytes % 8 == 0 and cache.offsets[2] % 8 == 0
     order = torch.randperm(n, generator=torch.Generator().manual_seed(1))
@@ -209,7 +210,8 @@ def _open_like(folder: Path, columns: list[ColumnSpec], n: int) -> DiskCache:
 def test_bad_rows_and_columns_get_clear_errors(tmp_path: Path) -> None:
     images, labels = _data(20)
     cache = _open(tmp_path, 20)
-    with pytest.raises(ValueError, match=r"column 'image': write needs a tensor of shape \(2, 16, 16, 3\) and dtype torch.uint8"):
+    with pytest.raises(ValueError,
+                       match=r"column 'image': write needs a tensor of shape \(2, 16, 16, 3\) and dtype torch.uint8"):
         cache.write(torch.tensor([0, 1]), [images[:2].float(), labels[:2]])
     with pytest.raises(ValueError, match="write got 1 columns, the disk cache has 2"):
         cache.write(torch.tensor([0]), [images[:1]])
@@ -307,7 +309,8 @@ def test_image_folder_fingerprints_follow_files_sizes_mtimes_and_decode_settings
     touched = fingerprint_for(ImageFolder(tmp_path / "data"), {"size": [224, 224]})
     assert touched.digest != base.digest
     path.write_bytes(path.read_bytes() + b"\0")
-    assert fingerprint_for(ImageFolder(tmp_path / "data"), {"size": [224, 224]}).digest not in (base.digest, touched.digest)
+    resized = fingerprint_for(ImageFolder(tmp_path / "data"), {"size": [224, 224]})
+    assert resized.digest not in (base.digest, touched.digest)
     listed = gpuload.datasets.ImageList([(folder.path(i), folder.label(i)) for i in range(len(folder))])
     assert fingerprint_for(listed).kind == "images" and fingerprint_for(listed).digest != fingerprint_for(folder).digest
     torchvision = pytest.importorskip("torchvision")
@@ -612,8 +615,8 @@ def test_killed_between_rename_and_manifest_the_block_is_not_read(tmp_path: Path
 
 def test_truncated_or_garbage_blocks_are_detected_refilled_and_named(tmp_path: Path) -> None:
     n = 64
-    assert _child("cache = open_cache(); cache.write(torch.arange(N), [images, labels]); print(json.dumps(cache.complete))",
-                  tmp_path, n) is True
+    assert _child("cache = open_cache(); cache.write(torch.arange(N), [images, labels]); "
+                  "print(json.dumps(cache.complete))", tmp_path, n) is True
     entry = _entry(tmp_path)
     with open(entry / "block-000003.bin", "r+b") as file:
         file.truncate(100)
@@ -1132,7 +1135,8 @@ def test_an_entry_whose_files_cannot_be_opened_closes_what_it_opened_and_warns(t
     (root / "rows.fill").unlink()
     (root / "rows.fill").mkdir()  # a folder where the row flags should be
     before = len(os.listdir("/proc/self/fd"))
-    with pytest.warns(DiskCacheWarning, match=r"cannot use .*rows.fill \(Is a directory\); running without a disk tier"):
+    with pytest.warns(DiskCacheWarning,
+                      match=r"cannot use .*rows.fill \(Is a directory\); running without a disk tier"):
         assert DiskCache.open(tmp_path, Fingerprint.of("arrays", "test rows", {"seed": 0, "rows": 16}),
                               [ColumnSpec("image", torch.uint8, SHAPE), ColumnSpec("label", torch.int64, ())], 16,
                               1 << 30, block_bytes=BLOCK_ROWS * RECORD) is None

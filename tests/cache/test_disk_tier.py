@@ -85,7 +85,8 @@ def test_array_rows_past_the_host_tier_go_to_disk_and_read_back_exactly(tmp_path
     order = torch.randperm(N, generator=torch.Generator().manual_seed(1))
     with _store(folder, plan) as store:
         stats = store.stats
-        assert (stats.tiers["host"].samples, stats.tiers["disk"].samples, stats.tiers["source"].samples) == (100, 150, 50)
+        tiers = stats.tiers
+        assert (tiers["host"].samples, tiers["disk"].samples, tiers["source"].samples) == (100, 150, 50)
         disk = store.tier("disk").disk
         assert disk.stats().rows_written == 150
         for batch in order.split(32):
@@ -290,9 +291,10 @@ def test_the_copies_done_event_is_recorded_on_the_images_device_not_the_current_
     cuda:1's stream, so the event that says they are done must be recorded there; one recorded
     on cuda:0 would let unfinished pinned copies be written to disk. Stand-ins for the copies,
     the streams and the event."""
+    from test_prefetch import DeviceTensor
+
     from gpuload.cache import disk_tier
     from gpuload.cache.disk_tier import DiskImages
-    from test_prefetch import DeviceTensor
 
     recorded: list[str] = []
 
@@ -385,7 +387,6 @@ def test_the_sample_disk_tier_names_why_a_dataset_gets_none(tmp_path: Path) -> N
 
 def test_the_image_disk_tier_keeps_only_whole_uint8_images(tmp_path: Path) -> None:
     from gpuload.cache.disk_tier import DiskImages
-
     from gpuload.datasets import make_sample_image_folder
 
     folder = make_sample_image_folder(tmp_path / "images", num_images=3, num_classes=1, seed=0)

@@ -12,16 +12,26 @@ from typing import Any
 
 import pytest
 import torch
+from store_cases import (
+    CASES,
+    Case,
+    N,
+    SlowHostTier,
+    _arrays,
+    array_case,
+    columns,
+    columns_case,
+    planned,
+    sample_cache_case,
+    sharded_arrays_case,
+)
 
 from gpuload.cache import TieredArrayStore
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.sample_store import SampleCache
 from gpuload.cache.store import FillingStore, Store, StreamGuard
 from gpuload.cache.tiers import TIERS, HostTier, Tier, register_tier
-from store_cases import (
-    CASES, N, Case, SlowHostTier, _arrays, array_case, columns, columns_case, planned, sample_cache_case,
-    sharded_arrays_case,
-)
+
 
 def same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):

@@ -130,8 +130,9 @@ def test_two_dali_or_cupy_packages_are_a_failure_naming_them(monkeypatch: pytest
     report = doctor.collect(read_driver=NO_DRIVER, read_memlock=lambda: None)
     found = findings(report)
     assert not report["ok"]
-    assert found["dali"]["status"] == "FAIL" and "nvidia-dali-cuda120==2.4.0, nvidia-dali-cuda130==2.4.0" in \
-        found["dali"]["summary"] and found["dali"]["fix"].startswith("pip uninstall nvidia-dali-cuda120 nvidia-dali-cuda130")
+    assert found["dali"]["status"] == "FAIL"
+    assert "nvidia-dali-cuda120==2.4.0, nvidia-dali-cuda130==2.4.0" in found["dali"]["summary"]
+    assert found["dali"]["fix"].startswith("pip uninstall nvidia-dali-cuda120 nvidia-dali-cuda130")
     assert found["cupy"]["status"] == "FAIL" and "pip uninstall cupy-cuda12x cupy-cuda13x" in found["cupy"]["fix"]
 
 

@@ -9,8 +9,8 @@ import os
 import re
 import subprocess
 import sys
-import types
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -98,7 +98,8 @@ def test_plan_names_bombs_and_unreadable_files_instead_of_crashing(tmp_path: Pat
     assert main(["plan", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "3 images; 1 probed" in out
-    assert re.search(r"bad files: 2 of the 3 probed .*bomb.jpg: the header says 20000x20000 = 400,000,000 pixels, over the limit", out)
+    assert re.search(r"bad files: 2 of the 3 probed "
+                     r".*bomb.jpg: the header says 20000x20000 = 400,000,000 pixels, over the limit", out)
     assert "junk.png: not a readable image header" in out
     (tmp_path / "a" / "ok.jpg").unlink()
     (tmp_path / "a" / "junk.png").unlink()
@@ -144,7 +145,8 @@ def test_a_typo_gets_the_subcommands_usage_and_the_closest_option(capsys) -> Non
     with pytest.raises(SystemExit):
         main(["bnech", "--quick"])
     assert capsys.readouterr().err.splitlines()[-1] == (
-        "gpuload: error: argument COMMAND: invalid choice: 'bnech' (choose from 'bench', 'plan', 'doctor', 'cache'); did you mean bench?")
+        "gpuload: error: argument COMMAND: invalid choice: 'bnech' (choose from 'bench', 'plan', 'doctor', 'cache'); "
+        "did you mean bench?")
     with pytest.raises(SystemExit):
         main(["bench", "--scenario", "imgaes"])
     assert capsys.readouterr().err.splitlines()[-1].endswith("; did you mean images?")
@@ -196,7 +198,8 @@ def test_a_command_is_a_row_of_the_table_and_its_module_loads_only_when_named(mo
     assert main(["hello"]) == 0  # only the named command's module is imported
 
 
-@pytest.mark.parametrize("command", [["bench", "--device", "cuda"], ["plan", "--device", "cuda:1", "--synthetic", "cifar"]])
+@pytest.mark.parametrize("command",
+                         [["bench", "--device", "cuda"], ["plan", "--device", "cuda:1", "--synthetic", "cifar"]])
 def test_cuda_without_a_driver_device_is_refused_before_torch_is_imported(command: list[str]) -> None:
     """The driver says there is no CUDA device: the error comes before torch (seconds) loads;
     here torch cannot even be imported, so reaching it would be a traceback, not exit 2."""
@@ -254,7 +257,8 @@ def test_command_device_names_the_flag_and_what_exists(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    with pytest.raises(ValueError, match=r"^argument --gpu: cuda:5 does not exist: this machine has 2 CUDA device\(s\), "
+    with pytest.raises(ValueError,
+                       match=r"^argument --gpu: cuda:5 does not exist: this machine has 2 CUDA device\(s\), "
                        r"cuda:0 to cuda:1$"):
         command_device("cuda:5", flag="--gpu")
     assert command_device("cuda:1") == torch.device("cuda", 1) and command_device("cuda") == torch.device("cuda", 0)

@@ -3,11 +3,10 @@ the job plan (``--model``) from the command line."""
 
 from __future__ import annotations
 
+import argparse
 import struct
 import zlib
 from pathlib import Path
-
-import argparse
 
 import numpy as np
 import pytest
@@ -22,8 +21,8 @@ from gpuload.sizes import format_bytes
 
 @pytest.fixture(autouse=True)
 def clean_env(tmp_path: Path, monkeypatch) -> None:
-    for name in ("GPULOAD_CACHE", "GPULOAD_CACHE_SIZE", "GPULOAD_CACHE_RESERVE", "GPULOAD_CACHE_SCOPE", "GPULOAD_CONFIG",
-                 "GPULOAD_JOB"):
+    for name in ("GPULOAD_CACHE", "GPULOAD_CACHE_SIZE", "GPULOAD_CACHE_RESERVE", "GPULOAD_CACHE_SCOPE",
+                 "GPULOAD_CONFIG", "GPULOAD_JOB"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
 
@@ -220,7 +219,8 @@ def test_plan_command_image_folder(tmp_path, capsys):
     assert "image cache (for gpuload.DataLoader on this folder): encoded: " in out
     assert run_plan(parse(str(tmp_path / "images"), "--device-memory", "80GiB", "--host-memory", "64GiB")) == 0
     assert "image cache (for gpuload.DataLoader on this folder): decoded: " in capsys.readouterr().out
-    assert run_plan(parse(str(tmp_path / "images"), "--device-memory", "80GiB", "--host-memory", "64GiB", "--cache-size", "1KiB")) == 0
+    assert run_plan(parse(str(tmp_path / "images"), "--device-memory", "80GiB", "--host-memory", "64GiB",
+                          "--cache-size", "1KiB")) == 0
     assert "image cache (for gpuload.DataLoader on this folder): encoded: " in capsys.readouterr().out
 
 

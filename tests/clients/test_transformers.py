@@ -18,7 +18,8 @@ from torch.utils.data import default_collate
 
 import gpuload
 
-transformers = pytest.importorskip("transformers", reason="HF Transformers is a test dependency: pip install -e '.[test]'")
+transformers = pytest.importorskip("transformers",
+                                   reason="HF Transformers is a test dependency: pip install -e '.[test]'")
 import transformers.trainer  # noqa: F811 (the submodule, after the importorskip)
 
 from gpuload.integrations.accelerate import GpuloadShard

@@ -6,12 +6,12 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+import image_fixtures as F
 import pytest
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader as TorchDataLoader
 
-import image_fixtures as F
 from gpuload.datasets.images import (
     IMG_EXTENSIONS,
     SAMPLE_PHOTOS,
@@ -132,7 +132,8 @@ def test_plain_torch_dataloader_with_a_worker(tree: Path) -> None:
 
 
 def test_image_list_with_root_and_labels(tree: Path) -> None:
-    ds = ImageList([("dog/b.jpg", 4), (Path("cat/z.png"), torch.tensor(7))], root=tree, classes=[f"c{i}" for i in range(8)])
+    ds = ImageList([("dog/b.jpg", 4), (Path("cat/z.png"), torch.tensor(7))], root=tree,
+                   classes=[f"c{i}" for i in range(8)])
     assert ds.samples == [(os.path.join(tree, "dog/b.jpg"), 4), (os.path.join(tree, "cat/z.png"), 7)]
     assert isinstance(ds, ImageSource) and ds[1][1] == 7 and ds[1][0].shape == (3, F.HEIGHT, F.WIDTH)
     assert ds.read_encoded(0)[0] == (tree / "dog/b.jpg").read_bytes()

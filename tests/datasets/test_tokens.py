@@ -145,7 +145,8 @@ def test_bad_files_name_the_file(tmp_path: Path) -> None:
     data = good.read_bytes()
     truncated = tmp_path / "truncated.bin"
     truncated.write_bytes(data[:-6])
-    with pytest.raises(TokenFileError, match=r"truncated\.bin: the header says 100 tokens of uint16 .* but the file has"):
+    with pytest.raises(TokenFileError,
+                       match=r"truncated\.bin: the header says 100 tokens of uint16 .* but the file has"):
         TokenWindows(truncated, 8)
     wrong_magic = tmp_path / "magic.bin"
     header = np.frombuffer(data[:HEADER_BYTES], dtype=np.int32).copy()
@@ -169,7 +170,8 @@ def test_bad_files_name_the_file(tmp_path: Path) -> None:
     odd.write_bytes(b"\x01\x02\x03")
     with pytest.raises(TokenFileError, match=r"odd\.bin: 3 bytes is not a whole number of uint16 ids"):
         TokenWindows(odd, 1, dtype="uint16")
-    with pytest.raises(TokenFileError, match=r"good\.bin: the header \(magic 20240520\) says uint16 ids, not dtype=uint32"):
+    with pytest.raises(TokenFileError,
+                       match=r"good\.bin: the header \(magic 20240520\) says uint16 ids, not dtype=uint32"):
         TokenWindows(good, 8, dtype="uint32")
     with pytest.raises(TokenFileError, match=r"missing\.bin: cannot open token file"):
         TokenWindows(tmp_path / "missing.bin", 8)
@@ -201,7 +203,8 @@ def test_a_file_that_changes_is_caught(tmp_path: Path) -> None:
     ds = TokenWindows(path, 8)
     ds.check_unchanged()
     write_shard(path, _ids(120))
-    with pytest.raises(TokenFileError, match=r"grows\.bin: the token file changed since it was opened \(1224 -> 1264 bytes"):
+    with pytest.raises(TokenFileError,
+                       match=r"grows\.bin: the token file changed since it was opened \(1224 -> 1264 bytes"):
         ds.check_unchanged()
 
 
@@ -227,7 +230,8 @@ def test_dtype_as_torch_dtype_or_name() -> None:
 
 
 def test_more_bad_sources_name_what_is_wrong(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match=r"^dtype='tokens' is not a dtype; token ids take uint16, uint32, int32 or int64$"):
+    with pytest.raises(TypeError,
+                       match=r"^dtype='tokens' is not a dtype; token ids take uint16, uint32, int32 or int64$"):
         TokenWindows(_ids(100), 8, dtype="tokens")
     with pytest.raises(TypeError, match=r"^dtype=float32 cannot hold token ids; use an integer dtype"):
         TokenWindows(_ids(100), 8, dtype="float32")

@@ -12,22 +12,22 @@ from __future__ import annotations
 import io
 import threading
 
+import image_fixtures as F
 import numpy as np
-
 import pytest
 import torch
 
-import image_fixtures as F
 from gpuload.decode import (
     BatchDecoder,
     DecodeResult,
     ImageDecodeError,
+    cpu,
     decode_batch,
+    headers,
     peek_size,
     resolve_backend,
 )
 from gpuload.decode import batch as batch_module
-from gpuload.decode import cpu, headers
 from gpuload.decode._dali import dali_installed
 
 CPU_MEAN_TOL, CPU_MAX_TOL = 0.5, 4
@@ -37,7 +37,8 @@ requires_dali = pytest.mark.skipif(not dali_installed(), reason="needs nvidia.da
 
 # DALI and torchvision join where installed; test_torchvision_backend says so where torchvision
 # is not, the tests marked requires_dali where DALI is not.
-CPU_BACKENDS = (["dali-cpu"] if dali_installed() else []) + ["pil"] + (["torchvision"] if cpu.torchvision_available() else [])
+CPU_BACKENDS = ((["dali-cpu"] if dali_installed() else []) + ["pil"]
+                + (["torchvision"] if cpu.torchvision_available() else []))
 
 CPU = torch.device("cpu")
 
@@ -418,7 +419,8 @@ def test_mixed_decoder_reports_bad_files_and_keeps_the_rest() -> None:
 
 def test_a_bomb_is_a_bad_file_named_with_its_index(decoder: BatchDecoder) -> None:
     encoded = [F.jpeg("baseline-420"), F.bomb_jpeg(), F.png("RGB")]
-    with pytest.raises(ImageDecodeError, match=r"'bomb.jpg', sample index 8: .*20000x20000.*decompression bomb") as caught:
+    with pytest.raises(ImageDecodeError,
+                       match=r"'bomb.jpg', sample index 8: .*20000x20000.*decompression bomb") as caught:
         decoder.decode(encoded, ["a.jpg", "bomb.jpg", "c.png"], [7, 8, 9])
     assert caught.value.backend == decoder.backend
     result = decoder.decode(encoded, ["a.jpg", "bomb.jpg", "c.png"], [7, 8, 9], on_error="skip")
@@ -495,14 +497,17 @@ DEVICE_MESSAGES = [
     "Critical error in pipeline:\nError when executing Mixed operator ImageDecoder encountered:\n"
     "CUDA allocation failed\nCurrent pipeline object is no longer valid.",
     'Critical error in pipeline: Error in thread 0: NVJPEG error "5" : NVJPEG_STATUS_ALLOCATOR_FAILURE a.jpg',
-    "Critical error in pipeline:\nencountered:\n\nnvImageCodec failure: '#5'\nCurrent pipeline object is no longer valid.",
+    "Critical error in pipeline:\nencountered:\n\nnvImageCodec failure: '#5'\n"
+    "Current pipeline object is no longer valid.",
     "Critical error in pipeline:\nencountered:\n\nCUDA runtime API error cudaErrorIllegalAddress (700):\n"
     "an illegal memory access was encountered",
     "CUDA driver API error CUDA_ERROR_LAUNCH_FAILED (719):\nunspecified launch failure",
 ]
 FILE_MESSAGES = [
-    "Critical error in pipeline:\nencountered:\n\nFailed to decode sample #0 : \nCurrent pipeline object is no longer valid.",
-    "Critical error in pipeline:\nencountered:\n\nnvImageCodec failure: '#3'\nCurrent pipeline object is no longer valid.",
+    "Critical error in pipeline:\nencountered:\n\nFailed to decode sample #0 : \n"
+    "Current pipeline object is no longer valid.",
+    "Critical error in pipeline:\nencountered:\n\nnvImageCodec failure: '#3'\n"
+    "Current pipeline object is no longer valid.",
     'Critical error in pipeline: NVJPEG error "2" : NVJPEG_STATUS_INVALID_PARAMETER',
 ]
 
@@ -546,7 +551,8 @@ def test_a_dali_device_failure_raises_even_with_skip_and_decodes_nothing_on_the_
     decoder = BatchDecoder("cpu", backend="dali-cpu", max_batch=4)
     broken_dali_run.extend([DEVICE_MESSAGES[which], "not run again"])
     encoded = [F.jpeg("baseline-420"), F.jpeg("grayscale")]
-    with pytest.raises(DecodeDeviceError, match="decoder dali-cpu failed while decoding a batch of 2 starting with 'a'") as caught:
+    with pytest.raises(DecodeDeviceError,
+                       match="decoder dali-cpu failed while decoding a batch of 2 starting with 'a'") as caught:
         decoder.decode(encoded, ["a", "b"], [0, 1], on_error="skip")
     assert broken_dali_run == ["not run again"]  # no retry one by one
     assert pil_calls == []  # and no CPU decoding

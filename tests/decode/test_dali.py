@@ -3,10 +3,10 @@ never a bad file, never a batch decoded sample by sample by PIL instead. DALI ru
 
 from __future__ import annotations
 
+import image_fixtures as F
 import pytest
 import torch
 
-import image_fixtures as F
 from gpuload.decode import BatchDecoder, DecodeDeviceError
 from gpuload.decode._dali import DaliDecoder, DaliError, dali_installed
 

@@ -9,13 +9,12 @@ tests hold the real nvJPEG decode to the tolerance of DALI's mixed decoder.
 
 from __future__ import annotations
 
+import image_fixtures as F
 import pytest
 import torch
 
-import image_fixtures as F
-from gpuload.decode import BatchDecoder, DecodeDeviceError, ImageDecodeError
+from gpuload.decode import BatchDecoder, DecodeDeviceError, ImageDecodeError, cpu
 from gpuload.decode import batch as batch_module
-from gpuload.decode import cpu
 from gpuload.decode._nvjpeg import NvjpegDecoder, upright
 from gpuload.decode.headers import peek_header
 
@@ -30,7 +29,8 @@ def nvjpeg(monkeypatch: pytest.MonkeyPatch) -> BatchDecoder:
     """The nvjpeg backend on the CPU: resolve_backend lets it through for the test."""
     real = batch_module.resolve_backend
     monkeypatch.setattr(
-        batch_module, "resolve_backend", lambda device, backend="auto": "nvjpeg" if backend == "nvjpeg" else real(device, backend)
+        batch_module, "resolve_backend",
+        lambda device, backend="auto": "nvjpeg" if backend == "nvjpeg" else real(device, backend),
     )
     return BatchDecoder("cpu", backend="nvjpeg", max_batch=8)
 

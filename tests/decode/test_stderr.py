@@ -6,9 +6,9 @@ import logging
 import os
 import threading
 
+import image_fixtures as F
 import pytest
 
-import image_fixtures as F
 from gpuload.decode import BatchDecoder
 from gpuload.decode._dali import dali_installed
 from gpuload.decode._stderr import quiet_native_stderr, take_native_lines

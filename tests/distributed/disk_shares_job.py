@@ -51,7 +51,8 @@ class CountedImages(ImageList):
         return super().read_encoded(index)
 
 
-def sample_epochs(data: tud.Dataset, scope: str, cache_dir: str | None, epochs: int = 2, **options: Any) -> dict[str, Any]:
+def sample_epochs(data: tud.Dataset, scope: str, cache_dir: str | None, epochs: int = 2,
+                  **options: Any) -> dict[str, Any]:
     """gpuload's epochs against torch's, the indices read from the dataset while the loader was
     made and ran (beyond the determinism probe's), and its disk tier's stats."""
     def sampler() -> DistributedSampler:
@@ -155,7 +156,8 @@ def damage_one_block(cache: Path, rank: int) -> str:
     block = sorted(entry.glob("block-*.bin"))[1]
     dist.barrier()
     if rank == 0:
-        block.write_bytes(bytes(reversed(range(256))) * (block.stat().st_size // 256) + b"x" * (block.stat().st_size % 256))
+        size = block.stat().st_size
+        block.write_bytes(bytes(reversed(range(256))) * (size // 256) + b"x" * (size % 256))
     dist.barrier()
     return block.name
 

@@ -60,7 +60,8 @@ def sampler(data: Any) -> DistributedSampler:
     return DistributedSampler(data, shuffle=True, seed=SEED)
 
 
-def loader(samples: list, scope: str, batch_size: int = BATCH, device: str = "cpu", **options: Any) -> gpuload.DataLoader:
+def loader(samples: list, scope: str, batch_size: int = BATCH, device: str = "cpu",
+           **options: Any) -> gpuload.DataLoader:
     data = ImageList([tuple(s) for s in samples])
     return gpuload.DataLoader(data, batch_size, sampler=sampler(data), device=device, transforms=OPS,
                               cache_scope=scope, **options)

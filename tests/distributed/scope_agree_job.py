@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.utils.data as tud
+from ranks_job import gloo_job
 from torch.utils.data.distributed import DistributedSampler
 
 import gpuload
 from gpuload.distributed import ExchangeError
-from ranks_job import gloo_job
 
 #: Long enough that a rank waiting it out (the defect) is told apart from one told at once.
 EXCHANGE_TIMEOUT_S = 60

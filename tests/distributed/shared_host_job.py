@@ -217,7 +217,8 @@ def cuda_loader(pids: list[int]) -> dict:
         ours.sampler.set_epoch(epoch)
         got = [[leaf.cpu() for leaf in batch] for batch in ours]
         equal = equal and all(
-            all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(x, y)) for x, y in zip(theirs, got, strict=True)
+            all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(x, y))
+            for x, y in zip(theirs, got, strict=True)
         )
     dist.barrier()
     found = {"equal": equal, "cache": ours.stats.extra.get("cache"), "warnings": messages,

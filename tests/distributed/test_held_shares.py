@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import warnings
 
+from store_cases import N, sharded_arrays_case, sharded_images_case
+
 from gpuload.cache import format_bytes
 from gpuload.distributed.sharded_images import ShardedImages
 from gpuload.distributed.sharded_samples import ShardedSamples
-from store_cases import N, sharded_arrays_case, sharded_images_case
 
 
 def test_an_image_share_reports_its_rows_and_after_close_says_it_was_released():

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from hypothesis import given, settings as hypothesis_settings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 

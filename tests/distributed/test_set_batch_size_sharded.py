@@ -17,7 +17,6 @@ import batch_size_job
 import ranks_job
 
 
-
 @pytest.fixture(scope="module", params=["two", pytest.param("four", marks=pytest.mark.slow)])
 def ranks(request, tmp_path_factory) -> list[dict]:
     """Every rank's findings (one spawn per world size)."""

@@ -18,6 +18,7 @@ import fake_peers
 import images_job
 import ranks_job
 
+
 @pytest.fixture(scope="module", params=["two", pytest.param("four", marks=pytest.mark.slow)])
 def job(request, tmp_path_factory):
     """Every rank's findings, the files, the world size and the node size."""

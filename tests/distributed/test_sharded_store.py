@@ -153,7 +153,8 @@ def test_node_scope_on_nodes_of_one_rank_keeps_the_arrays_whole_on_each_rank(mon
     settings = CacheSettings.resolve(cache_scope="node", environ={})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert shard_arrays([torch.arange(N)], settings, torch.device("cpu"), fake_peers.batches(N), "t", context) is None
+        assert shard_arrays([torch.arange(N)], settings, torch.device("cpu"), fake_peers.batches(N), "t",
+                            context) is None
     assert peers.calls == 1
 
 

@@ -150,8 +150,8 @@ def test_the_loader_shares_only_on_cuda_with_a_distributed_sampler_and_a_host_ti
     context = DistributedContext(rank=0, world_size=2, local_world_size=2, backend="gloo")
     cuda, auto = torch.device("cuda"), CacheSettings.resolve(environ={}, cwd="/")
     assert isinstance(node_host_tier(auto, cuda, _sampler(), context), NodeHostTier)
-    assert isinstance(node_host_tier(CacheSettings.resolve(cache="host", environ={}, cwd="/"), cuda, _sampler(), context),
-                      NodeHostTier)
+    host = CacheSettings.resolve(cache="host", environ={}, cwd="/")
+    assert isinstance(node_host_tier(host, cuda, _sampler(), context), NodeHostTier)
     assert node_host_tier(auto, torch.device("cpu"), _sampler(), context) is None  # arrays served in place
     assert node_host_tier(CacheSettings.resolve(cache="device", environ={}, cwd="/"), cuda, _sampler(), context) is None
     assert node_host_tier(auto, cuda, BatchSampler(range(10), 4, False), context) is None  # not every rank iterates

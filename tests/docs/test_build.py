@@ -57,10 +57,11 @@ def test_the_docs_folder_is_no_python_package() -> None:
     tests/conftest.py walks gpuload with, does not enter it) and excluded from the wheel's packages
     (setuptools' pyproject discovery takes namespace folders too)."""
     import pkgutil
+
     import tomllib
+    from setuptools import find_namespace_packages
 
     import gpuload
-    from setuptools import find_namespace_packages
 
     assert not (DOCS / "__init__.py").exists()
     # pyproject's packages.find, as setuptools applies it (namespaces=true: folders without __init__.py too)

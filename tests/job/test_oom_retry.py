@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
-
-import gpuload
 from counting import Counted
 from equivalence import assert_same
+
+import gpuload
 from gpuload.cache.settings import CacheSettings
 from gpuload.device import MemoryInfo
 from gpuload.job.dataset_size import DatasetShape
@@ -312,7 +312,8 @@ def test_an_unsplit_batch_is_handed_over_as_it_is() -> None:
 
 @pytest.mark.parametrize("value", [2.5, 0, -1, True, "2", None])
 def test_min_batch_size_must_be_a_whole_number_of_samples(value) -> None:
-    with pytest.raises(ValueError, match=rf"min_batch_size must be a whole number of samples, at least 1; got {value!r}"):
+    with pytest.raises(ValueError,
+                       match=rf"min_batch_size must be a whole number of samples, at least 1; got {value!r}"):
         OOMRetry(RunsOutAbove(4), min_batch_size=value)
 
 
@@ -393,4 +394,5 @@ def test_a_plan_whose_step_does_not_grow_with_the_batch_lowers_by_an_eighth() ->
     retry = OOMRetry(RunsOutAbove(40), plan=plan, free_bytes=lambda: 1000 * MiB)
     with pytest.warns(BatchSizeLoweredWarning):
         retry(_batch(64))
-    assert retry.batch_size == 36 and retry.retries == 4  # the estimate cannot say: an eighth less each time, 64 56 49 42 36
+    # the estimate cannot say: an eighth less each time, 64 56 49 42 36
+    assert retry.batch_size == 36 and retry.retries == 4

@@ -207,8 +207,8 @@ def test_a_torch_without_memtracker_is_one_error_naming_it(monkeypatch: pytest.M
 
     monkeypatch.setitem(sys.modules, "torch.distributed._tools.mem_tracker", None)
     with pytest.raises(RuntimeError, match=r"^estimating a step's memory needs torch.distributed's MemTracker, which "
-                       rf"this torch \({re.escape(torch.__version__)}\) lacks: import of torch.distributed._tools.mem_tracker "
-                       r"halted"):
+                       rf"this torch \({re.escape(torch.__version__)}\) lacks: "
+                       r"import of torch.distributed._tools.mem_tracker halted"):
         StepTracer(M.mlp(), torch.empty(784))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from equivalence import assert_same_epochs
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import TensorDataset, default_collate, default_convert
 
@@ -15,7 +16,6 @@ from gpuload.cache.plan import make_plan
 from gpuload.datasets import ArrayDataset
 from gpuload.prefetch import Prefetcher
 from gpuload.sources.placed_arrays import ResidentColumns, find_columns
-from equivalence import assert_same_epochs
 
 # Every dtype torch's default_collate stacks (it accepts any tensor dtype).
 DTYPES = [
@@ -161,7 +161,8 @@ def test_unsigned_columns_are_gathered_through_same_width_signed_views() -> None
     list(loader)
     assert not {c.dtype for c in loader._source.resident.columns} & set(UNSIGNED)
     assert gatherable(column(torch.uint16)).dtype == torch.int16
-    plan = make_plan(2 + 4 + 8, 13, device_free=2**30, host_free=0, budget=2**20, reserve=0, mode="auto", host_reserve=0)
+    plan = make_plan(2 + 4 + 8, 13, device_free=2**30, host_free=0, budget=2**20, reserve=0, mode="auto",
+                     host_reserve=0)
     with TieredArrayStore(list(data.tensors), plan, "cpu") as store:
         assert not {c.dtype for c in store._source} & set(UNSIGNED)
         assert [t.dtype for t in store.gather([1, 2])] == list(UNSIGNED)

@@ -30,7 +30,8 @@ def by_sample(loader) -> dict[int, torch.Tensor]:
 def test_outputs_equal_the_reference_for_each_sample(cache: str) -> None:
     data = images()
     g = torch.Generator().manual_seed(11)
-    loader = gpuload.DataLoader(data, batch_size=8, shuffle=True, generator=g, device="cpu", transforms=OPS, cache=cache)
+    loader = gpuload.DataLoader(data, batch_size=8, shuffle=True, generator=g, device="cpu", transforms=OPS,
+                                cache=cache)
     got = by_sample(loader)
     expected = apply_transforms(OPS, data.tensors[0], g.initial_seed(), 0, torch.arange(30))
     assert expected.shape == (30, 3, 12, 12) and expected.dtype == torch.float32
@@ -41,7 +42,8 @@ def test_outputs_equal_the_reference_for_each_sample(cache: str) -> None:
 
 def test_a_sample_looks_the_same_in_any_batch_and_changes_with_the_epoch() -> None:
     data = images()
-    a = gpuload.DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1), device="cpu", transforms=OPS)
+    a = gpuload.DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1), device="cpu",
+                           transforms=OPS)
     b = gpuload.DataLoader(data, batch_size=7, generator=torch.Generator().manual_seed(1), device="cpu", transforms=OPS)
     epoch0_a, epoch0_b = by_sample(a), by_sample(b)
     for index in range(30):
@@ -55,7 +57,8 @@ def test_a_sample_looks_the_same_in_any_batch_and_changes_with_the_epoch() -> No
 
 def test_unbatched_samples_are_transformed_too() -> None:
     data = images(5)
-    loader = gpuload.DataLoader(data, batch_size=None, device="cpu", transforms=OPS, generator=torch.Generator().manual_seed(3))
+    loader = gpuload.DataLoader(data, batch_size=None, device="cpu", transforms=OPS,
+                                generator=torch.Generator().manual_seed(3))
     image, label = next(iter(loader))
     assert image.shape == (3, 12, 12)
     expected = apply_transforms(OPS, data.tensors[0][:1], 3, 0, torch.tensor([0]))[0]
@@ -68,4 +71,5 @@ def test_transforms_need_image_arrays_gpuload_serves() -> None:
     with pytest.raises(ValueError, match=r"uint8 images shaped N,C,H,W.*permute"):
         gpuload.DataLoader(TensorDataset(torch.zeros(4, 8, 8, 3, dtype=torch.uint8)), device="cpu", transforms=OPS)
     with pytest.raises(ValueError):
-        gpuload.DataLoader(images(), device="cpu", transforms=[T.Normalize([0.5] * 3, [0.2] * 3), T.ToDtype(torch.float32)])
+        gpuload.DataLoader(images(), device="cpu",
+                           transforms=[T.Normalize([0.5] * 3, [0.2] * 3), T.ToDtype(torch.float32)])

@@ -6,12 +6,12 @@ changed the batch size on one rank only)."""
 from __future__ import annotations
 
 import torch
+from store_cases import sample_cache_case, sharded_images_case
 
 from gpuload.sources import Indices, Schedule, Source
 from gpuload.sources.arrays import ArraySource
 from gpuload.sources.images import ImageFileSource
 from gpuload.sources.samples import SampleSource
-from store_cases import sample_cache_case, sharded_images_case
 
 SOURCES = (ArraySource, ImageFileSource, SampleSource)
 

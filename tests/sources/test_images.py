@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from equivalence import assert_same_epochs
+from image_fixtures import diff_stats
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import gpuload
@@ -14,8 +16,6 @@ from gpuload.datasets import ImageFolder, make_sample_image_folder
 from gpuload.decode import ImageDecodeError
 from gpuload.decode import batch as batch_module
 from gpuload.transforms import apply_transforms
-from equivalence import assert_same_epochs
-from image_fixtures import diff_stats
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,8 @@ def folder(tmp_path_factory) -> ImageFolder:
 
 
 def test_unbatched_images_match_torchs_loader_over_the_same_folder(folder: ImageFolder) -> None:
-    ours = gpuload.DataLoader(folder, batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(2), device="cpu")
+    ours = gpuload.DataLoader(folder, batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(2),
+                              device="cpu")
     theirs = TorchDataLoader(folder, batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(2))
     assert_same_epochs(ours, theirs, epochs=1)
     assert ours.stats.path == "image-decode"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from equivalence import assert_same
 
 import gpuload
 from gpuload import transforms as T
@@ -15,7 +16,6 @@ from gpuload.datasets import ImageFolder, ImageList, make_sample_image_folder
 from gpuload.decode import ImageDecodeError
 from gpuload.decode._dali import dali_installed
 from gpuload.sources.images import ImageFileSource
-from equivalence import assert_same
 
 OPS = [T.RandomResizedCrop(24), T.RandomHorizontalFlip(), T.ToDtype(torch.float16)]
 

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from equivalence import assert_same
+from image_fixtures import CountingList, assert_close_epochs
 
 import gpuload
 from gpuload import transforms as T
 from gpuload.datasets import ImageList, make_sample_image_folder
-from equivalence import assert_same
-from image_fixtures import CountingList, assert_close_epochs
 
 OPS = [T.RandomResizedCrop(24), T.RandomHorizontalFlip(), T.ToDtype(torch.float32), T.Normalize([0.5] * 3, [0.25] * 3)]
 

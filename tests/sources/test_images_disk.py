@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from equivalence import assert_same
+from image_fixtures import CountingList, assert_close_epochs
 
 import gpuload
 import gpuload.cache.disk as disk_module
 import gpuload.cache.disk_tier as disk_tier
-from equivalence import assert_same
-from image_fixtures import CountingList, assert_close_epochs
 from gpuload import transforms as T
 from gpuload.cache.disk import DiskCacheWarning
 from gpuload.cache.probe import estimate_image_bytes
@@ -52,7 +52,8 @@ def image_bytes(samples) -> int:
 
 def loader(source, samples, transforms=OPS, **keywords):
     # Without transforms, one image at a time: the photos differ in size.
-    return gpuload.DataLoader(source, batch_size=4 if transforms else None, shuffle=True, generator=torch.Generator().manual_seed(11),
+    return gpuload.DataLoader(source, batch_size=4 if transforms else None, shuffle=True,
+                              generator=torch.Generator().manual_seed(11),
                               device="cpu", transforms=transforms, cache="device",
                               cache_size=int(image_bytes(samples) * 4.5), **keywords)
 

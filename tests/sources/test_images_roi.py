@@ -12,16 +12,16 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
+import image_fixtures as F
 import pytest
 import torch
 
-import image_fixtures as F
 import gpuload
-from gpuload.sources import images as image_source
 from gpuload import transforms as T
 from gpuload.datasets import ImageList
 from gpuload.decode import BatchDecoder, ImageDecodeError
 from gpuload.decode._dali import dali_installed
+from gpuload.sources import images as image_source
 from gpuload.transforms import apply_transforms, sample_params
 from gpuload.transforms.reference import apply_reference
 from gpuload.transforms.windows import decode_windows, params_in_windows, starts_with_crop
@@ -143,7 +143,8 @@ def test_loader_decodes_only_the_windows_and_matches_whole_decoding(
     monkeypatch.setattr(image_source, "BatchDecoder", partial(BatchDecoder, backend=backend))
     g = torch.Generator().manual_seed(7)
     loader = gpuload.DataLoader(mixed, batch_size=4, shuffle=True, generator=g, device="cpu", transforms=OPS)
-    order = torch.utils.data.DataLoader(range(len(mixed)), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))
+    order = torch.utils.data.DataLoader(range(len(mixed)), batch_size=4, shuffle=True,
+                                        generator=torch.Generator().manual_seed(7))
     for epoch in range(2):
         for (images, labels), indices in zip(loader, order, strict=True):
             assert labels.tolist() == [mixed.targets[i] for i in indices.tolist()]

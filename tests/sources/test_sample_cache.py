@@ -25,7 +25,8 @@ def test_the_bytes_of_a_prepared_batch_count_every_column_and_object() -> None:
     rows = torch.zeros(4, 3, dtype=torch.float32)
     column = Column("tensor", rows.dtype, rows)
     assert _column_bytes(column) == 48
-    assert _column_bytes(Branch("tuple", None, [column, Column("tensor", torch.int64, torch.zeros(4, dtype=torch.int64))])) == 80
+    assert _column_bytes(Branch("tuple", None,
+                                [column, Column("tensor", torch.int64, torch.zeros(4, dtype=torch.int64))])) == 80
     assert _column_bytes(Objects([torch.zeros(2, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8)])) == 5
 
 

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
+from equivalence import assert_same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpuload
-from equivalence import assert_same
 from gpuload.cache.columns import worker_collate
 
 Pair = collections.namedtuple("Pair", ["first", "second"])
@@ -101,7 +101,8 @@ def trees(leaf: st.SearchStrategy[Leaf]) -> st.SearchStrategy[Any]:
             st.lists(children, min_size=1, max_size=3).map(lambda items: ("list", items)),
             st.lists(children, min_size=1, max_size=3).map(lambda items: ("tuple", items)),
             st.tuples(children, children).map(lambda items: ("pair", list(items))),
-            st.dictionaries(st.sampled_from("abcd"), children, min_size=1, max_size=2).map(lambda d: ("defaultdict", d)),
+            st.dictionaries(st.sampled_from("abcd"), children, min_size=1, max_size=2)
+            .map(lambda d: ("defaultdict", d)),
             st.dictionaries(st.sampled_from("abcd"), children, min_size=1, max_size=2).map(lambda d: ("ordered", d)),
             st.lists(children, min_size=1, max_size=2).map(lambda items: ("tagged", items)),
         )
@@ -121,7 +122,8 @@ def build(spec: Any, i: int) -> Any:
     if kind == "ordered":
         return collections.OrderedDict((key, build(child, i)) for key, child in children.items())
     items = [build(child, i) for child in children]
-    return {"list": list, "tuple": tuple, "pair": lambda xs: Pair(*xs), "tagged": lambda xs: Tagged(xs, "tag")}[kind](items)
+    return {"list": list, "tuple": tuple, "pair": lambda xs: Pair(*xs),
+            "tagged": lambda xs: Tagged(xs, "tag")}[kind](items)
 
 
 class Drawn(tud.Dataset):
@@ -208,7 +210,8 @@ class MixedDtype(tud.Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         dtype = torch.float32 if index % 2 else torch.float64
-        return {"x": torch.full((2,), 9 / 7 + index, dtype=dtype), "y": np.full(3, index / 7, dtype=np.float32 if index % 2 else np.float64)}
+        return {"x": torch.full((2,), 9 / 7 + index, dtype=dtype),
+                "y": np.full(3, index / 7, dtype=np.float32 if index % 2 else np.float64)}
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -244,7 +247,8 @@ def test_views_keep_0d_arrays_and_parameters() -> None:
             return np.array(index), torch.nn.Parameter(torch.ones(2) * index), np.float32(index)
 
     seen: list[Callable[[], Any]] = []
-    loader = gpuload.DataLoader(Data(), batch_size=2, cache="host", collate_fn=lambda samples: seen.append(samples) or 0)
+    loader = gpuload.DataLoader(Data(), batch_size=2, cache="host",
+                                collate_fn=lambda samples: seen.append(samples) or 0)
     for _epoch in range(2):
         list(loader)
     array, parameter, scalar = seen[-1][0]

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
-
-import gpuload
 from counting import Counted
 from equivalence import assert_same, assert_same_epochs
+
+import gpuload
 from gpuload.cache import CacheSettings
 from gpuload.device import MemoryInfo
 from gpuload.sources.torch_fetch import RecordingSampler
@@ -426,12 +426,12 @@ def test_two_threads_each_with_its_own_iterator_fill_one_sample_cache() -> None:
         loader = gpuload.DataLoader(Numbered(), batch_size=16, shuffle=True, cache="host", device="cpu")
         failures: list[BaseException] = []
 
-        def iterate() -> None:
+        def iterate() -> None:  # its threads are joined within this iteration: loader and failures are its own
             try:
-                for x, y in loader:
+                for x, y in loader:  # noqa: B023
                     assert torch.equal(x[:, 0].long(), y)
             except BaseException as error:  # noqa: BLE001 - reported below
-                failures.append(error)
+                failures.append(error)  # noqa: B023
 
         threads = [threading.Thread(target=iterate) for _ in range(2)]
         for thread in threads:

@@ -9,15 +9,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from equivalence import assert_same, assert_same_epochs
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import DistributedSampler, default_collate
 
 import gpuload
-from gpuload.datasets.tokens import TokenFileError, TokenWindows, write_shard
 from gpuload.cache import CacheSettings
+from gpuload.datasets.tokens import TokenFileError, TokenWindows, write_shard
 from gpuload.device import MemoryInfo, host_memory
 from gpuload.sources.tokens import TokenRows, TokenSource
-from equivalence import assert_same, assert_same_epochs
 
 
 def _ids(n: int, high: int = 65535, seed: int = 0) -> np.ndarray:
@@ -79,9 +79,9 @@ def test_distributed_sampler_with_set_epoch(shard: Path) -> None:
         ours = gpuload.DataLoader(ds, batch_size=8, sampler=sampler_ours)
         theirs = TorchDataLoader(ds, batch_size=8, sampler=sampler_theirs)
 
-        def set_epoch(epoch: int) -> None:
-            sampler_ours.set_epoch(epoch)
-            sampler_theirs.set_epoch(epoch)
+        def set_epoch(epoch: int) -> None:  # called only by this iteration's assert_same_epochs
+            sampler_ours.set_epoch(epoch)  # noqa: B023
+            sampler_theirs.set_epoch(epoch)  # noqa: B023
 
         assert_same_epochs(ours, theirs, epochs=2, before_epoch=set_epoch)
 
@@ -357,3 +357,26 @@ def test_a_batch_begun_as_another_thread_closes_the_loader_stops_naming_the_clos
         next(batches)
     closer.join()
     assert "this gpuload.DataLoader was closed" in str(stopped.value.__cause__)
+
+
+def test_a_gather_whose_buffer_is_freed_after_its_check_says_the_loader_was_closed(shard: Path, monkeypatch) -> None:
+    """Another thread's ``close()`` lands between the gather's check that the buffer is there
+    and its read of it (arranged by closing inside ``_flat``): the gather names the close, not
+    an AttributeError on the freed buffer."""
+    loader = gpuload.DataLoader(TokenWindows(shard, 64), batch_size=8, device="cpu")
+    next(iter(loader))  # the buffer is placed
+    source = loader._source
+    flat = source._flat
+
+    def flat_then_closed(*args: Any) -> Any:
+        found = flat(*args)
+        source.close()
+        return found
+
+    monkeypatch.setattr(source, "_flat", flat_then_closed)
+    with pytest.raises(RuntimeError, match="this gpuload.DataLoader was closed"):
+        source._gather_here(torch.arange(8), False, None)
+    source._place()  # again, for the fill into the staging (a host buffer's batch made ahead)
+    with pytest.raises(RuntimeError, match="this gpuload.DataLoader was closed"):
+        source._fill(torch.arange(8))
+    loader.close()

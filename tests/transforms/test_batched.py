@@ -252,7 +252,8 @@ def test_a_uniform_resize_is_one_bilinear_call(monkeypatch: pytest.MonkeyPatch) 
     """Whole-batch work: a Resize that every sample shares calls the bilinear kernel once."""
     calls = []
     bilinear = batched._bilinear
-    monkeypatch.setattr(batched, "_bilinear", lambda source, *args: calls.append(len(source)) or bilinear(source, *args))
+    monkeypatch.setattr(batched, "_bilinear",
+                        lambda source, *args: calls.append(len(source)) or bilinear(source, *args))
     ops = [T.Resize((20, 24)), T.RandomHorizontalFlip(), T.ToDtype(torch.float32)]
     batch = _images(16, 3, 32, 32, seed=2)
     params = T.sample_params(ops, 0, 0, torch.arange(16), batch_sizes(batch))

@@ -56,16 +56,16 @@ def _emulated_launch(device, batch, geom, fill, constants, erase, out_dtype, cha
         y0, y1, ly = index(y + oy, torch.tensor(wh / ch, dtype=torch.float32), wh)
         x0, x1, lx = index(xs + ox, torch.tensor(ww / cw, dtype=torch.float32), ww)
         img = image.float()
-        cy = lambda t: (t + wy0).clamp(0, img.shape[1] - 1)  # noqa: E731
-        cx = lambda t: (t + wx0).clamp(0, img.shape[2] - 1)  # noqa: E731
-        px = ((img[:, cy(y0), cx(x0)] * (1 - lx) + img[:, cy(y0), cx(x1)] * lx) * (1 - ly)
-              + (img[:, cy(y1), cx(x0)] * (1 - lx) + img[:, cy(y1), cx(x1)] * lx) * ly)
+        r0, r1 = ((y0 + wy0).clamp(0, img.shape[1] - 1), (y1 + wy0).clamp(0, img.shape[1] - 1))
+        c0, c1 = ((x0 + wx0).clamp(0, img.shape[2] - 1), (x1 + wx0).clamp(0, img.shape[2] - 1))
+        px = ((img[:, r0, c0] * (1 - lx) + img[:, r0, c1] * lx) * (1 - ly)
+              + (img[:, r1, c0] * (1 - lx) + img[:, r1, c1] * lx) * ly)
         px = torch.where(valid, px, torch.tensor(fill))
         v = a.view(-1, 1, 1) * px + b.view(-1, 1, 1)
         for e in range(erase.shape[1] // 5):
-            on, t, l, h, w = erase[k, 5 * e : 5 * e + 5].tolist()
+            on, t, left, h, w = erase[k, 5 * e : 5 * e + 5].tolist()
             if on:
-                inside = (y >= t) & (y < t + h) & (x >= l) & (x < l + w)
+                inside = (y >= t) & (y < t + h) & (x >= left) & (x < left + w)
                 v = torch.where(inside, values[e].view(-1, 1, 1), v)
         outs.append(v)
     out = torch.stack(outs)

@@ -395,7 +395,8 @@ def _random_case(case: int):
             ops.insert(sum(isinstance(op, T.ops.GEOMETRIC_OPS) for op in ops), T.CenterCrop(rng.randint(1, 20)))
         n = len(batch)
         try:
-            params = T.sample_params(ops, case, rng.randint(0, 3), torch.arange(n) * 7 + case, reference.batch_sizes(batch))
+            params = T.sample_params(ops, case, rng.randint(0, 3), torch.arange(n) * 7 + case,
+                                     reference.batch_sizes(batch))
             params.output_size()
         except ValueError:  # a crop bigger than an image, or outputs of different sizes: draw again
             continue

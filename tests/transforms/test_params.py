@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -38,7 +37,8 @@ def test_uniform_is_splitmix64_of_its_coordinates():
     expected = []
     for index in indices:
         per_sample = _mix64_int(index * _GOLDEN + key)
-        expected.append([(_mix64_int(per_sample ^ (k * _GOLDEN % 2**64)) >> 11) * 2.0**-53 for k in range(1, slots + 1)])
+        expected.append([(_mix64_int(per_sample ^ (k * _GOLDEN % 2**64)) >> 11) * 2.0**-53
+                         for k in range(1, slots + 1)])
     assert uniform(seed, epoch, torch.tensor(indices), op_pos, slots).tolist() == expected
 
 

@@ -41,10 +41,12 @@ def _run(ops, batch, seed=0, epoch=0, indices=None):
         (lambda: T.Normalize((0.5, 0.5), (0.2,)), "same lengths"),
         (lambda: T.Normalize((0.5,), (0.0,)), "> 0"),
         (lambda: T.RandomErasing(value="random"), "not supported"),
-        (lambda: T.RandomResizedCrop(True), r"^RandomResizedCrop\(size=True\): size must be an int or \(height, width\)$"),
+        (lambda: T.RandomResizedCrop(True),
+         r"^RandomResizedCrop\(size=True\): size must be an int or \(height, width\)$"),
         (lambda: T.RandomResizedCrop(8, scale="ab"), r"^RandomResizedCrop\(scale='ab'\): scale must be a \(min, max\) "
                                                      r"pair of numbers$"),
-        (lambda: T.RandomResizedCrop(8, scale=(0, 0)), r"^RandomResizedCrop\(scale=\(0.0, 0.0\)\): max scale must be > 0$"),
+        (lambda: T.RandomResizedCrop(8, scale=(0, 0)),
+         r"^RandomResizedCrop\(scale=\(0.0, 0.0\)\): max scale must be > 0$"),
         (lambda: T.Resize(0), r"^Resize\(size=0\): size must be positive$"),
         (lambda: T.RandomCrop(8, padding=(1, -2)), r"^RandomCrop\(padding=\(1, -2\)\): paddings must be ints >= 0$"),
         (lambda: T.RandomCrop(8, fill=(0, 0, 0)), r"^RandomCrop\(fill=\(0, 0, 0\)\): fill is one number \(0-255\)$"),
@@ -102,8 +104,8 @@ def test_random_resized_crop_is_interpolate_on_the_crop_window():
     out, params = _run([T.RandomResizedCrop((17, 23)), T.ToDtype(torch.float32, scale=False)], batch)
     p = params.per_op[0]
     for k in range(6):
-        t, l, h, w = (int(p[name][k]) for name in ("top", "left", "height", "width"))
-        window = batch[k : k + 1, :, t : t + h, l : l + w].float()
+        t, left, h, w = (int(p[name][k]) for name in ("top", "left", "height", "width"))
+        window = batch[k : k + 1, :, t : t + h, left : left + w].float()
         expected = F.interpolate(window, size=(17, 23), mode="bilinear", align_corners=False)[0]
         torch.testing.assert_close(out[k], expected, rtol=0, atol=1e-4)
 
@@ -147,9 +149,9 @@ def test_random_crop_padding_uses_fill():
     out, params = _run([T.RandomCrop(4, padding=3, fill=7)], batch)
     p = params.per_op[0]
     for k in range(64):
-        t, l = int(p["top"][k]), int(p["left"][k])
+        t, left = int(p["top"][k]), int(p["left"][k])
         rows = torch.arange(4).view(-1, 1) + t
-        cols = torch.arange(4).view(1, -1) + l
+        cols = torch.arange(4).view(1, -1) + left
         inside = (rows >= 0) & (rows < 4) & (cols >= 0) & (cols < 4)
         assert torch.equal(out[k, 0], torch.where(inside, 200, 7).to(torch.uint8))
 
@@ -271,8 +273,8 @@ def test_random_erasing_region_holds_the_value():
     for k in range(50):
         mask = torch.zeros(16, 16, dtype=torch.bool)
         if bool(p["apply"][k]):
-            t, l, h, w = (int(p[n][k]) for n in ("top", "left", "height", "width"))
-            mask[t : t + h, l : l + w] = True
+            t, left, h, w = (int(p[n][k]) for n in ("top", "left", "height", "width"))
+            mask[t : t + h, left : left + w] = True
         expect = torch.where(mask, torch.tensor([1.0, 2.0, 3.0]).view(3, 1, 1), plain[k])
         torch.testing.assert_close(out[k], expect, rtol=0, atol=1e-6)
 

@@ -64,6 +64,7 @@ def test_a_transformed_batch_makes_no_host_sync(backend, where):
 
 
 def test_host_images_move_as_they_are_on_the_cpu():
-    images = [torch.randint(0, 256, (3, 5, 7), dtype=torch.uint8), torch.zeros(5, 6, 3, dtype=torch.uint8).permute(2, 0, 1)]
+    images = [torch.randint(0, 256, (3, 5, 7), dtype=torch.uint8),
+              torch.zeros(5, 6, 3, dtype=torch.uint8).permute(2, 0, 1)]
     moved = T.apply._to_device(images, torch.device("cpu"))
     assert all(got is want for got, want in zip(moved, images))

@@ -17,7 +17,6 @@ import sys
 
 import pytest
 import torch.utils.data
-
 from sitecustomize import SUITE_MODULE
 
 
