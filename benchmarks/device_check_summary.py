@@ -2,8 +2,9 @@
 verdicts, benchmark numbers.
 
 Reads the folder the check wrote (``steps.tsv``, junit XML of the test steps, ``truth/*.json`` of
-``benchmarks/device_truth.py``, the benchmarks' JSON, ``machine.log``, ``doctor.json``) and writes ``summary.json`` beside them. Every part is read on its own:
-a missing or broken file becomes an ``"error"`` entry in its section, never a missing summary.
+``benchmarks/device_truth.py``, the benchmarks' JSON, ``machine.log``, ``doctor.json``) and writes
+``summary.json`` beside them. Every part is read on its own: a missing or broken file becomes an
+``"error"`` entry in its section, never a missing summary.
 
 Usage: python benchmarks/device_check_summary.py OUT_DIR
 """

@@ -173,7 +173,7 @@ class DataLoader(tud.DataLoader[T_co]):
         ``for epoch in range(loader.next_epoch, epochs)`` wherever the state was saved."""
         return self._epoch + 1
 
-    def __iter__(self) -> Iterator[T_co]:
+    def __iter__(self) -> Iterator[T_co]:  # type: ignore[override]  # gpuload's epoch iterator, not torch's class
         self._tally.begin_epoch(self._source, self._prefetcher, self.device.type)
         self._epoch += 1
         if self._prefetcher is not None:  # no thread may still pull from the source's iterators

@@ -326,7 +326,8 @@ def stream_ended(torch_iterator: Any) -> bool:
     return bool(getattr(getattr(torch_iterator, "_dataset_fetcher", None), "ended", False))
 
 
-def take_up_iterable(loader: tud.DataLoader, position: Position, make_iterator: Callable[[], Iterator[T]]) -> Iterator[T]:
+def take_up_iterable(loader: tud.DataLoader, position: Position,
+                     make_iterator: Callable[[], Iterator[T]]) -> Iterator[T]:
     """torch's iterator (``make_iterator()``) for a resumed epoch of an iterable dataset, made
     from the random states the epoch began with (the loader's generator, and the global one
     inside ``fork_rng``), as the uninterrupted run made it.
@@ -349,7 +350,7 @@ def take_up_iterable(loader: tud.DataLoader, position: Position, make_iterator: 
         elif stream_state is not None and stateful(stream):
             stream.load_state_dict(stream_state)
         if position.stream_ended:  # the saved states are those after the end: the rest is empty
-            iterator._dataset_fetcher.ended = True
+            iterator._dataset_fetcher.ended = True  # type: ignore[attr-defined]  # torch's iterator has it; its stub does not
         return iterator
 
     def replayed() -> Iterator[T]:
@@ -600,8 +601,8 @@ def _check_own_states(loader: tud.DataLoader, state: dict[str, Any], iterable: b
     a dataset's without ``state_dict``, a sampler's without one, an iterator's or a stream's end
     for a map-style dataset."""
     if state["dataset"] is not None and not stateful(loader.dataset):
-        raise ResumeError(f"this loader state holds a 'dataset' state, but this {type(loader.dataset).__name__} has "
-                          "no state_dict()/load_state_dict() to take it: build the loader over the dataset that saved it")
+        raise ResumeError(f"this loader state holds a 'dataset' state, but this {type(loader.dataset).__name__} has no "
+                          "state_dict()/load_state_dict() to take it: build the loader over the dataset that saved it")
     for key in ("dataset_iterator", "stream_ended"):
         if state.get(key) and not iterable:
             raise ResumeError(f"this loader state's {key!r} is {state[key]!r}, which only an iterable dataset's "
@@ -625,7 +626,7 @@ def _check_batches_fit(loader: tud.DataLoader, position: Position) -> None:
         if samples_done > samples:
             raise ResumeError(f"this loader state's 'cuts' put {samples_done} samples done in an epoch of {samples}")
         rest = samples - samples_done
-        most = done + (rest // size if loader.drop_last else -(-rest // size))
+        most: int | None = done + (rest // size if loader.drop_last else -(-rest // size))
     elif position.cuts:
         raise ResumeError("this loader state's 'cuts' change the batch size, but this loader's batches are not "
                           "cut by torch's BatchSampler (batch_size=None or batch_sampler=)")
@@ -664,7 +665,7 @@ def load_state(loader: tud.DataLoader, state: dict[str, Any], *, iterable: bool)
                             stream_ended=bool(state.get("stream_ended", False)))
         _check_batches_fit(loader, progress)
     if dataset_state is not None and not deferred:
-        loader.dataset.load_state_dict(dataset_state)
+        _stateful(loader.dataset).load_state_dict(dataset_state)
     if progress is None:
         states.restore_explicit(loader)
         return LoadedState(state["epoch"], None, state["transform_seed"], batch_size)

@@ -90,7 +90,8 @@ def _cuts(key: str, value: Any) -> None:
     for place, cut in enumerate(value):
         if (not isinstance(cut, (list, tuple)) or len(cut) != 3 or not all(_is_int(n) for n in cut)
                 or cut[0] < 0 or cut[1] < 0 or cut[2] < 1):
-            raise _impossible(f"{key}[{place}]", cut, "must be [batches done >= 0, samples done >= 0, new batch size >= 1]")
+            raise _impossible(f"{key}[{place}]", cut,
+                              "must be [batches done >= 0, samples done >= 0, new batch size >= 1]")
 
 
 def _out_of_order(key: str, value: Any) -> None:

@@ -37,7 +37,8 @@ def test_signature_is_torchs_then_gpuload_keyword_options() -> None:
         (p.name, p.kind, p.default) for p in theirs
     ]
     extra = ours[len(theirs) :]
-    assert [p.name for p in extra] == ["device", "transforms", "cache", "cache_size", "cache_reserve", "cache_scope", "cache_dir", "disk_cache_size", "cache_key", "job", "prefetch_depth", "on_error"]
+    assert [p.name for p in extra] == ["device", "transforms", "cache", "cache_size", "cache_reserve", "cache_scope",
+                                       "cache_dir", "disk_cache_size", "cache_key", "job", "prefetch_depth", "on_error"]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra)
 
 

@@ -40,8 +40,9 @@ published yet are simply absent (the caller reads them from the source). Nothing
 outside ``cache_dir``; folders and files are created with the process's umask.
 
 A forked child using a DiskCache its parent opened opens the entry's files again at its first
-use (a flock belongs to an open file, which a fork shares: the child's locks must be its own). Do not edit an entry's files while a job has it open: a block truncated
-under a live memory map faults its reader (SIGBUS); ``gpuload cache clear`` skips entries in use.
+use (a flock belongs to an open file, which a fork shares: the child's locks must be its own).
+Do not edit an entry's files while a job has it open: a block truncated under a live memory map
+faults its reader (SIGBUS); ``gpuload cache clear`` skips entries in use.
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ def _class_name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def fingerprint_arrays(arrays: Any, settings: Mapping[str, Any] | None = None, *, key: str | None = None) -> Fingerprint:
+def fingerprint_arrays(arrays: Any, settings: Mapping[str, Any] | None = None, *,
+                       key: str | None = None) -> Fingerprint:
     """The fingerprint of in-memory arrays (a tensor, an ndarray, a tuple/list/dict of them, or
     an :class:`~gpuload.datasets.ArrayDataset`): their dtypes, shapes and contents (hashed; about
     a second per GB on one core), or with ``key`` (a string the caller changes whenever the
@@ -189,7 +191,8 @@ def fingerprint_arrays(arrays: Any, settings: Mapping[str, Any] | None = None, *
     return Fingerprint.of("arrays", f"{type(arrays).__name__}({len(first)} rows, {len(columns)} columns)", hasher)
 
 
-def fingerprint_images(dataset: Any, settings: Mapping[str, Any] | None = None, *, key: str | None = None) -> Fingerprint:
+def fingerprint_images(dataset: Any, settings: Mapping[str, Any] | None = None, *,
+                       key: str | None = None) -> Fingerprint:
     """The fingerprint of image files (a gpuload ImageFolder/ImageList or anything with a
     torchvision-style ``samples`` list of ``(path, label)``): the class, each file's absolute
     path, label and :func:`~gpuload.cache.identity.file_identity` (size, mtime, ctime, inode),
@@ -205,7 +208,7 @@ def fingerprint_images(dataset: Any, settings: Mapping[str, Any] | None = None, 
     for path, label in samples:
         full = os.path.abspath(os.fspath(path))
         try:
-            identity = file_identity(full) if key is None else []
+            identity: Sequence[int | str] = file_identity(full) if key is None else []
         except OSError as error:
             identity = [f"unreadable: {error.strerror}"]
         hasher.update(_canonical([full, int(label), *identity]))

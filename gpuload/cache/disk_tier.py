@@ -282,8 +282,8 @@ class DiskRows:
 class DiskImages:
     """Whole decoded images of an image-file dataset on disk, by dataset index (a ragged entry:
     uint8, each of its own shape and dimension order, as the decoder gave it). Keyed by the
-    files (paths, sizes, mtimes, ctimes, inodes; or ``cache_key=``) and ``decode`` (what shapes the pixels: backend, layout), so a
-    changed file or another decoder never reads old pixels.
+    files (paths, sizes, mtimes, ctimes, inodes; or ``cache_key=``) and ``decode`` (what shapes
+    the pixels: backend, layout), so a changed file or another decoder never reads old pixels.
 
     Images decoded on a GPU are copied to pinned host memory without waiting for the device,
     and written once their copy is done (checked at each later write, waited for at ``close``),

@@ -5,10 +5,10 @@ dataset of its own kind that is :func:`hash_state`: the dataset pickled (so ``__
 ``__slots__``, nested datasets such as a ``Subset``'s, lists of paths, functions with their
 code, defaults, closures and the plain values of the globals they read, classes not found by
 name, defined inside a function or in code run without a module, with their methods), arrays
-and tensors hashed by contents, and the identity of every existing file or folder a string anywhere in that state names (:func:`file_identity`: size,
-mtime, ctime, inode; a folder: every file under it). The ctime and inode change whenever a file
-is written or replaced, even when its size stays and its mtime is put back (``cp -p``,
-``rsync -t``), so a rewritten file never keys the old entry.
+and tensors hashed by contents, and the identity of every existing file or folder a string anywhere
+in that state names (:func:`file_identity`: size, mtime, ctime, inode; a folder: every file under
+it). The ctime and inode change whenever a file is written or replaced, even when its size stays
+and its mtime is put back (``cp -p``, ``rsync -t``), so a rewritten file never keys the old entry.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def hash_array(hasher: Any, array: torch.Tensor | np.ndarray) -> None:
         data = data_array.reshape(-1).view(np.uint8)
     step = 64 << 20
     for start in range(0, data.size, step):
-        hasher.update(memoryview(data[start:start + step]))
+        hasher.update(memoryview(data[start:start + step]))  # type: ignore[arg-type]  # numpy stubs: no __buffer__ before 3.12
 
 
 def hash_state(obj: Any, hasher: Any, skip: Iterable[str | os.PathLike[str]] = ()) -> dict[str, list[Any]]:

@@ -83,8 +83,8 @@ def _import_dali() -> tuple[Any, Any, Any, Any]:
     if "cuda_stream" not in inspect.signature(Pipeline.run).parameters:
         raise DaliUnavailable(
             f"nvidia.dali {__version__} is too old: gpuload binds each run to torch's stream "
-            "(Pipeline.run(cuda_stream), exec_dynamic), which DALI has since 1.44; upgrade "
-            "it: pip install -U 'gpuload[cuda13]' (or [cuda12]), or decode with backend='nvjpeg', 'torchvision' or 'pil'"
+            "(Pipeline.run(cuda_stream), exec_dynamic), which DALI has since 1.44; upgrade it: "
+            "pip install -U 'gpuload[cuda13]' (or [cuda12]), or decode with backend='nvjpeg', 'torchvision' or 'pil'"
         )
     return fn, types, pipeline_def, feed_ndarray
 

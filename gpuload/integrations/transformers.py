@@ -68,8 +68,8 @@ class GpuloadTrainerMixin(_MixedInto):
 
     ``gpuload_options``: gpuload's own options for every loader (each of
     ``gpuload.integrations.accelerate.GPULOAD_OPTIONS``: ``cache``, ``cache_size``,
-    ``cache_dir``, ``transforms``, ...); batches are always delivered on ``args.device``. Eval loaders are kept per eval dataset, so its cache is placed once,
-    not at every evaluation.
+    ``cache_dir``, ``transforms``, ...); batches are always delivered on ``args.device``. Eval
+    loaders are kept per eval dataset, so its cache is placed once, not at every evaluation.
     """
 
     def __init__(self, *args: Any, gpuload_options: dict[str, Any] | None = None, **kwargs: Any) -> None:

@@ -93,7 +93,9 @@ def estimate_dataset(path: str | None, synthetic: str | None, probes: int = 16) 
         samples, per_sample, description = SYNTHETIC[synthetic or "cifar"]
         return DatasetShape(samples, per_sample, f"synthetic {description}")
     if any(ch in path for ch in "*?["):  # a glob of token shards, as TokenWindows takes
-        return _token_shards(shard_paths(path))
+        shards = shard_paths(path)
+        assert shards is not None  # a path always names files (none matching is a TokenFileError)
+        return _token_shards(shards)
     where = Path(path)
     if where.is_dir():
         return _image_folder(where, probes)

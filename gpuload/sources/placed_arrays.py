@@ -157,7 +157,8 @@ class ArrayColumns:
                 stacklevel=3,
             )
             return ResidentColumns(self, self.columns, device, "host-gather", copies_batches=True)
-        disk = disk_tier_maker(settings, lambda: fingerprint_arrays(self.columns, key=settings.disk_key)) if plan.samples_in("disk") else None
+        disk = disk_tier_maker(settings, lambda: fingerprint_arrays(self.columns, key=settings.disk_key)) \
+            if plan.samples_in("disk") else None
         store = TieredArrayStore(self.columns, plan, device, owner=owner, host_tier=shared_host or private_host_tier,
                                  disk_tier=disk)
         path = "device-gather" if plan.device_samples == self.num_samples else f"tiered ({plan.kind})"

@@ -59,7 +59,8 @@ class CachedSamples:
     first sample's, as there).
     """
 
-    def __init__(self, setup: Setup, decision: CacheDecision, num_workers: int = 0, fingerprint: Fingerprint | None = None) -> None:
+    def __init__(self, setup: Setup, decision: CacheDecision, num_workers: int = 0,
+                 fingerprint: Fingerprint | None = None) -> None:
         self.dataset = setup.dataset
         self.setup = setup
         self.tier = decision.tier
@@ -84,7 +85,8 @@ class CachedSamples:
         # Below the memory tiers, ``cache_dir``'s disk tier: samples read back from it instead
         # of the dataset. Only deterministic samples collated by column (a frozen random epoch
         # is never written), keyed by ``fingerprint`` (``DiskRows.identify``, taken before any read).
-        self.disk = DiskRows.open(setup.dataset, setup.settings, fingerprint) if self.by_column and not decision.warn else None
+        self.disk = DiskRows.open(setup.dataset, setup.settings, fingerprint) \
+            if self.by_column and not decision.warn else None
 
     @property
     def complete(self) -> bool:

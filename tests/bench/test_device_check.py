@@ -119,7 +119,8 @@ def test_the_summary_reads_every_part_and_reports_broken_ones(tmp_path: Path) ->
             "with gpuload's prefetcher": {"gpuload Prefetcher(depth=3) over DataLoader(num_workers=0)": 0.02},
         },
         "truth": {"array-shrink": "passed",
-                  "epoch-shrink": "FAILED: the cache drains epoch by epoch: held [268566528, 134217728, 0, 0, 0] bytes"},
+                  "epoch-shrink":
+                      "FAILED: the cache drains epoch by epoch: held [268566528, 134217728, 0, 0, 0] bytes"},
         "images_samples_per_s": {"torch_best": 900.0, "gpuload": {
             "gpuload DataLoader": {"samples_per_s": 5400.0, "x_torch": 6.0, "decode_backend": "nvjpeg"}}},
     }
@@ -196,7 +197,8 @@ def test_the_whole_check_fits_five_minutes_so_a_rerun_fits_the_lease() -> None:
     assert budget + int(summary_limit[1]) + int(summary_limit[2]) + 10 <= 5 * 60
     # the estimates written beside the steps fit the budget too
     estimates = [int(s) for s in re.findall(r"^#   [\w-]+ +\(~(\d+) s\)", script, flags=re.MULTILINE)]
-    assert len(estimates) == len(re.findall(r"^step [\w-]+ \d+ ", script, flags=re.MULTILINE)) and sum(estimates) <= budget
+    assert len(estimates) == len(re.findall(r"^step [\w-]+ \d+ ", script, flags=re.MULTILINE))
+    assert sum(estimates) <= budget
 
 
 @pytest.mark.slow
@@ -210,12 +212,14 @@ def test_the_dry_run_of_the_machine_step_passes_here(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_the_dry_run_of_the_truth_step_runs_every_check_on_the_cpu(tmp_path: Path) -> None:
     env = {**os.environ, "GPULOAD_CHECK_DEVICE": "cpu", "GPULOAD_CHECK_KEEP_FILES": "1"}
-    done = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=400, check=False,
+    done = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=400,
+                          check=False,
                           env={**env, "GPULOAD_CHECK_STEPS": "truth", "GPULOAD_CHECK_PYTHON": sys.executable})
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["totals"]["truth_failed"] == []
-    assert summary["totals"]["truth_passed"] == ["array-shrink", "column-oom", "epoch-shrink", "nvjpeg-stall", "stream-guard"]
+    assert summary["totals"]["truth_passed"] == ["array-shrink", "column-oom", "epoch-shrink", "nvjpeg-stall",
+                                                 "stream-guard"]
     assert {verdict["details"].get("decode_backend") for verdict in summary["truth"].values()} >= {"nvjpeg"}
 
 
@@ -321,7 +325,8 @@ def test_every_listed_range_names_the_device_check_step_that_runs_it() -> None:
 
 
 def test_a_range_run_by_a_test_that_skips_on_the_device_image_is_named() -> None:
-    dali = "tests/sources/test_images_background.py::test_on_cuda_batches_are_decoded_and_transformed_ahead_on_the_side_stream"
+    dali = ("tests/sources/test_images_background.py::"
+            "test_on_cuda_batches_are_decoded_and_transformed_ahead_on_the_side_stream")
     two_gpus = "tests/distributed/test_sharded_images.py::test_nccl_ranks_get_the_per_rank_caches_batches"
     runs_there = "tests/test_sampling.py::test_indices_on_the_gpu_come_back_on_the_host_in_range"
     not_gpu = "tests/sources/test_images.py::test_batches_are_decoded_then_transformed_per_sample"

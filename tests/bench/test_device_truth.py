@@ -39,7 +39,8 @@ def test_every_check_passes_its_cpu_dry_run_and_writes_its_result(name: str, tmp
     assert result.passed, result.problems
     written = json.loads((tmp_path / f"{name}.json").read_text())
     assert written["passed"] and written["defects"] == truth.DEFECTS[name] and written["device"] == "cpu"
-    assert written["details"]["cuda_only"] if name != "nvjpeg-stall" else written["details"]["decode_backend"] == "nvjpeg"
+    assert (written["details"]["cuda_only"] if name != "nvjpeg-stall"
+            else written["details"]["decode_backend"] == "nvjpeg")
 
 
 def test_a_wrong_row_or_an_index_served_twice_fails_the_epoch() -> None:
@@ -158,13 +159,15 @@ def test_rows_a_shrink_leaves_wrong_fail_the_array_check(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(gpuload.DataLoader, "shrink_cache", overwriting)
     result = truth.check_array_shrink(CPU, tmp_path)
-    assert result.problems and all("row(s) differ from their index's row" in p for p in result.problems), result.problems
+    assert result.problems and all("row(s) differ from their index's row" in p for p in result.problems), \
+        result.problems
 
 
 def test_more_than_a_handful_of_guard_entries_after_an_epoch_fails() -> None:
     assert truth.guard_problems({"arrays": [2, 1], "samples": [3]}, {"arrays": 64, "samples": 32}) == []
     assert truth.guard_problems({"arrays": [64]}, {"arrays": 64}) == [
-        f"arrays: a StreamGuard orders after 64 streams after 64 batches (a handful, at most {truth.HANDFUL}, expected)"]
+        f"arrays: a StreamGuard orders after 64 streams after 64 batches "
+        f"(a handful, at most {truth.HANDFUL}, expected)"]
 
 
 @pytest.mark.parametrize("held, fails", [

@@ -556,10 +556,12 @@ def test_shrink_without_room_for_the_kept_rows_at_all_empties_the_store_with_a_w
 
     monkeypatch.setattr(torch.Tensor, "to", to)
     held = store.stats.bytes
-    with pytest.warns(CacheFallbackWarning, match="out of memory while shrinking the sample cache on meta; it is now empty"):
+    with pytest.warns(CacheFallbackWarning,
+                      match="out of memory while shrinking the sample cache on meta; it is now empty"):
         assert store.shrink(held // 2) == held
     monkeypatch.undo()
-    assert store.stats.bytes == _held_bytes(store) - store._slot_of.numel() * 4 == 0  # device store: host map not counted
+    # device store: host map not counted
+    assert store.stats.bytes == _held_bytes(store) - store._slot_of.numel() * 4 == 0
     assert len(store) == 0 and ledger.used("meta") == 0 and store.slots(torch.arange(8)).tolist() == [-1] * 8
     store.close()
 

@@ -82,7 +82,8 @@ def uneven_loader() -> tuple[Any, Any]:
     """A new Accelerator (even_batches=False: rank 0 has 7 batches an epoch, rank 1 has 6) and
     its gpuload loader."""
     accelerator = accelerate.Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(even_batches=False))
-    loader = gpuload.DataLoader(ranks_job.dataset(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5))
+    loader = gpuload.DataLoader(ranks_job.dataset(), batch_size=8, shuffle=True,
+                                generator=torch.Generator().manual_seed(5))
     return accelerator, prepare_data_loader(accelerator, loader)
 
 

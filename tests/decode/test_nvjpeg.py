@@ -204,7 +204,8 @@ def test_the_calling_stream_is_drained_before_the_decoder_writes_out_of_stream_o
     data = F.jpeg("baseline-420")
     for _ in range(2):
         (image,) = decoder.decode([data], [peek_header(data)])
-        assert torch.equal(image, real_call([torch.frombuffer(bytearray(data), dtype=torch.uint8)], torch.device("cpu"))[0])
+        encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        assert torch.equal(image, real_call([encoded], torch.device("cpu"))[0])
     assert log == [("asked", "cuda:1"), ("drained", "cuda:1"), ("decode", "cuda:1")] * 2
 
 

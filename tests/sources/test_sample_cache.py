@@ -161,7 +161,7 @@ def test_a_device_cache_serving_per_sample_values_keeps_numbers_and_arrays_on_th
                   batch_size=None, collate_fn=default_convert, stats=LoaderStats(), owner="views")
     cached = CachedSamples(setup, CacheDecision("device", "samples", 1 << 20, "test"))
     dataset = _LabelledArrays()
-    for epoch in range(2):  # the first fills the cache, the second is served from it
+    for _epoch in range(2):  # the first fills the cache, the second is served from it
         for i in (3, 0, 5, 1, 4, 2):
             got, want = cached.batch(i), default_convert(dataset[i])
             assert got["x"].device == meta and got["x"].shape == (2,)
