@@ -1149,6 +1149,9 @@ class DiskCache:
             for fd in (self._flags_fd, self._index_fd, self._lock_fd, self._users_fd):
                 if fd >= 0:
                     os.close(fd)  # closing releases this descriptor's flocks
+            # Never closed again: the numbers may be reused by other files (a forked child of a
+            # closed cache would otherwise close them in _open_in_this_process).
+            self._lock_fd = self._users_fd = self._flags_fd = self._index_fd = -1
 
     def __enter__(self) -> DiskCache:
         return self

@@ -339,3 +339,26 @@ def test_a_forked_process_with_a_closed_or_removed_entry_finds_no_rows(tmp_path:
     shutil.rmtree(removed.root)  # its files gone: the child cannot open them, and says so
     assert _forked(_present_in_child, removed, "No such file or directory") == 0
     removed.close()
+
+
+def _present_and_own_file_open(cache: DiskCache, fd: int) -> None:
+    """The child asks the closed cache, then its own file (on a number the cache once had) is still open."""
+    cache.present(torch.arange(16))
+    try:
+        os.fstat(fd)
+    except OSError:
+        sys.exit(1)
+    sys.exit(0)
+
+
+def test_a_forked_child_of_a_closed_cache_never_closes_a_file_that_took_its_numbers(tmp_path: Path) -> None:
+    images, labels = _data(16)
+    cache = _open(tmp_path, 16)
+    cache.write(torch.arange(16), [images, labels])
+    cache.close()
+    reused = [os.open(tmp_path / f"other-{k}", os.O_CREAT | os.O_RDWR) for k in range(8)]  # the freed numbers
+    try:
+        assert all(_forked(_present_and_own_file_open, cache, fd) == 0 for fd in reused)
+    finally:
+        for fd in reused:
+            os.close(fd)
