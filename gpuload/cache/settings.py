@@ -224,7 +224,7 @@ class CacheSettings:
         (:meth:`disk_room`).
         """
         name = str(device)
-        reserve = resolve_reserve(self.reserve_spec, memory, source=self.reserve.source, device_name=name)
+        reserve = self._reserve_on(device, memory)
         if shared:
             budget = available_budget(self.size_spec, reserve, memory, device=device, owner=owner,
                                       source=self.size.source)
