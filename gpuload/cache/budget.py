@@ -1,4 +1,5 @@
-"""How many bytes of device memory may the cache take: resolution of sizes, the ledger.
+"""How many bytes may the cache take: of device memory (resolution of sizes, the ledger), and of
+the disk (:func:`disk_budget`).
 
 A cache size is written by a person (keyword, environment variable or TOML file) and resolved
 against the memory a device reports. ``parse_size`` (:mod:`gpuload.sizes`) turns the text into a :class:`SizeSpec`;
@@ -14,6 +15,7 @@ memory back (``Store.shrink``).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
@@ -34,6 +36,8 @@ __all__ = [
     "available_budget",
     "DEFAULT_RESERVE_MIN_BYTES",
     "DEFAULT_RESERVE_FRACTION",
+    "default_disk_reserve",
+    "disk_budget",
 ]
 
 if TYPE_CHECKING:  # torch loads with the ledger's first call: the settings import without it (gpuload cache)
@@ -205,3 +209,23 @@ def available_budget(
     seen = MemoryInfo(free=min(memory.total, memory.free + others_used), total=memory.total)
     limit = resolve_budget(spec, seen, reserve, setting=setting, source=source, device_name=str(device))
     return max(0, limit - ledger.reserved(device, exclude=owner))
+
+
+def default_disk_reserve(total_bytes: int) -> int:
+    """Bytes of the file system the default budget leaves free: 5% of it, at least 64 MiB and
+    at most 8 GiB (other programs, logs and checkpoints need room to write)."""
+    return max(64 << 20, min(8 << 30, int(total_bytes * 0.05)))
+
+
+def disk_budget(path: str | os.PathLike[str], spec: SizeSpec) -> int:
+    """Bytes the disk tier may hold under ``path``: ``auto``: the file system's free space less
+    :func:`default_disk_reserve`; a fraction: of the free space; bytes: as given; off: 0."""
+    if spec.kind == "off":
+        return 0
+    if spec.kind == "bytes":
+        return int(spec.amount)
+    status = os.statvfs(path)
+    free, total = status.f_bavail * status.f_frsize, status.f_blocks * status.f_frsize
+    if spec.kind == "fraction":
+        return int(free * spec.amount)
+    return max(0, free - default_disk_reserve(total))

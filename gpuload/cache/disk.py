@@ -69,7 +69,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpuload.cache.budget import SizeSpec, format_bytes
+from gpuload.cache.budget import SizeSpec, default_disk_reserve, disk_budget, format_bytes
 from gpuload.cache.entries import MANIFEST, EntryInfo, list_entries, remove_entry
 from gpuload.cache.identity import IdentityError, file_identity, hash_array, hash_state
 from gpuload.cache.settings import CacheSettings
@@ -371,26 +371,6 @@ def _layout(columns: tuple[ColumnSpec, ...]) -> tuple[list[int], int]:
 
 
 # ---------------------------------------------------------------- budget
-
-
-def default_disk_reserve(total_bytes: int) -> int:
-    """Bytes of the file system the default budget leaves free: 5% of it, at least 64 MiB and
-    at most 8 GiB (other programs, logs and checkpoints need room to write)."""
-    return max(64 << 20, min(8 << 30, int(total_bytes * 0.05)))
-
-
-def disk_budget(path: str | os.PathLike[str], spec: SizeSpec) -> int:
-    """Bytes the disk tier may hold under ``path``: ``auto``: the file system's free space less
-    :func:`default_disk_reserve`; a fraction: of the free space; bytes: as given; off: 0."""
-    if spec.kind == "off":
-        return 0
-    if spec.kind == "bytes":
-        return int(spec.amount)
-    status = os.statvfs(path)
-    free, total = status.f_bavail * status.f_frsize, status.f_blocks * status.f_frsize
-    if spec.kind == "fraction":
-        return int(free * spec.amount)
-    return max(0, free - default_disk_reserve(total))
 
 
 def _no_room(folder: Path, budget_bytes: int | SizeSpec | None) -> bool:

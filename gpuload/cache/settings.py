@@ -26,6 +26,7 @@ from gpuload.cache.budget import (
     SizeSpec,
     SizeValue,
     available_budget,
+    disk_budget,
     format_bytes,
     parse_size,
     resolve_budget,
@@ -251,8 +252,6 @@ class CacheSettings:
     def disk_room(self) -> int:
         """Bytes the disk tier may hold (``disk_cache_size``, by default the free space of the
         folder's file system less a reserve); 0 without ``cache_dir``."""
-        from gpuload.cache.disk import disk_budget  # disk imports this module
-
         folder = self.disk_dir.value
         if folder is None:
             return 0
