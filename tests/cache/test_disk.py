@@ -1,4 +1,4 @@
-"""The disk tier (gpuload/cache/disk.py): settings, identity, round trips, and its faults.
+"""The disk tier (gpuload/cache/disk/): settings, identity, round trips, and its faults.
 
 Fault tests run the process that fills or reads the cache as a subprocess (killed with
 SIGKILL, on a full or read-only file system, with a chosen umask), so each starts with nothing
@@ -1099,10 +1099,11 @@ def test_a_manifest_that_cannot_be_written_unpublishes_its_block_with_one_warnin
 
 
 def test_maps_and_open_parts_beyond_their_limits_are_closed_oldest_first(tmp_path: Path, monkeypatch) -> None:
-    import gpuload.cache.disk as disk_module
+    import gpuload.cache.disk.reading as reading
+    import gpuload.cache.disk.writing as writing
 
-    monkeypatch.setattr(disk_module, "_OPEN_MAPS", 2)
-    monkeypatch.setattr(disk_module, "_OPEN_PARTS", 2)
+    monkeypatch.setattr(reading, "_OPEN_MAPS", 2)
+    monkeypatch.setattr(writing, "_OPEN_PARTS", 2)
     images, labels = _data(40)
     cache = _open(tmp_path, 40)
     firsts = torch.arange(0, 40, BLOCK_ROWS)  # the first row of each of the 5 blocks: 5 parts open at once
@@ -1151,7 +1152,7 @@ def test_a_process_opening_the_entry_while_another_probes_the_folder_leaves_both
     import builtins
     import threading
 
-    import gpuload.cache.disk as disk_module
+    import gpuload.cache.disk.cache as opening
 
     _open(tmp_path, 16).close()  # the entry exists, nobody has it open
     others: list[DiskCache | None] = []
@@ -1166,7 +1167,7 @@ def test_a_process_opening_the_entry_while_another_probes_the_folder_leaves_both
             opener.join()
         return handle
 
-    monkeypatch.setattr(disk_module, "open", probe_then_another_opens, raising=False)
+    monkeypatch.setattr(opening, "open", probe_then_another_opens, raising=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cache = _open(tmp_path, 16)

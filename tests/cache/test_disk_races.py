@@ -1,4 +1,4 @@
-"""The disk tier's race windows and error branches (gpuload/cache/disk.py), each arranged
+"""The disk tier's race windows and error branches (gpuload/cache/disk/), each arranged
 deterministically: a file damaged or removed between two calls, another user of the entry
 (a second open in this process: its flocks exclude this one's as another process's do), an
 OSError raised by a patched function. No sleeps."""
@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import gpuload.cache.disk as disk_module
+import gpuload.cache.disk.cache as opening
+import gpuload.cache.disk.writing as writing
 from gpuload.cache.disk import ColumnSpec, DiskCache, DiskCacheWarning, Fingerprint
 from gpuload.cache.disk_tier import DiskImages, DiskRows
 from gpuload.cache.settings import CacheSettings
@@ -235,14 +236,14 @@ def test_a_row_index_cut_short_stops_the_tier_naming_it(tmp_path: Path) -> None:
 
 
 def test_an_entry_description_that_cannot_be_written_leaves_the_entry_usable(tmp_path: Path, monkeypatch) -> None:
-    write = disk_module._atomic_write
+    write = opening.atomic_write
 
     def no_room_for_the_description(path: Path, data: bytes) -> None:
         if path.name == "entry.json":
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         write(path, data)
 
-    monkeypatch.setattr(disk_module, "_atomic_write", no_room_for_the_description)
+    monkeypatch.setattr(opening, "atomic_write", no_room_for_the_description)
     images, labels = _data(8)
     cache = _open(tmp_path, 8)  # no warning: the description is only for `gpuload cache ls`
     assert not (cache.root / "entry.json").exists()
@@ -278,8 +279,8 @@ class _Killed(BaseException):
 
 
 def _killed_after(monkeypatch, name: str, when: Callable[[], bool] = lambda: True) -> None:
-    """Make ``disk_module.<name>`` die (raise _Killed) right after doing its work, when ``when()``."""
-    real = getattr(disk_module, name)
+    """Make the writer's ``<name>`` die (raise _Killed) right after doing its work, when ``when()``."""
+    real = getattr(writing, name)
 
     def dying(*args: object, **kwargs: object) -> object:
         result = real(*args, **kwargs)
@@ -287,7 +288,7 @@ def _killed_after(monkeypatch, name: str, when: Callable[[], bool] = lambda: Tru
             raise _Killed(name)
         return result
 
-    monkeypatch.setattr(disk_module, name, dying)
+    monkeypatch.setattr(writing, name, dying)
 
 
 def test_two_crashes_around_a_block_never_publish_rows_nobody_wrote(tmp_path: Path, monkeypatch) -> None:
@@ -299,14 +300,14 @@ def test_two_crashes_around_a_block_never_publish_rows_nobody_wrote(tmp_path: Pa
     holder = _open(tmp_path, 16)  # e.g. another rank: no later open is the entry's only user
     job1 = _open(tmp_path, 16)
     with monkeypatch.context() as patch:
-        _killed_after(patch, "_fsync_folder", lambda: (job1.root / "block-000000.bin").exists())
+        _killed_after(patch, "fsync_folder", lambda: (job1.root / "block-000000.bin").exists())
         with pytest.raises(_Killed):
             job1.write(torch.arange(8), [images[:8], labels[:8]])
     job1.close()
     assert (holder.root / "block-000000.bin").exists() and not holder.complete  # renamed, not listed
     job2 = _open(tmp_path, 16)
     with monkeypatch.context() as patch:
-        _killed_after(patch, "_preallocate")  # block 0's new part is created (and sized)
+        _killed_after(patch, "preallocate")  # block 0's new part is created (and sized)
         with pytest.raises(_Killed):
             job2.write(torch.arange(8), [images[:8], labels[:8]])
     job2.close()

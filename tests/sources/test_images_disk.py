@@ -22,6 +22,7 @@ from image_fixtures import CountingList, assert_close_epochs
 
 import gpuload
 import gpuload.cache.disk as disk_module
+import gpuload.cache.disk.writing as disk_writing
 import gpuload.cache.disk_tier as disk_tier
 from gpuload import transforms as T
 from gpuload.cache.disk import DiskCacheWarning
@@ -240,7 +241,7 @@ def test_the_decoder_settings_are_part_of_the_entry(samples, tmp_path) -> None:
 
 
 def test_a_full_disk_stops_the_tier_with_one_warning_and_the_epochs_complete(samples, tmp_path, monkeypatch) -> None:
-    real, calls = disk_module._pwrite_all, []
+    real, calls = disk_writing.pwrite_all, []
 
     def fill_up(fd, data, offset):
         calls.append(1)
@@ -248,7 +249,7 @@ def test_a_full_disk_stops_the_tier_with_one_warning_and_the_epochs_complete(sam
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd, data, offset)
 
-    monkeypatch.setattr(disk_module, "_pwrite_all", fill_up)
+    monkeypatch.setattr(disk_writing, "pwrite_all", fill_up)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         spilling = loader(CountingList(samples), samples, transforms=None, cache_dir=tmp_path / "c")
