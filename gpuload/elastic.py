@@ -24,11 +24,12 @@ import torch.utils.data as tud
 from torch.utils.data.distributed import DistributedSampler
 
 from gpuload.resume import ResumeError, signature
+from gpuload.sampling import DrawState
 
 __all__ = ["distributed_layout", "for_this_world_size"]
 
 
-def _distributed_sampler(loader: tud.DataLoader) -> DistributedSampler | None:
+def _distributed_sampler(loader: tud.DataLoader | DrawState) -> DistributedSampler | None:
     """The DistributedSampler that chooses ``loader``'s indices (itself, or under its batch sampler)."""
     sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
     for candidate in (sampler, getattr(sampler, "sampler", None)):
@@ -37,7 +38,7 @@ def _distributed_sampler(loader: tud.DataLoader) -> DistributedSampler | None:
     return None
 
 
-def distributed_layout(loader: tud.DataLoader) -> dict[str, Any] | None:
+def distributed_layout(loader: tud.DataLoader | DrawState) -> dict[str, Any] | None:
     """How ``loader``'s DistributedSampler splits the data (None without one)."""
     sampler = _distributed_sampler(loader)
     if sampler is None:
@@ -46,13 +47,14 @@ def distributed_layout(loader: tud.DataLoader) -> dict[str, Any] | None:
             "shuffle": bool(sampler.shuffle), "drop_last": bool(sampler.drop_last)}
 
 
-def for_this_world_size(loader: tud.DataLoader, state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` as ``loader`` would have saved it at the same point of the epoch's order, when
-    it was saved at another world size (see the module's docstring); ``state`` itself when the
-    world size is the same or no DistributedSampler is involved. Raises ResumeError otherwise."""
+def for_this_world_size(draw: DrawState, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as the loader that ``draw`` draws for would have saved it at the same point of
+    the epoch's order, when it was saved at another world size (see the module's docstring);
+    ``state`` itself when the world size is the same or no DistributedSampler is involved.
+    Raises ResumeError otherwise."""
     if not isinstance(state, dict) or not isinstance(state.get("signature"), dict):
         return state  # not a state: load_state names what is wrong with it
-    saved, here = state.get("distributed"), distributed_layout(loader)
+    saved, here = state.get("distributed"), distributed_layout(draw)
     if saved is None or here is None:
         return state
     # the seed and shuffle are in the signature (resume.signature); drop_last of the sampler is not
@@ -65,11 +67,11 @@ def for_this_world_size(loader: tud.DataLoader, state: dict[str, Any]) -> dict[s
     if old_world == new_world:
         return state
     rescaled = dict(state)
-    current = signature(loader)
+    current = signature(draw)
     rescaled["signature"] = {**state["signature"], "batches_per_epoch": current["batches_per_epoch"],
                              "batch_size": current["batch_size"]}
     rescaled["distributed"] = here
-    rescaled["batch_size"] = loader.batch_size
+    rescaled["batch_size"] = draw.batch_size
     if state["finished"]:
         return rescaled
     if state.get("cuts"):
@@ -77,8 +79,8 @@ def for_this_world_size(loader: tud.DataLoader, state: dict[str, Any]) -> dict[s
             f"this loader state was saved at world size {old_world} in an epoch whose batch size changed "
             "(set_batch_size); resume it at that world size, or from a checkpoint at an epoch's end"
         )
-    size = loader.batch_size
-    if size is None or type(loader.batch_sampler) is not tud.BatchSampler:
+    size = draw.batch_size
+    if size is None or type(draw.batch_sampler) is not tud.BatchSampler:
         raise ResumeError(
             f"this loader state was saved at world size {old_world}; taking it up at world size {new_world} "
             "needs torch's BatchSampler over the DistributedSampler (batch_size=..., sampler=DistributedSampler)"

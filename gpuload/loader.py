@@ -35,7 +35,7 @@ from gpuload.resume import (
     stream_of,
     take_up_iterable,
 )
-from gpuload.sampling import checked_batch_size, draws_in_range
+from gpuload.sampling import DrawState, checked_batch_size, draws_in_range
 from gpuload.sources import Indices, Schedule, Source, Work, runs_ahead
 from gpuload.sources.choose import choose_source
 from gpuload.state_format import check_format
@@ -139,12 +139,11 @@ class DataLoader(tud.DataLoader[T_co]):
         self._stats = LoaderStats(device=str(self.device))
         self._tally = Tally(self._stats)  # what the source and prefetcher counted, added once
         self._epoch = -1
-        self._persistent_seed_drawn = False
+        self._draw = DrawState.of(self, self._dataset_kind == _DatasetKind.Map)  # read by sampling and resume
         self._prefetcher: Prefetcher | None = None
         self._position: Position | None = None  # the latest epoch's, for state_dict()
         self._resume: Position | None = None  # a loaded position the next iter() takes up
         self._iterable_resume: Position | None = None  # the same, for torch's iterator of an iterable dataset
-        self._built_batch_size = self.batch_size
         self._current: weakref.ref[EpochIterator] | None = None  # the latest epoch's iterator
         self._open = OpenEpochs()  # what a new epoch and close() stop
         self._in_range = False  # the latest epoch's indices need no check (for set_batch_size)
@@ -181,21 +180,21 @@ class DataLoader(tud.DataLoader[T_co]):
         source = self._source
         source.begin_epoch()
         self._stats.path = source.path
-        map_style = self._dataset_kind == _DatasetKind.Map
+        map_style = self._draw.map_style
         self._in_range = map_style and draws_in_range(self.batch_sampler, len(cast(Sized, self.dataset)))
         resume, self._resume = self._resume, None
-        position, draw, length = begin_epoch(self, self._epoch, resume)
+        position, draw, length = begin_epoch(self._draw, self._epoch, resume)
         self._position = position
         self._iterable_resume = resume if not map_style else None  # taken by _torch_epoch
         indices = Indices(self._epoch, draw, self._in_range, resumed=resume is not None, copy_now=self._copy_now,
-                          worker_seed_drawn=self._persistent_seed_drawn, position=position.after_cut(),
+                          worker_seed_drawn=self._draw.seed_drawn, position=position.after_cut(),
                           places=position.places, handed_over=position.hand_over if not position.cuts else None)
         try:
             work, items = self._start(source.schedule(indices), "")
         finally:
             self._iterable_resume = None
         if work.from_torch and self.persistent_workers and self.num_workers > 0:
-            self._persistent_seed_drawn = True  # torch drew its workers' seed, once
+            self._draw.seed_drawn = True  # torch drew its workers' seed, once
         length = length or work.length or self._index_sampler.__len__
         iterator = EpochIterator(work, items, self._stats, length, position, self._epoch_ended)
         self._current = weakref.ref(iterator)
@@ -208,7 +207,7 @@ class DataLoader(tud.DataLoader[T_co]):
         later epochs, ``len()`` and ``state_dict()`` follow (README). ValueError for a size that is
         not a positive int, or batches not cut by size (``batch_size=None``, ``batch_sampler=``, an
         IterableDataset)."""
-        size = checked_batch_size(self, batch_size, self._built_batch_size)
+        size = checked_batch_size(self._draw, batch_size)
         if size == self.batch_size:
             return
         position = self._resume or self._position
@@ -250,8 +249,8 @@ class DataLoader(tud.DataLoader[T_co]):
         current = self._current() if self._current is not None else None
         in_progress = current is not None and current.position is self._position
         stream, ended = (stream_of(current), stream_ended(current)) if in_progress else (None, False)
-        state = save_state(self, self._resume or self._position, self._epoch, self._transform_seed, stream, ended)
-        state["distributed"] = distributed_layout(self)  # taken up at another world size (gpuload.elastic)
+        state = save_state(self._draw, self._resume or self._position, self._epoch, self._transform_seed, stream, ended)
+        state["distributed"] = distributed_layout(self._draw)  # taken up at another world size (gpuload.elastic)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -259,8 +258,8 @@ class DataLoader(tud.DataLoader[T_co]):
         saved, reading nothing before that point. :class:`gpuload.resume.ResumeError` names
         what differs (arguments, dataset, generators, a DistributedSampler's seed, a world size
         the saved position cannot be split over) or what a malformed state lacks."""
-        state = for_this_world_size(self, check_format(state))
-        loaded = load_state(self, state, iterable=self._dataset_kind != _DatasetKind.Map)
+        state = for_this_world_size(self._draw, check_format(state))
+        loaded = load_state(self._draw, state)
         if loaded.transform_seed != self._transform_seed:
             self._transform_seed = loaded.transform_seed
             self._source.close()
@@ -339,7 +338,7 @@ class DataLoader(tud.DataLoader[T_co]):
         dataset's resumed epoch, taken up where it was saved (``gpuload.resume.take_up_iterable``)."""
         resume, self._iterable_resume = self._iterable_resume, None
         if resume is not None:
-            return take_up_iterable(self, resume, super().__iter__)
+            return take_up_iterable(self._draw, resume, super().__iter__)
         return super().__iter__()
 
     def _start(self, schedule: Schedule, stopping: str) -> tuple[Work, Iterator[Any]]:
@@ -372,15 +371,15 @@ class DataLoader(tud.DataLoader[T_co]):
         return self._prefetcher.copy_now(item, counted)
 
     def _epoch_ended(self, position: Position) -> None:
-        position.end_states = RandomStates.capture(self)
+        position.end_states = RandomStates.capture(self._draw)
 
     def _rest_of_epoch(self, position: Position) -> tuple[Work, Iterator[Any], Callable[[], int]]:
         """The source's work for the rest of the epoch in progress, after a batch-size change:
         made as for a resumed epoch, from the remaining batches (what ran ahead is dropped)."""
-        _, draw, length = begin_epoch(self, position.number, position)  # the rest of its order, cut
+        _, draw, length = begin_epoch(self._draw, position.number, position)  # the rest of its order, cut
         assert length is not None  # only a BatchSampler's epoch is cut: begin_epoch counts its rest
         indices = Indices(position.number, draw, self._in_range, resumed=True, copy_now=self._copy_now,
-                          worker_seed_drawn=self._persistent_seed_drawn, position=position.after_cut())
+                          worker_seed_drawn=self._draw.seed_drawn, position=position.after_cut())
         stopping = "the rest of this epoch at a new batch size (set_batch_size)"
         work, items = self._start(self._source.schedule(indices), stopping)
         return work, items, length
@@ -388,6 +387,7 @@ class DataLoader(tud.DataLoader[T_co]):
     def _apply_batch_size(self, size: int) -> None:
         """The batch size in force: torch's attribute and the BatchSampler the sources share."""
         object.__setattr__(self, "batch_size", size)
+        self._draw.batch_size = size
         cast(tud.BatchSampler, self.batch_sampler).batch_size = size  # set_batch_size checked it is one
 
     def __setattr__(self, attr: str, value: Any) -> None:
@@ -397,6 +397,8 @@ class DataLoader(tud.DataLoader[T_co]):
                 "call loader.set_batch_size(n), which keeps the epoch's sample order"
             )
         super().__setattr__(attr, value)
+        if attr in DrawState.FOLLOWED and "_draw" in self.__dict__:
+            setattr(self._draw, attr, value)
 
 
 #: gpuload's own options, in the constructor's order: its keyword arguments that torch's DataLoader

@@ -33,14 +33,13 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.data as tud
-from torch.utils.data.dataloader import _DatasetKind
 from torch.utils.data.distributed import DistributedSampler
 
-from gpuload.sampling import begin_drawing, cut_order, draw_epoch, draw_order, epoch_order
+from gpuload.sampling import DrawState, begin_drawing, cut_order, draw_epoch, draw_order, epoch_order
 from gpuload.state_format import STATE_VERSION, ResumeError, check_format, decoded_generator_state
 
 __all__ = [
@@ -50,7 +49,6 @@ __all__ = [
     "RandomStates",
     "ResumeError",
     "begin_epoch",
-    "built_batch_size",
     "load_state",
     "remaining_batches",
     "save_state",
@@ -70,11 +68,11 @@ def stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def _samplers(loader: tud.DataLoader) -> list[Any]:
+def _samplers(draw: DrawState) -> list[Any]:
     """The index sampler and the samplers it draws from (``.sampler``, or ``.batch_sampler`` for
     a batch sampler that wraps another, as Accelerate's shard does), outermost first."""
     chain: list[Any] = []
-    sampler: Any = _index_sampler(loader)
+    sampler: Any = draw.index_sampler
     while sampler is not None and all(sampler is not seen for seen in chain):
         chain.append(sampler)
         inner = getattr(sampler, "sampler", None)
@@ -82,31 +80,14 @@ def _samplers(loader: tud.DataLoader) -> list[Any]:
     return chain
 
 
-def _generators(loader: tud.DataLoader) -> list[torch.Generator]:
+def _generators(draw: DrawState) -> list[torch.Generator]:
     """The explicit generators an epoch's index order draws from, in a fixed order, each once."""
     found: list[torch.Generator] = []
-    candidates = [loader.generator, *(getattr(sampler, "generator", None) for sampler in _samplers(loader))]
+    candidates = [draw.generator, *(getattr(sampler, "generator", None) for sampler in _samplers(draw))]
     for generator in candidates:
         if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
             found.append(generator)
     return found
-
-
-class _Stateful(Protocol):
-    """A dataset that saves and restores its own position (``state_dict``/``load_state_dict``)."""
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> None: ...
-
-
-def _stateful(dataset: tud.Dataset) -> _Stateful:
-    """``dataset`` as one that keeps its own state; the callers checked that it has both methods."""
-    return cast(_Stateful, dataset)
-
-
-def _index_sampler(loader: tud.DataLoader) -> Any:
-    return loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
 
 
 @dataclass
@@ -120,21 +101,21 @@ class RandomStates:
     worker_seed_drawn: bool = False  # persistent workers' base seed already drawn (drawn once)
 
     @classmethod
-    def capture(cls, loader: tud.DataLoader) -> RandomStates:
-        chain = _samplers(loader)
+    def capture(cls, draw: DrawState) -> RandomStates:
+        chain = _samplers(draw)
         distributed = next((s for s in chain if isinstance(s, DistributedSampler)), None)
         return cls(
-            generators=[g.get_state() for g in _generators(loader)],
+            generators=[g.get_state() for g in _generators(draw)],
             global_state=torch.get_rng_state(),
             samplers=[sampler.state_dict() if stateful(sampler) else None for sampler in chain],
             distributed_epoch=distributed.epoch if distributed is not None else None,
-            worker_seed_drawn=getattr(loader, "_persistent_seed_drawn", False),
+            worker_seed_drawn=draw.seed_drawn,
         )
 
-    def check_fits(self, loader: tud.DataLoader) -> None:
-        """Raise :class:`ResumeError` when ``loader`` has another number of generators (loader
+    def check_fits(self, draw: DrawState) -> None:
+        """Raise :class:`ResumeError` when the loader (``draw``) has another number of generators (loader
         and samplers) than the state saved: their states would set the wrong ones."""
-        generators = _generators(loader)
+        generators = _generators(draw)
         if len(generators) != len(self.generators):
             raise ResumeError(
                 f"the saved state has {len(self.generators)} random generator(s) (loader and samplers) "
@@ -150,15 +131,14 @@ class RandomStates:
                     f"{generator.device.type} generator there ({error})"
                 ) from None
 
-    def restore_explicit(self, loader: tud.DataLoader) -> None:
+    def restore_explicit(self, draw: DrawState) -> None:
         """Set the loader's and samplers' own generators (and stateful samplers) back; the
         global generator is left alone (see :meth:`draw_with_global`)."""
-        self.check_fits(loader)
-        for generator, state in zip(_generators(loader), self.generators):
+        self.check_fits(draw)
+        for generator, state in zip(_generators(draw), self.generators):
             generator.set_state(state)
-        if hasattr(loader, "_persistent_seed_drawn"):
-            loader._persistent_seed_drawn = self.worker_seed_drawn
-        chain = _samplers(loader)
+        draw.seed_drawn = self.worker_seed_drawn
+        chain = _samplers(draw)
         for sampler, state in zip(chain, self.samplers):
             if state is not None:
                 sampler.load_state_dict(state)
@@ -283,28 +263,28 @@ class _NotesFirstPull(Iterator[Any]):
 
 
 def begin_epoch(
-    loader: tud.DataLoader, number: int, resume: Position | None
+    draw: DrawState, number: int, resume: Position | None
 ) -> tuple[Position, Callable[[], Iterator[Any]], Callable[[], int] | None]:
     """An epoch's position, its index draw, and its length when that is not the index
     sampler's: a new epoch ``number`` drawn as torch draws it, or ``resume`` taken up where it
     was saved (the batches done dropped, nothing of them read; after a batch-size change, in
     the epoch or before the save, the rest of its sample order cut at the new size)."""
     if resume is None:
-        position = Position(number, RandomStates.capture(loader), batch_size=loader.batch_size)
-        return position, lambda: _NotesFirstPull(draw_epoch(loader), position), None
-    if loader._dataset_kind != _DatasetKind.Map:
-        return resume, lambda: draw_epoch(loader), None  # an iterable dataset continues from its own state
+        position = Position(number, RandomStates.capture(draw), batch_size=draw.batch_size)
+        return position, lambda: _NotesFirstPull(draw_epoch(draw), position), None
+    if not draw.map_style:
+        return resume, lambda: draw_epoch(draw), None  # an iterable dataset continues from its own state
     if resume.cuts:
-        remaining = remaining_batches(loader, resume)
+        remaining = remaining_batches(draw, resume)
     else:
-        resume.states.restore_explicit(loader)
+        resume.states.restore_explicit(draw)
         if not resume.sampler_started:
             # Saved before the sampler drew: what ``iter()`` drew (the workers' base seed) comes
             # from the saved global state, the sampler's own draws from the live generator, as
             # in the uninterrupted run, which made them after the save.
-            drawn = resume.states.with_global(lambda: draw_epoch(loader))
+            drawn = resume.states.with_global(lambda: draw_epoch(draw))
             return resume, lambda: _NotesFirstPull(drawn, resume), None
-        epoch_draws = resume.states.draw_with_global(lambda: draw_epoch(loader))
+        epoch_draws = resume.states.draw_with_global(lambda: draw_epoch(draw))
         if resume.delivered is None:
             resume.places = list(range(resume.batches, len(epoch_draws)))
         else:  # handed over out of order: the ones not done, wherever they are
@@ -326,8 +306,7 @@ def stream_ended(torch_iterator: Any) -> bool:
     return bool(getattr(getattr(torch_iterator, "_dataset_fetcher", None), "ended", False))
 
 
-def take_up_iterable(loader: tud.DataLoader, position: Position,
-                     make_iterator: Callable[[], Iterator[T]]) -> Iterator[T]:
+def take_up_iterable(draw: DrawState, position: Position, make_iterator: Callable[[], Iterator[T]]) -> Iterator[T]:
     """torch's iterator (``make_iterator()``) for a resumed epoch of an iterable dataset, made
     from the random states the epoch began with (the loader's generator, and the global one
     inside ``fork_rng``), as the uninterrupted run made it.
@@ -338,15 +317,15 @@ def take_up_iterable(loader: tud.DataLoader, position: Position,
     reset it, or an iterator of its own, whose state was saved beside). A dataset without one
     (or read by workers, which hold its state) is replayed: the batches done are read again and
     dropped, the global generator inside ``fork_rng`` going through the draws made for them."""
-    position.states.restore_explicit(loader)
+    position.states.restore_explicit(draw)
     dataset_state, stream_state = position.dataset_state, position.stream_state
     if dataset_state is not None or stream_state is not None:
         if dataset_state is not None:
-            _stateful(loader.dataset).load_state_dict(dataset_state)
+            draw.dataset.load_state_dict(dataset_state)
         iterator = position.states.with_global(make_iterator)
         stream = stream_of(iterator)
-        if stream is loader.dataset and dataset_state is not None:
-            loader.dataset.load_state_dict(dataset_state)
+        if stream is draw.dataset and dataset_state is not None:
+            draw.dataset.load_state_dict(dataset_state)
         elif stream_state is not None and stateful(stream):
             stream.load_state_dict(stream_state)
         if position.stream_ended:  # the saved states are those after the end: the rest is empty
@@ -360,7 +339,7 @@ def take_up_iterable(loader: tud.DataLoader, position: Position,
                 next(iterator)
             except StopIteration:
                 raise ResumeError(
-                    f"this {type(loader.dataset).__name__} ended after {done} batches while its saved epoch "
+                    f"this {type(draw.dataset).__name__} ended after {done} batches while its saved epoch "
                     f"had given {position.batches}: replaying it does not give the saved stream (its data "
                     "changed, or it draws random numbers the state does not capture)"
                 ) from None
@@ -369,17 +348,17 @@ def take_up_iterable(loader: tud.DataLoader, position: Position,
     return position.states.with_global(replayed)
 
 
-def remaining_batches(loader: tud.DataLoader, position: Position) -> list[Any]:
+def remaining_batches(draw: DrawState, position: Position) -> list[Any]:
     """The epoch's sample order drawn again from the states it began with (the generators
     then stand where a whole epoch leaves them), after the samples done, cut at the last
     batch size set."""
-    position.states.restore_explicit(loader)
+    position.states.restore_explicit(draw)
     if position.sampler_started:
-        order = position.states.with_global(lambda: draw_order(loader))
+        order = position.states.with_global(lambda: draw_order(draw))
     else:  # the sampler draws now, from the live global generator (see begin_epoch)
-        position.states.with_global(lambda: begin_drawing(loader))
-        order, position.sampler_started = epoch_order(_index_sampler(loader).sampler), True
-    return cut_order(order[position.samples_done() :], position.cuts[-1][2], loader.drop_last)
+        position.states.with_global(lambda: begin_drawing(draw))
+        order, position.sampler_started = epoch_order(draw.batch_sampler.sampler), True
+    return cut_order(order[position.samples_done() :], position.cuts[-1][2], draw.drop_last)
 
 
 def _length(obj: Any) -> int | None:
@@ -393,35 +372,30 @@ def _length(obj: Any) -> int | None:
 _ADDED_LATER = ("sampler_seed", "sampler_shuffle")
 
 
-def signature(loader: tud.DataLoader) -> dict[str, Any]:
+def signature(draw: DrawState) -> dict[str, Any]:
     """What must be the same between the loader that saved a state and the one loading it."""
-    sampler = _index_sampler(loader)
+    sampler = draw.index_sampler
     inner = getattr(sampler, "sampler", None)
-    built = built_batch_size(loader)
+    built = draw.built_batch_size
     batches = _length(sampler)
     inner_length = _length(inner)
-    if type(sampler) is tud.BatchSampler and built is not None and built != loader.batch_size \
+    if type(sampler) is tud.BatchSampler and built is not None and built != draw.batch_size \
             and inner_length is not None:
         whole, rest = divmod(inner_length, built)  # what it was before set_batch_size changed it
-        batches = whole + (1 if rest and not loader.drop_last else 0)
-    distributed = next((s for s in _samplers(loader) if isinstance(s, DistributedSampler)), None)
+        batches = whole + (1 if rest and not draw.drop_last else 0)
+    distributed = next((s for s in _samplers(draw) if isinstance(s, DistributedSampler)), None)
     return {
-        "dataset": type(loader.dataset).__name__,
-        "dataset_length": _length(loader.dataset),
+        "dataset": type(draw.dataset).__name__,
+        "dataset_length": _length(draw.dataset),
         "batch_size": built,
-        "drop_last": loader.drop_last,
+        "drop_last": draw.drop_last,
         "sampler": type(sampler).__name__ + (f"({type(inner).__name__})" if inner is not None else ""),
         "batches_per_epoch": batches,
-        "transforms": repr(getattr(loader, "transforms", None)),
+        "transforms": repr(draw.transforms),
         # a DistributedSampler's order is its seed's (and the epoch's): another seed, other samples
         "sampler_seed": distributed.seed if distributed is not None else None,
         "sampler_shuffle": distributed.shuffle if distributed is not None else None,
     }
-
-
-def built_batch_size(loader: tud.DataLoader) -> int | None:
-    """The batch size ``loader`` was built with (``set_batch_size`` changes the one in force)."""
-    return getattr(loader, "_built_batch_size", loader.batch_size)
 
 
 def check_signature(saved: dict[str, Any], current: dict[str, Any]) -> None:
@@ -449,11 +423,11 @@ def _is_rng(value: Any) -> bool:
         type(value).__module__.startswith("numpy.random") and type(value).__name__ in ("Generator", "RandomState"))
 
 
-def unrestorable(loader: tud.DataLoader) -> str | None:
-    """Why a resumed epoch of ``loader`` could draw another order than the saved one, or None:
+def unrestorable(draw: DrawState) -> str | None:
+    """Why a resumed epoch of ``draw``'s loader could draw another order than the saved one, or None:
     a sampler without ``state_dict``/``load_state_dict`` that keeps a random generator the state
     does not capture (one under another name than ``generator``, NumPy's or Python's)."""
-    for sampler in _samplers(loader):
+    for sampler in _samplers(draw):
         if type(sampler) in _KNOWN_SAMPLERS or stateful(sampler):
             continue
         attributes = getattr(sampler, "__dict__", {})
@@ -470,27 +444,27 @@ def unrestorable(loader: tud.DataLoader) -> str | None:
     return None
 
 
-_warned: weakref.WeakSet[Any] = weakref.WeakSet()  # loaders already warned by warn_unrestorable
+_warned: weakref.WeakSet[DrawState] = weakref.WeakSet()  # loaders (their draw states) warned by warn_unrestorable
 
 
-def warn_unrestorable(loader: tud.DataLoader) -> None:
+def warn_unrestorable(draw: DrawState) -> None:
     """Warn once per loader when its resume cannot be exact (see :func:`unrestorable`)."""
-    reason = unrestorable(loader)
-    if reason is not None and loader not in _warned:
-        _warned.add(loader)
+    reason = unrestorable(draw)
+    if reason is not None and draw not in _warned:
+        _warned.add(draw)
         warnings.warn(f"gpuload: resume is not exact: {reason}", RuntimeWarning, stacklevel=3)
 
 
-def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, transform_seed: int,
+def save_state(draw: DrawState, progress: Position | None, epoch: int, transform_seed: int,
                stream: Any = None, ended: bool = False) -> dict[str, Any]:
-    """The state dict of ``loader`` at ``progress`` (None: no epoch begun; ``epoch`` is then
+    """The state dict of ``draw``'s loader at ``progress`` (None: no epoch begun; ``epoch`` is then
     the epoch counter as it stands); ``stream``: the iterator an iterable dataset's ``__iter__``
     gave the epoch in progress (:func:`stream_of`), saved when it has its own state; ``ended``:
     torch's iterator of that epoch had met the stream's end (:func:`stream_ended`)."""
-    warn_unrestorable(loader)
-    epoch_batch_size, cuts, started, delivered = loader.batch_size, [], True, None
+    warn_unrestorable(draw)
+    epoch_batch_size, cuts, started, delivered = draw.batch_size, [], True, None
     if progress is None:
-        number, batches, finished, states = epoch, 0, True, RandomStates.capture(loader)
+        number, batches, finished, states = epoch, 0, True, RandomStates.capture(draw)
     else:
         number, batches, finished = progress.number, progress.batches, progress.finished
         states = progress.end_states if finished and progress.end_states is not None else progress.states
@@ -499,52 +473,52 @@ def save_state(loader: tud.DataLoader, progress: Position | None, epoch: int, tr
             started = progress.sampler_started
             delivered = _packed(progress.delivered)
             if progress.untracked:
-                _warn_once(loader, "gpuload: resume is not exact: torch's iterator did not tell which batches its "
+                _warn_once(draw, "gpuload: resume is not exact: torch's iterator did not tell which batches its "
                                    "workers handed over (in_order=False); the state assumes the first ones")
                 delivered = None
-            if batches and _replays_out_of_order(loader):
-                _warn_once(loader, _REPLAY_OUT_OF_ORDER)
+            if batches and _replays_out_of_order(draw):
+                _warn_once(draw, _REPLAY_OUT_OF_ORDER)
     return {
         "version": STATE_VERSION,
-        "signature": signature(loader),
+        "signature": signature(draw),
         "epoch": number,
         "batches": batches,
         "finished": finished,
         "transform_seed": transform_seed,
         "random": states.as_dict(),
-        "batch_size": loader.batch_size,  # in force now (set_batch_size); the signature's is the built one
+        "batch_size": draw.batch_size,  # in force now (set_batch_size); the signature's is the built one
         "epoch_batch_size": epoch_batch_size,
         "cuts": cuts,
         "sampler_started": started,
         "out_of_order": delivered,
-        "dataset": _dataset_state(loader, progress),
-        "dataset_iterator": _stream_state(loader, progress, stream),
+        "dataset": _dataset_state(draw, progress),
+        "dataset_iterator": _stream_state(draw, progress, stream),
         "stream_ended": progress is not None and not progress.finished and (progress.stream_ended or ended),
     }
 
 
-def _stream_state(loader: tud.DataLoader, progress: Position | None, stream: Any) -> Any:
+def _stream_state(draw: DrawState, progress: Position | None, stream: Any) -> Any:
     """The own state of the iterator an iterable dataset's ``__iter__`` returned (not the dataset
     itself, saved already), read in this process; a loaded one not taken up yet is that one."""
-    if progress is None or progress.finished or loader.num_workers > 0:
+    if progress is None or progress.finished or draw.num_workers > 0:
         return None
     if progress.stream_state is not None:
         return progress.stream_state
-    return stream.state_dict() if stream is not None and stream is not loader.dataset and stateful(stream) else None
+    return stream.state_dict() if stream is not None and stream is not draw.dataset and stateful(stream) else None
 
 
-def _dataset_state(loader: tud.DataLoader, progress: Position | None) -> Any:
+def _dataset_state(draw: DrawState, progress: Position | None) -> Any:
     """The dataset's own ``state_dict()`` where it is the loop's position: a map-style dataset,
     or an iterable one read in this process (read by workers, its state lives in their copies:
     the main process's copy never iterated). A state loaded and not taken up yet is that one."""
-    if not stateful(loader.dataset):
+    if not stateful(draw.dataset):
         return None
-    if loader._dataset_kind != _DatasetKind.Map:
-        if loader.num_workers > 0:
+    if not draw.map_style:
+        if draw.num_workers > 0:
             return None
         if progress is not None and progress.dataset_state is not None:
             return progress.dataset_state
-    return _stateful(loader.dataset).state_dict()
+    return draw.dataset.state_dict()
 
 
 _REPLAY_OUT_OF_ORDER = (
@@ -552,16 +526,16 @@ _REPLAY_OUT_OF_ORDER = (
     "replayed, and the batches the replay drops are the first its workers hand over, which depends on "
     "their timing; use in_order=True for an exact resume"
 )
-_warned_replay: weakref.WeakSet[Any] = weakref.WeakSet()  # loaders warned of an out-of-order replay
+_warned_replay: weakref.WeakSet[DrawState] = weakref.WeakSet()  # loaders warned of an out-of-order replay
 
 
-def _replays_out_of_order(loader: tud.DataLoader) -> bool:
-    return loader._dataset_kind != _DatasetKind.Map and loader.num_workers > 0 and not loader.in_order
+def _replays_out_of_order(draw: DrawState) -> bool:
+    return not draw.map_style and draw.num_workers > 0 and not draw.in_order
 
 
-def _warn_once(loader: tud.DataLoader, message: str) -> None:
-    if loader not in _warned_replay:
-        _warned_replay.add(loader)
+def _warn_once(draw: DrawState, message: str) -> None:
+    if draw not in _warned_replay:
+        _warned_replay.add(draw)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
@@ -596,61 +570,63 @@ class LoadedState:
     batch_size: int | None = None
 
 
-def _check_own_states(loader: tud.DataLoader, state: dict[str, Any], iterable: bool) -> None:
-    """ResumeError naming the key of ``state`` that holds an own state no part of ``loader`` takes:
+def _check_own_states(draw: DrawState, state: dict[str, Any]) -> None:
+    """ResumeError naming the key of ``state`` that holds an own state no part of the loader (``draw``) takes:
     a dataset's without ``state_dict``, a sampler's without one, an iterator's or a stream's end
     for a map-style dataset."""
-    if state["dataset"] is not None and not stateful(loader.dataset):
-        raise ResumeError(f"this loader state holds a 'dataset' state, but this {type(loader.dataset).__name__} has no "
-                          "state_dict()/load_state_dict() to take it: build the loader over the dataset that saved it")
+    if state["dataset"] is not None and not stateful(draw.dataset):
+        raise ResumeError(f"this loader state holds a 'dataset' state, but this {type(draw.dataset).__name__} has "
+                          "no state_dict()/load_state_dict() to take it: build the loader over the dataset that "
+                          "saved it")
     for key in ("dataset_iterator", "stream_ended"):
-        if state.get(key) and not iterable:
+        if state.get(key) and draw.map_style:
             raise ResumeError(f"this loader state's {key!r} is {state[key]!r}, which only an iterable dataset's "
-                              f"epoch saves, but this loader's {type(loader.dataset).__name__} is map-style")
-    chain = _samplers(loader)
+                              f"epoch saves, but this loader's {type(draw.dataset).__name__} is map-style")
+    chain = _samplers(draw)
     for place, own in enumerate(state["random"].get("samplers", [])):
         if own is not None and (place >= len(chain) or not stateful(chain[place])):
             raise ResumeError(f"this loader state's 'random.samplers[{place}]' is a sampler's own state, but this "
                               "loader has no sampler with state_dict()/load_state_dict() there")
 
 
-def _check_batches_fit(loader: tud.DataLoader, position: Position) -> None:
+def _check_batches_fit(draw: DrawState, position: Position) -> None:
     """ResumeError when ``position`` has more batches (or samples, after a batch-size change)
     done than its epoch has: taken up, it would be an empty epoch or other samples."""
-    if loader._dataset_kind != _DatasetKind.Map:
+    if not draw.map_style:
         return  # a stream's length is known only at its end
-    batch_sampler = loader.batch_sampler
+    batch_sampler = draw.batch_sampler
     samples = _length(batch_sampler.sampler) if type(batch_sampler) is tud.BatchSampler else None
     if samples is not None:
         done, samples_done, size = position.cuts[-1] if position.cuts else (0, 0, position.batch_size or 1)
         if samples_done > samples:
             raise ResumeError(f"this loader state's 'cuts' put {samples_done} samples done in an epoch of {samples}")
         rest = samples - samples_done
-        most: int | None = done + (rest // size if loader.drop_last else -(-rest // size))
+        most: int | None = done + (rest // size if draw.drop_last else -(-rest // size))
     elif position.cuts:
         raise ResumeError("this loader state's 'cuts' change the batch size, but this loader's batches are not "
                           "cut by torch's BatchSampler (batch_size=None or batch_sampler=)")
     else:
-        most = _length(_index_sampler(loader))
+        most = _length(draw.index_sampler)
     if most is not None and position.batches > most:
         raise ResumeError(f"this loader state's 'batches' is {position.batches}, but epoch {position.number} of this "
                           f"loader has {most} batches: the state was edited, or saved by another loader")
 
 
-def load_state(loader: tud.DataLoader, state: dict[str, Any], *, iterable: bool) -> LoadedState:
-    """Check ``state`` against ``loader`` and restore what is restored at once: the dataset's own
+def load_state(draw: DrawState, state: dict[str, Any]) -> LoadedState:
+    """Check ``state`` against ``draw``'s loader and restore what is restored at once: the dataset's own
     state and, when the saved epoch had ended, the generators. A position inside an epoch is
     returned for the next ``iter()`` to take up."""
     state = check_format(state)
-    check_signature(state["signature"], signature(loader))
+    check_signature(state["signature"], signature(draw))
     states = RandomStates.from_dict(state["random"])
-    states.check_fits(loader)
-    _check_own_states(loader, state, iterable)
-    warn_unrestorable(loader)
+    states.check_fits(draw)
+    _check_own_states(draw, state)
+    warn_unrestorable(draw)
+    iterable = not draw.map_style
     # an iterable dataset's own state, saved without workers, is loaded into the dataset only
     # once the resumed epoch's iterator has called its __iter__ (take_up_iterable)
-    dataset_state = state["dataset"] if not iterable or loader.num_workers == 0 else None
-    stream_state = state.get("dataset_iterator") if iterable and loader.num_workers == 0 else None
+    dataset_state = state["dataset"] if not iterable or draw.num_workers == 0 else None
+    stream_state = state.get("dataset_iterator") if iterable and draw.num_workers == 0 else None
     deferred = iterable and not state["finished"]
     batch_size = state.get("batch_size", state["signature"].get("batch_size"))
     progress = None
@@ -663,12 +639,12 @@ def load_state(loader: tud.DataLoader, state: dict[str, Any], *, iterable: bool)
                             dataset_state=dataset_state if deferred else None, stream_state=stream_state,
                             delivered=_unpacked(state.get("out_of_order")) if done else None,
                             stream_ended=bool(state.get("stream_ended", False)))
-        _check_batches_fit(loader, progress)
+        _check_batches_fit(draw, progress)
     if dataset_state is not None and not deferred:
-        _stateful(loader.dataset).load_state_dict(dataset_state)
+        draw.dataset.load_state_dict(dataset_state)
     if progress is None:
-        states.restore_explicit(loader)
+        states.restore_explicit(draw)
         return LoadedState(state["epoch"], None, state["transform_seed"], batch_size)
-    if progress.batches and _replays_out_of_order(loader):
-        _warn_once(loader, _REPLAY_OUT_OF_ORDER)
+    if progress.batches and _replays_out_of_order(draw):
+        _warn_once(draw, _REPLAY_OUT_OF_ORDER)
     return LoadedState(state["epoch"], progress, state["transform_seed"], batch_size)

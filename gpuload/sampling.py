@@ -16,6 +16,7 @@ the real iterator is used instead if they ever disagree (a different torch relea
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sized
+from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, TypeGuard, cast
 
@@ -27,12 +28,11 @@ from torch.utils.data import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
-from torch.utils.data.dataloader import _DatasetKind
 from torch.utils.data.distributed import DistributedSampler
 
 __all__ = [
-    "MAX_BATCH_SIZE", "begin_drawing", "can_draw_whole_epoch", "checked_batch_size", "cut_order", "draw_epoch",
-    "draw_order", "draws_in_range", "epoch_batches", "epoch_order", "in_range", "start_epoch_like_torch",
+    "MAX_BATCH_SIZE", "DrawState", "begin_drawing", "can_draw_whole_epoch", "checked_batch_size", "cut_order",
+    "draw_epoch", "draw_order", "draws_in_range", "epoch_batches", "epoch_order", "in_range", "start_epoch_like_torch",
 ]
 
 # The largest batch size ``set_batch_size`` takes (index tensors and kernels count in int32).
@@ -54,60 +54,109 @@ Draw = tuple[int, Callable[[], torch.Tensor]]
 _replay_matches: dict[tuple[bool, bool, bool, bool], bool] = {}
 
 
-def start_epoch_like_torch(loader: Any, seed_drawn: bool) -> tuple[Iterator[Any], bool]:
+@dataclass(eq=False)
+class DrawState:
+    """What draws a loader's epochs of indices as torch's iterator draws them, and what a resume
+    checks and restores: torch's arguments that decide the order, whether the loader batches
+    (torch's automatic collation) and whether the persistent workers' seed is drawn (once a run).
+
+    The loader owns one and passes it to this module and :mod:`gpuload.resume`, which read and
+    write nothing else of the loader; the loader keeps the attributes torch lets a user reassign
+    after construction (:attr:`FOLLOWED`) and the batch size in force in step with its own."""
+
+    #: the loader's attributes a user may reassign after construction, followed here
+    FOLLOWED = ("generator", "num_workers", "in_order", "transforms")
+
+    dataset: Any
+    sampler: Any
+    batch_sampler: Any  # None without automatic batching (batch_size=None)
+    generator: torch.Generator | None
+    batch_size: int | None  # in force (set_batch_size changes it)
+    drop_last: bool
+    num_workers: int
+    persistent_workers: bool
+    in_order: bool
+    map_style: bool  # a map-style dataset (torch's _DatasetKind.Map), not an IterableDataset
+    transforms: Any = None
+    built_batch_size: int | None = None  # the batch size the loader was built with
+    seed_drawn: bool = False  # the persistent workers' base seed has been drawn
+
+    @classmethod
+    def of(cls, loader: Any, map_style: bool) -> DrawState:
+        """The draw state of torch-style ``loader`` as just built."""
+        return cls(
+            dataset=loader.dataset, sampler=loader.sampler, batch_sampler=loader.batch_sampler,
+            generator=loader.generator, batch_size=loader.batch_size, drop_last=loader.drop_last,
+            num_workers=loader.num_workers, persistent_workers=loader.persistent_workers,
+            in_order=loader.in_order, map_style=map_style, transforms=getattr(loader, "transforms", None),
+            built_batch_size=loader.batch_size,
+        )
+
+    @property
+    def batched(self) -> bool:
+        """Whether the loader makes batches (torch's automatic collation)."""
+        return self.batch_sampler is not None
+
+    @property
+    def index_sampler(self) -> Any:
+        """What an epoch's iterator pulls from: the batch sampler, or the sampler without batching."""
+        return self.batch_sampler if self.batched else self.sampler
+
+
+def start_epoch_like_torch(draw: DrawState, seed_drawn: bool) -> tuple[Iterator[Any], bool]:
     """The index sampler's iterator for a new epoch, consuming the generator exactly as torch's
     iterator does; returns it and whether the persistent workers' seed has been drawn.
 
-    torch draws a base seed for its workers from ``loader.generator`` each time an iterator is
+    torch draws a base seed for its workers from the loader's generator each time an iterator is
     made (once only with persistent workers), after calling ``iter()`` on the index sampler,
     and multi-process iterators call ``iter()`` on it a second time. Matching this keeps the
     sampler's random stream, and so the batch order, identical to torch's.
     """
-    sampler_iter = iter(loader._index_sampler)
-    persistent = loader.persistent_workers and loader.num_workers > 0
+    sampler_iter = iter(draw.index_sampler)
+    persistent = draw.persistent_workers and draw.num_workers > 0
     if not (persistent and seed_drawn):
-        torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+        torch.empty((), dtype=torch.int64).random_(generator=draw.generator)
         seed_drawn = True
-        if loader.num_workers > 0:
-            sampler_iter = iter(loader._index_sampler)
+        if draw.num_workers > 0:
+            sampler_iter = iter(draw.index_sampler)
     else:
-        sampler_iter = iter(loader._index_sampler)
+        sampler_iter = iter(draw.index_sampler)
     return sampler_iter, seed_drawn
 
 
-def begin_drawing(loader: Any) -> Iterator[Any]:
-    """:func:`start_epoch_like_torch` for ``loader``, noting on it whether its persistent
-    workers' seed has been drawn (``_persistent_seed_drawn``, drawn once in a run)."""
-    indices, loader._persistent_seed_drawn = start_epoch_like_torch(loader, loader._persistent_seed_drawn)
+def begin_drawing(draw: DrawState) -> Iterator[Any]:
+    """:func:`start_epoch_like_torch` for ``draw``, noting on it whether the persistent workers'
+    seed has been drawn (``seed_drawn``, drawn once in a run)."""
+    indices, draw.seed_drawn = start_epoch_like_torch(draw, draw.seed_drawn)
     return indices
 
 
-def draw_epoch(loader: Any) -> Iterator[Any]:
-    """``loader``'s next epoch of index batches, drawn as torch's iterator draws them (as int64
-    tensors for torch's samplers)."""
-    indices = begin_drawing(loader)
-    if loader._auto_collation and can_draw_whole_epoch(loader.batch_sampler):
-        return epoch_batches(loader.batch_sampler)
+def draw_epoch(draw: DrawState) -> Iterator[Any]:
+    """The next epoch of index batches, drawn as torch's iterator draws them (as int64 tensors
+    for torch's samplers)."""
+    indices = begin_drawing(draw)
+    if draw.batched and can_draw_whole_epoch(draw.batch_sampler):
+        return epoch_batches(draw.batch_sampler)
     return indices
 
 
-def draw_order(loader: Any) -> torch.Tensor | list[Any]:
-    """``loader``'s next epoch as one flat sample order, drawn as torch's iterator and
-    BatchSampler draw it (for cutting at another batch size)."""
-    begin_drawing(loader)
-    return epoch_order(loader.batch_sampler.sampler)
+def draw_order(draw: DrawState) -> torch.Tensor | list[Any]:
+    """The next epoch as one flat sample order, drawn as torch's iterator and BatchSampler draw
+    it (for cutting at another batch size)."""
+    begin_drawing(draw)
+    return epoch_order(draw.batch_sampler.sampler)
 
 
-def checked_batch_size(loader: Any, batch_size: Any, built_batch_size: int | None) -> int:
-    """``batch_size`` if ``loader`` (built with ``built_batch_size``) can change to it, else the
+def checked_batch_size(draw: DrawState, batch_size: Any) -> int:
+    """``batch_size`` if the loader that ``draw`` draws for can change to it, else the
     ValueError saying why."""
-    if loader._dataset_kind != _DatasetKind.Map:
+    if not draw.map_style:
         raise ValueError(
-            f"set_batch_size: an IterableDataset ({type(loader.dataset).__name__}) makes its own "
+            f"set_batch_size: an IterableDataset ({type(draw.dataset).__name__}) makes its own "
             "batches from its stream; gpuload cannot re-cut them (build a new DataLoader)"
         )
-    if built_batch_size is None:
-        if loader.batch_sampler is not None:
+    if draw.built_batch_size is None:
+        if draw.batch_sampler is not None:
             raise ValueError(
                 "set_batch_size: batch_sampler option is mutually exclusive with batch_size, "
                 "shuffle, sampler, and drop_last; this loader's batch_sampler= makes its batches, "

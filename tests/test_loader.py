@@ -508,6 +508,30 @@ def test_a_loader_pickles_without_its_runtime_state_and_yields_the_same_batches(
         assert len(list(again)) == len(loader)
 
 
+def test_a_generator_reassigned_after_construction_draws_the_order_as_torchs() -> None:
+    # torch lets ``loader.generator`` be set after construction (unlike the sampler): each epoch
+    # then draws its workers' base seed from the new one, the sampler's order from the global
+    # generator; ours follows it, as does a resumed epoch
+    def batches(loader: torch.utils.data.DataLoader) -> list[list[int]]:
+        loader.generator = torch.Generator().manual_seed(9)
+        torch.manual_seed(3)
+        return [batch[1].tolist() for _ in range(2) for batch in loader]
+
+    data = dataset()
+    theirs = batches(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
+    ours = gpuload.DataLoader(data, batch_size=4, shuffle=True, device="cpu", prefetch_depth=0)
+    assert batches(ours) == theirs
+    ours.generator = torch.Generator().manual_seed(9)
+    torch.manual_seed(3)
+    iterator = iter(ours)
+    first = next(iterator)[1].tolist()
+    state = ours.state_dict()
+    resumed = gpuload.DataLoader(data, batch_size=4, shuffle=True, device="cpu", prefetch_depth=0)
+    resumed.generator = torch.Generator()
+    resumed.load_state_dict(state)
+    assert [first, *(batch[1].tolist() for batch in resumed)] == theirs[: len(theirs) // 2]
+
+
 def test_swapped_in_for_torchs_class_it_still_runs() -> None:
     import torch.utils.data.dataloader as torch_dataloader
 
