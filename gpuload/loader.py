@@ -36,7 +36,7 @@ from gpuload.resume import (
     take_up_iterable,
 )
 from gpuload.sampling import DrawState, checked_batch_size, draws_in_range
-from gpuload.sources import Indices, Schedule, Source, Work, runs_ahead
+from gpuload.sources import Indices, RestOfEpoch, Schedule, Source, Work, runs_ahead
 from gpuload.sources.choose import choose_source
 from gpuload.state_format import check_format
 from gpuload.stats import LoaderStats, Tally
@@ -186,9 +186,9 @@ class DataLoader(tud.DataLoader[T_co]):
         position, draw, length = begin_epoch(self._draw, self._epoch, resume)
         self._position = position
         self._iterable_resume = resume if not map_style else None  # taken by _torch_epoch
-        indices = Indices(self._epoch, draw, self._in_range, resumed=resume is not None, copy_now=self._copy_now,
-                          worker_seed_drawn=self._draw.seed_drawn, position=position.after_cut(),
-                          places=position.places, handed_over=position.hand_over if not position.cuts else None)
+        rest = RestOfEpoch(position.places, position.after_cut()) if resume is not None else None
+        indices = Indices(self._epoch, draw, self._in_range, rest, copy_now=self._copy_now,
+                          handed_over=position.hand_over if not position.cuts else None)
         try:
             work, items = self._start(source.schedule(indices), "")
         finally:
@@ -331,7 +331,7 @@ class DataLoader(tud.DataLoader[T_co]):
                 raise RuntimeError("the gpuload.DataLoader of this epoch was garbage-collected")
             return method()
 
-        return choose_source(self, self._cache_settings, self._stats, self._transform_seed, epoch)
+        return choose_source(self, self._draw, self._cache_settings, self._stats, self._transform_seed, epoch)
 
     def _torch_epoch(self) -> Iterator[Any]:
         """torch's own iterator for one epoch (fetch, collate, worker processes); for an iterable
@@ -378,8 +378,8 @@ class DataLoader(tud.DataLoader[T_co]):
         made as for a resumed epoch, from the remaining batches (what ran ahead is dropped)."""
         _, draw, length = begin_epoch(self._draw, position.number, position)  # the rest of its order, cut
         assert length is not None  # only a BatchSampler's epoch is cut: begin_epoch counts its rest
-        indices = Indices(position.number, draw, self._in_range, resumed=True, copy_now=self._copy_now,
-                          worker_seed_drawn=self._draw.seed_drawn, position=position.after_cut())
+        indices = Indices(position.number, draw, self._in_range, RestOfEpoch(cut=position.after_cut()),
+                          copy_now=self._copy_now)
         stopping = "the rest of this epoch at a new batch size (set_batch_size)"
         work, items = self._start(self._source.schedule(indices), stopping)
         return work, items, length

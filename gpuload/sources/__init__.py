@@ -49,7 +49,9 @@ from gpuload.distributed.sharded_store import ShardedStore
 from gpuload.stats import LoaderStats
 from gpuload.transfer import staging_through
 
-__all__ = ["DEFAULT_DEPTH", "Indices", "Schedule", "Setup", "Source", "Work", "ahead_on_device", "runs_ahead"]
+__all__ = [
+    "DEFAULT_DEPTH", "Indices", "RestOfEpoch", "Schedule", "Setup", "Source", "Work", "ahead_on_device", "runs_ahead",
+]
 
 # Batches in flight when their size is unknown before the first one: double buffering, one
 # being copied (or made) while the next is made.
@@ -84,6 +86,20 @@ class Setup:
 
 
 @dataclass(frozen=True)
+class RestOfEpoch:
+    """The part of an epoch that :attr:`Indices.draw` yields when the epoch is taken up mid-way
+    (``load_state_dict``, or the rest of an epoch after ``set_batch_size``): only the batches
+    after that point. ``places``: each of them's place among the epoch's index batches (None:
+    they follow each other from there); ``cut``: ``(batches done, samples done, batch size)``
+    when they are the rest of the epoch's sample order from that sample cut at that size, so a
+    source that computes other ranks' batches (the sharded cache) cuts theirs alike (None: the
+    batches as the epoch's sampler cuts them)."""
+
+    places: list[int] | None = None
+    cut: tuple[int, int, int] | None = None
+
+
+@dataclass(frozen=True)
 class Indices:
     """One epoch's batch indices as the loader draws them, and what a source must know of them.
 
@@ -92,32 +108,27 @@ class Indices:
     same way), and must be called at most once, only by sources that make batches from
     indices; ``in_range``: the drawn indices are int64 tensors already known to lie in
     ``[0, len(dataset))`` (torch's Random and Sequential samplers over the whole dataset), so
-    they need no check. ``resumed``: the epoch is taken up mid-way (``load_state_dict``, or the
-    rest of an epoch after ``set_batch_size``); ``draw`` yields only the batches after that
-    point, so a source that otherwise runs torch's own iterator (which would start the epoch
-    from its beginning) makes batches from them instead. ``worker_seed_drawn``: persistent
-    workers' base seed was drawn already in this run (torch draws it once, when its persistent
-    iterator is first made; a resumed run must not again). ``position``: ``(batches done,
-    samples done, batch size)`` when ``draw`` yields the rest of the epoch's sample order from
-    that sample cut at that size, so a source that computes other ranks' batches (the sharded
-    cache) cuts theirs alike; None when ``draw`` yields the epoch's batches as its sampler cuts them.
+    they need no check. ``rest``: the epoch is taken up mid-way (see :class:`RestOfEpoch`), so a
+    source that otherwise runs torch's own iterator (which would start the epoch from its
+    beginning) makes batches from the drawn ones instead; None: the whole epoch.
     ``copy_now``: copies a host batch (or a prefetcher ``Fill``) to the device through the
     loader's staging in the caller's thread, for batches made in the loop's thread: the one
-    host-to-device path (``Prefetcher.copy_now``). ``places``: for the rest of a resumed epoch,
-    each batch's place among the epoch's index batches; ``handed_over(place)``: called in the
-    loop's thread for each batch a source hands over out of order (workers with
-    ``in_order=False``), so the position records which were done.
+    host-to-device path (``Prefetcher.copy_now``). ``handed_over(place)``: called in the loop's
+    thread for each batch a source hands over out of order (workers with ``in_order=False``),
+    so the position records which were done.
     """
 
     number: int
     draw: Callable[[], Iterator[Any]]
     in_range: bool = False
-    resumed: bool = False
-    worker_seed_drawn: bool = False
-    position: tuple[int, int, int] | None = None
+    rest: RestOfEpoch | None = None
     copy_now: Callable[[Any], Any] | None = None
-    places: list[int] | None = None
     handed_over: Callable[[int | None], None] | None = None
+
+    @property
+    def resumed(self) -> bool:
+        """Whether the epoch is taken up mid-way (``draw`` yields only the rest)."""
+        return self.rest is not None
 
     def batches(self, ahead: bool) -> Iterator[Any]:
         """This epoch's batch indices. Ahead of the loop they are all drawn now, in the loop's
@@ -265,7 +276,8 @@ class Source(ABC):
 
         def start(ahead: bool) -> Work:
             drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in indices.batches(ahead)]
-            steps = store.epoch(setup.batch_sampler, drawn, position=indices.position, ahead=ahead,
+            cut = indices.rest.cut if indices.rest is not None else None
+            steps = store.epoch(setup.batch_sampler, drawn, position=cut, ahead=ahead,
                                 loop_wait_s=setup.stats.wait_time_s if self.exchange_ahead else 0.0,
                                 number=indices.number)
             return self.exchanged(steps, indices.number, ahead)

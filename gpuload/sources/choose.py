@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.utils.data.dataloader import _DatasetKind
-
 from gpuload.cache import CacheSettings
+from gpuload.sampling import DrawState
 from gpuload.sources import Setup, Source, arrays, images, tokens
 from gpuload.sources.samples import SampleSource, TorchLoading
 from gpuload.stats import LoaderStats
@@ -15,15 +14,15 @@ from gpuload.stats import LoaderStats
 __all__ = ["choose_source"]
 
 
-def choose_source(loader: Any, settings: CacheSettings, stats: LoaderStats, seed: int,
+def choose_source(loader: Any, draw: DrawState, settings: CacheSettings, stats: LoaderStats, seed: int,
                   torch_epoch: Callable[[], Iterator[Any]]) -> Source:
     """The Source for ``loader``'s dataset: in-memory arrays, else image files, else any dataset
     through torch's fetch, collate and workers (``torch_epoch``: the loader's own torch
-    iterator for one epoch). ``settings``, ``stats``, ``seed``: the loader's cache settings,
-    counters and transforms' seed."""
+    iterator for one epoch). ``draw``, ``settings``, ``stats``, ``seed``: the loader's draw
+    state, cache settings, counters and transforms' seed."""
     setup = Setup(
-        dataset=loader.dataset, map_style=loader._dataset_kind == _DatasetKind.Map, device=loader.device,
-        settings=settings, batched=loader._auto_collation, batch_size=loader.batch_size,
+        dataset=loader.dataset, map_style=draw.map_style, device=loader.device,
+        settings=settings, batched=draw.batched, batch_size=loader.batch_size,
         collate_fn=loader.collate_fn, stats=stats, owner=f"loader-{id(loader)}", transforms=loader.transforms,
         seed=seed, on_error=loader.on_error, batch_sampler=loader.batch_sampler,
         worker_code=loader.num_workers > 0 and loader.worker_init_fn is not None,
@@ -44,4 +43,6 @@ def choose_source(loader: Any, settings: CacheSettings, stats: LoaderStats, seed
         "persistent_workers": loader.persistent_workers, "pin_memory": loader.pin_memory,
         "pin_memory_device": loader.pin_memory_device, "in_order": loader.in_order,
     }
-    return SampleSource(setup, TorchLoading(torch_epoch, loader._index_sampler, loader.num_workers, options))
+    torch_loading = TorchLoading(torch_epoch, draw.index_sampler, loader.num_workers, options,
+                                 seed_drawn=lambda: draw.seed_drawn)  # keeps the draw state, not the loader
+    return SampleSource(setup, torch_loading)

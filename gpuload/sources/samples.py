@@ -166,9 +166,10 @@ class SampleSource(Source):
             handed = deque()  # each batch's place, queued as it leaves torch's iterator (HandedOver)
             finish = self._noting_places(finish, handed, request.handed_over)
         if request.resumed:
-            epoch = self._worker_epoch(cached, list(request.batches(ahead)), handed=handed, places=request.places)
+            places = request.rest.places if request.rest is not None else None
+            epoch = self._worker_epoch(cached, list(request.batches(ahead)), handed=handed, places=places)
         else:
-            epoch = self._worker_epoch(cached, seed_drawn=request.worker_seed_drawn, handed=handed)
+            epoch = self._worker_epoch(cached, seed_drawn=self.torch.seed_drawn(), handed=handed)
         return Work(epoch, finish, length=epoch.length, from_torch=not request.resumed,
                     torch_iterator=epoch.torch_iterator)
 

@@ -100,12 +100,15 @@ class TorchLoading:
     (``iterate``), and what it takes to build a private torch DataLoader that runs the same
     epoch through the same workers to fill the cache (``options``: worker_init_fn,
     multiprocessing_context, timeout, prefetch_factor, persistent_workers, pin_memory,
-    pin_memory_device, in_order, generator)."""
+    pin_memory_device, in_order, generator). ``seed_drawn()``: whether the persistent workers'
+    base seed was drawn already in this run (torch draws it once, when its persistent iterator
+    is first made; a resumed run must not again): the loader's draw state says."""
 
     iterate: Callable[[], Iterator[Any]]
     index_sampler: Any
     num_workers: int
     options: dict[str, Any] = field(default_factory=dict)
+    seed_drawn: Callable[[], bool] = lambda: False
 
 
 class TorchBatches(Iterator[Any]):
