@@ -2,27 +2,26 @@
 
 One class serves every path. It pulls the epoch's items (made in the loop's thread, or by the
 prefetcher's thread ahead of it), finishes each in the loop's thread, and counts batches,
-samples and the time the loop waited inside ``next()``. An epoch stopped from another thread
-(``close()``, a newer epoch sharing torch's persistent iterator) raises
+samples and the time the loop waited inside ``next()``. It asks the epoch's stop token
+(:class:`gpuload.epoch.Epoch`, shared with the prefetcher's thread): an epoch stopped from
+another thread (``close()``, a newer epoch sharing torch's persistent iterator) raises
 :class:`EpochStoppedError` at its next batch, also from inside the ``next()`` it waits in: it
 never ends early as if complete.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gpuload.prefetch import EpochStoppedError, one_epoch_at_a_time
+from gpuload.epoch import Epoch, EpochStoppedError, one_epoch_at_a_time
 from gpuload.resume import Position
 from gpuload.sources import Work
 from gpuload.stats import LoaderStats
 
-__all__ = ["EpochIterator", "OpenEpochs", "close_when_idle", "release_torch_frames", "shut_down_workers",
-           "unequal_stack"]
+__all__ = ["EpochIterator", "OpenEpochs", "release_torch_frames", "shut_down_workers", "unequal_stack"]
 
 _TORCH_LOADING = ("torch.utils.data", "torch._utils")  # modules of torch's iterators and its re-raise
 _UNEQUAL_STACK = "stack expects each tensor to be equal size"  # torch.stack, in torch's default collate
@@ -46,7 +45,8 @@ class EpochIterator(Iterator[Any]):
     ``items`` is ``work.items`` itself, or the prefetcher's epoch over it; ``length`` gives
     ``len()`` as torch's iterators report it (less the batches a resumed epoch skips), fixed
     for the epoch; ``position`` counts the index batches done, for ``state_dict()``, and
-    ``on_end(position)`` runs once when the epoch ends.
+    ``on_end(position)`` runs once when the epoch ends. ``epoch``: the stop token it shares with
+    the thread making ``items`` ahead (a new one if not given).
     """
 
     def __init__(
@@ -57,6 +57,7 @@ class EpochIterator(Iterator[Any]):
         length: Callable[[], int],
         position: Position,
         on_end: Callable[[Position], None],
+        epoch: Epoch | None = None,
     ) -> None:
         self._items = items
         self._finish = work.finish
@@ -65,8 +66,7 @@ class EpochIterator(Iterator[Any]):
         self._position = position
         self._on_end = on_end
         self._torch_iterator = work.torch_iterator
-        self._stopped_by: str | None = None
-        self._inside = threading.Lock()  # held while a thread pulls from the items (see wait_idle)
+        self._epoch = epoch if epoch is not None else Epoch()
 
     def __getattr__(self, name: str) -> Any:
         # torch's iterator attributes (``_workers``, ...) for code that reads them; a gpuload
@@ -85,10 +85,16 @@ class EpochIterator(Iterator[Any]):
     def position(self) -> Position:
         return self._position
 
-    def replace(self, work: Work, items: Iterator[Any], length: Callable[[], int]) -> None:
+    @property
+    def epoch(self) -> Epoch:
+        """The stop token this iterator asks (replaced with the work, see :meth:`replace`)."""
+        return self._epoch
+
+    def replace(self, work: Work, items: Iterator[Any], length: Callable[[], int], epoch: Epoch) -> None:
         """Go on with other work from the next batch (the rest of this epoch, cut at another
-        batch size); the items made ahead for the old work are never delivered."""
-        self._items, self._finish, self._length = items, work.finish, length
+        batch size), under ``epoch``, its stop token; the items made ahead for the old work are
+        never delivered."""
+        self._items, self._finish, self._length, self._epoch = items, work.finish, length, epoch
         self._torch_iterator = work.torch_iterator
 
     def __len__(self) -> int:
@@ -105,34 +111,33 @@ class EpochIterator(Iterator[Any]):
     def stop(self, cause: str) -> None:
         """End this epoch before its end: the next ``next()`` (or the one a thread waits in)
         raises :class:`EpochStoppedError` naming ``cause``; an epoch that ended goes on ending."""
-        if not self._position.finished:
-            self._stopped_by = cause
+        self._epoch.stop(cause)
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for a ``next()`` in progress in another thread to return;
         False if it did not (its thread is still inside the source: a slow sample)."""
-        if not self._inside.acquire(timeout=timeout):
-            return False
-        self._inside.release()
-        return True
-
-    def _raise_if_stopped(self, cause: BaseException | None = None) -> None:
-        if self._stopped_by is not None:
-            raise EpochStoppedError.at(self._position.batches, self._stopped_by) from cause
+        return self._epoch.wait_idle(timeout, background=False)
 
     def __next__(self) -> Any:
         started = time.perf_counter()
+        epoch = self._epoch
         try:
-            with self._inside:  # a stop marked before this is seen here; close() waits for the rest
-                self._raise_if_stopped()
+            epoch.enter()  # a stop marked before this is seen here; close() waits for the rest
+            try:
+                if epoch.cause is not None:
+                    epoch.raise_if_stopped(self._position.batches)
                 finished = None
                 while finished is None:
                     item = next(self._items)
-                    self._raise_if_stopped()  # stopped while it waited: never deliver, never end short
+                    if epoch.cause is not None:  # stopped while it waited: never deliver, never end short
+                        epoch.raise_if_stopped(self._position.batches)
                     finished = self._finish(item)
                     self._position.batches += 1  # also a batch whose every file was skipped
+            finally:
+                epoch.leave()
         except StopIteration:
-            self._raise_if_stopped()
+            if not epoch.end():
+                epoch.raise_if_stopped(self._position.batches)
             if not self._position.finished:
                 self._position.finished = True
                 self._on_end(self._position)
@@ -141,7 +146,7 @@ class EpochIterator(Iterator[Any]):
             raise
         except Exception as error:
             release_torch_frames(error)
-            self._raise_if_stopped(error)  # torch's iterator torn down under it: the stop is the cause
+            epoch.raise_if_stopped(self._position.batches, error)  # torch's iterator torn down under it
             if unequal_stack(error):  # raised unbound: a local holding it would make a cycle through this frame
                 raise RuntimeError(f"{error}\n{SHAPE_HINT}") from error
             raise
@@ -154,64 +159,56 @@ class EpochIterator(Iterator[Any]):
 
 
 class OpenEpochs:
-    """A loader's unfinished epoch iterators and the torch iterators they read (weakly held):
-    what a new epoch and ``close()`` stop."""
+    """A loader's epochs not yet stopped (their stop tokens), the iterators reading them and the
+    torch iterators they read (weakly held): what a new epoch and ``close()`` stop."""
 
     def __init__(self) -> None:
-        self._epochs: weakref.WeakSet[EpochIterator] = weakref.WeakSet()
+        self._epochs: list[Epoch] = []  # held until stopped: a thread may still work inside one
+        self._iterators: weakref.WeakSet[EpochIterator] = weakref.WeakSet()
         self._torch: weakref.WeakSet[Any] = weakref.WeakSet()
 
-    def note(self, work: Work) -> Work:
-        """``work``'s torch iterator, if any, noted for ``close()``."""
+    def note(self, work: Work, epoch: Epoch) -> Work:
+        """``work``'s torch iterator, if any, and ``epoch``, the stop token its threads ask,
+        noted for ``close()``."""
         if work.torch_iterator is not None:
             self._torch.add(work.torch_iterator)
+        self._keep(epoch)
         return work
+
+    def _keep(self, epoch: Epoch) -> None:
+        # those over and left by every thread are forgotten: nothing of them is left to stop
+        over = [known for known in self._epochs if known.stopped.is_set() and known.wait_idle(0)]
+        self._epochs = [known for known in self._epochs if known is not epoch and known not in over] + [epoch]
 
     def add(self, iterator: EpochIterator, work: Work, new_epoch: str) -> None:
         """A new epoch's ``iterator``. torch's persistent workers serve every epoch through one
         iterator, which a new epoch resets: an older epoch still reading from it would end short
         without a word, so it is stopped, naming ``new_epoch``."""
         if work.torch_iterator is not None:
-            for older in list(self._epochs):
+            for older in list(self._iterators):
                 if older.reads_from(work.torch_iterator):
                     older.stop(one_epoch_at_a_time(new_epoch))
-        self._epochs.add(iterator)
+        self._iterators.add(iterator)
+        self._keep(iterator.epoch)
 
     def mark_stopped(self, cause: str) -> bool:
         """Stop every open epoch for ``cause`` (a thread entering ``next()`` from here on raises
         at once); whether any of them reads one of torch's iterators."""
-        epochs = list(self._epochs)
-        for epoch in epochs:
+        for epoch in self._epochs:
             epoch.stop(cause)
-        return any(epoch.reads_torch() for epoch in epochs)
+        return any(iterator.reads_torch() for iterator in list(self._iterators))
 
-    def stop(self, cause: str, wait_s: float) -> tuple[list[EpochIterator], list[Any]]:
+    def stop(self, cause: str, wait_s: float) -> tuple[list[Epoch], list[Any]]:
         """Stop every open epoch for ``cause`` and forget them; wait up to ``wait_s`` s for each
-        ``next()`` in progress in another thread. Returns the epochs still inside their source
-        and the torch iterators they read."""
-        epochs, torch_iterators = list(self._epochs), list(self._torch)
+        ``next()`` in progress in another thread (the prefetcher's thread is joined by its
+        prefetcher). Returns the epochs still worked in (inside their source) and the torch
+        iterators they read."""
+        epochs, torch_iterators = self._epochs, list(self._torch)
         for epoch in epochs:
             epoch.stop(cause)  # first: a thread that enters next() from here on raises at once
-        busy = [epoch for epoch in epochs if not epoch.wait_idle(wait_s)]
-        self._epochs, self._torch = weakref.WeakSet(), weakref.WeakSet()
+        busy = [epoch for epoch in epochs if not epoch.wait_idle(wait_s, background=False)]
+        self._epochs, self._iterators, self._torch = [], weakref.WeakSet(), weakref.WeakSet()
         return busy, torch_iterators
-
-
-def close_when_idle(source: Any, torch_iterators: list[Any], busy: list[EpochIterator], prefetcher: Any) -> None:
-    """Close ``source`` (None: closed already) and shut down the workers of ``torch_iterators``
-    once the ``busy`` epochs' ``next()`` calls and ``prefetcher``'s threads have left them, in a
-    thread that ends then."""
-
-    def close() -> None:
-        while prefetcher is not None and prefetcher.running():
-            time.sleep(0.05)
-        for epoch in busy:
-            epoch.wait_idle(-1)
-        if source is not None:
-            source.close()
-        shut_down_workers(torch_iterators)
-
-    threading.Thread(target=close, name="gpuload-close", daemon=True).start()
 
 
 def shut_down_workers(torch_iterators: list[Any]) -> None:

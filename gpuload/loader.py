@@ -10,6 +10,7 @@ source's schedule in the thread ``runs_ahead`` picks, and adds up the counters (
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import weakref
@@ -23,7 +24,8 @@ from torch.utils.data.dataloader import _DatasetKind
 from gpuload.cache import CacheSettings
 from gpuload.device import resolve_device
 from gpuload.elastic import distributed_layout, for_this_world_size
-from gpuload.iterators import EpochIterator, OpenEpochs, close_when_idle, shut_down_workers
+from gpuload.epoch import Epoch, when_all_idle
+from gpuload.iterators import EpochIterator, OpenEpochs, shut_down_workers
 from gpuload.prefetch import Prefetcher
 from gpuload.resume import (
     Position,
@@ -189,14 +191,15 @@ class DataLoader(tud.DataLoader[T_co]):
         rest = RestOfEpoch(position.places, position.after_cut()) if resume is not None else None
         indices = Indices(self._epoch, draw, self._in_range, rest, copy_now=self._copy_now,
                           handed_over=position.hand_over if not position.cuts else None)
+        epoch = Epoch()
         try:
-            work, items = self._start(source.schedule(indices), "")
+            work, items = self._start(source.schedule(indices), "", epoch)
         finally:
             self._iterable_resume = None
         if work.from_torch and self.persistent_workers and self.num_workers > 0:
             self._draw.seed_drawn = True  # torch drew its workers' seed, once
         length = length or work.length or self._index_sampler.__len__
-        iterator = EpochIterator(work, items, self._stats, length, position, self._epoch_ended)
+        iterator = EpochIterator(work, items, self._stats, length, position, self._epoch_ended, epoch)
         self._current = weakref.ref(iterator)
         self._open.add(iterator, work, _NEW_EPOCH)
         return iterator
@@ -294,16 +297,11 @@ class DataLoader(tud.DataLoader[T_co]):
         busy, torch_iterators = self._open.stop(_CLOSED, prefetcher.join_timeout if prefetcher else 5.0)
         torch_iterators.append(self._iterator)
         self._iterator = None
-        if busy or (prefetcher is not None and prefetcher.running()):  # closed once that thread is done
-            old = self._source if in_torch else None
-            if in_torch:  # the next epoch gets a new source
-                self._source = self._choose_source()
-                self._tally.forget(source=True)
-            close_when_idle(old, torch_iterators, busy, prefetcher)
-            return
-        if in_torch:
-            self._source.close()
-        shut_down_workers(torch_iterators)
+        source = self._source if in_torch else None
+        if busy and in_torch:  # closed by the last thread to leave it: the next epoch gets a new source
+            self._source = self._choose_source()
+            self._tally.forget(source=True)
+        when_all_idle(busy, functools.partial(_close_source_and_workers, source, torch_iterators))
 
     def __enter__(self) -> DataLoader[T_co]:
         return self
@@ -341,14 +339,14 @@ class DataLoader(tud.DataLoader[T_co]):
             return take_up_iterable(self._draw, resume, super().__iter__)
         return super().__iter__()
 
-    def _start(self, schedule: Schedule, stopping: str) -> tuple[Work, Iterator[Any]]:
+    def _start(self, schedule: Schedule, stopping: str, epoch: Epoch) -> tuple[Work, Iterator[Any]]:
         """Start ``schedule``'s work in the thread :func:`runs_ahead` picks (ahead: through this
-        loader's prefetcher, one side stream per loader); ``stopping``: what stops the
-        prefetcher's epoch in progress first (empty: none runs)."""
+        loader's prefetcher, one side stream per loader), stopped by ``epoch``; ``stopping``:
+        what stops the prefetcher's epoch in progress first (empty: none runs)."""
         ahead = runs_ahead(schedule, self.device, self.prefetch_depth)
         if stopping and self._prefetcher is not None:
             self._prefetcher.stop_epoch(stopping)
-        work = self._open.note(schedule.start(ahead)).in_staging(self._copy_now, self.device, ahead)
+        work = self._open.note(schedule.start(ahead), epoch).in_staging(self._copy_now, self.device, ahead)
         if not ahead:
             return work, work.items
         if self._prefetcher is not None and self._prefetcher.stage != schedule.staged:
@@ -362,7 +360,7 @@ class DataLoader(tud.DataLoader[T_co]):
             depth = self.prefetch_depth if self.prefetch_depth is not None else schedule.depth
             self._prefetcher = Prefetcher(None, self.device, depth, timeout=self.timeout or None,
                                           stage=schedule.staged)
-        return work, self._prefetcher.epoch(work.items)
+        return work, self._prefetcher.epoch(work.items, epoch)
 
     def _copy_now(self, item: Any, counted: bool = True) -> Any:
         """``item`` copied to the device through this loader's prefetcher, in the caller's thread."""
@@ -373,7 +371,7 @@ class DataLoader(tud.DataLoader[T_co]):
     def _epoch_ended(self, position: Position) -> None:
         position.end_states = RandomStates.capture(self._draw)
 
-    def _rest_of_epoch(self, position: Position) -> tuple[Work, Iterator[Any], Callable[[], int]]:
+    def _rest_of_epoch(self, position: Position) -> tuple[Work, Iterator[Any], Callable[[], int], Epoch]:
         """The source's work for the rest of the epoch in progress, after a batch-size change:
         made as for a resumed epoch, from the remaining batches (what ran ahead is dropped)."""
         _, draw, length = begin_epoch(self._draw, position.number, position)  # the rest of its order, cut
@@ -381,8 +379,9 @@ class DataLoader(tud.DataLoader[T_co]):
         indices = Indices(position.number, draw, self._in_range, RestOfEpoch(cut=position.after_cut()),
                           copy_now=self._copy_now)
         stopping = "the rest of this epoch at a new batch size (set_batch_size)"
-        work, items = self._start(self._source.schedule(indices), stopping)
-        return work, items, length
+        epoch = Epoch()
+        work, items = self._start(self._source.schedule(indices), stopping, epoch)
+        return work, items, length, epoch
 
     def _apply_batch_size(self, size: int) -> None:
         """The batch size in force: torch's attribute and the BatchSampler the sources share."""
@@ -399,6 +398,14 @@ class DataLoader(tud.DataLoader[T_co]):
         super().__setattr__(attr, value)
         if attr in DrawState.FOLLOWED and "_draw" in self.__dict__:
             setattr(self._draw, attr, value)
+
+
+def _close_source_and_workers(source: Source | None, torch_iterators: list[Any]) -> None:
+    """Close ``source`` (None: none to close) and end the worker processes of ``torch_iterators``:
+    what ``close()`` leaves to the last thread to leave a busy epoch."""
+    if source is not None:
+        source.close()
+    shut_down_workers(torch_iterators)
 
 
 #: gpuload's own options, in the constructor's order: its keyword arguments that torch's DataLoader

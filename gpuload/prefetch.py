@@ -40,6 +40,7 @@ import torch
 
 from gpuload.cache.budget import format_bytes
 from gpuload.device import host_memory, new_side_stream, resolve_device
+from gpuload.epoch import Epoch, EpochStoppedError, one_epoch_at_a_time
 from gpuload.transfer import map_leaves, staging_through
 
 __all__ = [
@@ -54,7 +55,7 @@ __all__ = [
 ]
 
 _ALIGN = 256  # bytes between packed leaves: every dtype's view stays aligned, DMA-friendly
-_POLL_S = 0.1  # how often blocked threads look at the stop flag
+_POLL_S = 0.1  # how often blocked threads look at the stop token
 _INLINE_SLOTS = 8  # copy_now's slots: a batch may stage several small tables (transforms, cache writes)
 _MiB = 2**20
 
@@ -110,26 +111,6 @@ class Fill:
 
 class PrefetchError(RuntimeError):
     """A failure in the prefetcher's thread whose exception type could not be re-created."""
-
-
-class EpochStoppedError(RuntimeError):
-    """An epoch's iterator was stopped before its end (a newer epoch started, or ``close()``)."""
-
-    @classmethod
-    def at(cls, next_batch: int, cause: str) -> EpochStoppedError:
-        """The error for an epoch stopped by ``cause`` before batch ``next_batch`` (0-based)."""
-        return cls(
-            f"this epoch's iterator was stopped before its end (batch {next_batch} and those after it "
-            f"were not delivered): {cause}"
-        )
-
-
-def one_epoch_at_a_time(reason: str) -> str:
-    """Why an epoch was stopped when ``reason`` (what started) reuses what it read from."""
-    return (
-        f"{reason} started. A loader runs one epoch at a time: iterate it from one thread, "
-        "or give each consumer its own loader"
-    )
 
 
 def default_depth(
@@ -389,71 +370,75 @@ def _work(
     ring: _Ring | _PassThrough,
     out: queue.Queue,
     tokens: threading.Semaphore,
-    stop: threading.Event,
+    epoch: Epoch,
 ) -> None:
-    """Pull, stage and copy batches until the source ends, fails, or the consumer stops.
+    """Pull, stage and copy batches until the source ends, fails, or ``epoch`` is stopped.
 
     Holds no reference to the consuming iterator, so dropping that iterator stops this thread.
     A token is taken before each pull: the thread is never more than ``depth`` batches ahead.
+    It works ``inside`` the epoch throughout, so a ``close()`` waits for it, or leaves what it
+    uses to be closed when it leaves.
     On CUDA the side stream is this thread's current stream throughout, so whatever device work
     the source does (and its cleanup) is ordered before the event each delivery carries, and
     the host tensors it puts on the device itself go through ``owner.copy_now`` (the staging in
     force in this thread, ``gpuload.transfer.to_device``).
     """
-    outcome: Any = _END
-    index = 0
-    on_side_stream = contextlib.ExitStack()
-    try:
-        if ring.cuda:
-            torch.cuda.set_device(ring.device)
-            on_side_stream.enter_context(torch.cuda.stream(ring.stream))
-            on_side_stream.enter_context(staging_through(functools.partial(owner.copy_now, counted=False)))
-        while not stop.is_set():
-            if not tokens.acquire(timeout=_POLL_S):
-                continue
-            if stop.is_set():
-                break
-            try:
-                item = next(source)
-            except StopIteration:
-                break
-            except BaseException as exc:
-                outcome = _Failure(index, "source", exc)
-                break
-            if stop.is_set():
-                break
-            try:
-                delivery = ring.transfer(index, item)
-            except _StageFailure as failure:
-                outcome = _Failure(index, "fill", failure.exc)
-                break
-            except BaseException as exc:
-                outcome = _Failure(index, "copy", exc)
-                break
-            del item
-            out.put(delivery)
-            del delivery
-            index += 1
-    except BaseException as exc:  # e.g. set_device failing: still tell the consumer
-        outcome = _Failure(index, "copy", exc)
-    finally:
-        close = getattr(source, "close", None)
-        if close is not None:
-            try:
-                close()  # runs a generator's cleanup in the thread that ran it
-            except BaseException as exc:
-                if outcome is _END:
+    with epoch.inside():  # the last of the epoch's threads to leave closes what close() left to it
+        outcome: Any = _END
+        index = 0
+        on_side_stream = contextlib.ExitStack()
+        try:
+            if ring.cuda:
+                torch.cuda.set_device(ring.device)
+                on_side_stream.enter_context(torch.cuda.stream(ring.stream))
+                on_side_stream.enter_context(staging_through(functools.partial(owner.copy_now, counted=False)))
+            while not epoch.stopped.is_set():
+                if not tokens.acquire(timeout=_POLL_S):
+                    continue
+                if epoch.stopped.is_set():
+                    break
+                try:
+                    item = next(source)
+                except StopIteration:
+                    break
+                except BaseException as exc:
                     outcome = _Failure(index, "source", exc)
-        del source
-        on_side_stream.close()
-        out.put(outcome)
-        del outcome  # a failure's traceback holds this frame: no reference cycle through it
+                    break
+                if epoch.stopped.is_set():
+                    break
+                try:
+                    delivery = ring.transfer(index, item)
+                except _StageFailure as failure:
+                    outcome = _Failure(index, "fill", failure.exc)
+                    break
+                except BaseException as exc:
+                    outcome = _Failure(index, "copy", exc)
+                    break
+                del item
+                out.put(delivery)
+                del delivery
+                index += 1
+        except BaseException as exc:  # e.g. set_device failing: still tell the consumer
+            outcome = _Failure(index, "copy", exc)
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                try:
+                    close()  # runs a generator's cleanup in the thread that ran it
+                except BaseException as exc:
+                    if outcome is _END:
+                        outcome = _Failure(index, "source", exc)
+            del source
+            on_side_stream.close()
+            out.put(outcome)
+            del outcome  # a failure's traceback holds this frame: no reference cycle through it
 
 
 class _Handoff(Iterator[Any]):
-    """One pass over a source: the consuming side of the hand-off."""
+    """One pass over a source: the consuming side of the hand-off, asking ``epoch`` (the stop
+    token it shares with its thread, and with the loader's iterator over it)."""
 
-    def __init__(self, owner: Prefetcher, source: Iterator[Any], ring: _Ring | _PassThrough) -> None:
+    def __init__(self, owner: Prefetcher, source: Iterator[Any], ring: _Ring | _PassThrough, epoch: Epoch) -> None:
         self._owner = owner  # keeps the prefetcher (its stream, its ring) alive while iterating
         self._device = owner.device
         self._stats = owner.stats
@@ -464,19 +449,16 @@ class _Handoff(Iterator[Any]):
         # (depth of them, one given back per batch taken) and the outcome once, so a put never waits.
         self._queue: queue.Queue = queue.Queue()
         self._tokens = threading.Semaphore(owner.depth)
-        self._stop = threading.Event()
+        self._epoch = epoch
         self._finished = False  # closed: no more batches come from this iterator
-        self._ended = False  # the consumer was handed the epoch's end (or its error)
-        self._abandoned = False  # stopped without waiting for the thread (see _abandon)
-        self._stopped_by: str | None = None
-        self._lock = threading.Lock()  # orders _stop_by (any thread) against the consumer
+        self._abandoned: str | None = None  # why it stopped without waiting for the thread (see _abandon)
         self._next_index = 0
         # A source that may wait for the consumer (a collective exchange running ahead) is told
         # when the consumer stops, from the consumer's thread.
         self._cancel_source = getattr(source, "cancel", None)
         self._thread = threading.Thread(
             target=_work,
-            args=(owner, source, ring, self._queue, self._tokens, self._stop),
+            args=(owner, source, ring, self._queue, self._tokens, epoch),
             name="gpuload-prefetch",
             daemon=True,
         )
@@ -490,7 +472,9 @@ class _Handoff(Iterator[Any]):
         return self
 
     def __next__(self) -> Any:
-        self._raise_if_stopped()
+        self._epoch.raise_if_stopped(self._next_index)
+        if self._abandoned is not None:
+            raise EpochStoppedError.at(self._next_index, self._abandoned)
         if self._finished:
             raise StopIteration
         started = time.perf_counter()
@@ -500,17 +484,15 @@ class _Handoff(Iterator[Any]):
             except BaseException as error:
                 # A worker's death (torch raises it in the main thread), KeyboardInterrupt, a
                 # timeout: tell the loop now; the thread ends when its source call returns.
-                stopped_before = self._stopped_by is not None
+                stopped_before = self._epoch.cause is not None
                 self._abandon(f"{type(error).__name__} was raised while it waited for batch {self._next_index}")
                 if stopped_before:
-                    self._raise_if_stopped()
+                    self._epoch.raise_if_stopped(self._next_index)
                 raise
-            with self._lock:
-                stopped = self._stopped_by is not None
-                if not stopped and (item is _END or isinstance(item, _Failure)):
-                    self._ended = True
-            if stopped:  # whatever arrived, the epoch did not end here: never end it short
-                self._raise_if_stopped()
+            if item is _END or isinstance(item, _Failure):
+                self._epoch.end()
+            # whatever arrived, an epoch stopped first did not end here: never end it short
+            self._epoch.raise_if_stopped(self._next_index)
             if item is _END:
                 self.close()
                 raise StopIteration
@@ -530,10 +512,6 @@ class _Handoff(Iterator[Any]):
         self._stats.batches += 1
         self._next_index += 1
         return item.batch
-
-    def _raise_if_stopped(self) -> None:
-        if self._stopped_by is not None:
-            raise EpochStoppedError.at(self._next_index, self._stopped_by)
 
     def _get(self) -> Any:
         waited = 0.0
@@ -561,7 +539,7 @@ class _Handoff(Iterator[Any]):
 
     def _signal_stop(self) -> None:
         self._finished = True
-        self._stop.set()
+        self._epoch.stopped.set()
         if self._cancel_source is not None:
             self._cancel_source()
         self._tokens.release(self._depth + 1)  # wake the thread if it waits for a free slot
@@ -571,20 +549,18 @@ class _Handoff(Iterator[Any]):
         """Stop without waiting: the thread may be inside its source (a torch iterator whose
         worker died waits up to 5 s to notice) and exits when that call returns. The next
         epoch waits for it (``Prefetcher.stop_epoch``); nothing else needs it gone. A later
-        ``next()`` raises EpochStoppedError naming ``cause``: the epoch did not end."""
-        with self._lock:
-            self._ended = True
-            if self._stopped_by is None:
-                self._stopped_by = cause
-        self._abandoned = True
-        self._owner._abandoned_thread = self._thread
+        ``next()`` raises EpochStoppedError naming ``cause``: the epoch did not end. The error
+        itself reaches the loop as raised (the epoch is not stopped for it: ``cause`` is this
+        iterator's own)."""
+        self._abandoned = cause
         self._signal_stop()
 
-    def close(self) -> None:
-        """Stop the background thread and drop undelivered batches; idempotent."""
-        if self._abandoned or (self._finished and not self._thread.is_alive()):
+    def close(self) -> bool:
+        """Stop the background thread and drop undelivered batches; idempotent. Whether it
+        waited (up to ``join_timeout``) for the thread to end."""
+        if self._abandoned is not None or (self._finished and not self._thread.is_alive()):
             self._drain()
-            return
+            return False
         self._signal_stop()
         if threading.current_thread() is not self._thread:
             self._thread.join(self._join_timeout)
@@ -596,15 +572,14 @@ class _Handoff(Iterator[Any]):
                 RuntimeWarning,
                 stacklevel=2,
             )
+        return True
 
-    def _stop_by(self, cause: str) -> None:
+    def stop(self, cause: str) -> bool:
         """Stop this epoch for ``cause``; its consumer, in whatever thread, gets an
         :class:`EpochStoppedError` naming it at its next ``next()`` (or the one it waits in)
-        unless it was already handed the epoch's end."""
-        with self._lock:
-            if not self._ended:
-                self._stopped_by = cause
-        self.close()
+        unless it was already handed the epoch's end. Whether it waited for the thread."""
+        self._epoch.stop(cause)
+        return self.close()
 
     def __del__(self) -> None:
         try:
@@ -645,7 +620,6 @@ class Prefetcher:
     #: The most batches in flight: each holds a whole batch in host memory, and a few already
     #: absorb the jitter of the batches' costs (``check_ring_fits`` bounds it by memory too).
     MAX_DEPTH = 1024
-    _abandoned_thread: threading.Thread | None = None  # left running by an epoch that raised
 
     def __init__(
         self,
@@ -677,8 +651,7 @@ class Prefetcher:
         self._inline_ring: _Ring | None = None  # copy_now's slots, never shared with a thread's
         self._inline_count = 0
         self._inline_lock = threading.Lock()  # copy_now may be called from the loop's and this thread
-        self._ring_thread: threading.Thread | None = None
-        self._threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # every epoch's
+        self._ring_thread: threading.Thread | None = None  # the latest epoch's
         self._active: weakref.ref[_Handoff] | None = None
 
     @property
@@ -726,8 +699,9 @@ class Prefetcher:
             )
         return self.epoch(self.source)
 
-    def epoch(self, source: Iterable[Any]) -> Iterator[Any]:
-        """One pass over ``source`` (for callers that make a new source iterator each epoch)."""
+    def epoch(self, source: Iterable[Any], epoch: Epoch | None = None) -> Iterator[Any]:
+        """One pass over ``source`` (for callers that make a new source iterator each epoch),
+        stopped by ``epoch`` (the loader's stop token for it; a new one if not given)."""
         self.stop_epoch("a newer epoch on the same Prefetcher")
         if self._ring is None or (self._ring_thread is not None and self._ring_thread.is_alive()):
             # A thread that would not stop may still write its slots: never share them.
@@ -738,16 +712,10 @@ class Prefetcher:
             # placed): the side stream starts after everything the caller has queued so far.
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
         ring = self._ring if self.stage else _PassThrough(self.device, self._stream)
-        current = _Handoff(self, iterator, ring)
+        current = _Handoff(self, iterator, ring, epoch if epoch is not None else Epoch())
         self._ring_thread = current.thread
-        self._threads.add(current.thread)
         self._active = weakref.ref(current)
         return current
-
-    def running(self) -> bool:
-        """Whether a thread of this prefetcher is still running: one that would not stop is
-        inside its source, which must not be torn down under it."""
-        return any(thread.is_alive() for thread in list(self._threads))
 
     def stop_epoch(self, reason: str) -> None:
         """Stop the epoch in progress, if any, before its source is reused elsewhere.
@@ -757,16 +725,16 @@ class Prefetcher:
         ``join_timeout``) for a thread left running by an abandoned epoch, since the source
         it is inside may be reused now.
         """
-        self._stop_active(one_epoch_at_a_time(reason))
-        thread, self._abandoned_thread = self._abandoned_thread, None
-        if thread is not None and thread is not threading.current_thread():
+        waited = self._stop_active(one_epoch_at_a_time(reason))
+        thread = self._ring_thread
+        if not waited and thread is not None and thread.is_alive() and thread is not threading.current_thread():
             thread.join(self.join_timeout)
 
-    def _stop_active(self, cause: str) -> None:
+    def _stop_active(self, cause: str) -> bool:
+        """Stop the epoch in progress for ``cause``; whether that waited for its thread."""
         active = self._active() if self._active is not None else None
-        if active is not None:
-            active._stop_by(cause)
         self._active = None
+        return active.stop(cause) if active is not None else False
 
     def close(self) -> None:
         """Stop the running epoch, if any, and free the host slots; idempotent."""

@@ -10,12 +10,13 @@ import pytest
 import torch
 from threads import next_in_thread
 
+from gpuload.epoch import when_all_idle
 from gpuload.iterators import (
     EpochIterator,
     OpenEpochs,
-    close_when_idle,
     release_torch_frames,
 )
+from gpuload.loader import _close_source_and_workers
 from gpuload.prefetch import EpochStoppedError
 from gpuload.resume import Position, RandomStates
 from gpuload.sources import Work
@@ -84,7 +85,7 @@ def test_open_epochs_stop_every_epoch_and_report_those_still_inside() -> None:
     assert open_epochs.stop("again", wait_s=1) == ([], [])  # forgotten once stopped
 
 
-def test_close_when_idle_closes_the_source_once_a_busy_epoch_leaves_next() -> None:
+def test_a_close_left_to_a_busy_epoch_runs_once_it_leaves_next() -> None:
     entered, release = threading.Event(), threading.Event()
     closed, shut_down = threading.Event(), threading.Event()
     events: list[str] = []
@@ -101,7 +102,7 @@ def test_close_when_idle_closes_the_source_once_a_busy_epoch_leaves_next() -> No
     open_epochs = OpenEpochs()
     open_epochs.add(iterator, work, "a new epoch")
     busy, _ = open_epochs.stop("the loader was closed", wait_s=0.01)
-    assert busy == [iterator]
+    assert busy == [iterator.epoch]
 
     class Source:
         def close(self) -> None:
@@ -113,7 +114,7 @@ def test_close_when_idle_closes_the_source_once_a_busy_epoch_leaves_next() -> No
             events.append("workers shut down")
             shut_down.set()
 
-    close_when_idle(Source(), [TorchIterator(), None], busy, prefetcher=None)
+    when_all_idle(busy, lambda: _close_source_and_workers(Source(), [TorchIterator(), None]))
     assert not closed.wait(0.2)  # the epoch is still inside next()
     release.set()
     assert shut_down.wait(10)
