@@ -16,6 +16,8 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
+from gpuload.transfer import Staging
+
 __all__ = ["Epoch", "EpochStoppedError", "one_epoch_at_a_time", "when_all_idle"]
 
 
@@ -40,14 +42,17 @@ def one_epoch_at_a_time(reason: str) -> str:
 
 
 class Epoch:
-    """The stop token of one epoch and the threads working inside it.
+    """The stop token of one epoch, the threads working inside it, and its copy route.
 
     ``stopped`` is set by :meth:`stop` (from any thread); background threads wait on it or look
     at it between batches. ``cause`` is what the loop is told; the first stop names it, and a
-    stop after :meth:`end` (the loop was handed the end) tells the loop nothing.
+    stop after :meth:`end` (the loop was handed the end) tells the loop nothing. ``staging``:
+    how host tensors a batch needs reach the device (the loader's prefetcher's slots and side
+    stream; None on a CPU device, where nothing is copied).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, staging: Staging | None = None) -> None:
+        self.staging = staging
         self.stopped = threading.Event()
         self.cause: str | None = None
         self._ended = False

@@ -193,7 +193,7 @@ class DataLoader(tud.DataLoader[T_co]):
                           handed_over=position.hand_over if not position.cuts else None)
         epoch = Epoch()
         try:
-            work, items = self._start(source.schedule(indices), "", epoch)
+            work, items, epoch = self._start(source.schedule(indices), "")
         finally:
             self._iterable_resume = None
         if work.from_torch and self.persistent_workers and self.num_workers > 0:
@@ -339,16 +339,23 @@ class DataLoader(tud.DataLoader[T_co]):
             return take_up_iterable(self._draw, resume, super().__iter__)
         return super().__iter__()
 
-    def _start(self, schedule: Schedule, stopping: str, epoch: Epoch) -> tuple[Work, Iterator[Any]]:
+    def _start(self, schedule: Schedule, stopping: str) -> tuple[Work, Iterator[Any], Epoch]:
         """Start ``schedule``'s work in the thread :func:`runs_ahead` picks (ahead: through this
-        loader's prefetcher, one side stream per loader), stopped by ``epoch``; ``stopping``:
-        what stops the prefetcher's epoch in progress first (empty: none runs)."""
+        loader's prefetcher, one side stream per loader), and its :class:`Epoch`: the stop token
+        and, on CUDA, the staging through that prefetcher; ``stopping``: what stops the
+        prefetcher's epoch in progress first (empty: none runs)."""
         ahead = runs_ahead(schedule, self.device, self.prefetch_depth)
         if stopping and self._prefetcher is not None:
             self._prefetcher.stop_epoch(stopping)
-        work = self._open.note(schedule.start(ahead), epoch).in_staging(self._copy_now, self.device, ahead)
-        if not ahead:
-            return work, work.items
+        prefetcher = self._place_prefetcher(schedule) if ahead else None
+        epoch = Epoch(self._copies().staging if self.device.type == "cuda" else None)
+        work = self._open.note(schedule.start(ahead), epoch).in_staging(epoch.staging, ahead)
+        if prefetcher is None:
+            return work, work.items, epoch
+        return work, prefetcher.epoch(work.items, epoch), epoch
+
+    def _place_prefetcher(self, schedule: Schedule) -> Prefetcher:
+        """This loader's prefetcher, made for ``schedule``'s work (staged, or made on the device)."""
         if self._prefetcher is not None and self._prefetcher.stage != schedule.staged:
             # the source's placement changed (its cache planned again: a share split over ranks
             # makes its batches itself, a per-rank cache has them staged)
@@ -360,13 +367,17 @@ class DataLoader(tud.DataLoader[T_co]):
             depth = self.prefetch_depth if self.prefetch_depth is not None else schedule.depth
             self._prefetcher = Prefetcher(None, self.device, depth, timeout=self.timeout or None,
                                           stage=schedule.staged)
-        return work, self._prefetcher.epoch(work.items, epoch)
+        return self._prefetcher
+
+    def _copies(self) -> Prefetcher:
+        """The prefetcher whose slots and side stream this loader's copies go through (made if none)."""
+        if self._prefetcher is None:
+            self._prefetcher = Prefetcher(None, self.device, self.prefetch_depth or 2, timeout=self.timeout or None)
+        return self._prefetcher
 
     def _copy_now(self, item: Any, counted: bool = True) -> Any:
         """``item`` copied to the device through this loader's prefetcher, in the caller's thread."""
-        if self._prefetcher is None:
-            self._prefetcher = Prefetcher(None, self.device, self.prefetch_depth or 2, timeout=self.timeout or None)
-        return self._prefetcher.copy_now(item, counted)
+        return self._copies().copy_now(item, counted)
 
     def _epoch_ended(self, position: Position) -> None:
         position.end_states = RandomStates.capture(self._draw)
@@ -379,8 +390,7 @@ class DataLoader(tud.DataLoader[T_co]):
         indices = Indices(position.number, draw, self._in_range, RestOfEpoch(cut=position.after_cut()),
                           copy_now=self._copy_now)
         stopping = "the rest of this epoch at a new batch size (set_batch_size)"
-        epoch = Epoch()
-        work, items = self._start(self._source.schedule(indices), stopping, epoch)
+        work, items, epoch = self._start(self._source.schedule(indices), stopping)
         return work, items, length, epoch
 
     def _apply_batch_size(self, size: int) -> None:

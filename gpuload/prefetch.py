@@ -41,7 +41,7 @@ import torch
 from gpuload.cache.budget import format_bytes
 from gpuload.device import host_memory, new_side_stream, resolve_device
 from gpuload.epoch import Epoch, EpochStoppedError, one_epoch_at_a_time
-from gpuload.transfer import map_leaves, staging_through
+from gpuload.transfer import Staging, map_leaves, staging_through
 
 __all__ = [
     "Prefetcher",
@@ -380,8 +380,8 @@ def _work(
     uses to be closed when it leaves.
     On CUDA the side stream is this thread's current stream throughout, so whatever device work
     the source does (and its cleanup) is ordered before the event each delivery carries, and
-    the host tensors it puts on the device itself go through ``owner.copy_now`` (the staging in
-    force in this thread, ``gpuload.transfer.to_device``).
+    the host tensors it puts on the device itself go through the epoch's staging (else the
+    prefetcher's own), put in force in this thread for ``gpuload.transfer.to_device``.
     """
     with epoch.inside():  # the last of the epoch's threads to leave closes what close() left to it
         outcome: Any = _END
@@ -391,7 +391,7 @@ def _work(
             if ring.cuda:
                 torch.cuda.set_device(ring.device)
                 on_side_stream.enter_context(torch.cuda.stream(ring.stream))
-                on_side_stream.enter_context(staging_through(functools.partial(owner.copy_now, counted=False)))
+                on_side_stream.enter_context(staging_through(epoch.staging or owner.staging))
             while not epoch.stopped.is_set():
                 if not tokens.acquire(timeout=_POLL_S):
                     continue
@@ -658,6 +658,12 @@ class Prefetcher:
     def stream(self) -> Any:
         """The side CUDA stream the copies run on (None on the CPU)."""
         return self._stream
+
+    @property
+    def staging(self) -> Staging:
+        """This prefetcher's copy route for host tensors a batch needs on the way: :meth:`copy_now`
+        through its own slots and side stream, the bytes not counted as batch data."""
+        return Staging(functools.partial(self.copy_now, counted=False))
 
     def copy_now(self, item: Any, counted: bool = True) -> Any:
         """One batch (a host batch or a :class:`Fill`) staged and copied in the caller's thread,

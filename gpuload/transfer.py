@@ -1,11 +1,13 @@
 """Moving a batch, whatever its nesting, to a device while keeping its structure and types;
-and the staging in force in a thread, which small per-batch host tensors reach the device by.
+and the :class:`Staging`, the route small per-batch host tensors reach the device by.
 
 Every per-batch host-to-device copy goes through one path: the loader's prefetcher (its pinned
-slots and side stream, ``Prefetcher.copy_now``). The prefetcher's thread, and the loop's thread
-while it makes a batch itself (``prefetch_depth=0``), install that path here
-(:func:`staging_through`); code deep inside a batch (the sample cache writing its device
-columns, the transforms' parameter tables) calls :func:`to_device` and needs no handle on it.
+slots and side stream, ``Prefetcher.copy_now``), held by each epoch as its :class:`Staging`
+(``gpuload.epoch.Epoch.staging``). A caller that holds it passes it to :func:`to_device`
+(``staging=``). The prefetcher's thread, and the loop's thread while it makes a batch itself
+(``prefetch_depth=0``), also put the epoch's staging in force in the thread
+(:func:`staging_through`), for code deep inside a batch (the sample cache writing its device
+columns, the transforms' parameter tables) that is not handed it yet.
 Outside a loader (a transform called by hand) the tensors go in one non-blocking copy from a
 pinned buffer on the current stream; either way no copy waits for the stream (a copy from
 pageable memory would: a host sync every batch).
@@ -18,17 +20,28 @@ import contextlib
 import copy
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 __all__ = [
-    "map_leaves", "move_to_device", "move_staged", "batch_nbytes", "batch_length", "to_device", "staging_through",
-    "pack", "unpack", "pinned_host_copies",
+    "map_leaves", "move_to_device", "move_staged", "batch_nbytes", "batch_length", "to_device", "Staging",
+    "staging_through", "pack", "unpack", "pinned_host_copies",
 ]
 
 _ALIGN = 16  # bytes: every dtype's view of a packed buffer stays aligned
-_in_force = threading.local()  # .copy: the staging of the loader whose batch this thread makes
+_in_force = threading.local()  # .staging: the Staging of the epoch whose batch this thread makes
+
+
+@dataclass(frozen=True)
+class Staging:
+    """One epoch's route to the device for the host tensors a batch needs on the way: ``copy``
+    is a prefetcher's ``copy_now`` (``Prefetcher.staging``): its own pinned slots, its side
+    stream, and an event the caller's current stream waits for (no host sync); the tensors come
+    back protected on that stream. The bytes are not counted as batch data."""
+
+    copy: Callable[[Any], Any]
 
 
 def map_leaves(data: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool] | None = None) -> Any:
@@ -106,11 +119,13 @@ def batch_length(data: Any) -> int:
     return 1
 
 
-def to_device(tensors: Sequence[torch.Tensor], device: torch.device, keep_layout: bool = False) -> list[torch.Tensor]:
+def to_device(
+    tensors: Sequence[torch.Tensor], device: torch.device, keep_layout: bool = False, staging: Staging | None = None,
+) -> list[torch.Tensor]:
     """``tensors`` (host or already on ``device``) on ``device``.
 
-    On a device the host tensors go through the staging in force in this thread (see the
-    module docstring), or, outside a loader, one non-blocking copy from a buffer (pinned on
+    On a device the host tensors go through ``staging``, else the staging in force in this
+    thread (see the module docstring), or, outside a loader, one non-blocking copy from a buffer (pinned on
     CUDA) on the current stream; the results are ready on the current stream and protected on
     it, contiguous, or with their dimensions in the host tensors' order in memory when
     ``keep_layout`` (an HWC image viewed as CHW stays channels-last). On the CPU they are the
@@ -122,9 +137,10 @@ def to_device(tensors: Sequence[torch.Tensor], device: torch.device, keep_layout
         return list(tensors)
     orders = [_memory_order(t) if keep_layout and t.device.type == "cpu" else None for t in tensors]
     tensors = [t if order is None else t.permute(order) for t, order in zip(tensors, orders)]
-    staged = getattr(_in_force, "copy", None)
-    if staged is not None:
-        moved = list(staged(list(tensors)))
+    if staging is None:
+        staging = getattr(_in_force, "staging", None)
+    if staging is not None:
+        moved = list(staging.copy(list(tensors)))
     else:
         host = [t for t in tensors if t.device.type == "cpu"]
         buffer, offsets = pack(host, pin_memory=device.type == "cuda")
@@ -178,15 +194,15 @@ def move_staged(data: Any, device: torch.device) -> Any:
 
 
 @contextlib.contextmanager
-def staging_through(copy_now: Callable[[Any], Any] | None) -> Iterator[None]:
-    """While inside, :func:`to_device` in this thread copies through ``copy_now`` (a
-    ``Prefetcher.copy_now``: its pinned slots, its side stream); None: no staging in force."""
-    previous = getattr(_in_force, "copy", None)
-    _in_force.copy = copy_now
+def staging_through(staging: Staging | None) -> Iterator[None]:
+    """While inside, :func:`to_device` in this thread copies through ``staging`` where it is not
+    handed one; None: no staging in force."""
+    previous = getattr(_in_force, "staging", None)
+    _in_force.staging = staging
     try:
         yield
     finally:
-        _in_force.copy = previous
+        _in_force.staging = previous
 
 
 def pack(tensors: Sequence[torch.Tensor], pin_memory: bool = False) -> tuple[torch.Tensor, list[int]]:

@@ -27,7 +27,7 @@ from gpuload.cache.columns import ColumnStore, prepare
 from gpuload.decode.batch import BatchDecoder
 from gpuload.prefetch import Prefetcher
 from gpuload.sources import Work
-from gpuload.transfer import staging_through, to_device
+from gpuload.transfer import Staging, staging_through, to_device
 from gpuload.transforms import batched
 from gpuload.transforms.params import sample_params
 
@@ -67,7 +67,7 @@ class Watch:
 @pytest.fixture
 def watch(monkeypatch: pytest.MonkeyPatch):
     watched = Watch(monkeypatch)
-    with staging_through(watched.copy_now):
+    with staging_through(Staging(watched.copy_now)):
         yield watched
 
 
@@ -233,7 +233,7 @@ def test_a_batch_made_in_the_loops_thread_copies_through_copy_now(staged_cuda) -
         return to_device([torch.full((4,), i)], torch.device("cuda", 0))[0]
 
     work = Work((make(i) for i in range(2)), lambda item: (make(100 + int(item[0])), 1)).in_staging(
-        prefetcher.copy_now, torch.device("cuda", 0), ahead=False)
+        prefetcher.staging, ahead=False)
     with cuda.stream(loop):
         made = [work.finish(item) for item in work.items]  # items and finish both staged
     assert [int(batch[0]) for batch, _ in made] == [100, 101]
@@ -260,19 +260,24 @@ def test_closing_staged_items_closes_the_sources_items() -> None:
         finally:
             closed.append(True)
 
-    cuda = torch.device("cuda", 0)
-    work = Work(items(), lambda item: (item, 1)).in_staging(lambda item: item, cuda, ahead=False)
+    staging = Staging(lambda item: item)
+    work = Work(items(), lambda item: (item, 1)).in_staging(staging, ahead=False)
     assert next(work.items) == 0
     work.items.close()
     assert closed == [True]
-    plain = Work(iter([1]), lambda item: (item, 1)).in_staging(lambda item: item, cuda, ahead=False)
+    plain = Work(iter([1]), lambda item: (item, 1)).in_staging(staging, ahead=False)
     plain.items.close()
     assert next(plain.items) == 1
 
 
 def test_on_a_cpu_device_the_work_is_left_as_it_is() -> None:
+    import gpuload
+
     work = Work(iter([1]), lambda item: (item, 1))
-    assert work.in_staging(lambda item: item, torch.device("cpu"), ahead=False) is work
+    assert work.in_staging(None, ahead=False) is work
+    loader = gpuload.DataLoader(torch.utils.data.TensorDataset(torch.arange(8)), batch_size=4, device="cpu")
+    assert iter(loader).epoch.staging is None  # a CPU device's epoch has no staging to put in force
+    loader.close()
 
 
 # ---------------------------------------------------------------------- GPU
@@ -283,7 +288,7 @@ def test_gpu_sample_cache_on_the_device_fills_and_merges_through_the_staging_wit
     data = _samples(40)
     store = ColumnStore(1 << 20, 40, "cuda", ledger=BudgetLedger())
     prefetcher = Prefetcher(None, "cuda", depth=2)
-    with staging_through(prefetcher.copy_now):
+    with staging_through(prefetcher.staging):
         store.put(torch.arange(0, 40, 2), prepare([data[k] for k in range(0, 40, 2)]))
         index = torch.tensor([6, 3, 0, 7, 38])
         merged = store.assemble(store.slots(index), prepare([data[3], data[7]]))

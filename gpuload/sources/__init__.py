@@ -36,18 +36,17 @@ draws them (``gpuload.sampling``) and takes a resumed epoch up where it was (``g
 from __future__ import annotations
 
 import dataclasses
-import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from gpuload.cache import CacheSettings, Store
 from gpuload.distributed.sharded_store import ShardedStore
 from gpuload.stats import LoaderStats
-from gpuload.transfer import staging_through
+from gpuload.transfer import Staging, staging_through
 
 __all__ = [
     "DEFAULT_DEPTH", "Indices", "RestOfEpoch", "Schedule", "Setup", "Source", "Work", "ahead_on_device", "runs_ahead",
@@ -157,40 +156,33 @@ class Work:
     from_torch: bool = False
     torch_iterator: Any = None
 
-    def in_staging(self, copy_now: CopyNow, device: torch.device, ahead: bool) -> Work:
-        """This work with the loader's staging in force (``gpuload.transfer.staging_through``)
+    def in_staging(self, staging: Staging | None, ahead: bool) -> Work:
+        """This work with the epoch's ``staging`` in force (``gpuload.transfer.staging_through``)
         wherever it runs in the loop's thread (``finish``; the items too unless ``ahead``, where
-        the prefetcher's thread puts its own in force): on CUDA, host tensors that making a
-        batch puts on the device go through ``copy_now`` (``Prefetcher.copy_now``), not counted
-        as batch bytes: the sources count the sample bytes they move themselves."""
-        if device.type != "cuda":
+        the prefetcher's thread puts it in force): host tensors that making a batch puts on the
+        device go through it (``Prefetcher.staging``), not counted as batch bytes: the sources
+        count the sample bytes they move themselves. None (a CPU device): the work as it is."""
+        if staging is None:
             return self
-        copy_now = functools.partial(copy_now, counted=False)
-        items = self.items if ahead else _Staged(self.items, copy_now)
+        items = self.items if ahead else _Staged(self.items, staging)
         finish = self.finish
 
         def staged_finish(item: Any) -> tuple[Any, int] | None:
-            with staging_through(copy_now):
+            with staging_through(staging):
                 return finish(item)
 
         return dataclasses.replace(self, items=items, finish=staged_finish)
 
 
-class CopyNow(Protocol):
-    """The loader's copy of host tensors to the device now (``DataLoader._copy_now``)."""
-
-    def __call__(self, item: Any, counted: bool = True) -> Any: ...
-
-
 class _Staged(Iterator[Any]):
     """Items made in the loop's thread with the loader's staging in force (``Work.in_staging``)."""
 
-    def __init__(self, items: Iterator[Any], copy_now: Callable[[Any], Any]) -> None:
+    def __init__(self, items: Iterator[Any], staging: Staging) -> None:
         self._items = items
-        self._copy_now = copy_now
+        self._staging = staging
 
     def __next__(self) -> Any:
-        with staging_through(self._copy_now):
+        with staging_through(self._staging):
             return next(self._items)
 
     def close(self) -> None:
