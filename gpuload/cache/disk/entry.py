@@ -24,6 +24,7 @@ import torch
 
 from gpuload.cache.budget import format_bytes
 from gpuload.cache.disk.blocks import BLOCK_NAME, FORMAT_VERSION, ColumnSpec, record_bytes_of, record_layout
+from gpuload.cache.disk.checking import AheadChecks
 from gpuload.cache.disk.fingerprint import Fingerprint
 from gpuload.cache.disk.locking import Flock, track
 from gpuload.cache.disk.manifest import Manifest, file_identity_of, read_manifest, write_manifest
@@ -84,6 +85,7 @@ class Entry:
         self._mutex = threading.RLock()
         self._manifest = Manifest()
         self._verified: set[int] = set()
+        self._checks = AheadChecks()  # published blocks checked in the background, ahead of their first read
         self._maps: OrderedDict[int, tuple[mmap.mmap | None, np.ndarray]] = OrderedDict()
         self._parts: OrderedDict[int, tuple[int, int]] = OrderedDict()  # block -> (fd, inode)
         self._stats = DiskCacheStats(path=str(root), budget=budget, rows=num_rows)
@@ -102,6 +104,7 @@ class Entry:
                 self._index_fd = os.open(root / "rows.index", os.O_RDWR | os.O_CREAT, 0o666)
             os.utime(root / "users")
             self._reload(force=True)
+            self._checks.start((block, self._block_path(block, "bin")) for block in sorted(self._manifest.blocks))
         except BaseException:
             self.close()
             raise
@@ -139,6 +142,7 @@ class Entry:
             if os.getpid() == self._pid:
                 return
             self._pid = os.getpid()
+            self._checks = AheadChecks()  # the parent's thread is not in this process: unchecked blocks at first use
             inherited = [fd for fd, _ in self._parts.values()]
             self._parts.clear()
             inherited += [self._flags_fd, self._index_fd, self._lock_fd, self._users_fd]
@@ -261,6 +265,7 @@ class Entry:
             if self._closed:
                 return
             self._closed = True
+            self._checks.close()
             for block in list(self._parts):
                 self._close_part(block)
             self._maps.clear()  # read() copies out of the maps: nothing points into them

@@ -1,6 +1,8 @@
 """Reading an entry: which rows are published and intact, and their bytes copied out of the
 blocks' memory maps. A block is checked (size, CRC-32, a ragged block's table) the first time
-this process maps it; one that fails is named once, unpublished and filled again."""
+this process looks at it (``present`` or a read); its CRC-32 is usually taken already, on the
+background thread that checks the published blocks from the entry's open on
+(:mod:`~gpuload.cache.disk.checking`). One that fails is named once, unpublished and filled again."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import torch
 
 from gpuload.cache.disk.blocks import distinct, itemsize, ragged_table, ragged_table_problem
 from gpuload.cache.disk.entry import DiskCacheWarning, Entry
-from gpuload.cache.disk.files import crc32
 from gpuload.cache.entries import MANIFEST
 
 _OPEN_MAPS = 64  # memory maps (each holds a file descriptor) kept open per cache
@@ -117,7 +118,8 @@ class EntryReader(Entry):
         expected = size if self.ragged else self._rows_in(block) * self.record_bytes
         try:
             with open(path, "rb") as file:
-                actual = os.fstat(file.fileno()).st_size
+                status = os.fstat(file.fileno())
+                actual = status.st_size
                 if actual != size or size != expected:
                     problem = f"{path} is {actual} bytes, the manifest says {size} (expected {expected})"
                     self._drop(block, problem)
@@ -128,7 +130,7 @@ class EntryReader(Entry):
             return None
         view = np.frombuffer(mapped, dtype=np.uint8) if mapped is not None else np.empty(0, np.uint8)
         if block not in self._verified:
-            if crc32(view) != crc:
+            if self._checks.crc(block, (block, status.st_ino, size), lambda: view) != crc:
                 del view, mapped  # unmapped when the last reference goes
                 self._drop(block, f"{path} fails its checksum (its bytes changed after it was written)")
                 return None
