@@ -15,6 +15,7 @@ import os
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from gpuload.cache.disk.checking import AheadChecks
 from gpuload.cache.disk.fingerprint import Fingerprint
 from gpuload.cache.disk.locking import Flock, track
 from gpuload.cache.disk.manifest import Manifest, file_identity_of, read_manifest, write_manifest
+from gpuload.cache.disk.publishing import BlockPublisher
 from gpuload.cache.entries import MANIFEST
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -65,7 +67,7 @@ class Entry:
 
     def __init__(
         self, root: Path, fingerprint: Fingerprint, columns: tuple[ColumnSpec, ...], num_rows: int, budget: int,
-        block_bytes: int, auto_budget: bool, row_bytes: int | None = None,
+        block_bytes: int, auto_budget: bool, row_bytes: int | None = None, publish_behind: bool = False,
     ) -> None:
         self.root = root
         self.fingerprint = fingerprint
@@ -86,6 +88,8 @@ class Entry:
         self._manifest = Manifest()
         self._verified: set[int] = set()
         self._checks = AheadChecks()  # published blocks checked in the background, ahead of their first read
+        self._behind = publish_behind  # complete blocks published on a background thread (else in write)
+        self._publisher = BlockPublisher(self._publish_behind)
         self._maps: OrderedDict[int, tuple[mmap.mmap | None, np.ndarray]] = OrderedDict()
         self._parts: OrderedDict[int, tuple[int, int]] = OrderedDict()  # block -> (fd, inode)
         self._stats = DiskCacheStats(path=str(root), budget=budget, rows=num_rows)
@@ -142,7 +146,6 @@ class Entry:
             if os.getpid() == self._pid:
                 return
             self._pid = os.getpid()
-            self._checks = AheadChecks()  # the parent's thread is not in this process: unchecked blocks at first use
             inherited = [fd for fd, _ in self._parts.values()]
             self._parts.clear()
             inherited += [self._flags_fd, self._index_fd, self._lock_fd, self._users_fd]
@@ -162,6 +165,14 @@ class Entry:
             except OSError as error:  # the entry removed meanwhile: the source serves
                 self._stop(error, Path(error.filename or self.root))
                 self.close()
+
+    def _after_fork(self) -> None:
+        """In a forked child, at the fork: a new mutex (a thread of the parent may have held the
+        old one) and no background threads (the parent's are not in this process: its queued
+        blocks are the parent's to publish, unchecked blocks are checked at first look)."""
+        self._mutex = threading.RLock()
+        self._checks = AheadChecks()
+        self._publisher = BlockPublisher(self._publish_behind)
 
     # -- locks and the manifest ---------------------------------------------------------------
 
@@ -244,23 +255,55 @@ class Entry:
             DiskCacheWarning, stacklevel=4,
         )
 
+    # -- publication behind the loop -----------------------------------------------------------
+
+    def _publish_behind(self, block: int, size: int, inode: int) -> None:
+        """Publish a complete block (on the publisher's thread); the writer defines it."""
+        raise NotImplementedError
+
+    def _settle(self, blocks: Iterable[int] | None = None) -> None:
+        """Wait until this process's queued blocks ``blocks`` (None: all) are published, and hand
+        on what stopped the publishing thread: an OSError stops the tier growing (one warning
+        naming the file), anything else is raised here. Never with the mutex held (publishing
+        takes it)."""
+        self._publisher.wait(blocks)
+        failure = self._publisher.failure()
+        if failure is None:
+            return
+        if isinstance(failure, OSError):
+            with self._mutex:
+                self._stop(failure, Path(failure.filename) if failure.filename else self.root)
+            return
+        raise RuntimeError(f"gpuload disk cache: publishing a block of {self.root} failed: {failure!r}") from failure
+
     # -- the rest -----------------------------------------------------------------------------
 
     def stats(self) -> DiskCacheStats:
-        """The counters (a copy)."""
+        """The counters (a copy), once the blocks this process queued are published."""
+        self._settle()
         with self._mutex:
             return DiskCacheStats(**self._stats.as_dict())
 
     @property
     def complete(self) -> bool:
-        """Every row is published."""
+        """Every row is published (waiting for this process's queued blocks only when they would
+        complete the entry)."""
         with self._mutex:
             self._reload()
-            return len(self._manifest.blocks) == self.num_blocks
+            listed = len(self._manifest.blocks)
+        if listed < self.num_blocks <= listed + self._publisher.pending:
+            self._settle()
+            with self._mutex:
+                self._reload()
+                listed = len(self._manifest.blocks)
+        return listed == self.num_blocks
 
     def close(self) -> None:
         """Unmap, close the files and leave the entry (its published blocks stay for later
-        jobs; parts another process is filling stay for it). Safe to call twice."""
+        jobs; parts another process is filling stay for it), once the blocks this process
+        queued are published. Safe to call twice."""
+        if not self._closed:
+            self._settle()
         with self._mutex:
             if self._closed:
                 return

@@ -28,6 +28,10 @@ class EntryReader(Entry):
         """Which of ``rows`` are published and intact (a bool tensor, one per row). The first
         look at a block in this process checks its size and checksum."""
         array = self._as_rows(rows)
+        self._settle(distinct(array // self.block_rows))  # this process's own blocks, if about to be published
+        return self._present(array)
+
+    def _present(self, array: np.ndarray) -> torch.Tensor:
         with self._mutex:
             if self._closed:
                 return torch.zeros(len(array), dtype=torch.bool)
@@ -48,6 +52,7 @@ class EntryReader(Entry):
         array = self._as_rows(rows)
         if self.ragged:
             raise TypeError(f"the disk cache {self.root} holds ragged rows: read them with read_items")
+        self._settle(distinct(array // self.block_rows))
         with self._mutex:
             self._check_present(array)
             n = len(array)
@@ -81,6 +86,7 @@ class EntryReader(Entry):
         column, words = self.columns[0], self._entry_words
         ndim = len(column.shape)
         items = []
+        self._settle(distinct(array // self.block_rows))
         with self._mutex:
             self._check_present(array)
             for row in array.tolist():
@@ -100,7 +106,7 @@ class EntryReader(Entry):
 
     def _check_present(self, array: np.ndarray) -> None:
         """LookupError naming the first of ``array`` that is not published (misses counted)."""
-        ok = self.present(array).numpy()
+        ok = self._present(array).numpy()
         if not ok.all():
             self._stats.misses += int((~ok).sum())
             raise LookupError(
