@@ -241,7 +241,7 @@ class DiskRows:
 
     @property
     def accepting(self) -> bool:
-        return self.disk.accepting and not self.disk.stats().full
+        return self.disk.accepting and not self.disk.full  # asked per batch: never waits for publication
 
     def read(self, keys: torch.Tensor) -> Part | None:
         """The prepared batch of samples ``keys`` when every one is on disk, else None (an index

@@ -42,9 +42,10 @@ def _publishers() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == PUBLISHER]
 
 
-def _only_on_the_publisher(monkeypatch, name: str, held: threading.Event | None = None) -> list[str]:
-    """Patch ``writing.os.<name>``: record the calling thread; refuse the writer's thread; wait for
-    ``held`` (when given) on the publisher's."""
+def _only_on_the_publisher(monkeypatch, name: str, held: threading.Event | None = None,
+                           refuse: bool = True) -> list[str]:
+    """Patch ``writing.os.<name>``: record the calling thread; refuse any other thread (when
+    ``refuse``); wait for ``held`` (when given) on the publisher's."""
     calls: list[str] = []
     real = getattr(writing.os, name)
 
@@ -52,6 +53,8 @@ def _only_on_the_publisher(monkeypatch, name: str, held: threading.Event | None 
         thread = threading.current_thread().name
         calls.append(thread)
         if thread != PUBLISHER:
+            if not refuse:
+                return real(*args, **kwargs)
             raise AssertionError(f"os.{name} in the writing thread ({thread})")
         if held is not None:
             assert held.wait(60)
@@ -226,4 +229,29 @@ def test_a_loop_broken_early_leaves_no_thread_and_the_next_job_reads_torchs_batc
     later = loader()
     assert _same([list(later)], expected)
     later.close()
+    assert not _publishers()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_epoch_filling_the_disk_tier_never_waits_for_a_publication(tmp_path: Path, monkeypatch, workers) -> None:
+    """Publication held until after the epoch: the epoch ends anyway (with workers, the loader
+    asks the tier whether it still takes samples after every batch), then the block is published."""
+    expected = _torch_epochs(Pictures(), 1)
+    release = threading.Event()
+    timer = threading.Timer(120, release.set)  # a loop that waited would end here and fail below
+    timer.start()
+    _only_on_the_publisher(monkeypatch, "fsync", release, refuse=False)  # the open's entry.json: in the loop
+    loader = gpuload.DataLoader(Pictures(), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(5),
+                                num_workers=workers, cache="host", cache_size=30 * (3 * 36 + 16),
+                                cache_dir=tmp_path / "c")
+    try:
+        got = [list(loader)]
+        assert not release.is_set()  # the epoch did not wait for the held fsync
+        release.set()
+        assert _same(got, expected)
+        assert loader.stats.extra["cache"]["disk"]["published_rows"] == 120
+    finally:
+        release.set()
+        timer.cancel()
+        loader.close()
     assert not _publishers()

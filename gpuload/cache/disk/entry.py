@@ -286,17 +286,11 @@ class Entry:
 
     @property
     def complete(self) -> bool:
-        """Every row is published (waiting for this process's queued blocks only when they would
-        complete the entry)."""
+        """Every row is published, or in a block this process queued for publication (asked at
+        every batch's end: never waits; a reader waits for the blocks it asks for)."""
         with self._mutex:
             self._reload()
-            listed = len(self._manifest.blocks)
-        if listed < self.num_blocks <= listed + self._publisher.pending:
-            self._settle()
-            with self._mutex:
-                self._reload()
-                listed = len(self._manifest.blocks)
-        return listed == self.num_blocks
+            return len(self._manifest.blocks.keys() | self._publisher.queued()) == self.num_blocks
 
     def close(self) -> None:
         """Unmap, close the files and leave the entry (its published blocks stay for later

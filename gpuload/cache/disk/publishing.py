@@ -46,6 +46,11 @@ class BlockPublisher:
         with self._cond:
             return len(self._pending)
 
+    def queued(self) -> set[int]:
+        """The blocks queued and not yet published."""
+        with self._cond:
+            return set(self._pending)
+
     def queue(self, block: int, size: int, inode: int) -> None:
         """Publish ``block`` (its part's final ``size`` and ``inode``) behind the caller; never waits
         (the caller may hold the entry's locks, which publishing takes)."""

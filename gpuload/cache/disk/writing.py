@@ -35,6 +35,12 @@ class EntryWriter(Entry):
         return not self._closed and not self._stats.stopped
 
     @property
+    def full(self) -> bool:
+        """Whether the budget or the disk has refused a new block (as of now: no wait for the
+        blocks queued for publication, unlike ``stats()``)."""
+        return self._stats.full
+
+    @property
     def growing(self) -> bool:
         """Whether writes may still store rows: accepting, and not full unless a block this
         process started is unfinished (its rows still fit: its room was taken at its start)."""
