@@ -72,19 +72,26 @@ def test_a_block_damaged_before_the_open_fails_its_background_check_and_is_named
         assert cache.stats().blocks_dropped == 1
 
 
-def test_the_reader_takes_a_block_the_background_has_not_reached(tmp_path: Path, monkeypatch) -> None:
-    """The reader checks a block itself (taking it out of the queue) rather than wait behind others."""
-    images, _ = _filled(tmp_path)
+def _held_in_the_background(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Patch the checksum so the background thread stops inside its first block until ``hold``
+    is set (``holding``: it is there)."""
     hold, holding = threading.Event(), threading.Event()
     real = checking.crc32
 
-    def slow_in_the_background(data, value=0):
+    def held(data, value=0):
         if threading.current_thread().name == "gpuload-disk-check":
             holding.set()
             hold.wait(60)
         return real(data, value)
 
-    monkeypatch.setattr(checking, "crc32", slow_in_the_background)
+    monkeypatch.setattr(checking, "crc32", held)
+    return hold, holding
+
+
+def test_the_reader_takes_a_block_the_background_has_not_reached(tmp_path: Path, monkeypatch) -> None:
+    """The reader checks a block itself (taking it out of the queue) rather than wait behind others."""
+    images, _ = _filled(tmp_path)
+    hold, holding = _held_in_the_background(monkeypatch)
     with _open(tmp_path, 16) as cache:
         assert holding.wait(60)  # the background is inside block 0
         assert bool(cache.present(torch.arange(8, 16)).all())  # block 1: taken here, not queued behind block 0
@@ -101,16 +108,7 @@ def test_a_forked_child_checks_blocks_itself_the_parents_thread_is_not_in_it(tmp
     """The parent's background is inside block 0 at the fork: the child, which has no such
     thread, must not wait for it."""
     _filled(tmp_path)
-    hold, holding = threading.Event(), threading.Event()
-    real = checking.crc32
-
-    def held_in_the_background(data, value=0):
-        if threading.current_thread().name == "gpuload-disk-check":
-            holding.set()
-            hold.wait(60)
-        return real(data, value)
-
-    monkeypatch.setattr(checking, "crc32", held_in_the_background)
+    hold, holding = _held_in_the_background(monkeypatch)
     with _open(tmp_path, 16) as cache:
         assert holding.wait(60)
         context = multiprocessing.get_context("fork")
