@@ -134,7 +134,8 @@ def disk_tier_maker(settings: CacheSettings, fingerprint: Callable[[], Fingerpri
         whole = fingerprint()  # the tier's rows are an entry of their own: the key names them
         rows_of = Fingerprint.of(whole.kind, f"{whole.description}, rows {first}-{first + rows - 1}",
                                  {"data": whole.digest, "first": first})
-        disk = DiskCache.from_settings(settings, rows_of, _specs(source), rows, block_bytes=BLOCK_BYTES)
+        disk = DiskCache.from_settings(settings, rows_of, _specs(source), rows, block_bytes=BLOCK_BYTES,
+                                       publish_behind=True)
         if disk is None:
             return DiskTier(first, [])
         return DiskTier.fill(disk, source, first, rows)
@@ -231,7 +232,7 @@ class DiskRows:
             warnings.warn(f"gpuload disk cache: {error}; no disk tier", DiskCacheWarning, stacklevel=3)
             return None
         disk = DiskCache.from_settings(settings, fingerprint, _specs(column_rows(template)), len(dataset),
-                                       block_bytes=BLOCK_BYTES)
+                                       block_bytes=BLOCK_BYTES, publish_behind=True)
         return cls(disk, template) if disk is not None else None
 
     @property
@@ -240,7 +241,7 @@ class DiskRows:
 
     @property
     def accepting(self) -> bool:
-        return self.disk.accepting and not self.disk.stats().full
+        return self.disk.accepting and not self.disk.full  # asked per batch: never waits for publication
 
     def read(self, keys: torch.Tensor) -> Part | None:
         """The prepared batch of samples ``keys`` when every one is on disk, else None (an index
@@ -305,7 +306,7 @@ class DiskImages:
         decoded, _ = estimate_image_bytes(images)
         spec = [ColumnSpec("image", torch.uint8, (RAGGED, RAGGED, RAGGED))]
         disk = DiskCache.from_settings(settings, fingerprint, spec, len(images), block_bytes=BLOCK_BYTES,
-                                       row_bytes=max(1, decoded // len(images)))
+                                       row_bytes=max(1, decoded // len(images)), publish_behind=True)
         return cls(disk) if disk is not None else None
 
     @property

@@ -87,7 +87,8 @@ def test_the_disk_tiers_read_a_block_dropped_meanwhile_as_absent(tmp_path: Path)
     assert rows is not None
     keys = torch.arange(16)
     samples = prepare([dataset[i] for i in range(16)])
-    assert rows.write(keys, samples) == 16  # published and checked
+    assert rows.write(keys, samples) == 16
+    assert rows.stats()["published_rows"] == 16  # published (behind the write) and checked
     (block,) = rows.disk.root.glob("block-*.bin")
     _truncate(block)
     with pytest.warns(DiskCacheWarning, match=f"{block.name} is 10 bytes"):

@@ -28,10 +28,13 @@ block is sealed, so the checksum covers it; a reader checks it too (every row in
 Filling follows the epoch's order: a row goes into its block's ``.part`` at its offset
 (``pwrite``; a ragged row at the part's end, its ``rows.index`` entry after it), its flag is
 set, and when a block's last row arrives the block is fsync'ed, checksummed (CRC-32), renamed to ``.bin`` and
-only then listed in the manifest (itself written to a temporary name, fsync'ed and renamed). A
-reader trusts only blocks the manifest lists, after checking each one's size and checksum the
-first time this process maps it; a block that fails is reported once (naming the file), dropped
-from the manifest and filled again. A process killed mid-fill leaves ``.part`` files and flags
+only then listed in the manifest (itself written to a temporary name, fsync'ed and renamed): in
+the write that completes it, or with ``publish_behind`` (the tiers' caches) on a background
+thread (:mod:`~gpuload.cache.disk.publishing`). A reader trusts only blocks the manifest lists,
+after checking each one's size and checksum the first time this process looks at it (the
+checksums of the blocks published at the open taken ahead on a background thread,
+:mod:`~gpuload.cache.disk.checking`); a block that fails is reported once (naming the file),
+dropped from the manifest and filled again. A process killed mid-fill leaves ``.part`` files and flags
 that the next process to open the entry alone discards.
 
 Several processes of a node share one entry: writes happen under the entry lock, so a row's
@@ -46,7 +49,9 @@ faults its reader (SIGBUS); ``gpuload cache clear`` skips entries in use.
 
 The package, one concept a module: :mod:`~gpuload.cache.disk.fingerprint` (what produced an
 entry's bytes), :mod:`~gpuload.cache.disk.blocks` (the bytes of a block), :mod:`~gpuload.cache.disk.files`
-(durable writes, checksums), :mod:`~gpuload.cache.disk.locking` (file locks, forks),
+(durable writes, checksums), :mod:`~gpuload.cache.disk.checking` (checksums taken ahead),
+:mod:`~gpuload.cache.disk.publishing` (blocks published behind the loop),
+:mod:`~gpuload.cache.disk.locking` (file locks, forks),
 :mod:`~gpuload.cache.disk.manifest` (what is published), :mod:`~gpuload.cache.disk.entry` (one entry
 open in this process), :mod:`~gpuload.cache.disk.reading`, :mod:`~gpuload.cache.disk.writing`,
 :mod:`~gpuload.cache.disk.cache` (:class:`DiskCache`, opening an entry). The listing and removal

@@ -49,6 +49,7 @@ class DiskCache(EntryReader, EntryWriter):
         *,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         row_bytes: int | None = None,
+        publish_behind: bool = False,
     ) -> DiskCache | None:
         """The entry for ``fingerprint`` under ``cache_dir`` (created if missing), or None with
         one :class:`DiskCacheWarning` when the folder cannot be written.
@@ -56,7 +57,10 @@ class DiskCache(EntryReader, EntryWriter):
         ``budget_bytes``: bytes this entry may hold; None (or ``SizeSpec("auto")``) is the file
         system's free space less :func:`default_disk_reserve`, re-checked before each new block.
         ``row_bytes``: for a ragged column (rows of their own shapes, :meth:`write_items`), the
-        typical bytes of a row, which sizes the blocks.
+        typical bytes of a row, which sizes the blocks. ``publish_behind``: a complete block's
+        fsync, checksum and publication happen on a background thread
+        (:mod:`~gpuload.cache.disk.publishing`), not in the ``write`` that completes it; reads,
+        ``stats``, ``complete`` and ``close`` wait for the blocks this process queued.
         """
         spec = parse_columns(columns)
         if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
@@ -87,7 +91,7 @@ class DiskCache(EntryReader, EntryWriter):
                 budget = disk_budget(root, budget_bytes or SizeSpec("auto"))
             else:
                 budget = int(budget_bytes)
-            cache = cls(root, fingerprint, spec, num_rows, budget, block_bytes, auto, row_bytes)
+            cache = cls(root, fingerprint, spec, num_rows, budget, block_bytes, auto, row_bytes, publish_behind)
         except OSError as error:
             reason = f"{error.filename or folder} ({error.strerror or error})" if error.filename or not error.strerror \
                 else f"{folder}: {error.strerror}"

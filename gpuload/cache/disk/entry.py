@@ -15,6 +15,7 @@ import os
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,11 @@ import torch
 
 from gpuload.cache.budget import format_bytes
 from gpuload.cache.disk.blocks import BLOCK_NAME, FORMAT_VERSION, ColumnSpec, record_bytes_of, record_layout
+from gpuload.cache.disk.checking import AheadChecks
 from gpuload.cache.disk.fingerprint import Fingerprint
 from gpuload.cache.disk.locking import Flock, track
 from gpuload.cache.disk.manifest import Manifest, file_identity_of, read_manifest, write_manifest
+from gpuload.cache.disk.publishing import BlockPublisher
 from gpuload.cache.entries import MANIFEST
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -64,7 +67,7 @@ class Entry:
 
     def __init__(
         self, root: Path, fingerprint: Fingerprint, columns: tuple[ColumnSpec, ...], num_rows: int, budget: int,
-        block_bytes: int, auto_budget: bool, row_bytes: int | None = None,
+        block_bytes: int, auto_budget: bool, row_bytes: int | None = None, publish_behind: bool = False,
     ) -> None:
         self.root = root
         self.fingerprint = fingerprint
@@ -84,6 +87,9 @@ class Entry:
         self._mutex = threading.RLock()
         self._manifest = Manifest()
         self._verified: set[int] = set()
+        self._checks = AheadChecks()  # published blocks checked in the background, ahead of their first read
+        self._behind = publish_behind  # complete blocks published on a background thread (else in write)
+        self._publisher = BlockPublisher(self._publish_behind)
         self._maps: OrderedDict[int, tuple[mmap.mmap | None, np.ndarray]] = OrderedDict()
         self._parts: OrderedDict[int, tuple[int, int]] = OrderedDict()  # block -> (fd, inode)
         self._stats = DiskCacheStats(path=str(root), budget=budget, rows=num_rows)
@@ -102,6 +108,7 @@ class Entry:
                 self._index_fd = os.open(root / "rows.index", os.O_RDWR | os.O_CREAT, 0o666)
             os.utime(root / "users")
             self._reload(force=True)
+            self._checks.start((block, self._block_path(block, "bin")) for block in sorted(self._manifest.blocks))
         except BaseException:
             self.close()
             raise
@@ -158,6 +165,14 @@ class Entry:
             except OSError as error:  # the entry removed meanwhile: the source serves
                 self._stop(error, Path(error.filename or self.root))
                 self.close()
+
+    def _after_fork(self) -> None:
+        """In a forked child, at the fork: a new mutex (a thread of the parent may have held the
+        old one) and no background threads (the parent's are not in this process: its queued
+        blocks are the parent's to publish, unchecked blocks are checked at first look)."""
+        self._mutex = threading.RLock()
+        self._checks = AheadChecks()
+        self._publisher = BlockPublisher(self._publish_behind)
 
     # -- locks and the manifest ---------------------------------------------------------------
 
@@ -240,27 +255,54 @@ class Entry:
             DiskCacheWarning, stacklevel=4,
         )
 
+    # -- publication behind the loop -----------------------------------------------------------
+
+    def _publish_behind(self, block: int, size: int, inode: int) -> None:
+        """Publish a complete block (on the publisher's thread); the writer defines it."""
+        raise NotImplementedError
+
+    def _settle(self, blocks: Iterable[int] | None = None) -> None:
+        """Wait until this process's queued blocks ``blocks`` (None: all) are published, and hand
+        on what stopped the publishing thread: an OSError stops the tier growing (one warning
+        naming the file), anything else is raised here. Never with the mutex held (publishing
+        takes it)."""
+        self._publisher.wait(blocks)
+        failure = self._publisher.failure()
+        if failure is None:
+            return
+        if isinstance(failure, OSError):
+            with self._mutex:
+                self._stop(failure, Path(failure.filename) if failure.filename else self.root)
+            return
+        raise RuntimeError(f"gpuload disk cache: publishing a block of {self.root} failed: {failure!r}") from failure
+
     # -- the rest -----------------------------------------------------------------------------
 
     def stats(self) -> DiskCacheStats:
-        """The counters (a copy)."""
+        """The counters (a copy), once the blocks this process queued are published."""
+        self._settle()
         with self._mutex:
             return DiskCacheStats(**self._stats.as_dict())
 
     @property
     def complete(self) -> bool:
-        """Every row is published."""
+        """Every row is published, or in a block this process queued for publication (asked at
+        every batch's end: never waits; a reader waits for the blocks it asks for)."""
         with self._mutex:
             self._reload()
-            return len(self._manifest.blocks) == self.num_blocks
+            return len(self._manifest.blocks.keys() | self._publisher.queued()) == self.num_blocks
 
     def close(self) -> None:
         """Unmap, close the files and leave the entry (its published blocks stay for later
-        jobs; parts another process is filling stay for it). Safe to call twice."""
+        jobs; parts another process is filling stay for it), once the blocks this process
+        queued are published. Safe to call twice."""
+        if not self._closed:
+            self._settle()
         with self._mutex:
             if self._closed:
                 return
             self._closed = True
+            self._checks.close()
             for block in list(self._parts):
                 self._close_part(block)
             self._maps.clear()  # read() copies out of the maps: nothing points into them

@@ -70,9 +70,9 @@ def preallocate(fd: int, size: int) -> None:
 
 
 
-def crc32(data: np.ndarray) -> int:
-    """The CRC-32 of ``data``'s bytes, 16 MiB at a time."""
-    crc, step = 0, 16 << 20
+def crc32(data: np.ndarray, crc: int = 0) -> int:
+    """The CRC-32 of ``data``'s bytes (continuing ``crc``), 16 MiB at a time."""
+    step = 16 << 20
     for start in range(0, data.size, step):
         crc = zlib.crc32(memoryview(data[start:start + step]), crc)  # type: ignore[arg-type]  # numpy stubs: no __buffer__ before 3.12
     return crc

@@ -5,14 +5,14 @@ An entry's ``lock`` file is flock'ed exclusively, briefly, around every write an
 its ``users`` file is flock'ed shared by every open cache (exclusively, without waiting, by the
 one that recovers what a killed process left). A flock belongs to an open file, which a fork
 shares: a forked child opens the entry's files again (``Entry._open_in_this_process``) and gets
-a new mutex here (a thread of the parent may have held the old one at the fork).
+a new mutex and no background threads here (``Entry._after_fork``: a thread of the parent may have
+held the old mutex at the fork).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-import threading
 import weakref
 from typing import Protocol
 
@@ -31,16 +31,16 @@ class Flock:
 
 
 class Guarded(Protocol):
-    """What holds a mutex a forked child must replace."""
+    """What holds a mutex (and threads) a forked child must replace."""
 
-    _mutex: threading.RLock
+    def _after_fork(self) -> None: ...
 
 
 _OPEN: weakref.WeakSet[Guarded] = weakref.WeakSet()
 
 
 def track(guarded: Guarded) -> None:
-    """Give ``guarded`` a new mutex in every forked child while it lives."""
+    """Give ``guarded`` a new mutex (``_after_fork``) in every forked child while it lives."""
     _OPEN.add(guarded)
 
 
@@ -48,7 +48,7 @@ def _new_mutexes_after_fork() -> None:
     """In a forked child: a new mutex for each cache (a thread of the parent may have held one
     at the fork); each opens its own descriptors at its next use (``_open_in_this_process``)."""
     for guarded in list(_OPEN):
-        guarded._mutex = threading.RLock()
+        guarded._after_fork()
 
 
 os.register_at_fork(after_in_child=_new_mutexes_after_fork)

@@ -1,6 +1,8 @@
 """Reading an entry: which rows are published and intact, and their bytes copied out of the
 blocks' memory maps. A block is checked (size, CRC-32, a ragged block's table) the first time
-this process maps it; one that fails is named once, unpublished and filled again."""
+this process looks at it (``present`` or a read); its CRC-32 is usually taken already, on the
+background thread that checks the published blocks from the entry's open on
+(:mod:`~gpuload.cache.disk.checking`). One that fails is named once, unpublished and filled again."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import torch
 
 from gpuload.cache.disk.blocks import distinct, itemsize, ragged_table, ragged_table_problem
 from gpuload.cache.disk.entry import DiskCacheWarning, Entry
-from gpuload.cache.disk.files import crc32
 from gpuload.cache.entries import MANIFEST
 
 _OPEN_MAPS = 64  # memory maps (each holds a file descriptor) kept open per cache
@@ -27,6 +28,10 @@ class EntryReader(Entry):
         """Which of ``rows`` are published and intact (a bool tensor, one per row). The first
         look at a block in this process checks its size and checksum."""
         array = self._as_rows(rows)
+        self._settle(distinct(array // self.block_rows))  # this process's own blocks, if about to be published
+        return self._present(array)
+
+    def _present(self, array: np.ndarray) -> torch.Tensor:
         with self._mutex:
             if self._closed:
                 return torch.zeros(len(array), dtype=torch.bool)
@@ -47,6 +52,7 @@ class EntryReader(Entry):
         array = self._as_rows(rows)
         if self.ragged:
             raise TypeError(f"the disk cache {self.root} holds ragged rows: read them with read_items")
+        self._settle(distinct(array // self.block_rows))
         with self._mutex:
             self._check_present(array)
             n = len(array)
@@ -80,6 +86,7 @@ class EntryReader(Entry):
         column, words = self.columns[0], self._entry_words
         ndim = len(column.shape)
         items = []
+        self._settle(distinct(array // self.block_rows))
         with self._mutex:
             self._check_present(array)
             for row in array.tolist():
@@ -99,7 +106,7 @@ class EntryReader(Entry):
 
     def _check_present(self, array: np.ndarray) -> None:
         """LookupError naming the first of ``array`` that is not published (misses counted)."""
-        ok = self.present(array).numpy()
+        ok = self._present(array).numpy()
         if not ok.all():
             self._stats.misses += int((~ok).sum())
             raise LookupError(
@@ -117,7 +124,8 @@ class EntryReader(Entry):
         expected = size if self.ragged else self._rows_in(block) * self.record_bytes
         try:
             with open(path, "rb") as file:
-                actual = os.fstat(file.fileno()).st_size
+                status = os.fstat(file.fileno())
+                actual = status.st_size
                 if actual != size or size != expected:
                     problem = f"{path} is {actual} bytes, the manifest says {size} (expected {expected})"
                     self._drop(block, problem)
@@ -128,7 +136,7 @@ class EntryReader(Entry):
             return None
         view = np.frombuffer(mapped, dtype=np.uint8) if mapped is not None else np.empty(0, np.uint8)
         if block not in self._verified:
-            if crc32(view) != crc:
+            if self._checks.crc(block, (block, status.st_ino, size), lambda: view) != crc:
                 del view, mapped  # unmapped when the last reference goes
                 self._drop(block, f"{path} fails its checksum (its bytes changed after it was written)")
                 return None

@@ -1,8 +1,10 @@
 """Filling an entry: rows written into their blocks' ``.part`` files under the entry lock
 (``pwrite`` at a row's offset; a ragged row at the part's end, its ``rows.index`` entry after
-it), each row's flag set after its bytes; a block whose last row arrives is fsync'ed,
-checksummed, renamed to ``.bin`` and only then listed in the manifest. Within the budget;
-a full disk or another I/O error stops the tier growing, with one warning."""
+it), each row's flag set after its bytes; a block whose last row arrives is queued for
+publication (:mod:`~gpuload.cache.disk.publishing`): on the publishing thread it is fsync'ed and
+checksummed (no lock held: nothing writes a complete part), then renamed to ``.bin`` and only
+then listed in the manifest (under the locks). Within the budget; a full disk or another I/O
+error stops the tier growing, with one warning."""
 
 from __future__ import annotations
 
@@ -31,6 +33,12 @@ class EntryWriter(Entry):
     def accepting(self) -> bool:
         """Whether ``write`` still stores rows (not closed, not stopped by an error)."""
         return not self._closed and not self._stats.stopped
+
+    @property
+    def full(self) -> bool:
+        """Whether the budget or the disk has refused a new block (as of now: no wait for the
+        blocks queued for publication, unlike ``stats()``)."""
+        return self._stats.full
 
     @property
     def growing(self) -> bool:
@@ -67,6 +75,8 @@ class EntryWriter(Entry):
         keep = np.concatenate(([True], np.diff(array) != 0))
         array, records = array[keep], records[keep]
         written = 0
+        self._settle(())  # what stopped publishing, if anything, is said here
+        self._publisher.room()  # at most PENDING_BLOCKS complete blocks wait for publication
         with self._mutex:
             if not self.accepting:
                 return 0
@@ -84,9 +94,10 @@ class EntryWriter(Entry):
                             continue
                         mine = blocks == block
                         fill = self._append_rows if self.ragged else self._write_rows
-                        written += fill(block, fd, array[mine], records[mine])
+                        wrote = fill(block, fd, array[mine], records[mine])
+                        written += wrote
                         path = self._block_path(block, "bin")
-                        self._publish_if_complete(block, fd)
+                        self._queue_if_complete(block, fd, wrote)
             except OSError as error:
                 self._stop(error, Path(error.filename) if error.filename else path)
             self._stats.rows_written += written
@@ -195,16 +206,48 @@ class EntryWriter(Entry):
         pwrite_all(fd, memoryview(table), start)
         return start + len(table)
 
-    def _publish_if_complete(self, block: int, fd: int) -> None:
-        """fsync, checksum, rename to ``.bin`` and list in the manifest once every row of the
-        block is written. Entry lock held."""
+    def _queue_if_complete(self, block: int, fd: int, wrote: int) -> None:
+        """Publish the block once every row of it is written: behind the loop when the entry was
+        opened with ``publish_behind``, else now (a ragged block gets its table first, only from the
+        process whose rows completed it: sealed once). Entry lock held."""
         first = block * self.block_rows
         if os.pread(self._flags_fd, self._rows_in(block), first).count(0):
             return
+        if self._behind and self.ragged and not wrote:
+            return
         size = self._seal(block, fd)  # never 0: a record is at least 1 byte, a ragged table 8 per row
-        os.fsync(fd)
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
-            crc = crc32(np.frombuffer(mapped, dtype=np.uint8))
+        if self._behind:
+            self._publisher.queue(block, size, os.fstat(fd).st_ino)
+        else:
+            self._list(block, size, _fsync_and_checksum(fd, size))
+
+    def _publish_behind(self, block: int, size: int, inode: int) -> None:
+        """On the publishing thread: fsync and checksum the complete part ``inode`` (no lock held:
+        nothing writes it any more), then under the locks list it, unless another process
+        published it meanwhile."""
+        part = self._block_path(block, "part")
+        try:
+            fd = os.open(part, os.O_RDONLY)
+        except FileNotFoundError:  # published (or dropped) by another process meanwhile
+            return
+        try:
+            if os.fstat(fd).st_ino != inode:
+                return
+            crc = _fsync_and_checksum(fd, size)
+        finally:
+            os.close(fd)
+        with self._mutex, self._entry_lock():
+            self._reload()
+            try:
+                current = os.stat(part).st_ino
+            except FileNotFoundError:
+                current = None
+            if block not in self._manifest.blocks and current == inode:
+                self._list(block, size, crc)
+
+    def _list(self, block: int, size: int, crc: int) -> None:
+        """Rename the block's complete part to ``.bin`` and list it in the manifest (undone, and
+        the OSError raised, when the manifest cannot be written). Entry lock held."""
         target = self._block_path(block, "bin")
         os.rename(self._block_path(block, "part"), target)
         fsync_folder(self.root)
@@ -215,7 +258,20 @@ class EntryWriter(Entry):
         except OSError:
             del self._manifest.blocks[block]
             target.unlink(missing_ok=True)
-            os.pwrite(self._flags_fd, bytes(self._rows_in(block)), first)
+            os.pwrite(self._flags_fd, bytes(self._rows_in(block)), block * self.block_rows)
             raise
         self._verified.add(block)
         self._stats.blocks_published += 1
+
+
+def _fsync_and_checksum(fd: int, size: int) -> int:
+    """Make a complete part's ``size`` bytes durable; their CRC-32."""
+    os.fsync(fd)
+    mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    try:
+        return crc32(np.frombuffer(mapped, dtype=np.uint8))
+    finally:
+        try:
+            mapped.close()
+        except BufferError:  # a view is still held (by an error's traceback): unmapped when it goes
+            pass
