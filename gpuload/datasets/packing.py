@@ -181,7 +181,7 @@ class PackedTokens(Dataset[dict[str, torch.Tensor]]):
         eot_at: str = "start",
         prompt_lengths: Sequence[int] | np.ndarray | None = None,
         strategy: str = "greedy",
-        window: int = 1000,
+        window: int = 4096,
         long_documents: str = "split",
         pad_id: int = 0,
         dtype: Any = None,
