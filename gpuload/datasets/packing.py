@@ -21,6 +21,7 @@ needs nothing but the sampler's position, and the sampler's shuffle reorders row
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -53,9 +54,10 @@ _SCAN_TOKENS = 1 << 24  # tokens compared with the end-of-text id at a time (a b
 
 @dataclass(frozen=True)
 class Segments:
-    """One batch's segments, row after row: where each one's tokens start in the flat buffer,
-    its length, which of its positions have a label (``label_from <= k < label_to``), and
-    whether it is padding. ``table`` holds the five as one ``(5, segments)`` int64 array."""
+    """One batch's segments, row after row, over the flattened batch (token ``t`` of the batch is
+    row ``t // seq_len``). ``table`` is ``(segments, 5)`` int64: what to add to a token's flat
+    index to find it in the token buffer, the segment's first flat index, the flat range whose
+    tokens have a label (``[from, to)``), and whether the segment is padding."""
 
     table: np.ndarray
     cu_seqlens: np.ndarray  # int32, segments + 1
@@ -83,9 +85,9 @@ class PackingPlan:
     def rows(self) -> int:
         return len(self.row_ptr) - 1
 
-    @property
+    @functools.cached_property
     def row_fill(self) -> np.ndarray:
-        """Tokens of documents in each row (the rest of the row is padding)."""
+        """Tokens of documents in each row (the rest of the row is padding); computed once."""
         filled = np.concatenate([[0], np.cumsum(self.length)])
         return filled[self.row_ptr[1:]] - filled[self.row_ptr[:-1]]
 
@@ -101,15 +103,20 @@ class PackingPlan:
         within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         pieces = np.repeat(first_piece, counts) + within
         placed = np.repeat(row_first, counts) + within
-        table = np.zeros((5, int(per_row.sum())), dtype=np.int64)
-        table[0, placed] = self.start[pieces]
-        table[1, placed] = self.length[pieces]
-        table[2, placed] = self.label_from[pieces]
-        table[3, placed] = self.label_to[pieces]
+        length = np.zeros(int(per_row.sum()), dtype=np.int64)
+        length[placed] = self.length[pieces]
         pads = row_first[padded] + counts[padded]
-        table[1, pads] = seq_len - fill[padded]
-        table[4, pads] = 1
-        cu_seqlens = np.concatenate([[0], np.cumsum(table[1])]).astype(np.int32)
+        length[pads] = seq_len - fill[padded]
+        cu_seqlens = np.concatenate([[0], np.cumsum(length)])
+        first = cu_seqlens[:-1]
+        table = np.zeros((len(length), 5), dtype=np.int64)
+        table[placed, 0] = self.start[pieces] - first[placed]
+        table[:, 1] = first
+        table[placed, 2] = first[placed] + self.label_from[pieces]
+        table[placed, 3] = first[placed] + self.label_to[pieces]
+        table[pads, 0] = -first[pads]  # padding reads token 0, then is overwritten
+        table[pads, 4] = 1
+        cu_seqlens = cu_seqlens.astype(np.int32)
         return Segments(table, cu_seqlens, len(rows))
 
 
@@ -119,20 +126,21 @@ def gather_rows(buffer: torch.Tensor, token_dtype: torch.dtype, table: torch.Ten
     on the device of ``buffer`` (the flat token buffer, as a gatherable signed view of
     ``token_dtype`` ids), from the rows' segments (``Segments.table`` and ``cu_seqlens`` on that
     device). The token positions are expanded on the device (no host sync: the output size is
-    known) and all ids and next ids are taken by one gather."""
-    device = buffer.device
+    known: each segment's row of the table repeated for its tokens) and all ids and next ids are
+    taken by one gather."""
     count = rows * seq_len
-    start, length, label_from, label_to, pad = table
-    segment = torch.repeat_interleave(torch.arange(table.shape[1], device=device), length, output_size=count)
-    position = torch.arange(count, device=device) - cu_seqlens[:-1].to(torch.int64)[segment]
-    labelled = (position >= label_from[segment]) & (position < label_to[segment])
-    padding = pad[segment].bool()
-    at = (start[segment] + position).masked_fill_(padding, 0)  # padding reads token 0, then is overwritten
-    ids = widen(buffer.index_select(0, torch.cat([at, at + labelled])).view(token_dtype)).view(2, rows, seq_len)
+    lengths = cu_seqlens.diff().to(torch.int64)
+    offset, first, label_from, label_to, pad = table.repeat_interleave(lengths, dim=0, output_size=count).unbind(1)
+    flat = torch.arange(count, device=buffer.device)
+    labelled = (flat >= label_from) & (flat < label_to)
+    at = torch.empty(2, count, dtype=torch.int64, device=buffer.device)  # each token, then its next one
+    torch.add(offset, flat, out=at[0])
+    torch.add(at[0], labelled, out=at[1])
+    ids = widen(buffer.index_select(0, at.view(-1)).view(token_dtype)).view(2, rows, seq_len)
     return {
-        "input_ids": ids[0].masked_fill_(padding.view(rows, seq_len), pad_id),
+        "input_ids": ids[0].masked_fill_(pad.view(rows, seq_len).bool(), pad_id),
         "labels": ids[1].masked_fill_(~labelled.view(rows, seq_len), IGNORE_INDEX),
-        "position_ids": position.view(rows, seq_len),
+        "position_ids": flat.sub_(first).view(rows, seq_len),
     }
 
 
