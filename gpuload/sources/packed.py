@@ -131,10 +131,9 @@ class PackedSource(Source):
             made = gather_rows(on_device[0].view(-1), dataset.token_dtype, table, cu_seqlens, count, seq_len, pad_id)
         else:
             made = gather_rows(host, dataset.token_dtype, table, cu_seqlens, count, seq_len, pad_id)
-            if device.type != "cpu":
-                if request.copy_now is None:
-                    raise RuntimeError("a host-made packed batch needs the loader's staging to reach the device")
-                moved = request.copy_now([*made.values(), cu_seqlens])
+            if device.type != "cpu":  # through the loader's staging, which counts the bytes
+                copy = request.copy_now or (lambda tensors: to_device(tensors, device))
+                moved = copy([*made.values(), cu_seqlens])
                 made, cu_seqlens = dict(zip(made, moved[:-1])), moved[-1]
         batch: dict[str, Any] = {**made, "cu_seqlens": cu_seqlens, "max_seqlen": segments.max_seqlen}
         return batch, count
