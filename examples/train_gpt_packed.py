@@ -22,7 +22,6 @@ on 2 idle cores)
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import random
 import tempfile
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from train_gpt_tokens import TinyGPT, generated_text
+from train_gpt_tokens import TinyGPT, generated_text, stopped_and_resumed, train
 
 import gpuload
 from gpuload.datasets.packed_masks import document_causal_mask
@@ -77,31 +76,10 @@ def build(shard: Path, args: argparse.Namespace) -> tuple[gpuload.DataLoader, Pa
     return loader, model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
 
-def train(loader: gpuload.DataLoader, model: PackedGPT, optimizer: torch.optim.Optimizer, steps: int, done: int = 0,
-          stop_at: int | None = None) -> tuple[list[float], bytes | None]:
-    """Train from step ``done`` to ``steps``; with ``stop_at``, stop after that step and return
-    a checkpoint. Returns the losses of the steps run."""
-    losses: list[float] = []
-    step = done
-    while step < steps:
-        for batch in loader:  # a resumed loader starts with the rest of the interrupted epoch
-            logits = model(batch["input_ids"], batch["position_ids"])
-            loss = nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-            step += 1
-            if step % 100 == 0:
-                print(f"step {step}: loss {losses[-1]:.3f}")
-            if step == stop_at:
-                checkpoint = io.BytesIO()
-                torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                            "loader": loader.state_dict()}, checkpoint)
-                return losses, checkpoint.getvalue()
-            if step == steps:
-                break
-    return losses, None
+def packed_loss(model: PackedGPT, batch: dict[str, Any]) -> torch.Tensor:
+    """Cross-entropy of the next-token logits where a label is (not across documents, not padding)."""
+    logits = model(batch["input_ids"], batch["position_ids"])
+    return nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
 
 
 def logits_ignore_other_documents(model: PackedGPT, batch: dict[str, Any]) -> bool:
@@ -136,27 +114,14 @@ def main() -> None:
         packing = loader.dataset.packing_stats()
         print(f"{loader.dataset}; padding {packing['padding']:.2%}; {per_epoch} batches per epoch, on {loader.device}")
 
-        straight, _ = train(loader, model, optimizer, args.steps)
+        straight, _ = train(loader, model, optimizer, args.steps, loss_of=packed_loss)
         print(f"straight run: {args.steps} steps, loss {straight[0]:.3f} -> {straight[-1]:.3f}, "
               f"served by {loader.stats.path}")
         apart = logits_ignore_other_documents(model.eval(), next(iter(loader)))
         print(f"a document's logits ignore the other documents of its row: {apart}")
 
-        loader, model, optimizer = build(shard, args)
-        before, checkpoint = train(loader, model, optimizer, args.steps, stop_at=stop_at)
-        loader.close()
-        assert checkpoint is not None
-        print(f"stopped after step {stop_at} (epoch {stop_at // per_epoch}, batch {stop_at % per_epoch}), "
-              f"checkpoint {len(checkpoint) // 1024} KiB")
-
-        loader, model, optimizer = build(shard, args)  # a new process would do the same
-        saved = torch.load(io.BytesIO(checkpoint), weights_only=True)
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        loader.load_state_dict(saved["loader"])
-        after, _ = train(loader, model, optimizer, args.steps, done=saved["step"])
-        same = before + after == straight
-        print(f"resumed at step {saved['step']}: losses {after[0]:.3f} -> {after[-1]:.3f}")
+        resumed = stopped_and_resumed(lambda: build(shard, args), args.steps, stop_at, per_epoch, loss_of=packed_loss)
+        same = resumed == straight
         print(f"resumed with the same losses: {same}")
         if not (same and apart):
             raise SystemExit(1)

@@ -32,6 +32,7 @@ from gpuload.device import device_memory, host_memory
 from gpuload.distributed.sharded_store import decline_split, split_context
 from gpuload.sampling import in_range
 from gpuload.sources import Indices, Schedule, Setup, Source, Work
+from gpuload.sources.tokens import buffer_stats
 from gpuload.transfer import to_device
 
 __all__ = ["PER_RANK_REASON", "PackedSource", "detect"]
@@ -151,11 +152,7 @@ class PackedSource(Source):
 
     def stats(self) -> dict[str, Any]:
         packing = {**self.dataset.packing_stats(), "index_bytes_h2d": self.index_bytes}
-        found: dict[str, Any] = {"tokens": dict(self.notes), "packing": packing}
-        if self.store is not None:
-            found["cache"] = self.store.stats.as_dict()
-            found["cache_plan"] = self.store.plan.describe()
-        return found
+        return {**buffer_stats(self.notes, self.store), "packing": packing}
 
     def close(self) -> None:
         if self.store is not None:

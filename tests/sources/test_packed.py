@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from equivalence import assert_same, assert_same_epochs
+from equivalence import assert_resumes_exactly, assert_same, assert_same_epochs
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import DistributedSampler, default_collate
 
@@ -82,16 +82,7 @@ def test_resume_mid_epoch_gives_the_rest_with_the_same_packing(shard: Path, pref
         return gpuload.DataLoader(ds, batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(5),
                                   collate_fn=ds.collate, prefetch_depth=prefetch_depth)
 
-    straight = loader()
-    whole = [batch for _ in range(2) for batch in straight]
-    first = loader()
-    it = iter(first)
-    seen = [next(it) for _ in range(5)]
-    state = first.state_dict()
-    resumed = loader()
-    resumed.load_state_dict(state)
-    rest = [batch for _ in range(2) for batch in resumed]  # the rest of epoch 0, then epoch 1
-    assert_same(seen + rest, whole)
+    assert_resumes_exactly(loader, batches=5)
 
 
 def _rows(documents: list[np.ndarray], world: int) -> PackedTokens:
