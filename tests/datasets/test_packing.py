@@ -145,11 +145,16 @@ def test_an_array_or_tensor_of_ids_and_a_list_of_documents_pack_alike() -> None:
     stream = np.concatenate([np.concatenate([[50000], 1 + np.arange(n)]) for n in lengths]).astype(np.uint16)
     from_array = PackedTokens(stream, 8, eot_id=50000)
     from_tensor = PackedTokens(torch.from_numpy(stream.astype(np.int64)), 8, eot_id=50000)
+    wide_ids = PackedTokens(stream.astype(np.uint32) + 70000, 8, eot_id=120000)  # uint32, ids over 65535
     documents = [np.concatenate([[50000], 1 + np.arange(n)]) for n in lengths]
     from_list = PackedTokens([torch.from_numpy(d) for d in documents], 8)
     for ds in (from_tensor, from_list):
         for key in ("input_ids", "labels", "position_ids", "cu_seqlens"):
             assert torch.equal(_everything(ds)[key], _everything(from_array)[key]), key
+    wide, narrow = _everything(wide_ids), _everything(from_array)
+    assert wide_ids.token_dtype == torch.uint32
+    assert torch.equal(wide["input_ids"], torch.where(narrow["input_ids"] == 0, 0, narrow["input_ids"] + 70000))
+    assert torch.equal(wide["labels"], torch.where(narrow["labels"] == -100, -100, narrow["labels"] + 70000))
 
 
 def test_an_arrow_list_column_packs_as_the_list() -> None:
