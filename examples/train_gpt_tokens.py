@@ -85,17 +85,23 @@ def build(shard: Path, args: argparse.Namespace) -> tuple[gpuload.DataLoader, nn
     return loader, model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
 
+def next_token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy of the model's next-token logits on a batch of windows ``(x, y)``."""
+    x, y = batch
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
 def train(
-    loader, model, optimizer, steps: int, done: int = 0, stop_at: int | None = None
+    loader, model, optimizer, steps: int, done: int = 0, stop_at: int | None = None, loss_of=next_token_loss
 ) -> tuple[list[float], bytes | None]:
-    """Train from step ``done`` to ``steps``; with ``stop_at``, stop after that step and return
-    a checkpoint. Returns the losses of the steps run."""
+    """Train from step ``done`` to ``steps`` (``loss_of(model, batch)``: a batch's loss); with
+    ``stop_at``, stop after that step and return a checkpoint. Returns the losses of the steps run."""
     losses: list[float] = []
     step = done
     while step < steps:
-        for x, y in loader:  # a resumed loader starts with the rest of the interrupted epoch
-            logits = model(x)
-            loss = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        for batch in loader:  # a resumed loader starts with the rest of the interrupted epoch
+            loss = loss_of(model, batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -111,6 +117,25 @@ def train(
             if step == steps:
                 break
     return losses, None
+
+
+def stopped_and_resumed(build, steps: int, stop_at: int, per_epoch: int, loss_of=next_token_loss) -> list[float]:
+    """A run stopped after step ``stop_at`` (a preemption) and one built anew by ``build()`` (as a new
+    process would) that loads its checkpoint and finishes: the losses of both, in order."""
+    loader, model, optimizer = build()
+    before, checkpoint = train(loader, model, optimizer, steps, stop_at=stop_at, loss_of=loss_of)
+    loader.close()
+    print(f"stopped after step {stop_at} (epoch {stop_at // per_epoch}, batch {stop_at % per_epoch}), "
+          f"checkpoint {len(checkpoint) // 1024} KiB")
+
+    loader, model, optimizer = build()
+    saved = torch.load(io.BytesIO(checkpoint), weights_only=True)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    loader.load_state_dict(saved["loader"])
+    after, _ = train(loader, model, optimizer, steps, done=saved["step"], loss_of=loss_of)
+    print(f"resumed at step {saved['step']}: losses {after[0]:.3f} -> {after[-1]:.3f}")
+    return before + after
 
 
 def main() -> None:
@@ -135,20 +160,7 @@ def main() -> None:
         print(f"straight run: {args.steps} steps, loss {straight[0]:.3f} -> {straight[-1]:.3f}, "
               f"served by {loader.stats.path}, {loader.stats.extra['tokens']['token_bytes']} token bytes cached")
 
-        loader, model, optimizer = build(shard, args)
-        before, checkpoint = train(loader, model, optimizer, args.steps, stop_at=stop_at)
-        loader.close()
-        print(f"stopped after step {stop_at} (epoch {stop_at // per_epoch}, batch {stop_at % per_epoch}), "
-              f"checkpoint {len(checkpoint) // 1024} KiB")
-
-        loader, model, optimizer = build(shard, args)  # a new process would do the same
-        saved = torch.load(io.BytesIO(checkpoint), weights_only=True)
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        loader.load_state_dict(saved["loader"])
-        after, _ = train(loader, model, optimizer, args.steps, done=saved["step"])
-        same = before + after == straight
-        print(f"resumed at step {saved['step']}: losses {after[0]:.3f} -> {after[-1]:.3f}")
+        same = stopped_and_resumed(lambda: build(shard, args), args.steps, stop_at, per_epoch) == straight
         print(f"resumed with the same losses: {same}")
         if not same:
             raise SystemExit(1)

@@ -53,3 +53,18 @@ def assert_same_epochs(ours: Any, theirs: Any, epochs: int = 2, before_epoch=Non
         )
         for i, (a, b) in enumerate(zip(our_batches, their_batches)):
             assert_same(a, b, f"epoch {epoch} batch {i}")
+
+
+def assert_resumes_exactly(make: Any, batches: int, epochs: int = 2) -> None:
+    """A loader from ``make()`` saved after ``batches`` batches, and one made anew that loads the
+    state, yield together exactly what one loader yields in ``epochs`` epochs."""
+    straight = make()
+    whole = [batch for _ in range(epochs) for batch in straight]
+    first = make()
+    iterator = iter(first)
+    seen = [next(iterator) for _ in range(batches)]
+    state = first.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [batch for _ in range(epochs) for batch in resumed]  # the rest of the first epoch, then the others
+    assert_same(seen + rest, whole)

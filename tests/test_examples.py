@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import re
 import subprocess
@@ -10,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import gpuload
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -17,7 +21,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # What each example prints when it did its job; an example not listed must exit 0 and print.
 EXPECTED = {"train_loop.py": "epoch 1: loss", "train_images.py": "epoch 1: loss", "resume.py": "resumed exactly: True",
             "ddp_train.py": "epoch 1: loss",  # ddp_train.py without torchrun: a job of one process
-            "train_gpt_tokens.py": "resumed with the same losses: True"}
+            "train_gpt_tokens.py": "resumed with the same losses: True",
+            "train_gpt_packed.py": "resumed with the same losses: True"}
 
 
 @pytest.mark.slow
@@ -49,6 +54,32 @@ def test_train_gpt_tokens_resumes_mid_epoch_with_the_same_losses() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "stopped after step 50 (epoch 1, batch 13)" in done.stdout
     assert "resumed with the same losses: True" in done.stdout
+
+
+@pytest.mark.slow
+def test_train_gpt_packed_resumes_mid_epoch_with_the_same_losses() -> None:
+    """Short settings: 30 steps of 16 per epoch, stopped after step 25 (epoch 1, batch 9)."""
+    done = subprocess.run([sys.executable, str(EXAMPLES / "train_gpt_packed.py"), "--steps", "30", "--stop-at", "25",
+                           "--documents", "150"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "stopped after step 25 (epoch 1, batch 9)" in done.stdout
+    assert "a document's logits ignore the other documents of its row: True" in done.stdout
+    assert "resumed with the same losses: True" in done.stdout
+
+
+def test_train_gpt_packed_keeps_each_documents_logits_to_itself(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    example = importlib.import_module("train_gpt_packed")
+    shard = example.documents_to_shard(40, tmp_path)
+    packed = gpuload.PackedTokens(shard, 64, eot_id=example.EOT, strategy="best_fit")
+    batch = packed.collate([packed[i] for i in range(len(packed))])
+    torch.manual_seed(0)
+    model = example.PackedGPT(64).eval()
+    assert example.logits_ignore_other_documents(model, batch)
+    unmasked = example.PackedGPT(64).eval()
+    unmasked.forward = lambda x, positions: example.TinyGPT.forward(unmasked, x)  # causal over the whole row
+    assert not example.logits_ignore_other_documents(unmasked, batch)
 
 
 def _run_plan_example(*args: str) -> str:

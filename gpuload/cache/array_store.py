@@ -345,6 +345,17 @@ class TieredArrayStore(Store):
         with self._lock:
             return not self._copies or self._device_rows() == self._num_samples
 
+    def whole_on_device(self) -> list[torch.Tensor] | None:
+        """The columns (signed views, as stored) when one device tier holds every row, marked
+        used on the current stream (ordered after the fill, protected against a later shrink),
+        for a caller that gathers from them its own way; None when some row is elsewhere."""
+        with self._lock:
+            for tier, count in zip(self._tiers, self._counts):
+                if tier.on_device and count == self._num_samples:
+                    self._streams.use()
+                    return list(tier.snapshot().columns)
+        return None
+
     @property
     def device_bytes(self) -> int:
         with self._lock:

@@ -35,7 +35,7 @@ from gpuload.cli.arguments import (
 
 __all__ = ["add_arguments", "run", "run_bench", "UsageError"]
 
-SCENARIOS = ("inmemory", "images", "partial", "samples", "augment", "distributed", "tokens", "disk")
+SCENARIOS = ("inmemory", "images", "partial", "samples", "augment", "distributed", "tokens", "packing", "disk")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "arrays larger than the cache budget (partial), many small samples of a generic "
                              "dataset through the sample cache (samples), or in-memory images with crop + flip "
                              "+ normalize augmentation (augment), N processes on torch.distributed (distributed), "
-                             "or LLM token windows from a 100M-token shard (tokens), or decoded JPEGs spilled to "
+                             "or LLM token windows from a 100M-token shard (tokens), or documents packed into rows "
+                             "against padding and collators (packing), or decoded JPEGs spilled to "
                              "cache_dir's disk tier (disk)")
     parser.add_argument("--data", default=None, metavar="PATH",
                         help="your own .npy/.npz (rows = samples) or image folder (class subfolders); only read")
@@ -219,6 +220,8 @@ def _distributed_problem(args: argparse.Namespace, scenario: str) -> str | None:
                     "is not installed: pip install 'gpuload[torchvision]'")
         if scenario == "tokens" and args.data is not None:
             return "argument --data: the tokens scenario makes its own 100M-token shard"
+        if scenario == "packing" and args.data is not None:
+            return "argument --data: the packing scenario makes its own corpus of documents"
         return None
     if args.data is not None:
         return "argument --data: the distributed scenario makes its own CIFAR-shaped arrays (--samples N)"
@@ -390,6 +393,11 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
 
         return run_tokens_bench(args.quick, args.batch_size, device, writable_out(args.out), environment(device),
                                 quiet=args.quiet, torch_workers=args.torch_workers, card=args.device_memory)
+    if scenario == "packing":
+        from gpuload.bench.packing import run_packing_bench
+
+        return run_packing_bench(args.quick, args.batch_size, device, writable_out(args.out), environment(device),
+                                 quiet=args.quiet)
     if scenario == "disk":
         from gpuload.bench.disk import run_disk_bench
 

@@ -250,21 +250,7 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride <= 0:
             raise ValueError(f"stride={stride!r} must be a positive int (tokens between window starts)")
         self.seq_len, self.stride, self.concatenate = int(seq_len), int(stride), bool(concatenate)
-        paths = shard_paths(source)
-        if paths is not None:
-            self.shards = [read_shard(path, dtype) for path in paths]
-        elif isinstance(source, (np.ndarray, torch.Tensor)):
-            self.shards = [_from_array(source, dtype)]
-        else:
-            raise TypeError(
-                f"TokenWindows takes a token file, a list or glob of shard files, a 1-D numpy array or "
-                f"memmap, or a 1-D tensor; got {type(source).__name__}"
-            )
-        dtypes = {self._dtype_of(shard) for shard in self.shards}
-        if len(dtypes) > 1:
-            listed = ", ".join(map(str, dtypes))
-            raise TokenFileError(f"the shards hold ids of different dtypes ({listed}); {self._names()}")
-        self.token_dtype: torch.dtype = dtypes.pop()
+        self.shards, self.token_dtype = open_shards(source, dtype, "TokenWindows")
         lengths = [len(shard) for shard in self.shards]
         self.shard_starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         self.num_tokens = int(self.shard_starts[-1])
@@ -288,19 +274,6 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self._length = int(self.window_starts[-1])
         self._joined: torch.Tensor | None = None
 
-    @staticmethod
-    def _dtype_of(shard: Shard) -> torch.dtype:
-        tokens = shard.tokens
-        if isinstance(tokens, torch.Tensor):
-            return tokens.dtype
-        return {np.dtype(np.uint16): torch.uint16, np.dtype(np.uint32): torch.uint32}.get(
-            tokens.dtype, None
-        ) or torch.from_numpy(np.empty(0, dtype=tokens.dtype)).dtype
-
-    def _names(self) -> str:
-        more = " ..." if len(self.shards) > 4 else ""
-        return "shards: " + ", ".join(shard.name for shard in self.shards[:4]) + more
-
     def __len__(self) -> int:
         return self._length
 
@@ -320,29 +293,14 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def tokens(self) -> torch.Tensor:
         """The flat token buffer as a 1-D CPU tensor: the one shard's memory itself (a memmap is
         not read), or the shards joined into one host copy."""
-        if len(self.shards) == 1:
-            return _as_tensor(self.shards[0].tokens)
         if self._joined is None:
-            self._joined = torch.cat([_as_tensor(shard.tokens) for shard in self.shards])
+            self._joined = joined_tokens(self.shards)
         return self._joined
 
     def check_unchanged(self) -> None:
         """Fail, naming the file, when a shard file changed size or was rewritten since it was
         opened: its memmap (or a cache of it) would serve other tokens than the file holds."""
-        for shard in self.shards:
-            if shard.path is None:
-                continue
-            try:
-                stat = os.stat(shard.path)
-            except OSError as error:
-                raise TokenFileError(
-                    f"{shard.path}: the token file went away since it was opened ({error.strerror})"
-                ) from error
-            if stat.st_size != shard.size or stat.st_mtime_ns != shard.mtime_ns:
-                raise TokenFileError(
-                    f"{shard.path}: the token file changed since it was opened ({shard.size} -> {stat.st_size} "
-                    "bytes, or rewritten); build a new TokenWindows (and DataLoader) for it"
-                )
+        check_unchanged(self.shards, "TokenWindows")
 
     def window(self, index: int) -> np.ndarray | torch.Tensor:
         """The ``seq_len + 1`` ids of window ``index`` as stored (no widening)."""
@@ -373,6 +331,64 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         )
 
 
+def check_unchanged(shards: Sequence[Shard], dataset: str) -> None:
+    """Fail, naming the file, when a shard file changed size or was rewritten since it was
+    opened; ``dataset`` names the class to build anew."""
+    for shard in shards:
+        if shard.path is None:
+            continue
+        try:
+            stat = os.stat(shard.path)
+        except OSError as error:
+            raise TokenFileError(
+                f"{shard.path}: the token file went away since it was opened ({error.strerror})"
+            ) from error
+        if stat.st_size != shard.size or stat.st_mtime_ns != shard.mtime_ns:
+            raise TokenFileError(
+                f"{shard.path}: the token file changed since it was opened ({shard.size} -> {stat.st_size} "
+                f"bytes, or rewritten); build a new {dataset} (and DataLoader) for it"
+            )
+
+
+def _dtype_of(shard: Shard) -> torch.dtype:
+    tokens = shard.tokens
+    if isinstance(tokens, torch.Tensor):
+        return tokens.dtype
+    return {np.dtype(np.uint16): torch.uint16, np.dtype(np.uint32): torch.uint32}.get(
+        tokens.dtype, None
+    ) or torch.from_numpy(np.empty(0, dtype=tokens.dtype)).dtype
+
+
+def open_shards(source: Any, dtype: Any, dataset: str) -> tuple[list[Shard], torch.dtype]:
+    """The shards ``source`` names (files, a glob, a 1-D array or tensor) opened, and their one
+    token dtype; ``dataset`` names the class taking them in errors."""
+    paths = shard_paths(source)
+    if paths is not None:
+        shards = [read_shard(path, dtype) for path in paths]
+    elif isinstance(source, (np.ndarray, torch.Tensor)):
+        shards = [_from_array(source, dtype)]
+    else:
+        raise TypeError(
+            f"{dataset} takes a token file, a list or glob of shard files, a 1-D numpy array or "
+            f"memmap, or a 1-D tensor; got {type(source).__name__}"
+        )
+    dtypes = {_dtype_of(shard) for shard in shards}
+    if len(dtypes) > 1:
+        listed = ", ".join(map(str, dtypes))
+        more = " ..." if len(shards) > 4 else ""
+        names = "shards: " + ", ".join(shard.name for shard in shards[:4]) + more
+        raise TokenFileError(f"the shards hold ids of different dtypes ({listed}); {names}")
+    return shards, dtypes.pop()
+
+
+def joined_tokens(shards: Sequence[Shard]) -> torch.Tensor:
+    """The shards' tokens as one 1-D CPU tensor: the one shard's memory itself (a memmap is not
+    read), or several joined into one host copy."""
+    if len(shards) == 1:
+        return _as_tensor(shards[0].tokens)
+    return torch.cat([_as_tensor(shard.tokens) for shard in shards])
+
+
 def _as_tensor(tokens: np.ndarray | torch.Tensor) -> torch.Tensor:
     """``tokens`` as a CPU tensor over the same memory (a memmap too: nothing is read or copied)."""
     if isinstance(tokens, torch.Tensor):
@@ -386,6 +402,13 @@ def _as_tensor(tokens: np.ndarray | torch.Tensor) -> torch.Tensor:
 # The masks that undo a signed view's sign extension when widening to int64.
 _MASKS = {torch.int16: 0xFFFF, torch.int32: 0xFFFFFFFF}
 _SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32}
+
+
+def signed_view(ids: torch.Tensor) -> torch.Tensor:
+    """uint16/uint32 ``ids`` as their same-width signed bit pattern (what gather kernels take),
+    others as they are; ``widen(result.view(ids.dtype))`` reads them back."""
+    signed = _SIGNED.get(ids.dtype)
+    return ids if signed is None else ids.view(signed)
 
 
 def widen(ids: torch.Tensor) -> torch.Tensor:

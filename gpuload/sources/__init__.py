@@ -1,9 +1,11 @@
 """The Source contract: one data path turns an epoch's batch indices into batches on a device.
 
-Four implementations, chosen in this order (``choose.choose_source``):
+Five implementations, chosen in this order (``choose.choose_source``):
 
 - ``tokens.TokenSource``: token windows (``gpuload.TokenWindows``), one gather of the flat token
   buffer per batch;
+- ``packed.PackedSource``: documents packed into rows (``gpuload.PackedTokens``), one gather of
+  the flat token buffer per batch;
 - ``arrays.ArraySource``: in-memory arrays (``TensorDataset``, ``gpuload.ArrayDataset``, a tensor
   or numpy array) placed by the cache plan; one gather per batch;
 - ``images.ImageFileSource``: image files, read, decoded a batch at once and transformed;

@@ -1,4 +1,5 @@
-"""Which Source serves a loader's dataset: token windows, arrays, image files, else torch's own path."""
+"""Which Source serves a loader's dataset: token windows, packed documents, arrays, image files,
+else torch's own path."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from gpuload.cache import CacheSettings
 from gpuload.sampling import DrawState
-from gpuload.sources import Setup, Source, arrays, images, tokens
+from gpuload.sources import Setup, Source, arrays, images, packed, tokens
 from gpuload.sources.samples import SampleSource, TorchLoading
 from gpuload.stats import LoaderStats
 
@@ -27,7 +28,8 @@ def choose_source(loader: Any, draw: DrawState, settings: CacheSettings, stats: 
         seed=seed, on_error=loader.on_error, batch_sampler=loader.batch_sampler,
         worker_code=loader.num_workers > 0 and loader.worker_init_fn is not None,
     )
-    source = tokens.detect(setup) or arrays.detect(setup) or images.detect(setup, strict=bool(setup.transforms))
+    source = (tokens.detect(setup) or packed.detect(setup) or arrays.detect(setup)
+              or images.detect(setup, strict=bool(setup.transforms)))
     if source is not None:
         return source
     if setup.transforms:

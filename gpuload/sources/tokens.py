@@ -44,7 +44,7 @@ from gpuload.sources import Indices, Schedule, Setup, Source, Work
 from gpuload.sources.placed_arrays import staged_copier
 from gpuload.transfer import to_device
 
-__all__ = ["PER_RANK_REASON", "TokenRows", "TokenSource", "detect", "row_tokens"]
+__all__ = ["PER_RANK_REASON", "TokenRows", "TokenSource", "buffer_stats", "detect", "row_tokens"]
 
 PER_RANK_REASON = (
     "token windows keep a whole copy of the token buffer per rank: it is small next to the device "
@@ -86,6 +86,16 @@ class TokenRows:
         if self.tail.numel() and bool(beyond.any()):
             return rows.clamp_(max=self.full_rows - 1), beyond
         return rows.clamp_(max=self.full_rows - 1), None
+
+
+def buffer_stats(notes: dict[str, Any], store: TieredArrayStore | None) -> dict[str, Any]:
+    """``loader.stats.extra`` of a source caching a flat token buffer: its notes, and its store's
+    counters and plan when it has one."""
+    found: dict[str, Any] = {"tokens": dict(notes)}
+    if store is not None:
+        found["cache"] = store.stats.as_dict()
+        found["cache_plan"] = store.plan.describe()
+    return found
 
 
 def detect(setup: Setup) -> TokenSource | None:
@@ -284,11 +294,7 @@ class TokenSource(Source):
         return self.store
 
     def stats(self) -> dict[str, Any]:
-        found: dict[str, Any] = {"tokens": dict(self.notes)}
-        if self.store is not None:
-            found["cache"] = self.store.stats.as_dict()
-            found["cache_plan"] = self.store.plan.describe()
-        return found
+        return buffer_stats(self.notes, self.store)
 
     def close(self) -> None:
         if self.store is not None:

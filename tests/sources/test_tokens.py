@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from equivalence import assert_same, assert_same_epochs
+from equivalence import assert_resumes_exactly, assert_same, assert_same_epochs
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import DistributedSampler, default_collate
 
@@ -94,19 +94,7 @@ def test_resume_mid_epoch_gives_the_rest_of_the_run(shard: Path, prefetch_depth:
         return gpuload.DataLoader(ds, batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(5),
                                   prefetch_depth=prefetch_depth)
 
-    whole = loader_epochs(loader(), 2)
-    first = loader()
-    it = iter(first)
-    seen = [next(it) for _ in range(5)]
-    state = first.state_dict()
-    resumed = loader()
-    resumed.load_state_dict(state)
-    rest = loader_epochs(resumed, 2)  # the rest of epoch 0, then epoch 1
-    assert_same(seen + rest, whole)
-
-
-def loader_epochs(loader: gpuload.DataLoader, epochs: int) -> list[Any]:
-    return [batch for _ in range(epochs) for batch in loader]
+    assert_resumes_exactly(loader, batches=5)
 
 
 def test_set_batch_size_keeps_the_epochs_order(shard: Path) -> None:
