@@ -1,10 +1,11 @@
-"""Dataset sources gpuload understands natively: in-memory arrays, image files and token windows."""
+"""Dataset sources gpuload understands natively: in-memory arrays, Arrow tables, image files and token windows."""
 
 from gpuload.datasets.arrays import ArrayDataset
+from gpuload.datasets.arrow import ArrowTable, Parquet
 from gpuload.datasets.images import ImageFolder, ImageList, ImageSource, as_image_source, make_sample_image_folder
 from gpuload.datasets.tokens import TokenWindows
 
 __all__ = [
-    "ArrayDataset", "ImageFolder", "ImageList", "ImageSource", "TokenWindows", "as_image_source",
-    "make_sample_image_folder",
+    "ArrayDataset", "ArrowTable", "ImageFolder", "ImageList", "ImageSource", "Parquet", "TokenWindows",
+    "as_image_source", "make_sample_image_folder",
 ]
