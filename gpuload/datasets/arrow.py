@@ -14,13 +14,15 @@ from __future__ import annotations
 import glob
 import importlib
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["ArrowTable", "Parquet", "import_optional", "torch_dtype"]
+__all__ = ["ArrowTable", "Parquet", "arrow_table", "cached_bytes", "hugging_face_dataset", "import_optional",
+           "torch_dtype"]
 
 _EXTRA = "pip install 'gpuload[arrow]'"
 
@@ -51,6 +53,38 @@ def _numeric_leaf(arrow_type: Any) -> Any:
             arrow_type):
         arrow_type = arrow_type.value_type
     return arrow_type if torch_dtype(arrow_type) is not None else None
+
+
+def _fixed_width(arrow_type: Any) -> int | None:
+    """Bytes per row of a fixed-width column (numbers, bools, fixed-size lists and structs of
+    them), as gpuload's cache holds it; None for variable-length types."""
+    pa = import_optional("pyarrow")
+    if pa.types.is_struct(arrow_type):
+        widths = [_fixed_width(field.type) for field in arrow_type]
+        return None if None in widths else sum(width for width in widths if width is not None)
+    size = 1
+    while pa.types.is_fixed_size_list(arrow_type):
+        size *= arrow_type.list_size
+        arrow_type = arrow_type.value_type
+    dtype = torch_dtype(arrow_type)
+    return None if dtype is None else size * dtype.itemsize
+
+
+def cached_bytes(schema: Any) -> tuple[int, str]:
+    """Bytes per row the cache holds of a table with ``schema`` (its fixed-width columns: the
+    others are read from the table per batch), and each column's share in words."""
+    parts, per_batch, total = [], [], 0
+    for field in schema:
+        width = _fixed_width(field.type)
+        if width is None:
+            per_batch.append(f"{field.name} ({field.type})")
+        else:
+            total += width
+            parts.append(f"{field.name} ({field.type}) {width} B")
+    words = "cached per row: " + (", ".join(parts) or "nothing")
+    if per_batch:
+        words += "; read from the table per batch: " + ", ".join(per_batch)
+    return total, words
 
 
 def _sample_value(arrow_type: Any, value: Any) -> Any:
@@ -139,3 +173,19 @@ class Parquet(ArrowTable):
                 raise FileNotFoundError(f"Parquet: no such file: {file}")
         tables = [pq.read_table(file, memory_map=True) for file in files]
         super().__init__(pa.concat_tables(tables) if len(tables) > 1 else tables[0])
+
+
+def hugging_face_dataset(dataset: Any) -> bool:
+    """Whether ``dataset`` is a ``datasets.Dataset`` (asked without importing ``datasets``: a
+    user holding one has imported it)."""
+    module = sys.modules.get("datasets")
+    return module is not None and isinstance(dataset, module.Dataset)
+
+
+def arrow_table(dataset: Any) -> Any | None:
+    """The Arrow table behind an ArrowTable or a ``datasets.Dataset`` (None for other datasets)."""
+    if isinstance(dataset, ArrowTable):
+        return dataset.table
+    if hugging_face_dataset(dataset):
+        return dataset.data.table
+    return None

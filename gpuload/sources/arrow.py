@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from gpuload.datasets.arrow import ArrowTable
+from gpuload.datasets.arrow import ArrowTable, hugging_face_dataset
 from gpuload.sources import Setup
 from gpuload.sources.arrays import ArraySource
 from gpuload.sources.table_columns import TableColumns, TableView, table_columns
@@ -28,9 +28,9 @@ _FORMATS = {None: "python", "numpy": "numpy", "torch": "torch"}
 
 
 def _hugging_face_view(dataset: Any) -> TableView | None:
-    module = sys.modules.get("datasets")
-    if module is None or not isinstance(dataset, module.Dataset) or type(dataset).__getitem__ is not (
-            module.Dataset.__getitem__):
+    if not hugging_face_dataset(dataset):
+        return None
+    if type(dataset).__getitem__ is not sys.modules["datasets"].Dataset.__getitem__:
         return None
     format = dataset.format
     if format["type"] not in _FORMATS or format["format_kwargs"] or format["output_all_columns"]:

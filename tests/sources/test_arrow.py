@@ -228,3 +228,27 @@ def test_random_schemas_equal_torch(data, rows, format, mapping, batch_size, shu
         assert_same_batches(ours, theirs, epochs=1)
         if not with_nulls and not set(kinds) <= {"tokens", "text"}:  # a fixed-width column to place
             assert isinstance(ours._source, ArrowSource)
+
+
+def test_a_state_saved_mid_epoch_resumes_exactly() -> None:
+    dataset = hf_dataset(20).shuffle(seed=2).with_format("torch")
+
+    def make() -> gpuload.DataLoader:
+        return gpuload.DataLoader(dataset, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(7),
+                                  device="cpu")
+
+    whole = [batch for loader in [make()] for _ in range(2) for batch in loader]
+    first = make()
+    before = []
+    for number, batch in enumerate(first):
+        before.append(batch)
+        if number == 2:
+            break
+    state = first.state_dict()
+    second = make()
+    second.load_state_dict(state)
+    after = list(second) + list(second)
+    assert isinstance(second._source, ArrowSource)
+    assert len(before) + len(after) == len(whole)
+    for number, (ours, theirs) in enumerate(zip(before + after, whole)):
+        assert_same(ours, theirs, f"batch {number}")
