@@ -252,3 +252,22 @@ def test_a_state_saved_mid_epoch_resumes_exactly() -> None:
     assert len(before) + len(after) == len(whole)
     for number, (ours, theirs) in enumerate(zip(before + after, whole)):
         assert_same(ours, theirs, f"batch {number}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", [{}, dict(cache="off"), dict(prefetch_depth=0), dict(cache_size="8KiB")])
+def test_on_cuda_every_tensor_is_on_the_device_and_equals_torch_s(kwargs) -> None:
+    """The device tier, the pinned staging of host rows (``cache="off"``, or a device budget of
+    about a third of the columns), and batches made in the loop's thread (``prefetch_depth=0``);
+    nulls made NaN on the device."""
+    extra = {"count": pa.array([None if i % 7 == 3 else i for i in range(300)], pa.int16())}
+    dataset = hf_dataset(300, **extra).shuffle(seed=4).with_format("torch")
+    ours = gpuload.DataLoader(dataset, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1),
+                              device="cuda", **kwargs)
+    theirs = TorchDataLoader(dataset, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        for number, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            leaves = [leaf for leaf in torch.utils._pytree.tree_flatten(a)[0] if isinstance(leaf, torch.Tensor)]
+            assert all(leaf.device.type == "cuda" for leaf in leaves)
+            assert_same(a, b, f"batch {number}")
+    assert isinstance(ours._source, ArrowSource)
