@@ -17,7 +17,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # What each example prints when it did its job; an example not listed must exit 0 and print.
 EXPECTED = {"train_loop.py": "epoch 1: loss", "train_images.py": "epoch 1: loss", "resume.py": "resumed exactly: True",
             "ddp_train.py": "epoch 1: loss",  # ddp_train.py without torchrun: a job of one process
-            "train_gpt_tokens.py": "resumed with the same losses: True"}
+            "train_gpt_tokens.py": "resumed with the same losses: True",
+            "train_hf_dataset.py": "same batches as torch's DataLoader: True (gpuload's path: device-gather"}
 
 
 @pytest.mark.slow
