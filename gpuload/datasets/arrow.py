@@ -15,6 +15,7 @@ import glob
 import importlib
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -131,16 +132,22 @@ class ArrowTable(Dataset):
     ``ArrowTable(table)`` serves a table in memory; ``ArrowTable(path)`` memory-maps an Arrow
     IPC file, or every ``.arrow`` file of a folder in name order (what ``datasets``'
     ``save_to_disk`` writes), so nothing is read until it is used. Sample ``i`` is a dict of
-    the row's columns (see the module docstring).
+    the row's columns (see the module docstring); ``columns``: only these, in this order.
     """
 
-    def __init__(self, table: Any) -> None:
+    def __init__(self, table: Any, columns: Sequence[str] | None = None) -> None:
         pa = import_optional("pyarrow")
         if isinstance(table, (str, os.PathLike)):
             tables = [_read_arrow(file) for file in _arrow_files(Path(table))]
             table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         if not isinstance(table, pa.Table):
             raise TypeError(f"{type(self).__name__} takes a pyarrow.Table or a path, not a {type(table).__name__}")
+        if columns is not None:
+            missing = [name for name in columns if name not in table.column_names]
+            if missing:
+                raise KeyError(f"{type(self).__name__}: no column {', '.join(missing)} in this table; it has "
+                               f"{', '.join(table.column_names)}")
+            table = table.select(list(columns))
         self.table = table
 
     def __len__(self) -> int:
@@ -159,9 +166,10 @@ class ArrowTable(Dataset):
 
 class Parquet(ArrowTable):
     """The rows of one Parquet file, or of every file a glob matches (in name order), as an
-    :class:`ArrowTable`; the files are read memory-mapped, decompressed once."""
+    :class:`ArrowTable`; the files are read memory-mapped, decompressed once (``columns``: only
+    these are read)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], columns: Sequence[str] | None = None) -> None:
         pa = import_optional("pyarrow")
         pq = import_optional("pyarrow.parquet")
         pattern = os.fspath(path)
@@ -171,8 +179,8 @@ class Parquet(ArrowTable):
         for file in files:
             if not os.path.isfile(file):
                 raise FileNotFoundError(f"Parquet: no such file: {file}")
-        tables = [pq.read_table(file, memory_map=True) for file in files]
-        super().__init__(pa.concat_tables(tables) if len(tables) > 1 else tables[0])
+        tables = [pq.read_table(file, memory_map=True, columns=columns) for file in files]
+        super().__init__(pa.concat_tables(tables) if len(tables) > 1 else tables[0], columns)
 
 
 def hugging_face_dataset(dataset: Any) -> bool:

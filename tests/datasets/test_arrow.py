@@ -102,3 +102,11 @@ def test_parquet_reads_a_file_or_every_file_a_glob_matches(tmp_path: Path) -> No
         Parquet(str(tmp_path / "nothing-*.parquet"))
     with pytest.raises(FileNotFoundError, match="no such file"):
         Parquet(tmp_path / "absent.parquet")
+
+
+def test_columns_chooses_which_are_read_and_in_what_order(tmp_path: Path) -> None:
+    pq.write_table(table(), tmp_path / "t.parquet")
+    for dataset in (ArrowTable(table(), columns=["text", "label"]), Parquet(tmp_path / "t.parquet", ["text", "label"])):
+        assert list(dataset[0]) == ["text", "label"]
+    with pytest.raises(KeyError, match="no column nope in this table; it has label, vector"):
+        ArrowTable(table(), columns=["label", "nope"])
