@@ -279,10 +279,10 @@ class _Walk:
             return None
         dtype = None
         if number and not in_struct:
-            (row,) = fetch(self.dataset, [int(torch.nonzero(~valid)[0])])
             try:
+                (row,) = fetch(self.dataset, [int(torch.nonzero(~valid)[0])])
                 null = default_collate([row[name]])
-            except (TypeError, RuntimeError):  # None: torch's collate has no batch for it
+            except Exception:  # whatever the dataset's or torch's fetch raises: no batch form
                 null = None
             if isinstance(null, torch.Tensor) and null.is_floating_point() and bool(null.isnan().all()):
                 dtype = null.dtype
@@ -395,7 +395,7 @@ def _template_row(dataset: Any, view: TableView) -> tuple[int, dict[str, Any]] |
     for index in torch.nonzero(in_order).flatten()[:_TEMPLATE_ROWS].tolist():
         try:
             sample = default_collate(fetch(dataset, [index]))
-        except (TypeError, RuntimeError):
+        except Exception:  # torch's fetch of this row fails as it would in torch's loader
             continue
         if isinstance(sample, dict) and None not in tree_flatten(sample)[0]:
             return index, sample
@@ -429,7 +429,8 @@ def table_columns(dataset: Any, view: TableView) -> TableColumns | None:
     leading = list(range(min(len(dataset), _TEMPLATE_ROWS)))
     try:
         batch = default_collate(fetch(dataset, leading))
-    except (TypeError, RuntimeError):  # nulls or lists of other lengths: checked per batch
+    except Exception:  # nulls (datasets' formatters raise AttributeError on some), lists of
+        # other lengths: each batch is checked as it is made
         return columns
     return columns if _made_alike(columns, torch.tensor(leading), batch) else None
 
