@@ -22,7 +22,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 EXPECTED = {"train_loop.py": "epoch 1: loss", "train_images.py": "epoch 1: loss", "resume.py": "resumed exactly: True",
             "ddp_train.py": "epoch 1: loss",  # ddp_train.py without torchrun: a job of one process
             "train_gpt_tokens.py": "resumed with the same losses: True",
-            "train_gpt_packed.py": "resumed with the same losses: True"}
+            "train_gpt_packed.py": "resumed with the same losses: True",
+            "train_hf_dataset.py": "same batches as torch's DataLoader: True (gpuload's path: device-gather"}
 
 
 @pytest.mark.slow

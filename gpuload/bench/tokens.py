@@ -40,7 +40,8 @@ from gpuload.datasets.tokens import HEADER_BYTES, TokenWindows
 from gpuload.device import MemoryInfo, host_memory
 from gpuload.sources.tokens import row_tokens
 
-__all__ = ["TokenConfig", "TokenRow", "get_batch_loop", "run_tokens", "run_tokens_bench", "write_synthetic_shard"]
+__all__ = ["TokenConfig", "TokenRow", "get_batch_loop", "run_tokens", "run_tokens_bench", "shutdown_workers",
+           "write_synthetic_shard"]
 
 TORCH_TARGET = 10.0  # gpuload / torch's DataLoader with 0 workers, at least
 GET_BATCH_TARGET = 5.0  # gpuload / nanoGPT's get_batch loop, at least
@@ -186,7 +187,7 @@ def run_tokens(config: TokenConfig, device: torch.device, folder: Path, card: in
                                          pin_memory=device.type == "cuda", persistent_workers=workers > 0,
                                          generator=torch.Generator().manual_seed(seed))
                 batches, move = iter(_forever(theirs)), True
-                closer = _shutdown(theirs)
+                closer = shutdown_workers(theirs)
             else:
                 batches, move = get_batch_loop(path, config, device), False
             try:
@@ -224,7 +225,9 @@ def _forever(loader: Any) -> Iterator[Any]:
         yield from loader
 
 
-def _shutdown(loader: TorchDataLoader) -> Callable[[], None]:
+def shutdown_workers(loader: TorchDataLoader) -> Callable[[], None]:
+    """A closer that stops a torch DataLoader's persistent workers, if it started any."""
+
     def close() -> None:
         iterator = loader._iterator
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):

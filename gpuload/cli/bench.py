@@ -35,7 +35,7 @@ from gpuload.cli.arguments import (
 
 __all__ = ["add_arguments", "run", "run_bench", "UsageError"]
 
-SCENARIOS = ("inmemory", "images", "partial", "samples", "augment", "distributed", "tokens", "packing", "disk")
+SCENARIOS = ("inmemory", "images", "partial", "samples", "augment", "distributed", "tokens", "packing", "disk", "arrow")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "+ normalize augmentation (augment), N processes on torch.distributed (distributed), "
                              "or LLM token windows from a 100M-token shard (tokens), or documents packed into rows "
                              "against padding and collators (packing), or decoded JPEGs spilled to "
-                             "cache_dir's disk tier (disk)")
+                             "cache_dir's disk tier (disk), or a 1M-row datasets.Dataset and Parquet file (arrow)")
     parser.add_argument("--data", default=None, metavar="PATH",
                         help="your own .npy/.npz (rows = samples) or image folder (class subfolders); only read")
     parser.add_argument("--save-images", default=None, metavar="DIR",
@@ -222,6 +222,11 @@ def _distributed_problem(args: argparse.Namespace, scenario: str) -> str | None:
             return "argument --data: the tokens scenario makes its own 100M-token shard"
         if scenario == "packing" and args.data is not None:
             return "argument --data: the packing scenario makes its own corpus of documents"
+        if scenario == "arrow" and args.data is not None:
+            return "argument --data: the arrow scenario makes its own table (--samples N rows)"
+        if scenario == "arrow" and importlib.util.find_spec("datasets") is None:
+            return ("argument --scenario arrow: it needs pyarrow and datasets, which are not installed: "
+                    "pip install 'gpuload[arrow]'")
         return None
     if args.data is not None:
         return "argument --data: the distributed scenario makes its own CIFAR-shaped arrays (--samples N)"
@@ -398,6 +403,12 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
 
         return run_packing_bench(args.quick, args.batch_size, device, writable_out(args.out), environment(device),
                                  quiet=args.quiet)
+    if scenario == "arrow":
+        from gpuload.bench.arrow import run_arrow_bench
+
+        return run_arrow_bench(args.quick, args.batch_size, device, writable_out(args.out), environment(device),
+                               quiet=args.quiet, torch_workers=args.torch_workers, rows=args.samples,
+                               epochs=args.epochs)
     if scenario == "disk":
         from gpuload.bench.disk import run_disk_bench
 

@@ -2,8 +2,9 @@
 
 The dataset is an image folder (bytes per sample estimated from the decoded size of a few
 images, 3*H*W uint8, plus an int64 label), an ``.npy``/``.npz`` file (read from its header, not
-loaded), a ``.bin`` token shard or a glob of them (their tokens, as ``TokenWindows`` reads them)
-or a synthetic shape (``--synthetic cifar``, the default). ``--device-memory`` and
+loaded), a ``.bin`` token shard or a glob of them (their tokens, as ``TokenWindows`` reads them),
+Parquet files, an Arrow file or a ``save_to_disk`` folder (the fixed-width columns the cache
+holds, from the schema), or a synthetic shape (``--synthetic cifar``, the default). ``--device-memory`` and
 ``--host-memory`` pretend a machine, so the plan for an 80 GiB card can be read on a laptop.
 
 With ``--model pkg.module:factory --input-shape 3,224,224`` it prints the job's plan instead
@@ -43,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``gpuload plan`` options, added to ``parser``."""
     parser.add_argument("dataset", nargs="?", default=None,
                         help="an image folder, an .npy/.npz file, a .bin token shard or a quoted glob of shards "
-                             "('data/train_*.bin') (default: --synthetic cifar)")
+                             "('data/train_*.bin'), a Parquet file or quoted glob of them, an .arrow file or a "
+                             "datasets save_to_disk folder (default: --synthetic cifar)")
     parser.add_argument("--synthetic", choices=SYNTHETIC_NAMES, default=None,
                         help="a well-known dataset shape instead of a path (default cifar)")
     parser.add_argument("--cache", choices=CACHE_MODES, default=None,

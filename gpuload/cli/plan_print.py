@@ -18,7 +18,7 @@ from gpuload.cache import CacheSettingError, CacheSettings, decide_images, forma
 from gpuload.cli.arguments import command_device, parse_shape, setting_error
 from gpuload.device import MemoryInfo, cuda_available, device_memory, host_memory
 from gpuload.distributed.scope_plan import ScopePlans, plan_scopes
-from gpuload.job.dataset_size import DatasetShape, estimate_dataset, image_folder
+from gpuload.job.dataset_size import DatasetShape, arrow_path, estimate_dataset, image_folder
 
 __all__ = ["print_plan", "load_factory"]
 
@@ -78,7 +78,7 @@ def print_plan(args: argparse.Namespace) -> int:
     if target == "cpu" and not cuda_available() and args.device_memory is None:
         print("  no CUDA device here: pass --device-memory 80GiB to plan for a card")
     print(plan.describe())
-    if args.dataset is not None and Path(args.dataset).is_dir():
+    if args.dataset is not None and Path(args.dataset).is_dir() and not arrow_path(args.dataset):
         print(_image_cache_line(Path(args.dataset), settings, target, memory, host))
     return 0
 

@@ -3,12 +3,14 @@
 Used by ``gpuload plan`` and :func:`gpuload.plan_job`. An image folder is read as the loader reads it
 (``ImageFolder``) and estimated from the decoded size of a few images' headers (3*H*W uint8, plus
 an int64 label, by the estimator the image cache uses); an ``.npy``/``.npz`` file from
-its header; a ``.bin`` token shard, or a glob of them, from their headers (their tokens); a
+its header; Parquet files, an Arrow file, a ``save_to_disk`` folder or an Arrow-backed dataset
+from the schema; a ``.bin`` token shard, or a glob of them, from their headers (their tokens); a
 synthetic name from a table; an in-memory dataset from a few of its samples.
 """
 
 from __future__ import annotations
 
+import glob
 import math
 from collections.abc import Sized
 from dataclasses import dataclass
@@ -20,11 +22,13 @@ import numpy as np
 from gpuload.array_files import read_array_file
 from gpuload.cache.budget import format_bytes
 from gpuload.cache.probe import probe_images
+from gpuload.datasets.arrow import ArrowTable, arrow_table, cached_bytes, import_optional
 from gpuload.datasets.images import ImageFolder
 from gpuload.datasets.tokens import read_shard, shard_paths
 from gpuload.transfer import batch_nbytes
 
-__all__ = ["DatasetShape", "estimate_dataset", "dataset_shape", "image_folder", "LABEL_BYTES", "SYNTHETIC"]
+__all__ = ["DatasetShape", "arrow_path", "estimate_dataset", "dataset_shape", "image_folder", "LABEL_BYTES",
+           "SYNTHETIC"]
 
 LABEL_BYTES = 8  # one int64 class label per sample
 SYNTHETIC = {
@@ -92,6 +96,8 @@ def estimate_dataset(path: str | None, synthetic: str | None, probes: int = 16) 
     if path is None:
         samples, per_sample, description = SYNTHETIC[synthetic or "cifar"]
         return DatasetShape(samples, per_sample, f"synthetic {description}")
+    if arrow_path(path):
+        return _arrow(path)
     if any(ch in path for ch in "*?["):  # a glob of token shards, as TokenWindows takes
         shards = shard_paths(path)
         assert shards is not None  # a path always names files (none matching is a TokenFileError)
@@ -103,7 +109,33 @@ def estimate_dataset(path: str | None, synthetic: str | None, probes: int = 16) 
         return _array_file(where)
     if where.is_file() and where.suffix == ".bin":
         return _token_shard(where)
-    raise ValueError(f"{path} is neither an image folder nor an existing .npy/.npz file or .bin token shard")
+    raise ValueError(f"{path} is neither an image folder nor an existing .npy/.npz file, .bin token shard, "
+                     "Arrow file or Parquet file")
+
+
+def arrow_path(path: str) -> bool:
+    """Whether ``path`` names Parquet files, an Arrow file or a folder of them (``save_to_disk``)."""
+    return path.endswith((".parquet", ".arrow")) or (Path(path).is_dir() and any(Path(path).glob("*.arrow")))
+
+
+def _arrow(path: str) -> DatasetShape:
+    """Parquet files (one, or a glob), an Arrow file or a ``save_to_disk`` folder, sized from the
+    schema: the fixed-width columns the cache holds (Parquet: from the files' footers alone)."""
+    if path.endswith(".parquet"):
+        pq = import_optional("pyarrow.parquet")
+        files = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
+        if not files or not all(Path(file).is_file() for file in files):
+            raise ValueError(f"no Parquet file matches {path}")
+        rows, schema = sum(pq.read_metadata(file).num_rows for file in files), pq.read_schema(files[0])
+        what = f"Parquet {path} ({len(files)} files)" if len(files) > 1 else f"Parquet {path}"
+    else:
+        try:
+            table = ArrowTable(path).table  # memory-mapped: nothing is read
+        except OSError as error:  # no such file: the command's one-line error
+            raise ValueError(str(error)) from None
+        rows, schema, what = table.num_rows, table.schema, f"Arrow table {path}"
+    per_row, words = cached_bytes(schema)
+    return DatasetShape(rows, max(1, per_row), f"{what}: {rows} rows; {words}")
 
 
 def _token_shard(path: Path) -> DatasetShape:
@@ -139,6 +171,11 @@ def dataset_shape(dataset: Any, probes: int = 3) -> DatasetShape:
         rows = int(dataset.shape[0])
         per_row = int(dataset.nbytes) // rows if rows else 0
         return DatasetShape(rows, max(1, per_row), f"array of shape {tuple(dataset.shape)} {dataset.dtype}")
+    table = arrow_table(dataset)
+    if table is not None:
+        per_row, words = cached_bytes(table.schema)
+        count = len(dataset)
+        return DatasetShape(count, max(1, per_row), f"{type(dataset).__name__}: {count} rows; {words}")
     if not isinstance(dataset, Sized) or not hasattr(dataset, "__getitem__"):
         raise TypeError(
             f"dataset of type {type(dataset).__name__} has no size gpuload can read: give a map-style "

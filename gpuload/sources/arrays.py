@@ -44,6 +44,10 @@ class ArraySource(Source):
     on a CPU device too: that is what ``cache="off"`` asks for.
     """
 
+    #: Whether ``_augmented`` completes every gathered batch from its indices (a subclass's
+    #: columns gathered per batch), not only when ``transforms=`` are given.
+    completes_batches = False
+
     def __init__(self, setup: Setup, columns: ArrayColumns) -> None:
         super().__init__(setup)
         self.columns = columns
@@ -129,7 +133,8 @@ class ArraySource(Source):
         tiered = isinstance(resident.store, TieredArrayStore)
         make = resident.request if tiered else resident.fill
         fills = (make(resident.checked_index(index), batched) for index in drawn)
-        positions = (resident.checked_index(index) for index in drawn) if self.augment is not None else None
+        completes = self.augment is not None or self.completes_batches
+        positions = (resident.checked_index(index) for index in drawn) if completes else None
 
         def finish(batch: Any) -> tuple[Any, int]:
             if tiered:

@@ -8,7 +8,7 @@ from typing import Any
 
 from gpuload.cache import CacheSettings
 from gpuload.sampling import DrawState
-from gpuload.sources import Setup, Source, arrays, images, packed, tokens
+from gpuload.sources import Setup, Source, arrays, arrow, images, packed, tokens
 from gpuload.sources.samples import SampleSource, TorchLoading
 from gpuload.stats import LoaderStats
 
@@ -17,7 +17,8 @@ __all__ = ["choose_source"]
 
 def choose_source(loader: Any, draw: DrawState, settings: CacheSettings, stats: LoaderStats, seed: int,
                   torch_epoch: Callable[[], Iterator[Any]]) -> Source:
-    """The Source for ``loader``'s dataset: in-memory arrays, else image files, else any dataset
+    """The Source for ``loader``'s dataset: token windows, in-memory arrays, Arrow tables
+    (``ArrowTable``, ``Parquet``, ``datasets.Dataset``), else image files, else any dataset
     through torch's fetch, collate and workers (``torch_epoch``: the loader's own torch
     iterator for one epoch). ``draw``, ``settings``, ``stats``, ``seed``: the loader's draw
     state, cache settings, counters and transforms' seed."""
@@ -28,7 +29,7 @@ def choose_source(loader: Any, draw: DrawState, settings: CacheSettings, stats: 
         seed=seed, on_error=loader.on_error, batch_sampler=loader.batch_sampler,
         worker_code=loader.num_workers > 0 and loader.worker_init_fn is not None,
     )
-    source = (tokens.detect(setup) or packed.detect(setup) or arrays.detect(setup)
+    source = (tokens.detect(setup) or packed.detect(setup) or arrays.detect(setup) or arrow.detect(setup)
               or images.detect(setup, strict=bool(setup.transforms)))
     if source is not None:
         return source

@@ -108,11 +108,14 @@ def _batch_builder(spec: TreeSpec) -> Callable[[list[torch.Tensor]], Any]:
 
 @dataclass
 class ArrayColumns:
-    """Host arrays with one row per sample, and the tree structure a batch of them takes."""
+    """Host arrays with one row per sample, and the tree structure a batch of them takes;
+    ``disk``: the cache's disk tier may keep them (False for arrays read from a local file,
+    which is its own disk tier)."""
 
     columns: list[torch.Tensor]
     spec: TreeSpec
     num_samples: int
+    disk: bool = True
 
     def __post_init__(self) -> None:
         self.build = _batch_builder(self.spec)
@@ -148,7 +151,7 @@ class ArrayColumns:
             self.nbytes // self.num_samples, self.num_samples, device_memory(device), host_memory(),
             device=device, owner=owner,
             host_copies=context.local_world_size if context is not None and shared_host is None else 1,
-            disk=True,
+            disk=self.disk,
         )
         if plan.device_samples + plan.host_samples + plan.samples_in("disk") == 0 and shared_host is None:
             warnings.warn(

@@ -103,6 +103,6 @@ def test_shutdown_stops_torchs_persistent_workers() -> None:
     assert [batch.tolist() for batch in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     workers = loader._iterator._workers
     assert all(worker.is_alive() for worker in workers)
-    tokens._shutdown(loader)()
+    tokens.shutdown_workers(loader)()
     assert not any(worker.is_alive() for worker in workers)
-    tokens._shutdown(TorchDataLoader(list(range(8)), batch_size=4))()  # never iterated: nothing to stop
+    tokens.shutdown_workers(TorchDataLoader(list(range(8)), batch_size=4))()  # never iterated: nothing to stop

@@ -505,3 +505,37 @@ def test_a_glob_of_token_shards_is_planned_as_token_windows_reads_it(tmp_path: P
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     assert ".bin token shard" in " ".join(capsys.readouterr().out.split())
+
+
+def test_parquet_files_and_a_save_to_disk_folder_are_planned_from_their_schema(tmp_path: Path, capsys) -> None:
+    """The cache holds the fixed-width columns: 768 float32 + an int64 label + a struct of an int16
+    and a bool per row; the token lists and strings are read from the table per batch."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    datasets.disable_progress_bars()
+    table = pa.table({
+        "embedding": pa.array([[0.5] * 768] * 6, pa.list_(pa.float32(), 768)),
+        "label": pa.array(range(6), pa.int64()),
+        "meta": pa.array([{"id": 1, "keep": True}] * 6, pa.struct([("id", pa.int16()), ("keep", pa.bool_())])),
+        "tokens": [[1, 2, 3]] * 6,
+        "text": ["x"] * 6,
+    })
+    pq.write_table(table.slice(0, 4), tmp_path / "part-0.parquet")
+    pq.write_table(table.slice(4), tmp_path / "part-1.parquet")
+    datasets.Dataset(table).save_to_disk(tmp_path / "saved")
+    per_row = 768 * 4 + 8 + 2 + 1
+    for path, rows in ((str(tmp_path / "part-*.parquet"), 6), (str(tmp_path / "part-0.parquet"), 4),
+                       (str(tmp_path / "saved"), 6)):
+        assert main(["plan", path, "--device-memory", "80GiB"]) == 0
+        out = capsys.readouterr().out
+        assert f"{rows} samples x {format_bytes(per_row)} ({per_row} bytes per sample)" in out, path
+        assert "label (int64) 8 B" in out and "meta (struct<id: int16, keep: bool>) 3 B" in out
+        assert "read from the table per batch: tokens (list<" in out and "text (string)" in out
+        assert "image cache" not in out.lower()
+    assert main(["plan", str(tmp_path / "none-*.parquet"), "--device", "cpu"]) == 2
+    assert "no Parquet file matches" in capsys.readouterr().err
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    for path, error in (("missing.arrow", "ArrowTable: no such file or folder"), ("broken.parquet", "Parquet")):
+        assert main(["plan", str(tmp_path / path), "--device", "cpu"]) == 2
+        assert error in capsys.readouterr().err

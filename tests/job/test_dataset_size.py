@@ -53,8 +53,8 @@ def test_what_has_no_size_is_refused() -> None:
 def test_a_path_that_is_no_dataset_is_refused_naming_it(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("not a dataset")
     for path in (tmp_path / "missing", tmp_path / "notes.txt"):
-        with pytest.raises(ValueError, match=f"^{path} is neither an image folder nor an existing .npy/.npz file or "
-                           ".bin token shard$"):
+        with pytest.raises(ValueError, match=f"^{path} is neither an image folder nor an existing .npy/.npz file, "
+                           ".bin token shard, Arrow file or Parquet file$"):
             estimate_dataset(str(path), None)
 
 
@@ -68,3 +68,16 @@ def test_a_token_shard_counts_its_tokens_not_windows(tmp_path: Path) -> None:
     raw.write_bytes(b"\0" * 64)
     with pytest.raises(TokenFileError, match=r"raw\.bin: not a token shard"):
         estimate_dataset(str(raw), None)
+
+
+def test_a_datasets_dataset_is_sized_from_its_schema_through_its_index_mapping() -> None:
+    pa = pytest.importorskip("pyarrow")
+    datasets = pytest.importorskip("datasets")
+    dataset = datasets.Dataset.from_dict({
+        "vector": pa.array([[1.0, 2.0, 3.0]] * 10, pa.list_(pa.float64(), 3)),
+        "label": pa.array(range(10), pa.int32()),
+        "text": ["x"] * 10,
+    }).select([1, 3, 5])
+    shape = dataset_shape(dataset)
+    assert (shape.num_samples, shape.bytes_per_sample) == (3, 3 * 8 + 4)
+    assert "read from the table per batch: text (string)" in shape.description

@@ -1,0 +1,92 @@
+"""Arrow tables (``ArrowTable``, ``Parquet``) and Hugging Face ``datasets.Dataset``: columns, not rows.
+
+``detect`` recognises them (a ``datasets.Dataset`` only when ``datasets`` is already imported:
+gpuload never imports it) and ``table_columns`` splits the table: fixed-width columns go to
+the array tiers whole (this source is an :class:`ArraySource` over them, so placement, tiers,
+ranks and resume are the arrays'), and each gathered batch is completed with the columns
+gathered per batch. A ``datasets.Dataset``'s index mapping (``select``, ``shuffle``,
+``filter``) is applied once, when the fixed-width columns are made.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from gpuload.datasets.arrow import ArrowTable, hugging_face_dataset
+from gpuload.sources import Setup
+from gpuload.sources.arrays import ArraySource
+from gpuload.sources.table_columns import TableColumns, TableView, table_columns
+
+__all__ = ["ArrowSource", "detect", "table_view"]
+
+# datasets' formats whose samples gpuload reproduces (None: Python values).
+_FORMATS = {None: "python", "numpy": "numpy", "torch": "torch"}
+
+
+def _hugging_face_view(dataset: Any) -> TableView | None:
+    if not hugging_face_dataset(dataset):
+        return None
+    if type(dataset).__getitem__ is not sys.modules["datasets"].Dataset.__getitem__:
+        return None
+    format = dataset.format
+    if format["type"] not in _FORMATS or format["format_kwargs"] or format["output_all_columns"]:
+        return None
+    indices = dataset._indices
+    rows = None if indices is None else torch.from_numpy(
+        indices.column(0).to_numpy().astype("int64"))
+    return TableView(dataset.data.table, rows, _FORMATS[format["type"]])
+
+
+def table_view(dataset: Any) -> TableView | None:
+    """The Arrow table behind ``dataset`` and how its samples read it, or None for other datasets."""
+    if isinstance(dataset, ArrowTable) and type(dataset).__getitem__ is ArrowTable.__getitem__:
+        return TableView(dataset.table, None, "arrow")
+    return _hugging_face_view(dataset)
+
+
+def _identity(dataset: Any) -> Any:
+    """What changes when a dataset's samples may change (``set_format`` changes one in place)."""
+    if isinstance(dataset, ArrowTable):
+        return id(dataset.table)
+    return dataset._fingerprint, repr(dataset.format), id(dataset.data), id(dataset._indices)
+
+
+def detect(setup: Setup) -> ArrowSource | None:
+    """An ArrowSource for a table whose batches gpuload can make column by column with torch's
+    default collate, else None (torch's path: also without auto-collation, with a
+    ``worker_init_fn`` or ``transforms=``)."""
+    if not setup.map_style or setup.collate_fn is not default_collate or not setup.batched:
+        return None
+    if setup.worker_code or setup.transforms:
+        return None
+    view = table_view(setup.dataset)
+    if view is None or len(setup.dataset) == 0:
+        return None
+    columns = table_columns(setup.dataset, view)
+    return ArrowSource(setup, columns) if columns is not None else None
+
+
+class ArrowSource(ArraySource):
+    """Batches of a table: its fixed-width columns gathered where the cache plan put them, the
+    variable-length and text columns gathered per batch beside them."""
+
+    completes_batches = True
+
+    def __init__(self, setup: Setup, table: TableColumns) -> None:
+        super().__init__(setup, table.arrays)
+        self.table = table
+        self.identity = _identity(setup.dataset)
+
+    def _follow_dataset(self) -> None:
+        if _identity(self.setup.dataset) != self.identity:
+            raise ValueError(
+                f"this {type(self.setup.dataset).__name__} changed since the DataLoader was built (its table, "
+                "index mapping or format); build a new gpuload.DataLoader for it"
+            )
+
+    def _augmented(self, batch: Any, flat: torch.Tensor, epoch: int) -> Any:
+        return self.table.batch(batch, flat, self.setup.device)
