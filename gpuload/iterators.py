@@ -20,6 +20,7 @@ from gpuload.prefetch import EpochStoppedError, one_epoch_at_a_time
 from gpuload.resume import Position
 from gpuload.sources import Work
 from gpuload.stats import LoaderStats
+from gpuload.timeline import Timeline
 
 __all__ = ["EpochIterator", "OpenEpochs", "close_when_idle", "release_torch_frames", "shut_down_workers",
            "unequal_stack"]
@@ -57,7 +58,9 @@ class EpochIterator(Iterator[Any]):
         length: Callable[[], int],
         position: Position,
         on_end: Callable[[Position], None],
+        timeline: Timeline | None = None,
     ) -> None:
+        self._timeline = timeline if timeline is not None else Timeline(0)
         self._items = items
         self._finish = work.finish
         self._stats = stats
@@ -122,6 +125,7 @@ class EpochIterator(Iterator[Any]):
 
     def __next__(self) -> Any:
         started = time.perf_counter()
+        asking, delivered = self._timeline.ask(), False
         try:
             with self._inside:  # a stop marked before this is seen here; close() waits for the rest
                 self._raise_if_stopped()
@@ -131,6 +135,7 @@ class EpochIterator(Iterator[Any]):
                     self._raise_if_stopped()  # stopped while it waited: never deliver, never end short
                     finished = self._finish(item)
                     self._position.batches += 1  # also a batch whose every file was skipped
+            delivered = True
         except StopIteration:
             self._raise_if_stopped()
             if not self._position.finished:
@@ -147,6 +152,7 @@ class EpochIterator(Iterator[Any]):
             raise
         finally:
             self._stats.wait_time_s += time.perf_counter() - started
+            self._timeline.got(asking, delivered)
         batch, count = finished
         self._stats.batches += 1
         self._stats.samples += count
