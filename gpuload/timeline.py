@@ -184,7 +184,7 @@ class Timeline:
 
     ``capacity=0`` records nothing (``loader.timeline`` of a loader built with
     ``timeline_steps=0`` or ``GPULOAD_TIMELINE=off``). Steps are recorded in the loop's thread;
-    :meth:`steps`, :meth:`totals`, :meth:`summary` and :meth:`scalars` may be read anywhere.
+    :meth:`steps`, :meth:`as_dict`, :meth:`summary` and :meth:`scalars` may be read anywhere.
     """
 
     def __init__(self, capacity: int = DEFAULT_STEPS, device: torch.device | str = "cpu") -> None:
@@ -198,6 +198,7 @@ class Timeline:
         self._first = True  # the next step begins an epoch (no step time)
         self.reset_totals()
         self.about: Any = None  # the loader, for the verdict's suggestions (set by loader.timeline)
+        self.ranks: Any = None  # every rank's waits, as last gathered (gpuload.distributed.rank_waits)
 
     @property
     def enabled(self) -> bool:
@@ -335,8 +336,9 @@ class Timeline:
 
     def summary(self) -> str:
         """One line: data-bound or compute-bound, the stage most of the loader's time goes to, and
-        the setting that would help."""
-        return self.verdict().line
+        the setting that would help; under torch.distributed, once gathered, the slowest rank."""
+        line = self.verdict().line
+        return line if self.ranks is None else f"{line}; {self.ranks.line()}"
 
     def scalars(self, prefix: str = "gpuload/") -> dict[str, float]:
         """A flat dict for a logger (TensorBoard's ``add_scalars``, Lightning's ``log_dict``):
@@ -356,7 +358,7 @@ class Timeline:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_pending=deque(), _last_ready=None, _first=True, about=None)
+        state.update(_pending=deque(), _last_ready=None, _first=True, about=None, ranks=None)
         return state
 
     def __repr__(self) -> str:

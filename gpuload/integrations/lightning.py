@@ -7,7 +7,9 @@ with the module's other metrics.
 Every ``every_n_steps`` training steps it logs ``gpuload/wait_percent`` and each stage's mean ms
 per step (``loader.timeline.scalars()``, over the loader's life) through ``LightningModule.log``,
 so they reach whatever logger the Trainer has (TensorBoard, CSV, W&B); at each epoch's end it
-puts the verdict line (``summary``), which names the top stage, in the log.
+puts the verdict line (``summary``), which names the top stage, in the log. Under
+torch.distributed it also gathers every rank's waits at those steps (one small collective,
+``gpuload.distributed.rank_waits``) and logs the slowest rank and its wait share.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import math
 from typing import Any
 
 import pytorch_lightning as pl
+import torch.distributed as dist
 
+from gpuload.distributed.rank_waits import gather_waits
 from gpuload.timeline import Timeline, timeline_of
 
 __all__ = ["TimelineCallback"]
@@ -48,6 +52,11 @@ class TimelineCallback(pl.Callback):
         if timeline is None or not timeline.enabled:
             return
         scalars = {name: value for name, value in timeline.scalars().items() if math.isfinite(value)}
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            slowest = gather_waits(timeline).slowest  # a collective: every rank is at this step
+            if slowest is not None and slowest.wait_fraction is not None:
+                scalars["gpuload/slowest_rank"] = float(slowest.rank)
+                scalars["gpuload/slowest_rank_wait_percent"] = 100 * slowest.wait_fraction
         pl_module.log_dict(scalars, on_step=True, on_epoch=False, batch_size=1)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
