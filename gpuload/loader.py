@@ -166,7 +166,7 @@ class DataLoader(tud.DataLoader[T_co]):
     def timeline(self) -> Timeline:
         """Where the loop waits: per step, the wait for the batch and what each stage took for it;
         ``summary()`` says in one line what would help (the waiting page of the docs)."""
-        self._timeline.about = self  # the verdict's suggestions read this loader's settings
+        self._timeline.about = weakref.ref(self)  # the verdict's suggestions read this loader's settings
         return self._timeline
 
     @property

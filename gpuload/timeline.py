@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,18 +46,20 @@ _OFF = "no timeline: it is off (timeline_steps=0 or GPULOAD_TIMELINE=off)"
 #: Steps a timeline keeps by default (running totals cover every step).
 DEFAULT_STEPS = DEFAULT_TIMELINE_STEPS
 
+_clock = time.perf_counter
 _profiler = torch.autograd.profiler  # its ``_is_profiler_enabled`` flag is set while a profiler runs
 
 
 class _Batch:
     """The stage times of one batch, accumulated in the thread making it."""
 
-    __slots__ = ("seconds", "started", "outer")
+    __slots__ = ("seconds", "started", "outer", "asked")
 
     def __init__(self, outer: _Batch | None) -> None:
         self.seconds: dict[str, float] = {}
         self.outer = outer  # the record this one interrupts in the same thread (restored at its end)
-        self.started = time.perf_counter()
+        self.asked: Any = None  # a step's: the CUDA event recorded when the loop asked for the batch
+        self.started = _clock()
 
 
 class _Here(threading.local):
@@ -83,10 +85,10 @@ class _Stage:
             self.range = torch.autograd.profiler.record_function(f"gpuload.{self.name}")
             self.range.__enter__()
         self.outer, _here.stage = _here.stage, self
-        self.started = time.perf_counter()
+        self.started = _clock()
 
     def __exit__(self, *exc_info: object) -> None:
-        took = time.perf_counter() - self.started
+        took = _clock() - self.started
         _here.stage = self.outer
         if self.outer is not None:
             self.outer.inner += took
@@ -146,7 +148,7 @@ def end_batch(batch: _Batch, other: bool = True) -> dict[str, float]:
     every stage unless not ``other`` (the record it interrupted, if any, is open again)."""
     _here.batch = batch.outer
     seconds = batch.seconds
-    other_s = time.perf_counter() - batch.started - sum(seconds.values()) if other else 0.0
+    other_s = _clock() - batch.started - sum(seconds.values()) if other else 0.0
     if other_s > 0:
         seconds["other"] = seconds.get("other", 0.0) + other_s
     return seconds
@@ -157,7 +159,7 @@ def hand_over(stages: dict[str, float] | None) -> None:
     _here.delivered = stages
 
 
-@dataclass
+@dataclass(slots=True)
 class Step:
     """One step of the loop. ``wait_s``: how long the loop (on CUDA: its stream) waited for the
     batch; ``step_s``: from the previous batch being usable to this one being usable (the loop's
@@ -167,16 +169,6 @@ class Step:
     wait_s: float | None
     step_s: float | None
     stages: dict[str, float] = field(default_factory=dict)
-
-
-class _Asking:
-    """A step in progress: the loop asked for a batch."""
-
-    __slots__ = ("batch", "started", "asked")
-
-    def __init__(self, batch: _Batch, asked: Any) -> None:
-        self.batch, self.asked = batch, asked
-        self.started = time.perf_counter()
 
 
 class Timeline:
@@ -192,12 +184,15 @@ class Timeline:
             raise ValueError(f"timeline capacity={capacity!r} must be a non-negative int (steps kept)")
         self.capacity = capacity
         self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
         self._steps: deque[Step] = deque(maxlen=capacity or 1)
         self._pending: deque[tuple[Step, Any, Any, Any]] = deque()  # CUDA steps whose events may not be done
         self._last_ready: Any = None  # CUDA: the previous step's "usable" event; CPU: its clock time
         self._first = True  # the next step begins an epoch (no step time)
         self.reset_totals()
-        self.about: Any = None  # the loader, for the verdict's suggestions (set by loader.timeline)
+        # the loader (a weak reference: a cycle would keep its cache memory until the garbage
+        # collector runs), for the verdict's suggestions; set by loader.timeline
+        self.about: Callable[[], Any] | None = None
         self.ranks: Any = None  # every rank's waits, as last gathered (gpuload.distributed.rank_waits)
 
     @property
@@ -219,31 +214,32 @@ class Timeline:
         """The next step is an epoch's first: the time since the last one is not a step."""
         self._first = True
 
-    def ask(self) -> _Asking | None:
-        """The loop asks for a batch (None when nothing is recorded)."""
+    def ask(self) -> _Batch | None:
+        """The loop asks for a batch: the step's record (None when nothing is recorded)."""
         if not self.capacity:
             return None
-        asked = None
-        if self.device.type == "cuda":
-            asked = torch.cuda.Event(enable_timing=True)
-            asked.record(torch.cuda.current_stream(self.device))
-        return _Asking(begin_batch(), asked)
+        asking = begin_batch()
+        if self._cuda:
+            asking.asked = torch.cuda.Event(enable_timing=True)
+            asking.asked.record(torch.cuda.current_stream(self.device))
+        return asking
 
-    def got(self, asking: _Asking | None, delivered: bool) -> None:
+    def got(self, asking: _Batch | None, delivered: bool) -> None:
         """The batch of ``asking`` is usable on the loop's stream (``delivered``), or none came
         (the epoch ended, or raised): then the step is not recorded."""
         if asking is None:
             return
         made, _here.delivered = _here.delivered, None
         # Handed over by the prefetcher: the loop's thread only waited, outside its stages.
-        stages = end_batch(asking.batch, other=made is None)
+        stages = end_batch(asking, other=made is None)
         if not delivered:
             return
-        for name, seconds in (made or {}).items():
-            stages[name] = stages.get(name, 0.0) + seconds
+        if made:
+            for name, seconds in made.items():
+                stages[name] = stages.get(name, 0.0) + seconds
         first, self._first = self._first, False
         if asking.asked is None:
-            now = time.perf_counter()
+            now = _clock()
             step = Step(now - asking.started, None if first else now - self._last_ready, stages)
             self._last_ready = now
             self._add(step)
@@ -276,7 +272,7 @@ class Timeline:
                 return
             self._pending.popleft()
             step.wait_s = asked.elapsed_time(ready) / 1000
-            if previous is not None:
+            if previous is not None and previous.query():  # done before ready, unless streams changed
                 step.step_s = previous.elapsed_time(ready) / 1000
                 self.wait_s += step.wait_s
                 self.step_s += step.step_s
@@ -332,7 +328,7 @@ class Timeline:
         (:func:`gpuload.verdict.verdict`)."""
         if not self.enabled:
             return Verdict("unknown", None, None, (), _OFF)
-        return verdict(*self.recent(), self.about)
+        return verdict(*self.recent(), self.about() if self.about is not None else None)
 
     def summary(self) -> str:
         """One line: data-bound or compute-bound, the stage most of the loader's time goes to, and

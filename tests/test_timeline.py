@@ -323,3 +323,23 @@ def test_on_cuda_the_wait_is_read_from_events_on_the_loops_stream_without_a_sync
     assert [step.step_s for step in steps] == pytest.approx([None, 0.04, 0.04])
     assert timeline.wait_fraction() == pytest.approx(0.75)
     assert timeline.verdict().bound == "data"
+
+
+def test_reading_the_timeline_does_not_keep_the_loader_alive() -> None:
+    """A loader whose timeline was read is freed when dropped (its cache memory with it), not
+    when the garbage collector next runs."""
+    import gc
+    import weakref
+
+    loader = gpuload.DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)
+    run(loader)
+    timeline = loader.timeline
+    assert "data-bound" in timeline.summary() or "compute-bound" in timeline.summary()
+    gone = weakref.ref(loader)
+    gc.disable()
+    try:
+        del loader
+        assert gone() is None
+    finally:
+        gc.enable()
+    assert timeline.verdict().bound in ("data", "compute")  # still readable, without the loader's settings
