@@ -74,7 +74,7 @@ class DataLoader(tud.DataLoader[T_co]):
     - ``prefetch_depth``: batches made ahead of the loop (0: none, in the loop's thread).
     - ``on_error``: ``"skip"`` leaves out image files that cannot be decoded.
     - ``timeline_steps``: how many recent steps ``loader.timeline`` keeps (where the loop waits);
-      0 turns it off; None: ``GPULOAD_TIMELINE``, else on.
+      0 turns it off; None: ``GPULOAD_TIMELINE``, else off.
 
     Batches are the same, in the same order, as torch's DataLoader gives for the same dataset,
     sampler, generator state and collate_fn; only their tensors live on ``device``.

@@ -41,7 +41,7 @@ __all__ = [
     "stage", "timeline_of",
 ]
 
-_OFF = "no timeline: it is off (timeline_steps=0 or GPULOAD_TIMELINE=off)"
+_OFF = "no timeline: it is off (turn it on with timeline_steps=1000 or GPULOAD_TIMELINE=on)"
 
 #: Steps a timeline keeps by default (running totals cover every step).
 DEFAULT_STEPS = DEFAULT_TIMELINE_STEPS
@@ -128,12 +128,12 @@ def gather_stage(tier: str) -> str:
 
 def resolve_steps(steps: int | None) -> int:
     """The steps a loader's timeline keeps: ``steps`` (the ``timeline_steps=`` keyword; 0: off),
-    or for None ``GPULOAD_TIMELINE`` (default on)."""
+    or for None ``GPULOAD_TIMELINE`` (default off)."""
     if steps is None:
         return timeline_steps()
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"timeline_steps={steps!r} must be an int >= 0 (recent steps loader.timeline keeps; "
-                         "0 turns it off), or None for GPULOAD_TIMELINE (default on)")
+                         "0 turns it off), or None for GPULOAD_TIMELINE (default off)")
     return steps
 
 
@@ -175,8 +175,9 @@ class Timeline:
     """The last ``capacity`` steps of a loader, and running totals over every step measured.
 
     ``capacity=0`` records nothing (``loader.timeline`` of a loader built with
-    ``timeline_steps=0`` or ``GPULOAD_TIMELINE=off``). Steps are recorded in the loop's thread;
-    :meth:`steps`, :meth:`as_dict`, :meth:`summary` and :meth:`scalars` may be read anywhere.
+    ``timeline_steps=0``, or with neither ``timeline_steps`` nor ``GPULOAD_TIMELINE=on``). Steps are
+    recorded in the loop's thread; :meth:`steps`, :meth:`as_dict`, :meth:`summary` and
+    :meth:`scalars` may be read anywhere.
     """
 
     def __init__(self, capacity: int = DEFAULT_STEPS, device: torch.device | str = "cpu") -> None:

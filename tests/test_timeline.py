@@ -28,6 +28,12 @@ from gpuload.verdict import DATA_BOUND, STAGES, SUGGESTIONS, LoaderSettings, sug
 SLOW_S = 0.05  # the slow stage, per batch: thousands of times the others on any machine
 
 
+@pytest.fixture(autouse=True)
+def timeline_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timeline is off by default (its cost); these loaders have it on, as GPULOAD_TIMELINE=on does."""
+    monkeypatch.setenv(TIMELINE, "on")
+
+
 class SleepyReads(Dataset):
     """A dataset whose every read sleeps: its loader is slow in the dataset reads."""
 
@@ -81,7 +87,16 @@ def test_every_stage_has_a_label_and_suggestions() -> None:
 # -- switching it off ------------------------------------------------------------------------
 
 
-def test_on_by_default_keeping_the_last_steps_and_totals_over_all() -> None:
+def test_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TIMELINE)
+    loader = gpuload.DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)
+    run(loader)
+    assert not loader.timeline.enabled and loader.timeline.step_count == 0
+    assert "timeline_steps=1000 or GPULOAD_TIMELINE=on" in loader.timeline.summary()
+    assert gpuload.DataLoader(TensorDataset(torch.arange(8.0)), timeline_steps=5).timeline.capacity == 5
+
+
+def test_on_it_keeps_the_last_steps_and_totals_over_all() -> None:
     loader = gpuload.DataLoader(TensorDataset(torch.arange(40.0)), batch_size=4, timeline_steps=3)
     run(loader, epochs=2)
     timeline = loader.timeline
@@ -100,13 +115,13 @@ def test_off_records_nothing_and_says_so(how: str, monkeypatch: pytest.MonkeyPat
     loader = gpuload.DataLoader(SleepyReads(4, 0.0), batch_size=2, **options)
     run(loader)
     assert not loader.timeline.enabled and loader.timeline.steps() == [] and loader.timeline.step_count == 0
-    assert "off" in loader.timeline.summary()
+    assert "it is off" in loader.timeline.summary()
     assert loader._prefetcher is None or not loader._prefetcher.timeline  # its thread records nothing
 
 
 def test_the_environment_variable_takes_on_off_or_a_number_and_names_a_bad_value() -> None:
-    assert timeline_steps({}) == timeline_steps({TIMELINE: "on"}) == 1000
-    assert timeline_steps({TIMELINE: "off"}) == timeline_steps({TIMELINE: "0"}) == 0
+    assert timeline_steps({TIMELINE: "on"}) == 1000
+    assert timeline_steps({}) == timeline_steps({TIMELINE: "off"}) == timeline_steps({TIMELINE: "0"}) == 0
     assert timeline_steps({TIMELINE: "50"}) == 50
     with pytest.raises(CacheSettingError, match=TIMELINE):
         timeline_steps({TIMELINE: "sometimes"})

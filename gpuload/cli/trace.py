@@ -3,7 +3,8 @@ of ``--step-ms`` milliseconds, then print where the step waited: the stage table
 of ``loader.timeline`` (the waiting page of the docs).
 
 ``SOURCE`` names the loader: ``path/to/train.py:NAME`` or ``package.module:NAME``, where ``NAME``
-is a ``gpuload.DataLoader`` or a function of no arguments that returns one. The stand-in step is a
+is a ``gpuload.DataLoader`` or a function of no arguments that returns one, made with the
+timeline on (``GPULOAD_TIMELINE=on`` unless the environment says otherwise). The stand-in step is a
 host sleep on a CPU device and a GPU spin of that duration on CUDA (nothing for ``--step-ms 0``):
 how long your model's step takes, without your model.
 """
@@ -11,8 +12,10 @@ how long your model's step takes, without your model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,6 +60,19 @@ def _load(source: str) -> Any:
     return getattr(module, name)
 
 
+@contextlib.contextmanager
+def _timeline_on() -> Any:
+    """``GPULOAD_TIMELINE=on`` while the user's loader is made, unless the environment sets it."""
+    if "GPULOAD_TIMELINE" in os.environ:
+        yield
+        return
+    os.environ["GPULOAD_TIMELINE"] = "on"
+    try:
+        yield
+    finally:
+        del os.environ["GPULOAD_TIMELINE"]
+
+
 def _stand_in_step(device: Any, step_ms: float) -> Any:
     """A step of ``step_ms`` ms: a GPU spin on CUDA (no host wait), a host sleep elsewhere."""
     if step_ms <= 0:
@@ -73,8 +89,9 @@ def run(args: argparse.Namespace) -> int:
     import gpuload  # torch: only once the arguments hold
 
     try:
-        found = _load(args.source)
-        loader = found if isinstance(found, gpuload.DataLoader) else found() if callable(found) else found
+        with _timeline_on():
+            found = _load(args.source)
+            loader = found if isinstance(found, gpuload.DataLoader) else found() if callable(found) else found
         if not isinstance(loader, gpuload.DataLoader):
             raise ValueError(f"{args.source} gave a {type(loader).__name__}, not a gpuload.DataLoader")
         if not loader.timeline.enabled:

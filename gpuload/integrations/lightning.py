@@ -2,12 +2,13 @@
 with the module's other metrics.
 
     trainer = pl.Trainer(callbacks=[TimelineCallback()])
-    trainer.fit(model, gpuload.DataLoader(dataset, batch_size=256))
+    trainer.fit(model, gpuload.DataLoader(dataset, batch_size=256, timeline_steps=1000))
 
 Every ``every_n_steps`` training steps it logs ``gpuload/wait_percent`` and each stage's mean ms
 per step (``loader.timeline.scalars()``, over the loader's life) through ``LightningModule.log``,
 so they reach whatever logger the Trainer has (TensorBoard, CSV, W&B); at each epoch's end it
-puts the verdict line (``summary``), which names the top stage, in the log. Under
+puts the verdict line (``summary``), which names the top stage, in the log. The loader records
+only with its timeline on (``timeline_steps=`` or ``GPULOAD_TIMELINE=on``; off by default). Under
 torch.distributed it also gathers every rank's waits at those steps (one small collective,
 ``gpuload.distributed.rank_waits``) and logs the slowest rank and its wait share.
 """

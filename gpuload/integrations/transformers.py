@@ -142,7 +142,9 @@ class TimelineCallback(TrainerCallback):
     of step time the loop waited, over the loader's recent steps) and ``gpuload_top_stage`` (the
     stage most of the loader's time went to), in ``trainer.state.log_history`` and the ``logs``
     the callbacks after it see; ``summary`` keeps the latest verdict line. ``loader``: the gpuload
-    loader to watch; default the Trainer's train loader (also under Accelerate's shard).
+    loader to watch; default the Trainer's train loader (also under Accelerate's shard), which
+    records only with its timeline on (``gpuload_options={"timeline_steps": 1000}`` or
+    ``GPULOAD_TIMELINE=on``; off by default).
 
     ``Trainer(..., callbacks=[TimelineCallback()])`` comes after the ``report_to`` loggers, which
     then miss the two values; to have them report them too, put it first:

@@ -16,6 +16,11 @@ import gpuload
 pytestmark = pytest.mark.slow  # importing Lightning and Transformers takes seconds
 
 
+@pytest.fixture(autouse=True)
+def timeline_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPULOAD_TIMELINE", "on")  # off by default (its cost): the loaders here record
+
+
 class SleepyPairs(Dataset):
     """(x, label) pairs whose every read sleeps: the loader is slow in its dataset reads."""
 

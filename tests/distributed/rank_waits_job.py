@@ -32,7 +32,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import ranks_job  # the suite's gloo group (this folder is on the path of spawned ranks)
 
     with ranks_job.gloo_job(rank, world, init_file, None):
-        loader = gpuload.DataLoader(Reads(0.025 if rank == SLOW_RANK else 0.0), batch_size=4)
+        loader = gpuload.DataLoader(Reads(0.025 if rank == SLOW_RANK else 0.0), batch_size=4, timeline_steps=100)
         for _batch in loader:
             time.sleep(0.005)  # the step
         waits = gather_waits(loader.timeline)

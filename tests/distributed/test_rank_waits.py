@@ -25,7 +25,7 @@ def test_every_rank_names_the_straggler_and_its_stage(tmp_path: Path) -> None:
 
 
 def test_without_torch_distributed_it_is_this_process_alone() -> None:
-    loader = gpuload.DataLoader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2)
+    loader = gpuload.DataLoader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2, timeline_steps=10)
     for _batch in loader:
         pass
     waits = gather_waits(loader.timeline)
