@@ -188,6 +188,7 @@ class Timeline:
         self._cuda = self.device.type == "cuda"
         self._steps: deque[Step] = deque(maxlen=capacity or 1)
         self._pending: deque[tuple[Step, Any, Any, Any]] = deque()  # CUDA steps whose events may not be done
+        self._reading = threading.Lock()  # _read_events runs in the loop's thread and in readers'
         self._last_ready: Any = None  # CUDA: the previous step's "usable" event; CPU: its clock time
         self._first = True  # the next step begins an epoch (no step time)
         self.reset_totals()
@@ -266,17 +267,19 @@ class Timeline:
             self.step_s += step.step_s
 
     def _read_events(self) -> None:
-        """Fill in the times of the CUDA steps whose events completed, oldest first (no sync)."""
-        while self._pending:
-            step, asked, previous, ready = self._pending[0]
-            if not ready.query():
-                return
-            self._pending.popleft()
-            step.wait_s = asked.elapsed_time(ready) / 1000
-            if previous is not None and previous.query():  # done before ready, unless streams changed
-                step.step_s = previous.elapsed_time(ready) / 1000
-                self.wait_s += step.wait_s
-                self.step_s += step.step_s
+        """Fill in the times of the CUDA steps whose events completed, oldest first (no sync); also
+        from a thread reading the timeline while the loop records."""
+        with self._reading:
+            while self._pending:
+                step, asked, previous, ready = self._pending[0]
+                if not ready.query():
+                    return
+                self._pending.popleft()
+                step.wait_s = asked.elapsed_time(ready) / 1000
+                if previous is not None and previous.query():  # done before ready, unless streams changed
+                    step.step_s = previous.elapsed_time(ready) / 1000
+                    self.wait_s += step.wait_s
+                    self.step_s += step.step_s
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -295,7 +298,7 @@ class Timeline:
     def stage_seconds(self, steps: Iterable[Step] | None = None) -> dict[str, float]:
         """Mean seconds per step of each stage, largest first: over ``steps``, else every step."""
         if steps is None:
-            totals, count = self.stage_s, self.step_count
+            totals, count = dict(self.stage_s), self.step_count  # a copy: the loop may add a stage meanwhile
         else:
             steps = list(steps)
             totals, count = {}, len(steps)
@@ -356,7 +359,12 @@ class Timeline:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.update(_pending=deque(), _last_ready=None, _first=True, about=None, ranks=None)
+        del state["_reading"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reading = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<gpuload Timeline: {self.step_count} steps; {self.summary()}>"

@@ -358,3 +358,30 @@ def test_reading_the_timeline_does_not_keep_the_loader_alive() -> None:
     finally:
         gc.enable()
     assert timeline.verdict().bound in ("data", "compute")  # still readable, without the loader's settings
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_spin_longer_than_the_data_is_compute_bound_and_slow_reads_are_data_bound() -> None:
+    """Real events on the loop's stream: a step whose GPU spin outlasts a cached gather waits
+    little; a loader whose reads sleep keeps the GPU idle, and the verdict says so."""
+    from gpuload.bench.steps import GpuSleepStep
+
+    device = torch.device("cuda")
+    spin = GpuSleepStep(device, SLOW_S)
+    cached = gpuload.DataLoader(TensorDataset(torch.randint(0, 256, (64, 3, 8, 8), dtype=torch.uint8)),
+                                batch_size=8, device=device)
+    run(cached)
+    cached.timeline.reset_totals()
+    for batch in cached:
+        spin(batch)
+    torch.cuda.synchronize()  # the test's own sync: the events are read once they completed
+    assert all(step.wait_s is not None for step in cached.timeline.steps())
+    assert cached.timeline.verdict().bound == "compute", cached.timeline.summary()
+    slow = gpuload.DataLoader(SleepyReads(), batch_size=2, device=device)
+    run(slow)
+    torch.cuda.synchronize()
+    found = slow.timeline.verdict()
+    assert found.bound == "data" and found.stage == "read", slow.timeline.summary()
