@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 import torch.utils.data as tud
+from torch.utils.data.distributed import DistributedSampler
 
 import gpuload
 from gpuload.distributed.rank_waits import gather_waits
@@ -37,7 +38,16 @@ def run(rank: int, world: int, init_file: str, out_dir: str) -> None:
             time.sleep(0.005)  # the step
         waits = gather_waits(loader.timeline)
         slowest = waits.slowest
+        # One copy of the arrays split over the ranks: each batch's rows from the other rank come
+        # through the exchange, a stage of the batches it serves.
+        data = ranks_job.dataset()
+        split = gpuload.DataLoader(data, 8, sampler=DistributedSampler(data, seed=ranks_job.SEED), device="cpu",
+                                   cache_scope="world", timeline_steps=100)
+        for _batch in split:
+            pass
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
             "ranks": [wait.rank for wait in waits.ranks], "slowest": slowest.rank if slowest else None,
             "stage": slowest.stage if slowest else None, "summary": loader.timeline.summary(),
+            "split_path": split.stats.path, "split_stages": sorted(split.timeline.stage_seconds()),
         }))
+        split.close()

@@ -22,6 +22,7 @@ def test_every_rank_names_the_straggler_and_its_stage(tmp_path: Path) -> None:
         assert seen["ranks"] == [0, 1], seen
         assert (seen["slowest"], seen["stage"]) == (rank_waits_job.SLOW_RANK, "read"), (rank, seen)
         assert "slowest rank 1 of 2" in seen["summary"] and "dataset reads" in seen["summary"], seen
+        assert "exchange" in seen["split_stages"], seen  # the rows of the other rank's share
 
 
 def test_without_torch_distributed_it_is_this_process_alone() -> None:
