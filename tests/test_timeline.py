@@ -164,7 +164,7 @@ def test_a_step_longer_than_the_data_is_compute_bound() -> None:
     loader = gpuload.DataLoader(TensorDataset(data), batch_size=8)
     run(loader)  # the first epoch places the arrays
     loader.timeline.reset_totals()
-    run(loader, step_s=SLOW_S)
+    run(loader, step_s=2 * SLOW_S)  # a 10 ms stall of the loop's thread at load 8 stays under 5% of the time
     found = loader.timeline.verdict()
     assert found.bound == "compute" and found.wait_fraction is not None and found.wait_fraction < DATA_BOUND
     assert loader.timeline.summary().startswith("compute-bound")
