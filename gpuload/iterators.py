@@ -20,6 +20,7 @@ from gpuload.epoch import Epoch, EpochStoppedError, one_epoch_at_a_time
 from gpuload.resume import Position
 from gpuload.sources import Work
 from gpuload.stats import LoaderStats
+from gpuload.timeline import Timeline
 
 __all__ = ["EpochIterator", "OpenEpochs", "release_torch_frames", "shut_down_workers", "unequal_stack"]
 
@@ -58,7 +59,9 @@ class EpochIterator(Iterator[Any]):
         position: Position,
         on_end: Callable[[Position], None],
         epoch: Epoch | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
+        self._timeline = timeline if timeline is not None else Timeline(0)
         self._items = items
         self._finish = work.finish
         self._stats = stats
@@ -121,6 +124,7 @@ class EpochIterator(Iterator[Any]):
     def __next__(self) -> Any:
         started = time.perf_counter()
         epoch = self._epoch
+        asking, delivered = self._timeline.ask(), False
         try:
             epoch.enter()  # a stop marked before this is seen here; close() waits for the rest
             try:
@@ -135,6 +139,7 @@ class EpochIterator(Iterator[Any]):
                     self._position.batches += 1  # also a batch whose every file was skipped
             finally:
                 epoch.leave()
+            delivered = True
         except StopIteration:
             if not epoch.end():
                 epoch.raise_if_stopped(self._position.batches)
@@ -152,6 +157,7 @@ class EpochIterator(Iterator[Any]):
             raise
         finally:
             self._stats.wait_time_s += time.perf_counter() - started
+            self._timeline.got(asking, delivered)
         batch, count = finished
         self._stats.batches += 1
         self._stats.samples += count

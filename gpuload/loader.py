@@ -42,6 +42,7 @@ from gpuload.sources import Indices, RestOfEpoch, Schedule, Source, Work, runs_a
 from gpuload.sources.choose import choose_source
 from gpuload.state_format import check_format
 from gpuload.stats import LoaderStats, Tally
+from gpuload.timeline import Timeline, resolve_steps
 
 __all__ = ["OPTIONS", "DataLoader"]
 
@@ -74,6 +75,8 @@ class DataLoader(tud.DataLoader[T_co]):
       dataset (needed for a dataset gpuload cannot identify: one that does not pickle).
     - ``prefetch_depth``: batches made ahead of the loop (0: none, in the loop's thread).
     - ``on_error``: ``"skip"`` leaves out image files that cannot be decoded.
+    - ``timeline_steps``: how many recent steps ``loader.timeline`` keeps (where the loop waits);
+      0 turns it off; None: ``GPULOAD_TIMELINE``, else off.
 
     Batches are the same, in the same order, as torch's DataLoader gives for the same dataset,
     sampler, generator state and collate_fn; only their tensors live on ``device``.
@@ -111,6 +114,7 @@ class DataLoader(tud.DataLoader[T_co]):
         job: str | None = None,
         prefetch_depth: int | None = None,
         on_error: str = "raise",
+        timeline_steps: int | None = None,
     ) -> None:
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory,
@@ -137,6 +141,8 @@ class DataLoader(tud.DataLoader[T_co]):
         self.transforms, self.cache, self.cache_size, self.cache_reserve = transforms, cache, cache_size, cache_reserve
         self.cache_scope, self.job, self.prefetch_depth, self.on_error = cache_scope, job, prefetch_depth, on_error
         self.cache_dir, self.disk_cache_size, self.cache_key = cache_dir, disk_cache_size, cache_key
+        self.timeline_steps = timeline_steps
+        self._timeline = Timeline(resolve_steps(timeline_steps), self.device)
         self._transform_seed = generator.initial_seed() if generator is not None else torch.initial_seed()
         self._stats = LoaderStats(device=str(self.device))
         self._tally = Tally(self._stats)  # what the source and prefetcher counted, added once
@@ -158,6 +164,13 @@ class DataLoader(tud.DataLoader[T_co]):
         return self._tally.merge(self._source, self._prefetcher, self.device.type)
 
     @property
+    def timeline(self) -> Timeline:
+        """Where the loop waits: per step, the wait for the batch and what each stage took for it;
+        ``summary()`` says in one line what would help (the waiting page of the docs)."""
+        self._timeline.about = weakref.ref(self)  # the verdict's suggestions read this loader's settings
+        return self._timeline
+
+    @property
     def cache_settings(self) -> CacheSettings:
         """The cache settings in force, each with where it came from (keyword, env, file)."""
         return self._cache_settings
@@ -177,6 +190,7 @@ class DataLoader(tud.DataLoader[T_co]):
     def __iter__(self) -> Iterator[T_co]:  # type: ignore[override]  # gpuload's epoch iterator, not torch's class
         self._tally.begin_epoch(self._source, self._prefetcher, self.device.type)
         self._epoch += 1
+        self._timeline.new_epoch()
         if self._prefetcher is not None:  # no thread may still pull from the source's iterators
             self._prefetcher.stop_epoch(_NEW_EPOCH)
         source = self._source
@@ -199,7 +213,8 @@ class DataLoader(tud.DataLoader[T_co]):
         if work.from_torch and self.persistent_workers and self.num_workers > 0:
             self._draw.seed_drawn = True  # torch drew its workers' seed, once
         length = length or work.length or self._index_sampler.__len__
-        iterator = EpochIterator(work, items, self._stats, length, position, self._epoch_ended, epoch)
+        iterator = EpochIterator(work, items, self._stats, length, position, self._epoch_ended, epoch,
+                                 self._timeline)
         self._current = weakref.ref(iterator)
         self._open.add(iterator, work, _NEW_EPOCH)
         return iterator
@@ -367,6 +382,7 @@ class DataLoader(tud.DataLoader[T_co]):
             depth = self.prefetch_depth if self.prefetch_depth is not None else schedule.depth
             self._prefetcher = Prefetcher(None, self.device, depth, timeout=self.timeout or None,
                                           stage=schedule.staged)
+        self._prefetcher.timeline = self._timeline.enabled
         return self._prefetcher
 
     def _copies(self) -> Prefetcher:

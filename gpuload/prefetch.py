@@ -41,6 +41,7 @@ import torch
 from gpuload.cache.budget import format_bytes
 from gpuload.device import host_memory, new_side_stream, resolve_device
 from gpuload.epoch import Epoch, EpochStoppedError, one_epoch_at_a_time
+from gpuload.timeline import begin_batch, end_batch, hand_over, stage
 from gpuload.transfer import Staging, map_leaves, staging_through
 
 __all__ = [
@@ -186,6 +187,7 @@ class _Delivery:
     batch: Any
     event: Any  # torch.cuda.Event recorded after all of the batch's work, or None on the CPU
     device_tensors: list[torch.Tensor]  # the batch's CUDA tensors: record on the consumer's stream
+    stages: dict[str, float] | None = None  # the seconds each stage took for it (gpuload.timeline)
 
 
 def _delivery(index: int, batch: Any, stream: Any) -> _Delivery:
@@ -225,7 +227,8 @@ class _Ring:
 
     def _reserve(self, slot: _Slot, nbytes: int) -> torch.Tensor:
         if slot.event is not None:
-            slot.event.synchronize()  # the slot's previous copy must finish before reuse
+            with stage("slot_wait"):
+                slot.event.synchronize()  # the slot's previous copy must finish before reuse
         if slot.buffer is None or slot.buffer.numel() < nbytes:
             check_ring_fits(len(self.slots), nbytes)
             slot.buffer = None  # give the old buffer back before taking a bigger one
@@ -397,6 +400,7 @@ def _work(
                     continue
                 if epoch.stopped.is_set():
                     break
+                made = begin_batch() if owner.timeline else None
                 try:
                     item = next(source)
                 except StopIteration:
@@ -407,7 +411,8 @@ def _work(
                 if epoch.stopped.is_set():
                     break
                 try:
-                    delivery = ring.transfer(index, item)
+                    with stage("copy"):
+                        delivery = ring.transfer(index, item)
                 except _StageFailure as failure:
                     outcome = _Failure(index, "fill", failure.exc)
                     break
@@ -415,6 +420,8 @@ def _work(
                     outcome = _Failure(index, "copy", exc)
                     break
                 del item
+                if made is not None:
+                    delivery.stages = end_batch(made)
                 out.put(delivery)
                 del delivery
                 index += 1
@@ -506,6 +513,7 @@ class _Handoff(Iterator[Any]):
                 stream.wait_event(item.event)  # ordered: the batch's work is done first
                 for tensor in item.device_tensors:
                     tensor.record_stream(stream)  # protected: not reused while the loop uses it
+            hand_over(item.stages)
             self._tokens.release()
         finally:
             self._stats.wait_time_s += time.perf_counter() - started
@@ -620,6 +628,7 @@ class Prefetcher:
     #: The most batches in flight: each holds a whole batch in host memory, and a few already
     #: absorb the jitter of the batches' costs (``check_ring_fits`` bounds it by memory too).
     MAX_DEPTH = 1024
+    timeline = False  # its thread records each batch's stages (gpuload.timeline)
 
     def __init__(
         self,
@@ -684,10 +693,11 @@ class Prefetcher:
             ring = self._inline_ring
             try:
                 if not ring.cuda:
-                    return ring.transfer(0, item, counted).batch
+                    with stage("copy"):
+                        return ring.transfer(0, item, counted).batch
                 assert self._stream is not None  # a CUDA ring copies on the loader's side stream
                 current = torch.cuda.current_stream(self.device)
-                with torch.cuda.stream(self._stream):
+                with torch.cuda.stream(self._stream), stage("copy"):
                     delivery = ring.transfer(self._inline_count, item, counted)
             except _StageFailure as failure:  # a Fill's own error, raised as it was raised
                 raise failure.exc from None

@@ -38,7 +38,8 @@ def test_signature_is_torchs_then_gpuload_keyword_options() -> None:
     ]
     extra = ours[len(theirs) :]
     assert [p.name for p in extra] == ["device", "transforms", "cache", "cache_size", "cache_reserve", "cache_scope",
-                                       "cache_dir", "disk_cache_size", "cache_key", "job", "prefetch_depth", "on_error"]
+                                       "cache_dir", "disk_cache_size", "cache_key", "job", "prefetch_depth", "on_error",
+                                       "timeline_steps"]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra)
 
 

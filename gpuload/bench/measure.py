@@ -30,9 +30,11 @@ def count_samples(batch: Any) -> int:
 
 @dataclass
 class EpochTimes:
-    """Per-epoch wall time and batch count; epoch 0 is the warm-up, kept apart."""
+    """Per-epoch wall time, time the loop waited inside ``next()`` and batch count; epoch 0 is the
+    warm-up, kept apart."""
 
     wall_s: list[float] = field(default_factory=list)
+    wait_s: list[float] = field(default_factory=list)
     batches: int = 0
     samples_per_epoch: int = 0
 
@@ -58,6 +60,13 @@ class EpochTimes:
     def samples_per_s(self) -> float:
         return self.samples_per_epoch / self.median_s if self.median_s > 0 else float("inf")
 
+    @property
+    def wait_per_step_s(self) -> float:
+        """The loop's exposed wait per step: the median steady epoch's time inside ``next()``, per
+        batch (measured around the loop, the same way for every loader)."""
+        steady = self.wait_s[1:] or self.wait_s[:1]
+        return statistics.median(steady) / self.batches if steady and self.batches else 0.0
+
     def wait_share(self, step_s: float) -> float:
         """Share of a steady epoch not spent in training steps: the loop waiting for data.
 
@@ -66,6 +75,9 @@ class EpochTimes:
         """
         busy = self.batches * step_s
         return min(1.0, max(0.0, 1.0 - busy / self.median_s)) if self.median_s > 0 else 0.0
+
+
+_END = object()
 
 
 def time_epochs(
@@ -81,13 +93,21 @@ def time_epochs(
         synchronize(device)
         started = time.perf_counter()
         samples = batches = 0
-        for batch in make_epoch():
+        waited = 0.0
+        batches_of = iter(make_epoch())
+        while True:
+            asked = time.perf_counter()
+            batch = next(batches_of, _END)
+            if batch is _END:
+                break
+            waited += time.perf_counter() - asked
             samples += count_samples(batch)
             batches += 1
             if step is not None:
                 step(batch)
         synchronize(device)
         times.wall_s.append(time.perf_counter() - started)
+        times.wait_s.append(waited)
         times.samples_per_epoch, times.batches = samples, batches
         on_epoch(epoch)
     return times

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from gpuload.verdict import STAGES
+
 __all__ = [
     "add_ratios", "format_table", "format_details", "headline", "busy_note", "write_json", "write_chart", "draw_chart",
     "display_name", "h2d_figures", "epoch_rates", "WIDTH",
@@ -192,9 +194,24 @@ def _wrapped(text: str, indent: str = "") -> list[str]:
     return textwrap.wrap(text, WIDTH, subsequent_indent=indent or "    ", break_on_hyphens=False)
 
 
+def _wait_table(results: list[dict[str, Any]]) -> list[str]:
+    """Each loader's exposed wait per step, measured around the loop (``next()``) the same way for
+    gpuload and torch, and for gpuload the stage its timeline names."""
+    rows = [r for r in results if r.get("wait_ms_per_step") is not None and r["kind"] != "ideal"]
+    if not rows:
+        return []
+    header = f"{'loader':<{NAME_WIDTH}} {'wait/step':>10}  top stage (gpuload's timeline)"
+    lines = ["", header, "-" * len(header)]
+    for r in rows:
+        stage = STAGES.get(r.get("top_stage") or "", "-")
+        lines.append(f"{display_name(r['name']):<{NAME_WIDTH}} {r['wait_ms_per_step']:>7.3f} ms  {stage}")
+    return lines + _wrapped("wait/step: the loop's median time inside next() per step of a steady epoch, "
+                            "timed around the loop alike for every loader (on a GPU: host time).")
+
+
 def format_table(results: list[dict[str, Any]]) -> str:
     """Two tables, each line at most ``WIDTH`` columns: speed per loader, then bytes per epoch."""
-    return "\n".join([*_speed_table(results), "", *_bytes_table(results)])
+    return "\n".join([*_speed_table(results), "", *_bytes_table(results), *_wait_table(results)])
 
 
 def _tiers(counts: dict[str, Any]) -> str:

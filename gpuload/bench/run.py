@@ -110,6 +110,7 @@ def run_loaders(
                 "samples_per_epoch": times.samples_per_epoch,
                 "batches_per_epoch": times.batches,
                 "wait_share": times.wait_share(step_s) if step_s is not None else None,
+                "wait_ms_per_step": 1e3 * times.wait_per_step_s,
                 "step_s": step_s,
                 # A row whose loader does not count its copies carries h2d_modelled on a GPU too.
                 "h2d_measured": device.type == "cuda" and "h2d_modelled" not in spec.notes,

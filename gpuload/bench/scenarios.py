@@ -124,9 +124,10 @@ def torch_spec(dataset: TensorDataset, config: BenchConfig, workers: int, device
 
 
 def served_from(loader: gpuload.DataLoader) -> dict[str, Any]:
-    """Where a gpuload loader's batches came from: its path, and the cache tiers when it has them."""
+    """Where a gpuload loader's batches came from: its path, the cache tiers when it has them, and
+    the stage most of its time went to (``loader.timeline``)."""
     stats = loader.stats
-    notes: dict[str, Any] = {"path": stats.path}
+    notes: dict[str, Any] = {"path": stats.path, "top_stage": loader.timeline.verdict().stage}
     if "cache" in stats.extra:
         notes.update(cache=stats.extra["cache"], cache_plan=stats.extra["cache_plan"])
     return notes

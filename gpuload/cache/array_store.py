@@ -25,6 +25,7 @@ from gpuload.cache.plan import CachePlan, TierPlan
 from gpuload.cache.store import Store, StoreStats, StreamGuard, TierCounts
 from gpuload.cache.tiers import TIERS, HostTier, SourceTier, Tier
 from gpuload.sampling import in_range
+from gpuload.timeline import gather_stage, stage
 from gpuload.transfer import to_device
 
 __all__ = ["BatchRequest", "HostTier", "HostTierMaker", "StoreStats", "TierMaker", "TieredArrayStore", "gatherable",
@@ -426,7 +427,8 @@ class TieredArrayStore(Store):
         if on_device:
             moved = to_device([groups[p] for p in on_device], self.device)  # through the loader's staging
             for c in columns:
-                parts = [tiers[p].gather(c, rows) for p, rows in zip(on_device, moved)]
+                with stage(gather_stage("device")):
+                    parts = [tiers[p].gather(c, rows) for p, rows in zip(on_device, moved)]
                 device_leaves.append(parts[0] if len(parts) == 1 else torch.cat(parts))
 
         def fill_staged(views: list[torch.Tensor]) -> None:
@@ -434,7 +436,8 @@ class TieredArrayStore(Store):
                 begin = 0
                 for position in staged:
                     end = begin + counts[position]
-                    tiers[position].gather(c, groups[position], out=view[begin:end])
+                    with stage(gather_stage(tiers[position].name)):
+                        tiers[position].gather(c, groups[position], out=view[begin:end])
                     begin = end
 
         shapes = [((staged_rows, *source.shape[1:]), source.dtype) for source in self._source] if staged else []

@@ -1,6 +1,7 @@
 """The ``gpuload`` command: ``gpuload bench`` measures loaders side by side; ``gpuload plan``
 prints where a dataset's bytes would live; ``gpuload doctor`` checks what this machine gives
-gpuload; ``gpuload cache`` lists or clears the disk tier.
+gpuload; ``gpuload cache`` lists or clears the disk tier; ``gpuload trace`` runs a user's loader
+and says where its step waits.
 
 Each subcommand is a row of ``COMMANDS``: its name, its help line and the module that defines
 it. That module has ``add_arguments(parser)`` and ``run(args) -> int`` and imports nothing heavy
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 __all__ = ["main", "Command", "COMMANDS"]
 
 DESCRIPTION = ("gpuload's command line: time loaders side by side (bench), plan memory before a run (plan), "
-               "check this machine (doctor), list or clear the disk tier (cache).")
+               "check this machine (doctor), list or clear the disk tier (cache), "
+               "show where a loader's step waits (trace).")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ COMMANDS: tuple[Command, ...] = (
             "gpuload.cli.plan"),
     Command("doctor", "check the driver, torch, CuPy, DALI, memory and settings gpuload uses", "gpuload.cli.doctor"),
     Command("cache", "list or clear the disk tier's entries in a cache_dir", "gpuload.cli.cache"),
+    Command("trace", "run your loader for N steps with a stand-in step: where the step waits, and why",
+            "gpuload.cli.trace"),
 )
 
 

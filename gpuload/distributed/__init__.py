@@ -25,6 +25,8 @@ negotiated.
 - ``sharded_images``: a rank's share of an image dataset's decoded images, decoded once, each
   batch's images exchanged as ragged bytes sized from the shape table;
 - ``shared_host``: one host tier per node, mapped by its ranks from shared memory.
+- ``rank_waits``: every rank's wait share and top stage (``loader.timeline``), gathered every N
+  steps, so the slowest rank is named on each.
 """
 
 from gpuload.distributed.exchange_plan import StepPlan, plan_step

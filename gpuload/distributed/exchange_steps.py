@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
+from gpuload.timeline import stage
+
 __all__ = ["RUN_AHEAD_LIMIT", "ExchangeSteps", "LoaderClosedError", "MappedSteps", "wait_work"]
 
 T = TypeVar("T")
@@ -104,7 +106,8 @@ class ExchangeSteps(Iterator[T], Generic[T]):
                 self._end()
                 raise StopIteration
             try:
-                item = self._make(self._next)
+                with stage("exchange"):  # less the gathers of this rank's own rows, timed inside it
+                    item = self._make(self._next)
             except BaseException:
                 self._end()
                 raise

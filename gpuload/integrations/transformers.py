@@ -39,13 +39,14 @@ from gpuload.integrations.accelerate import (
     serve_from_gpuload,
 )
 from gpuload.resume import ResumeError
+from gpuload.timeline import timeline_of
 
 if TYPE_CHECKING:  # the mixin's methods call Trainer's (it comes after the mixin in the class's bases)
     from transformers import Trainer as _MixedInto
 else:
     _MixedInto = object
 
-__all__ = ["LOADER_STATE_FILE", "GpuloadTrainerMixin", "SaveLoaderState"]
+__all__ = ["LOADER_STATE_FILE", "GpuloadTrainerMixin", "SaveLoaderState", "TimelineCallback"]
 
 #: The train loader's position in a checkpoint folder, per process (``{process}``: its index).
 LOADER_STATE_FILE = "gpuload_loader_{process}.pt"
@@ -134,3 +135,36 @@ class GpuloadTrainerMixin(_MixedInto):
             )
         dataloader.load_state_dict(state)
         return dataloader
+
+
+class TimelineCallback(TrainerCallback):
+    """Adds where the step waits to each of the Trainer's logs: ``gpuload_wait_percent`` (the share
+    of step time the loop waited, over the loader's recent steps) and ``gpuload_top_stage`` (the
+    stage most of the loader's time went to), in ``trainer.state.log_history`` and the ``logs``
+    the callbacks after it see; ``summary`` keeps the latest verdict line. ``loader``: the gpuload
+    loader to watch; default the Trainer's train loader (also under Accelerate's shard), which
+    records only with its timeline on (``gpuload_options={"timeline_steps": 1000}`` or
+    ``GPULOAD_TIMELINE=on``; off by default).
+
+    ``Trainer(..., callbacks=[TimelineCallback()])`` comes after the ``report_to`` loggers, which
+    then miss the two values; to have them report them too, put it first:
+    ``trainer.callback_handler.callbacks.insert(0, TimelineCallback())``.
+    """
+
+    def __init__(self, loader: Any = None) -> None:
+        self.loader = loader
+        self.summary = ""
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        timeline = timeline_of(self.loader if self.loader is not None else kwargs.get("train_dataloader"))
+        if timeline is None or not timeline.enabled or logs is None:
+            return
+        found = timeline.verdict()
+        self.summary = found.line
+        if found.wait_fraction is None:
+            return
+        added = {"gpuload_wait_percent": 100 * found.wait_fraction, "gpuload_top_stage": found.stage or ""}
+        logs.update(added)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(added)  # the entry the Trainer wrote for these logs

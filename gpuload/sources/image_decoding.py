@@ -18,6 +18,7 @@ import torch
 from gpuload.decode import Header, ImageDecodeError
 from gpuload.distributed.sharded_images import BadFile, WholeImages
 from gpuload.sampling import in_range
+from gpuload.timeline import gather_stage, stage
 from gpuload.transfer import to_device
 from gpuload.transforms.windows import Window
 
@@ -144,7 +145,8 @@ class ImageDecoding:
             if data is not None:
                 return data
         try:
-            data, _ = self.images.read_encoded(position)
+            with stage("read"):
+                data, _ = self.images.read_encoded(position)
         except Exception as error:  # unreadable file: ImageDecodeError names it
             if self.setup.on_error != "skip":
                 raise
@@ -178,13 +180,15 @@ class ImageDecoding:
         disk = self.disk if self.disk is not None and self.disk.accepting else None
         keeping = decoded_cache if decoded_cache is not None and decoded_cache.accepting else None
         filling = keeping is not None or disk is not None  # whole images, to keep
-        headers = self._headers(encoded, readable)
+        with stage("decode"):
+            headers = self._headers(encoded, readable)
         sizes, windows = (None, None) if filling else self._windows(headers, readable, epoch)
         decoded: dict[int, tuple[torch.Tensor, Window | None, tuple[int, int] | None]] = {}
         if encoded:
-            result = self.decoder.decode(
-                encoded, names, readable, rois=windows, on_error=self.setup.on_error, headers=headers
-            )
+            with stage("decode"):
+                result = self.decoder.decode(
+                    encoded, names, readable, rois=windows, on_error=self.setup.on_error, headers=headers
+                )
             self._note_skipped(result.skipped, epoch)
             self.fallback_decoded += result.fallback_decoded
             self.cpu_decoded += result.cpu_decoded
@@ -234,7 +238,8 @@ class ImageDecoding:
             return {}
         present = disk.present([positions[slot] for slot in wanted])
         found = [slot for slot, held in zip(wanted, present) if held]
-        images = disk.read([positions[slot] for slot in found]) if found else None
+        with stage(gather_stage("disk")):
+            images = disk.read([positions[slot] for slot in found]) if found else None
         if images is None:
             return {}
         if self.setup.device.type != "cpu":  # through the staging in force, each image's layout kept

@@ -31,6 +31,7 @@ from gpuload.distributed.sharded_store import ShardedStore, shard_arrays
 from gpuload.distributed.shared_host import node_host_tier
 from gpuload.prefetch import Fill, TensorSpec
 from gpuload.sampling import in_range
+from gpuload.timeline import gather_stage, stage
 from gpuload.transfer import to_device
 
 __all__ = ["ArrayColumns", "ResidentColumns", "find_columns", "raw_columns", "same_arrays", "staged_copier"]
@@ -253,7 +254,8 @@ class ResidentColumns:
             if copy is None:
                 raise RuntimeError(f"host arrays reach {self.device} only through the loader's staging")
             return copy(self.fill(flat, batched)), flat, moved_bytes
-        leaves = [column.index_select(0, where).view(dtype) for column, dtype in zip(self.columns, self.dtypes)]
+        with stage(gather_stage("device")):
+            leaves = [column.index_select(0, where).view(dtype) for column, dtype in zip(self.columns, self.dtypes)]
         return self._built(leaves, batched), flat, moved_bytes
 
     def _built(self, leaves: list[torch.Tensor], batched: bool) -> Any:
@@ -286,8 +288,9 @@ class ResidentColumns:
 
         def gather_into(slot: Any) -> None:
             targets, _ = tree_flatten(slot)
-            for column, target in zip(columns, targets):
-                torch.index_select(column, 0, flat, out=target.view(column.dtype).view(-1, *column.shape[1:]))
+            with stage(gather_stage("host")):
+                for column, target in zip(columns, targets):
+                    torch.index_select(column, 0, flat, out=target.view(column.dtype).view(-1, *column.shape[1:]))
 
         return Fill(layout, gather_into)
 

@@ -21,6 +21,7 @@ from gpuload.cache.disk_tier import DiskRows, Fingerprint, select_rows
 from gpuload.cpu_threads import own_cpu_threads
 from gpuload.sources import Setup
 from gpuload.sources.torch_fetch import KeepSamples, PerBatch, fetch, read_prepared
+from gpuload.timeline import gather_stage, stage
 from gpuload.transfer import batch_nbytes, move_staged
 
 __all__ = ["CachedSamples"]
@@ -188,7 +189,8 @@ class CachedSamples:
             where = (slots < 0).nonzero().view(-1)
             missing, positions = keys.index_select(0, where), where.tolist()
         store.count(keys.numel() - len(positions), len(positions))
-        part = self.disk.read(missing) if self.disk is not None else None
+        with stage(gather_stage("disk")):
+            part = self.disk.read(missing) if self.disk is not None else None
         fetched = None
         if part is None:
             fetched = self._fetch(items if high < 0 else [items[p] for p in positions])
@@ -206,7 +208,7 @@ class CachedSamples:
     def _from_store(self, slots: torch.Tensor) -> Any:
         """A batch of stored samples only."""
         if self.by_column:
-            with own_cpu_threads(self.device):
+            with own_cpu_threads(self.device), stage(gather_stage(self.tier)):
                 return self.store.gather_rows(slots)
         return self._collate(self.store.views(slots))
 
@@ -247,7 +249,7 @@ class CachedSamples:
             return part.batch()
         if self._counts_copies:
             self.h2d_bytes += _column_bytes(part)
-        with own_cpu_threads(self.device):
+        with own_cpu_threads(self.device), stage(gather_stage(self.tier)):
             batch = self.store.assemble(slots, part)
         if batch is None:  # the stored columns changed structure: as torch reads it
             batch = self._collate(self._fetch(items))

@@ -23,6 +23,7 @@ from torch.utils.data import default_collate, default_convert
 from torch.utils.data.dataloader import DataLoader as TorchDataLoader
 
 from gpuload.cache.columns import Part, prepare
+from gpuload.timeline import stage
 
 __all__ = ["HandedOver", "KeepSamples", "PerBatch", "RecordingSampler", "TorchBatches", "TorchLoading", "WorkerBatches",
            "add_note", "fetch", "is_default_collate", "read_prepared"]
@@ -118,12 +119,18 @@ class TorchBatches(Iterator[Any]):
         self._inner, self.length, self.torch_iterator = inner, length, torch_iterator
 
     def __next__(self) -> Any:
-        return next(self._inner)
+        with stage("read"):  # torch's fetch and collate, here or in its workers
+            return next(self._inner)
 
 
 def fetch(dataset: Any, indices: list[Any], batched: bool) -> list[Any]:
     """The samples of ``indices``, read as torch's map-style fetcher reads them; an exception
     keeps its type and message and gets a note naming the dataset index."""
+    with stage("read"):
+        return _fetch(dataset, indices, batched)
+
+
+def _fetch(dataset: Any, indices: list[Any], batched: bool) -> list[Any]:
     getitems = getattr(dataset, "__getitems__", None) if batched else None
     if getitems is not None:  # a batch's samples in one call
         try:
@@ -204,7 +211,8 @@ class WorkerBatches(Iterator[Any]):
 
     def __next__(self) -> Any:
         try:
-            samples, batch = next(self._pairs)
+            with stage("read"):
+                samples, batch = next(self._pairs)
         except StopIteration:
             at_end, self._at_end = self._at_end, None
             if at_end is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpuload.timeline import stage
 from gpuload.transfer import to_device
 from gpuload.transforms import _kernels, batched, reference
 from gpuload.transforms.ops import (
@@ -107,6 +108,21 @@ def transform_batch(
     of an image of ``image_sizes[k]`` (height, width): parameters are drawn for the whole image
     and the result is what the whole image would give.
     """
+    with stage("transform"):
+        return _transform_batch(ops, batch, seed, epoch, indices, device, backend, windows, image_sizes)
+
+
+def _transform_batch(
+    ops: Sequence[Op],
+    batch: reference.Batch,
+    seed: int,
+    epoch: int,
+    indices: torch.Tensor | Sequence[int],
+    device: torch.device | str | None,
+    backend: str,
+    windows: Sequence[Window] | None,
+    image_sizes: Sequence[tuple[int, int]] | None,
+) -> tuple[torch.Tensor, str]:
     ops = validate_pipeline(ops)
     if device is None:
         device = batch.device if isinstance(batch, torch.Tensor) else (

@@ -42,6 +42,18 @@ def test_wait_share_is_the_time_not_spent_stepping() -> None:
     assert times.median_s == 1.0 and times.spread_s == 0.0 and times.first_s == 9.0
 
 
+def test_the_exposed_wait_per_step_is_the_time_inside_next_and_not_the_step() -> None:
+    """Around the loop, alike for every loader: 30 ms inside next() per batch counts, the step
+    (a 20 ms sleep, outside next()) does not."""
+    step = lambda batch: time.sleep(0.02)  # noqa: E731
+    times = time_epochs(slow_epoch(3, 0.03), CPU, epochs=1, step=step)
+    assert len(times.wait_s) == 2 and all(wait <= wall for wait, wall in zip(times.wait_s, times.wall_s))
+    assert times.wait_per_step_s >= 0.03
+    assert all(wall - wait >= 3 * 0.02 for wait, wall in zip(times.wait_s, times.wall_s))  # the steps: not waits
+    fast = time_epochs(slow_epoch(3, 0.0), CPU, epochs=1, step=step)
+    assert fast.wait_per_step_s < times.wait_per_step_s
+
+
 def test_wait_share_measured_with_a_real_step() -> None:
     step = lambda batch: time.sleep(0.01)  # noqa: E731
     step_s = time_step(step, None, CPU)
@@ -120,6 +132,7 @@ def test_run_loaders_counts_bytes_per_epoch_and_ratios() -> None:
     assert results[0]["of_ideal"] == pytest.approx(results[0]["samples_per_s"] / ideal_best)
     table = format_table(results)
     assert "base" in table and "of ideal" in table
+    assert results[0]["wait_ms_per_step"] >= 0 and "wait/step" in table
 
 
 def test_inmemory_scenario_lists_every_loader_and_ideal() -> None:

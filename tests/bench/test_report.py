@@ -227,3 +227,21 @@ def test_the_headline_gives_one_rows_speed_and_bytes_never_another_rows() -> Non
     assert line.startswith("gpuload (streaming, no cache): ") and per_epoch > 0
     assert f"after the first epoch {per_epoch / 2**20:.1f} MiB per epoch cross to the device (torch: " in line
     assert "device cache" not in line
+
+
+def test_the_exposed_wait_per_step_is_side_by_side_with_gpuloads_top_stage() -> None:
+    results = load(Path(__file__).parent / "fixtures" / "images-cpu.json")["results"]
+    assert "wait/step" not in format_table(results)  # a document from before the column: no table
+    for k, r in enumerate(results):
+        r["wait_ms_per_step"] = 1.5 * (k + 1)
+        if r["name"].startswith("gpuload"):
+            r["top_stage"] = "decode"
+    table = format_table(results)
+    rows = table.split("wait/step", 1)[1].splitlines()
+    for r in results:
+        if r["kind"] == "ideal":
+            continue
+        row = next(line for line in rows if line.startswith(display_name(r["name"])))
+        assert f"{r['wait_ms_per_step']:.3f} ms" in row
+        assert row.endswith("image decoding" if r["name"].startswith("gpuload") else "-"), row
+    assert all(len(line) <= WIDTH for line in table.splitlines())

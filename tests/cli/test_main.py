@@ -145,8 +145,8 @@ def test_a_typo_gets_the_subcommands_usage_and_the_closest_option(capsys) -> Non
     with pytest.raises(SystemExit):
         main(["bnech", "--quick"])
     assert capsys.readouterr().err.splitlines()[-1] == (
-        "gpuload: error: argument COMMAND: invalid choice: 'bnech' (choose from 'bench', 'plan', 'doctor', 'cache'); "
-        "did you mean bench?")
+        "gpuload: error: argument COMMAND: invalid choice: 'bnech' "
+        "(choose from 'bench', 'plan', 'doctor', 'cache', 'trace'); did you mean bench?")
     with pytest.raises(SystemExit):
         main(["bench", "--scenario", "imgaes"])
     assert capsys.readouterr().err.splitlines()[-1].endswith("; did you mean images?")

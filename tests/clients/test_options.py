@@ -33,6 +33,7 @@ def values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         "device": "cpu", "transforms": [T.ToDtype(torch.float32, scale=True)], "cache": "host", "cache_size": "1MiB",
         "cache_reserve": "3MiB", "cache_scope": "rank", "cache_dir": str(tmp_path / "disk"),
         "disk_cache_size": "4MiB", "cache_key": "my-dataset-v1", "job": JOB, "prefetch_depth": 1, "on_error": "skip",
+        "timeline_steps": 50,
     }
 
 

@@ -1,0 +1,389 @@
+"""Where the loop waits: per step, how long the training loop waited for its batch, and what
+each stage of that batch took (``loader.timeline``).
+
+Two halves meet here. The stages (reads, decode, transforms, cache gathers per tier, the
+host-to-device copy, the exchange between ranks, waiting for a free pinned slot) time
+themselves with :func:`stage`, into the record of the batch that the thread running them is
+making (:func:`begin_batch` / :func:`end_batch`; with no record open a stage costs one
+thread-local read). The prefetcher's thread opens one record per batch and hands it over with
+the batch (:func:`hand_over`), so work done in the background is attributed to the batch it
+produced; the loop's own thread opens one per step (:meth:`Timeline.ask`), which also gets
+whatever is made in the loop's thread. A :class:`Timeline` keeps the last ``capacity`` steps and
+running totals; :mod:`gpuload.verdict` turns them into one line a person can act on.
+
+The exposed wait is measured where the loop uses the batch: on a CPU with the clock around
+``next()``; on CUDA with timing events recorded on the loop's current stream when it asks for a
+batch and once the batch is usable there, read only after they completed (``event.query()``),
+never with a host sync. A stage's time is host time in the thread that ran it: asynchronous
+device work shows where the host waits for it (a slot whose copy is not done, a decode that
+returns device memory).
+
+Each stage is also a ``torch.profiler`` range (``gpuload.<stage>``) while a profiler runs.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gpuload.environment import DEFAULT_TIMELINE_STEPS, timeline_steps
+from gpuload.verdict import STAGES, Verdict, verdict
+
+__all__ = [
+    "DEFAULT_STEPS", "Step", "Timeline", "begin_batch", "end_batch", "gather_stage", "hand_over", "resolve_steps",
+    "stage", "timeline_of",
+]
+
+_OFF = "no timeline: it is off (turn it on with timeline_steps=1000 or GPULOAD_TIMELINE=on)"
+
+#: Steps a timeline keeps by default (running totals cover every step).
+DEFAULT_STEPS = DEFAULT_TIMELINE_STEPS
+
+_clock = time.perf_counter
+_profiler = torch.autograd.profiler  # its ``_is_profiler_enabled`` flag is set while a profiler runs
+
+
+class _Batch:
+    """The stage times of one batch, accumulated in the thread making it."""
+
+    __slots__ = ("seconds", "started", "outer", "asked")
+
+    def __init__(self, outer: _Batch | None) -> None:
+        self.seconds: dict[str, float] = {}
+        self.outer = outer  # the record this one interrupts in the same thread (restored at its end)
+        self.asked: Any = None  # a step's: the CUDA event recorded when the loop asked for the batch
+        self.started = _clock()
+
+
+class _Here(threading.local):
+    batch: _Batch | None = None
+    stage: _Stage | None = None
+    delivered: dict[str, float] | None = None  # the stages of the batch the prefetcher just handed over
+
+
+_here = _Here()
+
+
+class _Stage:
+    """One timed stage: its own time (less the stages inside it) goes to the open batch record."""
+
+    __slots__ = ("name", "batch", "started", "inner", "outer", "range")
+
+    def __init__(self, name: str, batch: _Batch | None) -> None:
+        self.name, self.batch, self.inner = name, batch, 0.0
+        self.range: Any = None
+
+    def __enter__(self) -> None:
+        if _profiler._is_profiler_enabled:
+            self.range = torch.autograd.profiler.record_function(f"gpuload.{self.name}")
+            self.range.__enter__()
+        self.outer, _here.stage = _here.stage, self
+        self.started = _clock()
+
+    def __exit__(self, *exc_info: object) -> None:
+        took = _clock() - self.started
+        _here.stage = self.outer
+        if self.outer is not None:
+            self.outer.inner += took
+        if self.batch is not None:
+            seconds = self.batch.seconds
+            seconds[self.name] = seconds.get(self.name, 0.0) + took - self.inner
+        if self.range is not None:
+            self.range.__exit__(None, None, None)
+
+
+class _Untimed:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+_UNTIMED = _Untimed()
+
+
+def stage(name: str) -> _Stage | _Untimed:
+    """A context manager timing stage ``name`` (one of :data:`STAGES`) for the batch this thread
+    is making; nothing is timed (or allocated) when no batch record is open and no profiler runs."""
+    batch = _here.batch
+    if batch is None and not _profiler._is_profiler_enabled:
+        return _UNTIMED
+    return _Stage(name, batch)
+
+
+def gather_stage(tier: str) -> str:
+    """The stage of a cache gather from the tier named ``tier``."""
+    return f"gather.{tier}"
+
+
+def resolve_steps(steps: int | None) -> int:
+    """The steps a loader's timeline keeps: ``steps`` (the ``timeline_steps=`` keyword; 0: off),
+    or for None ``GPULOAD_TIMELINE`` (default off)."""
+    if steps is None:
+        return timeline_steps()
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"timeline_steps={steps!r} must be an int >= 0 (recent steps loader.timeline keeps; "
+                         "0 turns it off), or None for GPULOAD_TIMELINE (default off)")
+    return steps
+
+
+def begin_batch() -> _Batch:
+    """Open the record of the batch this thread makes from now on (until :func:`end_batch`)."""
+    batch = _here.batch = _Batch(_here.batch)
+    return batch
+
+
+def end_batch(batch: _Batch, other: bool = True) -> dict[str, float]:
+    """Close ``batch``'s record: its stage seconds, with ``"other"`` the time it was open outside
+    every stage unless not ``other`` (the record it interrupted, if any, is open again)."""
+    _here.batch = batch.outer
+    seconds = batch.seconds
+    other_s = _clock() - batch.started - sum(seconds.values()) if other else 0.0
+    if other_s > 0:
+        seconds["other"] = seconds.get("other", 0.0) + other_s
+    return seconds
+
+
+def hand_over(stages: dict[str, float] | None) -> None:
+    """In the loop's thread: the stages of the batch being handed to it (made in another thread)."""
+    _here.delivered = stages
+
+
+@dataclass(slots=True)
+class Step:
+    """One step of the loop. ``wait_s``: how long the loop (on CUDA: its stream) waited for the
+    batch; ``step_s``: from the previous batch being usable to this one being usable (the loop's
+    work on the previous batch plus this wait; None for an epoch's first step); ``stages``: the
+    seconds each stage took for this batch. On CUDA both times are None until the events completed."""
+
+    wait_s: float | None
+    step_s: float | None
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+class Timeline:
+    """The last ``capacity`` steps of a loader, and running totals over every step measured.
+
+    ``capacity=0`` records nothing (``loader.timeline`` of a loader built with
+    ``timeline_steps=0``, or with neither ``timeline_steps`` nor ``GPULOAD_TIMELINE=on``). Steps are
+    recorded in the loop's thread; :meth:`steps`, :meth:`as_dict`, :meth:`summary` and
+    :meth:`scalars` may be read anywhere.
+    """
+
+    def __init__(self, capacity: int = DEFAULT_STEPS, device: torch.device | str = "cpu") -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"timeline capacity={capacity!r} must be a non-negative int (steps kept)")
+        self.capacity = capacity
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._steps: deque[Step] = deque(maxlen=capacity or 1)
+        self._pending: deque[tuple[Step, Any, Any, Any]] = deque()  # CUDA steps whose events may not be done
+        self._reading = threading.Lock()  # _read_events runs in the loop's thread and in readers'
+        self._last_ready: Any = None  # CUDA: the previous step's "usable" event; CPU: its clock time
+        self._first = True  # the next step begins an epoch (no step time)
+        self.reset_totals()
+        # the loader (a weak reference: a cycle would keep its cache memory until the garbage
+        # collector runs), for the verdict's suggestions; set by loader.timeline
+        self.about: Callable[[], Any] | None = None
+        self.ranks: Any = None  # every rank's waits, as last gathered (gpuload.distributed.rank_waits)
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def reset_totals(self) -> None:
+        """Forget every step measured so far."""
+        self._steps.clear()
+        self.step_count = 0  # steps measured, over the loader's life
+        self.wait_s = 0.0  # their waits, where the step time is known too
+        self.step_s = 0.0  # their step times
+        self.stage_s: dict[str, float] = {}  # each stage's seconds over every step
+        self._pending.clear()
+
+    # -- recording, in the loop's thread ---------------------------------------------------------
+
+    def new_epoch(self) -> None:
+        """The next step is an epoch's first: the time since the last one is not a step."""
+        self._first = True
+
+    def ask(self) -> _Batch | None:
+        """The loop asks for a batch: the step's record (None when nothing is recorded)."""
+        if not self.capacity:
+            return None
+        asking = begin_batch()
+        if self._cuda:
+            asking.asked = torch.cuda.Event(enable_timing=True)
+            asking.asked.record(torch.cuda.current_stream(self.device))
+        return asking
+
+    def got(self, asking: _Batch | None, delivered: bool) -> None:
+        """The batch of ``asking`` is usable on the loop's stream (``delivered``), or none came
+        (the epoch ended, or raised): then the step is not recorded."""
+        if asking is None:
+            return
+        made, _here.delivered = _here.delivered, None
+        # Handed over by the prefetcher: the loop's thread only waited, outside its stages.
+        stages = end_batch(asking, other=made is None)
+        if not delivered:
+            return
+        if made:
+            for name, seconds in made.items():
+                stages[name] = stages.get(name, 0.0) + seconds
+        first, self._first = self._first, False
+        if asking.asked is None:
+            now = _clock()
+            step = Step(now - asking.started, None if first else now - self._last_ready, stages)
+            self._last_ready = now
+            self._add(step)
+        else:
+            ready = torch.cuda.Event(enable_timing=True)
+            ready.record(torch.cuda.current_stream(self.device))
+            step = Step(None, None, stages)
+            self._pending.append((step, asking.asked, None if first else self._last_ready, ready))
+            self._last_ready = ready
+            while len(self._pending) > self.capacity:  # never waited for: its times stay unknown
+                self._pending.popleft()
+            self._add(step)
+            self._read_events()
+
+    def _add(self, step: Step) -> None:
+        self._steps.append(step)
+        self.step_count += 1
+        totals = self.stage_s
+        for name, seconds in step.stages.items():
+            totals[name] = totals.get(name, 0.0) + seconds
+        if step.wait_s is not None and step.step_s is not None:
+            self.wait_s += step.wait_s
+            self.step_s += step.step_s
+
+    def _read_events(self) -> None:
+        """Fill in the times of the CUDA steps whose events completed, oldest first (no sync); also
+        from a thread reading the timeline while the loop records."""
+        with self._reading:
+            while self._pending:
+                step, asked, previous, ready = self._pending[0]
+                if not ready.query():
+                    return
+                self._pending.popleft()
+                step.wait_s = asked.elapsed_time(ready) / 1000
+                if previous is not None and previous.query():  # done before ready, unless streams changed
+                    step.step_s = previous.elapsed_time(ready) / 1000
+                    self.wait_s += step.wait_s
+                    self.step_s += step.step_s
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def steps(self) -> list[Step]:
+        """The last ``capacity`` steps, oldest first."""
+        if self._pending:
+            self._read_events()
+        return list(self._steps) if self.capacity else []
+
+    def wait_fraction(self) -> float | None:
+        """The share of step time the loop waited, over every step with both times (None: none yet)."""
+        if self._pending:
+            self._read_events()
+        return self.wait_s / self.step_s if self.step_s > 0 else None
+
+    def stage_seconds(self, steps: Iterable[Step] | None = None) -> dict[str, float]:
+        """Mean seconds per step of each stage, largest first: over ``steps``, else every step."""
+        if steps is None:
+            totals, count = dict(self.stage_s), self.step_count  # a copy: the loop may add a stage meanwhile
+        else:
+            steps = list(steps)
+            totals, count = {}, len(steps)
+            for step in steps:
+                for name, seconds in step.stages.items():
+                    totals[name] = totals.get(name, 0.0) + seconds
+        if not count:
+            return {}
+        return dict(sorted(((name, s / count) for name, s in totals.items()), key=lambda kv: -kv[1]))
+
+    def table(self) -> str:
+        """The stages as a table: mean ms per step and share of the loader's time, largest first."""
+        means = self.stage_seconds()
+        total = sum(means.values())
+        rows = [f"{'stage':<42} {'ms/step':>9} {'share':>6}"]
+        rows += [f"{STAGES.get(name, name):<42} {1e3 * s:>9.3f} {100 * s / total:>5.1f}%"
+                 for name, s in means.items() if total > 0]
+        return "\n".join(rows)
+
+    def recent(self) -> tuple[float | None, dict[str, float]]:
+        """Over the kept steps: the share of step time the loop waited (None: no step with both
+        times yet), and each stage's mean seconds per step."""
+        steps = self.steps()
+        timed = [(step.wait_s, step.step_s) for step in steps if step.wait_s is not None and step.step_s is not None]
+        step_s = sum(s for _, s in timed if s is not None)
+        fraction = sum(w for w, _ in timed if w is not None) / step_s if step_s > 0 else None
+        return fraction, self.stage_seconds(steps)
+
+    def verdict(self) -> Verdict:
+        """Data-bound or compute-bound over the kept steps, the top stage and what would help it
+        (:func:`gpuload.verdict.verdict`)."""
+        if not self.enabled:
+            return Verdict("unknown", None, None, (), _OFF)
+        return verdict(*self.recent(), self.about() if self.about is not None else None)
+
+    def summary(self) -> str:
+        """One line: data-bound or compute-bound, the stage most of the loader's time goes to, and
+        the setting that would help; under torch.distributed, once gathered, the slowest rank."""
+        line = self.verdict().line
+        return line if self.ranks is None else f"{line}; {self.ranks.line()}"
+
+    def scalars(self, prefix: str = "gpuload/") -> dict[str, float]:
+        """A flat dict for a logger (TensorBoard's ``add_scalars``, Lightning's ``log_dict``):
+        the wait share in percent, and each stage's mean ms per step."""
+        fraction = self.wait_fraction()
+        out = {f"{prefix}wait_percent": math.nan if fraction is None else 100 * fraction,
+               f"{prefix}steps": float(self.step_count)}
+        for name, seconds in self.stage_seconds().items():
+            out[f"{prefix}stage_ms/{name}"] = 1e3 * seconds
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """The running totals as plain data (for logging, JSON, or gathering over ranks)."""
+        fraction = self.wait_fraction()
+        return {"steps": self.step_count, "wait_s": self.wait_s, "step_s": self.step_s,
+                "wait_fraction": fraction, "stage_s": dict(self.stage_s)}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_pending=deque(), _last_ready=None, _first=True, about=None, ranks=None)
+        del state["_reading"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reading = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<gpuload Timeline: {self.step_count} steps; {self.summary()}>"
+
+
+
+def timeline_of(loader: Any) -> Timeline | None:
+    """The timeline of a gpuload loader, also one inside a wrapper (Accelerate's shard and
+    Lightning's combined loader hold it as ``base_dataloader``, or among ``iterables`` /
+    ``flattened``); None when no gpuload loader is found."""
+    timeline = getattr(loader, "timeline", None)
+    if isinstance(timeline, Timeline):
+        return timeline
+    for name in ("base_dataloader", "flattened"):
+        inner = getattr(loader, name, None)
+        if inner is not None and inner is not loader:
+            return timeline_of(inner)
+    if isinstance(loader, dict):
+        loader = list(loader.values())
+    if isinstance(loader, (list, tuple)):
+        return next((found for item in loader if (found := timeline_of(item)) is not None), None)
+    return None

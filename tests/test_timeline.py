@@ -1,0 +1,387 @@
+"""``loader.timeline`` (gpuload/timeline.py) and its verdict (gpuload/verdict.py): per step the
+loop's wait and each stage's time, attributed to the batch the stage made, and a verdict that
+names the stage a loader built to be slow in one place is slow in.
+
+The truth cases make one stage slow by a large ratio (tens of ms against microseconds) and
+assert only on which stage and which verdict, never on absolute times: they hold on a busy
+machine."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+import gpuload
+import gpuload.prefetch as prefetch
+from gpuload import transforms as T
+from gpuload.environment import TIMELINE, timeline_steps
+from gpuload.sizes import CacheSettingError
+from gpuload.timeline import Timeline, begin_batch, end_batch, stage
+from gpuload.verdict import DATA_BOUND, STAGES, SUGGESTIONS, LoaderSettings, suggestions, verdict
+
+SLOW_S = 0.05  # the slow stage, per batch: thousands of times the others on any machine
+
+
+@pytest.fixture(autouse=True)
+def timeline_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timeline is off by default (its cost); these loaders have it on, as GPULOAD_TIMELINE=on does."""
+    monkeypatch.setenv(TIMELINE, "on")
+
+
+class SleepyReads(Dataset):
+    """A dataset whose every read sleeps: its loader is slow in the dataset reads."""
+
+    def __init__(self, n: int = 8, sleep_s: float = SLOW_S / 2) -> None:
+        self.n, self.sleep_s = n, sleep_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(self.sleep_s)
+        return torch.full((4,), float(index))
+
+
+def run(loader: gpuload.DataLoader, epochs: int = 1, step_s: float = 0.0) -> None:
+    for _ in range(epochs):
+        for _batch in loader:
+            if step_s:
+                time.sleep(step_s)
+
+
+# -- stages and records ------------------------------------------------------------------------
+
+
+def test_a_stage_outside_any_batch_record_times_nothing() -> None:
+    timed = stage("read")
+    with timed:
+        pass
+    assert type(timed).__name__ == "_Untimed"
+
+
+def test_nested_stages_count_their_own_time_and_the_rest_is_other() -> None:
+    batch = begin_batch()
+    with stage("exchange"):
+        time.sleep(0.02)
+        with stage("gather.device"):
+            time.sleep(0.06)
+    time.sleep(0.02)
+    seconds = end_batch(batch)
+    assert seconds["gather.device"] > seconds["exchange"]  # the gather inside is not the exchange's
+    assert set(seconds) == {"exchange", "gather.device", "other"}
+    assert seconds["gather.device"] >= 0.06 and seconds["exchange"] >= 0.02 and seconds["other"] >= 0.02
+
+
+def test_every_stage_has_a_label_and_suggestions() -> None:
+    assert set(SUGGESTIONS) == set(STAGES)
+    for name in STAGES:
+        assert suggestions(name, LoaderSettings()), name
+
+
+# -- switching it off ------------------------------------------------------------------------
+
+
+def test_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TIMELINE)
+    loader = gpuload.DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)
+    run(loader)
+    assert not loader.timeline.enabled and loader.timeline.step_count == 0
+    assert "timeline_steps=1000 or GPULOAD_TIMELINE=on" in loader.timeline.summary()
+    assert gpuload.DataLoader(TensorDataset(torch.arange(8.0)), timeline_steps=5).timeline.capacity == 5
+
+
+def test_on_it_keeps_the_last_steps_and_totals_over_all() -> None:
+    loader = gpuload.DataLoader(TensorDataset(torch.arange(40.0)), batch_size=4, timeline_steps=3)
+    run(loader, epochs=2)
+    timeline = loader.timeline
+    assert len(timeline.steps()) == 3 and timeline.step_count == 20
+    assert all(step.wait_s is not None for step in timeline.steps())
+    assert sum(1 for step in timeline.steps() if step.step_s is None) <= 1  # an epoch's first step
+
+
+@pytest.mark.parametrize("how", ["keyword", "env"])
+def test_off_records_nothing_and_says_so(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    options: dict[str, Any] = {}
+    if how == "keyword":
+        options["timeline_steps"] = 0
+    else:
+        monkeypatch.setenv(TIMELINE, "off")
+    loader = gpuload.DataLoader(SleepyReads(4, 0.0), batch_size=2, **options)
+    run(loader)
+    assert not loader.timeline.enabled and loader.timeline.steps() == [] and loader.timeline.step_count == 0
+    assert "it is off" in loader.timeline.summary()
+    assert loader._prefetcher is None or not loader._prefetcher.timeline  # its thread records nothing
+
+
+def test_the_environment_variable_takes_on_off_or_a_number_and_names_a_bad_value() -> None:
+    assert timeline_steps({TIMELINE: "on"}) == 1000
+    assert timeline_steps({}) == timeline_steps({TIMELINE: "off"}) == timeline_steps({TIMELINE: "0"}) == 0
+    assert timeline_steps({TIMELINE: "50"}) == 50
+    with pytest.raises(CacheSettingError, match=TIMELINE):
+        timeline_steps({TIMELINE: "sometimes"})
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "10"])
+def test_a_bad_keyword_is_named(bad: Any) -> None:
+    with pytest.raises(ValueError, match="timeline_steps"):
+        gpuload.DataLoader(TensorDataset(torch.arange(4.0)), timeline_steps=bad)
+
+
+def test_a_pickled_loader_keeps_its_steps() -> None:
+    loader = gpuload.DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)
+    run(loader)
+    copy = pickle.loads(pickle.dumps(loader))
+    assert copy.timeline.step_count == loader.timeline.step_count == 4
+    run(copy)
+    assert copy.timeline.step_count == 8
+
+
+# -- truth: the verdict names the stage built to be slow ---------------------------------------
+
+
+@pytest.mark.parametrize("depth", [None, 0], ids=["ahead", "in-the-loop"])
+def test_sleeping_reads_are_named_with_a_setting_that_helps(depth: int | None) -> None:
+    loader = gpuload.DataLoader(SleepyReads(), batch_size=2, prefetch_depth=depth)
+    run(loader)
+    found = loader.timeline.verdict()
+    assert found.bound == "data" and found.stage == "read", loader.timeline.summary()
+    assert found.wait_fraction is not None and found.wait_fraction > 0.5
+    line = loader.timeline.summary()
+    assert line.startswith("data-bound") and "dataset reads" in line
+    if depth == 0:  # made in the loop's thread: making them ahead is the first thing to try
+        assert "prefetch_depth unset" in found.suggestions[0]
+    assert any("num_workers=" in tip for tip in found.suggestions)  # read in this process
+
+
+def test_a_step_longer_than_the_data_is_compute_bound() -> None:
+    data = torch.randint(0, 256, (64, 3, 8, 8), dtype=torch.uint8)
+    loader = gpuload.DataLoader(TensorDataset(data), batch_size=8)
+    run(loader)  # the first epoch places the arrays
+    loader.timeline.reset_totals()
+    run(loader, step_s=2 * SLOW_S)  # a 10 ms stall of the loop's thread at load 8 stays under 5% of the time
+    found = loader.timeline.verdict()
+    assert found.bound == "compute" and found.wait_fraction is not None and found.wait_fraction < DATA_BOUND
+    assert loader.timeline.summary().startswith("compute-bound")
+
+
+def test_a_heavy_transform_is_named() -> None:
+    images = torch.randint(0, 256, (16, 3, 96, 96), dtype=torch.uint8)
+    heavy = [T.Resize((256, 256)), T.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.4),
+             T.ToDtype(torch.float32, scale=True)]
+    loader = gpuload.DataLoader(TensorDataset(images), batch_size=8, transforms=heavy)
+    run(loader, epochs=2)
+    found = loader.timeline.verdict()
+    assert found.bound == "data" and found.stage == "transform", loader.timeline.table()
+    assert 'device="cuda"' in found.suggestions[0]  # on a CPU device: a GPU runs them as kernels
+
+
+class _CopyInFlight:
+    """A slot's CUDA event whose copy takes ``SLOW_S`` to finish: a throttled DMA."""
+
+    def synchronize(self) -> None:
+        time.sleep(SLOW_S)
+
+
+def test_a_ring_whose_slots_wait_for_their_copies_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every slot's previous copy is still in flight when the slot is reused (a stand-in event on
+    each slot): the loader waits for a free pinned slot, and a deeper ring is what it suggests."""
+
+    class Slot(prefetch._Slot):
+        def __init__(self) -> None:
+            super().__init__()
+            self.event = _CopyInFlight()
+
+    monkeypatch.setattr(prefetch, "_Slot", Slot)
+    host_arrays = torch.randint(0, 256, (32, 16), dtype=torch.uint8)
+    loader = gpuload.DataLoader(TensorDataset(host_arrays), batch_size=8, prefetch_depth=1, cache="off")
+    run(loader, epochs=2)
+    found = loader.timeline.verdict()
+    assert found.bound == "data" and found.stage == "slot_wait", loader.timeline.table()
+    assert "prefetch_depth=2 (now 1)" in found.suggestions[0]
+
+
+class Pictures(Dataset):
+    """Fixed-size samples a sample cache keeps (host tier, then the disk tier)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.full((3, 6, 6), index % 256, dtype=torch.uint8), index
+
+
+def test_a_throttled_disk_tier_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host tier keeps a few samples and the disk tier the rest; each read from the disk
+    is throttled: later epochs wait on the disk tier's gather, and the verdict names cache_dir."""
+    from gpuload.cache.disk_tier import DiskRows
+
+    loader = gpuload.DataLoader(Pictures(), batch_size=16, cache="host", cache_size=8 * (3 * 36 + 8),
+                                cache_dir=tmp_path / "disk")
+    run(loader)  # fills the host tier and writes the disk tier
+    read = DiskRows.read
+
+    def throttled(self: DiskRows, keys: torch.Tensor) -> Any:
+        time.sleep(SLOW_S)
+        return read(self, keys)
+
+    monkeypatch.setattr(DiskRows, "read", throttled)
+    loader.timeline.reset_totals()
+    run(loader)
+    assert loader.stats.extra["cache"]["disk"]["hits"] > 0
+    found = loader.timeline.verdict()
+    assert found.bound == "data" and found.stage == "gather.disk", loader.timeline.table()
+    assert str(tmp_path / "disk") in found.suggestions[0]
+
+
+# -- the verdict as data -------------------------------------------------------------------------
+
+
+def test_the_verdict_before_any_step_says_so() -> None:
+    assert verdict(None, {}).bound == "unknown"
+    assert "not enough steps" in Timeline(10).summary()
+
+
+def test_the_verdict_reads_the_loaders_settings() -> None:
+    disk = verdict(0.4, {"gather.disk": 0.03, "other": 0.001},
+                   gpuload.DataLoader(TensorDataset(torch.arange(4.0)), cache_dir="/fast/nvme"))
+    assert disk.line.startswith("data-bound: 40% of step time waiting for data, mostly cache gather (disk tier)")
+    assert "(now /fast/nvme)" in disk.line
+    exchange = verdict(0.2, {"exchange": 0.01})
+    assert 'cache_scope="rank"' in exchange.line
+
+
+# -- in the tools people watch ---------------------------------------------------------------
+
+
+def test_scalars_are_a_flat_dict_of_floats() -> None:
+    loader = gpuload.DataLoader(SleepyReads(4, 0.001), batch_size=2)
+    run(loader)
+    scalars = loader.timeline.scalars()
+    assert all(isinstance(value, float) for value in scalars.values())
+    assert scalars["gpuload/steps"] == 2.0 and 0 <= scalars["gpuload/wait_percent"] <= 100
+    assert scalars["gpuload/stage_ms/read"] > 0
+
+
+def test_each_stage_is_a_range_in_the_profilers_trace(tmp_path: Path) -> None:
+    images = torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8)
+    loader = gpuload.DataLoader(TensorDataset(images), batch_size=4, transforms=[T.ToDtype(torch.float32)])
+    run(loader)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        run(loader)
+    names = {event.name for event in profiler.events()}
+    assert {"gpuload.transform", "gpuload.gather.device"} <= names, sorted(n for n in names if "gpuload" in n)
+    trace = tmp_path / "trace.json"
+    profiler.export_chrome_trace(str(trace))
+    assert '"gpuload.transform"' in trace.read_text()
+
+
+# -- CUDA: events on the loop's stream, read once they completed ------------------------------
+
+
+class _Clock:
+    """Recording stand-ins for CUDA streams and timing events: each event records when it was
+    recorded (a fake GPU time), on which stream; ``done`` says which have completed."""
+
+    def __init__(self) -> None:
+        self.now_ms = 0.0
+        self.done = False
+        self.log: list[tuple[str, Any]] = []
+        clock = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing
+                self.at: float | None = None
+
+            def record(self, stream: Any) -> None:
+                clock.log.append(("record", stream))
+                self.at = clock.now_ms
+
+            def query(self) -> bool:
+                return clock.done
+
+            def elapsed_time(self, end: Event) -> float:
+                assert clock.done, "elapsed_time before the events completed would sync the host"
+                assert self.at is not None and end.at is not None
+                return end.at - self.at
+
+            def synchronize(self) -> None:
+                raise AssertionError("a host sync per batch")
+
+        self.Event = Event
+
+
+def test_on_cuda_the_wait_is_read_from_events_on_the_loops_stream_without_a_sync(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock()
+    loop_stream = object()
+    monkeypatch.setattr(torch.cuda, "Event", clock.Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: loop_stream)
+    timeline = Timeline(10, "cuda")
+    for _ in range(3):
+        asking = timeline.ask()
+        clock.now_ms += 30.0  # the stream waits 30 ms for the batch
+        timeline.got(asking, delivered=True)
+        clock.now_ms += 10.0  # the step's own work on the stream
+    assert all(entry == ("record", loop_stream) for entry in clock.log) and len(clock.log) == 6
+    assert [step.wait_s for step in timeline.steps()] == [None, None, None]  # not completed: not read
+    assert timeline.wait_fraction() is None
+    clock.done = True
+    steps = timeline.steps()
+    assert [step.wait_s for step in steps] == pytest.approx([0.03] * 3)
+    assert [step.step_s for step in steps] == pytest.approx([None, 0.04, 0.04])
+    assert timeline.wait_fraction() == pytest.approx(0.75)
+    assert timeline.verdict().bound == "data"
+
+
+def test_reading_the_timeline_does_not_keep_the_loader_alive() -> None:
+    """A loader whose timeline was read is freed when dropped (its cache memory with it), not
+    when the garbage collector next runs."""
+    import gc
+    import weakref
+
+    loader = gpuload.DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)
+    run(loader)
+    timeline = loader.timeline
+    assert "data-bound" in timeline.summary() or "compute-bound" in timeline.summary()
+    gone = weakref.ref(loader)
+    gc.disable()
+    try:
+        del loader
+        assert gone() is None
+    finally:
+        gc.enable()
+    assert timeline.verdict().bound in ("data", "compute")  # still readable, without the loader's settings
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_spin_longer_than_the_data_is_compute_bound_and_slow_reads_are_data_bound() -> None:
+    """Real events on the loop's stream: a step whose GPU spin outlasts a cached gather waits
+    little; a loader whose reads sleep keeps the GPU idle, and the verdict says so."""
+    from gpuload.bench.steps import GpuSleepStep
+
+    device = torch.device("cuda")
+    spin = GpuSleepStep(device, SLOW_S)
+    cached = gpuload.DataLoader(TensorDataset(torch.randint(0, 256, (64, 3, 8, 8), dtype=torch.uint8)),
+                                batch_size=8, device=device)
+    run(cached)
+    cached.timeline.reset_totals()
+    for batch in cached:
+        spin(batch)
+    torch.cuda.synchronize()  # the test's own sync: the events are read once they completed
+    assert all(step.wait_s is not None for step in cached.timeline.steps())
+    assert cached.timeline.verdict().bound == "compute", cached.timeline.summary()
+    slow = gpuload.DataLoader(SleepyReads(), batch_size=2, device=device)
+    run(slow)
+    torch.cuda.synchronize()
+    found = slow.timeline.verdict()
+    assert found.bound == "data" and found.stage == "read", slow.timeline.summary()
