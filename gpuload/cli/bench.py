@@ -205,25 +205,24 @@ def _options_problem(args: argparse.Namespace, scenario: str, device=None) -> st
     return None
 
 
+#: What each scenario that takes no --data makes for itself (its refusal of --data says so).
+_MAKES_ITS_OWN_DATA = {
+    "samples": "dataset (--samples N)", "disk": "JPEG folder (--samples N)", "tokens": "100M-token shard",
+    "packing": "corpus of documents", "arrow": "table (--samples N rows)",
+}
+
+
 def _distributed_problem(args: argparse.Namespace, scenario: str) -> str | None:
     """Why an option does not fit the distributed scenario (or its options another), or None."""
     if scenario != "distributed":
         given = [flag for flag, value in (("--processes", args.processes), ("--scopes", args.scopes)) if value]
         if given:
             return f"argument {given[0]}: only applies to --scenario distributed"
-        if scenario == "samples" and args.data is not None:
-            return "argument --data: the samples scenario makes its own dataset (--samples N)"
-        if scenario == "disk" and args.data is not None:
-            return "argument --data: the disk scenario makes its own JPEG folder (--samples N)"
+        if scenario in _MAKES_ITS_OWN_DATA and args.data is not None:
+            return f"argument --data: the {scenario} scenario makes its own {_MAKES_ITS_OWN_DATA[scenario]}"
         if scenario == "disk" and importlib.util.find_spec("torchvision") is None:
             return ("argument --scenario disk: it reads its JPEGs with torchvision's ImageFolder, and torchvision "
                     "is not installed: pip install 'gpuload[torchvision]'")
-        if scenario == "tokens" and args.data is not None:
-            return "argument --data: the tokens scenario makes its own 100M-token shard"
-        if scenario == "packing" and args.data is not None:
-            return "argument --data: the packing scenario makes its own corpus of documents"
-        if scenario == "arrow" and args.data is not None:
-            return "argument --data: the arrow scenario makes its own table (--samples N rows)"
         if scenario == "arrow" and importlib.util.find_spec("datasets") is None:
             return ("argument --scenario arrow: it needs pyarrow and datasets, which are not installed: "
                     "pip install 'gpuload[arrow]'")
