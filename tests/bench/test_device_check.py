@@ -144,20 +144,50 @@ def test_the_summary_names_the_list_of_cuda_only_lines_and_every_listed_range_ex
     assert module.main([str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["cuda_only_lines"].startswith("benchmarks/cuda_only_lines.md: the lines only a CUDA driver runs")
-    listed = re.findall(r"^\| `(gpuload/[\w/]+\.py):(\d+)(?:-(\d+))?`(?: \(`([\w.]+)`\))?",
-                        (ROOT / module.CUDA_ONLY_LINES).read_text(), flags=re.MULTILINE)
-    assert len(listed) >= 10
-    for path, first, last, function in listed:
+    assert range_problems_in_files((ROOT / module.CUDA_ONLY_LINES).read_text()) == []
+
+
+def test_a_range_that_no_longer_starts_at_the_line_it_names_is_caught() -> None:
+    text = (ROOT / "benchmarks" / "cuda_only_lines.md").read_text()
+    shifted = text.replace("`gpuload/cli/bench.py:447`", "`gpuload/cli/bench.py:446`", 1)
+    assert shifted != text
+    assert any("gpuload/cli/bench.py:446" in problem and "not at line 446" in problem
+               for problem in range_problems_in_files(shifted))
+
+
+LISTED_RANGE = re.compile(r"^\| `(gpuload/[\w/]+\.py):(\d+)(?:-(\d+))?`"
+                          r" \((?:`([\w.]+)`, )?at `([^`]+)`\)", flags=re.MULTILINE)
+
+
+def range_problems_in_files(text: str) -> list[str]:
+    """Ranges of cuda_only_lines.md that are not where they say: past the end of the file, starting
+    or ending on a blank line, outside the function they name, or whose first line no longer holds
+    the text quoted after "at" (code moved: find the text and give its new line)."""
+    listed, problems = LISTED_RANGE.findall(text), []
+    entries = len(re.findall(r"^\| `gpuload/", text, flags=re.MULTILINE))
+    if len(listed) != entries or len(listed) < 10:
+        problems.append(f"{entries - len(listed)} of {entries} entries lack the form"
+                        " `path:lines` (`function`, at `text`)")
+    for path, first, last, function, anchor in listed:
         lines = (ROOT / path).read_text().splitlines()
         span = lines[int(first) - 1 : int(last or first)]
-        assert len(span) == int(last or first) - int(first) + 1, f"{path}:{first}-{last} is past the end"
-        assert all(line.strip() for line in span[:1] + span[-1:]), f"{path}:{first}-{last} starts or ends blank"
-        if function:  # the range lies in the function named (a moved line shows here)
+        where = f"{path}:{first}" + (f"-{last}" if last else "")
+        if len(span) != int(last or first) - int(first) + 1:
+            problems.append(f"{where} is past the end")
+            continue
+        if not all(line.strip() for line in span[:1] + span[-1:]):
+            problems.append(f"{where} starts or ends blank")
+        if anchor not in span[0]:
+            moved = [number for number, line in enumerate(lines, 1) if anchor in line]
+            problems.append(f"{where}: {anchor!r} is not at line {first} (found at {moved})")
+        if function:  # the range lies in the function named
             defs = [(len(d[1]), d[2]) for d in (re.match(r"(\s*)def (\w+)", line) for line in lines[: int(first)]) if d]
             named = [k for k, (_, name) in enumerate(defs) if name == function.split(".")[-1]]
-            assert named, f"{path}: no {function} before line {first}"
-            indent = defs[named[-1]][0]
-            assert all(i > indent for i, _ in defs[named[-1] + 1 :]), f"{path}:{first} is not in {function}"
+            if not named:
+                problems.append(f"{where}: no {function} before line {first}")
+            elif not all(i > defs[named[-1]][0] for i, _ in defs[named[-1] + 1 :]):
+                problems.append(f"{where} is not in {function}")
+    return problems
 
 
 def run_check(out: Path, steps: str, budget: int = 320) -> subprocess.CompletedProcess[str]:
