@@ -7,9 +7,11 @@ machine without a GPU takes one code path and tests can pretend any card size.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
+
+from gpuload.launcher import DeviceError, default_cuda_index
+from gpuload.memory import MemoryInfo, host_memory
 
 __all__ = [
     "DeviceError",
@@ -20,30 +22,6 @@ __all__ = [
     "host_memory",
     "new_side_stream",
 ]
-
-
-class DeviceError(ValueError):
-    """A requested device does not exist or cannot be used."""
-
-
-@dataclass(frozen=True)
-class MemoryInfo:
-    """Free and total bytes of one memory pool (a GPU, or host RAM).
-
-    ``torch_cached`` (GPUs only) is what torch's caching allocator holds without using it; it
-    is reported, and is not part of ``free`` (see :func:`device_memory`).
-    """
-
-    free: int
-    total: int
-    torch_cached: int = 0
-
-    @property
-    def free_to_torch(self) -> int:
-        """What a torch allocation in this process can get now: the driver's free memory plus
-        the blocks torch's caching allocator holds unused (a failed step's activations, just
-        released, sit there; they are not the driver's to report)."""
-        return self.free + self.torch_cached
 
 
 def cuda_available() -> bool:
@@ -88,32 +66,9 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device:
 
 
 def _default_cuda_index(device: object) -> int:
-    """The CUDA device a ``device=`` without an index means (see :func:`resolve_device`).
-
-    Under torchrun every rank's current device is cuda:0 until the job calls
-    ``torch.cuda.set_device``; taking it would put every rank on one GPU (NCCL then fails
-    with a duplicate-GPU error), so ``LOCAL_RANK`` decides while the current device is still
-    cuda:0. A process that sees one GPU (a launcher that sets ``CUDA_VISIBLE_DEVICES`` per
-    rank) has only cuda:0 to take.
-    """
-    current = torch.cuda.current_device()
-    text = os.environ.get("LOCAL_RANK")
-    if current != 0 or text is None:
-        return current
-    count = torch.cuda.device_count()
-    if count == 1:
-        return 0
-    try:
-        local_rank = int(text)
-    except ValueError:
-        local_rank = -1
-    if not 0 <= local_rank < count:
-        raise DeviceError(
-            f"device={device!r} means cuda:$LOCAL_RANK under a launcher, but LOCAL_RANK={text!r} "
-            f"is not a CUDA device of this machine ({count} devices, cuda:0 to cuda:{count - 1}); "
-            "pass device='cuda:N', or call torch.cuda.set_device(N) first"
-        )
-    return local_rank
+    """The CUDA device a ``device=`` without an index means (see :func:`resolve_device`)."""
+    return default_cuda_index(device, torch.cuda.current_device(), torch.cuda.device_count(),
+                              os.environ.get("LOCAL_RANK"))
 
 
 def _as_torch_device(device: object) -> torch.device:
@@ -152,21 +107,6 @@ def device_memory(device: torch.device) -> MemoryInfo:
     free, total = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return MemoryInfo(free=int(free), total=int(total), torch_cached=max(0, int(cached)))
-
-
-def host_memory() -> MemoryInfo:
-    """Available and total host RAM, from /proc/meminfo where it exists."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            fields = {
-                line.split(":")[0]: int(line.split()[1]) * 1024 for line in meminfo if ":" in line
-            }
-        return MemoryInfo(free=fields["MemAvailable"], total=fields["MemTotal"])
-    except (OSError, KeyError, ValueError, IndexError):
-        page = os.sysconf("SC_PAGE_SIZE")
-        return MemoryInfo(
-            free=page * os.sysconf("SC_AVPHYS_PAGES"), total=page * os.sysconf("SC_PHYS_PAGES")
-        )
 
 
 def usable_cpu_count() -> int:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gpuload import device as device_module
+from gpuload import memory as memory_module
 from gpuload.device import (
     DeviceError,
     MemoryInfo,
@@ -131,8 +132,8 @@ def test_without_proc_meminfo_host_memory_asks_sysconf(monkeypatch: pytest.Monke
         raise FileNotFoundError(path)  # macOS, or a sandbox without /proc
 
     pages = {"SC_PAGE_SIZE": 4096, "SC_AVPHYS_PAGES": 1000, "SC_PHYS_PAGES": 4000}
-    monkeypatch.setattr(device_module, "open", no_meminfo, raising=False)
-    monkeypatch.setattr(device_module.os, "sysconf", lambda name: pages[name])
+    monkeypatch.setattr(memory_module, "open", no_meminfo, raising=False)  # host_memory lives there, torch-free
+    monkeypatch.setattr(memory_module.os, "sysconf", lambda name: pages[name])
     assert host_memory() == MemoryInfo(free=4096 * 1000, total=4096 * 4000)
 
 

@@ -16,6 +16,7 @@ memory back (``Store.shrink``).
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
@@ -43,7 +44,7 @@ __all__ = [
 if TYPE_CHECKING:  # torch loads with the ledger's first call: the settings import without it (gpuload cache)
     import torch
 
-    from gpuload.device import MemoryInfo
+    from gpuload.memory import MemoryInfo
 
 DEFAULT_RESERVE_MIN_BYTES = 2 << 30
 DEFAULT_RESERVE_FRACTION = 0.10
@@ -102,6 +103,8 @@ def resolve_budget(
 
 
 def _device_key(device: torch.device | str) -> str:
+    if isinstance(device, str) and re.fullmatch(r"cpu|cuda(:(0|[1-9]\d*))?", device):  # no torch for a plain name
+        return "cuda:0" if device == "cuda" else device
     import torch
 
     resolved = torch.device(device)
@@ -203,7 +206,7 @@ def available_budget(
     off. So a val loader built after a train loader gets what the train loader left, whether
     the train loader has filled its tier yet or not.
     """
-    from gpuload.device import MemoryInfo
+    from gpuload.memory import MemoryInfo
 
     others_used = ledger.used(device, exclude=owner)
     seen = MemoryInfo(free=min(memory.total, memory.free + others_used), total=memory.total)
