@@ -11,20 +11,32 @@ kept busy lately; never below 1, never above torch's setting), and puts torch's 
 after each call: the user's own ops keep the thread count the user chose. (OpenMP's thread
 count is the calling thread's; a thread the user starts during the call may take the lower
 count as its first one.)
+
+Work that comes one image at a time (a random crop's resize: one small op per image, too small
+for torch to split) is spread over threads of gpuload's own instead (:func:`spread_over_free_cpus`),
+one per CPU left free and not already taken by the intra-op threads in force. Independent images
+need no barrier, so a thread that loses its core to a neighbour delays only its own images:
+with torch's setting at 1 (the bench's on 2 cores) a batch's resizes otherwise kept one core
+idle while the other did them all.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 
 from gpuload.device import usable_cpu_count
 
-__all__ = ["chosen_cpu_threads", "free_cpu_threads", "own_cpu_threads"]
+__all__ = ["chosen_cpu_threads", "free_cpu_threads", "image_pool", "own_cpu_threads", "spread_over_free_cpus"]
+
+_Item = TypeVar("_Item")
 
 
 def free_cpu_threads(current: int, usable: int, load: float, own: float) -> int:
@@ -81,3 +93,53 @@ def own_cpu_threads(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(current)
+
+
+def _threads_for_images() -> int:
+    """Threads for per-image work: the CPUs free now (:func:`free_cpu_threads` without torch's
+    cap: these are not intra-op threads) shared with the intra-op threads in force, so that an
+    image's op split over N intra-op threads takes N of them."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    usable = usable_cpu_count()
+    free = free_cpu_threads(usable, usable, load, _own_use.now())
+    return max(1, min(_MAX_IMAGE_THREADS, free // max(1, torch.get_num_threads())))
+
+
+_MAX_IMAGE_THREADS = 8
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def image_pool() -> ThreadPoolExecutor:
+    """The process's one pool for per-image CPU work (decoding, resizes): a thread per usable
+    CPU, at most 8."""
+    # One pool per process: a pool inherited through fork has no threads behind it.
+    pid = os.getpid()
+    with _pools_lock:
+        pool = _pools.get(pid)
+        if pool is None:
+            workers = min(_MAX_IMAGE_THREADS, usable_cpu_count())
+            pool = _pools[pid] = ThreadPoolExecutor(workers, thread_name_prefix="gpuload-images")
+        return pool
+
+
+def spread_over_free_cpus(work: Callable[[Sequence[_Item]], None], items: Sequence[_Item],
+                          device: torch.device) -> None:
+    """``work`` on consecutive runs of ``items``, one run per thread the free CPUs allow (see
+    the module docstring), the first in the calling thread; on a CPU ``device`` only (elsewhere,
+    or with one thread, ``work(items)`` here). Returns once every run is done; the first error
+    raised in any run is raised here, after the others finished."""
+    threads = min(len(items), _threads_for_images()) if device.type == "cpu" else 1
+    if threads <= 1:
+        work(items)
+        return
+    bounds = [len(items) * k // threads for k in range(threads + 1)]
+    runs = [items[bounds[k] : bounds[k + 1]] for k in range(threads)]
+    others = [image_pool().submit(work, run) for run in runs[1:]]
+    try:
+        work(runs[0])
+    finally:
+        errors = [future.exception() for future in others]  # waits for each
+    for error in errors:
+        if error is not None:
+            raise error

@@ -122,3 +122,58 @@ def test_the_sample_caches_copies_run_with_the_chosen_threads_and_the_datasets_w
     assert {threads for _, threads in ours} == {1}
     assert data.threads and set(data.threads) == {2}
     assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("setting,load,usable,expected", [
+    (1, 0.0, 2, 2),    # quiet, torch at 1 thread: the other core takes half the images
+    (1, 14.0, 2, 1),   # busy: the caller's thread alone (no neighbour starved of its core)
+    (2, 0.0, 2, 1),    # torch's 2 intra-op threads have both cores already
+    (1, 0.0, 16, 8),   # at most 8 threads
+])
+def test_per_image_work_spreads_over_the_free_cpus(monkeypatch, setting, load, usable, expected) -> None:
+    import threading
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(cpu_threads, "usable_cpu_count", lambda: usable)
+    monkeypatch.setattr(cpu_threads._own_use, "now", lambda: 1.0)
+    monkeypatch.setattr(cpu_threads, "_pools", {})
+    before = torch.get_num_threads()
+    torch.set_num_threads(setting)
+    seen: list[tuple[int, list[int]]] = []
+    lock = threading.Lock()
+
+    def work(run):
+        with lock:
+            seen.append((threading.get_ident(), list(run)))
+
+    try:
+        cpu_threads.spread_over_free_cpus(work, list(range(20)), torch.device("cpu"))
+    finally:
+        torch.set_num_threads(before)
+    assert len(seen) == expected and len({ident for ident, _ in seen}) <= expected
+    assert sorted(item for _, run in seen for item in run) == list(range(20))  # each item once
+    assert all(run == list(range(run[0], run[0] + len(run))) for _, run in seen)  # consecutive runs
+
+
+def test_per_image_work_stays_in_the_callers_thread_off_the_cpu_and_errors_reach_it(monkeypatch) -> None:
+    import threading
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(cpu_threads, "usable_cpu_count", lambda: 2)
+    monkeypatch.setattr(cpu_threads._own_use, "now", lambda: 1.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        idents: set[int] = set()
+        cpu_threads.spread_over_free_cpus(lambda run: idents.add(threading.get_ident()), [1, 2, 3],
+                                          torch.device("meta"))
+        assert idents == {threading.get_ident()}
+
+        def failing(run):
+            if 3 in run:
+                raise ValueError("image 3 is bad")
+
+        with pytest.raises(ValueError, match="image 3 is bad"):
+            cpu_threads.spread_over_free_cpus(failing, [1, 2, 3, 4], torch.device("cpu"))
+    finally:
+        torch.set_num_threads(before)

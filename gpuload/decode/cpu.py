@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import os
 import re
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
+from gpuload.cpu_threads import image_pool
 from gpuload.decode.headers import ROI
-from gpuload.device import usable_cpu_count
 
 __all__ = [
     "ROI",
@@ -102,21 +99,6 @@ def crop(image: torch.Tensor, roi: ROI) -> torch.Tensor:
     return image[:, y0 : y0 + h, x0 : x0 + w].contiguous()
 
 
-_pools: dict[int, ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    # One pool per process: a pool inherited through fork has no threads behind it.
-    pid = os.getpid()
-    with _pools_lock:
-        pool = _pools.get(pid)
-        if pool is None:
-            workers = min(8, usable_cpu_count())
-            pool = _pools[pid] = ThreadPoolExecutor(workers, thread_name_prefix="gpuload-decode")
-        return pool
-
-
 def decode_many(
     decode: Callable[[bytes, ROI | None], torch.Tensor],
     encoded: Sequence[bytes],
@@ -137,7 +119,7 @@ def decode_many(
     jobs = list(zip(encoded, windows))
     if len(jobs) <= 1:
         return [attempt(job) for job in jobs]
-    return list(_pool().map(attempt, jobs))
+    return list(image_pool().map(attempt, jobs))
 
 
 def describe_error(error: Exception) -> str:

@@ -10,7 +10,8 @@ resized to a canvas, then an offset, a box of valid pixels (outside is the fill)
 mirror. Without a resize the output is one gather from the uint8 batch, its flat indices built
 for the whole batch by broadcasting per-sample row and column offsets. A resize loops over the
 distinct source windows (one bilinear call for a batch that shares one, one per image for
-random crops, which F.interpolate runs faster than any gather-based bilinear on a CPU) and
+random crops, which F.interpolate runs faster than any gather-based bilinear on a CPU; on a
+CPU those calls are spread over the free cores, ``cpu_threads.spread_over_free_cpus``) and
 writes straight into the batch's canvas. The value ops then run once on that canvas, in place.
 """
 
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from gpuload.cpu_threads import spread_over_free_cpus
 from gpuload.transfer import to_device
 from gpuload.transforms import reference
 from gpuload.transforms.geometry import crop_windows, geometry_plan
@@ -280,30 +282,38 @@ def _resized(images: torch.Tensor | Sequence[torch.Tensor], maps: _Maps, fill: f
             (n, channels, ch, cw), dtype=torch.float32, device=device, memory_format=_canvas_format(images)
         )
     mirror_here = post_identity and batch_canvas is not None
-    for ids, window, canvas_size in _window_groups(images, table):
-        y0, x0, h, w = window
-        if isinstance(images, torch.Tensor):
-            source = images[:, :, y0 : y0 + h, x0 : x0 + w]
-            if len(ids) == 1:
-                source = source[int(ids[0]) : int(ids[0]) + 1]
-            elif len(ids) < n:
-                source = source.index_select(0, to_device([ids], device)[0])
-        else:
-            windows = [images[k][:, y0 : y0 + h, x0 : x0 + w] for k in ids.tolist()]
-            source = windows[0].unsqueeze(0) if len(windows) == 1 else torch.stack(windows)
-        pre = maps.pre_mirror[ids]
-        if bool(pre.any()):
-            source = _mirror_some(source, pre)
-        source = source.to(torch.float32)
-        mirror = maps.flip[ids] ^ pre if mirror_here else None
-        if batch_canvas is None:
-            for slot, k in enumerate(ids.tolist()):
-                canvases[k] = _resize(source, canvas_size)[slot]
-        elif len(ids) in (1, n):  # ids is one sample or arange(n): a slice of the canvas
-            first = int(ids[0])
-            _resize(source, canvas_size, mirror, out=batch_canvas[first : first + len(ids)])
-        else:
-            batch_canvas.index_copy_(0, to_device([ids], device)[0], _resize(source, canvas_size, mirror))
+
+    def resize_groups(groups: Sequence[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]) -> None:
+        # Each group writes only its own samples' canvases: groups may run on separate threads.
+        for ids, window, (ch, cw) in groups:
+            y0, x0, h, w = window
+            canvas_size = (ch, cw)
+            if isinstance(images, torch.Tensor):
+                source = images[:, :, y0 : y0 + h, x0 : x0 + w]
+                if len(ids) == 1:
+                    source = source[int(ids[0]) : int(ids[0]) + 1]
+                elif len(ids) < n:
+                    source = source.index_select(0, to_device([ids], device)[0])
+            else:
+                windows = [images[k][:, y0 : y0 + h, x0 : x0 + w] for k in ids.tolist()]
+                source = windows[0].unsqueeze(0) if len(windows) == 1 else torch.stack(windows)
+            pre = maps.pre_mirror[ids]
+            if bool(pre.any()):
+                source = _mirror_some(source, pre)
+            source = source.to(torch.float32)
+            mirror = maps.flip[ids] ^ pre if mirror_here else None
+            if batch_canvas is None:
+                for slot, k in enumerate(ids.tolist()):
+                    canvases[k] = _resize(source, canvas_size)[slot]
+            elif len(ids) in (1, n):  # ids is one sample or arange(n): a slice of the canvas
+                first = int(ids[0])
+                _resize(source, canvas_size, mirror, out=batch_canvas[first : first + len(ids)])
+            else:
+                batch_canvas.index_copy_(0, to_device([ids], device)[0], _resize(source, canvas_size, mirror))
+
+    # Random crops make one small resize per image, too small for intra-op threads: spread
+    # them over the free CPUs instead (gpuload.cpu_threads).
+    spread_over_free_cpus(resize_groups, list(_window_groups(images, table)), device)
     if batch_canvas is not None:
         if mirror_here:
             return batch_canvas

@@ -248,6 +248,47 @@ def test_decoded_windows_give_what_whole_images_give() -> None:
     assert backend == "batched" and torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("load,threads_expected", [(0.0, 2), (14.0, 1)])
+def test_per_image_resizes_spread_over_the_free_cpus(monkeypatch: pytest.MonkeyPatch, load: float,
+                                                      threads_expected: int) -> None:
+    """A random crop's one-resize-per-image runs on as many threads as CPUs are free (torch's
+    own setting 1, as the bench has it on 2 cores), in the loop's thread alone when none is
+    free, and gives the reference's result either way."""
+    import os
+    import threading
+
+    from gpuload import cpu_threads
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(cpu_threads, "usable_cpu_count", lambda: 2)
+    monkeypatch.setattr(cpu_threads._own_use, "now", lambda: 1.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    threads = set()
+    bilinear = batched._bilinear
+    start = threading.Barrier(threads_expected, timeout=10)  # both runs in flight at once
+
+    def recording(source, *args):
+        first_call = threading.get_ident() not in threads
+        threads.add(threading.get_ident())
+        if first_call and threads_expected > 1:
+            start.wait()
+        return bilinear(source, *args)
+
+    monkeypatch.setattr(batched, "_bilinear", recording)
+    ops = [T.RandomResizedCrop(20), T.RandomHorizontalFlip(), T.ToDtype(torch.float16), T.Normalize(MEAN, STD)]
+    images = [_images(1, 3, 24 + 5 * k, 40 - 3 * k, seed=k)[0] for k in range(9)]
+    params = T.sample_params(ops, 4, 0, torch.arange(9), batch_sizes(images))
+    try:
+        got = batched.run(params, images)
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.undo()
+    assert len(threads) == threads_expected
+    assert threading.get_ident() in threads  # the caller takes a share, never only waits
+    assert torch.equal(got, apply_reference(params, images))
+
+
 def test_a_uniform_resize_is_one_bilinear_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """Whole-batch work: a Resize that every sample shares calls the bilinear kernel once."""
     calls = []
