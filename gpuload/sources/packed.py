@@ -26,12 +26,14 @@ from typing import Any
 import torch
 
 from gpuload.cache import CachePlan, Store, TieredArrayStore, format_bytes
+from gpuload.datasets.packed_rows import PackedRows, packed_rows
 from gpuload.datasets.packing import PackedTokens, collate_packed, gather_rows
 from gpuload.datasets.tokens import signed_view
 from gpuload.device import device_memory, host_memory
 from gpuload.distributed.sharded_store import decline_split, split_context
 from gpuload.sampling import in_range
 from gpuload.sources import Indices, Schedule, Setup, Source, Work
+from gpuload.sources.placed_arrays import staged_copier
 from gpuload.sources.tokens import buffer_stats
 from gpuload.transfer import to_device
 
@@ -58,56 +60,57 @@ def detect(setup: Setup) -> PackedSource | None:
 
 
 class PackedSource(Source):
-    """Batches of packed rows gathered from the cached flat token buffer."""
+    """Batches of packed rows gathered from the cached rows of the packing plan."""
 
     def __init__(self, setup: Setup, dataset: PackedTokens) -> None:
         super().__init__(setup)
         self.dataset = dataset
         self.store: TieredArrayStore | None = None
-        self.host: torch.Tensor | None = None  # the buffer in host memory (signed view)
+        self.rows: PackedRows | None = None  # the plan's rows (on a CPU device: served in place)
+        self.host: torch.Tensor | None = None  # the token buffer (signed view), with cache="off" on a device
         self.notes: dict[str, Any] = {}
-        self.index_bytes = 0  # segment tables copied to the device
+        self.index_bytes = 0  # row indices and cu_seqlens copied to the device
 
     def _placed(self) -> bool:
-        return self.store is not None or self.host is not None
+        return self.rows is not None or self.host is not None
 
     def _place(self) -> None:
         setup, dataset = self.setup, self.dataset
         device, settings = setup.device, setup.settings
-        tokens = signed_view(dataset.tokens())
         self.notes = {"token_bytes": dataset.nbytes, "tokens": dataset.num_tokens}
         if split_context(settings, device) is not None:
             decline_split(settings, PER_RANK_REASON, stacklevel=6)
             self.notes["cache_scope"] = "rank: " + PER_RANK_REASON
-        self.host, self.path = tokens, "device-gather" if device.type == "cpu" else "host-gather"
-        if device.type == "cpu" or settings.mode.value == "off":
+        if device.type != "cpu" and settings.mode.value == "off":  # each batch made from the source, copied
+            self.host, self.path = signed_view(dataset.tokens()), "host-gather"
             return
-        plan = settings.array_plan(dataset.nbytes, 1, device_memory(device), host_memory(), device=device,
-                                   owner=setup.owner)
+        rows = packed_rows(dataset)
+        self.rows, self.path = rows, "device-gather"
+        self.notes["row_bytes"] = rows.nbytes
+        if device.type == "cpu":
+            return
+        plan = settings.array_plan(rows.nbytes // len(dataset), len(dataset), device_memory(device), host_memory(),
+                                   device=device, owner=setup.owner)
         self.notes["cache_plan"] = plan.describe()
-        if plan.device_samples >= 1:
-            self.place_on_device(plan)
-        if self.store is None:
-            self.notes["cache"] = f"the token buffer ({format_bytes(dataset.nbytes)}) is not in the device tier"
+        self.place_on_device(plan)
 
     def place_on_device(self, plan: CachePlan) -> None:
-        """Serve from a one-row store placed by ``plan``; the host keeps serving when its device
-        tier does not hold the buffer (a fallback the store warned of)."""
-        tokens = signed_view(self.dataset.tokens())
-        self.store = TieredArrayStore(tokens.view(1, -1), plan, self.setup.device, owner=self.setup.owner)
-        if self.store.whole_on_device() is None:
-            self.store.close()
-            self.store = None
-            return
+        """Serve from a row store placed by ``plan`` (device tier first; rows it does not hold
+        cross through the loader's staging)."""
+        rows = self.rows = packed_rows(self.dataset)
+        self.store = TieredArrayStore(rows.block, plan, self.setup.device, owner=self.setup.owner)
         self.h2d_bytes += self.store.stats.device_bytes
-        self.path = "device-gather"
+        whole = self.store.stats.device_samples == len(self.dataset)
+        self.path = "device-gather" if whole else f"tiered ({plan.kind})"
+        if not whole:
+            self.notes["cache"] = f"the packed rows ({format_bytes(rows.nbytes)}) are not all in the device tier"
 
     def begin_epoch(self) -> None:
         self.dataset.check_unchanged()
         if not self._placed():
             self._place()
         elif self.store is not None:
-            self.store.shrink_to_reserve(self.setup.settings.keepable, refill="host memory")
+            self.store.shrink_to_reserve(self.setup.settings.keepable)
 
     def warm(self, progress: bool) -> None:
         self.dataset.check_unchanged()
@@ -115,29 +118,44 @@ class PackedSource(Source):
             self._place()
 
     def _batch(self, request: Indices, indices: Any) -> tuple[dict[str, Any], int]:
-        """The batch of rows ``indices``: made where the buffer lives, on the loader's device."""
-        host, store, dataset, device = self.host, self.store, self.dataset, self.setup.device
-        if host is None:
+        """The batch of rows ``indices``, on the loader's device."""
+        packed, store, dataset, device = self.rows, self.store, self.dataset, self.setup.device
+        if packed is None and self.host is None:
             raise RuntimeError(_CLOSED)
         rows = indices if request.in_range else in_range(indices, len(dataset))
         if rows.numel() == 0:
             raise IndexError("list index out of range")  # torch collates an empty list, which fails so
+        if packed is None:
+            return self._from_source(request, rows)
+        chosen = rows.numpy()
+        edges, max_seqlen = packed.cu_seqlens(chosen)
+        fixes = packed.fixes(chosen)
+        small = [torch.from_numpy(edges), *([] if fixes is None else map(torch.from_numpy, fixes))]
+        if store is not None:
+            block = store.gather(rows, copy=staged_copier(request.copy_now))
+            small = to_device(small, device)
+            self.index_bytes += rows.numel() * 8 + sum(t.numel() * t.element_size() for t in small)
+        else:
+            block = packed.block.index_select(0, rows)
+        made = packed.batch(block)
+        if fixes is not None:
+            made["labels"].view(-1).index_put_((small[1],), small[2])
+        return {**made, "cu_seqlens": small[0], "max_seqlen": max_seqlen}, rows.numel()
+
+    def _from_source(self, request: Indices, rows: torch.Tensor) -> tuple[dict[str, Any], int]:
+        """The batch made on the host from the token buffer, copied through the loader's staging
+        (``cache="off"`` on a device)."""
+        host, dataset, device = self.host, self.dataset, self.setup.device
+        if host is None:
+            raise RuntimeError(_CLOSED)
         segments = dataset.plan.segments(rows.numpy())
         table, cu_seqlens = torch.from_numpy(segments.table), torch.from_numpy(segments.cu_seqlens)
-        count, seq_len, pad_id = segments.rows, dataset.seq_len, dataset.pad_id
-        on_device = store.whole_on_device() if store is not None else None
-        if on_device is not None:
-            table, cu_seqlens = to_device([table, cu_seqlens], device)
-            self.index_bytes += segments.table.nbytes + segments.cu_seqlens.nbytes
-            made = gather_rows(on_device[0].view(-1), dataset.token_dtype, table, cu_seqlens, count, seq_len, pad_id)
-        else:
-            made = gather_rows(host, dataset.token_dtype, table, cu_seqlens, count, seq_len, pad_id)
-            if device.type != "cpu":  # through the loader's staging, which counts the bytes
-                copy = request.copy_now or (lambda tensors: to_device(tensors, device))
-                moved = copy([*made.values(), cu_seqlens])
-                made, cu_seqlens = dict(zip(made, moved[:-1])), moved[-1]
-        batch: dict[str, Any] = {**made, "cu_seqlens": cu_seqlens, "max_seqlen": segments.max_seqlen}
-        return batch, count
+        made = gather_rows(host, dataset.token_dtype, table, cu_seqlens, segments.rows, dataset.seq_len,
+                           dataset.pad_id)
+        copy = request.copy_now or (lambda tensors: to_device(tensors, device))
+        moved = copy([*made.values(), cu_seqlens])
+        batch = {**dict(zip(made, moved[:-1])), "cu_seqlens": moved[-1], "max_seqlen": segments.max_seqlen}
+        return batch, segments.rows
 
     def epoch(self, indices: Indices) -> Schedule:
         """Batches are made in the loop's thread (see the module docstring)."""
@@ -147,7 +165,7 @@ class PackedSource(Source):
         return Schedule(start, ahead=False)
 
     def cache_store(self) -> Store | None:
-        """The device tier holding the token buffer (None when the host serves it)."""
+        """The row store of the packed rows (None on a CPU device and with ``cache="off"``)."""
         return self.store
 
     def stats(self) -> dict[str, Any]:
@@ -157,4 +175,4 @@ class PackedSource(Source):
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
-        self.store, self.host = None, None
+        self.store, self.rows, self.host = None, None, None

@@ -15,6 +15,7 @@ from torch.utils.data import DistributedSampler, default_collate
 
 import gpuload
 from gpuload.cache import CacheSettings
+from gpuload.datasets.packed_rows import packed_rows
 from gpuload.datasets.packing import PackedTokens
 from gpuload.datasets.tokens import TokenFileError, write_shard
 from gpuload.device import MemoryInfo, host_memory
@@ -171,25 +172,32 @@ def test_a_bad_sampler_index_fails_like_torch_and_a_closed_loader_says_so(shard:
         next(it)
 
 
-def test_the_device_tier_path_equals_torchs_and_counts_its_index_bytes(shard: Path) -> None:
+@pytest.mark.parametrize(("strategy", "long_documents"), [("best_fit", "split"), ("greedy", "truncate")])
+def test_the_device_tier_path_equals_torchs_and_moves_only_row_indices_and_edges(
+        shard: Path, strategy: str, long_documents: str) -> None:
     """The store path (a CUDA device's) with the CPU standing in for the card: the same batches
-    from the tier's buffer, and the segment tables counted as the bytes a step moves."""
-    ds = PackedTokens(shard, SEQ_LEN, eot_id=0, strategy="best_fit")
+    from the tier's packed rows, and per step only the batch's row indices and its ``cu_seqlens``
+    (and greedy truncation's few label fixes) counted as moved: nothing per token."""
+    ds = PackedTokens(shard, SEQ_LEN, eot_id=0, strategy=strategy, long_documents=long_documents)
     ours, theirs = _pair(ds, batch_size=8, shuffle=True)
     source = ours._source
     assert isinstance(source, PackedSource)
-    source.begin_epoch()  # places the buffer in place (a CPU device)
+    source.begin_epoch()  # places the rows in place (a CPU device)
+    rows = packed_rows(ds)
+    assert rows.nbytes == len(ds) * (2 * SEQ_LEN + 1) * 2  # uint16 ids: 2 bytes each of ids and meta
     settings = CacheSettings.resolve(cache="auto")
-    plan = settings.array_plan(ds.nbytes, 1, MemoryInfo(free=16 << 30, total=16 << 30), host_memory(),
-                               device="a pretended card", shared=False)
+    plan = settings.array_plan(rows.nbytes // len(ds), len(ds), MemoryInfo(free=16 << 30, total=16 << 30),
+                               host_memory(), device="a pretended card", shared=False)
     source.place_on_device(plan)
-    assert source.store is not None and source.store.whole_on_device() is not None
+    assert source.store is not None and source.store.stats.device_samples == len(ds)
     batches = list(ours)
     assert_same(batches, list(theirs))
     segments = sum(len(batch["cu_seqlens"]) - 1 for batch in batches)
-    assert ours.stats.extra["packing"]["index_bytes_h2d"] == 5 * 8 * segments + 4 * (segments + len(ours))
-    source.store.shrink(0)  # the device tier let go: the host serves the same batches
-    assert source.store.whole_on_device() is None
+    fixes = len(rows.fix_column)  # an epoch takes every row once
+    assert (long_documents == "truncate") == (fixes > 0)
+    assert ours.stats.extra["packing"]["index_bytes_h2d"] == 8 * len(ds) + 4 * (segments + len(ours)) + 16 * fixes
+    source.store.shrink(0)  # the device tier let go: the host rows serve the same batches
+    assert source.store.stats.device_samples == 0
     assert_same_epochs(ours, theirs, epochs=1)
 
 
@@ -204,5 +212,5 @@ def test_on_cuda_the_batches_equal_torchs(shard: Path, cache: str) -> None:
             assert_same({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in ours_batch.items()},
                         theirs_batch)
     assert ours.stats.path == ("device-gather" if cache == "auto" else "host-gather")
-    if cache == "auto":  # the one fill; per step only the segment tables
-        assert ours.stats.bytes_h2d == ds.nbytes
+    if cache == "auto":  # the one fill of the packed rows; per step only row indices and cu_seqlens
+        assert ours.stats.bytes_h2d == packed_rows(ds).nbytes
