@@ -32,6 +32,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import default_collate
 
+from gpuload.cache.array_store import gatherable
 from gpuload.datasets.arrow import import_optional, torch_dtype
 from gpuload.sources.placed_arrays import ArrayColumns
 from gpuload.transfer import to_device
@@ -228,20 +229,37 @@ def _flat_values(chunk: Any, shape: tuple[int, ...]) -> np.ndarray | None:
     return values.to_numpy(zero_copy_only=False)
 
 
-def _fixed_tensor(array: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """The column as one tensor of rows: one copy per chunk (a view for a single chunk)."""
-    found = [_flat_values(chunk, shape) for chunk in array.chunks]
-    parts = [part for part in found if part is not None]
-    if len(parts) < len(found):
-        return None
-    if len(parts) == 1:
-        return _readable(parts[0]).view(dtype).reshape(len(array), *shape)
-    whole = torch.empty((len(array), *shape), dtype=dtype)
+def _fixed_tensor(array: Any, shape: tuple[int, ...], dtype: torch.dtype,
+                  rows: torch.Tensor | None) -> torch.Tensor | None:
+    """The column as one tensor of its samples' rows (``rows``: each sample's table row, None:
+    row i): a view of the memory-mapped file for one chunk without a mapping, else one tensor
+    filled chunk by chunk straight from the Arrow buffers, so placing takes host memory for that
+    tensor and at most one chunk's rows beyond it (not a copy in table order first)."""
+    chunks = array.chunks
+    if len(chunks) == 1 and rows is None:
+        part = _flat_values(chunks[0], shape)
+        return None if part is None else _readable(part).view(dtype).reshape(len(array), *shape)
+    whole = torch.empty((len(array) if rows is None else len(rows), *shape), dtype=dtype)
+    target = gatherable(whole)  # a signed view: the index copies have no uint16/32/64 kernels
+    if rows is not None:  # each chunk's samples found by one sort, not a scan per chunk
+        order = torch.argsort(rows, stable=True)
+        sorted_rows = rows.index_select(0, order)
     start = 0
-    for part in parts:
-        rows = _readable(part).view(dtype).reshape(-1, *shape)
-        whole[start:start + len(rows)].copy_(rows)
-        start += len(rows)
+    for chunk in chunks:
+        part = _flat_values(chunk, shape)
+        if part is None:
+            return None
+        values = gatherable(_readable(part).view(dtype).reshape(-1, *shape))
+        stop = start + len(values)
+        if rows is None:
+            target[start:stop].copy_(values)
+        else:
+            low, high = torch.searchsorted(sorted_rows, torch.tensor([start, stop])).tolist()
+            step = max(1, len(values))  # a select() may name one row many times: one chunk's rows at a time
+            for first in range(low, high, step):
+                last = min(first + step, high)
+                target.index_copy_(0, order[first:last], values.index_select(0, sorted_rows[first:last] - start))
+        start = stop
     return whole
 
 
@@ -319,10 +337,10 @@ class _Walk:
         stored = torch_dtype(number)
         if stored is None:
             return None
-        tensor = _fixed_tensor(array, shape, stored)
+        tensor = _fixed_tensor(array, shape, stored, self.view.rows)
         if tensor is None:
             return None
-        self.arrays.append(_in_sample_order(tensor, self.view.rows))
+        self.arrays.append(tensor)
         depth = len(shape) if listed else 0
         nulls = self.nulls(name, array, not shape, in_struct)
         return FixedLeaf(len(self.arrays) - 1, dtype, depth, nulls)

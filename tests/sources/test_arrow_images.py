@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from equivalence import assert_same_epochs
-from image_fixtures import encode, photo
+from image_fixtures import diff_stats, encode, photo
 from PIL import Image
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
@@ -206,3 +206,16 @@ def test_without_images_asked_for_a_binary_column_stays_bytes() -> None:
     table = image_table(4)
     batch = next(iter(gpuload.DataLoader(ArrowTable(table), batch_size=4, device="cpu")))
     assert batch["image"] == table.column("image").to_pylist()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_image_column_is_decoded_on_the_device_close_to_pil_and_cached() -> None:
+    table = image_table()
+    ours = gpuload.DataLoader(ArrowTable(table, images=["image"]), batch_size=4, device="cuda")
+    theirs = TorchDataLoader(PilRows(table), batch_size=4)
+    for epoch in range(2):
+        for a, b in zip(list(ours), list(theirs), strict=True):
+            assert a["image"].is_cuda and a["label"].is_cuda and a["caption"] == b["caption"]
+            mean, _ = diff_stats(a["image"], b["image"])
+            assert mean < 2.0 and torch.equal(a["label"].cpu(), b["label"]), f"epoch {epoch}"
+    assert ours.stats.extra["image_columns"]["image"]["cache"]["mode"] == "decoded"
