@@ -49,9 +49,10 @@ def _image_features(dataset: Any) -> dict[str, bool]:
     with whether its images must be RGB (no ``mode``: gpuload's decoders give RGB)."""
     if dataset.format["type"] != "torch":
         return {}
-    image = sys.modules["datasets"].Image
+    image, served = sys.modules["datasets"].Image, dataset.format["columns"]
     return {name: feature.mode is None for name, feature in dataset.features.items()
-            if isinstance(feature, image) and feature.decode and feature.mode in (None, "RGB")}
+            if isinstance(feature, image) and feature.decode and feature.mode in (None, "RGB")
+            and (served is None or name in served)}
 
 
 def table_view(dataset: Any) -> TableView | None:

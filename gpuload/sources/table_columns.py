@@ -34,6 +34,7 @@ from torch.utils.data import default_collate
 
 from gpuload.cache.array_store import gatherable
 from gpuload.datasets.arrow import import_optional, torch_dtype
+from gpuload.datasets.column_images import image_column_error
 from gpuload.sources.placed_arrays import ArrayColumns
 from gpuload.transfer import to_device
 
@@ -415,8 +416,9 @@ def _template_row(dataset: Any, view: TableView) -> tuple[int, dict[str, Any]] |
     with no None in it."""
     valid = np.ones(view.table.num_rows, dtype=np.bool_)
     for name, array in zip(view.table.column_names, view.table.columns):
-        # an image struct's path is null where it holds the bytes
-        valid &= array.is_valid().to_numpy(zero_copy_only=False) if name in view.images else _valid(array)
+        # an image struct's path is null where it holds the bytes (also in a column not served)
+        image = name in view.images or image_column_error(array.type) is None
+        valid &= array.is_valid().to_numpy(zero_copy_only=False) if image else _valid(array)
     in_order = _in_sample_order(torch.from_numpy(valid), view.rows)
     for index in torch.nonzero(in_order).flatten()[:_TEMPLATE_ROWS].tolist():
         try:

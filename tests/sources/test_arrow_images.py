@@ -178,6 +178,18 @@ def test_a_datasets_image_feature_is_decoded_by_the_image_path(tmp_path: Path, m
     assert_same_epochs(ours, theirs)
 
 
+def test_only_the_image_columns_the_format_serves_are_decoded(tmp_path: Path) -> None:
+    images = [{"bytes": encoded(row), "path": None} for row in range(ROWS)]
+    features = datasets.Features({"image": datasets.Image(), "other": datasets.Image(),
+                                  "label": datasets.Value("int64")})
+    hf = datasets.Dataset.from_dict({"image": images, "other": images[::-1], "label": list(range(ROWS))},
+                                    features=features).with_format("torch", columns=["image", "label"])
+    ops = [T.RandomResizedCrop(8), T.ToDtype(torch.float32)]
+    loader = gpuload.DataLoader(hf, batch_size=7, device="cpu", transforms=ops)  # one image column served
+    assert isinstance(loader._source, ArrowSource) and list(loader._source.images) == ["image"]
+    assert [batch["image"].shape for batch in loader] == [(7, 3, 8, 8)] * 2
+
+
 def test_an_image_datasets_gives_in_other_channels_is_refused_naming_the_cast(tmp_path: Path) -> None:
     hf = hf_images(tmp_path, None, gray_row=7).with_format("torch")
     loader = gpuload.DataLoader(hf, batch_size=4, device="cpu")
