@@ -1,9 +1,10 @@
 """Arrow tables and Parquet files as map-style datasets: ``ArrowTable`` and ``Parquet``.
 
 A sample is a dict of the table's columns: numbers, bools and (fixed-size or variable-length)
-lists of them as tensors of the column's Arrow type, strings and bytes as they are, structs as
-dicts, nulls as None. gpuload.DataLoader serves them column by column (``sources/arrow.py``);
-``__getitem__`` is what torch's own DataLoader would call, and what gpuload's batches equal.
+lists of them as tensors of the column's Arrow type, strings and bytes as they are (the columns
+named in ``images=`` decoded as images), structs as dicts, nulls as None. gpuload.DataLoader
+serves them column by column (``sources/arrow.py``); ``__getitem__`` is what torch's own
+DataLoader would call, and what gpuload's batches equal.
 
 pyarrow is optional (the ``arrow`` extra): it is imported when a table is first made, never by
 ``import gpuload``.
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset
+
+from gpuload.datasets.column_images import ColumnImages, image_column_error
 
 __all__ = ["ArrowTable", "Parquet", "arrow_table", "cached_bytes", "hugging_face_dataset", "import_optional",
            "torch_dtype"]
@@ -104,6 +107,22 @@ def _sample_value(arrow_type: Any, value: Any) -> Any:
     return value
 
 
+def _image_columns(table: Any, names: Sequence[str], owner: str) -> dict[str, ColumnImages]:
+    """The named columns of ``table`` as images (a clear error for a missing or non-image one)."""
+    if isinstance(names, str):
+        raise TypeError(f"{owner}: images= takes a list of column names, not the string {names!r}")
+    images = {}
+    for name in names:
+        if name not in table.column_names:
+            raise KeyError(f"{owner}: images= names {name!r}, which is not a column of this table; it has "
+                           f"{', '.join(table.column_names)}")
+        why_not = image_column_error(table.schema.field(name).type)
+        if why_not is not None:
+            raise TypeError(f"{owner}: column {name!r} cannot hold encoded images: {why_not}")
+        images[name] = ColumnImages(name, table.column(name))
+    return images
+
+
 def _read_arrow(path: Path) -> Any:
     """A table memory-mapped from an Arrow IPC file or stream (``save_to_disk`` writes streams)."""
     pa = import_optional("pyarrow")
@@ -133,9 +152,12 @@ class ArrowTable(Dataset):
     IPC file, or every ``.arrow`` file of a folder in name order (what ``datasets``'
     ``save_to_disk`` writes), so nothing is read until it is used. Sample ``i`` is a dict of
     the row's columns (see the module docstring); ``columns``: only these, in this order.
+    ``images``: columns of encoded images (binary, or datasets' Image struct of bytes and path),
+    decoded in a sample to uint8 RGB ``(3, H, W)`` as ``ImageFolder`` decodes a file, and by
+    gpuload.DataLoader's image path a batch at once (its ``transforms=`` apply to them).
     """
 
-    def __init__(self, table: Any, columns: Sequence[str] | None = None) -> None:
+    def __init__(self, table: Any, columns: Sequence[str] | None = None, images: Sequence[str] = ()) -> None:
         pa = import_optional("pyarrow")
         if isinstance(table, (str, os.PathLike)):
             tables = [_read_arrow(file) for file in _arrow_files(Path(table))]
@@ -149,6 +171,7 @@ class ArrowTable(Dataset):
                                f"{', '.join(table.column_names)}")
             table = table.select(list(columns))
         self.table = table
+        self.images = _image_columns(table, images, type(self).__name__)
 
     def __len__(self) -> int:
         return int(self.table.num_rows)
@@ -156,8 +179,10 @@ class ArrowTable(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} is out of range for {len(self)} rows")
-        row = self.table.slice(index % len(self), 1).to_pylist()[0]
-        return {field.name: _sample_value(field.type, row[field.name]) for field in self.table.schema}
+        index %= len(self)
+        row = self.table.slice(index, 1).to_pylist()[0]
+        return {field.name: self.images[field.name][index][0] if field.name in self.images
+                else _sample_value(field.type, row[field.name]) for field in self.table.schema}
 
     def __repr__(self) -> str:
         columns = ", ".join(f"{field.name}: {field.type}" for field in self.table.schema)
@@ -169,7 +194,8 @@ class Parquet(ArrowTable):
     :class:`ArrowTable`; the files are read memory-mapped, decompressed once (``columns``: only
     these are read)."""
 
-    def __init__(self, path: str | os.PathLike[str], columns: Sequence[str] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], columns: Sequence[str] | None = None,
+                 images: Sequence[str] = ()) -> None:
         pa = import_optional("pyarrow")
         pq = import_optional("pyarrow.parquet")
         pattern = os.fspath(path)
@@ -180,7 +206,7 @@ class Parquet(ArrowTable):
             if not os.path.isfile(file):
                 raise FileNotFoundError(f"Parquet: no such file: {file}")
         tables = [pq.read_table(file, memory_map=True, columns=columns) for file in files]
-        super().__init__(pa.concat_tables(tables) if len(tables) > 1 else tables[0], columns)
+        super().__init__(pa.concat_tables(tables) if len(tables) > 1 else tables[0], columns, images)
 
 
 def hugging_face_dataset(dataset: Any) -> bool:

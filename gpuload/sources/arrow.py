@@ -10,6 +10,7 @@ gathered per batch. A ``datasets.Dataset``'s index mapping (``select``, ``shuffl
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -20,6 +21,7 @@ from gpuload.datasets.arrow import ArrowTable, hugging_face_dataset
 from gpuload.sources import Setup
 from gpuload.sources.arrays import ArraySource
 from gpuload.sources.table_columns import TableColumns, TableView, table_columns
+from gpuload.sources.table_images import ColumnImageSource, ImageLeaf, image_sources
 
 __all__ = ["ArrowSource", "detect", "table_view"]
 
@@ -38,13 +40,25 @@ def _hugging_face_view(dataset: Any) -> TableView | None:
     indices = dataset._indices
     rows = None if indices is None else torch.from_numpy(
         indices.column(0).to_numpy().astype("int64"))
-    return TableView(dataset.data.table, rows, _FORMATS[format["type"]])
+    return TableView(dataset.data.table, rows, _FORMATS[format["type"]], _image_features(dataset))
+
+
+def _image_features(dataset: Any) -> dict[str, bool]:
+    """A ``datasets.Dataset``'s decoded ``Image()`` columns in format ``"torch"`` (which gives
+    each as a uint8 (C, H, W) tensor in the image's own mode, or in the feature's ``mode``), each
+    with whether its images must be RGB (no ``mode``: gpuload's decoders give RGB)."""
+    if dataset.format["type"] != "torch":
+        return {}
+    image, served = sys.modules["datasets"].Image, dataset.format["columns"]
+    return {name: feature.mode is None for name, feature in dataset.features.items()
+            if isinstance(feature, image) and feature.decode and feature.mode in (None, "RGB")
+            and (served is None or name in served)}
 
 
 def table_view(dataset: Any) -> TableView | None:
     """The Arrow table behind ``dataset`` and how its samples read it, or None for other datasets."""
     if isinstance(dataset, ArrowTable) and type(dataset).__getitem__ is ArrowTable.__getitem__:
-        return TableView(dataset.table, None, "arrow")
+        return TableView(dataset.table, None, "arrow", dict.fromkeys(dataset.images, False))
     return _hugging_face_view(dataset)
 
 
@@ -58,28 +72,56 @@ def _identity(dataset: Any) -> Any:
 def detect(setup: Setup) -> ArrowSource | None:
     """An ArrowSource for a table whose batches gpuload can make column by column with torch's
     default collate, else None (torch's path: also without auto-collation, with a
-    ``worker_init_fn`` or ``transforms=``)."""
+    ``worker_init_fn``, or with ``transforms=`` and no image column)."""
     if not setup.map_style or setup.collate_fn is not default_collate or not setup.batched:
         return None
-    if setup.worker_code or setup.transforms:
+    if setup.worker_code:
         return None
     view = table_view(setup.dataset)
-    if view is None or len(setup.dataset) == 0:
+    if view is None or len(setup.dataset) == 0 or (setup.transforms and not view.images):
         return None
-    columns = table_columns(setup.dataset, view)
-    return ArrowSource(setup, columns) if columns is not None else None
+    images = image_sources(setup, view.table, view.rows, view.images) if view.images else {}
+    columns = table_columns(setup.dataset, view, lambda name: ImageLeaf(images[name]))
+    if columns is None:
+        for source in images.values():
+            source.close()
+        return None
+    return ArrowSource(setup, columns, images)
 
 
 class ArrowSource(ArraySource):
     """Batches of a table: its fixed-width columns gathered where the cache plan put them, the
-    variable-length and text columns gathered per batch beside them."""
+    variable-length and text columns gathered per batch beside them, its image columns decoded
+    by the image path (``images``: one source per column, with its own image cache)."""
 
     completes_batches = True
 
-    def __init__(self, setup: Setup, table: TableColumns) -> None:
-        super().__init__(setup, table.arrays)
+    def __init__(self, setup: Setup, table: TableColumns, images: dict[str, ColumnImageSource] | None = None) -> None:
+        super().__init__(dataclasses.replace(setup, transforms=None), table.arrays)  # transforms: the images'
         self.table = table
+        self.images = images or {}
         self.identity = _identity(setup.dataset)
+
+    def begin_epoch(self) -> None:
+        super().begin_epoch()
+        for source in self.images.values():
+            source.begin_epoch()
+
+    def warm(self, progress: bool) -> None:
+        super().warm(progress)
+        for source in self.images.values():
+            source.warm(progress)
+
+    def stats(self) -> dict[str, Any]:
+        stats = super().stats()
+        if self.images:
+            stats["image_columns"] = {name: source.stats() for name, source in self.images.items()}
+        return stats
+
+    def close(self) -> None:
+        super().close()
+        for source in self.images.values():
+            source.close()
 
     def _follow_dataset(self) -> None:
         if _identity(self.setup.dataset) != self.identity:
@@ -89,4 +131,4 @@ class ArrowSource(ArraySource):
             )
 
     def _augmented(self, batch: Any, flat: torch.Tensor, epoch: int) -> Any:
-        return self.table.batch(batch, flat, self.setup.device)
+        return self.table.batch(batch, flat, self.setup.device, epoch)

@@ -117,8 +117,7 @@ class ImageFileSource(ImageDecoding, Source):
             return
         self._decided = True
         if not self.setup.settings.off_reason():
-            decode = {"backend": self.decoder.backend, "channels_last": self.decoder.channels_last}
-            self.disk = DiskImages.open(self.images, self.setup.settings, decode)
+            self.disk = self._open_disk()
             if self.disk is not None:
                 weakref.finalize(self, self.disk.close)
         share = self._shard()  # its block is read from the disk tier where published, and fills it
@@ -128,6 +127,11 @@ class ImageFileSource(ImageDecoding, Source):
             self.disk.close()
             self.disk = None
         self.held = share if share is not None else self._image_cache()
+
+    def _open_disk(self) -> DiskImages | None:
+        """``cache_dir``'s disk tier of these images' decoded pixels (None: none set)."""
+        decode = {"backend": self.decoder.backend, "channels_last": self.decoder.channels_last}
+        return DiskImages.open(self.images, self.setup.settings, decode)
 
     def _image_cache(self) -> CachedImages | None:
         """This rank's own image cache, when ``decide_images`` keeps one."""
@@ -280,6 +284,14 @@ class ImageFileSource(ImageDecoding, Source):
         self.setup.stats.extra.update(counters)
         return (batch, count) if count else None
 
+    def batch_images(self, decoded: DecodedBatch) -> torch.Tensor:
+        """A decoded batch's images, transformed (or stacked, when no transforms are given)."""
+        if self.augment is None:
+            return torch.stack(decoded.images)  # differing sizes fail as in torch's collate
+        return self.augment.apply_list(
+            decoded.images, torch.tensor(decoded.positions), decoded.epoch, decoded.windows, decoded.sizes
+        )
+
     def finish(self, decoded: DecodedBatch) -> tuple[Any, int, dict[str, Any]]:
         """Transform and collate a decoded batch: (batch, sample count, counters as of it);
         the batch is None and the count 0 when every file was skipped."""
@@ -288,13 +300,10 @@ class ImageFileSource(ImageDecoding, Source):
         batched = self.setup.batched
         if not kept:
             return None, 0, counters
-        if self.augment is not None:
-            images = self.augment.apply_list(
-                decoded.images, torch.tensor(kept), decoded.epoch, decoded.windows, decoded.sizes
-            )
-            counters["transform_backend"] = self.augment.backend
-        elif batched:
-            images = torch.stack(decoded.images)  # differing sizes fail as in torch's collate
+        if self.augment is not None or batched:
+            images = self.batch_images(decoded)
+            if self.augment is not None:
+                counters["transform_backend"] = self.augment.backend
         else:
             images = decoded.images[0]
             if self.cache is not None and self.keeps == "decoded":

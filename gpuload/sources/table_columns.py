@@ -21,6 +21,7 @@ torch's path.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +32,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import default_collate
 
+from gpuload.cache.array_store import gatherable
 from gpuload.datasets.arrow import import_optional, torch_dtype
+from gpuload.datasets.column_images import image_column_error
 from gpuload.sources.placed_arrays import ArrayColumns
 from gpuload.transfer import to_device
 
@@ -46,11 +49,14 @@ _TEMPLATE_ROWS = 64
 class TableView:
     """What a dataset's samples are made from: the Arrow ``table``, the table row of each sample
     (``rows``; None: sample i is row i) and the format of the sample's values (``"arrow"``:
-    an ArrowTable's tensors; ``datasets``' ``"python"`` (format None), ``"numpy"`` or ``"torch"``)."""
+    an ArrowTable's tensors; ``datasets``' ``"python"`` (format None), ``"numpy"`` or ``"torch"``);
+    ``images``: its columns of encoded images, each with whether an image must be RGB
+    (``ColumnImages.rgb_only``)."""
 
     table: Any
     rows: torch.Tensor | None
     format: str
+    images: dict[str, bool] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -78,9 +84,11 @@ class Nulls:
 
 
 class Leaf:
-    """One column of the batch, made from the gathered fixed-width tensors and the indices."""
+    """One column of the batch, made from the gathered fixed-width tensors and the indices;
+    ``epoch`` numbers the epoch (the transforms' randomness), None for the check of a batch
+    against torch's before serving (images untransformed)."""
 
-    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device) -> Any:
+    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None) -> Any:
         raise NotImplementedError
 
 
@@ -109,7 +117,7 @@ class FixedLeaf(Leaf):
     depth: int
     nulls: Nulls | None
 
-    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device) -> Any:
+    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None) -> Any:
         return _listed(_with_nulls(fixed[self.slot], self.nulls, flat, self.dtype), self.depth)
 
 
@@ -125,7 +133,7 @@ class RaggedLeaf(Leaf):
     listed: bool
     nulls: Nulls | None
 
-    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device) -> Any:
+    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None) -> Any:
         if self.nulls is not None:
             self.nulls.check(flat)
         starts, lengths = self.starts[flat], self.lengths[flat]
@@ -150,7 +158,7 @@ class TextLeaf(Leaf):
     rows: torch.Tensor | None
     convert: Callable[[Any], Any] | None
 
-    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device) -> Any:
+    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None) -> Any:
         pa = import_optional("pyarrow")
         rows = flat if self.rows is None else self.rows[flat]
         values = self.array.take(pa.array(rows.numpy())).to_pylist()
@@ -171,10 +179,10 @@ class StructLeaf(Leaf):
     fields: dict[str, Leaf]
     nulls: Nulls | None
 
-    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device) -> Any:
+    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None) -> Any:
         if self.nulls is not None:
             self.nulls.check(flat)
-        return {name: leaf.batch(fixed, flat, device) for name, leaf in self.fields.items()}
+        return {name: leaf.batch(fixed, flat, device, epoch) for name, leaf in self.fields.items()}
 
 
 @dataclass
@@ -185,9 +193,10 @@ class TableColumns:
     arrays: ArrayColumns
     root: Leaf
 
-    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device) -> Any:
-        """The batch of samples ``flat`` (host int64), from the tiers' gathered ``fixed`` arrays."""
-        return self.root.batch(fixed, flat.cpu(), device)
+    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None) -> Any:
+        """The batch of samples ``flat`` (host int64) in ``epoch``, from the tiers' gathered
+        ``fixed`` arrays."""
+        return self.root.batch(fixed, flat.cpu(), device, epoch)
 
 
 def _readable(array: np.ndarray) -> torch.Tensor:
@@ -221,20 +230,37 @@ def _flat_values(chunk: Any, shape: tuple[int, ...]) -> np.ndarray | None:
     return values.to_numpy(zero_copy_only=False)
 
 
-def _fixed_tensor(array: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """The column as one tensor of rows: one copy per chunk (a view for a single chunk)."""
-    found = [_flat_values(chunk, shape) for chunk in array.chunks]
-    parts = [part for part in found if part is not None]
-    if len(parts) < len(found):
-        return None
-    if len(parts) == 1:
-        return _readable(parts[0]).view(dtype).reshape(len(array), *shape)
-    whole = torch.empty((len(array), *shape), dtype=dtype)
+def _fixed_tensor(array: Any, shape: tuple[int, ...], dtype: torch.dtype,
+                  rows: torch.Tensor | None) -> torch.Tensor | None:
+    """The column as one tensor of its samples' rows (``rows``: each sample's table row, None:
+    row i): a view of the memory-mapped file for one chunk without a mapping, else one tensor
+    filled chunk by chunk straight from the Arrow buffers, so placing takes host memory for that
+    tensor and at most one chunk's rows beyond it (not a copy in table order first)."""
+    chunks = array.chunks
+    if len(chunks) == 1 and rows is None:
+        part = _flat_values(chunks[0], shape)
+        return None if part is None else _readable(part).view(dtype).reshape(len(array), *shape)
+    whole = torch.empty((len(array) if rows is None else len(rows), *shape), dtype=dtype)
+    target = gatherable(whole)  # a signed view: the index copies have no uint16/32/64 kernels
+    if rows is not None:  # each chunk's samples found by one sort, not a scan per chunk
+        order = torch.argsort(rows, stable=True)
+        sorted_rows = rows.index_select(0, order)
     start = 0
-    for part in parts:
-        rows = _readable(part).view(dtype).reshape(-1, *shape)
-        whole[start:start + len(rows)].copy_(rows)
-        start += len(rows)
+    for chunk in chunks:
+        part = _flat_values(chunk, shape)
+        if part is None:
+            return None
+        values = gatherable(_readable(part).view(dtype).reshape(-1, *shape))
+        stop = start + len(values)
+        if rows is None:
+            target[start:stop].copy_(values)
+        else:
+            low, high = torch.searchsorted(sorted_rows, torch.tensor([start, stop])).tolist()
+            step = max(1, len(values))  # a select() may name one row many times: one chunk's rows at a time
+            for first in range(low, high, step):
+                last = min(first + step, high)
+                target.index_copy_(0, order[first:last], values.index_select(0, sorted_rows[first:last] - start))
+        start = stop
     return whole
 
 
@@ -312,10 +338,10 @@ class _Walk:
         stored = torch_dtype(number)
         if stored is None:
             return None
-        tensor = _fixed_tensor(array, shape, stored)
+        tensor = _fixed_tensor(array, shape, stored, self.view.rows)
         if tensor is None:
             return None
-        self.arrays.append(_in_sample_order(tensor, self.view.rows))
+        self.arrays.append(tensor)
         depth = len(shape) if listed else 0
         nulls = self.nulls(name, array, not shape, in_struct)
         return FixedLeaf(len(self.arrays) - 1, dtype, depth, nulls)
@@ -389,8 +415,10 @@ def _template_row(dataset: Any, view: TableView) -> tuple[int, dict[str, Any]] |
     """The first of the leading samples with no null in any column whose collated sample is a dict
     with no None in it."""
     valid = np.ones(view.table.num_rows, dtype=np.bool_)
-    for array in view.table.columns:
-        valid &= _valid(array)
+    for name, array in zip(view.table.column_names, view.table.columns):
+        # an image struct's path is null where it holds the bytes (also in a column not served)
+        image = name in view.images or image_column_error(array.type) is None
+        valid &= array.is_valid().to_numpy(zero_copy_only=False) if image else _valid(array)
     in_order = _in_sample_order(torch.from_numpy(valid), view.rows)
     for index in torch.nonzero(in_order).flatten()[:_TEMPLATE_ROWS].tolist():
         try:
@@ -402,10 +430,12 @@ def _template_row(dataset: Any, view: TableView) -> tuple[int, dict[str, Any]] |
     return None
 
 
-def table_columns(dataset: Any, view: TableView) -> TableColumns | None:
+def table_columns(dataset: Any, view: TableView, image_leaf: Callable[[str], Leaf] | None = None
+                  ) -> TableColumns | None:
     """The dataset's columns as gpuload serves them, or None when some column has no such form
     (a type Arrow gives no buffer for, a decoded feature, a null in a list, no fixed-width
-    column at all) or the batch of one row would differ from torch's: torch's path serves then."""
+    column at all) or the batch of one row would differ from torch's: torch's path serves then.
+    ``image_leaf(name)`` makes the leaf of each of ``view.images``, decoded by the image path."""
     found = _template_row(dataset, view)
     if found is None:
         return None
@@ -415,6 +445,9 @@ def table_columns(dataset: Any, view: TableView) -> TableColumns | None:
     for name, value in sample.items():
         if name not in view.table.column_names:
             return None
+        if name in view.images and image_leaf is not None:
+            fields[name] = image_leaf(name)
+            continue
         leaf = walk.leaf(name, view.table.column(name), value, in_struct=False)
         if leaf is None:
             return None
@@ -439,7 +472,7 @@ def _made_alike(columns: TableColumns, flat: torch.Tensor, expected: Any) -> boo
     """Whether the batch of samples ``flat``, made here on the CPU, is ``expected`` (torch's)."""
     try:
         made = columns.batch([array.index_select(0, flat) for array in columns.arrays.columns], flat,
-                             torch.device("cpu"))
+                             torch.device("cpu"), None)
     except (TypeError, RuntimeError):
         return False
     return same_batch(made, expected)

@@ -1,0 +1,233 @@
+"""Encoded images in a table's column, decoded by the image path: batches equal torch's DataLoader
+over a PIL-decoding ``__getitem__``, cached decoded (epoch 2 decodes nothing), bad images named
+by column and row, and datasets' ``Image()`` feature recognised."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from equivalence import assert_same_epochs
+from image_fixtures import diff_stats, encode, photo
+from PIL import Image
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import Dataset
+
+import gpuload
+from gpuload import transforms as T
+from gpuload.decode import BatchDecoder, ImageDecodeError
+from gpuload.transforms import apply_transforms
+
+pa = pytest.importorskip("pyarrow")
+datasets = pytest.importorskip("datasets")
+datasets.disable_progress_bars()
+
+from gpuload.datasets import ArrowTable  # noqa: E402
+from gpuload.sources.arrow import ArrowSource  # noqa: E402
+
+ROWS = 14
+
+
+def encoded(row: int, size: tuple[int, int] = (40, 32)) -> bytes:
+    """A small real photo, turned per row, as JPEG (even rows) or PNG (odd rows)."""
+    image = photo().resize(size).rotate(row * 25)
+    return encode(image, "JPEG", quality=90) if row % 2 == 0 else encode(image, "PNG")
+
+
+def image_table(rows: int = ROWS) -> Any:
+    return pa.table({
+        "image": pa.array([encoded(row) for row in range(rows)], pa.binary()),
+        "label": pa.array([row % 5 for row in range(rows)], pa.int64()),
+        "caption": [f"photo {row}" for row in range(rows)],
+    })
+
+
+def pil_decoded(data: bytes) -> torch.Tensor:
+    with Image.open(io.BytesIO(data)) as image:
+        return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1).contiguous()
+
+
+class PilRows(Dataset):
+    """The oracle: each row of ``table``, its image decoded by PIL in ``__getitem__``."""
+
+    def __init__(self, table: Any) -> None:
+        self.rows = table.to_pylist()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        row = self.rows[index]
+        return {"image": pil_decoded(row["image"]), "label": torch.tensor(row["label"]), "caption": row["caption"]}
+
+
+def counting_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Images each call of the batch decoder decoded, recorded."""
+    calls: list[int] = []
+    decode = BatchDecoder.decode
+
+    def counted(self: BatchDecoder, encoded: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(encoded))
+        return decode(self, encoded, *args, **kwargs)
+
+    monkeypatch.setattr(BatchDecoder, "decode", counted)
+    return calls
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_batches_equal_torchs_over_a_pil_decoding_getitem(shuffle: bool) -> None:
+    table = image_table()
+    ours = gpuload.DataLoader(ArrowTable(table, images=["image"]), batch_size=4, shuffle=shuffle,
+                              generator=torch.Generator().manual_seed(3), device="cpu")
+    theirs = TorchDataLoader(PilRows(table), batch_size=4, shuffle=shuffle, generator=torch.Generator().manual_seed(3))
+    assert isinstance(ours._source, ArrowSource)
+    assert_same_epochs(ours, theirs)
+    assert ours.stats.extra["decode_backend"] in ("dali-cpu", "torchvision", "pil")
+
+
+def test_a_sample_is_the_image_decoded_as_an_image_folder_decodes_a_file() -> None:
+    table = image_table(4)
+    sample = ArrowTable(table, images=["image"])[3]
+    assert sample["image"].dtype == torch.uint8 and torch.equal(sample["image"], pil_decoded(encoded(3)))
+    assert sample["caption"] == "photo 3" and sample["label"].item() == 3
+
+
+def test_the_decoded_images_are_cached_so_epoch_two_decodes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    table = image_table()
+    data = ArrowTable(table, images=["image"])
+    ours = gpuload.DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1),
+                              device="cpu", cache="device")
+    theirs = TorchDataLoader(PilRows(table), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
+    calls = counting_decodes(monkeypatch)
+    assert_same_epochs(ours, theirs, epochs=1)
+    assert sum(calls) == ROWS
+    calls.clear()
+    assert_same_epochs(ours, theirs, epochs=1)
+    assert calls == []
+    cache = ours.stats.extra["image_columns"]["image"]["cache"]
+    assert cache["mode"] == "decoded" and cache["entries"] == ROWS and cache["complete"]
+
+
+def test_transforms_apply_to_the_image_column_per_sample() -> None:
+    table = image_table()
+    ops = [T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToDtype(torch.float32)]
+    g = torch.Generator().manual_seed(5)
+    loader = gpuload.DataLoader(ArrowTable(table, images=["image"]), batch_size=5, shuffle=True, generator=g,
+                                device="cpu", transforms=ops)
+    order = TorchDataLoader(range(ROWS), batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(5))
+    for epoch in range(2):
+        for batch, indices in zip(loader, order, strict=True):
+            decoded = [pil_decoded(encoded(i)) for i in indices.tolist()]
+            expected = apply_transforms(ops, decoded, g.initial_seed(), epoch, indices)
+            torch.testing.assert_close(batch["image"], expected, atol=2e-3, rtol=2e-3)
+            assert batch["label"].tolist() == [i % 5 for i in indices.tolist()]
+            assert batch["caption"] == [f"photo {i}" for i in indices.tolist()]
+    assert loader.stats.extra["transform_backend"] == "batched"
+
+
+def test_a_corrupt_image_names_its_column_and_row() -> None:
+    table = image_table()
+    images = table.column("image").to_pylist()
+    images[9] = images[9][:60]  # a truncated JPEG
+    table = table.set_column(0, "image", pa.array(images, pa.binary()))
+    data = ArrowTable(table, images=["image"])
+    with pytest.raises(ImageDecodeError, match=r"column 'image', row 9.*sample index 9"):
+        list(gpuload.DataLoader(data, batch_size=4, device="cpu"))
+    # through an index mapping the row is the table's, the index the sample's
+    features = datasets.Features({"image": datasets.Image(mode="RGB"), "label": datasets.Value("int64"),
+                                  "caption": datasets.Value("string")})
+    hf = datasets.Dataset.from_dict({"image": [{"bytes": b, "path": None} for b in images],
+                                     "label": table.column("label").to_pylist(),
+                                     "caption": table.column("caption").to_pylist()}, features=features)
+    loader = gpuload.DataLoader(hf.select([0, 2, 4, 9, 1]).with_format("torch"), batch_size=5, device="cpu")
+    assert isinstance(loader._source, ArrowSource)
+    with pytest.raises(ImageDecodeError, match=r"column 'image', row 9.*sample index 3"):
+        list(loader)
+
+
+def hf_images(tmp_path: Path, mode: str | None = None, gray_row: int | None = None) -> Any:
+    """A datasets.Dataset of an Image() feature: PIL-encoded JPEG and PNG bytes, one row a local
+    file named by path only; ``gray_row``: that row's image is greyscale."""
+    rows = []
+    for row in range(ROWS):
+        data = encoded(row)
+        if row == gray_row:
+            data = encode(photo().resize((40, 32)).convert("L"), "PNG")
+        rows.append({"bytes": data, "path": None})
+    file = tmp_path / "row5.png"
+    file.write_bytes(rows[5]["bytes"])
+    rows[5] = {"bytes": None, "path": str(file)}
+    features = datasets.Features({"image": datasets.Image(mode=mode), "label": datasets.Value("int64")})
+    return datasets.Dataset.from_dict({"image": rows, "label": [row % 5 for row in range(ROWS)]}, features=features)
+
+
+@pytest.mark.parametrize("mapping", ["none", "shuffle"])
+@pytest.mark.parametrize("mode", [None, "RGB"])
+def test_a_datasets_image_feature_is_decoded_by_the_image_path(tmp_path: Path, mode: str | None,
+                                                               mapping: str) -> None:
+    hf = hf_images(tmp_path, mode)
+    hf = (hf.shuffle(seed=2) if mapping == "shuffle" else hf).with_format("torch")
+    ours = gpuload.DataLoader(hf, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0),
+                              device="cpu")
+    theirs = TorchDataLoader(hf, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
+    assert isinstance(ours._source, ArrowSource)
+    assert_same_epochs(ours, theirs)
+
+
+def test_only_the_image_columns_the_format_serves_are_decoded(tmp_path: Path) -> None:
+    images = [{"bytes": encoded(row), "path": None} for row in range(ROWS)]
+    features = datasets.Features({"image": datasets.Image(), "other": datasets.Image(),
+                                  "label": datasets.Value("int64")})
+    hf = datasets.Dataset.from_dict({"image": images, "other": images[::-1], "label": list(range(ROWS))},
+                                    features=features).with_format("torch", columns=["image", "label"])
+    ops = [T.RandomResizedCrop(8), T.ToDtype(torch.float32)]
+    loader = gpuload.DataLoader(hf, batch_size=7, device="cpu", transforms=ops)  # one image column served
+    assert isinstance(loader._source, ArrowSource) and list(loader._source.images) == ["image"]
+    assert [batch["image"].shape for batch in loader] == [(7, 3, 8, 8)] * 2
+
+
+def test_an_image_datasets_gives_in_other_channels_is_refused_naming_the_cast(tmp_path: Path) -> None:
+    hf = hf_images(tmp_path, None, gray_row=7).with_format("torch")
+    loader = gpuload.DataLoader(hf, batch_size=4, device="cpu")
+    assert isinstance(loader._source, ArrowSource)
+    with pytest.raises(ImageDecodeError, match=r"row 7.*is L.*cast_column\('image', datasets.Image\(mode='RGB'\)\)"):
+        list(loader)
+    # cast to RGB, datasets converts it as gpuload's decoders do
+    rgb = hf_images(tmp_path, None, gray_row=7).cast_column("image", datasets.Image(mode="RGB")).with_format("torch")
+    assert_same_epochs(gpuload.DataLoader(rgb, batch_size=4, device="cpu"), TorchDataLoader(rgb, batch_size=4),
+                       epochs=1)
+
+
+def test_image_columns_asked_for_wrongly_fail_clearly() -> None:
+    table = image_table(4)
+    with pytest.raises(KeyError, match=r"images= names 'picture'.*it has image, label, caption"):
+        ArrowTable(table, images=["picture"])
+    with pytest.raises(TypeError, match=r"column 'caption' cannot hold encoded images: it is string"):
+        ArrowTable(table, images=["caption"])
+    with pytest.raises(TypeError, match=r"list of column names, not the string 'image'"):
+        ArrowTable(table, images="image")
+    with pytest.raises(ValueError, match=r"on_error='skip' cannot skip an image of a table's column \(image\)"):
+        gpuload.DataLoader(ArrowTable(table, images=["image"]), batch_size=2, device="cpu", on_error="skip")
+
+
+def test_without_images_asked_for_a_binary_column_stays_bytes() -> None:
+    table = image_table(4)
+    batch = next(iter(gpuload.DataLoader(ArrowTable(table), batch_size=4, device="cpu")))
+    assert batch["image"] == table.column("image").to_pylist()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_image_column_is_decoded_on_the_device_close_to_pil_and_cached() -> None:
+    table = image_table()
+    ours = gpuload.DataLoader(ArrowTable(table, images=["image"]), batch_size=4, device="cuda")
+    theirs = TorchDataLoader(PilRows(table), batch_size=4)
+    for epoch in range(2):
+        for a, b in zip(list(ours), list(theirs), strict=True):
+            assert a["image"].is_cuda and a["label"].is_cuda and a["caption"] == b["caption"]
+            mean, _ = diff_stats(a["image"], b["image"])
+            assert mean < 2.0 and torch.equal(a["label"].cpu(), b["label"]), f"epoch {epoch}"
+    assert ours.stats.extra["image_columns"]["image"]["cache"]["mode"] == "decoded"
