@@ -40,6 +40,7 @@ from gpuload.resume import (
 from gpuload.sampling import DrawState, checked_batch_size, draws_in_range
 from gpuload.sources import Indices, RestOfEpoch, Schedule, Source, Work, runs_ahead
 from gpuload.sources.choose import choose_source
+from gpuload.sources.exchanged import serving
 from gpuload.state_format import check_format
 from gpuload.stats import LoaderStats, Tally
 from gpuload.timeline import Timeline, resolve_steps
@@ -193,8 +194,8 @@ class DataLoader(tud.DataLoader[T_co]):
         self._timeline.new_epoch()
         if self._prefetcher is not None:  # no thread may still pull from the source's iterators
             self._prefetcher.stop_epoch(_NEW_EPOCH)
-        source = self._source
-        source.begin_epoch()
+        self._source.begin_epoch()  # decides the source's store: split over ranks, or its own
+        source = self._source = serving(self._source)
         self._stats.path = source.path
         map_style = self._draw.map_style
         self._in_range = map_style and draws_in_range(self.batch_sampler, len(cast(Sized, self.dataset)))

@@ -139,7 +139,7 @@ class PackedSource(Source):
         batch: dict[str, Any] = {**made, "cu_seqlens": cu_seqlens, "max_seqlen": segments.max_seqlen}
         return batch, count
 
-    def epoch(self, indices: Indices) -> Schedule:
+    def schedule(self, indices: Indices) -> Schedule:
         """Batches are made in the loop's thread (see the module docstring)."""
         def start(ahead: bool) -> Work:
             return Work(indices.batches(False), lambda index: self._batch(indices, index))
