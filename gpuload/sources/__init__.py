@@ -91,13 +91,11 @@ class Setup:
 class RestOfEpoch:
     """The part of an epoch that :attr:`Indices.draw` yields when the epoch is taken up mid-way
     (``load_state_dict``, or the rest of an epoch after ``set_batch_size``): only the batches
-    after that point. ``places``: each of them's place among the epoch's index batches (None:
-    they follow each other from there); ``cut``: ``(batches done, samples done, batch size)``
-    when they are the rest of the epoch's sample order from that sample cut at that size, so a
-    source that computes other ranks' batches (the sharded cache) cuts theirs alike (None: the
-    batches as the epoch's sampler cuts them)."""
+    after that point. ``cut``: ``(batches done, samples done, batch size)`` when they are the
+    rest of the epoch's sample order from that sample cut at that size, so whoever computes
+    other ranks' batches (the exchange) cuts theirs alike (None: the batches as the epoch's
+    sampler cuts them)."""
 
-    places: list[int] | None = None
     cut: tuple[int, int, int] | None = None
 
 
@@ -115,9 +113,8 @@ class Indices:
     beginning) makes batches from the drawn ones instead; None: the whole epoch.
     ``copy_now``: copies a host batch (or a prefetcher ``Fill``) to the device through the
     loader's staging in the caller's thread, for batches made in the loop's thread: the one
-    host-to-device path (``Prefetcher.copy_now``). ``handed_over(place)``: called in the loop's
-    thread for each batch a source hands over out of order (workers with ``in_order=False``),
-    so the position records which were done.
+    host-to-device path (``Prefetcher.copy_now``). What torch's own path needs beside (where
+    its workers' batches sit in the epoch) it gets from its ``TorchLoading``.
     """
 
     number: int
@@ -125,7 +122,6 @@ class Indices:
     in_range: bool = False
     rest: RestOfEpoch | None = None
     copy_now: Callable[[Any], Any] | None = None
-    handed_over: Callable[[int | None], None] | None = None
 
     @property
     def resumed(self) -> bool:

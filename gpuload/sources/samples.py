@@ -162,12 +162,12 @@ class SampleSource(Source):
                 return Work(cached.batches(indices, request.in_range, whole=not request.resumed), finish)
             return Work(self._fetched(indices), finish)
         handed: deque[int | None] | None = None
-        if not self.torch.options.get("in_order", True) and request.handed_over is not None:
+        places = self.torch.epoch_places()
+        if not self.torch.options.get("in_order", True) and places.note is not None:
             handed = deque()  # each batch's place, queued as it leaves torch's iterator (HandedOver)
-            finish = self._noting_places(finish, handed, request.handed_over)
+            finish = self._noting_places(finish, handed, places.note)
         if request.resumed:
-            places = request.rest.places if request.rest is not None else None
-            epoch = self._worker_epoch(cached, list(request.batches(ahead)), handed=handed, places=places)
+            epoch = self._worker_epoch(cached, list(request.batches(ahead)), handed=handed, places=places.places)
         else:
             epoch = self._worker_epoch(cached, seed_drawn=self.torch.seed_drawn(), handed=handed)
         return Work(epoch, finish, length=epoch.length, from_torch=not request.resumed,
