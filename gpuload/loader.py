@@ -40,6 +40,8 @@ from gpuload.resume import (
 from gpuload.sampling import DrawState, checked_batch_size, draws_in_range
 from gpuload.sources import Indices, RestOfEpoch, Schedule, Source, Work, runs_ahead
 from gpuload.sources.choose import choose_source
+from gpuload.sources.exchanged import serving
+from gpuload.sources.torch_fetch import EpochPlaces
 from gpuload.state_format import check_format
 from gpuload.stats import LoaderStats, Tally
 from gpuload.timeline import Timeline, resolve_steps
@@ -193,8 +195,8 @@ class DataLoader(tud.DataLoader[T_co]):
         self._timeline.new_epoch()
         if self._prefetcher is not None:  # no thread may still pull from the source's iterators
             self._prefetcher.stop_epoch(_NEW_EPOCH)
-        source = self._source
-        source.begin_epoch()
+        self._source.begin_epoch()  # decides the source's store: split over ranks, or its own
+        source = self._source = serving(self._source)
         self._stats.path = source.path
         map_style = self._draw.map_style
         self._in_range = map_style and draws_in_range(self.batch_sampler, len(cast(Sized, self.dataset)))
@@ -202,9 +204,8 @@ class DataLoader(tud.DataLoader[T_co]):
         position, draw, length = begin_epoch(self._draw, self._epoch, resume)
         self._position = position
         self._iterable_resume = resume if not map_style else None  # taken by _torch_epoch
-        rest = RestOfEpoch(position.places, position.after_cut()) if resume is not None else None
-        indices = Indices(self._epoch, draw, self._in_range, rest, copy_now=self._copy_now,
-                          handed_over=position.hand_over if not position.cuts else None)
+        rest = RestOfEpoch(position.after_cut()) if resume is not None else None
+        indices = Indices(self._epoch, draw, self._in_range, rest, copy_now=self._copy_now)
         epoch = Epoch()
         try:
             work, items, epoch = self._start(source.schedule(indices), "")
@@ -344,7 +345,22 @@ class DataLoader(tud.DataLoader[T_co]):
                 raise RuntimeError("the gpuload.DataLoader of this epoch was garbage-collected")
             return method()
 
-        return choose_source(self, self._draw, self._cache_settings, self._stats, self._transform_seed, epoch)
+        epoch_places = weakref.WeakMethod(self._epoch_places)
+
+        def places() -> EpochPlaces:
+            method = epoch_places()
+            return method() if method is not None else EpochPlaces()
+
+        return choose_source(self, self._draw, self._cache_settings, self._stats, self._transform_seed, epoch, places)
+
+    def _epoch_places(self) -> EpochPlaces:
+        """Where the batches of the epoch being started sit among its index batches, from its
+        position (torch's workers handing them over out of order note each): none to note once
+        its rest was cut at another batch size."""
+        position = self._position
+        if position is None or position.cuts:
+            return EpochPlaces()
+        return EpochPlaces(position.places, position.hand_over)
 
     def _torch_epoch(self) -> Iterator[Any]:
         """torch's own iterator for one epoch (fetch, collate, worker processes); for an iterable

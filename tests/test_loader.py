@@ -565,8 +565,8 @@ def test_a_source_whose_staging_changes_gets_a_new_prefetcher_and_keeps_its_coun
     first = loader._prefetcher
     assert first is not None and first.stage
     staged = first.stats.bytes_copied
-    schedule = type(loader._source).epoch  # the source's schedule, now unstaged
-    monkeypatch.setattr(type(loader._source), "epoch",
+    schedule = type(loader._source).schedule  # the source's schedule, now unstaged
+    monkeypatch.setattr(type(loader._source), "schedule",
                         lambda source, indices: dataclasses.replace(schedule(source, indices), staged=False))
     second_epoch = list(loader)
     assert loader._prefetcher is not first and not loader._prefetcher.stage

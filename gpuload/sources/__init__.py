@@ -18,14 +18,15 @@ dataset; ``SampleSource`` serves any) and answers the loader's questions: fill t
 how this epoch's work runs (``schedule``), report counters (``stats``), give memory back
 (``close``, or part of the device cache: ``shrink_cache``). The loader owns the epochs.
 
-Whether the data is split over ranks is decided once, where a source makes its store: a
-store split over ranks (``distributed.sharded_store.ShardedStore``) owns the exchange, and
-:meth:`Source.schedule` is the one place that serves it; a source's ``epoch`` has its own path
-only, and says in ``exchanged`` how a batch assembled from every rank's share becomes its batch.
-A source keeps whatever its decision chose in one slot (its own cache, its share split over ranks,
-or nothing), and the object held there says what the source reports of it (path, stats, close).
+A source knows nothing of ranks. When its store is split over ranks
+(``distributed.sharded_store.ShardedStore``, decided where the source makes its store), the
+loader serves it through :class:`~gpuload.sources.exchanged.Exchanged`, a wrapper source that
+runs the exchange and hands the rows it gathers to the source, which makes its batches of them
+(:meth:`Source.from_rows`) as of rows gathered anywhere. A source keeps whatever its decision
+chose in one slot (its own cache, its share of a store split over ranks, or nothing), and the
+object held there says what the source reports of it (path, stats, close).
 
-``Source.epoch`` answers with a :class:`Schedule`: whether the work may run ahead of the loop
+``Source.schedule`` answers with a :class:`Schedule`: whether the work may run ahead of the loop
 (and on a CPU device by default), whether the prefetcher stages its host batches, and how many
 batches it holds in flight. The loader decides from it, in one place (:func:`runs_ahead`),
 which thread runs the work, then starts it: a :class:`Work` splits it in two. ``items`` may run
@@ -46,12 +47,12 @@ from typing import Any
 import torch
 
 from gpuload.cache import CacheSettings, Store
-from gpuload.distributed.sharded_store import ShardedStore
 from gpuload.stats import LoaderStats
 from gpuload.transfer import Staging, staging_through
 
 __all__ = [
-    "DEFAULT_DEPTH", "Indices", "RestOfEpoch", "Schedule", "Setup", "Source", "Work", "ahead_on_device", "runs_ahead",
+    "DEFAULT_DEPTH", "FromRows", "Indices", "RestOfEpoch", "Schedule", "Setup", "Source", "Work", "ahead_on_device",
+    "runs_ahead",
 ]
 
 # Batches in flight when their size is unknown before the first one: double buffering, one
@@ -90,13 +91,11 @@ class Setup:
 class RestOfEpoch:
     """The part of an epoch that :attr:`Indices.draw` yields when the epoch is taken up mid-way
     (``load_state_dict``, or the rest of an epoch after ``set_batch_size``): only the batches
-    after that point. ``places``: each of them's place among the epoch's index batches (None:
-    they follow each other from there); ``cut``: ``(batches done, samples done, batch size)``
-    when they are the rest of the epoch's sample order from that sample cut at that size, so a
-    source that computes other ranks' batches (the sharded cache) cuts theirs alike (None: the
-    batches as the epoch's sampler cuts them)."""
+    after that point. ``cut``: ``(batches done, samples done, batch size)`` when they are the
+    rest of the epoch's sample order from that sample cut at that size, so whoever computes
+    other ranks' batches (the exchange) cuts theirs alike (None: the batches as the epoch's
+    sampler cuts them)."""
 
-    places: list[int] | None = None
     cut: tuple[int, int, int] | None = None
 
 
@@ -114,9 +113,8 @@ class Indices:
     beginning) makes batches from the drawn ones instead; None: the whole epoch.
     ``copy_now``: copies a host batch (or a prefetcher ``Fill``) to the device through the
     loader's staging in the caller's thread, for batches made in the loop's thread: the one
-    host-to-device path (``Prefetcher.copy_now``). ``handed_over(place)``: called in the loop's
-    thread for each batch a source hands over out of order (workers with ``in_order=False``),
-    so the position records which were done.
+    host-to-device path (``Prefetcher.copy_now``). What torch's own path needs beside (where
+    its workers' batches sit in the epoch) it gets from its ``TorchLoading``.
     """
 
     number: int
@@ -124,7 +122,6 @@ class Indices:
     in_range: bool = False
     rest: RestOfEpoch | None = None
     copy_now: Callable[[Any], Any] | None = None
-    handed_over: Callable[[int | None], None] | None = None
 
     @property
     def resumed(self) -> bool:
@@ -215,6 +212,17 @@ class Schedule:
     depth: int = DEFAULT_DEPTH
 
 
+@dataclass(frozen=True)
+class FromRows:
+    """How a source makes batches from rows gathered for it (:meth:`Source.from_rows`): ``made``
+    runs on each item where the rows are gathered (ahead of the loop when they are gathered
+    there; None: nothing to do there); ``finish`` runs in the loop's thread and gives
+    ``(batch, sample count)``, or None when the item holds nothing to deliver."""
+
+    finish: Callable[[Any], tuple[Any, int] | None]
+    made: Callable[[Any], Any] | None = None
+
+
 def runs_ahead(schedule: Schedule, device: torch.device, prefetch_depth: int | None) -> bool:
     """Whether an epoch's work runs in the prefetcher's thread, ahead of the loop: the one place
     that decides it.
@@ -247,9 +255,9 @@ class Source(ABC):
     #: loop's thread); the loader adds them to ``stats.bytes_h2d``. Only the thread making
     #: the items writes it.
     h2d_bytes: int = 0
-    #: Whether the exchange of a store split over ranks may run ahead of the loop where the
-    #: store allows it (gloo: ``ShardedStore.runs_ahead``); False: each step in the loop's thread.
-    exchange_ahead: bool = True
+    #: Whether rows gathered for this source elsewhere (:meth:`from_rows`) may be gathered ahead
+    #: of the loop, where whoever gathers them allows it; False: each batch's in the loop's thread.
+    rows_ahead: bool = True
 
     def __init__(self, setup: Setup) -> None:
         self.setup = setup
@@ -258,45 +266,17 @@ class Source(ABC):
         """Get ready for the next epoch: place the data or decide the cache the first time;
         later, give memory back if the model has grown into the reserve."""
 
+    @abstractmethod
     def schedule(self, indices: Indices) -> Schedule:
         """How this epoch's work runs, and how to start it (see :class:`Schedule`); called
-        after ``begin_epoch``. A store split over ranks makes every batch with the other ranks
-        (each step a collective, made on the device itself: not staged); else the source's own
-        :meth:`epoch`."""
-        store = self.cache_store()
-        if not isinstance(store, ShardedStore):
-            return self.epoch(indices)
-        setup = self.setup
+        after ``begin_epoch``."""
 
-        def start(ahead: bool) -> Work:
-            drawn = [torch.as_tensor(index, dtype=torch.long).reshape(-1) for index in indices.batches(ahead)]
-            cut = indices.rest.cut if indices.rest is not None else None
-            steps = store.epoch(setup.batch_sampler, drawn, position=cut, ahead=ahead,
-                                loop_wait_s=setup.stats.wait_time_s if self.exchange_ahead else 0.0,
-                                number=indices.number)
-            return self.exchanged(steps, indices.number, ahead)
-
-        # Double buffering: the exchange of the next batch while the loop computes this one.
-        return Schedule(start, ahead=self.exchange_ahead and store.runs_ahead, ahead_on_cpu=True, staged=False)
-
-    @abstractmethod
-    def epoch(self, indices: Indices) -> Schedule:
-        """This source's own work for an epoch (see :class:`Schedule`), when its store is not
-        split over ranks (:meth:`schedule` decides)."""
-
-    def exchanged(self, steps: Any, number: int, ahead: bool) -> Work:
-        """The work of epoch ``number`` whose batches come from every rank's share: ``steps``
-        yields each step's item (``ShardedStore.epoch``; ``steps.map`` applies a function
-        where they are made), and the loop's thread calls ``steps.handed_over()`` for each
-        batch it receives. Only a source whose store may be split over ranks has one."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no store split over ranks")
-
-    def exchange_stats(self) -> dict[str, Any]:
-        """``{"exchange": counters}`` of a store split over ranks once it exchanged, else ``{}``."""
-        store = self.cache_store()
-        if isinstance(store, ShardedStore) and store.exchange_stats.wait_s_per_epoch:
-            return {"exchange": store.describe_exchange(loop_wait_s=self.setup.stats.wait_time_s)}
-        return {}
+    def from_rows(self, number: int, ahead: bool) -> FromRows:
+        """How batches of epoch ``number`` are made from rows of this source's store gathered
+        elsewhere, one batch's rows per item (what a store split over ranks exchanges, served by
+        ``sources.exchanged.Exchanged``); ``ahead``: the rows are gathered in the prefetcher's
+        thread. Only a source whose store may hold a share of rows has one."""
+        raise NotImplementedError(f"{type(self).__name__} makes no batches from gathered rows")
 
     def warm(self, progress: bool) -> None:  # noqa: B027 - optional: a source without a cache keeps it
         """Fill the cache now, in one pass, without touching samplers or random generators."""

@@ -17,7 +17,7 @@ from gpuload.augment import BatchAugmenter, image_column
 from gpuload.cache import Store, TieredArrayStore
 from gpuload.cpu_threads import own_cpu_threads
 from gpuload.prefetch import default_depth
-from gpuload.sources import Indices, Schedule, Setup, Source, Work
+from gpuload.sources import FromRows, Indices, Schedule, Setup, Source, Work
 from gpuload.sources.placed_arrays import ArrayColumns, ResidentColumns, find_columns, raw_columns, same_arrays
 from gpuload.transfer import batch_length
 
@@ -105,7 +105,7 @@ class ArraySource(Source):
         self.close()  # the old placement and its cache hold the old arrays
         self.columns = columns
 
-    def epoch(self, indices: Indices) -> Schedule:
+    def schedule(self, indices: Indices) -> Schedule:
         """Host rows copied each batch (``cache="off"``, or tiers that leave rows in host memory)
         run ahead (on a CPU device too: ``cache="off"`` asks for the pinned staging); arrays on
         the device are served in place."""
@@ -145,15 +145,15 @@ class ArraySource(Source):
 
         return Work(fills, finish)
 
-    def exchanged(self, steps: Any, number: int, ahead: bool) -> Work:
-        """Each step's arrays built into the batch (and transformed) in the loop's thread."""
+    def from_rows(self, number: int, ahead: bool) -> FromRows:
+        """Each item's arrays (``(leaves, dataset indices)``) built into the batch (and
+        transformed) in the loop's thread."""
 
         def finish(item: tuple[list[torch.Tensor], torch.Tensor]) -> tuple[Any, int]:
-            steps.handed_over()
             leaves, flat = item
             return self._augmented(self.columns.build(leaves), flat, number), flat.numel()
 
-        return Work(steps, finish)
+        return FromRows(finish)
 
     def _augmented(self, batch: Any, flat: torch.Tensor, epoch: int) -> Any:
         if self.augment is None:
@@ -171,7 +171,7 @@ class ArraySource(Source):
         store = self.resident.store if self.resident is not None else None
         if store is None:
             return {}
-        return {"cache": store.stats.as_dict(), "cache_plan": store.plan.describe(), **self.exchange_stats()}
+        return {"cache": store.stats.as_dict(), "cache_plan": store.plan.describe()}
 
     def close(self) -> None:
         if self.resident is not None:

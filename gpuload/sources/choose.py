@@ -10,18 +10,21 @@ from gpuload.cache import CacheSettings
 from gpuload.sampling import DrawState
 from gpuload.sources import Setup, Source, arrays, arrow, images, packed, tokens
 from gpuload.sources.samples import SampleSource, TorchLoading
+from gpuload.sources.torch_fetch import EpochPlaces
 from gpuload.stats import LoaderStats
 
 __all__ = ["choose_source"]
 
 
 def choose_source(loader: Any, draw: DrawState, settings: CacheSettings, stats: LoaderStats, seed: int,
-                  torch_epoch: Callable[[], Iterator[Any]]) -> Source:
+                  torch_epoch: Callable[[], Iterator[Any]],
+                  epoch_places: Callable[[], EpochPlaces] = EpochPlaces) -> Source:
     """The Source for ``loader``'s dataset: token windows, in-memory arrays, Arrow tables
     (``ArrowTable``, ``Parquet``, ``datasets.Dataset``), else image files, else any dataset
     through torch's fetch, collate and workers (``torch_epoch``: the loader's own torch
-    iterator for one epoch). ``draw``, ``settings``, ``stats``, ``seed``: the loader's draw
-    state, cache settings, counters and transforms' seed."""
+    iterator for one epoch; ``epoch_places``: where the batches of the epoch being started sit
+    in it, for torch's workers handing them over out of order). ``draw``, ``settings``, ``stats``,
+    ``seed``: the loader's draw state, cache settings, counters and transforms' seed."""
     setup = Setup(
         dataset=loader.dataset, map_style=draw.map_style, device=loader.device,
         settings=settings, batched=draw.batched, batch_size=loader.batch_size,
@@ -47,5 +50,6 @@ def choose_source(loader: Any, draw: DrawState, settings: CacheSettings, stats: 
         "pin_memory_device": loader.pin_memory_device, "in_order": loader.in_order,
     }
     torch_loading = TorchLoading(torch_epoch, draw.index_sampler, loader.num_workers, options,
-                                 seed_drawn=lambda: draw.seed_drawn)  # keeps the draw state, not the loader
+                                 seed_drawn=lambda: draw.seed_drawn,  # keeps the draw state, not the loader
+                                 epoch_places=epoch_places)
     return SampleSource(setup, torch_loading)

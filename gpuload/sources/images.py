@@ -46,7 +46,7 @@ from gpuload.datasets.images import ImageSource, as_image_source
 from gpuload.decode import BatchDecoder, HeaderTable
 from gpuload.device import device_memory, host_memory
 from gpuload.distributed.sharded_images import ExchangedImages, ShardedImages, shard_images
-from gpuload.sources import Indices, Schedule, Setup, Source, Work, ahead_on_device
+from gpuload.sources import FromRows, Indices, Schedule, Setup, Source, Work, ahead_on_device
 from gpuload.sources.image_cache import CachedImages
 from gpuload.sources.image_decoding import DecodedBatch, ImageDecoding
 from gpuload.transfer import to_device
@@ -197,7 +197,6 @@ class ImageFileSource(ImageDecoding, Source):
         disk = self.disk.stats() if self.disk is not None else self._disk_summary
         if disk is not None:
             extra["cache"] = dict(extra.get("cache", {}), disk=disk)
-        extra.update(self.exchange_stats())
         return extra
 
     def cache_store(self) -> Store | None:
@@ -241,7 +240,7 @@ class ImageFileSource(ImageDecoding, Source):
 
     # -- an epoch ----------------------------------------------------------------------------
 
-    def epoch(self, indices: Indices) -> Schedule:
+    def schedule(self, indices: Indices) -> Schedule:
         """Decoding runs ahead (on a CPU device only when ``prefetch_depth`` asks)."""
         return Schedule(lambda ahead: self._work(indices, ahead), staged=False)
 
@@ -252,21 +251,15 @@ class ImageFileSource(ImageDecoding, Source):
             return Work((self.finish(d) for d in decoded), self._deliver)
         return Work(decoded, lambda d: self._deliver(self.finish(d)))
 
-    def exchanged(self, steps: Any, number: int, ahead: bool) -> Work:
-        """Batches whose images come from every rank's share (each step a collective, ahead of
-        the loop where the share's exchange may run ahead, on a CPU device too: each step waits
-        for other ranks); transforms as above."""
-
-        def delivered(finished: tuple[Any, int, dict[str, Any]]) -> tuple[Any, int] | None:
-            steps.handed_over()  # every step counts, a batch whose files were all skipped too
-            return self._deliver(finished)
-
+    def from_rows(self, number: int, ahead: bool) -> FromRows:
+        """Batches of whole decoded images gathered from a share of them; transforms as above
+        (ahead of the loop only on a GPU)."""
         if ahead_on_device(ahead, self.setup.device):
-            return Work(steps.map(lambda item: self.finish(self._exchanged(item, number))), delivered)
-        return Work(steps.map(lambda item: self._exchanged(item, number)), lambda d: delivered(self.finish(d)))
+            return FromRows(self._deliver, made=lambda item: self.finish(self._gathered(item, number)))
+        return FromRows(lambda d: self._deliver(self.finish(d)), made=lambda item: self._gathered(item, number))
 
-    def _exchanged(self, item: ExchangedImages, epoch: int) -> DecodedBatch:
-        """An exchanged batch as a decoded one (whole images), its skipped files counted."""
+    def _gathered(self, item: ExchangedImages, epoch: int) -> DecodedBatch:
+        """Gathered whole images as a decoded batch, its skipped files counted."""
         if item.skipped:
             self._note_skipped([(p, self.images.path(p), self._skip_reason(p, backend, reason))
                                 for p, backend, reason in item.skipped], epoch)

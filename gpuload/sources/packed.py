@@ -157,7 +157,7 @@ class PackedSource(Source):
         batch = {**dict(zip(made, moved[:-1])), "cu_seqlens": moved[-1], "max_seqlen": segments.max_seqlen}
         return batch, segments.rows
 
-    def epoch(self, indices: Indices) -> Schedule:
+    def schedule(self, indices: Indices) -> Schedule:
         """Batches are made in the loop's thread (see the module docstring)."""
         def start(ahead: bool) -> Work:
             return Work(indices.batches(False), lambda index: self._batch(indices, index))

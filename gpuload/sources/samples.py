@@ -36,7 +36,7 @@ from gpuload.cache.disk import Fingerprint
 from gpuload.cache.disk_tier import DiskRows
 from gpuload.distributed.sharded_samples import ShardedSamples, shard_samples
 from gpuload.resume import stateful
-from gpuload.sources import Indices, Schedule, Setup, Source, Work
+from gpuload.sources import FromRows, Indices, Schedule, Setup, Source, Work
 from gpuload.sources.sample_cache import CachedSamples
 from gpuload.sources.torch_fetch import (
     HandedOver,
@@ -58,7 +58,7 @@ __all__ = ["SampleSource", "TorchLoading"]
 class SampleSource(Source):
     """Batches of any dataset: from the sample cache when it serves, else from torch's iterator."""
 
-    exchange_ahead = False  # a share's exchange runs in the loop's thread, each batch a collective
+    rows_ahead = False  # rows gathered from a share (each batch a collective) come in the loop's thread
 
     def __init__(self, setup: Setup, torch_loading: TorchLoading) -> None:
         super().__init__(setup)
@@ -139,16 +139,16 @@ class SampleSource(Source):
             held.begin_epoch(self.setup.settings.keepable)
         self.path = held.path if held is not None else "torch"
 
-    def epoch(self, indices: Indices) -> Schedule:
+    def schedule(self, indices: Indices) -> Schedule:
         """Runs ahead on a GPU (or with ``prefetch_depth``), except a stateful iterable dataset,
         whose own state must be the position of the batches handed to the loop (``state_dict``),
-        (nor does the exchange of a share split over ranks: ``exchange_ahead``)."""
+        (nor are rows gathered for it from a share: ``rows_ahead``)."""
         may_run_ahead = self.setup.map_style or not stateful(self.setup.dataset)
         return Schedule(lambda ahead: self._work(indices, ahead), ahead=may_run_ahead)
 
     def _work(self, request: Indices, ahead: bool) -> Work:
         cached = self.held
-        assert not isinstance(cached, ShardedSamples)  # a share split over ranks is served by exchanged()
+        assert not isinstance(cached, ShardedSamples)  # a share's batches are made from_rows()
         finish: Callable[[Any], Any] = self._passed if ahead else (lambda batch: self._moved(batch, request.copy_now))
         if not self.setup.map_style:
             batches = self.torch.iterate()  # an iterable dataset: torch's own iterator, workers included
@@ -162,12 +162,12 @@ class SampleSource(Source):
                 return Work(cached.batches(indices, request.in_range, whole=not request.resumed), finish)
             return Work(self._fetched(indices), finish)
         handed: deque[int | None] | None = None
-        if not self.torch.options.get("in_order", True) and request.handed_over is not None:
+        places = self.torch.epoch_places()
+        if not self.torch.options.get("in_order", True) and places.note is not None:
             handed = deque()  # each batch's place, queued as it leaves torch's iterator (HandedOver)
-            finish = self._noting_places(finish, handed, request.handed_over)
+            finish = self._noting_places(finish, handed, places.note)
         if request.resumed:
-            places = request.rest.places if request.rest is not None else None
-            epoch = self._worker_epoch(cached, list(request.batches(ahead)), handed=handed, places=places)
+            epoch = self._worker_epoch(cached, list(request.batches(ahead)), handed=handed, places=places.places)
         else:
             epoch = self._worker_epoch(cached, seed_drawn=self.torch.seed_drawn(), handed=handed)
         return Work(epoch, finish, length=epoch.length, from_torch=not request.resumed,
@@ -183,17 +183,17 @@ class SampleSource(Source):
             return finish(batch)
         return noted
 
-    def exchanged(self, steps: Any, number: int, ahead: bool) -> Work:
-        """Batches assembled from every rank's share, rebuilt as ``default_collate`` gives them."""
+    def from_rows(self, number: int, ahead: bool) -> FromRows:
+        """Batches of columns gathered from the share held, rebuilt as ``default_collate`` gives them."""
         share = self.held
-        assert isinstance(share, ShardedSamples)  # Source.schedule exchanges only a share split over ranks
+        if not isinstance(share, ShardedSamples):
+            raise TypeError(f"{type(self).__name__} holds no share of samples to make batches of rows from")
 
         def finish(item: tuple[list[torch.Tensor], torch.Tensor]) -> tuple[Any, int]:
             rows, flat = item
-            self.setup.stats.extra["exchange"] = share.store.describe_exchange()
             return share.batch(rows), flat.numel()
 
-        return Work(steps, finish)
+        return FromRows(finish)
 
     def _fetched(self, indices: Iterator[Any]) -> Iterator[Any]:
         return PerBatch(indices, self._read_batch)

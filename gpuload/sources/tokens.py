@@ -266,7 +266,7 @@ class TokenSource(Source):
 
         return Fill(TensorSpec((flat.numel(),), buffer.dtype), gather_into)
 
-    def epoch(self, indices: Indices) -> Schedule:
+    def schedule(self, indices: Indices) -> Schedule:
         """Host buffers run ahead, their windows staged (on a CPU device only when
         ``prefetch_depth`` asks: in place there); the device tier is served in the loop."""
         row = (self.dataset.seq_len + 1) * (self.buffer.element_size() if self.buffer is not None else 8)

@@ -25,8 +25,8 @@ from torch.utils.data.dataloader import DataLoader as TorchDataLoader
 from gpuload.cache.columns import Part, prepare
 from gpuload.timeline import stage
 
-__all__ = ["HandedOver", "KeepSamples", "PerBatch", "RecordingSampler", "TorchBatches", "TorchLoading", "WorkerBatches",
-           "add_note", "fetch", "is_default_collate", "read_prepared"]
+__all__ = ["EpochPlaces", "HandedOver", "KeepSamples", "PerBatch", "RecordingSampler", "TorchBatches", "TorchLoading",
+           "WorkerBatches", "add_note", "fetch", "is_default_collate", "read_prepared"]
 
 
 class KeepSamples:
@@ -96,6 +96,19 @@ def read_prepared(
 
 
 @dataclass(frozen=True)
+class EpochPlaces:
+    """Where the batches of the epoch being started sit among its index batches, for torch's
+    workers handing them over as they finish (``in_order=False``): ``places``, each remaining
+    batch's place when the epoch is taken up mid-way (None: they follow each other from the
+    first); ``note(place)``, called in the loop's thread with the place of each batch handed
+    over, so the loader's position records which were done (None: nothing to note, the rest of
+    the epoch was cut at another batch size)."""
+
+    places: list[int] | None = None
+    note: Callable[[int | None], None] | None = None
+
+
+@dataclass(frozen=True)
 class TorchLoading:
     """torch's own loading of the loader's dataset: the loader's torch iterator for one epoch
     (``iterate``), and what it takes to build a private torch DataLoader that runs the same
@@ -103,13 +116,16 @@ class TorchLoading:
     multiprocessing_context, timeout, prefetch_factor, persistent_workers, pin_memory,
     pin_memory_device, in_order, generator). ``seed_drawn()``: whether the persistent workers'
     base seed was drawn already in this run (torch draws it once, when its persistent iterator
-    is first made; a resumed run must not again): the loader's draw state says."""
+    is first made; a resumed run must not again): the loader's draw state says.
+    ``epoch_places()``: the :class:`EpochPlaces` of the epoch being started (the loader's position
+    says)."""
 
     iterate: Callable[[], Iterator[Any]]
     index_sampler: Any
     num_workers: int
     options: dict[str, Any] = field(default_factory=dict)
     seed_drawn: Callable[[], bool] = lambda: False
+    epoch_places: Callable[[], EpochPlaces] = EpochPlaces
 
 
 class TorchBatches(Iterator[Any]):

@@ -1,10 +1,12 @@
 """Rank 0 of a pretended two-rank world in this process, without a process group: the split's
 setup collectives (``all_gather`` on the control group) answered for the other rank, and
 stand-ins for the exchange's groups. For the failure branches a rank meets when a peer read
-otherwise, disagrees or died, which the gloo jobs cannot stage at a chosen point."""
+otherwise, disagrees or died, which the gloo jobs cannot stage at a chosen point. And
+:class:`Wire`: the exchange's collective between ranks run as threads of this process."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +17,7 @@ from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from gpuload.distributed import DistributedContext, sharded_store
+from gpuload.distributed.sharded_store import ShardedStore
 
 WORLD = 2
 CONTEXT = DistributedContext(rank=0, world_size=WORLD, local_world_size=WORLD, backend="gloo")
@@ -51,3 +54,30 @@ class FakePeers:
             raise answer
         everyone[0].copy_(mine)
         everyone[1].copy_(mine if answer is None else answer(mine.clone()))
+
+
+class Wire:
+    """``all_to_all_single`` between the ranks of one process: each posts its outgoing bytes and
+    splits, and takes its part of every other rank's once all have posted: the ranks of one
+    process in threads, without a process group (the gloo jobs run the real collective)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.posted: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        self.barrier = threading.Barrier(world)
+
+    def connect(self, store: ShardedStore, rank: int) -> None:
+        def swap(received, outgoing, recv_splits, send_splits, header) -> None:
+            self.posted[rank] = (outgoing, send_splits)
+            self.barrier.wait(timeout=10)
+            parts = []
+            for peer in range(self.world):
+                data, splits = self.posted[peer]
+                begin = sum(splits[:rank])
+                parts.append(data[begin : begin + splits[rank]])
+                assert splits[rank] == recv_splits[peer]
+            received.copy_(torch.cat(parts))
+            self.barrier.wait(timeout=10)
+
+        store._swap = swap
+        store._check_peers = lambda plan, header: None

@@ -33,38 +33,13 @@ import fake_peers
 N, WORLD = 37, 2
 
 
-class _Wire:
-    """``all_to_all_single`` between the ranks of one process: each posts its outgoing bytes and
-    splits, and takes its part of every other rank's once all have posted."""
-
-    def __init__(self) -> None:
-        self.posted: dict[int, tuple[torch.Tensor, list[int]]] = {}
-        self.barrier = threading.Barrier(WORLD)
-
-    def connect(self, store: ShardedStore, rank: int) -> None:
-        def swap(received, outgoing, recv_splits, send_splits, header) -> None:
-            self.posted[rank] = (outgoing, send_splits)
-            self.barrier.wait(timeout=10)
-            parts = []
-            for peer in range(WORLD):
-                data, splits = self.posted[peer]
-                begin = sum(splits[:rank])
-                parts.append(data[begin : begin + splits[rank]])
-                assert splits[rank] == recv_splits[peer]
-            received.copy_(torch.cat(parts))
-            self.barrier.wait(timeout=10)
-
-        store._swap = swap
-        store._check_peers = lambda plan, header: None
-
-
 def _plan(rank: int, bytes_per_sample: int) -> ShardPlan:
     return ShardPlan(ScopeDecision("world", "world", WORLD, "a test"), Partition(N, WORLD, WORLD), rank,
                      bytes_per_sample, "cpu")
 
 
 def _run(stores: list[ShardedStore], batches: list[torch.Tensor]) -> list[Any]:
-    wire, found = _Wire(), [None] * WORLD
+    wire, found = fake_peers.Wire(WORLD), [None] * WORLD
     for rank, store in enumerate(stores):
         wire.connect(store, rank)
 

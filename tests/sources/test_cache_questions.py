@@ -10,6 +10,7 @@ from store_cases import sample_cache_case, sharded_images_case
 
 from gpuload.sources import Indices, Schedule, Source
 from gpuload.sources.arrays import ArraySource
+from gpuload.sources.exchanged import Exchanged, serving
 from gpuload.sources.images import ImageFileSource
 from gpuload.sources.samples import SampleSource
 
@@ -22,12 +23,15 @@ def test_no_source_answers_the_cache_questions_itself():
             assert getattr(source, question) is getattr(Source, question), (source.__name__, question)
 
 
-def test_no_source_chooses_between_its_epoch_and_the_exchange_itself():
-    """The choice is made once, from the store (``Source.schedule``): a source's ``epoch`` is its
-    own path only, and says how an exchanged batch becomes its batch in ``exchanged``."""
+def test_no_source_knows_it_is_split_or_exchanges_itself():
+    """The exchange is served by one wrapper (``sources.exchanged.Exchanged``): no source, nor the
+    contract, chooses between its own path and the exchange; a source only says how a batch is
+    made of rows gathered for it (``from_rows``)."""
+    assert getattr(Source.schedule, "__isabstractmethod__", False)
+    for source in (Source, *SOURCES):
+        assert not hasattr(source, "exchanged") and not hasattr(source, "exchange_stats"), source.__name__
     for source in SOURCES:
-        assert source.schedule is Source.schedule, source.__name__
-        assert source.exchanged is not Source.exchanged, source.__name__
+        assert source.from_rows is not Source.from_rows, source.__name__
 
 
 class _Serving(Source):
@@ -40,7 +44,7 @@ class _Serving(Source):
     def cache_store(self):
         return self._store
 
-    def epoch(self, request):
+    def schedule(self, indices):
         return Schedule(lambda ahead: ("own epoch", ahead))
 
     def stats(self):
@@ -69,11 +73,15 @@ def test_a_cache_on_the_loaders_device_counts_and_shrinks():
 def test_a_share_is_served_by_the_exchange_and_any_other_store_by_the_sources_own_epoch():
     indices = Indices(0, lambda: iter([]))
     case = sharded_images_case()
-    exchange = _Serving(case.store).schedule(indices)
-    assert not exchange.staged and exchange.ahead_on_cpu and exchange.ahead == case.store.runs_ahead
+    exchange = serving(_Serving(case.store))
+    assert isinstance(exchange, Exchanged)
+    schedule = exchange.schedule(indices)
+    assert not schedule.staged and schedule.ahead_on_cpu and schedule.ahead == case.store.runs_ahead
     in_the_loop = _Serving(case.store)
-    in_the_loop.exchange_ahead = False  # a source whose exchange stays in the loop's thread
-    assert not in_the_loop.schedule(indices).ahead
+    in_the_loop.rows_ahead = False  # a source whose rows are gathered in the loop's thread
+    assert not serving(in_the_loop).schedule(indices).ahead
     case.store.close()
     for store in (sample_cache_case().store, None):
-        assert _Serving(store).schedule(indices).start(True) == ("own epoch", True)
+        source = _Serving(store)
+        assert serving(source) is source
+        assert source.schedule(indices).start(True) == ("own epoch", True)
