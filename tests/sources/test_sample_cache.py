@@ -63,6 +63,13 @@ class _Numbers(torch.utils.data.Dataset):
         return torch.full((3,), float(i)), i
 
 
+def _a_job_that_ends(loader) -> None:
+    """One epoch of ``loader``, then its end (``close()``, as at a job's exit): the disk tier's
+    blocks, published behind the loop, are all listed before the next job opens the entry."""
+    list(loader)
+    loader.close()
+
+
 def _assert_same_epochs(loader, reference, epochs: int = 2) -> None:
     for _ in range(epochs):
         for got, want in zip(loader, reference, strict=True):
@@ -75,7 +82,7 @@ def test_a_sample_drawn_twice_in_a_batch_is_stored_once_and_batches_equal_torch(
     sampler = [0, 0, 1, 2, 3, 3, 4, 5]
     options = {"cache_dir": tmp_path / "c"} if from_disk else {}
     if from_disk:  # a first job publishes every sample on disk: this one reads them from there
-        list(gpuload.DataLoader(_Numbers(), batch_size=4, cache="host", **options))
+        _a_job_that_ends(gpuload.DataLoader(_Numbers(), batch_size=4, cache="host", **options))
     loader = gpuload.DataLoader(_Numbers(), batch_size=2, sampler=sampler, cache="host", **options)
     _assert_same_epochs(loader, torch.utils.data.DataLoader(_Numbers(), batch_size=2, sampler=sampler))
     cache = loader.stats.extra["cache"]
@@ -121,7 +128,7 @@ def test_rows_from_disk_that_do_not_fit_the_stored_columns_give_torchs_batch(tmp
     import gpuload.cache.disk_tier as disk_tier
 
     monkeypatch.setattr(disk_tier, "BLOCK_BYTES", 3 * 24)  # blocks of 3 rows (of 24 bytes): rows 0-2 publish
-    list(gpuload.DataLoader(_TwoDtypes(), batch_size=4, cache="host", cache_dir=tmp_path / "c"))
+    _a_job_that_ends(gpuload.DataLoader(_TwoDtypes(), batch_size=4, cache="host", cache_dir=tmp_path / "c"))
     sampler = [4, 5, 6, 7, 4, 0, 5, 1]
     loader = gpuload.DataLoader(_TwoDtypes(), batch_size=4, sampler=sampler, cache="host", cache_size=128,
                                 cache_dir=tmp_path / "c")  # full after the first batch
