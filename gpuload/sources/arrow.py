@@ -89,4 +89,4 @@ class ArrowSource(ArraySource):
             )
 
     def _augmented(self, batch: Any, flat: torch.Tensor, epoch: int) -> Any:
-        return self.table.batch(batch, flat, self.setup.device)
+        return self.table.batch(batch, flat, self.setup.device, self.setup.staging)

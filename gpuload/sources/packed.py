@@ -94,7 +94,8 @@ class PackedSource(Source):
         """Serve from a one-row store placed by ``plan``; the host keeps serving when its device
         tier does not hold the buffer (a fallback the store warned of)."""
         tokens = signed_view(self.dataset.tokens())
-        self.store = TieredArrayStore(tokens.view(1, -1), plan, self.setup.device, owner=self.setup.owner)
+        self.store = TieredArrayStore(tokens.view(1, -1), plan, self.setup.device, owner=self.setup.owner,
+                                      staging=self.setup.staging)
         if self.store.whole_on_device() is None:
             self.store.close()
             self.store = None
@@ -127,13 +128,13 @@ class PackedSource(Source):
         count, seq_len, pad_id = segments.rows, dataset.seq_len, dataset.pad_id
         on_device = store.whole_on_device() if store is not None else None
         if on_device is not None:
-            table, cu_seqlens = to_device([table, cu_seqlens], device)
+            table, cu_seqlens = to_device([table, cu_seqlens], device, self.setup.staging)
             self.index_bytes += segments.table.nbytes + segments.cu_seqlens.nbytes
             made = gather_rows(on_device[0].view(-1), dataset.token_dtype, table, cu_seqlens, count, seq_len, pad_id)
         else:
             made = gather_rows(host, dataset.token_dtype, table, cu_seqlens, count, seq_len, pad_id)
             if device.type != "cpu":  # through the loader's staging, which counts the bytes
-                copy = request.copy_now or (lambda tensors: to_device(tensors, device))
+                copy = request.copy_now or (lambda tensors: to_device(tensors, device, self.setup.staging))
                 moved = copy([*made.values(), cu_seqlens])
                 made, cu_seqlens = dict(zip(made, moved[:-1])), moved[-1]
         batch: dict[str, Any] = {**made, "cu_seqlens": cu_seqlens, "max_seqlen": segments.max_seqlen}
