@@ -12,26 +12,30 @@ stand-in for CUDA, for what the prefetcher does with the copies it is handed.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from store_cases import columns, planned
 from test_prefetch import DeviceTensor, FakeCuda, fake_cuda  # noqa: F401 - the fixture this file extends
-from torch.utils.data import default_collate
+from torch.utils.data import TensorDataset, default_collate
 
 import gpuload.prefetch as prefetch
 from gpuload import transforms as T
-from gpuload.cache import TieredArrayStore
+from gpuload.cache import CacheSettings, TieredArrayStore
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.columns import ColumnStore, prepare
 from gpuload.decode.batch import BatchDecoder
 from gpuload.prefetch import Prefetcher
-from gpuload.sources import Work
+from gpuload.sources import Indices, Setup, Work
+from gpuload.stats import LoaderStats
 from gpuload.transfer import Staging, to_device
 from gpuload.transforms import batched
 from gpuload.transforms.params import sample_params
 
 META = torch.device("meta")
+THREAD_LOCAL = ("threading", "local")
 
 
 class Watch:
@@ -359,3 +363,127 @@ def test_a_slot_is_refilled_only_after_its_previous_copy_is_done(staged_cuda) ->
         assert copies[batch - 1] < wait < copies[batch]
         assert log[wait][1] is slot_event(batch - 2)
     prefetcher.close()
+
+
+# ---------------------------------------------------------------------- one staging, handed on
+
+
+class _Samples(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.arange(3, dtype=torch.float32) + index, index
+
+
+def _setup(dataset: Any, staging: Staging, tmp_path: Path, transforms: list | None = None) -> Setup:
+    """A source's setup bound for META, whose loader's staging is ``staging``."""
+    settings = CacheSettings.resolve(environ={}, cwd=tmp_path)
+    return Setup(dataset=dataset, map_style=True, device=META, settings=settings, batched=True, batch_size=4,
+                 collate_fn=default_collate, stats=LoaderStats(), owner="staged", transforms=transforms,
+                 staging=staging)
+
+
+@pytest.mark.parametrize("ops", [None, [T.RandomCrop(6, padding=1), T.RandomHorizontalFlip()]],
+                         ids=["gathered", "transformed"])
+def test_every_copy_an_array_epoch_makes_goes_through_the_staging_its_source_was_handed(
+    watch: Watch, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ops: list | None,
+) -> None:
+    """In-memory arrays on the device (META stands in), an epoch made in the loop's thread: each
+    batch's gather indices, and the transforms' windows and flip tables, reach the device
+    through the staging of the source's setup (the loader's), none by another route."""
+    from gpuload.device import MemoryInfo
+    from gpuload.sources import arrays, placed_arrays
+
+    monkeypatch.setattr(placed_arrays, "device_memory", lambda device: MemoryInfo(free=1 << 32, total=1 << 33))
+    images = torch.randint(0, 256, (16, 3, 8, 8), dtype=torch.uint8)
+    source = arrays.detect(_setup(TensorDataset(images, torch.arange(16)), watch.staging, tmp_path, ops))
+    assert source is not None
+    source.begin_epoch()
+    watch.bypassed.clear()  # placing the arrays on the device: once, when the store is made, not per batch
+    batches = [torch.tensor([5, 1, 9, 2]), torch.arange(4)]
+    work = source.schedule(Indices(0, lambda: iter(batches))).start(False)
+    for item in work.items:
+        before = watch.copies
+        made = work.finish(item)
+        assert made is not None and [leaf.device for leaf in made[0]] == [META, META]
+        assert watch.copies >= before + (3 if ops else 1)  # the indices; with ops, base and flip tables too
+    assert watch.bypassed == []
+    source.close()
+
+
+def test_every_copy_a_sample_cache_on_the_device_makes_goes_through_the_staging_it_was_handed(
+    watch: Watch, tmp_path: Path,
+) -> None:
+    """The sample cache's device tier (META stands in), filling, serving and merging cached rows
+    with samples read now: every write, gather index and merged row goes through the staging
+    of the source's setup (the loader's)."""
+    from gpuload.cache import CacheDecision
+    from gpuload.sources.sample_cache import CachedSamples
+
+    decision = CacheDecision("device", "samples", 1 << 20, "test")
+    cached = CachedSamples(_setup(_Samples(), watch.staging, tmp_path), decision)
+    assert cached.store.staging is watch.staging
+    for keys in ([0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3], [8, 1, 9, 4]):  # filled, filled, served, merged
+        before = watch.copies
+        batch = cached.batch(torch.tensor(keys), in_range=True)
+        assert [leaf.device for leaf in batch] == [META, META] and watch.copies > before
+    assert cached.store.stats.hits == 4 + 2 and watch.bypassed == []
+    cached.close()
+
+
+def test_a_loader_hands_its_one_staging_to_its_source_and_to_each_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader's copy route (``DataLoader._staging``: its prefetcher's, None on a CPU device)
+    is the one its source's setup carries and each epoch holds."""
+    import gpuload
+    from gpuload.loader import DataLoader
+
+    route = Staging(lambda tensors: tensors)
+    monkeypatch.setattr(DataLoader, "_staging", lambda self: route)
+    loader = gpuload.DataLoader(TensorDataset(torch.arange(8)), batch_size=4, device="cpu")
+    assert loader._source.setup.staging is route
+    first = iter(loader)
+    assert first.epoch.staging is route and iter(loader).epoch.staging is route
+    loader.close()
+
+
+def test_every_copy_in_gpuload_names_its_staging_and_no_thread_holds_one() -> None:
+    """A reader of any ``to_device``/``move_staged`` call sees the staging it copies through: an
+    argument that is not a literal None (the route outside a loader is chosen by the caller that
+    holds None, never found); and no module keeps a copy route in a thread-local."""
+    import ast
+
+    import gpuload
+
+    root = Path(gpuload.__file__).parent
+    calls, unnamed, thread_locals = 0, [], []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        assert "staging_through" not in text and "_in_force" not in text, path
+        for node in ast.walk(ast.parse(text)):
+            local = isinstance(node, ast.Attribute) and (getattr(node.value, "id", None), node.attr) == THREAD_LOCAL
+            if local:
+                thread_locals.append(path.relative_to(root).as_posix())
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if name not in ("to_device", "move_staged"):
+                continue
+            calls += 1
+            staging = node.args[2] if len(node.args) > 2 else next(
+                (keyword.value for keyword in node.keywords if keyword.arg == "staging"), None)
+            if staging is None or (isinstance(staging, ast.Constant) and staging.value is None):
+                unnamed.append(f"{path.relative_to(root).as_posix()}:{node.lineno}")
+    assert calls >= 30  # every call site was seen: the transforms, caches, sources, decoder, exchange
+    assert unnamed == []
+    assert thread_locals == ["timeline.py"]  # the timeline's stage clock, which copies nothing
+
+
+@pytest.mark.gpu
+def test_gpu_an_epoch_holds_the_staging_its_source_copies_through() -> None:
+    import gpuload
+
+    loader = gpuload.DataLoader(TensorDataset(torch.arange(8)), batch_size=4, device="cuda")
+    epoch = iter(loader).epoch
+    assert epoch.staging is not None and epoch.staging is loader._source.setup.staging
+    loader.close()
