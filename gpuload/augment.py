@@ -15,6 +15,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gpuload.cpu_threads import own_cpu_threads
+from gpuload.transfer import Staging
 from gpuload.transforms import transform_batch, validate_pipeline
 from gpuload.transforms.windows import Window, decode_windows, starts_with_crop
 
@@ -36,10 +37,13 @@ def image_column(columns: Sequence[torch.Tensor]) -> int:
 
 
 class BatchAugmenter:
-    """Applies a validated transform list to one leaf of each batch, recording the backend."""
+    """Applies a validated transform list to one leaf of each batch, recording the backend;
+    host images and per-batch tables reach ``device`` through ``staging`` (the loader's)."""
 
-    def __init__(self, ops: Sequence[Any], seed: int, device: torch.device, leaf: int) -> None:
+    def __init__(self, ops: Sequence[Any], seed: int, device: torch.device, leaf: int,
+                 staging: Staging | None) -> None:
         self.ops = validate_pipeline(ops)
+        self.staging = staging
         self.seed = seed
         self.device = device
         self.leaf = leaf
@@ -51,7 +55,7 @@ class BatchAugmenter:
         images = leaves[self.leaf] if batched else leaves[self.leaf].unsqueeze(0)
         with own_cpu_threads(self.device):  # no more threads than the free CPUs (gpuload.cpu_threads)
             out, self.backend = transform_batch(
-                self.ops, images, self.seed, epoch, indices.view(-1), device=self.device
+                self.ops, images, self.seed, epoch, indices.view(-1), device=self.device, staging=self.staging,
             )
         leaves[self.leaf] = out if batched else out[0]
         return tree_unflatten(leaves, spec)
@@ -76,6 +80,6 @@ class BatchAugmenter:
         with own_cpu_threads(self.device):
             out, self.backend = transform_batch(
                 self.ops, images, self.seed, epoch, indices, device=self.device,
-                windows=windows, image_sizes=image_sizes,
+                windows=windows, image_sizes=image_sizes, staging=self.staging,
             )
         return out

@@ -45,6 +45,7 @@ from gpuload.sources.torch_fetch import EpochPlaces
 from gpuload.state_format import check_format
 from gpuload.stats import LoaderStats, Tally
 from gpuload.timeline import Timeline, resolve_steps
+from gpuload.transfer import Staging
 
 __all__ = ["OPTIONS", "DataLoader"]
 
@@ -351,7 +352,8 @@ class DataLoader(tud.DataLoader[T_co]):
             method = epoch_places()
             return method() if method is not None else EpochPlaces()
 
-        return choose_source(self, self._draw, self._cache_settings, self._stats, self._transform_seed, epoch, places)
+        return choose_source(self, self._draw, self._cache_settings, self._stats, self._transform_seed, epoch, places,
+                             self._staging())
 
     def _epoch_places(self) -> EpochPlaces:
         """Where the batches of the epoch being started sit among its index batches, from its
@@ -361,6 +363,22 @@ class DataLoader(tud.DataLoader[T_co]):
         if position is None or position.cuts:
             return EpochPlaces()
         return EpochPlaces(position.places, position.hand_over)
+
+    def _staging(self) -> Staging | None:
+        """This loader's copy route to the device for its source and epochs: its prefetcher's
+        pinned slots and side stream (``Prefetcher.staging``; the prefetcher in place when a copy
+        is made, one per loader); None on a CPU device, where nothing is copied."""
+        if self.device.type != "cuda":
+            return None
+        copies = weakref.WeakMethod(self._copies)  # the source must not keep the loader alive
+
+        def copy(item: Any) -> Any:
+            method = copies()
+            if method is None:
+                raise RuntimeError("the gpuload.DataLoader of this batch was garbage-collected")
+            return method().copy_now(item, counted=False)
+
+        return Staging(copy)
 
     def _torch_epoch(self) -> Iterator[Any]:
         """torch's own iterator for one epoch (fetch, collate, worker processes); for an iterable
@@ -373,14 +391,14 @@ class DataLoader(tud.DataLoader[T_co]):
     def _start(self, schedule: Schedule, stopping: str) -> tuple[Work, Iterator[Any], Epoch]:
         """Start ``schedule``'s work in the thread :func:`runs_ahead` picks (ahead: through this
         loader's prefetcher, one side stream per loader), and its :class:`Epoch`: the stop token
-        and, on CUDA, the staging through that prefetcher; ``stopping``: what stops the
+        and, on CUDA, the loader's staging (its source's); ``stopping``: what stops the
         prefetcher's epoch in progress first (empty: none runs)."""
         ahead = runs_ahead(schedule, self.device, self.prefetch_depth)
         if stopping and self._prefetcher is not None:
             self._prefetcher.stop_epoch(stopping)
         prefetcher = self._place_prefetcher(schedule) if ahead else None
-        epoch = Epoch(self._copies().staging if self.device.type == "cuda" else None)
-        work = self._open.note(schedule.start(ahead), epoch).in_staging(epoch.staging, ahead)
+        epoch = Epoch(self._source.setup.staging)
+        work = self._open.note(schedule.start(ahead), epoch)
         if prefetcher is None:
             return work, work.items, epoch
         return work, prefetcher.epoch(work.items, epoch), epoch

@@ -42,7 +42,7 @@ from gpuload.cache.budget import format_bytes
 from gpuload.device import host_memory, new_side_stream, resolve_device
 from gpuload.epoch import Epoch, EpochStoppedError, one_epoch_at_a_time
 from gpuload.timeline import begin_batch, end_batch, hand_over, stage
-from gpuload.transfer import Staging, map_leaves, staging_through
+from gpuload.transfer import Staging, map_leaves
 
 __all__ = [
     "Prefetcher",
@@ -382,9 +382,9 @@ def _work(
     It works ``inside`` the epoch throughout, so a ``close()`` waits for it, or leaves what it
     uses to be closed when it leaves.
     On CUDA the side stream is this thread's current stream throughout, so whatever device work
-    the source does (and its cleanup) is ordered before the event each delivery carries, and
-    the host tensors it puts on the device itself go through the epoch's staging (else the
-    prefetcher's own), put in force in this thread for ``gpuload.transfer.to_device``.
+    the source does (and its cleanup) is ordered before the event each delivery carries; the
+    host tensors it puts on the device itself go through the staging it was built with (the
+    loader's: ``Setup.staging``, which its calls of ``gpuload.transfer.to_device`` name).
     """
     with epoch.inside():  # the last of the epoch's threads to leave closes what close() left to it
         outcome: Any = _END
@@ -394,7 +394,6 @@ def _work(
             if ring.cuda:
                 torch.cuda.set_device(ring.device)
                 on_side_stream.enter_context(torch.cuda.stream(ring.stream))
-                on_side_stream.enter_context(staging_through(epoch.staging or owner.staging))
             while not epoch.stopped.is_set():
                 if not tokens.acquire(timeout=_POLL_S):
                     continue

@@ -2,24 +2,20 @@
 and the :class:`Staging`, the route small per-batch host tensors reach the device by.
 
 Every per-batch host-to-device copy goes through one path: the loader's prefetcher (its pinned
-slots and side stream, ``Prefetcher.copy_now``), held by each epoch as its :class:`Staging`
-(``gpuload.epoch.Epoch.staging``). A caller that holds it passes it to :func:`to_device`
-(``staging=``). The prefetcher's thread, and the loop's thread while it makes a batch itself
-(``prefetch_depth=0``), also put the epoch's staging in force in the thread
-(:func:`staging_through`), for code deep inside a batch (the sample cache writing its device
-columns, the transforms' parameter tables) that is not handed it yet.
-Outside a loader (a transform called by hand) the tensors go in one non-blocking copy from a
-pinned buffer on the current stream; either way no copy waits for the stream (a copy from
-pageable memory would: a host sync every batch).
+slots and side stream, ``Prefetcher.copy_now``), its :class:`Staging`. The loader hands it to
+its source (``Setup.staging``) and to each epoch (``gpuload.epoch.Epoch.staging``); every call
+of :func:`to_device` and :func:`move_staged` names the staging it copies through, whether
+handed down as an argument or held by the object that was built with it (a cache store, a
+source). None (outside a loader: a transform called by hand, a cache filled by ``warm()``):
+the tensors go in one non-blocking copy from a pinned buffer on the current stream. Either way
+no copy waits for the stream (a copy from pageable memory would: a host sync every batch).
 """
 
 from __future__ import annotations
 
 import collections.abc
-import contextlib
 import copy
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,11 +23,10 @@ import torch
 
 __all__ = [
     "map_leaves", "move_to_device", "move_staged", "batch_nbytes", "batch_length", "to_device", "Staging",
-    "staging_through", "pack", "unpack", "pinned_host_copies",
+    "pack", "unpack", "pinned_host_copies",
 ]
 
 _ALIGN = 16  # bytes: every dtype's view of a packed buffer stays aligned
-_in_force = threading.local()  # .staging: the Staging of the epoch whose batch this thread makes
 
 
 @dataclass(frozen=True)
@@ -120,16 +115,15 @@ def batch_length(data: Any) -> int:
 
 
 def to_device(
-    tensors: Sequence[torch.Tensor], device: torch.device, keep_layout: bool = False, staging: Staging | None = None,
+    tensors: Sequence[torch.Tensor], device: torch.device, staging: Staging | None, keep_layout: bool = False,
 ) -> list[torch.Tensor]:
     """``tensors`` (host or already on ``device``) on ``device``.
 
-    On a device the host tensors go through ``staging``, else the staging in force in this
-    thread (see the module docstring), or, outside a loader, one non-blocking copy from a buffer (pinned on
-    CUDA) on the current stream; the results are ready on the current stream and protected on
-    it, contiguous, or with their dimensions in the host tensors' order in memory when
-    ``keep_layout`` (an HWC image viewed as CHW stays channels-last). On the CPU they are the
-    tensors themselves.
+    On a device the host tensors go through ``staging`` (the loader's), or, without one
+    (outside a loader), one non-blocking copy from a buffer (pinned on CUDA) on the current
+    stream; the results are ready on the current stream and protected on it, contiguous, or
+    with their dimensions in the host tensors' order in memory when ``keep_layout`` (an HWC
+    image viewed as CHW stays channels-last). On the CPU they are the tensors themselves.
     """
     if device.type == "cpu":
         return [t.to(device) for t in tensors]
@@ -137,8 +131,6 @@ def to_device(
         return list(tensors)
     orders = [_memory_order(t) if keep_layout and t.device.type == "cpu" else None for t in tensors]
     tensors = [t if order is None else t.permute(order) for t, order in zip(tensors, orders)]
-    if staging is None:
-        staging = getattr(_in_force, "staging", None)
     if staging is not None:
         moved = list(staging.copy(list(tensors)))
     else:
@@ -184,25 +176,13 @@ def _inverse(order: list[int]) -> list[int]:
     return inverse
 
 
-def move_staged(data: Any, device: torch.device) -> Any:
+def move_staged(data: Any, device: torch.device, staging: Staging | None) -> Any:
     """``data`` (any nesting) with every tensor on ``device``, the host ones in one copy through
-    :func:`to_device`, each keeping its layout (as ``.to(device)`` does)."""
+    ``staging`` (:func:`to_device`), each keeping its layout (as ``.to(device)`` does)."""
     leaves: list[torch.Tensor] = []
     map_leaves(data, leaves.append)
-    moved = iter(to_device(leaves, device, keep_layout=True))
+    moved = iter(to_device(leaves, device, staging, keep_layout=True))
     return map_leaves(data, lambda tensor: next(moved))
-
-
-@contextlib.contextmanager
-def staging_through(staging: Staging | None) -> Iterator[None]:
-    """While inside, :func:`to_device` in this thread copies through ``staging`` where it is not
-    handed one; None: no staging in force."""
-    previous = getattr(_in_force, "staging", None)
-    _in_force.staging = staging
-    try:
-        yield
-    finally:
-        _in_force.staging = previous
 
 
 def pack(tensors: Sequence[torch.Tensor], pin_memory: bool = False) -> tuple[torch.Tensor, list[int]]:

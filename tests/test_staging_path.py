@@ -1,6 +1,6 @@
 """One host-to-device path: every per-batch copy of host tensors made inside a batch (the sample
 cache's device writes, the transforms' parameter tables, CPU-decoded images, gather indices)
-goes through the staging in force (``gpuload.transfer.to_device``): the loader's
+goes through the staging it is handed (``gpuload.transfer.to_device``): the loader's
 ``Prefetcher.copy_now``, its pinned slots and its side stream; never a ``.to(device)`` from
 pageable memory, which waits for everything queued on the stream.
 
@@ -12,37 +12,42 @@ stand-in for CUDA, for what the prefetcher does with the copies it is handed.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from store_cases import columns, planned
 from test_prefetch import DeviceTensor, FakeCuda, fake_cuda  # noqa: F401 - the fixture this file extends
-from torch.utils.data import default_collate
+from torch.utils.data import TensorDataset, default_collate
 
 import gpuload.prefetch as prefetch
 from gpuload import transforms as T
-from gpuload.cache import TieredArrayStore
+from gpuload.cache import CacheSettings, TieredArrayStore
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.columns import ColumnStore, prepare
 from gpuload.decode.batch import BatchDecoder
 from gpuload.prefetch import Prefetcher
-from gpuload.sources import Work
-from gpuload.transfer import Staging, staging_through, to_device
+from gpuload.sources import Indices, Setup, Work
+from gpuload.stats import LoaderStats
+from gpuload.transfer import Staging, to_device
 from gpuload.transforms import batched
 from gpuload.transforms.params import sample_params
 
 META = torch.device("meta")
+THREAD_LOCAL = ("threading", "local")
 
 
 class Watch:
-    """``torch.Tensor.to`` watched: host tensors moved to another device outside the staging in
-    force are ``bypassed``; the tensors the staging was handed are ``staged``."""
+    """``torch.Tensor.to`` watched: host tensors moved to another device outside ``staging`` are
+    ``bypassed``; the tensors ``staging`` was handed are ``staged``."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.staged: list[torch.Tensor] = []
         self.copies = 0
         self.bypassed: list[tuple[int, ...]] = []
         self._inside = False
+        self.staging = Staging(self.copy_now)
         original = torch.Tensor.to
         watch = self
 
@@ -65,10 +70,8 @@ class Watch:
 
 
 @pytest.fixture
-def watch(monkeypatch: pytest.MonkeyPatch):
-    watched = Watch(monkeypatch)
-    with staging_through(Staging(watched.copy_now)):
-        yield watched
+def watch(monkeypatch: pytest.MonkeyPatch) -> Watch:
+    return Watch(monkeypatch)
 
 
 def _samples(n: int) -> list[tuple[torch.Tensor, int]]:
@@ -77,7 +80,7 @@ def _samples(n: int) -> list[tuple[torch.Tensor, int]]:
 
 def test_the_sample_cache_writes_and_merges_device_rows_through_the_staging(watch: Watch) -> None:
     data = _samples(20)
-    store = ColumnStore(1 << 20, 20, META, ledger=BudgetLedger())
+    store = ColumnStore(1 << 20, 20, META, ledger=BudgetLedger(), staging=watch.staging)
     first = torch.tensor([3, 1, 4])
     assert store.put(first, prepare([data[k] for k in first.tolist()])) == 3  # allocates, writes
     again = torch.tensor([5, 9, 5, 2])  # a sample twice: the general write path
@@ -97,7 +100,7 @@ def test_the_sample_cache_writes_and_merges_device_rows_through_the_staging(watc
 def test_per_sample_leaves_on_a_device_go_in_one_staged_copy_per_batch(watch: Watch) -> None:
     """Leaves kept per sample (variable-length tensors) reach the device in one copy per batch."""
     data = [(torch.arange(i % 3 + 1), i) for i in range(12)]
-    store = ColumnStore(1 << 20, 12, META, ledger=BudgetLedger())
+    store = ColumnStore(1 << 20, 12, META, ledger=BudgetLedger(), staging=watch.staging)
     assert store.put(torch.tensor([0, 1, 2]), prepare([data[0], data[1], data[2]])) == 3
     assert watch.bypassed == [] and [t.shape for t in watch.staged[:3]] == [(1,), (2,), (3,)]
     store.close()
@@ -107,7 +110,8 @@ def test_a_tiered_array_gather_moves_its_row_indices_through_the_staging(watch: 
     """Rows on the device tier gathered by indices drawn on the host: the indices are staged, once
     per tier (not once per column), and so is the order that puts the rows back."""
     data = columns()
-    store = TieredArrayStore(list(data), planned(data, [("device", 10), ("host", 10)]), "meta", ledger=BudgetLedger())
+    store = TieredArrayStore(list(data), planned(data, [("device", 10), ("host", 10)]), "meta", ledger=BudgetLedger(),
+                             staging=watch.staging)
     watch.bypassed.clear()  # placing the device tier: a one-off copy when the store is made, not per batch
     request = store.request(torch.tensor([7, 2, 15, 4]))
     staged = len(watch.staged)
@@ -131,7 +135,7 @@ def test_the_batched_transforms_stage_their_per_batch_tables(watch: Watch, ops, 
     n = 6
     params = sample_params(ops, 3, 1, torch.arange(n), [(12, 14)] * n)
     images = torch.empty((n, 3, 12, 14), dtype=torch.uint8, device=META)
-    out = batched.run(params, list(images) if as_list else images)
+    out = batched.run(params, list(images) if as_list else images, staging=watch.staging)
     assert out is not None and out.device == META
     assert watch.bypassed == []
     resized_one_by_one = isinstance(ops[0], T.RandomResizedCrop)  # windows sliced one by one: no table
@@ -139,7 +143,7 @@ def test_the_batched_transforms_stage_their_per_batch_tables(watch: Watch, ops, 
 
 
 def test_cpu_decoded_images_reach_the_device_in_one_staged_copy_keeping_their_layout(watch: Watch) -> None:
-    decoder = BatchDecoder(device="cpu")
+    decoder = BatchDecoder(device="cpu", staging=watch.staging)
     decoder.device = META  # decoded on the CPU, bound for a device
     hwc = [torch.zeros(5, 7, 3, dtype=torch.uint8).permute(2, 0, 1),
            torch.zeros(4, 6, 3, dtype=torch.uint8).permute(2, 0, 1)]
@@ -149,18 +153,18 @@ def test_cpu_decoded_images_reach_the_device_in_one_staged_copy_keeping_their_la
     assert watch.bypassed == [] and len(watch.staged) == 2
 
 
-def test_without_staging_in_force_a_device_copy_still_goes_in_one_packed_copy(monkeypatch) -> None:
+def test_without_a_staging_a_device_copy_still_goes_in_one_packed_copy(monkeypatch) -> None:
     """Outside a loader (a transform called by hand): one copy of one packed buffer."""
     watch = Watch(monkeypatch)
-    moved = to_device([torch.arange(3), torch.ones(2, 2, dtype=torch.bool).t()], META)
+    moved = to_device([torch.arange(3), torch.ones(2, 2, dtype=torch.bool).t()], META, None)
     assert watch.bypassed == [(48,)]  # one buffer: 24 bytes and 4 bytes, each aligned to 16
     assert [t.shape for t in moved] == [(3,), (2, 2)]
 
 
 def test_on_the_cpu_nothing_is_staged(watch: Watch) -> None:
     tensors = [torch.arange(3), torch.zeros(2, 2)]
-    assert all(got is want for got, want in zip(to_device(tensors, torch.device("cpu")), tensors))
-    store = ColumnStore(1 << 20, 10, ledger=BudgetLedger())
+    assert all(got is want for got, want in zip(to_device(tensors, torch.device("cpu"), watch.staging), tensors))
+    store = ColumnStore(1 << 20, 10, ledger=BudgetLedger(), staging=watch.staging)
     data = _samples(10)
     store.put(torch.tensor([1, 2]), prepare([data[1], data[2]]))
     assert torch.equal(store.gather_rows(store.slots(torch.tensor([2, 1])))[0], default_collate([data[2], data[1]])[0])
@@ -202,7 +206,7 @@ def test_a_source_running_ahead_copies_through_the_prefetchers_slots_on_its_side
 
     def source():
         for i in range(3):
-            (table,) = to_device([torch.full((4,), i)], torch.device("cuda", 0))
+            (table,) = to_device([torch.full((4,), i)], torch.device("cuda", 0), prefetcher.staging)
             seen.append((threading.current_thread().name, type(table).__name__, int(table[0])))
             yield table * 2
 
@@ -220,8 +224,8 @@ def test_a_source_running_ahead_copies_through_the_prefetchers_slots_on_its_side
 
 
 def test_a_batch_made_in_the_loops_thread_copies_through_copy_now(staged_cuda) -> None:
-    """``prefetch_depth=0``: the loader's work runs in the loop's thread, with its staging in
-    force (``Work.in_staging``): the copy is made on the side stream without waiting for the
+    """``prefetch_depth=0``: the loader's work runs in the loop's thread, copying through its
+    staging (``Prefetcher.staging``): the copy is made on the side stream without waiting for the
     loop's queued work (the step before: the copy reads only its pinned slot, so it overlaps
     the step), and the loop's stream waits for the copy's own event (no host sync) before it
     gets the batch, and protects the memory."""
@@ -230,10 +234,9 @@ def test_a_batch_made_in_the_loops_thread_copies_through_copy_now(staged_cuda) -
     prefetcher = Prefetcher(None, "cuda", depth=2)
 
     def make(i: int):
-        return to_device([torch.full((4,), i)], torch.device("cuda", 0))[0]
+        return to_device([torch.full((4,), i)], torch.device("cuda", 0), prefetcher.staging)[0]
 
-    work = Work((make(i) for i in range(2)), lambda item: (make(100 + int(item[0])), 1)).in_staging(
-        prefetcher.staging, ahead=False)
+    work = Work((make(i) for i in range(2)), lambda item: (make(100 + int(item[0])), 1))
     with cuda.stream(loop):
         made = [work.finish(item) for item in work.items]  # items and finish both staged
     assert [int(batch[0]) for batch, _ in made] == [100, 101]
@@ -249,34 +252,11 @@ def test_a_batch_made_in_the_loops_thread_copies_through_copy_now(staged_cuda) -
     assert prefetcher.stats.bytes_copied == 0
 
 
-def test_closing_staged_items_closes_the_sources_items() -> None:
-    """The loader closes an unfinished epoch's items: through the staging's wrapper, the
-    source's generator is closed (its ``finally`` runs); items without ``close`` are left be."""
-    closed = []
-
-    def items():
-        try:
-            yield from range(3)
-        finally:
-            closed.append(True)
-
-    staging = Staging(lambda item: item)
-    work = Work(items(), lambda item: (item, 1)).in_staging(staging, ahead=False)
-    assert next(work.items) == 0
-    work.items.close()
-    assert closed == [True]
-    plain = Work(iter([1]), lambda item: (item, 1)).in_staging(staging, ahead=False)
-    plain.items.close()
-    assert next(plain.items) == 1
-
-
-def test_on_a_cpu_device_the_work_is_left_as_it_is() -> None:
+def test_on_a_cpu_device_an_epoch_has_no_staging() -> None:
     import gpuload
 
-    work = Work(iter([1]), lambda item: (item, 1))
-    assert work.in_staging(None, ahead=False) is work
     loader = gpuload.DataLoader(torch.utils.data.TensorDataset(torch.arange(8)), batch_size=4, device="cpu")
-    assert iter(loader).epoch.staging is None  # a CPU device's epoch has no staging to put in force
+    assert iter(loader).epoch.staging is None  # a CPU device's epoch copies nothing
     loader.close()
 
 
@@ -286,13 +266,12 @@ def test_on_a_cpu_device_the_work_is_left_as_it_is() -> None:
 @pytest.mark.gpu
 def test_gpu_sample_cache_on_the_device_fills_and_merges_through_the_staging_with_torchs_values() -> None:
     data = _samples(40)
-    store = ColumnStore(1 << 20, 40, "cuda", ledger=BudgetLedger())
     prefetcher = Prefetcher(None, "cuda", depth=2)
-    with staging_through(prefetcher.staging):
-        store.put(torch.arange(0, 40, 2), prepare([data[k] for k in range(0, 40, 2)]))
-        index = torch.tensor([6, 3, 0, 7, 38])
-        merged = store.assemble(store.slots(index), prepare([data[3], data[7]]))
-        gathered = store.gather_rows(store.slots(torch.tensor([38, 0])))
+    store = ColumnStore(1 << 20, 40, "cuda", ledger=BudgetLedger(), staging=prefetcher.staging)
+    store.put(torch.arange(0, 40, 2), prepare([data[k] for k in range(0, 40, 2)]))
+    index = torch.tensor([6, 3, 0, 7, 38])
+    merged = store.assemble(store.slots(index), prepare([data[3], data[7]]))
+    gathered = store.gather_rows(store.slots(torch.tensor([38, 0])))
     expected = default_collate([data[k] for k in index.tolist()])
     assert all(got.is_cuda for got in merged)
     assert all(torch.equal(got.cpu(), want) for got, want in zip(merged, expected))
@@ -311,7 +290,8 @@ def test_gpu_batched_transforms_inside_a_prefetchers_thread_equal_the_cpu_path()
     expected = T.apply_transforms(ops, images, 5, 2, torch.arange(8), device="cpu", backend="batched")
 
     def source():
-        yield T.apply_transforms(ops, images, 5, 2, torch.arange(8), device="cuda", backend="batched")
+        yield T.apply_transforms(ops, images, 5, 2, torch.arange(8), device="cuda", backend="batched",
+                                 staging=prefetcher.staging)
 
     prefetcher = Prefetcher(source(), "cuda", depth=2, stage=False)
     (out,) = list(prefetcher)
@@ -356,7 +336,7 @@ def test_images_read_from_the_disk_tier_reach_the_device_through_the_staging(wat
             return [torch.zeros(5, 7, 3, dtype=torch.uint8).permute(2, 0, 1) for _ in positions]  # HWC in memory
 
     source = ImageDecoding.__new__(ImageDecoding)
-    source.disk, source.setup = Disk(), SimpleNamespace(device=META)
+    source.disk, source.setup = Disk(), SimpleNamespace(device=META, staging=watch.staging)
     got = source._from_disk([4, 9, 11], {1: torch.zeros(3, 2, 2, dtype=torch.uint8)}, None)
     assert sorted(got) == [0, 2] and all(t.device == META for t in got.values())
     assert all(t.stride() == (1, 21, 3) for t in got.values())  # still channels-last
@@ -383,3 +363,127 @@ def test_a_slot_is_refilled_only_after_its_previous_copy_is_done(staged_cuda) ->
         assert copies[batch - 1] < wait < copies[batch]
         assert log[wait][1] is slot_event(batch - 2)
     prefetcher.close()
+
+
+# ---------------------------------------------------------------------- one staging, handed on
+
+
+class _Samples(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.arange(3, dtype=torch.float32) + index, index
+
+
+def _setup(dataset: Any, staging: Staging, tmp_path: Path, transforms: list | None = None) -> Setup:
+    """A source's setup bound for META, whose loader's staging is ``staging``."""
+    settings = CacheSettings.resolve(environ={}, cwd=tmp_path)
+    return Setup(dataset=dataset, map_style=True, device=META, settings=settings, batched=True, batch_size=4,
+                 collate_fn=default_collate, stats=LoaderStats(), owner="staged", transforms=transforms,
+                 staging=staging)
+
+
+@pytest.mark.parametrize("ops", [None, [T.RandomCrop(6, padding=1), T.RandomHorizontalFlip()]],
+                         ids=["gathered", "transformed"])
+def test_every_copy_an_array_epoch_makes_goes_through_the_staging_its_source_was_handed(
+    watch: Watch, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ops: list | None,
+) -> None:
+    """In-memory arrays on the device (META stands in), an epoch made in the loop's thread: each
+    batch's gather indices, and the transforms' windows and flip tables, reach the device
+    through the staging of the source's setup (the loader's), none by another route."""
+    from gpuload.device import MemoryInfo
+    from gpuload.sources import arrays, placed_arrays
+
+    monkeypatch.setattr(placed_arrays, "device_memory", lambda device: MemoryInfo(free=1 << 32, total=1 << 33))
+    images = torch.randint(0, 256, (16, 3, 8, 8), dtype=torch.uint8)
+    source = arrays.detect(_setup(TensorDataset(images, torch.arange(16)), watch.staging, tmp_path, ops))
+    assert source is not None
+    source.begin_epoch()
+    watch.bypassed.clear()  # placing the arrays on the device: once, when the store is made, not per batch
+    batches = [torch.tensor([5, 1, 9, 2]), torch.arange(4)]
+    work = source.schedule(Indices(0, lambda: iter(batches))).start(False)
+    for item in work.items:
+        before = watch.copies
+        made = work.finish(item)
+        assert made is not None and [leaf.device for leaf in made[0]] == [META, META]
+        assert watch.copies >= before + (3 if ops else 1)  # the indices; with ops, base and flip tables too
+    assert watch.bypassed == []
+    source.close()
+
+
+def test_every_copy_a_sample_cache_on_the_device_makes_goes_through_the_staging_it_was_handed(
+    watch: Watch, tmp_path: Path,
+) -> None:
+    """The sample cache's device tier (META stands in), filling, serving and merging cached rows
+    with samples read now: every write, gather index and merged row goes through the staging
+    of the source's setup (the loader's)."""
+    from gpuload.cache import CacheDecision
+    from gpuload.sources.sample_cache import CachedSamples
+
+    decision = CacheDecision("device", "samples", 1 << 20, "test")
+    cached = CachedSamples(_setup(_Samples(), watch.staging, tmp_path), decision)
+    assert cached.store.staging is watch.staging
+    for keys in ([0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3], [8, 1, 9, 4]):  # filled, filled, served, merged
+        before = watch.copies
+        batch = cached.batch(torch.tensor(keys), in_range=True)
+        assert [leaf.device for leaf in batch] == [META, META] and watch.copies > before
+    assert cached.store.stats.hits == 4 + 2 and watch.bypassed == []
+    cached.close()
+
+
+def test_a_loader_hands_its_one_staging_to_its_source_and_to_each_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader's copy route (``DataLoader._staging``: its prefetcher's, None on a CPU device)
+    is the one its source's setup carries and each epoch holds."""
+    import gpuload
+    from gpuload.loader import DataLoader
+
+    route = Staging(lambda tensors: tensors)
+    monkeypatch.setattr(DataLoader, "_staging", lambda self: route)
+    loader = gpuload.DataLoader(TensorDataset(torch.arange(8)), batch_size=4, device="cpu")
+    assert loader._source.setup.staging is route
+    first = iter(loader)
+    assert first.epoch.staging is route and iter(loader).epoch.staging is route
+    loader.close()
+
+
+def test_every_copy_in_gpuload_names_its_staging_and_no_thread_holds_one() -> None:
+    """A reader of any ``to_device``/``move_staged`` call sees the staging it copies through: an
+    argument that is not a literal None (the route outside a loader is chosen by the caller that
+    holds None, never found); and no module keeps a copy route in a thread-local."""
+    import ast
+
+    import gpuload
+
+    root = Path(gpuload.__file__).parent
+    calls, unnamed, thread_locals = 0, [], []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        assert "staging_through" not in text and "_in_force" not in text, path
+        for node in ast.walk(ast.parse(text)):
+            local = isinstance(node, ast.Attribute) and (getattr(node.value, "id", None), node.attr) == THREAD_LOCAL
+            if local:
+                thread_locals.append(path.relative_to(root).as_posix())
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if name not in ("to_device", "move_staged"):
+                continue
+            calls += 1
+            staging = node.args[2] if len(node.args) > 2 else next(
+                (keyword.value for keyword in node.keywords if keyword.arg == "staging"), None)
+            if staging is None or (isinstance(staging, ast.Constant) and staging.value is None):
+                unnamed.append(f"{path.relative_to(root).as_posix()}:{node.lineno}")
+    assert calls >= 30  # every call site was seen: the transforms, caches, sources, decoder, exchange
+    assert unnamed == []
+    assert thread_locals == ["timeline.py"]  # the timeline's stage clock, which copies nothing
+
+
+@pytest.mark.gpu
+def test_gpu_an_epoch_holds_the_staging_its_source_copies_through() -> None:
+    import gpuload
+
+    loader = gpuload.DataLoader(TensorDataset(torch.arange(8)), batch_size=4, device="cuda")
+    epoch = iter(loader).epoch
+    assert epoch.staging is not None and epoch.staging is loader._source.setup.staging
+    loader.close()

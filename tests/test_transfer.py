@@ -68,7 +68,7 @@ def test_tensors_already_on_the_device_are_returned_as_they_are():
     from gpuload.transfer import to_device
 
     on_meta = [torch.empty(2, 3, device="meta"), torch.empty(4, device="meta")]  # a device that is not the CPU
-    moved = to_device(on_meta, torch.device("meta"))
+    moved = to_device(on_meta, torch.device("meta"), None)
     assert len(moved) == 2 and all(a is b for a, b in zip(moved, on_meta))
 
 
@@ -77,5 +77,5 @@ def test_move_staged_on_the_cpu_keeps_the_batch_as_it_is():
 
     hwc = torch.arange(24, dtype=torch.uint8).view(2, 4, 3).permute(2, 0, 1)
     batch = {"image": hwc, "rest": [torch.ones(2), "label", 3]}
-    moved = move_staged(batch, torch.device("cpu"))
+    moved = move_staged(batch, torch.device("cpu"), None)
     assert moved["image"] is hwc and moved["rest"][0] is batch["rest"][0] and moved["rest"][1:] == ["label", 3]

@@ -26,7 +26,7 @@ from gpuload.cache.store import Store, StoreStats, StreamGuard, TierCounts
 from gpuload.cache.tiers import TIERS, HostTier, SourceTier, Tier
 from gpuload.sampling import in_range
 from gpuload.timeline import gather_stage, stage
-from gpuload.transfer import to_device
+from gpuload.transfer import Staging, to_device
 
 __all__ = ["BatchRequest", "HostTier", "HostTierMaker", "StoreStats", "TierMaker", "TieredArrayStore", "gatherable",
            "private_host_tier"]
@@ -102,7 +102,8 @@ class TieredArrayStore(Store):
     it a plan's disk tier stays empty.
     ``tiers`` maps further tier names to their classes (default: the registered ones).
     ``stage_host_rows``: whether host rows go through the loader's staging (default: on any
-    target but the CPU).
+    target but the CPU). ``staging``: the loader's route to the device for the row indices a
+    batch gathers there (None: one pinned copy on the current stream, outside a loader).
     """
 
     def __init__(
@@ -117,7 +118,9 @@ class TieredArrayStore(Store):
         disk_tier: TierMaker | None = None,
         tiers: Mapping[str, type[Tier]] | None = None,
         stage_host_rows: bool | None = None,
+        staging: Staging | None = None,
     ) -> None:
+        self.staging = staging
         leaves, self._spec = tree_flatten(data)
         if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
             kinds = ", ".join(type(t).__name__ for t in leaves) or "nothing"
@@ -425,7 +428,7 @@ class TieredArrayStore(Store):
         columns = range(len(self._source))
         device_leaves: list[torch.Tensor] = []
         if on_device:
-            moved = to_device([groups[p] for p in on_device], self.device)  # through the loader's staging
+            moved = to_device([groups[p] for p in on_device], self.device, self.staging)
             for c in columns:
                 with stage(gather_stage("device")):
                     parts = [tiers[p].gather(c, rows) for p, rows in zip(on_device, moved)]
@@ -446,7 +449,7 @@ class TieredArrayStore(Store):
         def assemble(device_part: list[torch.Tensor], staged_part: list[torch.Tensor]) -> Any:
             # Runs where the batch is used (the loop's thread and stream): the order it puts the
             # rows back in is moved there too, so no tensor of another stream is left unprotected.
-            back = to_device([inverse], self.device)[0] if inverse is not None else None
+            back = to_device([inverse], self.device, self.staging)[0] if inverse is not None else None
             leaves = []
             for c in columns:
                 pieces = ([device_part[c]] if device_part else []) + ([staged_part[c]] if staged_part else [])

@@ -33,7 +33,7 @@ from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.oom import CacheFallbackWarning, is_oom
 from gpuload.cache.sample_store import BudgetedCache, Uncacheable, copy_value
-from gpuload.transfer import move_staged, to_device
+from gpuload.transfer import Staging, move_staged, to_device
 
 __all__ = ["Branch", "Column", "ColumnStore", "Objects", "Part", "column_rows", "layout", "prepare", "rebuild",
            "worker_collate"]
@@ -343,10 +343,10 @@ class _Write:
     objects: list[tuple[_StoredObjects, list[Any], list[int | None]]] = field(default_factory=list)
     changed: bool = False  # part of the stored tree became per-sample storage
 
-    def move_objects(self, device: torch.device) -> None:
-        """The per-sample values' tensors moved to ``device``, all in one copy through the
-        loader's staging."""
-        moved = move_staged([values for _, values, _ in self.objects], device)
+    def move_objects(self, device: torch.device, staging: Staging | None) -> None:
+        """The per-sample values' tensors moved to ``device``, all in one copy through
+        ``staging`` (the loader's)."""
+        moved = move_staged([values for _, values, _ in self.objects], device, staging)
         self.objects = [(node, values, sizes) for (node, _, sizes), values in zip(self.objects, moved)]
 
 
@@ -365,7 +365,9 @@ class ColumnStore(BudgetedCache):
     values (``views``, for a collate_fn that is not ``default_collate``) and never collated
     batches; its columns of numbers and numpy values, which a view returns as host objects, are
     then kept in host memory (counted in the same budget), so a view copies nothing back from
-    the device: no host sync per batch.
+    the device: no host sync per batch. ``staging``: the route by which every host tensor the
+    store puts on a device goes there (the loader's: its prefetcher's pinned slots and side
+    stream; None: one pinned copy on the current stream, for a store used outside a loader).
     """
 
     def __init__(
@@ -379,9 +381,11 @@ class ColumnStore(BudgetedCache):
         room: Callable[[], int] | None = None,
         collate: Callable[[Any], Any] = default_collate,
         views_only: bool = False,
+        staging: Staging | None = None,
     ) -> None:
         super().__init__(budget_bytes, device, ledger=ledger, owner=owner, room=room, num_samples=num_samples)
         self.collate = collate
+        self.staging = staging
         self._views_only = views_only
         self._slot_dtype = torch.int32 if num_samples < 2**31 else torch.int64
         self._slot_of = torch.full((num_samples,), -1, dtype=self._slot_dtype)
@@ -453,7 +457,7 @@ class ColumnStore(BudgetedCache):
             return self._root.views(slots, self._where(slots))
 
     def _where(self, slots: torch.Tensor) -> torch.Tensor:
-        return slots if self._device.type == "cpu" else to_device([slots], self._device)[0]
+        return slots if self._device.type == "cpu" else to_device([slots], self._device, self.staging)[0]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -476,9 +480,10 @@ class ColumnStore(BudgetedCache):
             miss = (slots < 0).nonzero().view(-1)
             at = (slots.index_select(0, hit), hit, miss)
             read = column_rows(part)
-            moved = to_device([*at, *read], self._device)  # one copy through the loader's staging
+            moved = to_device([*at, *read], self._device, self.staging)  # one copy
             read_device = dict(zip(map(id, read), moved[3:]))
-            return _merge(self._root, part, at, (tuple(moved[:3]), read_device), self._device, self.collate)
+            return _merge(self._root, part, at, (tuple(moved[:3]), read_device), self._device, self.collate,
+                          self.staging)
 
     # ------------------------------------------------------------ filling
 
@@ -504,7 +509,7 @@ class ColumnStore(BudgetedCache):
                 if first_batch:
                     self._allocate(write, keys.numel())
                 if self._device.type != "cpu" and write.objects:
-                    write.move_objects(self._device)
+                    write.move_objects(self._device, self.staging)
                 stored = self._write(keys, write)
                 why = f"free memory on {self._device} reached the reserve" if (
                     self._stats.full and self._short_of_room) else None
@@ -636,7 +641,7 @@ class ColumnStore(BudgetedCache):
         target = slots if everyone else slots.index_select(0, positions)
         writes = [(column, rows if everyone else rows.index_select(0, positions)) for column, rows in write.columns]
         try:
-            _write_columns(writes, target.numpy(), self._device)
+            _write_columns(writes, target.numpy(), self._device, self.staging)
         except BaseException:  # an out of memory too: no key may name a row that was not written
             self._slot_of[fresh] = -1
             self._used -= take
@@ -671,7 +676,7 @@ class ColumnStore(BudgetedCache):
             slot_of[at] = -1  # a key drawn twice: the general path
             return 0
         try:
-            _write_columns(write.columns, rows, self._device)
+            _write_columns(write.columns, rows, self._device, self.staging)
         except BaseException:  # an out of memory too: no key may name a row that was not written
             slot_of[at] = -1
             raise
@@ -842,32 +847,34 @@ def _describe(node: _Stored, capacity: int, num_samples: int, prefix: str = "") 
     return f"{prefix}by column: {len(columns)} column(s) [{shapes}], {format_bytes(row)} per row, rows for {rows}{kept}"
 
 
-def _write_columns(writes: list[tuple[_StoredColumn, torch.Tensor]], where: np.ndarray, device: torch.device) -> None:
+def _write_columns(writes: list[tuple[_StoredColumn, torch.Tensor]], where: np.ndarray, device: torch.device,
+                   staging: Staging | None) -> None:
     """Each column's rows ``where`` (host integers) = its host batch of rows. On a device the
-    positions and every column's rows get there in one copy through the staging in force."""
+    positions and every column's rows get there in one copy through ``staging``."""
     on_device = [(column, source) for column, source in writes if column.rows.device.type != "cpu"]
     for column, source in writes:
         if column.rows.device.type == "cpu":
             column.write(where, source)
     if not on_device:
         return
-    index, *moved = to_device([torch.from_numpy(where).to(torch.int64), *(source for _, source in on_device)], device)
+    index, *moved = to_device([torch.from_numpy(where).to(torch.int64), *(source for _, source in on_device)], device,
+                              staging)
     for (column, _), rows in zip(on_device, moved):
         column.rows.index_copy_(0, index, rows)
 
 
 def _merge(node: _Stored, part: Part, at: tuple[torch.Tensor, ...],
            on_device: tuple[tuple[torch.Tensor, ...], dict[int, torch.Tensor]], device: torch.device,
-           collate: Callable[[Any], Any]) -> Any | None:
+           collate: Callable[[Any], Any], staging: Staging | None) -> Any | None:
     """default_collate of cached rows and read samples (``part``), leaf by leaf; None where the
     read samples do not fit a column. ``at``: (rows of the cached samples, their positions in
     the batch, the read samples' positions), on the host; ``on_device``: the same on
     ``device``, and the read columns' rows there (by ``id`` of the host rows); ``collate``: the
-    store's, for per-sample leaves."""
+    store's, for per-sample leaves; ``staging``: the read per-sample values' route to ``device``."""
     if isinstance(node, _StoredBranch):
         if not node.matches(part):
             return None
-        children = [_merge(c, p, at, on_device, device, collate) for c, p in zip(node.children, part.children)]
+        children = [_merge(c, p, at, on_device, device, collate, staging) for c, p in zip(node.children, part.children)]
         if any(child is None for child in children):
             return None
         return _build(node.kind, node.keys, children)
@@ -883,7 +890,7 @@ def _merge(node: _Stored, part: Part, at: tuple[torch.Tensor, ...],
         return out
     read = _part_values(part)
     if device.type != "cpu":
-        read = move_staged(read, device)
+        read = move_staged(read, device, staging)
     values: list[Any] = [None] * (hit.numel() + miss.numel())
     for position, slot in zip(hit.tolist(), hit_slots.tolist()):
         values[position] = node.values[slot]

@@ -37,7 +37,7 @@ from gpuload.decode.cpu import describe_error
 from gpuload.decode.errors import DecodeDeviceError, ImageDecodeError, is_device_failure
 from gpuload.decode.headers import ROI, Header, PixelLimitError, clip_roi, peek_header, resolve_max_pixels
 from gpuload.device import resolve_device
-from gpuload.transfer import to_device
+from gpuload.transfer import Staging, to_device
 
 if TYPE_CHECKING:
     from gpuload.decode._dali import DaliDecoder
@@ -192,6 +192,8 @@ class BatchDecoder:
     decode time). ``channels_last=True`` lets DALI hand out its HWC images as (3, H, W) views
     (channels-last strides) instead of transposing them: for a consumer that takes any strides,
     such as the transforms, whose bilinear kernel runs channels-last (half the time per image).
+    ``staging``: the route of CPU-decoded images to ``device`` (a loader's; None: one pinned copy
+    on the current stream).
     """
 
     def __init__(
@@ -202,8 +204,10 @@ class BatchDecoder:
         num_threads: int | None = None,
         max_pixels: MaxPixels = "default",
         channels_last: bool = False,
+        staging: Staging | None = None,
     ) -> None:
         self.device = resolve_device(device)
+        self.staging = staging
         self.channels_last = channels_last
         self.requested = backend
         self.backend = resolve_backend(self.device, backend)
@@ -350,12 +354,12 @@ class BatchDecoder:
 
     def _to_device(self, positions: list[int], outcomes: Sequence[torch.Tensor | Exception]) -> dict[int, torch.Tensor]:
         """The CPU-decoded images of ``positions`` (outcomes that are not errors) on the target
-        device, by position. To a GPU they go in one copy through the staging in force (the
+        device, by position. To a GPU they go in one copy through the decoder's staging (the
         loader's pinned slots and side stream; ``gpuload.transfer.to_device``): a pageable copy
         would make the host wait for everything queued on the stream (the training step). Each
         keeps its layout (an HWC decode stays channels-last), as the transforms expect."""
         images = {k: outcome for k, outcome in zip(positions, outcomes) if not isinstance(outcome, Exception)}
-        return dict(zip(images, to_device(list(images.values()), self.device, keep_layout=True)))
+        return dict(zip(images, to_device(list(images.values()), self.device, self.staging, keep_layout=True)))
 
     @staticmethod
     def _decode_gpu(

@@ -41,6 +41,7 @@ from gpuload.distributed.sharded_store import (
     split_context,
     split_obstacle,
 )
+from gpuload.transfer import Staging
 
 __all__ = ["ReadBlock", "ShardedSamples", "shard_samples"]
 
@@ -103,6 +104,7 @@ def shard_samples(
     chunk_size: int,
     context: DistributedContext | None = None,
     probe: Callable[[Any], tuple[bool, str]] = looks_deterministic,
+    staging: Staging | None = None,
 ) -> ShardedSamples | None:
     """This rank's share of ``dataset``'s samples when the scope splits them, else None.
 
@@ -153,7 +155,8 @@ def shard_samples(
         decline_split(settings, f"rank {rank} {what} (among rows [{first}, {end}))", stacklevel=6)
         return None
     assert block is not None  # every rank read its share, this one too
-    return ShardedSamples(sharded_arrays(block, plan, device, groups, owner=owner), template, disk_stats)
+    return ShardedSamples(sharded_arrays(block, plan, device, groups, owner=owner, staging=staging), template,
+                          disk_stats)
 
 
 class _FirstReads:

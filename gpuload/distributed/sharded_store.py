@@ -66,7 +66,7 @@ from gpuload.distributed.rank_batches import (
     shardable_sampler,
 )
 from gpuload.distributed.scope import ScopeDecision, decide_scope
-from gpuload.transfer import to_device
+from gpuload.transfer import Staging, to_device
 
 __all__ = [
     "ArrayRows", "ExchangeStats", "RowFormat", "ShardPlan", "ShardedStore", "agree_on_split", "array_share",
@@ -162,8 +162,10 @@ def shard_arrays(
     batch_sampler: Any,
     owner: Hashable,
     context: DistributedContext | None = None,
+    staging: Staging | None = None,
 ) -> ShardedStore | None:
-    """This rank's share of ``columns`` when the scope splits them, else None (today's path).
+    """This rank's share of ``columns`` when the scope splits them, else None (today's path);
+    ``staging``: the loader's route to the device for the indices a step moves there.
 
     None without an initialized process group, for ``cache_scope="rank"``, for caches that keep
     no device tier (``cache="off"``/``"host"``), for ``auto`` on a CPU device, and when the
@@ -186,7 +188,7 @@ def shard_arrays(
     plan, groups = agreed
     start, stop = plan.partition.rows_of(plan.rank)
     block = [column[start:stop] if device.type == "cuda" else column[start:stop].clone() for column in columns]
-    return sharded_arrays(block, plan, device, groups, owner=owner)
+    return sharded_arrays(block, plan, device, groups, owner=owner, staging=staging)
 
 
 def split_context(
@@ -620,9 +622,11 @@ class ShardedStore(Store):
 
 class ArrayRows(RowFormat):
     """Rows of fixed-shape arrays (``like``: one tensor per array, any rows), each row packed as
-    the bytes of every array's row in turn, so a step carries every array at once."""
+    the bytes of every array's row in turn, so a step carries every array at once. ``staging``:
+    the loader's route to the device for the order that puts a step's rows back."""
 
-    def __init__(self, like: list[torch.Tensor]) -> None:
+    def __init__(self, like: list[torch.Tensor], staging: Staging | None = None) -> None:
+        self.staging = staging
         self._shapes = [(tuple(c.shape[1:]), c.dtype) for c in like]
         self._row_bytes = [math.prod(c.shape[1:]) * c.element_size() for c in like]
         self.width = sum(self._row_bytes)
@@ -646,12 +650,13 @@ class ArrayRows(RowFormat):
     def in_order(self, arrived: list[torch.Tensor], local: list[torch.Tensor],
                  inverse: torch.Tensor) -> list[torch.Tensor]:
         if arrived and arrived[0].is_cuda:
-            (inverse,) = to_device([inverse], arrived[0].device)
+            (inverse,) = to_device([inverse], arrived[0].device, self.staging)
         return [torch.cat([a, b]).index_select(0, inverse) for a, b in zip(arrived, local)]
 
 
 def array_share(
     block: list[torch.Tensor], plan: ShardPlan, device: torch.device, *, owner: Hashable, ledger: BudgetLedger = LEDGER,
+    staging: Staging | None = None,
 ) -> TieredArrayStore:
     """This rank's rows of every array (``block``: rows ``plan.partition.rows_of(rank)``, in
     order) held whole in ``device``'s tier of a :class:`TieredArrayStore` (a copy booked in
@@ -666,7 +671,7 @@ def array_share(
                       host_free=0, host_total=None, notes=(f"rank {plan.rank}'s share of a dataset split over ranks",))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CacheFallbackWarning)  # said below, as the exchange's error
-        store = TieredArrayStore(block, share, device, ledger=ledger, owner=owner)
+        store = TieredArrayStore(block, share, device, ledger=ledger, owner=owner, staging=staging)
     if store.stats.fallbacks:
         store.close()
         raise ExchangeError(
@@ -679,14 +684,15 @@ def array_share(
 
 def sharded_arrays(
     block: list[torch.Tensor], plan: ShardPlan, device: torch.device, groups: tuple[Any, Any], *,
-    owner: Hashable, ledger: BudgetLedger = LEDGER,
+    owner: Hashable, ledger: BudgetLedger = LEDGER, staging: Staging | None = None,
 ) -> ShardedStore:
     """The exchange over this rank's ``block`` of every array (rows ``plan.partition.rows_of``,
-    in row order, read by the caller or sliced from whole arrays)."""
+    in row order, read by the caller or sliced from whole arrays); ``staging``: the loader's
+    route to the device for the indices each step moves there."""
     start, stop = plan.partition.rows_of(plan.rank)
-    inner = array_share(block, plan, device, owner=owner, ledger=ledger)
-    return ShardedStore(inner, ArrayRows(block), plan, device, groups,
-                        shard_bytes=(stop - start) * ArrayRows(block).width)
+    inner = array_share(block, plan, device, owner=owner, ledger=ledger, staging=staging)
+    rows = ArrayRows(block, staging)
+    return ShardedStore(inner, rows, plan, device, groups, shard_bytes=(stop - start) * rows.width)
 
 
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:

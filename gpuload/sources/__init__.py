@@ -38,7 +38,6 @@ draws them (``gpuload.sampling``) and takes a resumed epoch up where it was (``g
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ import torch
 
 from gpuload.cache import CacheSettings, Store
 from gpuload.stats import LoaderStats
-from gpuload.transfer import Staging, staging_through
+from gpuload.transfer import Staging
 
 __all__ = [
     "DEFAULT_DEPTH", "FromRows", "Indices", "RestOfEpoch", "Schedule", "Setup", "Source", "Work", "ahead_on_device",
@@ -69,7 +68,9 @@ class Setup:
     ``worker_code``: the user gave a ``worker_init_fn`` for worker processes, which only
     torch's path (SampleSource) runs: the array and image paths serve batches in this process;
     ``batch_sampler``: the loader's (None without auto-collation), for sources that must know
-    every rank's indices ahead (a sharded cache over torch.distributed ranks)."""
+    every rank's indices ahead (a sharded cache over torch.distributed ranks); ``staging``: the
+    loader's copy route to the device (its prefetcher's pinned slots and side stream; None on a
+    CPU device), which every host-to-device copy made inside a batch names (``transfer.to_device``)."""
 
     dataset: Any
     map_style: bool
@@ -85,6 +86,7 @@ class Setup:
     on_error: str = "raise"
     worker_code: bool = False
     batch_sampler: Any = None
+    staging: Staging | None = None
 
 
 @dataclass(frozen=True)
@@ -154,40 +156,6 @@ class Work:
     length: Callable[[], int] | None = None
     from_torch: bool = False
     torch_iterator: Any = None
-
-    def in_staging(self, staging: Staging | None, ahead: bool) -> Work:
-        """This work with the epoch's ``staging`` in force (``gpuload.transfer.staging_through``)
-        wherever it runs in the loop's thread (``finish``; the items too unless ``ahead``, where
-        the prefetcher's thread puts it in force): host tensors that making a batch puts on the
-        device go through it (``Prefetcher.staging``), not counted as batch bytes: the sources
-        count the sample bytes they move themselves. None (a CPU device): the work as it is."""
-        if staging is None:
-            return self
-        items = self.items if ahead else _Staged(self.items, staging)
-        finish = self.finish
-
-        def staged_finish(item: Any) -> tuple[Any, int] | None:
-            with staging_through(staging):
-                return finish(item)
-
-        return dataclasses.replace(self, items=items, finish=staged_finish)
-
-
-class _Staged(Iterator[Any]):
-    """Items made in the loop's thread with the loader's staging in force (``Work.in_staging``)."""
-
-    def __init__(self, items: Iterator[Any], staging: Staging) -> None:
-        self._items = items
-        self._staging = staging
-
-    def __next__(self) -> Any:
-        with staging_through(self._staging):
-            return next(self._items)
-
-    def close(self) -> None:
-        close = getattr(self._items, "close", None)
-        if close is not None:
-            close()
 
 
 @dataclass(frozen=True)

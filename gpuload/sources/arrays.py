@@ -55,7 +55,7 @@ class ArraySource(Source):
         self.augment = None
         if setup.transforms:
             leaf = image_column(columns.columns)
-            self.augment = BatchAugmenter(setup.transforms, setup.seed, setup.device, leaf)
+            self.augment = BatchAugmenter(setup.transforms, setup.seed, setup.device, leaf, setup.staging)
 
     @property
     def _placed(self) -> ResidentColumns:
@@ -69,7 +69,8 @@ class ArraySource(Source):
         if self.resident is not None:
             return False
         setup = self.setup
-        self.resident = self.columns.place(setup.device, setup.settings, setup.owner, setup.batch_sampler)
+        self.resident = self.columns.place(setup.device, setup.settings, setup.owner, setup.batch_sampler,
+                                           setup.staging)
         self.h2d_bytes += self.resident.placed_bytes
         self.path = self.resident.path
         return True

@@ -131,4 +131,4 @@ class ArrowSource(ArraySource):
             )
 
     def _augmented(self, batch: Any, flat: torch.Tensor, epoch: int) -> Any:
-        return self.table.batch(batch, flat, self.setup.device, epoch)
+        return self.table.batch(batch, flat, self.setup.device, epoch, self.setup.staging)

@@ -242,8 +242,8 @@ class ImageDecoding:
             images = disk.read([positions[slot] for slot in found]) if found else None
         if images is None:
             return {}
-        if self.setup.device.type != "cpu":  # through the staging in force, each image's layout kept
-            images = to_device(images, self.setup.device, keep_layout=True)
+        if self.setup.device.type != "cpu":  # through the loader's staging, each image's layout kept
+            images = to_device(images, self.setup.device, self.setup.staging, keep_layout=True)
         if cache is not None and cache.accepting:
             for slot, image in zip(found, images):
                 cache.keep(positions[slot], image)

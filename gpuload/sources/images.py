@@ -87,12 +87,13 @@ class ImageFileSource(ImageDecoding, Source):
         super().__init__(setup)
         self.images = images
         self.augment = (
-            BatchAugmenter(setup.transforms, setup.seed, setup.device, 0) if setup.transforms else None
+            BatchAugmenter(setup.transforms, setup.seed, setup.device, 0, setup.staging) if setup.transforms else None
         )
         # With transforms, DALI's HWC images go to them as they are (the transforms read any
         # layout); without, the batch is the images stacked, contiguous as torch's would be.
         self.decoder = BatchDecoder(
-            setup.device, max_batch=setup.batch_size or 1, channels_last=self.augment is not None
+            setup.device, max_batch=setup.batch_size or 1, channels_last=self.augment is not None,
+            staging=setup.staging,
         )
         self.headers = HeaderTable(len(images))  # each file's header read once, not per batch
         self.skipped = 0  # files skipped over the loader's life (one file once per epoch)
@@ -303,7 +304,7 @@ class ImageFileSource(ImageDecoding, Source):
                 images = images.clone()  # the loop may change it in place; the cache keeps its own
         if not batched:
             return [images[0] if self.augment is not None else images, kept_labels[0]], 1, counters
-        (labels,) = to_device([torch.tensor(kept_labels, dtype=torch.int64)], self.setup.device)
+        (labels,) = to_device([torch.tensor(kept_labels, dtype=torch.int64)], self.setup.device, self.setup.staging)
         return [images, labels], len(kept), counters
 
 

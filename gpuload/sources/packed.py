@@ -98,7 +98,8 @@ class PackedSource(Source):
         """Serve from a row store placed by ``plan`` (device tier first; rows it does not hold
         cross through the loader's staging)."""
         rows = self.rows = packed_rows(self.dataset)
-        self.store = TieredArrayStore(rows.block, plan, self.setup.device, owner=self.setup.owner)
+        self.store = TieredArrayStore(rows.block, plan, self.setup.device, owner=self.setup.owner,
+                                      staging=self.setup.staging)
         self.h2d_bytes += self.store.stats.device_bytes
         whole = self.store.stats.device_samples == len(self.dataset)
         self.path = "device-gather" if whole else f"tiered ({plan.kind})"
@@ -133,7 +134,7 @@ class PackedSource(Source):
         small = [torch.from_numpy(edges), *([] if fixes is None else map(torch.from_numpy, fixes))]
         if store is not None:
             block = store.gather(rows, copy=staged_copier(request.copy_now))
-            small = to_device(small, device)
+            small = to_device(small, device, self.setup.staging)
             self.index_bytes += rows.numel() * 8 + sum(t.numel() * t.element_size() for t in small)
         else:
             block = packed.block.index_select(0, rows)
@@ -152,7 +153,7 @@ class PackedSource(Source):
         table, cu_seqlens = torch.from_numpy(segments.table), torch.from_numpy(segments.cu_seqlens)
         made = gather_rows(host, dataset.token_dtype, table, cu_seqlens, segments.rows, dataset.seq_len,
                            dataset.pad_id)
-        copy = request.copy_now or (lambda tensors: to_device(tensors, device))
+        copy = request.copy_now or (lambda tensors: to_device(tensors, device, self.setup.staging))
         moved = copy([*made.values(), cu_seqlens])
         batch = {**dict(zip(made, moved[:-1])), "cu_seqlens": moved[-1], "max_seqlen": segments.max_seqlen}
         return batch, segments.rows

@@ -32,7 +32,7 @@ from gpuload.distributed.shared_host import node_host_tier
 from gpuload.prefetch import Fill, TensorSpec
 from gpuload.sampling import in_range
 from gpuload.timeline import gather_stage, stage
-from gpuload.transfer import to_device
+from gpuload.transfer import Staging, to_device
 
 __all__ = ["ArrayColumns", "ResidentColumns", "find_columns", "raw_columns", "same_arrays", "staged_copier"]
 
@@ -126,7 +126,8 @@ class ArrayColumns:
         return sum(c.numel() * c.element_size() for c in self.columns)
 
     def place(
-        self, device: torch.device, settings: CacheSettings, owner: Hashable, batch_sampler: Any = None
+        self, device: torch.device, settings: CacheSettings, owner: Hashable, batch_sampler: Any = None,
+        staging: Staging | None = None,
     ) -> ResidentColumns:
         """Put the arrays where the cache plan says: device, host memory, or left at the source.
 
@@ -137,13 +138,15 @@ class ArrayColumns:
         prefetcher's pinned slots. On a CPU device the arrays are served in place. Otherwise a
         ``TieredArrayStore`` holds the plan's tiers (device, host); in a torch.distributed job the
         node's ranks share one host tier (``distributed.shared_host``), or each keeps its own in
-        its share of the node's host budget.
+        its share of the node's host budget. ``staging``: the loader's route to the device, which
+        the indices a batch gathers there take.
         """
-        sharded = shard_arrays(self.columns, settings, device, batch_sampler, owner)
+        sharded = shard_arrays(self.columns, settings, device, batch_sampler, owner, staging=staging)
         if sharded is not None:
-            return ResidentColumns(self, self.columns, device, sharded.plan.kind, copies_batches=False, store=sharded)
+            return ResidentColumns(self, self.columns, device, sharded.plan.kind, copies_batches=False, store=sharded,
+                                   staging=staging)
         if settings.mode.value == "off":
-            return ResidentColumns(self, self.columns, device, "host-gather", copies_batches=True)
+            return ResidentColumns(self, self.columns, device, "host-gather", copies_batches=True, staging=staging)
         if device.type == "cpu":
             return ResidentColumns(self, self.columns, device, "device-gather", copies_batches=False)
         shared_host = node_host_tier(settings, device, batch_sampler)  # every rank must then place
@@ -160,13 +163,13 @@ class ArrayColumns:
                 f"budget on {device}; batches stream from the host each step. {plan.describe()}",
                 stacklevel=3,
             )
-            return ResidentColumns(self, self.columns, device, "host-gather", copies_batches=True)
+            return ResidentColumns(self, self.columns, device, "host-gather", copies_batches=True, staging=staging)
         disk = disk_tier_maker(settings, lambda: fingerprint_arrays(self.columns, key=settings.disk_key)) \
             if plan.samples_in("disk") else None
         store = TieredArrayStore(self.columns, plan, device, owner=owner, host_tier=shared_host or private_host_tier,
-                                 disk_tier=disk)
+                                 disk_tier=disk, staging=staging)
         path = "device-gather" if plan.device_samples == self.num_samples else f"tiered ({plan.kind})"
-        return ResidentColumns(self, self.columns, device, path, copies_batches=False, store=store)
+        return ResidentColumns(self, self.columns, device, path, copies_batches=False, store=store, staging=staging)
 
 
 class ResidentColumns:
@@ -180,8 +183,10 @@ class ResidentColumns:
         path: str,
         copies_batches: bool,
         store: TieredArrayStore | ShardedStore | None = None,
+        staging: Staging | None = None,
     ) -> None:
         self.source = source
+        self.staging = staging  # the loader's route to the device for the indices of a batch
         self.dtypes = [column.dtype for column in columns]
         self.columns = [gatherable(column) for column in columns]  # uint16/32/64 as signed views
         self.device = device
@@ -248,7 +253,7 @@ class ResidentColumns:
         moved_bytes = 0
         where = flat
         if self._where != flat.device:
-            (where,) = to_device([flat], self._where)  # the loader's staging, not a pageable copy
+            (where,) = to_device([flat], self._where, self.staging)  # not a pageable copy
             moved_bytes = flat.numel() * flat.element_size()
         if self._where != self.device:  # host arrays in the loop's thread (prefetch_depth=0)
             if copy is None:

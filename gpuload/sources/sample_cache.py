@@ -76,7 +76,7 @@ class CachedSamples:
         self.store = ColumnStore(decision.budget, self.num_samples, where, owner=setup.owner,
                                  room=setup.settings.room_check(where),
                                  collate=worker_collate if num_workers else default_collate,
-                                 views_only=not self.by_column)
+                                 views_only=not self.by_column, staging=setup.staging)
         self.unkeyed = False  # an index that is not an int was seen: nothing more is cached
         self.fill_epochs = 0
         self._entries_seen = 0  # entries at the end of the last epoch: does an epoch still add?
@@ -233,7 +233,7 @@ class CachedSamples:
         extra = iter(fetched)
         samples = [next(extra) if s < 0 else next(cached) for s in slots.tolist()]
         if self._counts_copies:
-            samples = move_staged(samples, self.device)  # through the loader's staging
+            samples = move_staged(samples, self.device, self.setup.staging)
         return self._collate(samples)
 
     def _partial_from_disk(self, slots: torch.Tensor, positions: list[int], part: Part, items: list[Any]) -> Any:

@@ -121,7 +121,7 @@ class SampleSource(Source):
             setup.dataset, setup.settings, setup.device, setup.batch_sampler, setup.owner,
             default_collate=setup.batched and setup.collate_fn is default_collate,
             read=lambda chunks: read_prepared(setup.dataset, chunks, self.torch.num_workers, options),
-            chunk_size=setup.batch_size or 1,
+            chunk_size=setup.batch_size or 1, staging=setup.staging,
         )
         if share is not None:
             self.path = share.path

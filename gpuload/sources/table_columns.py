@@ -36,7 +36,7 @@ from gpuload.cache.array_store import gatherable
 from gpuload.datasets.arrow import import_optional, torch_dtype
 from gpuload.datasets.column_images import image_column_error
 from gpuload.sources.placed_arrays import ArrayColumns
-from gpuload.transfer import to_device
+from gpuload.transfer import Staging, to_device
 
 __all__ = ["TableColumns", "TableView", "fetch", "same_batch", "table_columns"]
 
@@ -88,7 +88,8 @@ class Leaf:
     ``epoch`` numbers the epoch (the transforms' randomness), None for the check of a batch
     against torch's before serving (images untransformed)."""
 
-    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None) -> Any:
+    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None,
+              staging: Staging | None) -> Any:
         raise NotImplementedError
 
 
@@ -99,11 +100,12 @@ def _listed(tensor: torch.Tensor, depth: int) -> Any:
     return [_listed(column, depth - 1) for column in tensor.unbind(1)]
 
 
-def _with_nulls(tensor: torch.Tensor, nulls: Nulls | None, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _with_nulls(tensor: torch.Tensor, nulls: Nulls | None, flat: torch.Tensor, dtype: torch.dtype,
+                staging: Staging | None) -> torch.Tensor:
     missing = nulls.check(flat) if nulls is not None else None
     if missing is None or nulls is None or nulls.dtype is None:
         return tensor.to(dtype)
-    (where,) = to_device([missing], tensor.device)
+    (where,) = to_device([missing], tensor.device, staging)
     return tensor.to(nulls.dtype).masked_fill(where.view(-1, *[1] * (tensor.dim() - 1)), float("nan"))
 
 
@@ -117,8 +119,9 @@ class FixedLeaf(Leaf):
     depth: int
     nulls: Nulls | None
 
-    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None) -> Any:
-        return _listed(_with_nulls(fixed[self.slot], self.nulls, flat, self.dtype), self.depth)
+    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None,
+              staging: Staging | None) -> Any:
+        return _listed(_with_nulls(fixed[self.slot], self.nulls, flat, self.dtype, staging), self.depth)
 
 
 @dataclass
@@ -133,7 +136,8 @@ class RaggedLeaf(Leaf):
     listed: bool
     nulls: Nulls | None
 
-    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None) -> Any:
+    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None,
+              staging: Staging | None) -> Any:
         if self.nulls is not None:
             self.nulls.check(flat)
         starts, lengths = self.starts[flat], self.lengths[flat]
@@ -145,7 +149,7 @@ class RaggedLeaf(Leaf):
                 "default_collate cannot stack; pass a collate_fn that pads them (torch's DataLoader then serves)"
             )
         rows = self.values[(starts[:, None] + torch.arange(length)).reshape(-1)].view(len(flat), length)
-        (rows,) = to_device([rows], device)
+        (rows,) = to_device([rows], device, staging)
         return _listed(rows.to(self.dtype), 1 if self.listed else 0)
 
 
@@ -158,7 +162,8 @@ class TextLeaf(Leaf):
     rows: torch.Tensor | None
     convert: Callable[[Any], Any] | None
 
-    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None) -> Any:
+    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None,
+              staging: Staging | None) -> Any:
         pa = import_optional("pyarrow")
         rows = flat if self.rows is None else self.rows[flat]
         values = self.array.take(pa.array(rows.numpy())).to_pylist()
@@ -179,10 +184,11 @@ class StructLeaf(Leaf):
     fields: dict[str, Leaf]
     nulls: Nulls | None
 
-    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None) -> Any:
+    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None,
+              staging: Staging | None) -> Any:
         if self.nulls is not None:
             self.nulls.check(flat)
-        return {name: leaf.batch(fixed, flat, device, epoch) for name, leaf in self.fields.items()}
+        return {name: leaf.batch(fixed, flat, device, epoch, staging) for name, leaf in self.fields.items()}
 
 
 @dataclass
@@ -193,10 +199,11 @@ class TableColumns:
     arrays: ArrayColumns
     root: Leaf
 
-    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None) -> Any:
-        """The batch of samples ``flat`` (host int64) in ``epoch``, from the tiers' gathered
-        ``fixed`` arrays."""
-        return self.root.batch(fixed, flat.cpu(), device, epoch)
+    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None,
+              staging: Staging | None) -> Any:
+        """The batch of samples ``flat`` (host int64) in ``epoch``, from the tiers' gathered ``fixed`` arrays;
+        what it puts on ``device`` goes through ``staging`` (the loader's)."""
+        return self.root.batch(fixed, flat.cpu(), device, epoch, staging)
 
 
 def _readable(array: np.ndarray) -> torch.Tensor:
@@ -472,7 +479,7 @@ def _made_alike(columns: TableColumns, flat: torch.Tensor, expected: Any) -> boo
     """Whether the batch of samples ``flat``, made here on the CPU, is ``expected`` (torch's)."""
     try:
         made = columns.batch([array.index_select(0, flat) for array in columns.arrays.columns], flat,
-                             torch.device("cpu"), None)
+                             torch.device("cpu"), None, None)
     except (TypeError, RuntimeError):
         return False
     return same_batch(made, expected)

@@ -23,6 +23,7 @@ from gpuload.distributed.sharded_images import ShardedImages
 from gpuload.sources import Setup
 from gpuload.sources.images import ImageFileSource
 from gpuload.sources.table_columns import Leaf
+from gpuload.transfer import Staging
 
 __all__ = ["ColumnImageSource", "ImageLeaf", "image_sources"]
 
@@ -68,7 +69,8 @@ class ImageLeaf(Leaf):
 
     source: ColumnImageSource
 
-    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None) -> Any:
+    def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None,
+              staging: Staging | None) -> Any:
         if epoch is None:  # the check against torch's samples: the whole images as decoded
             whole = self.source._decode_whole(flat.tolist())
             if whole.bad:

@@ -176,7 +176,7 @@ class TokenSource(Source):
     def place_rows(self, rows: TokenRows, plan: CachePlan) -> None:
         """Serve from a row store placed by ``plan`` (device tier first), the tail row beside it."""
         device = self.setup.device
-        self.store = TieredArrayStore(rows.rows, plan, device, owner=self.setup.owner)
+        self.store = TieredArrayStore(rows.rows, plan, device, owner=self.setup.owner, staging=self.setup.staging)
         self.rows = rows
         tail = torch.zeros(rows.row_tokens, dtype=rows.rows.dtype)
         tail[: rows.tail.numel()] = rows.tail
@@ -227,7 +227,8 @@ class TokenSource(Source):
         row_index, beyond = rows.rows_of(offsets)
         gathered = store.gather(row_index.reshape(-1), copy=staged_copier(copy))
         block = gatherable(gathered).view(count, rows.span, rows.row_tokens)
-        start, *tail_rows = to_device([offsets % rows.row_tokens, *([] if beyond is None else [beyond])], device)
+        start, *tail_rows = to_device([offsets % rows.row_tokens, *([] if beyond is None else [beyond])], device,
+                                      self.setup.staging)
         if tail_rows:  # windows reaching into the tail, which fills no whole row
             block = torch.where(tail_rows[0][:, :, None], tail, block)
         ids = block.view(count, -1).gather(1, start[:, None] + window)

@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from gpuload.transfer import to_device
+from gpuload.transfer import Staging, to_device
 from gpuload.transforms import reference
 from gpuload.transforms.geometry import PLAN_COLUMNS, geometry_plan
 from gpuload.transforms.ops import GEOMETRIC_OPS, ColorJitter, Normalize, Op, RandomErasing, ToDtype
@@ -351,6 +351,7 @@ def _launch(
     channels_last: bool,
     out_size: tuple[int, int],
     channels: int,
+    staging: Staging | None,
 ) -> torch.Tensor:
     import numpy as np
 
@@ -368,7 +369,7 @@ def _launch(
                       memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     if n == 0 or oh * ow == 0:
         return out
-    table_d, consts_d = to_device([table, consts], device)
+    table_d, consts_d = to_device([table, consts], device, staging)
     physical = out.permute(0, 2, 3, 1) if channels_last else out  # contiguous either way
     if out_dtype == torch.bfloat16 or out_dtype == torch.float16:
         physical = physical.view(torch.int16)  # CuPy has no bfloat16; the kernel writes bits
@@ -390,9 +391,11 @@ def _launch(
     return out
 
 
-def run(params: BatchParams, batch: reference.Batch, device: torch.device) -> torch.Tensor | None:
+def run(params: BatchParams, batch: reference.Batch, device: torch.device,
+        staging: Staging | None = None) -> torch.Tensor | None:
     """The transformed batch computed by the kernels on ``device``, or None when the batch's
-    geometry needs the reference (see ``geometry.geometry_plan``). ``batch`` must already be there."""
+    geometry needs the reference (see ``geometry.geometry_plan``). ``batch`` must already be
+    there; the kernels' tables reach it through ``staging`` (the loader's)."""
     ops = params.ops
     sizes = params.sizes[0]
     plan = geometry_plan(params, sizes)
@@ -407,17 +410,17 @@ def run(params: BatchParams, batch: reference.Batch, device: torch.device) -> to
     jitter = [k for k, op in enumerate(value_ops) if isinstance(op, ColorJitter)]
     if not jitter:
         return _launch(device, batch, geometry, fill, value_constants(value_ops, channels),
-                       erasing_columns(params), dtype, channels_last, (out_h, out_w), channels)
+                       erasing_columns(params), dtype, channels_last, (out_h, out_w), channels, staging)
     # Two passes around the jitter: geometry to a float32 canvas, jitter in torch, the rest.
     identity = value_constants((), channels)
     n = len(geometry)
     canvas = _launch(device, batch, geometry, fill, identity, torch.zeros((n, 0), dtype=torch.int64),
-                     torch.float32, False, (out_h, out_w), channels)
+                     torch.float32, False, (out_h, out_w), channels, staging)
     last = jitter[-1] + 1
     canvas = reference.apply_value_ops(
-        value_ops[:last], params.per_op[n_geo : n_geo + last], canvas, cast_output=False
+        value_ops[:last], params.per_op[n_geo : n_geo + last], canvas, cast_output=False, staging=staging
     ).contiguous()
     full = torch.tensor([[0, 0, out_h, out_w, out_h, out_w, 0, 0, 0, out_h, 0, out_w, 0]],
                         dtype=torch.int64).expand(n, -1)
     return _launch(device, canvas, full, 0.0, value_constants(value_ops[last:], channels),
-                   erasing_columns(params), dtype, channels_last, (out_h, out_w), channels)
+                   erasing_columns(params), dtype, channels_last, (out_h, out_w), channels, staging)

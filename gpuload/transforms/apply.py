@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from gpuload.timeline import stage
-from gpuload.transfer import to_device
+from gpuload.transfer import Staging, to_device
 from gpuload.transforms import _kernels, batched, reference
 from gpuload.transforms.ops import (
     CenterCrop,
@@ -101,15 +101,17 @@ def transform_batch(
     *,
     windows: Sequence[Window] | None = None,
     image_sizes: Sequence[tuple[int, int]] | None = None,
+    staging: Staging | None = None,
 ) -> tuple[torch.Tensor, str]:
     """``apply_transforms`` that also says which backend ran ("cupy", "batched" or "torch").
 
     With ``windows`` (see ``transforms.windows``), ``batch[k]`` is only the ``windows[k]`` part
     of an image of ``image_sizes[k]`` (height, width): parameters are drawn for the whole image
-    and the result is what the whole image would give.
+    and the result is what the whole image would give. ``staging``: the route of host images
+    and per-batch tables to ``device`` (the loader's; None: one pinned copy on the current stream).
     """
     with stage("transform"):
-        return _transform_batch(ops, batch, seed, epoch, indices, device, backend, windows, image_sizes)
+        return _transform_batch(ops, batch, seed, epoch, indices, device, backend, windows, image_sizes, staging)
 
 
 def _transform_batch(
@@ -122,6 +124,7 @@ def _transform_batch(
     backend: str,
     windows: Sequence[Window] | None,
     image_sizes: Sequence[tuple[int, int]] | None,
+    staging: Staging | None,
 ) -> tuple[torch.Tensor, str]:
     ops = validate_pipeline(ops)
     if device is None:
@@ -134,11 +137,11 @@ def _transform_batch(
         params = sample_params(ops, seed, epoch, indices, sizes)
     else:
         params = _windowed_params(ops, seed, epoch, indices, sizes, windows, image_sizes)
-    batch = _to_device(batch, device)
+    batch = _to_device(batch, device, staging)
     name, _ = choose_backend(device, backend)
     if name == "cupy" and len(sizes):
         try:
-            out = _kernels.run(params, batch, device)
+            out = _kernels.run(params, batch, device, staging)
         except _kernels.KernelUnavailable as exc:
             # The kernels cannot build or launch here: use the batched torch ops from now on.
             # Anything else (out of memory, a CUDA error) is not the backend's fault and propagates.
@@ -158,10 +161,10 @@ def _transform_batch(
                 "padding before a resize, or crops with different fills); use backend='auto'"
             )
     if name != "torch" and len(sizes):
-        out = batched.run(params, batch)
+        out = batched.run(params, batch, staging=staging)
         if out is not None:
             return out, "batched"
-    return reference.apply_reference(params, batch), "torch"
+    return reference.apply_reference(params, batch, staging=staging), "torch"
 
 
 def apply_transforms(
@@ -172,6 +175,8 @@ def apply_transforms(
     indices: torch.Tensor | Sequence[int],
     device: torch.device | str | None = None,
     backend: str = "auto",
+    *,
+    staging: Staging | None = None,
 ) -> torch.Tensor:
     """Transform a batch of uint8 images into one N, C, H, W tensor on ``device``.
 
@@ -179,9 +184,10 @@ def apply_transforms(
     differ); ``indices`` are the samples' dataset indices, which with ``seed`` and ``epoch``
     fix every random parameter. ``device`` defaults to the batch's device; a CPU batch bound
     for CUDA is moved there as uint8 first. ``backend``: "auto", "cupy", "batched" or "torch"
-    (the reference).
+    (the reference). ``staging``: how host tensors reach ``device`` (a loader's; None: one
+    non-blocking copy from pinned memory on the current stream).
     """
-    return transform_batch(ops, batch, seed, epoch, indices, device, backend)[0]
+    return transform_batch(ops, batch, seed, epoch, indices, device, backend, staging=staging)[0]
 
 
 def _windowed_params(
@@ -205,12 +211,13 @@ def _windowed_params(
     return params
 
 
-def _to_device(batch: reference.Batch, device: torch.device) -> reference.Batch:
-    """The batch on ``device``. Host images bound for CUDA go in one copy from pinned memory:
-    a copy from pageable memory would wait for the stream (a host sync every batch)."""
+def _to_device(batch: reference.Batch, device: torch.device, staging: Staging | None) -> reference.Batch:
+    """The batch on ``device``. Host images bound for CUDA go in one copy through ``staging``
+    (from pinned memory): a copy from pageable memory would wait for the stream (a host sync
+    every batch)."""
     images = [batch] if isinstance(batch, torch.Tensor) else list(batch)
     from_host = {k for k, image in enumerate(images) if image.device.type == "cpu" and device.type == "cuda"}
-    staged = iter(to_device([images[k] for k in sorted(from_host)], device))
+    staged = iter(to_device([images[k] for k in sorted(from_host)], device, staging))
     moved = [next(staged) if k in from_host else image.to(device, non_blocking=True)
              for k, image in enumerate(images)]
     return moved[0] if isinstance(batch, torch.Tensor) else moved

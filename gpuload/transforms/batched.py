@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from gpuload.cpu_threads import spread_over_free_cpus
-from gpuload.transfer import to_device
+from gpuload.transfer import Staging, to_device
 from gpuload.transforms import reference
 from gpuload.transforms.geometry import crop_windows, geometry_plan
 from gpuload.transforms.ops import (
@@ -39,16 +39,17 @@ __all__ = ["run"]
 _INT32_LIMIT = 2**31 - 1
 
 
-def run(params: BatchParams, batch: reference.Batch) -> torch.Tensor | None:
+def run(params: BatchParams, batch: reference.Batch, *, staging: Staging | None = None) -> torch.Tensor | None:
     """``reference.apply_reference(params, batch)`` for the whole batch at once, on the batch's
     device; None for the geometry the per-sample map cannot express (two resizes, padding
-    before a resize, crops with different fills), which the reference then runs."""
+    before a resize, crops with different fills), which the reference then runs. The index
+    tables and masks built on the host reach the device through ``staging`` (the loader's)."""
     images = batch if isinstance(batch, torch.Tensor) else list(batch)
     if len(images) != len(params.indices):
         raise ValueError(f"{len(images)} images but parameters for {len(params.indices)} samples")
     out_size = params.output_size()  # raises if the outputs cannot be stacked
     if len(images) == 0:
-        return reference.apply_reference(params, batch)
+        return reference.apply_reference(params, batch, staging=staging)
     if not isinstance(images, torch.Tensor):
         channels = {image.shape[0] for image in images}
         if len(channels) > 1:
@@ -68,9 +69,9 @@ def run(params: BatchParams, batch: reference.Batch) -> torch.Tensor | None:
     if maps is None or not maps.resizes:
         if maps is None:
             assert isinstance(images, torch.Tensor) and windows is not None  # windows only of a stacked batch
-            pixels = _window_gather(images, *windows, out_size, fill)
+            pixels = _window_gather(images, *windows, out_size, fill, staging)
         else:
-            pixels = _gather(images, maps.rows(from_window=True), maps.cols(from_window=True), fill)
+            pixels = _gather(images, maps.rows(from_window=True), maps.cols(from_window=True), fill, staging)
         if pixels.dtype == torch.uint8 and all(isinstance(op, ToChannelsLast) for op in value_ops):
             # uint8 out and nothing but layout: the pixels are the reference's rounded floats.
             return pixels.contiguous(memory_format=torch.channels_last) if value_ops else pixels
@@ -78,8 +79,8 @@ def run(params: BatchParams, batch: reference.Batch) -> torch.Tensor | None:
         # update in place (ToDtype's / 255 is the same float32 division either way).
         pixels = pixels.to(torch.float32)
     else:
-        pixels = _resized(images, maps, fill)
-    return reference.apply_value_ops(value_ops, value_params, pixels, owned=True)
+        pixels = _resized(images, maps, fill, staging)
+    return reference.apply_value_ops(value_ops, value_params, pixels, owned=True, staging=staging)
 
 
 class _Maps:
@@ -149,7 +150,8 @@ def _fill_dtype(dtype: torch.dtype, fill: float) -> torch.dtype:
 
 
 def _gather(
-    images: torch.Tensor | Sequence[torch.Tensor], rows: torch.Tensor, cols: torch.Tensor, fill: float
+    images: torch.Tensor | Sequence[torch.Tensor], rows: torch.Tensor, cols: torch.Tensor, fill: float,
+    staging: Staging | None,
 ) -> torch.Tensor:
     """out[n, c, y, x] = images[n][c, rows[n, y], cols[n, x]], or ``fill`` where a row or
     column is -1: one index_select, its flat indices broadcast from per-sample offsets.
@@ -172,7 +174,7 @@ def _gather(
     per_channel = layout[:, :1] + torch.arange(channels).view(1, -1) * layout[:, 1:2]
     per_row = (per_channel.view(n, channels, 1, 1) + (rows * layout[:, 2:3]).view(n, 1, oh, 1)).to(index_dtype)
     per_col = (cols * layout[:, 3:4]).view(n, 1, 1, ow).to(index_dtype)
-    moved = to_device([per_row, per_col] + ([outside] if outside is not None else []), flat.device)
+    moved = to_device([per_row, per_col] + ([outside] if outside is not None else []), flat.device, staging)
     out = flat.index_select(0, torch.add(moved[0], moved[1]).view(-1)).view(n, channels, oh, ow)
     if outside is not None:
         out = out.to(_fill_dtype(out.dtype, fill)).masked_fill_(moved[2], fill)
@@ -186,6 +188,7 @@ def _window_gather(
     mirror: torch.Tensor,
     out_size: tuple[int, int],
     fill: float,
+    staging: Staging | None,
 ) -> torch.Tensor:
     """out[n] = the (OH, OW) window at (top[n], left[n]) of images[n], mirrored first where
     ``mirror[n]``; ``fill`` outside the image (see ``geometry.crop_windows``).
@@ -203,19 +206,20 @@ def _window_gather(
     slot = torch.arange(n)
     source = images
     if any(pads) or bool(mirror.any()):
-        source, slot = _framed(images, mirror, pads, fill)
+        source, slot = _framed(images, mirror, pads, fill, staging)
     strides = source.stride()
     stride_n, stride_c, stride_y, stride_x = strides
     extent = 1 + sum((size - 1) * stride for size, stride in zip(source.shape, strides))
     base = slot * stride_n + (top + pads[0]) * stride_y + (left + pads[2]) * stride_x
     span = (channels - 1) * stride_c + (oh - 1) * stride_y + (ow - 1) * stride_x
     starts = source.as_strided((extent - span, channels, oh, ow), (1, stride_c, stride_y, stride_x))
-    (base,) = to_device([base], source.device)
+    (base,) = to_device([base], source.device, staging)
     return starts.index_select(0, base)
 
 
 def _framed(
-    images: torch.Tensor, mirror: torch.Tensor, pads: tuple[int, int, int, int], fill: float
+    images: torch.Tensor, mirror: torch.Tensor, pads: tuple[int, int, int, int], fill: float,
+    staging: Staging | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A contiguous copy of ``images`` inside a border of ``fill`` (top, bottom, left, right
     ``pads``), the mirrored samples mirrored and after the others; and each sample's slot in it."""
@@ -234,7 +238,7 @@ def _framed(
         return framed, torch.arange(n)
     kept = (~mirror).nonzero()[:, 0]
     device = images.device
-    kept_d, flipped_d = to_device([kept, flipped], device)
+    kept_d, flipped_d = to_device([kept, flipped], device, staging)
     if len(kept):
         inner[: len(kept)].copy_(images.index_select(0, kept_d))
     mirrored = images.index_select(0, flipped_d)
@@ -264,7 +268,9 @@ def _with_fill_border(
     return framed, rows + top, cols + left
 
 
-def _resized(images: torch.Tensor | Sequence[torch.Tensor], maps: _Maps, fill: float) -> torch.Tensor:
+def _resized(
+    images: torch.Tensor | Sequence[torch.Tensor], maps: _Maps, fill: float, staging: Staging | None
+) -> torch.Tensor:
     """The float32 (N, C, OH, OW) batch of a plan with a resize: each window resized to its
     canvas (one bilinear call per distinct window), then the crop after the resize and the
     mirror."""
@@ -293,23 +299,24 @@ def _resized(images: torch.Tensor | Sequence[torch.Tensor], maps: _Maps, fill: f
                 if len(ids) == 1:
                     source = source[int(ids[0]) : int(ids[0]) + 1]
                 elif len(ids) < n:
-                    source = source.index_select(0, to_device([ids], device)[0])
+                    source = source.index_select(0, to_device([ids], device, staging)[0])
             else:
                 windows = [images[k][:, y0 : y0 + h, x0 : x0 + w] for k in ids.tolist()]
                 source = windows[0].unsqueeze(0) if len(windows) == 1 else torch.stack(windows)
             pre = maps.pre_mirror[ids]
             if bool(pre.any()):
-                source = _mirror_some(source, pre)
+                source = _mirror_some(source, pre, staging)
             source = source.to(torch.float32)
             mirror = maps.flip[ids] ^ pre if mirror_here else None
             if batch_canvas is None:
                 for slot, k in enumerate(ids.tolist()):
-                    canvases[k] = _resize(source, canvas_size)[slot]
+                    canvases[k] = _resize(source, canvas_size, staging)[slot]
             elif len(ids) in (1, n):  # ids is one sample or arange(n): a slice of the canvas
                 first = int(ids[0])
-                _resize(source, canvas_size, mirror, out=batch_canvas[first : first + len(ids)])
+                _resize(source, canvas_size, staging, mirror, out=batch_canvas[first : first + len(ids)])
             else:
-                batch_canvas.index_copy_(0, to_device([ids], device)[0], _resize(source, canvas_size, mirror))
+                batch_canvas.index_copy_(0, to_device([ids], device, staging)[0],
+                                          _resize(source, canvas_size, staging, mirror))
 
     # Random crops make one small resize per image, too small for intra-op threads: spread
     # them over the free CPUs instead (gpuload.cpu_threads).
@@ -317,10 +324,10 @@ def _resized(images: torch.Tensor | Sequence[torch.Tensor], maps: _Maps, fill: f
     if batch_canvas is not None:
         if mirror_here:
             return batch_canvas
-        return _gather(batch_canvas, maps.rows(from_window=False), maps.cols(from_window=False), fill)
+        return _gather(batch_canvas, maps.rows(from_window=False), maps.cols(from_window=False), fill, staging)
     made = [canvas for canvas in canvases if canvas is not None]
     assert len(made) == n  # the window groups cover every sample
-    return _gather(made, maps.rows(from_window=False), maps.cols(from_window=False), fill)
+    return _gather(made, maps.rows(from_window=False), maps.cols(from_window=False), fill, staging)
 
 
 def _window_groups(images: torch.Tensor | Sequence[torch.Tensor], table: torch.Tensor):
@@ -347,6 +354,7 @@ def _window_groups(images: torch.Tensor | Sequence[torch.Tensor], table: torch.T
 def _resize(
     source: torch.Tensor,
     size: tuple[int, int],
+    staging: Staging | None,
     mirror: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -357,12 +365,12 @@ def _resize(
     flips = mirror if mirror is not None and bool(mirror.any()) else None
     if out is None:
         resized = source if same else _bilinear(source, size)
-        return _mirror_some(resized, flips) if flips is not None else resized
+        return _mirror_some(resized, flips, staging) if flips is not None else resized
     if same:
         out.copy_(source)
     else:
         _bilinear(source, size, out)
-    return out.copy_(_mirror_some(out, flips)) if flips is not None else out
+    return out.copy_(_mirror_some(out, flips, staging)) if flips is not None else out
 
 
 def _canvas_format(images: torch.Tensor | Sequence[torch.Tensor]) -> torch.memory_format:
@@ -382,11 +390,11 @@ def _bilinear(source: torch.Tensor, size: tuple[int, int], out: torch.Tensor | N
     return torch.ops.aten.upsample_bilinear2d.out(source, list(size), False, None, None, out=out)
 
 
-def _mirror_some(images: torch.Tensor, mirror: torch.Tensor) -> torch.Tensor:
+def _mirror_some(images: torch.Tensor, mirror: torch.Tensor, staging: Staging | None) -> torch.Tensor:
     """``images`` (G, C, H, W) with the samples where ``mirror`` (G,) mirrored left-right."""
     if bool(mirror.all()):
         return images.flip(-1)
-    (flipped,) = to_device([mirror.nonzero()[:, 0]], images.device)
+    (flipped,) = to_device([mirror.nonzero()[:, 0]], images.device, staging)
     return images.index_copy(0, flipped, images.index_select(0, flipped).flip(-1))
 
 

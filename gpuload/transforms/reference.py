@@ -25,7 +25,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from gpuload.transfer import to_device
+from gpuload.transfer import Staging, to_device
 from gpuload.transforms.ops import (
     GEOMETRIC_OPS,
     CenterCrop,
@@ -80,8 +80,9 @@ def _check_images(t: torch.Tensor, name: str, ndim: int) -> None:
         raise TypeError(f"{name} must be a uint8 tensor ({layout}), got {got}")
 
 
-def apply_reference(params: BatchParams, batch: Batch) -> torch.Tensor:
-    """Apply ``params.ops`` with the drawn ``params`` to ``batch`` on the batch's device."""
+def apply_reference(params: BatchParams, batch: Batch, *, staging: Staging | None = None) -> torch.Tensor:
+    """Apply ``params.ops`` with the drawn ``params`` to ``batch`` on the batch's device; the
+    parameters a value op needs there are copied through ``staging`` (the loader's)."""
     ops = params.ops
     images = list(batch.unbind(0)) if isinstance(batch, torch.Tensor) else list(batch)
     if len(images) != len(params.indices):
@@ -94,7 +95,7 @@ def apply_reference(params: BatchParams, batch: Batch) -> torch.Tensor:
         channels = batch.shape[1] if isinstance(batch, torch.Tensor) else 3
         h, w = params.output_size()
         canvas = torch.empty((0, channels, h, w), dtype=torch.float32)
-    return apply_value_ops(ops[n_geo:], params.per_op[n_geo:], canvas)
+    return apply_value_ops(ops[n_geo:], params.per_op[n_geo:], canvas, staging=staging)
 
 
 def _geometry(ops: Sequence[Op], params: BatchParams, k: int, image: torch.Tensor) -> torch.Tensor:
@@ -148,11 +149,14 @@ def apply_value_ops(
     x: torch.Tensor,
     cast_output: bool = True,
     owned: bool = False,
+    *,
+    staging: Staging | None = None,
 ) -> torch.Tensor:
     """Colour, dtype and layout ops on a float32 NCHW batch of 0-255 pixels; returns the output
     (or, with ``cast_output=False``, the float32 values before the final cast and layout).
     ``owned=True``: ``x`` is the caller's scratch, which the ops may update in place. ``x``
     may be uint8 when the first op is ``ToDtype(scale=True)`` (its division makes the floats).
+    ``staging``: the route of the ops' per-batch parameters to ``x``'s device (the loader's).
 
     Shared by the reference, the GPU path's colour pass and the batched path.
     """
@@ -161,19 +165,19 @@ def apply_value_ops(
     # owned: x is a tensor made here (or given as scratch), which later ops may update in place
     for op, p in zip(ops, per_op):
         if isinstance(op, ColorJitter):
-            x = color_jitter(x, p)
+            x = color_jitter(x, p, staging)
             owned = False
         elif isinstance(op, ToDtype):
             if op.scale:
                 x = x.div_(255.0) if owned else x / 255.0
                 scaled = owned = True
         elif isinstance(op, Normalize):
-            mean, std = to_device(normalize_constants(op, scaled, x.shape[1]), x.device)
+            mean, std = to_device(normalize_constants(op, scaled, x.shape[1]), x.device, staging)
             mean, std = _per_channel(mean, x), _per_channel(std, x)
             x = (x.sub_(mean) if owned else x - mean).div_(std)  # same rounding as (x - m) / s
             owned = True
         elif isinstance(op, RandomErasing):
-            x = erase(x, p, erase_values(op, x.shape[1]))
+            x = erase(x, p, erase_values(op, x.shape[1]), staging)
     if not cast_output:
         return x
     layout = torch.channels_last if channels_last else torch.contiguous_format
@@ -217,11 +221,11 @@ def erase_values(op: RandomErasing, channels: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32).expand(channels).clone()
 
 
-def erase(x: torch.Tensor, p: dict[str, torch.Tensor], values: torch.Tensor) -> torch.Tensor:
+def erase(x: torch.Tensor, p: dict[str, torch.Tensor], values: torch.Tensor, staging: Staging | None) -> torch.Tensor:
     """Set each sample's rectangle (where ``apply``) to ``values`` (one per channel)."""
     dev = x.device
     top, left, height, width, apply, values = to_device(
-        [p["top"], p["left"], p["height"], p["width"], p["apply"], values], dev
+        [p["top"], p["left"], p["height"], p["width"], p["apply"], values], dev, staging
     )
     top, left = top.view(-1, 1, 1), left.view(-1, 1, 1)
     bottom, right = top + height.view(-1, 1, 1), left + width.view(-1, 1, 1)
@@ -232,7 +236,7 @@ def erase(x: torch.Tensor, p: dict[str, torch.Tensor], values: torch.Tensor) -> 
     return torch.where(inside[:, None], values.view(1, -1, 1, 1), x)
 
 
-def color_jitter(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+def color_jitter(x: torch.Tensor, p: dict[str, torch.Tensor], staging: Staging | None) -> torch.Tensor:
     """Brightness, contrast, saturation in each sample's order; 0-255 pixels, clamped.
 
     Each step computes every adjustment for the whole batch and keeps, per sample, the one its
@@ -240,7 +244,7 @@ def color_jitter(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
     """
     order, *factors = to_device(
         [p["order"], *(p[name].to(torch.float32) for name in ("brightness", "contrast", "saturation"))],
-        x.device,
+        x.device, staging,
     )
     for step in range(3):
         for kind in range(3):

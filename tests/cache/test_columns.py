@@ -468,10 +468,10 @@ def test_out_of_memory_copying_a_batch_to_device_columns_leaves_its_keys_unstore
 
     real, calls = columns.to_device, iter(range(1, 1 << 30))
 
-    def to_device(tensors, device, keep_layout=False):
+    def to_device(tensors, device, staging, keep_layout=False):
         if next(calls) == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(tensors, device, keep_layout)
+        return real(tensors, device, staging, keep_layout)
 
     monkeypatch.setattr(columns, "to_device", to_device)
     samples = [_two_columns(i) for i in range(8)]

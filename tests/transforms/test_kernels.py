@@ -34,7 +34,7 @@ def _batch(n, h, w, seed=0):
 
 
 def _emulated_launch(device, batch, geom, fill, constants, erase, out_dtype, channels_last,
-                     out_size, channels):
+                     out_size, channels, staging=None):
     """``_kernels._launch`` with the kernel's arithmetic written in torch ops (CPU)."""
     a, b, values = constants
     oh, ow = out_size

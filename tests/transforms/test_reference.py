@@ -258,7 +258,7 @@ def test_color_jitter_without_host_sync_equals_the_row_indexed_version(channels)
         x[:, :, 0, 0] = 255.0  # saturated pixels: the clamps matter
         params = T.sample_params(ops, seed, 0, torch.arange(n), [(9, 13)] * n).per_op[0]
         before = x.clone()
-        out = T.reference.color_jitter(x, params)
+        out = T.reference.color_jitter(x, params, None)
         assert torch.equal(x, before)  # the input is not modified
         assert torch.equal(out, _color_jitter_by_rows(x, params))
 

@@ -31,14 +31,14 @@ def test_pack_and_unpack_round_trip_every_dtype_and_shape():
 
 def test_to_device_on_the_cpu_returns_the_tensors():
     tensors = _mixed()
-    for got, want in zip(to_device(tensors, torch.device("cpu")), tensors):
+    for got, want in zip(to_device(tensors, torch.device("cpu"), None), tensors):
         assert got is want
 
 
 @pytest.mark.gpu
 def test_to_device_copies_once_from_pinned_memory():
     tensors = _mixed()
-    out = to_device(tensors, torch.device("cuda"))
+    out = to_device(tensors, torch.device("cuda"), None)
     assert len({t.untyped_storage().data_ptr() for t in out}) == 1  # one device buffer
     for got, want in zip(out, tensors):
         assert got.is_cuda and torch.equal(got.cpu(), want)
@@ -66,5 +66,5 @@ def test_a_transformed_batch_makes_no_host_sync(backend, where):
 def test_host_images_move_as_they_are_on_the_cpu():
     images = [torch.randint(0, 256, (3, 5, 7), dtype=torch.uint8),
               torch.zeros(5, 6, 3, dtype=torch.uint8).permute(2, 0, 1)]
-    moved = T.apply._to_device(images, torch.device("cpu"))
+    moved = T.apply._to_device(images, torch.device("cpu"), None)
     assert all(got is want for got, want in zip(moved, images))
