@@ -8,12 +8,12 @@ limit, free device and host memory as the cache budget sees them, the launcher's
 cache settings that apply. A missing optional package is a line saying what it costs and how to
 install it, never an error. Exit status 1 when a line says FAIL, else 0.
 
-It answers in a second or two, also on a busy machine, because this process never imports torch
-(seconds): versions come from package metadata and installed files, the devices from the CUDA
-driver API (``libcuda.so.1``) and their free memory from NVML, both through ctypes; DALI's native
-library is loaded (not its Python package, a second of CPU). CuPy is imported in a child process,
-because only its import says which CUDA runtime and NVRTC it picks; a child that does not answer
-within ``--timeout`` seconds is a line saying so.
+It answers in about a second on a quiet machine (2.4-3.9 s beside 8 busy processes on 2 cores),
+because this process never imports torch (seconds): versions come from package metadata and
+installed files, the devices from the CUDA driver API (``libcuda.so.1``) and their free memory from
+NVML, both through ctypes; DALI's native library is loaded (not its Python package, a second of
+CPU). CuPy is imported in a child process, because only its import says which CUDA runtime and
+NVRTC it picks; a child that does not answer within ``--timeout`` seconds is a line saying so.
 """
 
 from __future__ import annotations
