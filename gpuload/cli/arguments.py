@@ -11,11 +11,11 @@ setting's error as the command line's, not as a keyword argument's; ``command_de
 from __future__ import annotations
 
 import argparse
-import ctypes
 import math
 import re
 from typing import TYPE_CHECKING
 
+from gpuload import driver
 from gpuload.sizes import CacheSettingError, parse_size
 
 if TYPE_CHECKING:
@@ -102,25 +102,11 @@ def setting_error(error: CacheSettingError) -> str:
     return f"argument --{error.setting.replace('_', '-')}: {error.value!r} {problem}"
 
 
-def driver_device_count() -> int:
-    """The CUDA devices the NVIDIA driver shows this process (``cuInit`` and ``cuDeviceGetCount``
-    of libcuda, which honour ``CUDA_VISIBLE_DEVICES``), read without importing torch; 0 when no
-    driver loads or it sees no device."""
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-        count = ctypes.c_int(0)
-        if libcuda.cuInit(0) != 0 or libcuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-            return 0
-        return count.value
-    except (OSError, AttributeError):
-        return 0
-
-
 def cuda_missing(text: str | None, flag: str = "--device") -> str | None:
     """Why ``--device cuda[:N]`` cannot run here, when the driver already says there is no CUDA
     device (torch could not see one either), else None; the full check, with torch, is
     ``command_device``. Answers in milliseconds, where importing torch takes seconds."""
-    if text is None or not text.startswith("cuda") or driver_device_count() > 0:
+    if text is None or not text.startswith("cuda") or driver.device_count() > 0:
         return None
     return (f"argument {flag}: {text} was asked for but CUDA is not available on this machine (no CUDA device: "
             f"the NVIDIA driver, libcuda.so.1, does not load or shows none); pass {flag} cpu, or leave {flag} out "

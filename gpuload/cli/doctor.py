@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from gpuload.driver import DriverError, visible_devices
 from gpuload.memory import MemoryInfo, host_memory
 
 __all__ = ["Finding", "add_arguments", "collect", "run", "PROBES", "PROBE_TIMEOUT_S"]
@@ -44,7 +45,6 @@ DALI_FLOOR = (1, 44)  # Pipeline.run(cuda_stream), which gpuload.decode._dali ne
 INSTALL_GPU = "pip install 'gpuload[cuda13]' (or 'gpuload[cuda12]' beside a torch built for CUDA 12; never both)"
 _PINNED_LOW = 1 << 30  # a memlock limit under this may cap pinned memory (and NCCL over InfiniBand)
 PROBE_TIMEOUT_S = 10.0  # how long the child importing CuPy may take (under 1 s on a quiet machine)
-_CUDA_ERROR_NO_DEVICE = 100
 
 
 @dataclass(frozen=True)
@@ -128,78 +128,12 @@ def read_driver() -> dict[str, Any]:
     except (OSError, AttributeError):
         return found
     try:
-        found["devices"] = _driver_devices(libcuda)
-    except _DriverError as error:
+        found["devices"] = visible_devices(libcuda)
+    except DriverError as error:
         found["devices"], found["device_error"] = [], str(error)
     except AttributeError:  # a libcuda without the calls (a stand-in): no devices known
         pass
     return found
-
-
-class _DriverError(RuntimeError):
-    """A CUDA driver API call returned an error."""
-
-
-def _driver_call(libcuda: Any, name: str, *args: Any) -> int:
-    status = int(getattr(libcuda, name)(*args))
-    if status:
-        text = ctypes.c_char_p()
-        try:
-            libcuda.cuGetErrorName(status, ctypes.byref(text))
-        except AttributeError:
-            pass
-        label = text.value.decode() if text.value else "unknown"
-        raise _DriverError(f"{name} returned CUDA error {status} ({label})")
-    return status
-
-
-def _driver_devices(libcuda: Any) -> list[dict[str, Any]]:
-    """The visible devices through the driver API (no context is created): name and total bytes,
-    and free bytes from NVML where it loads (found by PCI bus id, so the indices stay CUDA's)."""
-    try:
-        _driver_call(libcuda, "cuInit", 0)
-    except _DriverError as error:
-        if f"error {_CUDA_ERROR_NO_DEVICE} " in str(error):
-            return []  # the driver is there, no device is visible (CUDA_VISIBLE_DEVICES)
-        raise
-    count = ctypes.c_int(0)
-    _driver_call(libcuda, "cuDeviceGetCount", ctypes.byref(count))
-    devices = []
-    for index in range(count.value):
-        handle, name, bus = ctypes.c_int(0), ctypes.create_string_buffer(256), ctypes.create_string_buffer(64)
-        total = ctypes.c_size_t(0)
-        _driver_call(libcuda, "cuDeviceGet", ctypes.byref(handle), index)
-        _driver_call(libcuda, "cuDeviceGetName", name, len(name), handle)
-        _driver_call(libcuda, "cuDeviceTotalMem_v2", ctypes.byref(total), handle)
-        _driver_call(libcuda, "cuDeviceGetPCIBusId", bus, len(bus), handle)
-        devices.append({"name": name.value.decode(errors="replace"), "total": int(total.value),
-                        "pci_bus_id": bus.value.decode(errors="replace")})
-    _add_free_memory(devices)
-    return devices
-
-
-class _NvmlMemory(ctypes.Structure):
-    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
-
-
-def _add_free_memory(devices: list[dict[str, Any]]) -> None:
-    """Each device's free bytes from NVML (``free`` stays absent where NVML does not load)."""
-    if not devices:
-        return
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-        if nvml.nvmlInit_v2() != 0:
-            return
-    except (OSError, AttributeError):
-        return
-    try:
-        for device in devices:
-            handle, memory = ctypes.c_void_p(), _NvmlMemory()
-            if nvml.nvmlDeviceGetHandleByPciBusId_v2(device["pci_bus_id"].encode(), ctypes.byref(handle)) == 0 \
-                    and nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) == 0:
-                device["free"] = int(memory.free)
-    finally:
-        nvml.nvmlShutdown()
 
 
 def read_torch() -> dict[str, Any] | None:

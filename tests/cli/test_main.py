@@ -203,9 +203,9 @@ def test_a_command_is_a_row_of_the_table_and_its_module_loads_only_when_named(mo
 def test_cuda_without_a_driver_device_is_refused_before_torch_is_imported(command: list[str]) -> None:
     """The driver says there is no CUDA device: the error comes before torch (seconds) loads;
     here torch cannot even be imported, so reaching it would be a traceback, not exit 2."""
-    from gpuload.cli.arguments import driver_device_count
+    from gpuload.driver import device_count
 
-    if driver_device_count() > 0:
+    if device_count() > 0:
         pytest.skip("this machine's driver shows a CUDA device: --device cuda is valid here")
     code = ("import sys; sys.modules['torch'] = None\n"
             "from gpuload.cli.main import main\n"
@@ -221,15 +221,15 @@ def test_cuda_without_a_driver_device_is_refused_before_torch_is_imported(comman
 def test_cuda_missing_asks_the_driver_and_leaves_the_rest_to_torch(monkeypatch) -> None:
     from gpuload.cli import arguments
 
-    monkeypatch.setattr(arguments, "driver_device_count", lambda: 0)
+    monkeypatch.setattr(arguments.driver, "device_count", lambda: 0)
     assert "pass --device cpu" in arguments.cuda_missing("cuda:0")
     assert arguments.cuda_missing("cpu") is None and arguments.cuda_missing(None) is None
-    monkeypatch.setattr(arguments, "driver_device_count", lambda: 2)
+    monkeypatch.setattr(arguments.driver, "device_count", lambda: 2)
     assert arguments.cuda_missing("cuda:5") is None  # which devices exist: command_device asks torch
 
 
 def test_the_driver_count_reads_libcuda_and_is_zero_when_it_fails(monkeypatch) -> None:
-    from gpuload.cli import arguments
+    from gpuload import driver
 
     def library(init: int, count: int):  # type: ignore[no-untyped-def]
         def get_count(reference) -> int:  # type: ignore[no-untyped-def]
@@ -238,10 +238,12 @@ def test_the_driver_count_reads_libcuda_and_is_zero_when_it_fails(monkeypatch) -
 
         return lambda name: types.SimpleNamespace(cuInit=lambda flags: init, cuDeviceGetCount=get_count)
 
-    monkeypatch.setattr(arguments.ctypes, "CDLL", library(0, 3))
-    assert arguments.driver_device_count() == 3
-    monkeypatch.setattr(arguments.ctypes, "CDLL", library(100, 3))  # CUDA_ERROR_NO_DEVICE
-    assert arguments.driver_device_count() == 0
+    monkeypatch.setattr(driver.ctypes, "CDLL", library(0, 3))
+    assert driver.device_count() == 3
+    monkeypatch.setattr(driver.ctypes, "CDLL", library(100, 3))  # CUDA_ERROR_NO_DEVICE
+    assert driver.device_count() == 0
+    monkeypatch.setattr(driver.ctypes, "CDLL", library(999, 3))  # any other failure of the driver
+    assert driver.device_count() == 0
 
 
 def test_command_device_names_the_flag_and_what_exists(monkeypatch) -> None:
