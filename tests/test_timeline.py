@@ -105,6 +105,26 @@ def test_on_it_keeps_the_last_steps_and_totals_over_all() -> None:
     assert sum(1 for step in timeline.steps() if step.step_s is None) <= 1  # an epoch's first step
 
 
+def test_resize_turns_it_on_or_off_from_the_next_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TIMELINE)
+    loader = gpuload.DataLoader(SleepyReads(8, 0.0), batch_size=2)
+    run(loader)
+    batches = iter(loader)
+    next(batches)
+    loader.timeline.resize(3)  # mid-epoch: this epoch goes on unrecorded
+    run_rest = list(batches)
+    assert len(run_rest) == 3 and loader.timeline.step_count == 0
+    run(loader)
+    assert loader.timeline.step_count == 4 and len(loader.timeline.steps()) == 3
+    assert loader.timeline.stage_seconds()["read"] > 0  # the prefetcher's thread recorded too
+    loader.timeline.resize(0)
+    run(loader)
+    assert loader.timeline.step_count == 4 and loader.timeline.steps() == []
+    assert loader._prefetcher is None or not loader._prefetcher.timeline
+    with pytest.raises(ValueError, match="capacity"):
+        loader.timeline.resize(-1)
+
+
 @pytest.mark.parametrize("how", ["keyword", "env"])
 def test_off_records_nothing_and_says_so(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     options: dict[str, Any] = {}
