@@ -59,12 +59,14 @@ def test_lightning_logs_the_wait_and_the_stages_and_names_the_top_stage(caplog: 
     assert callback.summary in caplog.text
 
 
-def test_a_lightning_callback_needs_a_positive_interval() -> None:
-    pytest.importorskip("pytorch_lightning")
-    from gpuload.integrations.lightning import TimelineCallback
+@pytest.mark.parametrize("integration", ["lightning", "transformers"])
+def test_a_callback_needs_a_positive_interval(integration: str) -> None:
+    pytest.importorskip({"lightning": "pytorch_lightning", "transformers": "transformers"}[integration])
+    import importlib
 
+    callback = importlib.import_module(f"gpuload.integrations.{integration}").TimelineCallback
     with pytest.raises(ValueError, match="every_n_steps"):
-        TimelineCallback(every_n_steps=0)
+        callback(every_n_steps=0)
 
 
 def test_hf_trainer_logs_the_wait_and_the_top_stage(tmp_path) -> None:
@@ -94,5 +96,6 @@ def test_hf_trainer_logs_the_wait_and_the_top_stage(tmp_path) -> None:
     logged = [entry for entry in trainer.state.log_history if "gpuload_wait_percent" in entry]
     assert logged, trainer.state.log_history
     assert all(entry["gpuload_top_stage"] == "read" for entry in logged), logged
+    assert not any("gpuload_slowest_rank" in entry for entry in logged)  # one process: nothing gathered
     assert 50 < logged[-1]["gpuload_wait_percent"] <= 100
     assert callback.summary.startswith("data-bound") and "dataset reads" in callback.summary
