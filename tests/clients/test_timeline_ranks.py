@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,10 @@ from typing import Any
 import pytest
 import torch
 from torch.utils.data import Dataset, default_collate
+
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "distributed")]
+import ranks_job  # noqa: E402
+from test_timeline_callbacks import TinyForHF  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a spawn of 2 processes that import torch and Transformers
 
@@ -37,15 +41,6 @@ class Reads(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         time.sleep(self.sleep_s)
         return {"x": torch.full((4,), float(index)), "labels": torch.tensor(index % 2)}
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"loss": torch.nn.functional.cross_entropy(self.layer(x), labels)}
 
 
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -77,7 +72,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         disable_tqdm=True, dataloader_pin_memory=False,
     )
     callback = Callback(every_n_steps=EVERY_N)
-    trainer = Trainer(model=Tiny(), args=args, train_dataset=Reads(0.05 if rank == SLOW_RANK else 0.0),
+    trainer = Trainer(model=TinyForHF(), args=args, train_dataset=Reads(0.05 if rank == SLOW_RANK else 0.0),
                       data_collator=default_collate, callbacks=[callback])
     assert trainer.args.world_size == world
     trainer.train()
@@ -89,18 +84,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    folder = tmp_path_factory.mktemp("hf-timeline")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    ranks = torch.multiprocessing.spawn(run_rank, args=(2, port, str(folder)), nprocs=2, join=False)
-    deadline = time.monotonic() + RANKS_DEADLINE_S
-    while not ranks.join(timeout=2):
-        if time.monotonic() > deadline:  # a rank waits in a collective the other never joins
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail(f"the 2 ranks did not finish in {RANKS_DEADLINE_S} s: one waits for the other")
-    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return ranks_job.spawned(run_rank, 2, tmp_path_factory.mktemp("hf-timeline"), RANKS_DEADLINE_S)
 
 
 def test_every_rank_logs_the_straggler_and_its_stage(ranks: list[dict]) -> None:
