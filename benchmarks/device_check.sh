@@ -15,6 +15,8 @@
 #                  25 slowest durations in its log; no test scales with the card's memory
 #   kernel-parity  (~30 s) the gpu-marked tests of tests/transforms: CuPy kernels against the torch reference
 #   prefetch       (~15 s) benchmarks/bench_prefetch.py: loop wait with prefetching, pinned H2D bandwidth
+#   timeline       (~10 s) benchmarks/bench_timeline.py: loader.timeline's cost on a cached epoch (CUDA
+#                  events on the loop's stream), on and off alternately; under 1% could turn it on
 #   cache-device   (~20 s) gpuload bench --quick: arrays in the device-tier cache against torch
 #   cache-partial  (~15 s) gpuload bench --quick --scenario partial: arrays larger than the device budget
 #   images         (~30 s) gpuload bench --quick --scenario images: the image path, decoded on the GPU
@@ -24,7 +26,8 @@
 # that fails or times out does not stop the next, and steps that no longer fit the budget
 # are recorded as skipped. At the end benchmarks/device_check_summary.py writes summary.json
 # (pass/fail counts, skip reasons, each truth check's verdict, the headline numbers: H2D GB/s
-# pinned and pageable, the loop's wait with and without prefetching, samples/s against torch);
+# pinned and pageable, the loop's wait with and without prefetching, the timeline's cost, samples/s
+# against torch);
 # if even that fails, a minimal summary.json is written here. Then
 # everything but summary.json and steps.tsv is packed into logs.tar.gz (the device tool brings
 # back at most 8 files; GPULOAD_CHECK_KEEP_FILES=1 keeps them loose).
@@ -41,7 +44,7 @@ mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python="${GPULOAD_CHECK_PYTHON:-python3}"
-budget_s="${GPULOAD_CHECK_BUDGET_S:-260}"  # steps (~250 s estimated); with the summary and packing, under 5 minutes
+budget_s="${GPULOAD_CHECK_BUDGET_S:-260}"  # steps (~260 s estimated); with the summary and packing, under 5 minutes
 device="${GPULOAD_CHECK_DEVICE:-cuda}"
 only="${GPULOAD_CHECK_STEPS:-}"
 started=$(date +%s)
@@ -112,6 +115,7 @@ step gpu-tests 110 "$python" -m pytest "${pytest_args[@]}" --durations=25 --juni
   --ignore=tests/transforms tests
 step kernel-parity 50 "$python" -m pytest "${pytest_args[@]}" --junitxml="$out/kernel-parity.xml" tests/transforms
 step prefetch 35 "$python" benchmarks/bench_prefetch.py --quick --device cuda --json "$out/prefetch.json"
+step timeline 25 "$python" benchmarks/bench_timeline.py --pairs 400 --device "$device" --json "$out/timeline.json"
 step cache-device 35 "$python" -m gpuload.cli bench --quick --step sleep --step-ms 2 --epochs 2 \
   --out "$out/cache-device"
 step cache-partial 30 "$python" -m gpuload.cli bench --quick --scenario partial --step sleep --step-ms 2 \

@@ -109,6 +109,14 @@ def prefetch_numbers(path: Path) -> dict[str, Any]:
     return numbers
 
 
+def timeline_numbers(path: Path) -> dict[str, Any]:
+    """bench_timeline.py's JSON: the timeline's cost per step, on and off, and as a share."""
+    document = json.loads(path.read_text(encoding="utf-8"))
+    keys = ("device", "path", "pairs", "off_us_per_step", "on_us_per_step", "paired_difference_us_per_step",
+            "overhead_percent")
+    return {key: document.get(key) for key in keys}
+
+
 def machine_info(path: Path) -> dict[str, Any]:
     """The versions line machine_info() printed (``MACHINE_JSON {...}``)."""
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
@@ -136,8 +144,8 @@ def _rate(loader: dict[str, Any]) -> float | None:
 
 def headline(summary: dict[str, Any]) -> dict[str, Any]:
     """The numbers a reader wants first: host-to-device GB/s pinned against pageable, the loop's
-    wait with and without prefetching, each truth check's verdict, and gpuload's samples/s
-    against torch's best per scenario."""
+    wait with and without prefetching, the timeline's cost in percent of a cached step, each truth
+    check's verdict, and gpuload's samples/s against torch's best per scenario."""
     numbers: dict[str, Any] = {}
     prefetch = summary.get("prefetch") or {}
     h2d = prefetch.get("h2d") or {}
@@ -150,6 +158,9 @@ def headline(summary: dict[str, Any]) -> dict[str, Any]:
             "without prefetching": {k: v for k, v in waits.items() if k.startswith("torch DataLoader")},
             "with gpuload's prefetcher": {k: v for k, v in waits.items() if k.startswith("gpuload Prefetcher")},
         }
+    timeline = summary.get("timeline") or {}
+    if timeline.get("overhead_percent") is not None:
+        numbers["timeline_overhead_percent"] = timeline["overhead_percent"]
     truth = summary.get("truth")
     if isinstance(truth, dict) and "error" not in truth:
         numbers["truth"] = {name: "passed" if verdict["passed"] else "FAILED: " + "; ".join(verdict["problems"])[:300]
@@ -198,6 +209,7 @@ def summarize(out: Path) -> dict[str, Any]:
     summary["tests"] = {name: _guarded(junit_counts, out / f"{name}.xml") for name in TEST_STEPS if name in ran}
     summary["truth"] = _guarded(truth_verdicts, out / "truth") if "truth" in ran else None
     summary["prefetch"] = _guarded(prefetch_numbers, out / "prefetch.json") if "prefetch" in ran else None
+    summary["timeline"] = _guarded(timeline_numbers, out / "timeline.json") if "timeline" in ran else None
     summary["bench"] = {
         name: _guarded(bench_numbers, out / name / "bench.json") for name in BENCH_STEPS if name in ran
     }

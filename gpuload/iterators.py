@@ -61,7 +61,8 @@ class EpochIterator(Iterator[Any]):
         epoch: Epoch | None = None,
         timeline: Timeline | None = None,
     ) -> None:
-        self._timeline = timeline if timeline is not None else Timeline(0)
+        # as it is when the epoch begins (Timeline.resize takes effect from the next epoch)
+        self._timeline = timeline if timeline is not None and timeline.enabled else Timeline(0)
         self._items = items
         self._finish = work.finish
         self._stats = stats

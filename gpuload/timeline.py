@@ -171,6 +171,12 @@ class Step:
     stages: dict[str, float] = field(default_factory=dict)
 
 
+def _checked(capacity: int) -> int:
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        raise ValueError(f"timeline capacity={capacity!r} must be a non-negative int (steps kept)")
+    return capacity
+
+
 class Timeline:
     """The last ``capacity`` steps of a loader, and running totals over every step measured.
 
@@ -181,9 +187,7 @@ class Timeline:
     """
 
     def __init__(self, capacity: int = DEFAULT_STEPS, device: torch.device | str = "cpu") -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-            raise ValueError(f"timeline capacity={capacity!r} must be a non-negative int (steps kept)")
-        self.capacity = capacity
+        self.capacity = _checked(capacity)
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
         self._steps: deque[Step] = deque(maxlen=capacity or 1)
@@ -200,6 +204,16 @@ class Timeline:
     @property
     def enabled(self) -> bool:
         return self.capacity > 0
+
+    def resize(self, capacity: int) -> None:
+        """Keep the last ``capacity`` steps (0: off) from the loader's next epoch on, e.g. on for
+        one epoch to see where it waits, at no cost in the others. The running totals stay, and
+        the steps kept so far up to ``capacity`` (the newest)."""
+        self.capacity = _checked(capacity)
+        self._steps = deque(self._steps, maxlen=capacity or 1)
+        if not capacity:
+            self._steps.clear()
+            self._pending.clear()  # off: their events are never read
 
     def reset_totals(self) -> None:
         """Forget every step measured so far."""

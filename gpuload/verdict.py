@@ -55,9 +55,11 @@ class LoaderSettings:
 
     @classmethod
     def of(cls, loader: Any) -> LoaderSettings:
-        """``loader``'s settings (a ``gpuload.DataLoader``; None: the defaults)."""
+        """``loader``'s settings (a ``gpuload.DataLoader``, or settings as they are; None: the defaults)."""
         if loader is None:
             return cls()
+        if isinstance(loader, LoaderSettings):
+            return loader
         stats = loader.stats
         prefetch = stats.extra.get("prefetch") or {}
         return cls(
@@ -133,8 +135,14 @@ def _gather_source(s: LoaderSettings) -> list[str]:
 
 
 def _copy(s: LoaderSettings) -> list[str]:
-    return ["uint8 data converted on the device (transforms=[..., ToDtype]): 4x fewer bytes to copy",
-            "a larger cache_size so rows stay on the device"]
+    tips = []
+    if s.cache == "off":
+        tips.append('cache="auto" (rows the cache keeps on the device are not copied again)')
+    elif s.device != "cpu":
+        tips.append("a larger cache_size so rows stay on the device")
+    tips.append("fewer bytes per batch: uint8 data, converted on the device (transforms=[..., ToDtype]), "
+                "copies 4x fewer than float32")
+    return tips
 
 
 def _exchange(s: LoaderSettings) -> list[str]:
@@ -187,7 +195,7 @@ class Verdict:
 def verdict(fraction: float | None, means: dict[str, float], loader: Any = None) -> Verdict:
     """The verdict for a loop that waited ``fraction`` of its step time (None: not measured yet)
     while the loader's stages took ``means`` seconds per step, with suggestions for ``loader``'s
-    settings (a ``gpuload.DataLoader``; None: the defaults)."""
+    settings (a ``gpuload.DataLoader`` or its ``LoaderSettings``; None: the defaults)."""
     if fraction is None:
         return Verdict("unknown", None, None, (), "not enough steps measured yet")
     top = max(means, key=means.__getitem__) if means else None

@@ -9,6 +9,7 @@ machine."""
 from __future__ import annotations
 
 import pickle
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,26 @@ def test_on_it_keeps_the_last_steps_and_totals_over_all() -> None:
     assert len(timeline.steps()) == 3 and timeline.step_count == 20
     assert all(step.wait_s is not None for step in timeline.steps())
     assert sum(1 for step in timeline.steps() if step.step_s is None) <= 1  # an epoch's first step
+
+
+def test_resize_turns_it_on_or_off_from_the_next_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TIMELINE)
+    loader = gpuload.DataLoader(SleepyReads(8, 0.0), batch_size=2)
+    run(loader)
+    batches = iter(loader)
+    next(batches)
+    loader.timeline.resize(3)  # mid-epoch: this epoch goes on unrecorded
+    run_rest = list(batches)
+    assert len(run_rest) == 3 and loader.timeline.step_count == 0
+    run(loader)
+    assert loader.timeline.step_count == 4 and len(loader.timeline.steps()) == 3
+    assert loader.timeline.stage_seconds()["read"] > 0  # the prefetcher's thread recorded too
+    loader.timeline.resize(0)
+    run(loader)
+    assert loader.timeline.step_count == 4 and loader.timeline.steps() == []
+    assert loader._prefetcher is None or not loader._prefetcher.timeline
+    with pytest.raises(ValueError, match="capacity"):
+        loader.timeline.resize(-1)
 
 
 @pytest.mark.parametrize("how", ["keyword", "env"])
@@ -204,6 +225,99 @@ def test_a_ring_whose_slots_wait_for_their_copies_is_named(monkeypatch: pytest.M
     found = loader.timeline.verdict()
     assert found.bound == "data" and found.stage == "slot_wait", loader.timeline.table()
     assert "prefetch_depth=2 (now 1)" in found.suggestions[0]
+
+
+def test_a_throttled_copy_is_named_with_what_applies_to_the_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each batch's copy into its pinned slot is throttled (a slow PCIe link): the verdict names
+    the copy and, for uint8 rows streamed with the cache off on a CPU, first turns the cache on
+    (before: "uint8 data converted on the device", for rows already uint8, and rows kept "on the
+    device" by a larger cache_size, on a CPU device)."""
+    transfer = prefetch._Ring.transfer
+
+    def throttled(self: Any, index: int, item: Any, counted: bool = True) -> Any:
+        time.sleep(SLOW_S)
+        return transfer(self, index, item, counted)
+
+    monkeypatch.setattr(prefetch._Ring, "transfer", throttled)
+    rows = torch.randint(0, 256, (32, 16), dtype=torch.uint8)
+    loader = gpuload.DataLoader(TensorDataset(rows), batch_size=8, cache="off", prefetch_depth=2)
+    run(loader, epochs=2)
+    found = loader.timeline.verdict()
+    assert found.bound == "data" and found.stage == "copy", loader.timeline.table()
+    assert found.suggestions[0].startswith('cache="auto"'), found.suggestions
+    assert not any("cache_size" in tip for tip in found.suggestions), found.suggestions  # a CPU device
+
+
+def test_decoding_jpegs_on_the_cpu_is_named_with_the_gpu_decoder(tmp_path: Path) -> None:
+    """Photographs of ~500x375 decoded on the CPU each epoch, then resized to 32x32: the decode
+    is most of the loader's time (about 3/4 of it here), and a GPU is what it suggests."""
+    from gpuload.datasets.images import make_sample_image_folder
+
+    folder = make_sample_image_folder(tmp_path, num_images=8, num_classes=2, seed=0)
+    loader = gpuload.DataLoader(folder, batch_size=4, cache="off", transforms=[T.Resize((32, 32))])
+    run(loader)
+    found = loader.timeline.verdict()
+    assert found.bound == "data" and found.stage == "decode", loader.timeline.table()
+    assert found.suggestions[0].startswith('device="cuda"') and loader.stats.extra["decode_backend"] in {
+        "pil", "torchvision", "dali-cpu"}
+
+
+#: (stage, the settings of a loader slow in it, what the verdict's first suggestion starts with):
+#: every suggestion each stage can make.
+SUGGESTED = [
+    ("read", LoaderSettings(path="torch", num_workers=0), "num_workers="),
+    ("read", LoaderSettings(path="torch", num_workers=4, cache="off"), 'cache="auto"'),
+    ("read", LoaderSettings(path="image-files", cache="host"), 'cache="device" or cache="host"'),
+    ("read", LoaderSettings(path="torch", num_workers=4, cache="auto"), "a faster __getitem__"),
+    ("decode", LoaderSettings(device="cpu", decode_backend="pil"), 'device="cuda"'),
+    ("decode", LoaderSettings(device="cuda", decode_backend="dali-cpu"), "install DALI"),
+    ("decode", LoaderSettings(device="cuda", decode_backend="dali"), 'cache="device"'),
+    ("transform", LoaderSettings(device="cpu"), 'device="cuda"'),
+    ("transform", LoaderSettings(device="cuda", transform_backend="torch"), "install cupy"),
+    ("transform", LoaderSettings(device="cuda", transform_backend="cupy"), "fewer or cheaper transforms"),
+    ("gather.device", LoaderSettings(device="cuda"), "larger batches"),
+    ("gather.host", LoaderSettings(device="cpu"), "smaller samples"),
+    ("gather.host", LoaderSettings(device="cuda"), "a larger cache_size"),
+    ("gather.disk", LoaderSettings(cache_dir="/slow/disk"), "a larger cache_size so fewer rows come from disk"),
+    ("gather.source", LoaderSettings(cache="off"), 'cache="auto"'),
+    ("gather.source", LoaderSettings(cache="auto"), "a larger cache_size"),
+    ("copy", LoaderSettings(device="cuda", cache="off"), 'cache="auto"'),
+    ("copy", LoaderSettings(device="cuda", cache="auto"), "a larger cache_size"),
+    ("copy", LoaderSettings(device="cpu", cache="auto"), "fewer bytes per batch"),
+    ("exchange", LoaderSettings(cache_scope="world"), 'cache_scope="rank"'),
+    ("slot_wait", LoaderSettings(prefetch_depth=3), "a deeper ring: prefetch_depth=6 (now 3)"),
+    ("slot_wait", LoaderSettings(depth_in_use=2), "a deeper ring: prefetch_depth=4 (now 2)"),
+    ("other", LoaderSettings(path="torch", num_workers=0), "num_workers="),
+    ("other", LoaderSettings(path="device-gather"), "larger batches"),
+    ("gather.device", LoaderSettings(prefetch_depth=0), "prefetch_depth unset"),
+]
+
+
+@pytest.mark.parametrize("stage_name, settings, first", SUGGESTED,
+                         ids=[f"{name}-{k}" for k, (name, _, _) in enumerate(SUGGESTED)])
+def test_each_suggestion_comes_from_a_loader_slow_in_its_stage(stage_name: str, settings: LoaderSettings,
+                                                               first: str) -> None:
+    means = {stage_name: 0.04, "other": 0.001} if stage_name != "other" else {"other": 0.04, "read": 0.001}
+    found = verdict(0.5, means, settings)
+    assert found.stage == stage_name and found.suggestions[0].startswith(first), found.suggestions
+    assert f"try {found.suggestions[0]}" in found.line
+
+
+def _kind(name: str, tip: str) -> tuple[str, str]:
+    """A suggestion as a kind: its first three words, numbers as N; the prefetch tip, which any
+    stage can get, once for all."""
+    words = " ".join(re.sub(r"\d+", "N", tip).split()[:3])
+    return ("any", words) if words.startswith("prefetch_depth unset") else (name, words)
+
+
+def test_every_suggestion_a_stage_can_make_is_in_the_table() -> None:
+    """Each tip the table's settings give for any stage is some row's first: the table covers
+    every suggestion, except the exchange's second, which is always second."""
+    made = {_kind(name, suggestions(name, settings)[0]) for name, settings, _ in SUGGESTED}
+    every = {_kind(name, tip) for name in STAGES for _, settings, _ in SUGGESTED
+             for tip in suggestions(name, settings)}
+    assert every - made == {("exchange", "a faster interconnect")}
+    assert verdict(0.5, {"exchange": 0.04}, LoaderSettings()).suggestions[1].startswith("a faster interconnect")
 
 
 class Pictures(Dataset):

@@ -18,7 +18,15 @@ from torch.utils.data import Dataset, TensorDataset
 import gpuload
 from gpuload import transforms as T
 from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, plan_notes
-from gpuload.bench.scenarios import BenchConfig, LoaderSpec, not_opened, served_from, synthetic_cifar, torch_spec
+from gpuload.bench.scenarios import (
+    BenchConfig,
+    LoaderEpochs,
+    LoaderSpec,
+    not_opened,
+    served_from,
+    synthetic_cifar,
+    torch_spec,
+)
 
 __all__ = ["MEAN", "STD", "PADDING", "PerSampleAugment", "augment_ops", "augment_loaders"]
 
@@ -85,7 +93,7 @@ def _gpuload_spec(
             spec.notes.update(served_from(loader), transform_backend=loader.stats.extra.get("transform_backend"))
             loader.close()
 
-        return (lambda: loader), lambda: loader.stats.bytes_h2d, close
+        return LoaderEpochs(loader), lambda: loader.stats.bytes_h2d, close
 
     spec.open = open_
     return spec

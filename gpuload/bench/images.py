@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 import gpuload
 from gpuload import transforms as T
 from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, modelled_h2d, pretended_card
-from gpuload.bench.scenarios import BenchConfig, CountingEpochs, LoaderSpec, not_opened
+from gpuload.bench.scenarios import BenchConfig, CountingEpochs, LoaderEpochs, LoaderSpec, not_opened, top_stage
 from gpuload.cache import CacheSettings, decide_images, estimate_image_bytes
 from gpuload.datasets import ImageFolder
 from gpuload.device import MemoryInfo, host_memory
@@ -172,15 +172,15 @@ def _gpuload_spec(name: str, folder: ImageFolder, config: BenchConfig, device: t
             generator=torch.Generator().manual_seed(config.seed),
         )
 
-        def epoch() -> Iterator[Any]:
-            yield from loader
+        def close() -> None:
             extra = loader.stats.extra
-            spec.notes.update(decode_backend=extra.get("decode_backend"),
+            spec.notes.update(top_stage=top_stage(loader), decode_backend=extra.get("decode_backend"),
                               transform_backend=extra.get("transform_backend"))
             if "cache" in extra:
                 spec.notes.update(image_cache=extra["cache"]["mode"], cached_images=extra["cache"]["entries"])
+            loader.close()
 
-        return epoch, lambda: loader.stats.bytes_h2d, loader.close
+        return LoaderEpochs(loader), lambda: loader.stats.bytes_h2d, close
 
     spec.open = open_gpuload
     return spec

@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["EpochTimes", "time_epochs", "time_step", "synchronize", "count_samples", "HostPeak"]
+from gpuload.timeline import DEFAULT_STEPS, Timeline
+
+__all__ = ["EpochTimes", "time_epochs", "time_step", "trace_epoch", "synchronize", "count_samples", "HostPeak"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -111,6 +113,29 @@ def time_epochs(
         times.samples_per_epoch, times.batches = samples, batches
         on_epoch(epoch)
     return times
+
+
+def trace_epoch(
+    make_epoch: Callable[[], Iterable[Any]], timeline: Timeline, device: torch.device,
+    step: Callable[[Any], None] | None = None,
+) -> dict[str, float]:
+    """Each stage's mean ms per step over one more epoch, untimed, with the loader's timeline on.
+
+    The timed epochs ran with the timeline as the loader has it (off by default), so its cost
+    stays out of their times; this steady epoch, with the same step, says where the loader's time
+    goes. The timeline keeps this epoch's totals and is then as it was (on or off).
+    """
+    capacity = timeline.capacity
+    timeline.resize(max(capacity, DEFAULT_STEPS))
+    timeline.reset_totals()
+    try:
+        for batch in make_epoch():
+            if step is not None:
+                step(batch)
+        synchronize(device)
+    finally:
+        timeline.resize(capacity)
+    return {name: 1e3 * seconds for name, seconds in timeline.stage_seconds().items()}
 
 
 def time_step(step: Callable[[Any], None], batch: Any, device: torch.device, repeats: int = 5) -> float:

@@ -22,7 +22,7 @@ from gpuload.verdict import STAGES
 
 __all__ = [
     "add_ratios", "format_table", "format_details", "headline", "busy_note", "write_json", "write_chart", "draw_chart",
-    "display_name", "h2d_figures", "epoch_rates", "WIDTH",
+    "display_name", "h2d_figures", "epoch_rates", "stage_shares", "WIDTH",
 ]
 
 WIDTH = 100  # columns every printed line fits in
@@ -322,9 +322,12 @@ def _color(row: dict[str, Any]) -> str:
 
 
 def draw_chart(results: list[dict[str, Any]], title: str):
-    """The report's figure: samples/s on a log scale (ideals as lines), and H2D bytes per epoch.
+    """The report's figure: samples/s on a log scale (ideals as lines), H2D bytes per epoch, and
+    (in documents that measured it) where the loop waits: each loader's exposed wait per step, and
+    for gpuload the stages' shares of its time (:func:`stage_shares`).
 
-    Each loader's bars carry ``gid`` "speed:NAME" and "bytes-first:NAME" / "bytes-later:NAME".
+    Each loader's bars carry ``gid`` "speed:NAME", "bytes-first:NAME" / "bytes-later:NAME" and
+    "stage:STAGE:NAME"; the wait is the text with ``gid`` "wait:NAME".
     """
     import matplotlib
 
@@ -333,11 +336,16 @@ def draw_chart(results: list[dict[str, Any]], title: str):
 
     rows = [r for r in results if r["kind"] != "ideal"]
     ideals = [r for r in results if r["kind"] == "ideal"]
-    figure, (speed, moved) = plt.subplots(
-        1, 2, figsize=(13, 0.62 * len(rows) + 2.6), sharey=True, gridspec_kw={"width_ratios": [3, 2]}
+    waits = any(r.get("wait_ms_per_step") is not None for r in rows)  # a document from before: two panels
+    figure, axes = plt.subplots(
+        1, 3 if waits else 2, figsize=(19 if waits else 13, 0.62 * len(rows) + 2.6), sharey=True,
+        gridspec_kw={"width_ratios": [3, 2, 2.4] if waits else [3, 2]},
     )
+    speed, moved = axes[:2]
     _speed_panel(speed, rows, ideals)
     _bytes_panel(moved, rows, _modelled_card(results))
+    if waits:
+        _stages_panel(axes[2], rows)
     speed.set_yticks(range(len(rows)), [display_name(r["name"]) for r in rows])
     speed.invert_yaxis()
     figure.suptitle(title, fontsize=12)
@@ -392,6 +400,53 @@ def _bytes_panel(axis, rows: list[dict[str, Any]], card: str | None) -> None:
     axis.set_xlabel("MiB host-to-device per epoch" + (", hatched: modelled" if mixed else ""))
     axis.set_title(f"How many bytes cross to the device per epoch?\n({title})", fontsize=11)
     _legend_below(axis)
+    axis.grid(axis="x", alpha=0.3)
+
+
+def stage_shares(row: dict[str, Any]) -> dict[str, float]:
+    """The share of a gpuload row's time per step each stage took (summing to 1), in the order of
+    :data:`gpuload.verdict.STAGES`; empty for a row with no stage times (torch's, an ideal's)."""
+    stage_ms = row.get("stage_ms_per_step") or {}
+    total = sum(stage_ms.values())
+    if total <= 0:
+        return {}
+    order = [*STAGES, *sorted(set(stage_ms) - set(STAGES))]
+    return {name: stage_ms[name] / total for name in order if stage_ms.get(name, 0) > 0}
+
+
+def _stage_colors() -> dict[str, Any]:
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab20"]  # its strong shades first: neighbouring stages differ
+    return {name: palette((2 * k) % 20 + (2 * k) // 20) for k, name in enumerate(STAGES)}
+
+
+def _stages_panel(axis, rows: list[dict[str, Any]]) -> None:
+    colors = _stage_colors()
+    drawn: set[str] = set()
+    for y, r in enumerate(rows):
+        shares = stage_shares(r)
+        left = 0.0
+        for name, share in shares.items():
+            bar = axis.barh(y - 0.1, 100 * share, left=left, height=0.45, color=colors.get(name, "#999999"),
+                            label=STAGES.get(name, name) if name not in drawn else None)[0]
+            bar.set_gid(f"stage:{name}:{r['name']}")
+            drawn.add(name)
+            left += 100 * share
+        wait = r.get("wait_ms_per_step")
+        text = "wait -" if wait is None else f"wait {wait:.3f} ms/step"
+        if shares:
+            top = max(shares, key=shares.__getitem__)
+            text += f"; top: {STAGES.get(top, top)} {100 * shares[top]:.0f}%"
+        else:
+            text += " (around the loop; no stage timeline)"
+        axis.text(1, y + 0.34, text, va="center", fontsize=8).set_gid(f"wait:{r['name']}")
+    axis.set_xlim(0, 100)
+    axis.set_xlabel("% of the loader's time per step, by stage (one traced epoch)")
+    axis.set_title("Where does the loop wait?\n(wait: time inside next() per step, alike for every loader)",
+                   fontsize=11)
+    if drawn:
+        axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=7, frameon=False)
     axis.grid(axis="x", alpha=0.3)
 
 

@@ -12,9 +12,10 @@ from typing import Any
 import torch
 
 import gpuload
-from gpuload.bench.measure import HostPeak, time_epochs, time_step
+from gpuload.bench.measure import HostPeak, time_epochs, time_step, trace_epoch
 from gpuload.bench.memory import LoaderDeviceMemory, ModelMemory, measure_model_memory
 from gpuload.bench.scenarios import LoaderSpec
+from gpuload.timeline import timeline_of
 
 __all__ = ["run_loaders", "RunResults", "environment", "steady_host_allocator", "IDEAL_EPOCHS"]
 
@@ -63,7 +64,8 @@ def run_loaders(
     bound a loader's median does not pass by noise alone. Bytes copied host-to-device are
     counted for the warm-up epoch (which fills a cache) and per steady epoch apart; device
     memory is the loader's own, the model's is measured once on the first loader's first batch
-    and kept in ``model_memory``.
+    and kept in ``model_memory``. A gpuload loader then runs one more epoch, untimed, with its
+    timeline on: each stage's ms per step (``stage_ms_per_step``; None for other loaders).
     """
     results = RunResults()
     step_s: float | None = None
@@ -95,6 +97,8 @@ def run_loaders(
 
             times = time_epochs(make_epoch, device, timed, counted_step, on_epoch)
             steady_bytes = (bytes_h2d() - bytes_at_start - first_epoch_bytes[0]) / max(timed, 1)
+            timeline = timeline_of(make_epoch)  # a gpuload loader's: one more epoch, traced
+            stage_ms = trace_epoch(make_epoch, timeline, device, step) if timeline is not None else None
         finally:
             loader_device_peak = loader_memory.read()
             close()
@@ -111,6 +115,7 @@ def run_loaders(
                 "batches_per_epoch": times.batches,
                 "wait_share": times.wait_share(step_s) if step_s is not None else None,
                 "wait_ms_per_step": 1e3 * times.wait_per_step_s,
+                "stage_ms_per_step": stage_ms,
                 "step_s": step_s,
                 # A row whose loader does not count its copies carries h2d_modelled on a GPU too.
                 "h2d_measured": device.type == "cuda" and "h2d_modelled" not in spec.notes,

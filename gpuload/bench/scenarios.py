@@ -22,11 +22,12 @@ from torch.utils.data import TensorDataset
 import gpuload
 from gpuload.array_files import read_array_file
 from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, modelled_h2d, plan_notes
+from gpuload.timeline import Timeline
 from gpuload.transfer import batch_nbytes, move_to_device
 
 __all__ = [
     "LoaderSpec", "BenchConfig", "inmemory_loaders", "synthetic_cifar", "torch_spec", "gpuload_spec",
-    "ideal_gather_spec", "served_from",
+    "ideal_gather_spec", "served_from", "top_stage", "LoaderEpochs",
 ]
 
 
@@ -123,11 +124,33 @@ def torch_spec(dataset: TensorDataset, config: BenchConfig, workers: int, device
     return spec
 
 
+class LoaderEpochs:
+    """A gpuload loader as a scenario's epoch factory: each call is an epoch (the loader's next
+    ``iter()``); ``timeline`` is the loader's, which the bench turns on for one traced epoch after the
+    timed ones (``gpuload.bench.measure.trace_epoch``)."""
+
+    def __init__(self, loader: gpuload.DataLoader) -> None:
+        self.loader = loader
+
+    def __call__(self) -> gpuload.DataLoader:
+        return self.loader
+
+    @property
+    def timeline(self) -> Timeline:
+        return self.loader.timeline
+
+
+def top_stage(loader: gpuload.DataLoader) -> str | None:
+    """The stage most of a gpuload loader's time went to over its timeline's totals (the bench's
+    traced epoch); None when nothing was recorded."""
+    return next(iter(loader.timeline.stage_seconds()), None)
+
+
 def served_from(loader: gpuload.DataLoader) -> dict[str, Any]:
     """Where a gpuload loader's batches came from: its path, the cache tiers when it has them, and
-    the stage most of its time went to (``loader.timeline``)."""
+    its :func:`top_stage`."""
     stats = loader.stats
-    notes: dict[str, Any] = {"path": stats.path, "top_stage": loader.timeline.verdict().stage}
+    notes: dict[str, Any] = {"path": stats.path, "top_stage": top_stage(loader)}
     if "cache" in stats.extra:
         notes.update(cache=stats.extra["cache"], cache_plan=stats.extra["cache_plan"])
     return notes
@@ -156,7 +179,7 @@ def gpuload_spec(
             spec.notes.update(served_from(loader))
             loader.close()
 
-        return (lambda: loader), lambda: loader.stats.bytes_h2d, close
+        return LoaderEpochs(loader), lambda: loader.stats.bytes_h2d, close
 
     spec = LoaderSpec(f"gpuload DataLoader ({label})", open_)
     if device.type != "cuda":

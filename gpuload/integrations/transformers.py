@@ -25,6 +25,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from transformers import (
     TrainerCallback,
     TrainerControl,
@@ -33,13 +34,14 @@ from transformers import (
 )
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from gpuload.distributed.rank_waits import gather_waits
 from gpuload.integrations.accelerate import (
     GPULOAD_OPTIONS,
     GpuloadShard,
     serve_from_gpuload,
 )
 from gpuload.resume import ResumeError
-from gpuload.timeline import timeline_of
+from gpuload.timeline import Timeline, timeline_of
 
 if TYPE_CHECKING:  # the mixin's methods call Trainer's (it comes after the mixin in the class's bases)
     from transformers import Trainer as _MixedInto
@@ -146,25 +148,52 @@ class TimelineCallback(TrainerCallback):
     records only with its timeline on (``gpuload_options={"timeline_steps": 1000}`` or
     ``GPULOAD_TIMELINE=on``; off by default).
 
+    Under torch.distributed (several processes) it also gathers every rank's wait share and top
+    stage every ``every_n_steps`` optimizer steps (one small collective at the end of the same step
+    on every rank, never per step; ``gpuload.distributed.rank_waits``), and each log gets the
+    slowest rank as last gathered: ``gpuload_slowest_rank``, ``gpuload_slowest_rank_wait_percent``
+    and ``gpuload_slowest_rank_stage``; ``summary`` then ends with that rank.
+
     ``Trainer(..., callbacks=[TimelineCallback()])`` comes after the ``report_to`` loggers, which
-    then miss the two values; to have them report them too, put it first:
+    then miss these values; to have them report them too, put it first:
     ``trainer.callback_handler.callbacks.insert(0, TimelineCallback())``.
     """
 
-    def __init__(self, loader: Any = None) -> None:
+    def __init__(self, loader: Any = None, every_n_steps: int = 50) -> None:
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps={every_n_steps!r} must be a positive int")
         self.loader = loader
+        self.every_n_steps = every_n_steps
         self.summary = ""
+
+    def _timeline(self, kwargs: dict[str, Any]) -> Timeline | None:
+        return timeline_of(self.loader if self.loader is not None else kwargs.get("train_dataloader"))
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        if state.global_step % self.every_n_steps or not (
+                dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        timeline = self._timeline(kwargs)
+        if timeline is not None and timeline.enabled:
+            gather_waits(timeline)  # a collective: every rank ends this step; kept as timeline.ranks
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        timeline = timeline_of(self.loader if self.loader is not None else kwargs.get("train_dataloader"))
+        timeline = self._timeline(kwargs)
         if timeline is None or not timeline.enabled or logs is None:
             return
         found = timeline.verdict()
-        self.summary = found.line
+        self.summary = timeline.summary()
         if found.wait_fraction is None:
             return
-        added = {"gpuload_wait_percent": 100 * found.wait_fraction, "gpuload_top_stage": found.stage or ""}
+        added: dict[str, Any] = {"gpuload_wait_percent": 100 * found.wait_fraction,
+                                 "gpuload_top_stage": found.stage or ""}
+        slowest = timeline.ranks.slowest if timeline.ranks is not None else None
+        if slowest is not None and slowest.wait_fraction is not None:
+            added.update(gpuload_slowest_rank=slowest.rank,
+                         gpuload_slowest_rank_wait_percent=100 * slowest.wait_fraction,
+                         gpuload_slowest_rank_stage=slowest.stage or "")
         logs.update(added)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(added)  # the entry the Trainer wrote for these logs

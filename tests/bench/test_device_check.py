@@ -50,6 +50,7 @@ def fake_check(out: Path) -> None:
         ("gpu-tests", "failed", "1", "80.5", "150"),
         ("kernel-parity", "timeout", "124", "75.0", "75"),
         ("prefetch", "passed", "0", "20.0", "50"),
+        ("timeline", "passed", "0", "9.0", "25"),
         ("cache-device", "passed", "0", "30.0", "55"),
         ("images", "passed", "0", "40.0", "75"),
         ("cache-partial", "skipped", "", "0", "45"),
@@ -76,6 +77,9 @@ def fake_check(out: Path) -> None:
         "h2d": {"pinned_peak_gbps": 50.0, "pageable_gbps": 12.5, "prefetcher_gbps": 45.0,
                 "prefetcher_with_gather_gbps": 20.0},
     }))
+    (out / "timeline.json").write_text(json.dumps({
+        "device": "cuda", "path": "device-gather", "pairs": 400, "steps_per_epoch": 20, "off_us_per_step": 80.0,
+        "on_us_per_step": 86.0, "paired_difference_us_per_step": 6.0, "overhead_percent": 7.5}))
     (out / "doctor.json").write_text(json.dumps({"ok": True, "versions": {"torch": "2.11.0"}, "findings": [
         {"topic": "torch", "status": "OK", "summary": "torch 2.11.0, built for CUDA 13.0", "fix": ""},
         {"topic": "dali", "status": "WARN", "summary": "DALI is not installed", "fix": "pip install 'gpuload[cuda13]'"},
@@ -108,6 +112,7 @@ def test_the_summary_reads_every_part_and_reports_broken_ones(tmp_path: Path) ->
                                                 "details": {"shrinks": 1024}, "seconds": 6.5}
     assert summary["truth"]["epoch-shrink"]["details"] == {"held_per_epoch": [268566528, 134217728, 0, 0, 0]}
     assert summary["prefetch"]["prefetcher_share_of_pinned_peak"] == pytest.approx(0.9)
+    assert summary["timeline"]["on_us_per_step"] == 86.0 and summary["timeline"]["path"] == "device-gather"
     assert "JSONDecodeError" in summary["bench"]["cache-device"]["error"]
     assert summary["bench"]["images"]["loaders"][1]["samples_per_s"] == 5400.0
     assert summary["images_decode_backends"] == ["nvjpeg"]
@@ -118,6 +123,7 @@ def test_the_summary_reads_every_part_and_reports_broken_ones(tmp_path: Path) ->
             "without prefetching": {"torch DataLoader(num_workers=0, pin_memory=True)": 0.4},
             "with gpuload's prefetcher": {"gpuload Prefetcher(depth=3) over DataLoader(num_workers=0)": 0.02},
         },
+        "timeline_overhead_percent": 7.5,
         "truth": {"array-shrink": "passed",
                   "epoch-shrink":
                       "FAILED: the cache drains epoch by epoch: held [268566528, 134217728, 0, 0, 0] bytes"},
@@ -126,7 +132,7 @@ def test_the_summary_reads_every_part_and_reports_broken_ones(tmp_path: Path) ->
     }
     assert "cache-partial" not in summary["bench"] or "error" in summary["bench"]["cache-partial"]
     assert summary["totals"] == {
-        "steps": 8, "steps_passed": 4, "steps_not_passed": ["truth", "gpu-tests", "kernel-parity", "cache-partial"],
+        "steps": 9, "steps_passed": 5, "steps_not_passed": ["truth", "gpu-tests", "kernel-parity", "cache-partial"],
         "tests_passed": 1, "tests_failed": 2, "tests_skipped": 1,
         "truth_passed": ["array-shrink"], "truth_failed": ["epoch-shrink"],
     }

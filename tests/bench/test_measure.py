@@ -164,3 +164,34 @@ def test_format_details_reports_measured_tiers_and_the_model() -> None:
     assert "torch" not in text.splitlines()[0]
     assert "1.00 MiB" in text and "3.0 MiB per step" in text and "n/a on the CPU" in text
     assert format_details([{"name": "torch"}], None) == ""
+
+
+def test_a_gpuload_row_gets_its_stages_from_one_traced_epoch_after_the_timed_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timed epochs run with the timeline as the loader has it (off by default: its cost stays
+    out of the rates); one more epoch, untimed, with the timeline on says where each gpuload
+    loader's time goes. torch's rows and the ideal have no stages, only the wait around the loop."""
+    import gpuload
+
+    monkeypatch.delenv("GPULOAD_TIMELINE", raising=False)
+    recorded: list[tuple[int, int]] = []  # (steps kept, steps recorded) as each epoch begins
+    original = gpuload.DataLoader.__iter__
+
+    def counting_iter(self):
+        recorded.append((self.timeline.capacity, self.timeline.step_count))
+        return original(self)
+
+    monkeypatch.setattr(gpuload.DataLoader, "__iter__", counting_iter)
+    config = BenchConfig(num_samples=96, batch_size=16, epochs=2, torch_workers=(0,))
+    _, specs = inmemory_loaders(config, CPU)
+    results = run_loaders(specs, CPU, config.epochs, step=None)
+    rows = {r["name"]: r for r in results}
+    assert rows["torch DataLoader (num_workers=0)"]["stage_ms_per_step"] is None
+    assert rows["ideal: index_select on the device"]["stage_ms_per_step"] is None
+    for name, tier in (("gpuload DataLoader (device cache)", "gather.device"),
+                       ("gpuload DataLoader (streaming, no cache)", "gather.host")):
+        stages = rows[name]["stage_ms_per_step"]
+        assert stages and all(ms >= 0 for ms in stages.values()) and tier in stages, (name, stages)
+        assert rows[name]["top_stage"] == max(stages, key=stages.__getitem__)
+    # each loader: a warm-up and 2 timed epochs with the timeline off, then the traced epoch
+    assert recorded == [(0, 0), (0, 0), (0, 0), (1000, 0)] * 2, recorded

@@ -245,3 +245,55 @@ def test_the_exposed_wait_per_step_is_side_by_side_with_gpuloads_top_stage() -> 
         assert f"{r['wait_ms_per_step']:.3f} ms" in row
         assert row.endswith("image decoding" if r["name"].startswith("gpuload") else "-"), row
     assert all(len(line) <= WIDTH for line in table.splitlines())
+
+
+def test_the_stage_panel_draws_each_gpuload_rows_stage_shares_and_every_rows_wait() -> None:
+    import matplotlib.pyplot as plt
+
+    from gpuload.bench.report import stage_shares
+
+    results = load(Path(__file__).parent / "fixtures" / "inmemory-cpu.json")["results"]
+    for k, r in enumerate(results):
+        r["wait_ms_per_step"] = 0.25 * (k + 1)
+        r["stage_ms_per_step"] = None
+    cached = next(r for r in results if r["name"] == "gpuload DataLoader (device cache)")
+    streaming = next(r for r in results if r["name"] == "gpuload DataLoader (streaming, no cache)")
+    cached["stage_ms_per_step"] = {"gather.device": 0.3, "other": 0.1}
+    streaming["stage_ms_per_step"] = {"other": 0.2, "copy": 0.2, "gather.host": 0.6, "a new stage": 0.0}
+    assert stage_shares(streaming) == {"gather.host": 0.6, "copy": 0.2, "other": 0.2}  # STAGES' order, none at 0
+    assert list(stage_shares(streaming)) == ["gather.host", "copy", "other"]
+    assert stage_shares(results[0]) == {} and stage_shares({"stage_ms_per_step": {"read": 0.0}}) == {}
+    figure = draw_chart(results, "t")
+    try:
+        figure.canvas.draw()
+        assert len(figure.axes) >= 3
+        panel = figure.axes[2]
+        segments = {patch.get_gid(): patch.get_width() for patch in panel.patches}
+        for r in (cached, streaming):
+            drawn = {gid.split(":")[1]: width for gid, width in segments.items() if gid.endswith(f":{r['name']}")}
+            assert drawn == pytest.approx({name: 100 * share for name, share in stage_shares(r).items()})
+        assert len(segments) == 5  # torch's rows have no stages
+        waits = {text.get_gid(): text.get_text() for text in panel.texts}
+        loaders = [r for r in results if r["kind"] != "ideal"]
+        assert set(waits) == {f"wait:{r['name']}" for r in loaders}
+        for r in loaders:
+            assert f"wait {r['wait_ms_per_step']:.3f} ms/step" in waits[f"wait:{r['name']}"]
+        assert "top: cache gather (device tier) 75%" in waits[f"wait:{cached['name']}"]
+        assert "no stage timeline" in waits["wait:torch DataLoader (num_workers=0)"]
+        legend = [text.get_text() for text in panel.get_legend().get_texts()]
+        assert sorted(legend) == sorted(["cache gather (device tier)", "cache gather (host tier)",
+                                         "host-to-device copy", "other loader work (collation, Python)"])
+    finally:
+        plt.close(figure)
+
+
+def test_a_document_from_before_the_wait_was_measured_gets_two_panels() -> None:
+    import matplotlib.pyplot as plt
+
+    results = load(Path(__file__).parent / "fixtures" / "inmemory-cpu.json")["results"]
+    assert all("wait_ms_per_step" not in r for r in results)
+    figure = draw_chart(results, "t")
+    try:
+        assert len([axis for axis in figure.axes if axis.get_title()]) == 2
+    finally:
+        plt.close(figure)

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -107,18 +105,7 @@ def resume_uneven(out_dir: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    folder = tmp_path_factory.mktemp("accelerate")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    ranks = torch.multiprocessing.spawn(run_rank, args=(2, port, str(folder)), nprocs=2, join=False)
-    deadline = time.monotonic() + RANKS_DEADLINE_S
-    while not ranks.join(timeout=2):
-        if time.monotonic() > deadline:  # a rank waits in a collective the other never joins
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail(f"the 2 ranks did not finish in {RANKS_DEADLINE_S} s: one waits for the other")
-    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return ranks_job.spawned(run_rank, 2, tmp_path_factory.mktemp("accelerate"), RANKS_DEADLINE_S)
 
 
 @pytest.mark.parametrize("config", CONFIGS)

@@ -32,6 +32,17 @@ class SleepyPairs(Dataset):
         return {"x": torch.full((4,), float(index)), "labels": torch.tensor(index % 2)}
 
 
+class TinyForHF(torch.nn.Module):
+    """A model as HF's Trainer calls it: the batch's keys as arguments, a dict with the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": torch.nn.functional.cross_entropy(self.layer(x), labels)}
+
+
 def test_lightning_logs_the_wait_and_the_stages_and_names_the_top_stage(caplog: pytest.LogCaptureFixture) -> None:
     pl = pytest.importorskip("pytorch_lightning")
     from gpuload.integrations.lightning import TimelineCallback
@@ -59,25 +70,19 @@ def test_lightning_logs_the_wait_and_the_stages_and_names_the_top_stage(caplog: 
     assert callback.summary in caplog.text
 
 
-def test_a_lightning_callback_needs_a_positive_interval() -> None:
-    pytest.importorskip("pytorch_lightning")
-    from gpuload.integrations.lightning import TimelineCallback
+@pytest.mark.parametrize("integration", ["lightning", "transformers"])
+def test_a_callback_needs_a_positive_interval(integration: str) -> None:
+    pytest.importorskip({"lightning": "pytorch_lightning", "transformers": "transformers"}[integration])
+    import importlib
 
+    callback = importlib.import_module(f"gpuload.integrations.{integration}").TimelineCallback
     with pytest.raises(ValueError, match="every_n_steps"):
-        TimelineCallback(every_n_steps=0)
+        callback(every_n_steps=0)
 
 
 def test_hf_trainer_logs_the_wait_and_the_top_stage(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     from gpuload.integrations.transformers import GpuloadTrainerMixin, TimelineCallback
-
-    class Tiny(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 2)
-
-        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-            return {"loss": torch.nn.functional.cross_entropy(self.layer(x), labels)}
 
     class Trainer(GpuloadTrainerMixin, transformers.Trainer):
         pass
@@ -88,11 +93,12 @@ def test_hf_trainer_logs_the_wait_and_the_top_stage(tmp_path) -> None:
         dataloader_pin_memory=False,
     )
     callback = TimelineCallback()
-    trainer = Trainer(model=Tiny(), args=args, train_dataset=SleepyPairs(), data_collator=default_collate,
+    trainer = Trainer(model=TinyForHF(), args=args, train_dataset=SleepyPairs(), data_collator=default_collate,
                       callbacks=[callback])
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "gpuload_wait_percent" in entry]
     assert logged, trainer.state.log_history
     assert all(entry["gpuload_top_stage"] == "read" for entry in logged), logged
+    assert not any("gpuload_slowest_rank" in entry for entry in logged)  # one process: nothing gathered
     assert 50 < logged[-1]["gpuload_wait_percent"] <= 100
     assert callback.summary.startswith("data-bound") and "dataset reads" in callback.summary

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -308,6 +309,23 @@ def findings(run: Callable[..., None], world: int, out_dir: Path, *args: Any) ->
     mp.start_processes(in_environment, args=(dict(os.environ), run, world, str(out_dir / "init"), str(out_dir), *args),
                        nprocs=world, start_method="forkserver")
     return [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+def spawned(run: Callable[..., None], world: int, out_dir: Path, deadline_s: float) -> list[dict]:
+    """Every rank's findings from ``run(rank, world, port, out_dir)`` spawned as ``world``
+    processes that set up their group themselves (Accelerate, from ``MASTER_PORT``: a free port),
+    each writing ``rank<r>.json``; a job not done in ``deadline_s`` is killed and fails the test."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = mp.spawn(run, args=(world, port, str(out_dir)), nprocs=world, join=False)
+    deadline = time.monotonic() + deadline_s
+    while not ranks.join(timeout=2):
+        if time.monotonic() > deadline:  # a rank waits in a collective the other never joins
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the {world} ranks did not finish in {deadline_s} s: one waits for another")
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
 def in_environment(rank: int, environ: dict[str, str], run: Callable[..., None], *args: Any) -> None:

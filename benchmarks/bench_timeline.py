@@ -1,0 +1,107 @@
+"""What ``loader.timeline`` costs: a cached in-memory epoch with the timeline on and off, alternately.
+
+Two loaders over the same arrays (the bench's CIFAR-shaped uint8 images and labels, batch 512,
+``cache="auto"``), one with ``timeline_steps=1000`` and one with ``timeline_steps=0``, each warmed
+up (its first epoch places the arrays). Then ``--pairs`` pairs of epochs, no training step (the
+worst case: the loop does nothing but ask), the order within each pair alternating so that drift
+in the machine's load falls on both alike. It prints the median epoch per step of each, and the
+paired difference per step (the mean of its medians over the pairs of each order), as a share of
+the median epoch without the timeline.
+
+Usage: python benchmarks/bench_timeline.py [--pairs 400] [--samples 10240] [--device cpu] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch.utils.data import TensorDataset
+
+import gpuload
+from gpuload.bench.measure import synchronize
+from gpuload.bench.scenarios import BenchConfig, synthetic_cifar
+from gpuload.device import resolve_device
+
+
+def epoch_s(loader: gpuload.DataLoader, device: torch.device) -> float:
+    """Seconds of one epoch of ``loader`` with nothing done per batch (device work finished)."""
+    synchronize(device)
+    started = time.perf_counter()
+    for _batch in loader:
+        pass
+    synchronize(device)
+    return time.perf_counter() - started
+
+
+def measure(pairs: int, samples: int, batch_size: int, device: torch.device) -> dict[str, float | int | str]:
+    """Alternating epochs with the timeline on and off: per-step medians and the paired difference."""
+    dataset: TensorDataset = synthetic_cifar(BenchConfig(num_samples=samples, batch_size=batch_size))
+    loaders = {
+        steps: gpuload.DataLoader(dataset, batch_size=batch_size, shuffle=True, device=device, cache="auto",
+                                  timeline_steps=steps, generator=torch.Generator().manual_seed(0))
+        for steps in (1000, 0)
+    }
+    for loader in loaders.values():
+        epoch_s(loader, device)  # places the arrays
+        epoch_s(loader, device)
+    steps_per_epoch = len(loaders[0])
+    on: list[float] = []
+    off: list[float] = []
+    differences: dict[bool, list[float]] = {True: [], False: []}  # by whether the timeline ran first
+    load_before = os.getloadavg()[0]
+    for pair in range(pairs):
+        first_on = pair % 2 == 0
+        took = {steps: epoch_s(loaders[steps], device) for steps in ((1000, 0) if first_on else (0, 1000))}
+        on.append(took[1000])
+        off.append(took[0])
+        differences[first_on].append(took[1000] - took[0])
+    path = loaders[0].stats.path
+    for loader in loaders.values():
+        loader.close()
+    off_step = statistics.median(off) / steps_per_epoch
+    # The epoch run second in a pair can be faster or slower for the order alone (caches, the
+    # allocator): the median of each order, averaged, cancels that; one median over both orders
+    # of a two-humped distribution could land anywhere between the humps.
+    by_order = [statistics.median(differences[first_on]) / steps_per_epoch for first_on in (True, False)]
+    difference_step = sum(by_order) / 2
+    return {
+        "device": str(device), "path": path, "pairs": pairs, "steps_per_epoch": steps_per_epoch,
+        "batch_size": batch_size, "off_us_per_step": 1e6 * off_step,
+        "on_us_per_step": 1e6 * statistics.median(on) / steps_per_epoch,
+        "paired_difference_us_per_step": 1e6 * difference_step,
+        "on_first_us_per_step": 1e6 * by_order[0], "off_first_us_per_step": 1e6 * by_order[1],
+        "overhead_percent": 100 * difference_step / off_step,
+        "load_before": load_before, "load_after": os.getloadavg()[0], "cpu_count": os.cpu_count() or 0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=400)
+    parser.add_argument("--samples", type=int, default=10_240)
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", default=None, metavar="PATH")
+    args = parser.parse_args(argv)
+    found = measure(args.pairs, args.samples, args.batch_size, resolve_device(args.device))
+    print(f"{found['pairs']} alternating pairs of {found['steps_per_epoch']}-step epochs on {found['device']} "
+          f"(path {found['path']}, batch {found['batch_size']}), load {found['load_before']:.1f} -> "
+          f"{found['load_after']:.1f} on {found['cpu_count']} cores")
+    print(f"timeline off: {found['off_us_per_step']:.1f} us/step; on: {found['on_us_per_step']:.1f} us/step; "
+          f"paired difference {found['paired_difference_us_per_step']:.2f} us/step "
+          f"(medians: timeline first {found['on_first_us_per_step']:.2f}, second {found['off_first_us_per_step']:.2f}) "
+          f"= {found['overhead_percent']:.2f}% of the epoch")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(found, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
