@@ -225,13 +225,12 @@ def _same(expected: list[torch.Tensor], got: list[torch.Tensor]) -> bool:
     return len(expected) == len(got) and (not got or torch.equal(torch.stack(expected), torch.stack(got)))
 
 
-def measure_rank(config: DistributedConfig, rank: int, device: torch.device,
+def measure_rank(config: DistributedConfig, rank: int, device: torch.device, step: Callable[[Any], None] | None,
                  progress: Callable[[int, int], None] = lambda done, total: None) -> dict[str, Any]:
     """Run every loader on this rank, interleaved epoch by epoch (each epoch's order rotated by
     one), each batch's checksum compared with torch's; every rank calls this together."""
     dataset = synthetic_cifar(config.bench)
     dataset_bytes = sum(t.numel() * t.element_size() for t in dataset.tensors)
-    step = make_step(config.bench.step, device, config.bench.step_ms)
     loaders = _rank_loaders(config, dataset, device)
     try:
         for epoch in range(config.bench.epochs + 1):
@@ -260,6 +259,9 @@ def rank_main(rank: int, config: DistributedConfig, init_file: str, out_dir: str
     if config.device == "cuda":
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+    # Before the group: a rank failing while a peer still joins it leaves the peer with gloo's
+    # "Connection closed by peer", which could be the error reported instead of this one.
+    step = make_step(config.bench.step, device, config.bench.step_ms)
     dist.init_process_group(config.backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=config.processes, timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
     try:
@@ -267,7 +269,7 @@ def rank_main(rank: int, config: DistributedConfig, init_file: str, out_dir: str
             if rank == 0 and not quiet:
                 print(f"  epoch {done} of {total} done on every loader", flush=True)
 
-        found = measure_rank(config, rank, device, progress)
+        found = measure_rank(config, rank, device, step, progress)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
     finally:
         # Ended here, not left to the interpreter's exit: gloo's threads torn down during static
