@@ -6,6 +6,8 @@ an older format is refused, named, and filled again."""
 from __future__ import annotations
 
 import json
+import multiprocessing
+import threading
 import warnings
 from pathlib import Path
 
@@ -99,6 +101,43 @@ def test_a_damaged_stripe_is_named_with_its_rows_while_the_other_stripes_are_ser
         warnings.simplefilter("error", DiskCacheWarning)
         with _open_wide(tmp_path) as again:  # the block written again passes every check
             assert torch.equal(again.read(torch.arange(ROWS))[0], rows)
+
+
+def _read_everything_in_a_forked_child(cache: DiskCache, out) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        present = cache.present(torch.arange(ROWS)).tolist()
+        later = cache.read(torch.arange(25, ROWS))[0].numpy().tobytes()  # a tensor would go by shared memory
+    out.put((present, later, [str(w.message) for w in caught if issubclass(w.category, DiskCacheWarning)]))
+
+
+def test_a_forked_child_checks_the_stripes_its_parent_had_not_and_names_a_damaged_one(tmp_path: Path) -> None:
+    """The parent checked block 0's first stripes before the fork; the child checks the rest
+    itself (its own mutex and descriptors, no thread of the parent's to wait for), names the
+    damaged stripe and drops the block; the parent names it too when it reaches that stripe."""
+    rows = _filled_wide(tmp_path)
+    (block,) = tmp_path.glob("*/block-000000.bin")
+    raw = bytearray(block.read_bytes())
+    raw[10 * STRIPE_BYTES + 5] ^= 1  # stripe 10 of block 0: rows 16-17
+    block.write_bytes(bytes(raw))
+    threads = set(threading.enumerate())
+    with _open_wide(tmp_path) as cache:
+        assert torch.equal(cache.read(torch.tensor([0, 1]))[0], rows[:2])  # stripes 0-1 checked here
+        context = multiprocessing.get_context("fork")
+        out = context.Queue()
+        child = context.Process(target=_read_everything_in_a_forked_child, args=(cache, out))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork while other tests' threads run
+            child.start()
+        present, later, named = out.get(timeout=60)
+        child.join(60)
+        assert child.exitcode == 0
+        assert present == [False] * 25 + [True] * 25 and later == rows[25:].numpy().tobytes()
+        assert len(named) == 1 and "block-000000.bin fails its checksum in bytes 655360-720895 (rows 16-17;" in named[0]
+        with pytest.warns(DiskCacheWarning, match="block-000000.bin fails its checksum"):  # met here too
+            assert not cache.present(torch.arange(25)).any()
+        assert torch.equal(cache.read(torch.arange(25, ROWS))[0], rows[25:])
+        assert set(threading.enumerate()) == threads  # reading and checking started no thread
 
 
 def test_a_block_damaged_before_the_open_is_named_at_its_first_read_and_refilled(tmp_path: Path) -> None:

@@ -13,8 +13,9 @@ import torch
 
 import gpuload
 from gpuload.cache import TieredArrayStore
+from gpuload.cache.columns import column_rows, prepare
 from gpuload.cache.disk import DiskCacheWarning, fingerprint_arrays
-from gpuload.cache.disk_tier import DiskTier, disk_tier_maker
+from gpuload.cache.disk_tier import DiskTier, disk_tier_maker, select_rows
 from gpuload.cache.identity import IdentityError
 from gpuload.cache.plan import make_plan
 from gpuload.cache.settings import CacheSettings
@@ -468,3 +469,19 @@ def test_a_forked_child_iterates_a_loader_whose_disk_tier_serves(tmp_path: Path)
     assert child.exitcode == 0
     assert _same(list(loader), expected)  # the parent's tier is untouched
     loader.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.complex64])
+def test_select_rows_gives_index_select_of_every_column(dtype: torch.dtype) -> None:
+    """The samples a batch keeps (rows copied one by one in the calling thread, not split over
+    torch's threads): exactly ``index_select`` of each column, image rows and scalars."""
+    generator = torch.Generator().manual_seed(1)
+    images = (torch.randn(6, 3, 4, 10, generator=generator) * 50).to(dtype)
+    part = prepare([(images[k], images[k, :, :, ::3], k * 1.5, {"id": k}) for k in range(6)])
+    positions = torch.tensor([4, 0, 5, 4])
+    got = column_rows(select_rows(part, positions))
+    expected = [rows.index_select(0, positions) for rows in column_rows(part)]
+    assert len(got) == len(expected) == 4
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
