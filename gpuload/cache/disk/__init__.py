@@ -16,7 +16,9 @@ fingerprint or layout never reads these bytes)::
     block-000013.part   a block being filled (any process may write its rows into it)
     rows.fill           one byte per row: 1 once that row's bytes are in its .part
     rows.index          ragged entries: per row, its offset in its .part, shape and dimension order
-    entry.json          what the entry is (fingerprint, columns, rows), for ``gpuload cache ls``
+    entry.json          what the entry is (format, fingerprint, columns, rows; a sample cache's: the
+                        samples' structure, so a later job reads no sample to open it), for
+                        ``gpuload cache ls``
     lock                flock'ed (exclusive, briefly) around every write and publication
     users               flock'ed (shared) by every open DiskCache; its mtime: the last open
 
@@ -64,7 +66,7 @@ of entries (``gpuload cache``) is :mod:`gpuload.cache.entries`; the disk budget
 from __future__ import annotations
 
 from gpuload.cache.budget import default_disk_reserve, disk_budget
-from gpuload.cache.disk.blocks import DEFAULT_BLOCK_BYTES, FORMAT_VERSION, RAGGED, ColumnSpec
+from gpuload.cache.disk.blocks import DEFAULT_BLOCK_BYTES, RAGGED, ColumnSpec
 from gpuload.cache.disk.cache import DiskCache
 from gpuload.cache.disk.entry import DiskCacheStats, DiskCacheWarning
 from gpuload.cache.disk.fingerprint import (
@@ -74,7 +76,7 @@ from gpuload.cache.disk.fingerprint import (
     fingerprint_for,
     fingerprint_images,
 )
-from gpuload.cache.entries import EntryInfo, list_entries, remove_entry
+from gpuload.cache.entries import FORMAT_VERSION, EntryInfo, list_entries, remove_entry
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",

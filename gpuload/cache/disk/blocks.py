@@ -16,10 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 
-FORMAT_VERSION = 3
-"""Bumped whenever the bytes on disk change meaning; part of every fingerprint (2: ragged entries;
-3: a trailer of stripe checksums after each block's data, the manifest holding its checksum)."""
-
 RAGGED = -1
 """A dimension of a ragged column's shape: each row has its own size there (stored per row)."""
 

@@ -18,12 +18,13 @@ from typing import Any
 import torch
 
 from gpuload.cache.budget import SizeSpec, default_disk_reserve, disk_budget, format_bytes
-from gpuload.cache.disk.blocks import DEFAULT_BLOCK_BYTES, FORMAT_VERSION, ColumnSpec, parse_columns, record_bytes_of
+from gpuload.cache.disk.blocks import DEFAULT_BLOCK_BYTES, ColumnSpec, parse_columns, record_bytes_of
 from gpuload.cache.disk.entry import DiskCacheWarning
 from gpuload.cache.disk.files import atomic_write, dangling_link
 from gpuload.cache.disk.fingerprint import Fingerprint, canonical
 from gpuload.cache.disk.reading import EntryReader
 from gpuload.cache.disk.writing import EntryWriter
+from gpuload.cache.entries import FORMAT_VERSION
 from gpuload.cache.settings import CacheSettings
 
 

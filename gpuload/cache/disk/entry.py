@@ -24,14 +24,14 @@ import numpy as np
 import torch
 
 from gpuload.cache.budget import format_bytes
-from gpuload.cache.disk.blocks import BLOCK_NAME, FORMAT_VERSION, ColumnSpec, record_bytes_of, record_layout
+from gpuload.cache.disk.blocks import BLOCK_NAME, ColumnSpec, record_bytes_of, record_layout
 from gpuload.cache.disk.checking import StripeChecks
 from gpuload.cache.disk.files import STRIPE_BYTES
 from gpuload.cache.disk.fingerprint import Fingerprint
 from gpuload.cache.disk.locking import Flock, track
 from gpuload.cache.disk.manifest import Manifest, file_identity_of, read_manifest, write_manifest
 from gpuload.cache.disk.publishing import BlockPublisher
-from gpuload.cache.entries import MANIFEST
+from gpuload.cache.entries import FORMAT_VERSION, MANIFEST
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
