@@ -20,12 +20,14 @@ keys the entry, so changed data never reads old rows.
 
 from __future__ import annotations
 
+import json
 import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 import torch
 
 from gpuload.cache.columns import Branch, Column, Part, column_rows, layout, prepare
@@ -156,7 +158,18 @@ def _with_rows(template: Part, rows: Iterator[torch.Tensor]) -> Part:
 
 def select_rows(part: Part, positions: torch.Tensor) -> Part:
     """The samples ``positions`` of a prepared batch whose leaves are all columns."""
-    return _with_rows(part, (rows.index_select(0, positions) for rows in column_rows(part)))
+    return _with_rows(part, (_take_rows(rows, positions) for rows in column_rows(part)))
+
+
+def _take_rows(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``rows.index_select(0, positions)``; on the host as one copy per row in this thread: torch's
+    index_select of rows of more than one dimension splits over its intra-op threads, and on a
+    busy machine their barrier took 30-160 ms for a batch's few rows (under a millisecond here)."""
+    if rows.device.type != "cpu" or rows.dim() < 2 or not rows.numel():
+        return rows.index_select(0, positions)
+    flat = rows.contiguous().reshape(len(rows), -1).view(torch.uint8).numpy()
+    taken = torch.from_numpy(flat.take(positions.numpy(), axis=0))
+    return taken.view(rows.dtype).reshape(len(positions), *rows.shape[1:])
 
 
 def sample_fingerprint(dataset: Any, settings: CacheSettings) -> Fingerprint:
@@ -167,11 +180,83 @@ def sample_fingerprint(dataset: Any, settings: CacheSettings) -> Fingerprint:
     return fingerprint_dataset(dataset, key=settings.disk_key, skip=[folder] if folder is not None else [])
 
 
+def _describe(part: Part) -> Any:
+    """A prepared batch's structure as JSON values (containers, each column's kind, dtypes and
+    row shape), or None when one is not told by name (a namedtuple, a dict key that is not a
+    str or int, a numpy scalar type that does not round-trip through its dtype)."""
+    if isinstance(part, Branch):
+        children = [_describe(child) for child in part.children]
+        kinds = {tuple: "tuple", list: "list", dict: "dict"}
+        keys = part.keys if isinstance(part.keys, int) else list(part.keys)
+        if part.kind not in kinds or None in children or (
+                isinstance(keys, list) and not all(type(key) in (str, int) for key in keys)):
+            return None
+        return {"branch": kinds[part.kind], "keys": keys, "children": children}
+    if not isinstance(part, Column):
+        return None
+    if part.kind is torch.Tensor:
+        kind = "tensor"
+    elif part.kind is np.ndarray:
+        kind = "ndarray"
+    elif part.kind in (int, float, bool):
+        kind = part.kind.__name__
+    elif issubclass(part.kind, np.generic) and np.dtype(part.kind).type is part.kind:
+        kind = "numpy " + np.dtype(part.kind).str
+    else:
+        return None
+    dtype = None if part.dtype is None else (
+        str(part.dtype).removeprefix("torch.") if isinstance(part.dtype, torch.dtype) else np.dtype(part.dtype).str)
+    return {"column": kind, "dtype": dtype, "rows": str(part.rows.dtype).removeprefix("torch."),
+            "shape": list(part.rows.shape[1:])}
+
+
+def _described(description: Any) -> Part | None:
+    """The template (columns of no rows) :func:`_describe` gave ``description``; None if it is
+    not one."""
+    try:
+        if "branch" in description:
+            container = {"tuple": tuple, "list": list, "dict": dict}[description["branch"]]
+            keys = description["keys"]
+            children = [_described(child) for child in description["children"]]
+            if None in children:
+                return None
+            return Branch(container, keys if isinstance(keys, int) else tuple(keys), cast(list[Part], children))
+        named = description["column"]
+        kinds: dict[str, type] = {"tensor": torch.Tensor, "ndarray": np.ndarray, "int": int, "float": float,
+                                  "bool": bool}
+        kind = kinds[named] if named in kinds else np.dtype(named.removeprefix("numpy ")).type
+        dtype: Any = description["dtype"]
+        if dtype is not None:
+            dtype = getattr(torch, dtype) if kind is torch.Tensor else np.dtype(dtype)
+        rows = torch.empty((0, *description["shape"]), dtype=getattr(torch, description["rows"]))
+        return Column(kind, dtype, rows)
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError):
+        return None
+
+
+def _published_template(settings: CacheSettings, fingerprint: Fingerprint) -> Part | None:
+    """The structure of the samples an entry of ``fingerprint`` under ``cache_dir`` holds, as
+    the job that wrote them kept it in its ``entry.json``; None when none has published rows."""
+    folder = settings.disk_dir.value
+    for entry in list_entries(folder) if folder is not None else []:
+        if entry.fingerprint != fingerprint.digest or not entry.published_rows:
+            continue
+        try:
+            description = json.loads((entry.path / "entry.json").read_bytes()).get("sample")
+        except (OSError, ValueError, AttributeError):
+            continue
+        template = _described(description) if description is not None else None
+        if template is not None:
+            return template
+    return None
+
+
 class DiskRows:
     """A map-style dataset's samples on disk as fixed-shape column rows, by dataset index.
 
-    Opened with the structure of ``dataset[0]`` (``template``; every leaf must be a fixed-shape
-    column, else there is no disk tier). ``read(keys)``: the prepared batch of those samples when
+    Opened with the structure of the samples (``template``: the one an entry of this
+    fingerprint keeps, else ``dataset[0]``'s; every leaf must be a fixed-shape column, else
+    there is no disk tier). ``read(keys)``: the prepared batch of those samples when
     all are published, else None; ``write(keys, part)``: keep a prepared batch read from the
     dataset (batches of another structure are not kept).
     """
@@ -216,8 +301,11 @@ class DiskRows:
         if settings.disk_dir.value is None or settings.disk_size.value.kind == "off":
             return None
         name = type(dataset).__name__
+        # A later job takes the samples' structure from the entry, reading no sample before its
+        # first batch (the fingerprint is the dataset's whole state: its samples are those).
+        template = _published_template(settings, fingerprint) if fingerprint is not None else None
         try:
-            template = prepare([dataset[0]])
+            template = template or prepare([dataset[0]])
         except Exception as error:  # noqa: BLE001 - the dataset's own error surfaces when the loop reads it
             warnings.warn(f"gpuload disk cache: reading {name}[0] failed ({type(error).__name__}: {error}); "
                           "no disk tier", DiskCacheWarning, stacklevel=3)
@@ -231,8 +319,11 @@ class DiskRows:
         except TypeError as error:  # no len()
             warnings.warn(f"gpuload disk cache: {error}; no disk tier", DiskCacheWarning, stacklevel=3)
             return None
+        description = _describe(template)  # kept only when it gives the template back exactly
+        kept = _described(description) if description is not None else None
+        about = {"sample": description} if kept is not None and layout(kept) == layout(template) else {}
         disk = DiskCache.from_settings(settings, fingerprint, _specs(column_rows(template)), len(dataset),
-                                       block_bytes=BLOCK_BYTES, publish_behind=True)
+                                       block_bytes=BLOCK_BYTES, publish_behind=True, about=about)
         return cls(disk, template) if disk is not None else None
 
     @property

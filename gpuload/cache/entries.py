@@ -17,7 +17,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ENTRY_NAME", "MANIFEST", "USERS", "EntryInfo", "list_entries", "remove_entry"]
+__all__ = ["ENTRY_NAME", "FORMAT_VERSION", "MANIFEST", "USERS", "EntryInfo", "list_entries", "remove_entry"]
+
+FORMAT_VERSION = 3
+"""Bumped whenever the bytes on disk change meaning; part of every fingerprint (2: ragged entries;
+3: a trailer of stripe checksums after each block's data, the manifest holding its checksum). An
+entry of another format is never read (its fingerprint differs); ``gpuload cache ls`` names it."""
 
 MANIFEST = "manifest.json"
 USERS = "users"
@@ -67,6 +72,10 @@ def _read_entry(root: Path) -> EntryInfo | None:
         fingerprint = info["fingerprint"]
         description, digest, kind = fingerprint["description"], fingerprint["digest"], fingerprint["kind"]
         num_rows, block_rows = int(info["num_rows"]), int(info["block_rows"])
+        written = info.get("format", FORMAT_VERSION)
+        if written != FORMAT_VERSION:
+            by = "an older" if isinstance(written, int) and written < FORMAT_VERSION else "another"
+            problem = f"format {written}, {by} gpuload's: never read (`gpuload cache clear` removes it)"
     except (OSError, ValueError, KeyError, TypeError) as error:
         problem = f"no readable entry.json ({type(error).__name__})"
     try:

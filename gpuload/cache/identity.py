@@ -42,9 +42,10 @@ class IdentityError(ValueError):
     a folder too large to list): the disk tier needs ``cache_key=`` for it."""
 
 
-def file_identity(path: str) -> list[int]:
-    """Size, mtime, ctime (ns) and inode of an existing file: any write or replacement changes one."""
-    status = os.stat(path)
+def file_identity(path: str, status: os.stat_result | None = None) -> list[int]:
+    """Size, mtime, ctime (ns) and inode of an existing file (``status``: its ``os.stat``, when
+    taken already): any write or replacement changes one."""
+    status = status or os.stat(path)
     return [status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_ino]
 
 
@@ -144,7 +145,7 @@ class _StatePickler(pickle.Pickler):
             if stat.S_ISDIR(status.st_mode):
                 self.files[path] = ["folder", *self._folder(path)]
             else:
-                self.files[path] = file_identity(path)
+                self.files[path] = file_identity(path, status)
         except OSError as error:
             self.files[path] = [f"unreadable: {error.strerror}"]
 
@@ -157,12 +158,13 @@ class _StatePickler(pickle.Pickler):
         listed: list[list[Any]] = []
         for folder, folders, names in os.walk(root):
             folders[:] = sorted(f for f in folders if not self._skipped(os.path.join(folder, f)))
+            under = os.path.relpath(folder, root)  # once a folder: relpath of each file took a third of a fingerprint
             for name in sorted(names):
-                path = os.path.join(folder, name)
+                relative = name if under == os.curdir else os.path.join(under, name)
                 try:
-                    listed.append([os.path.relpath(path, root), *file_identity(path)])
+                    listed.append([relative, *file_identity(os.path.join(folder, name))])
                 except OSError as error:  # a dangling link, a file removed meanwhile
-                    listed.append([os.path.relpath(path, root), f"unreadable: {error.strerror}"])
+                    listed.append([relative, f"unreadable: {error.strerror}"])
                 if len(listed) > FOLDER_FILES:
                     raise IdentityError(f"it names the folder {root}, which holds more than {FOLDER_FILES:,} files "
                                         "(too many to list at each start)")

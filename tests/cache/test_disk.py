@@ -36,6 +36,7 @@ from gpuload.cache.disk import (
     disk_budget,
     fingerprint_for,
 )
+from gpuload.cache.disk.files import checksum, stripe_sums, trailer_bytes
 from gpuload.cache.identity import IdentityError
 from gpuload.cache.settings import CacheSettings
 
@@ -109,6 +110,14 @@ def _child(script: str, folder: Path, n: int, *, prefix: list[str] | None = None
 def _entry(folder: Path) -> Path:
     (entry,) = [p for p in folder.iterdir() if p.is_dir()]
     return entry
+
+
+def forge_block(path: Path, data: bytes) -> list[int]:
+    """Replace a block file with ``data`` and the trailer of stripe checksums a writer would give
+    it: every checksum passes. Its manifest entry (block number and the new size and checksum)."""
+    trailer = stripe_sums(np.frombuffer(data, dtype=np.uint8)).tobytes()
+    path.write_bytes(data + trailer)
+    return [int(path.name[6:12]), len(data), checksum(trailer)]
 
 
 def _block_rows(block: int) -> list[int]:
@@ -709,7 +718,7 @@ def test_two_processes_starting_at_once_make_one_copy_and_both_read_correct_rows
     entry = _entry(tmp_path)
     blocks = sorted(p.name for p in entry.iterdir() if p.name.startswith("block-"))
     assert blocks == [f"block-{b:06d}.bin" for b in range(n // BLOCK_ROWS)]  # no second copy, no .part left
-    assert sum((entry / b).stat().st_size for b in blocks) == n * RECORD
+    assert sum((entry / b).stat().st_size - trailer_bytes(BLOCK_ROWS * RECORD) for b in blocks) == n * RECORD
 
 
 def test_full_disk_injected_the_tier_stops_growing_with_one_warning(tmp_path: Path) -> None:
@@ -888,8 +897,6 @@ def test_a_ragged_fill_left_unfinished_is_discarded_by_the_next_open(tmp_path: P
 
 
 def test_a_damaged_ragged_block_or_row_table_is_named_and_refilled(tmp_path: Path) -> None:
-    import zlib
-
     n, images = 12, _images(12)
     cache = _open_ragged(tmp_path, n)
     cache.write_items(torch.arange(n), images)
@@ -897,12 +904,13 @@ def test_a_damaged_ragged_block_or_row_table_is_named_and_refilled(tmp_path: Pat
     entry = _entry(tmp_path)
     with open(entry / "block-000000.bin", "r+b") as file:
         file.truncate(50)
-    table = bytearray((entry / "block-000002.bin").read_bytes())
-    table[-8 * 7 * 2:-8 * 7 * 2 + 8] = (10 ** 9).to_bytes(8, "little")  # a row's offset, past the data
-    (entry / "block-000002.bin").write_bytes(bytes(table))
     manifest = json.loads((entry / "manifest.json").read_bytes())
-    manifest["blocks"] = [[b, len(table), zlib.crc32(bytes(table))] if b == 2 else [b, size, crc]
-                          for b, size, crc in manifest["blocks"]]  # its checksum passes: the table is checked
+    size = {b: size for b, size, _ in manifest["blocks"]}[2]
+    table = bytearray((entry / "block-000002.bin").read_bytes()[:size])
+    table[-8 * 7 * 2:-8 * 7 * 2 + 8] = (10 ** 9).to_bytes(8, "little")  # a row's offset, past the data
+    forged = forge_block(entry / "block-000002.bin", bytes(table))
+    manifest["blocks"] = [forged if b == 2 else [b, size, crc]
+                          for b, size, crc in manifest["blocks"]]  # its checksums pass: the table is checked
     (entry / "manifest.json").write_text(json.dumps(manifest))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -152,7 +152,7 @@ def test_an_unexpected_error_while_publishing_is_raised_in_the_callers_thread(tm
         raise ValueError("a bug")
 
     with _behind(tmp_path, 8) as cache:
-        monkeypatch.setattr(writing, "crc32", broken)
+        monkeypatch.setattr(writing, "stripe_sums", broken)
         cache.write(torch.arange(8), [images, labels])
         with pytest.raises(RuntimeError, match="publishing a block of .* failed: ValueError") as raised:
             cache.present(torch.arange(8))

@@ -14,7 +14,6 @@ import os
 import shutil
 import sys
 import warnings
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +25,15 @@ import gpuload.cache.disk.writing as writing
 from gpuload.cache.disk import ColumnSpec, DiskCache, DiskCacheWarning, Fingerprint
 from gpuload.cache.disk_tier import DiskImages, DiskRows
 from gpuload.cache.settings import CacheSettings
-from tests.cache.test_disk import RAGGED_ROW, _data, _images, _open, _open_ragged, no_room_for_the_manifest
+from tests.cache.test_disk import (
+    RAGGED_ROW,
+    _data,
+    _images,
+    _open,
+    _open_ragged,
+    forge_block,
+    no_room_for_the_manifest,
+)
 
 
 def _truncate(path: Path, size: int = 10) -> None:
@@ -167,7 +174,7 @@ def test_a_ragged_block_too_short_for_its_row_table_is_named_and_refilled(tmp_pa
     block, manifest_path = cache.root / "block-000000.bin", cache.root / "manifest.json"
     _truncate(block, 8)
     manifest = json.loads(manifest_path.read_bytes())
-    manifest["blocks"] = [[0, 8, zlib.crc32(block.read_bytes())]]  # size and checksum agree with the file
+    manifest["blocks"] = [forge_block(block, block.read_bytes())]  # size and checksums agree with the file
     manifest_path.write_text(json.dumps(manifest))
     again = _open_ragged(tmp_path, 4)
     with pytest.warns(DiskCacheWarning, match="block-000000.bin is 8 bytes, too short for its table of 4 rows"):

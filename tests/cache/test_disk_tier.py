@@ -4,17 +4,21 @@ sample cache's disk tier through the loader (batches equal torch's DataLoader's)
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import gpuload
 from gpuload.cache import TieredArrayStore
+from gpuload.cache.columns import column_rows, layout, prepare
 from gpuload.cache.disk import DiskCacheWarning, fingerprint_arrays
-from gpuload.cache.disk_tier import DiskTier, disk_tier_maker
+from gpuload.cache.disk_tier import DiskTier, _describe, _described, disk_tier_maker, select_rows
 from gpuload.cache.identity import IdentityError
 from gpuload.cache.plan import make_plan
 from gpuload.cache.settings import CacheSettings
@@ -175,12 +179,13 @@ def test_sample_cache_spills_to_disk_and_batches_equal_torch(tmp_path: Path) -> 
     assert disk["published_rows"] == 120 and disk["hits"] > 0
     assert dataset.reads == after_fill  # epochs 2 and 3: from the host tier and the disk
     assert after_fill - 120 == 24 + 1  # the determinism probe's reads and dataset[0] for the structure
-    # A second loader (a later job) reads no epoch from the dataset, its first one included, and
-    # no probe either: the samples on disk were written by a job whose probe passed.
+    # A second loader (a later job) reads no epoch from the dataset, its first one included, no
+    # probe either (the samples on disk were written by a job whose probe passed), nor dataset[0]:
+    # the entry keeps the samples' structure.
     again = Pictures()
     later = gpuload.DataLoader(again, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(5),
                                cache="host", cache_size=30 * (3 * 36 + 16), cache_dir=tmp_path / "c")
-    assert _same(_epochs(later, 3), expected) and again.reads == 1  # dataset[0], for the structure
+    assert _same(_epochs(later, 3), expected) and again.reads == 0
 
 
 def test_without_cache_dir_nothing_changes(tmp_path: Path, monkeypatch) -> None:
@@ -468,3 +473,44 @@ def test_a_forked_child_iterates_a_loader_whose_disk_tier_serves(tmp_path: Path)
     assert child.exitcode == 0
     assert _same(list(loader), expected)  # the parent's tier is untouched
     loader.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.complex64])
+def test_select_rows_gives_index_select_of_every_column(dtype: torch.dtype) -> None:
+    """The samples a batch keeps (rows copied one by one in the calling thread, not split over
+    torch's threads): exactly ``index_select`` of each column, image rows and scalars."""
+    generator = torch.Generator().manual_seed(1)
+    images = (torch.randn(6, 3, 4, 10, generator=generator) * 50).to(dtype)
+    part = prepare([(images[k], images[k, :, :, ::3], k * 1.5, {"id": k}) for k in range(6)])
+    positions = torch.tensor([4, 0, 5, 4])
+    got = column_rows(select_rows(part, positions))
+    expected = [rows.index_select(0, positions) for rows in column_rows(part)]
+    assert len(got) == len(expected) == 4
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@pytest.mark.parametrize("sample", [
+    (torch.zeros(3, 4, 4, dtype=torch.uint8), 7),
+    {"x": np.ones((2, 3), dtype=np.float32), 3: np.float32(1.5), "ok": True, "n": [np.int16(2), 0.5]},
+    [torch.ones(4, dtype=torch.bfloat16), 1.5, np.bool_(True)],
+])
+def test_the_samples_structure_kept_in_an_entry_gives_their_layout_back(sample) -> None:
+    """What a later job opens the disk tier with instead of reading ``dataset[0]``."""
+    template = prepare([sample, sample])
+    description = _describe(template)
+    assert json.loads(json.dumps(description)) == description
+    kept = _described(json.loads(json.dumps(description)))
+    assert kept is not None and layout(kept) == layout(template)
+    assert [rows.shape[0] for rows in column_rows(kept)] == [0] * len(column_rows(template))
+
+
+@pytest.mark.parametrize("sample", [Point(torch.zeros(2), 1), {(1, 2): torch.zeros(2)}, {False: 1.0}])
+def test_a_structure_not_told_by_name_is_not_kept(sample) -> None:
+    """A namedtuple's class, a tuple or bool dict key: a later job reads ``dataset[0]`` instead."""
+    assert _describe(prepare([sample, sample])) is None
+    assert _described({"column": "tensor", "dtype": "no_such_dtype", "rows": "uint8", "shape": [2]}) is None

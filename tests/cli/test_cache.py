@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -41,6 +42,21 @@ def test_ls_shows_entries_rows_sizes_fingerprints_and_last_use(tmp_path: Path, c
     assert full.root.name in lines[2] and "complete" in lines[2] and "3.0d ago" in lines[2] and "in use" not in lines[2]
     assert "notes.txt" not in out
     partial.close()
+
+
+def test_ls_names_an_entry_of_an_older_format_as_never_read(tmp_path: Path, capsys) -> None:
+    """An entry an older gpuload wrote (format 2: no stripe checksums) sits under another key and
+    is never read; the listing says so and how to free its room."""
+    old, current = _entry(tmp_path, "old"), _entry(tmp_path, "current")
+    old.close()
+    current.close()
+    description = json.loads((old.root / "entry.json").read_bytes())
+    (old.root / "entry.json").write_text(json.dumps(dict(description, format=2)))
+    assert main(["cache", "ls", str(tmp_path)]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.strip().splitlines()[1:]}
+    said = ", format 2, an older gpuload's: never read (`gpuload cache clear` removes it)"
+    assert lines[old.root.name].endswith(said)
+    assert "format" not in lines[current.root.name].split("last used")[1]
 
 
 def test_ls_takes_the_folder_from_the_settings_or_says_what_is_missing(tmp_path: Path, monkeypatch, capsys) -> None:

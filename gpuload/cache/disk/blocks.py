@@ -16,9 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 
-FORMAT_VERSION = 2
-"""Bumped whenever the bytes on disk change meaning; part of every fingerprint (2: ragged entries)."""
-
 RAGGED = -1
 """A dimension of a ragged column's shape: each row has its own size there (stored per row)."""
 

@@ -18,12 +18,13 @@ from typing import Any
 import torch
 
 from gpuload.cache.budget import SizeSpec, default_disk_reserve, disk_budget, format_bytes
-from gpuload.cache.disk.blocks import DEFAULT_BLOCK_BYTES, FORMAT_VERSION, ColumnSpec, parse_columns, record_bytes_of
+from gpuload.cache.disk.blocks import DEFAULT_BLOCK_BYTES, ColumnSpec, parse_columns, record_bytes_of
 from gpuload.cache.disk.entry import DiskCacheWarning
 from gpuload.cache.disk.files import atomic_write, dangling_link
 from gpuload.cache.disk.fingerprint import Fingerprint, canonical
 from gpuload.cache.disk.reading import EntryReader
 from gpuload.cache.disk.writing import EntryWriter
+from gpuload.cache.entries import FORMAT_VERSION
 from gpuload.cache.settings import CacheSettings
 
 
@@ -50,6 +51,7 @@ class DiskCache(EntryReader, EntryWriter):
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         row_bytes: int | None = None,
         publish_behind: bool = False,
+        about: Mapping[str, Any] | None = None,
     ) -> DiskCache | None:
         """The entry for ``fingerprint`` under ``cache_dir`` (created if missing), or None with
         one :class:`DiskCacheWarning` when the folder cannot be written.
@@ -61,6 +63,8 @@ class DiskCache(EntryReader, EntryWriter):
         fsync, checksum and publication happen on a background thread
         (:mod:`~gpuload.cache.disk.publishing`), not in the ``write`` that completes it; reads,
         ``stats``, ``complete`` and ``close`` wait for the blocks this process queued.
+        ``about``: more of what the entry is (JSON values), kept in its ``entry.json`` when this
+        open creates it (the sample cache keeps its samples' structure there).
         """
         spec = parse_columns(columns)
         if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
@@ -102,7 +106,7 @@ class DiskCache(EntryReader, EntryWriter):
                 DiskCacheWarning, stacklevel=2,
             )
             return None
-        cache._write_description()
+        cache._write_description(about or {})
         return cache
 
     @classmethod
@@ -118,13 +122,14 @@ class DiskCache(EntryReader, EntryWriter):
             return None
         return cls.open(folder, fingerprint, columns, num_rows, size, **options)
 
-    def _write_description(self) -> None:
-        """A small ``entry.json`` (what the entry is) for ``gpuload cache ls``; written once."""
+    def _write_description(self, about: Mapping[str, Any]) -> None:
+        """A small ``entry.json`` (what the entry is, and ``about`` it) for ``gpuload cache ls``
+        and later jobs; written once."""
         path = self.root / "entry.json"
         if path.exists():
             return
         document = {
-            "format": FORMAT_VERSION, "fingerprint": asdict(self.fingerprint), "num_rows": self.num_rows,
+            **about, "format": FORMAT_VERSION, "fingerprint": asdict(self.fingerprint), "num_rows": self.num_rows,
             "columns": [c.as_json() for c in self.columns], "record_bytes": self.record_bytes,
             "block_rows": self.block_rows, "created": time.time(),
         }

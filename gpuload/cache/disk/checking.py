@@ -1,112 +1,56 @@
-"""Checksums of an entry's published blocks taken ahead of their first read, on one background
-thread, so a job that opens a filled entry does not spend its first batch checking every block
-(a 64 MiB block takes about 30 ms of CRC-32 on one core).
+"""Checking a published block a stripe at a time, as reads touch it: a job that opens a filled
+entry checks only the stripes a batch reads (each once), so its first batch does not wait for
+every block's checksum (a shuffled first batch touches every block).
 
-The reading thread still decides: the first time it looks at a block it asks :meth:`AheadChecks.crc`
-for the block's checksum, which is the background's result when it has one, waits for it when the
-background is at that block, or is taken in the reading thread (the block leaves the queue) when the
-background has not reached it. A result belongs to one file (block, inode, size): a block dropped
-and written again is checked again. The background only computes: a failed check is named, and
-the block dropped, by the reader (in its thread, where warnings are seen).
+A block's stripe checksums are its trailer (:func:`~gpuload.cache.disk.files.stripe_sums`), and
+the manifest holds the checksum of the trailer: the first map of a block checks the trailer
+against the manifest, then :meth:`StripeChecks.check` checks each stripe the first time a byte
+range overlaps it.
 """
 
 from __future__ import annotations
 
-import mmap
-import os
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from pathlib import Path
-
 import numpy as np
 
-from gpuload.cache.disk.files import crc32
-
-FileKey = tuple[int, int, int]
-"""(block, inode, size) of one block file."""
+from gpuload.cache.disk.files import STRIPE_BYTES, checksum
 
 
-class AheadChecks:
-    """The CRC-32s of blocks queued with :meth:`start`, taken by one daemon thread in the order
-    queued; :meth:`crc` hands them to the reader. :meth:`close` stops and joins the thread."""
+class StripeChecks:
+    """Which stripes of one block file (``inode``) are still unchecked, and their checksums."""
 
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._todo: OrderedDict[int, Path] = OrderedDict()  # block -> its file, in the order to check
-        self._done: dict[FileKey, int] = {}
-        self._busy: int | None = None  # the block the background is checking now
-        self._thread: threading.Thread | None = None
-        self._closed = False
+    def __init__(self, inode: int, sums: np.ndarray) -> None:
+        self.inode = inode
+        self.sums = sums
+        self.unchecked = np.ones(len(sums), dtype=bool)
+        self.left = len(sums)
 
-    def start(self, blocks: Iterable[tuple[int, Path]]) -> None:
-        """Queue ``blocks`` (number, file) and start the thread if it is not running."""
-        with self._cond:
-            if self._closed:
-                return
-            self._todo.update(blocks)
-            if self._todo and self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="gpuload-disk-check", daemon=True)
-                self._thread.start()
+    def check(self, data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> int | None:
+        """Check the unchecked stripes of ``data`` (the block's bytes) that the byte ranges
+        ``[starts, ends)`` overlap; the first stripe whose bytes fail their checksum, else None."""
+        if not self.left:
+            return None
+        reach = ends > starts  # an empty row touches no stripe
+        first = starts[reach] // STRIPE_BYTES
+        last = (ends[reach] - 1) // STRIPE_BYTES
+        unchecked_before = np.concatenate(([0], np.cumsum(self.unchecked)))
+        touched = unchecked_before[last + 1] > unchecked_before[first]
+        for low, high in zip(first[touched].tolist(), last[touched].tolist()):
+            for stripe in range(low, high + 1):
+                if not self.unchecked[stripe]:
+                    continue
+                if checksum(data[stripe * STRIPE_BYTES:(stripe + 1) * STRIPE_BYTES]) != int(self.sums[stripe]):
+                    return stripe
+                self.unchecked[stripe] = False
+                self.left -= 1
+        return None
 
-    def crc(self, block: int, key: FileKey, data: Callable[[], np.ndarray]) -> int:
-        """The CRC-32 of block file ``key``: the background's, or taken now over ``data()``."""
-        with self._cond:
-            self._todo.pop(block, None)  # the reader takes it now, unless it is being checked
-            while self._busy == block:
-                self._cond.wait()
-            found = self._done.pop(key, None)
-        return found if found is not None else crc32(data())
-
-    def close(self) -> None:
-        """Stop checking (the block in hand is abandoned at its next 16 MiB) and join the thread."""
-        with self._cond:
-            self._closed = True
-            self._todo.clear()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
-
-    def wait(self) -> None:
-        """Until every queued block is checked (the thread has ended)."""
-        with self._cond:
-            while self._thread is not None:
-                self._cond.wait()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if self._closed or not self._todo:
-                    self._thread = None
-                    self._cond.notify_all()
-                    return
-                block, path = self._todo.popitem(last=False)
-                self._busy = block
-            try:
-                key, value = self._file_crc(block, path)
-            except (OSError, ValueError):  # gone or unreadable: the reader finds out and names it
-                key, value = None, None
-            with self._cond:
-                if key is not None and value is not None:
-                    self._done[key] = value
-                self._busy = None
-                self._cond.notify_all()
-
-    def _file_crc(self, block: int, path: Path) -> tuple[FileKey, int | None]:
-        """The file's key and CRC-32 (None when closed meanwhile), 16 MiB at a time."""
-        with open(path, "rb") as file:
-            status = os.fstat(file.fileno())
-            key = (block, status.st_ino, status.st_size)
-            if not status.st_size:
-                return key, None
-            with mmap.mmap(file.fileno(), status.st_size, access=mmap.ACCESS_READ) as mapped:
-                view = np.frombuffer(mapped, dtype=np.uint8)
-                value, step = 0, 16 << 20
-                try:
-                    for start in range(0, view.size, step):
-                        if self._closed:
-                            return key, None
-                        value = crc32(view[start:start + step], value)
-                finally:
-                    del view  # the map closes only once no view of it is left
-        return key, value
+    def failing(self, data: np.ndarray) -> np.ndarray:
+        """Check every stripe not checked yet; which stripes fail (a bool per stripe)."""
+        bad = np.zeros(len(self.sums), dtype=bool)
+        for stripe in np.flatnonzero(self.unchecked).tolist():
+            if checksum(data[stripe * STRIPE_BYTES:(stripe + 1) * STRIPE_BYTES]) != int(self.sums[stripe]):
+                bad[stripe] = True
+            else:
+                self.unchecked[stripe] = False
+                self.left -= 1
+        return bad

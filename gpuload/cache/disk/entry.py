@@ -24,13 +24,14 @@ import numpy as np
 import torch
 
 from gpuload.cache.budget import format_bytes
-from gpuload.cache.disk.blocks import BLOCK_NAME, FORMAT_VERSION, ColumnSpec, record_bytes_of, record_layout
-from gpuload.cache.disk.checking import AheadChecks
+from gpuload.cache.disk.blocks import BLOCK_NAME, ColumnSpec, record_bytes_of, record_layout
+from gpuload.cache.disk.checking import StripeChecks
+from gpuload.cache.disk.files import STRIPE_BYTES
 from gpuload.cache.disk.fingerprint import Fingerprint
 from gpuload.cache.disk.locking import Flock, track
 from gpuload.cache.disk.manifest import Manifest, file_identity_of, read_manifest, write_manifest
 from gpuload.cache.disk.publishing import BlockPublisher
-from gpuload.cache.entries import MANIFEST
+from gpuload.cache.entries import FORMAT_VERSION, MANIFEST
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -86,8 +87,8 @@ class Entry:
         self._auto_budget = auto_budget
         self._mutex = threading.RLock()
         self._manifest = Manifest()
-        self._verified: set[int] = set()
-        self._checks = AheadChecks()  # published blocks checked in the background, ahead of their first read
+        self._verified: set[int] = set()  # blocks whose every stripe is checked (or this process published)
+        self._stripes: dict[int, StripeChecks] = {}  # blocks mapped, some of their stripes not checked yet
         self._behind = publish_behind  # complete blocks published on a background thread (else in write)
         self._publisher = BlockPublisher(self._publish_behind)
         self._maps: OrderedDict[int, tuple[mmap.mmap | None, np.ndarray]] = OrderedDict()
@@ -108,7 +109,6 @@ class Entry:
                 self._index_fd = os.open(root / "rows.index", os.O_RDWR | os.O_CREAT, 0o666)
             os.utime(root / "users")
             self._reload(force=True)
-            self._checks.start((block, self._block_path(block, "bin")) for block in sorted(self._manifest.blocks))
         except BaseException:
             self.close()
             raise
@@ -168,10 +168,9 @@ class Entry:
 
     def _after_fork(self) -> None:
         """In a forked child, at the fork: a new mutex (a thread of the parent may have held the
-        old one) and no background threads (the parent's are not in this process: its queued
-        blocks are the parent's to publish, unchecked blocks are checked at first look)."""
+        old one) and no publishing thread (the parent's is not in this process: its queued
+        blocks are the parent's to publish)."""
         self._mutex = threading.RLock()
-        self._checks = AheadChecks()
         self._publisher = BlockPublisher(self._publish_behind)
 
     # -- locks and the manifest ---------------------------------------------------------------
@@ -198,7 +197,7 @@ class Entry:
         """What the manifest says of the entry it describes (checked when read)."""
         return {
             "format": FORMAT_VERSION, "fingerprint": self.fingerprint.digest, "num_rows": self.num_rows,
-            "record_bytes": self.record_bytes, "block_rows": self.block_rows,
+            "record_bytes": self.record_bytes, "block_rows": self.block_rows, "stripe_bytes": STRIPE_BYTES,
             "columns": [c.as_json() for c in self.columns],
         }
 
@@ -228,6 +227,7 @@ class Entry:
     def _forget(self, block: int) -> None:
         """This process no longer trusts or maps ``block`` (it was unpublished)."""
         self._verified.discard(block)
+        self._stripes.pop(block, None)
         self._maps.pop(block, None)
 
     # -- stopping -----------------------------------------------------------------------------
@@ -259,6 +259,10 @@ class Entry:
 
     def _publish_behind(self, block: int, size: int, inode: int) -> None:
         """Publish a complete block (on the publisher's thread); the writer defines it."""
+        raise NotImplementedError
+
+    def _salvage(self, block: int, rows: np.ndarray, records: np.ndarray) -> None:
+        """Write back the intact ``rows`` of a block just dropped as damaged; the writer defines it."""
         raise NotImplementedError
 
     def _settle(self, blocks: Iterable[int] | None = None) -> None:
@@ -302,7 +306,6 @@ class Entry:
             if self._closed:
                 return
             self._closed = True
-            self._checks.close()
             for block in list(self._parts):
                 self._close_part(block)
             self._maps.clear()  # read() copies out of the maps: nothing points into them

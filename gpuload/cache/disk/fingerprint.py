@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpuload.cache.disk.blocks import FORMAT_VERSION
+from gpuload.cache.entries import FORMAT_VERSION
 from gpuload.cache.identity import IdentityError, file_identity, hash_array, hash_state
 from gpuload.datasets.arrays import ArrayDataset
 from gpuload.datasets.images import ImageSource

@@ -1,5 +1,6 @@
-"""An entry's manifest: the blocks published (each one's size and CRC-32), under a header that
-says which entry it describes (format, fingerprint, rows, layout). Written last, atomically:
+"""An entry's manifest: the blocks published (each one's data size and the checksum of its trailer of
+stripe checksums), under a header that says which entry it describes (format, fingerprint, rows,
+layout, stripe size). Written last, atomically:
 a block is published once the manifest lists it."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from gpuload.cache.entries import MANIFEST
 class Manifest:
     """The published blocks as one process last read or wrote them."""
 
-    blocks: dict[int, tuple[int, int]] = field(default_factory=dict)  # block -> (bytes, crc32)
+    blocks: dict[int, tuple[int, int]] = field(default_factory=dict)  # block -> (data bytes, its trailer's checksum)
     identity: tuple[int, int] | None = None  # (inode, mtime_ns) of the file this came from
 
 

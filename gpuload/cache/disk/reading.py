@@ -1,8 +1,9 @@
 """Reading an entry: which rows are published and intact, and their bytes copied out of the
-blocks' memory maps. A block is checked (size, CRC-32, a ragged block's table) the first time
-this process looks at it (``present`` or a read); its CRC-32 is usually taken already, on the
-background thread that checks the published blocks from the entry's open on
-(:mod:`~gpuload.cache.disk.checking`). One that fails is named once, unpublished and filled again."""
+blocks' memory maps. The first time this process maps a block it checks the file's size and its
+trailer of stripe checksums (against the manifest); each stripe of the block's data is checked the
+first time a row it holds is looked at (``present`` or a read: :mod:`~gpuload.cache.disk.checking`),
+a ragged block's row table (and its stripes) at the map. A block that fails is named once (with the
+rows of the failing stripe), unpublished and filled again."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import numpy as np
 import torch
 
 from gpuload.cache.disk.blocks import distinct, itemsize, ragged_table, ragged_table_problem
+from gpuload.cache.disk.checking import StripeChecks
 from gpuload.cache.disk.entry import DiskCacheWarning, Entry
+from gpuload.cache.disk.files import STRIPE_BYTES, checksum, read_sums, trailer_bytes
 from gpuload.cache.entries import MANIFEST
 
 _OPEN_MAPS = 64  # memory maps (each holds a file descriptor) kept open per cache
@@ -41,9 +44,63 @@ class EntryReader(Entry):
                 self._reload()
             good = np.zeros(len(array), dtype=bool)
             for block in wanted:
-                if block in self._verified or (block in self._manifest.blocks and self._map(block) is not None):
-                    good[blocks == block] = True
+                mine = blocks == block
+                if block in self._verified:
+                    good[mine] = True
+                elif block in self._manifest.blocks and self._map(block) is not None:
+                    good[mine] = self._check_stripes(block, array[mine] - block * self.block_rows)
             return torch.from_numpy(good)
+
+    def _check_stripes(self, block: int, rows: np.ndarray) -> bool:
+        """Check the stripes that ``rows`` (of block ``block``, mapped) lie in; False (and the
+        block dropped, naming the stripe's rows) when one fails."""
+        checks = self._stripes[block]
+        data = self._maps[block][1].reshape(-1)
+        starts, ends = self._byte_ranges(block, data, rows)
+        failed = checks.check(data, starts, ends)
+        if failed is not None:
+            self._drop_damaged(block, data, failed)
+            return False
+        if not checks.left:
+            del self._stripes[block]
+            self._verified.add(block)
+        return True
+
+    def _drop_damaged(self, block: int, data: np.ndarray, failed: int) -> None:
+        """Drop block ``block`` whose stripe ``failed`` fails its checksum, naming the file, the
+        stripe's bytes and its rows; its rows whose stripes all pass are written back into the
+        block's new part (:meth:`_salvage`), so only the damaged rows are read from the source."""
+        everyone = np.arange(self._rows_in(block))
+        starts, ends = self._byte_ranges(block, data, everyone)
+        low, high = failed * STRIPE_BYTES, min(data.size, (failed + 1) * STRIPE_BYTES)
+        hit = everyone[(starts < high) & (ends > low)] + block * self.block_rows
+        rows_named = f"rows {hit.min()}-{hit.max()}" if hit.size else "no row's bytes"
+        bad_before = np.concatenate(([0], np.cumsum(self._stripes[block].failing(data))))
+        first, last = starts // STRIPE_BYTES, (np.maximum(ends, starts + 1) - 1) // STRIPE_BYTES
+        intact = everyone[(ends == starts) | (bad_before[last + 1] == bad_before[first])]
+        records: np.ndarray
+        if self.ragged:
+            ndim = len(self.columns[0].shape)
+            table = ragged_table(data, self._rows_in(block), self._entry_words)
+            records = np.empty(len(intact), dtype=object)
+            for k, row in enumerate(intact.tolist()):
+                entry = table[row].tolist()
+                records[k] = (data[starts[row]:ends[row]].copy(), entry[1:1 + ndim], entry[1 + ndim:])
+        else:
+            records = data.reshape(-1, self.record_bytes)[intact].copy()
+        self._drop(block, f"{self._block_path(block, 'bin')} fails its checksum in bytes {low}-{high - 1} "
+                          f"({rows_named}; its bytes changed after it was written)")
+        self._salvage(block, intact + block * self.block_rows, records)
+
+    def _byte_ranges(self, block: int, data: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where ``rows`` (of block ``block``) lie in its data: their start and end bytes."""
+        if not self.ragged:
+            starts = rows.astype(np.int64) * self.record_bytes
+            return starts, starts + self.record_bytes
+        ndim = len(self.columns[0].shape)
+        table = ragged_table(data, self._rows_in(block), self._entry_words)[rows]
+        sizes = np.prod(table[:, 1:1 + ndim], axis=1, dtype=np.int64) * itemsize(self.columns[0].dtype)
+        return table[:, 0], table[:, 0] + sizes
 
     def read(self, rows: Any) -> list[torch.Tensor]:
         """The columns of ``rows`` (published ones; LookupError names an absent row), one tensor
@@ -114,43 +171,58 @@ class EntryReader(Entry):
             )
 
     def _map(self, block: int) -> np.ndarray | None:
-        """Block ``block``'s records, memory-mapped; checked (size, CRC-32) at first use. None
-        (and the block dropped, with a warning naming the file) if it fails the check."""
+        """Block ``block``'s records (a ragged block's data), memory-mapped. At its first map its
+        size and its trailer's checksum are checked (a ragged block's row table too): None (and
+        the block dropped, with a warning naming the file) if one fails. Its stripes are checked
+        as rows are looked at (:meth:`_check_stripes`)."""
         if block in self._maps:
             self._maps.move_to_end(block)
             return self._maps[block][1]
-        size, crc = self._manifest.blocks[block]
+        size, trailer_sum = self._manifest.blocks[block]
         path = self._block_path(block, "bin")
         expected = size if self.ragged else self._rows_in(block) * self.record_bytes
         try:
             with open(path, "rb") as file:
                 status = os.fstat(file.fileno())
                 actual = status.st_size
-                if actual != size or size != expected:
-                    problem = f"{path} is {actual} bytes, the manifest says {size} (expected {expected})"
+                if actual != size + trailer_bytes(size) or size != expected:
+                    problem = (f"{path} is {actual} bytes, the manifest says {size} and its stripe checksums "
+                               f"(expected {expected})")
                     self._drop(block, problem)
                     return None
-                mapped = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_READ) if size else None
+                mapped = mmap.mmap(file.fileno(), actual, access=mmap.ACCESS_READ) if actual else None
         except OSError as error:
             self._drop(block, f"{path} cannot be read ({error.strerror or error})")
             return None
         view = np.frombuffer(mapped, dtype=np.uint8) if mapped is not None else np.empty(0, np.uint8)
+        data = view[:size]
         if block not in self._verified:
-            if self._checks.crc(block, (block, status.st_ino, size), lambda: view) != crc:
-                del view, mapped  # unmapped when the last reference goes
-                self._drop(block, f"{path} fails its checksum (its bytes changed after it was written)")
-                return None
-            problem = ragged_table_problem(view, self._rows_in(block), self.columns[0]) if self.ragged else ""
+            checks = self._stripes.get(block)
+            if checks is None or checks.inode != status.st_ino:
+                if checksum(view[size:]) != trailer_sum:
+                    del view, data, mapped  # unmapped when the last reference goes
+                    self._drop(block, f"{path} fails its checksum (its stripe checksums changed after it was written)")
+                    return None
+                self._stripes[block] = StripeChecks(status.st_ino, read_sums(view[size:]))
+            problem = self._ragged_problem(block, data) if self.ragged else ""
             if problem:
-                del view, mapped
+                del view, data, mapped
                 self._drop(block, f"{path} {problem}")
                 return None
-            self._verified.add(block)
-        records = view if self.ragged else view.reshape(self._rows_in(block), self.record_bytes)
+        records = data if self.ragged else data.reshape(self._rows_in(block), self.record_bytes)
         self._maps[block] = (mapped, records)
         while len(self._maps) > _OPEN_MAPS:
             self._maps.popitem(last=False)  # unmapped when the last reference goes
         return records
+
+    def _ragged_problem(self, block: int, data: np.ndarray) -> str:
+        """What is wrong with a ragged block's row table ("" if nothing), its stripes checked first."""
+        rows = self._rows_in(block)
+        table_start = max(0, data.size - rows * self._entry_words * 8)
+        failed = self._stripes[block].check(data, np.array([table_start]), np.array([data.size]))
+        if failed is not None:
+            return f"fails its checksum in its row table (bytes {table_start}-{data.size - 1})"
+        return ragged_table_problem(data, rows, self.columns[0])
 
     def _drop(self, block: int, problem: str) -> None:
         """Unpublish a damaged block so it is filled again; one warning naming the file."""

@@ -1,10 +1,10 @@
 """Filling an entry: rows written into their blocks' ``.part`` files under the entry lock
 (``pwrite`` at a row's offset; a ragged row at the part's end, its ``rows.index`` entry after
 it), each row's flag set after its bytes; a block whose last row arrives is queued for
-publication (:mod:`~gpuload.cache.disk.publishing`): on the publishing thread it is fsync'ed and
-checksummed (no lock held: nothing writes a complete part), then renamed to ``.bin`` and only
-then listed in the manifest (under the locks). Within the budget; a full disk or another I/O
-error stops the tier growing, with one warning."""
+publication (:mod:`~gpuload.cache.disk.publishing`): on the publishing thread its stripes are
+checksummed into its trailer and it is fsync'ed (no lock held: nothing writes a complete part's
+rows), then renamed to ``.bin`` and only then listed in the manifest (under the locks). Within
+the budget; a full disk or another I/O error stops the tier growing, with one warning."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 from gpuload.cache.budget import default_disk_reserve
 from gpuload.cache.disk.blocks import distinct, itemsize, pack_items, pack_records
 from gpuload.cache.disk.entry import Entry
-from gpuload.cache.disk.files import crc32, fsync_folder, preallocate, pwrite_all
+from gpuload.cache.disk.files import checksum, fsync_folder, preallocate, pwrite_all, stripe_sums
 
 _OPEN_PARTS = 64
 
@@ -219,21 +219,21 @@ class EntryWriter(Entry):
         if self._behind:
             self._publisher.queue(block, size, os.fstat(fd).st_ino)
         else:
-            self._list(block, size, _fsync_and_checksum(fd, size))
+            self._list(block, size, _seal_stripes(fd, size))
 
     def _publish_behind(self, block: int, size: int, inode: int) -> None:
-        """On the publishing thread: fsync and checksum the complete part ``inode`` (no lock held:
-        nothing writes it any more), then under the locks list it, unless another process
-        published it meanwhile."""
+        """On the publishing thread: checksum the complete part ``inode``'s stripes and fsync it (no
+        lock held: nothing writes its rows any more; a process that completed it too appends the
+        same trailer), then under the locks list it, unless another process published it meanwhile."""
         part = self._block_path(block, "part")
         try:
-            fd = os.open(part, os.O_RDONLY)
+            fd = os.open(part, os.O_RDWR)
         except FileNotFoundError:  # published (or dropped) by another process meanwhile
             return
         try:
             if os.fstat(fd).st_ino != inode:
                 return
-            crc = _fsync_and_checksum(fd, size)
+            trailer_sum = _seal_stripes(fd, size)
         finally:
             os.close(fd)
         with self._mutex, self._entry_lock():
@@ -243,16 +243,38 @@ class EntryWriter(Entry):
             except FileNotFoundError:
                 current = None
             if block not in self._manifest.blocks and current == inode:
-                self._list(block, size, crc)
+                self._list(block, size, trailer_sum)
 
-    def _list(self, block: int, size: int, crc: int) -> None:
+    def _salvage(self, block: int, rows: np.ndarray, records: np.ndarray) -> None:
+        """Write ``rows`` (records as ``write`` packs them: their stripes passed their checks) of the
+        block just dropped as damaged into its new part, so a reader of this epoch that already had
+        them from the disk does not leave the block short, and only its damaged rows come from the
+        source (published once they are written too). Mutex held; nothing when the tier no longer
+        writes or the block has no room."""
+        if not len(rows) or not self.accepting:
+            return
+        path = self._block_path(block, "part")
+        try:
+            with self._entry_lock():
+                self._reload()
+                if block in self._manifest.blocks:  # another process refilled it meanwhile
+                    return
+                fd = self._part(block)
+                if fd is None:
+                    return
+                fill = self._append_rows if self.ragged else self._write_rows
+                self._queue_if_complete(block, fd, fill(block, fd, rows, records))
+        except OSError as error:
+            self._stop(error, Path(error.filename) if error.filename else path)
+
+    def _list(self, block: int, size: int, trailer_sum: int) -> None:
         """Rename the block's complete part to ``.bin`` and list it in the manifest (undone, and
         the OSError raised, when the manifest cannot be written). Entry lock held."""
         target = self._block_path(block, "bin")
         os.rename(self._block_path(block, "part"), target)
         fsync_folder(self.root)
         self._close_part(block)
-        self._manifest.blocks[block] = (size, crc)
+        self._manifest.blocks[block] = (size, trailer_sum)
         try:
             self._write_manifest()
         except OSError:
@@ -264,14 +286,17 @@ class EntryWriter(Entry):
         self._stats.blocks_published += 1
 
 
-def _fsync_and_checksum(fd: int, size: int) -> int:
-    """Make a complete part's ``size`` bytes durable; their CRC-32."""
-    os.fsync(fd)
+def _seal_stripes(fd: int, size: int) -> int:
+    """Append to a complete part the checksums of its ``size`` bytes' stripes (its trailer), make
+    it durable; the trailer's own checksum, which the manifest lists."""
     mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
     try:
-        return crc32(np.frombuffer(mapped, dtype=np.uint8))
+        trailer = stripe_sums(np.frombuffer(mapped, dtype=np.uint8)).tobytes()
     finally:
         try:
             mapped.close()
         except BufferError:  # a view is still held (by an error's traceback): unmapped when it goes
             pass
+    pwrite_all(fd, memoryview(trailer), size)
+    os.fsync(fd)
+    return checksum(trailer)
