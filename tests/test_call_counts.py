@@ -28,11 +28,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from counting import Counted
 
 import gpuload
 from gpuload import transforms as T
 from gpuload.bench.images import MEAN, STD
-from tests.counting import Counted
 
 _WAITS = (os.sep + "threading.py", os.sep + "queue.py")  # stdlib sync: call counts follow timing
 
