@@ -67,12 +67,13 @@ def dali_installed() -> bool:
         return False
 
 
-def _import_dali() -> tuple[Any, Any, Any, Any]:
+def _import_dali() -> tuple[Any, Any, Any, Any, Any]:
     try:
         import nvidia.dali.fn as fn
         import nvidia.dali.types as types
         from nvidia.dali import pipeline_def
         from nvidia.dali.plugin.pytorch import feed_ndarray
+        from nvidia.dali.tensors import TensorListCPU
     except Exception as error:  # a broken install raises all sorts
         raise DaliUnavailable(
             f"nvidia.dali could not be imported ({type(error).__name__}: {error}); install "
@@ -86,7 +87,7 @@ def _import_dali() -> tuple[Any, Any, Any, Any]:
             "(Pipeline.run(cuda_stream), exec_dynamic), which DALI has since 1.44; upgrade it: "
             "pip install -U 'gpuload[cuda13]' (or [cuda12]), or decode with backend='nvjpeg', 'torchvision' or 'pil'"
         )
-    return fn, types, pipeline_def, feed_ndarray
+    return fn, types, pipeline_def, feed_ndarray, TensorListCPU
 
 
 # nvimgcodecStatus_t, for DALI messages that only say "nvImageCodec failure: '#4'".
@@ -177,7 +178,7 @@ class DaliDecoder:
         self._dali = _import_dali()
 
     def _build(self, batch: int) -> None:
-        fn, types, pipeline_def, _ = self._dali
+        fn, types, pipeline_def, _, _ = self._dali
         decoder_device = "mixed" if self.mixed else "cpu"
         roi, hwc = self.roi, self.hwc
         options: dict[str, Any] = {"device": decoder_device, "output_type": types.RGB}
@@ -225,7 +226,7 @@ class DaliDecoder:
             )
         if rois is not None and len(rois) != len(encoded):
             raise ValueError(f"{len(rois)} ROIs for {len(encoded)} images; pass one per image")
-        _, _, _, feed_ndarray = self._dali
+        _, _, _, feed_ndarray, tensor_list = self._dali
         with self._lock:
             stream = torch.cuda.current_stream(self.device) if self.mixed else None
             # The error is kept in a list and popped, never in a local: a local holding it would
@@ -241,10 +242,12 @@ class DaliDecoder:
                         self._build(max(self.max_batch, len(encoded), self._pipe_batch))
                         building = False
                     pipe = self._pipe
-                    pipe.feed_input("encoded", [np.frombuffer(data, dtype=np.uint8) for data in encoded])
+                    # One TensorListCPU per input: DALI checks a list's samples one by one in Python.
+                    pipe.feed_input("encoded", tensor_list([np.frombuffer(data, dtype=np.uint8) for data in encoded]))
                     if rois is not None:
-                        pipe.feed_input("anchor", [np.array(r[:2], dtype=np.int32) for r in rois])
-                        pipe.feed_input("shape", [np.array(r[2:], dtype=np.int32) for r in rois])
+                        windows = np.array(rois, dtype=np.int32).reshape(-1, 4)
+                        pipe.feed_input("anchor", tensor_list(np.ascontiguousarray(windows[:, :2])))
+                        pipe.feed_input("shape", tensor_list(np.ascontiguousarray(windows[:, 2:])))
                     (batch,) = self._run(pipe, stream)
                 except Exception as error:
                     failed.append(error)
@@ -254,13 +257,16 @@ class DaliDecoder:
                 if building:
                     raise _build_error(failed.pop(), logged, self.name, len(encoded))
                 raise _dali_error(failed.pop(), logged)
-            images = []
-            for i in range(len(batch)):
-                sample = batch[i]
-                out = torch.empty(tuple(sample.shape()), dtype=torch.uint8, device=self.device)
-                feed_ndarray(sample, out, cuda_stream=stream)
-                images.append(out.permute(2, 0, 1) if self.hwc else out)
-            return images
+            if stream is None:  # host memory the next run reuses: each sample copied out
+                images = [torch.from_numpy(np.array(batch[i])) for i in range(len(batch))]
+            else:
+                images = []
+                for i in range(len(batch)):
+                    sample = batch[i]
+                    out = torch.empty(tuple(sample.shape()), dtype=torch.uint8, device=self.device)
+                    feed_ndarray(sample, out, cuda_stream=stream)
+                    images.append(out)
+            return [image.permute(2, 0, 1) for image in images] if self.hwc else images
 
     @staticmethod
     def _run(pipe: Any, stream: torch.cuda.Stream | None) -> Any:

@@ -22,7 +22,7 @@ import io
 import struct
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,23 +53,23 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 @dataclass(frozen=True)
 class Header:
-    """What an image's header says: its stored size, EXIF orientation (1-8) and format."""
+    """What an image's header says: its stored size, EXIF orientation (1-8) and format;
+    ``upright``: ``(height, width)`` once the EXIF orientation is applied, and ``pixels``.
+
+    Those two are attributes, set once, not properties: a batch reads them for every image.
+    """
 
     width: int
     height: int
     orientation: int = 1
     format: str = ""
+    upright: tuple[int, int] = field(init=False, repr=False, compare=False)
+    pixels: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def upright(self) -> tuple[int, int]:
-        """``(height, width)`` once the EXIF orientation is applied."""
-        if self.orientation in _TRANSPOSED_ORIENTATIONS:
-            return self.width, self.height
-        return self.height, self.width
-
-    @property
-    def pixels(self) -> int:
-        return self.width * self.height
+    def __post_init__(self) -> None:
+        transposed = self.orientation in _TRANSPOSED_ORIENTATIONS
+        object.__setattr__(self, "upright", (self.width, self.height) if transposed else (self.height, self.width))
+        object.__setattr__(self, "pixels", self.width * self.height)
 
 
 class HeaderTable:
@@ -81,16 +81,27 @@ class HeaderTable:
     and is reported, where it is used. One thread at a time (the one decoding batches).
     """
 
+    #: Distinct headers handed out as one object each (a folder's images share a few sizes),
+    #: so that a batch builds none; past this many, headers are built afresh.
+    SHARED = 16384
+
     def __init__(self, num_images: int) -> None:
         self._rows = np.zeros((num_images, 4), dtype=np.int32)  # width, height, orientation, format + 1
         self._formats: list[str] = []
+        self._shared: dict[tuple[int, ...], Header] = {}
 
     def get(self, position: int) -> Header | None:
         """The header kept for ``position``, or None when it has not been read yet."""
         if not 0 <= position < len(self._rows):
             return None
-        width, height, orientation, fmt = self._rows[position].tolist()
-        return Header(width, height, orientation, self._formats[fmt - 1]) if fmt else None
+        row = tuple(self._rows[position].tolist())
+        header = self._shared.get(row)
+        if header is None and row[3]:
+            width, height, orientation, fmt = row
+            header = Header(width, height, orientation, self._formats[fmt - 1])
+            if len(self._shared) < self.SHARED:
+                self._shared[row] = header
+        return header
 
     def read(self, position: int, data: bytes) -> Header:
         """``position``'s header: the kept one, else read from ``data`` (its file) and kept.
@@ -104,7 +115,10 @@ class HeaderTable:
             if header.format not in self._formats:
                 self._formats.append(header.format)
             fmt = self._formats.index(header.format) + 1
-            self._rows[position] = (header.width, header.height, header.orientation, fmt)
+            row = (header.width, header.height, header.orientation, fmt)
+            self._rows[position] = row
+            if len(self._shared) < self.SHARED:
+                self._shared.setdefault(row, header)
         return header
 
 
@@ -218,7 +232,7 @@ def clip_roi(roi: Sequence[int], height: int, width: int) -> ROI | None:
     """Intersect ``roi = (y0, x0, h, w)`` with a ``height`` x ``width`` image; None if empty."""
     if len(roi) != 4:
         raise ValueError(f"a ROI is (y0, x0, height, width); got {tuple(roi)!r}")
-    y0, x0, h, w = (int(v) for v in roi)
+    y0, x0, h, w = map(int, roi)
     top, left = max(y0, 0), max(x0, 0)
     bottom, right = min(y0 + h, height), min(x0 + w, width)
     if bottom <= top or right <= left:

@@ -178,7 +178,8 @@ class ImageFileSource(ImageDecoding, Source):
 
     @property
     def _keeps_encoded(self) -> bool:
-        return self.cache is not None and self.keeps == "encoded"
+        held = self.held  # read per image: no second property call
+        return held is not None and held.cache is not None and held.keeps == "encoded"
 
     def begin_epoch(self) -> None:
         self._decide_cache()

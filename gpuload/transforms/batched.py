@@ -288,39 +288,61 @@ def _resized(
             (n, channels, ch, cw), dtype=torch.float32, device=device, memory_format=_canvas_format(images)
         )
     mirror_here = post_identity and batch_canvas is not None
+    # Per-sample flags as Python lists: a random crop's groups are one sample each, and
+    # indexing a tensor per sample costs more than the sample's resize bookkeeping should.
+    pre_mirror, flip = maps.pre_mirror.tolist(), maps.flip.tolist()
 
-    def resize_groups(groups: Sequence[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]) -> None:
+    def resize_one(source: torch.Tensor, k: int, canvas_size: tuple[int, int], out: torch.Tensor) -> None:
+        # What the general case below does for a group of sample k alone, with Python flags.
+        flipped_before = pre_mirror[k]
+        if flipped_before:
+            source = source.flip(-1)
+        source = source.to(torch.float32)
+        if tuple(source.shape[-2:]) == canvas_size:
+            out.copy_(source)
+        else:
+            _bilinear(source, canvas_size, out)
+        if mirror_here and flip[k] != flipped_before:
+            out.copy_(out.flip(-1))
+
+    def resize_groups(groups: Sequence[tuple[list[int], tuple[int, ...], tuple[int, ...]]]) -> None:
         # Each group writes only its own samples' canvases: groups may run on separate threads.
         for ids, window, (ch, cw) in groups:
             y0, x0, h, w = window
             canvas_size = (ch, cw)
+            first, count = ids[0], len(ids)
             if isinstance(images, torch.Tensor):
                 source = images[:, :, y0 : y0 + h, x0 : x0 + w]
-                if len(ids) == 1:
-                    source = source[int(ids[0]) : int(ids[0]) + 1]
-                elif len(ids) < n:
-                    source = source.index_select(0, to_device([ids], device, staging)[0])
+                if count == 1:
+                    source = source[first : first + 1]
+                elif count < n:
+                    source = source.index_select(0, to_device([torch.tensor(ids)], device, staging)[0])
+            elif count == 1:
+                source = images[first][:, y0 : y0 + h, x0 : x0 + w].unsqueeze(0)
             else:
-                windows = [images[k][:, y0 : y0 + h, x0 : x0 + w] for k in ids.tolist()]
-                source = windows[0].unsqueeze(0) if len(windows) == 1 else torch.stack(windows)
-            pre = maps.pre_mirror[ids]
-            if bool(pre.any()):
-                source = _mirror_some(source, pre, staging)
+                source = torch.stack([images[k][:, y0 : y0 + h, x0 : x0 + w] for k in ids])
+            if count == 1 and batch_canvas is not None:  # a random crop's sample: no tables at all
+                resize_one(source, first, canvas_size, batch_canvas[first : first + 1])
+                continue
+            pre = [pre_mirror[k] for k in ids]
+            if any(pre):
+                source = _mirror_some(source, torch.tensor(pre), staging)
             source = source.to(torch.float32)
-            mirror = maps.flip[ids] ^ pre if mirror_here else None
+            mirrored = [flip[k] != p for k, p in zip(ids, pre)] if mirror_here else []
+            mirror = torch.tensor(mirrored) if any(mirrored) else None
             if batch_canvas is None:
-                for slot, k in enumerate(ids.tolist()):
-                    canvases[k] = _resize(source, canvas_size, staging)[slot]
-            elif len(ids) in (1, n):  # ids is one sample or arange(n): a slice of the canvas
-                first = int(ids[0])
-                _resize(source, canvas_size, staging, mirror, out=batch_canvas[first : first + len(ids)])
+                resized = _resize(source, canvas_size, staging)
+                for slot, k in enumerate(ids):
+                    canvases[k] = resized[slot]
+            elif count == 1 or count == n:  # ids is one sample or arange(n): a slice of the canvas
+                _resize(source, canvas_size, staging, mirror, out=batch_canvas[first : first + count])
             else:
-                batch_canvas.index_copy_(0, to_device([ids], device, staging)[0],
-                                          _resize(source, canvas_size, staging, mirror))
+                batch_canvas.index_copy_(0, to_device([torch.tensor(ids)], device, staging)[0],
+                                         _resize(source, canvas_size, staging, mirror))
 
     # Random crops make one small resize per image, too small for intra-op threads: spread
     # them over the free CPUs instead (gpuload.cpu_threads).
-    spread_over_free_cpus(resize_groups, list(_window_groups(images, table)), device)
+    spread_over_free_cpus(resize_groups, _window_groups(images, table), device)
     if batch_canvas is not None:
         if mirror_here:
             return batch_canvas
@@ -330,7 +352,9 @@ def _resized(
     return _gather(made, maps.rows(from_window=False), maps.cols(from_window=False), fill, staging)
 
 
-def _window_groups(images: torch.Tensor | Sequence[torch.Tensor], table: torch.Tensor):
+def _window_groups(
+    images: torch.Tensor | Sequence[torch.Tensor], table: torch.Tensor
+) -> list[tuple[list[int], tuple[int, ...], tuple[int, ...]]]:
     """(sample ids, window (y0, x0, h, w), canvas (h, w)) per distinct source window (and,
     for a list, per image: different images cannot share a call unless they have one shape)."""
     key = table[:, :6]
@@ -338,17 +362,15 @@ def _window_groups(images: torch.Tensor | Sequence[torch.Tensor], table: torch.T
         shapes = torch.tensor([tuple(image.shape[-2:]) for image in images], dtype=torch.int64)
         key = torch.cat([key, shapes], 1)
     if len(key) > 1 and bool((key == key[0]).all()):
-        yield torch.arange(len(key)), tuple(int(v) for v in key[0, :4]), tuple(int(v) for v in key[0, 4:6])
-        return
+        row = key[0].tolist()
+        return [(list(range(len(key))), tuple(row[:4]), tuple(row[4:6]))]
     distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
     if len(distinct) == len(key):  # every sample its own window: no sorting needed
-        for k, row in enumerate(key.tolist()):
-            yield torch.tensor([k]), tuple(row[:4]), tuple(row[4:6])
-        return
+        return [([k], tuple(row[:4]), tuple(row[4:6])) for k, row in enumerate(key.tolist())]
     order = torch.argsort(inverse, stable=True)
     counts = torch.bincount(inverse, minlength=len(distinct)).tolist()
-    for row, ids in zip(distinct.tolist(), order.split(counts)):
-        yield ids, tuple(row[:4]), tuple(row[4:6])
+    return [(ids.tolist(), tuple(row[:4]), tuple(row[4:6]))
+            for row, ids in zip(distinct.tolist(), order.split(counts))]
 
 
 def _resize(
@@ -385,9 +407,11 @@ def _canvas_format(images: torch.Tensor | Sequence[torch.Tensor]) -> torch.memor
 def _bilinear(source: torch.Tensor, size: tuple[int, int], out: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's resize kernel (``F.interpolate`` bilinear, align_corners=False, no
     antialiasing) on a float32 (G, C, h, w) batch, written into ``out`` when given."""
+    # torch._C._nn: the aten kernel F.interpolate calls, without torch.ops' Python dispatch per call.
     if out is None:
-        return torch.ops.aten.upsample_bilinear2d(source, list(size), False, None, None)
-    return torch.ops.aten.upsample_bilinear2d.out(source, list(size), False, None, None, out=out)
+        return torch._C._nn.upsample_bilinear2d(source, list(size), False, None)
+    # the .out overload (scales_h, scales_w, out=), which torch's stubs do not list
+    return torch._C._nn.upsample_bilinear2d(source, list(size), False, None, None, out=out)  # type: ignore[call-arg]
 
 
 def _mirror_some(images: torch.Tensor, mirror: torch.Tensor, staging: Staging | None) -> torch.Tensor:

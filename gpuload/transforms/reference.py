@@ -68,8 +68,11 @@ def batch_sizes(batch: Batch) -> torch.Tensor:
     if isinstance(batch, torch.Tensor):
         _check_images(batch, "batch", ndim=4)
         return torch.tensor([batch.shape[-2:]], dtype=torch.int64).expand(len(batch), 2).clone()
-    for i, image in enumerate(batch):
-        _check_images(image, f"batch[{i}]", ndim=3)
+    # One pass for the whole list; the first image that is not uint8 C,H,W is then named.
+    wrong = [i for i, image in enumerate(batch)
+             if not isinstance(image, torch.Tensor) or image.dtype != torch.uint8 or image.dim() != 3]
+    if wrong:
+        _check_images(batch[wrong[0]], f"batch[{wrong[0]}]", ndim=3)
     return torch.tensor([tuple(image.shape[-2:]) for image in batch], dtype=torch.int64).reshape(-1, 2)
 
 
