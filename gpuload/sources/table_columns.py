@@ -51,12 +51,14 @@ class TableView:
     (``rows``; None: sample i is row i) and the format of the sample's values (``"arrow"``:
     an ArrowTable's tensors; ``datasets``' ``"python"`` (format None), ``"numpy"`` or ``"torch"``);
     ``images``: its columns of encoded images, each with whether an image must be RGB
-    (``ColumnImages.rgb_only``)."""
+    (``ColumnImages.rgb_only``); ``origin``: what identifies the table besides its contents (the
+    files it was read from, ``datasets``' fingerprint), None for a table made in memory."""
 
     table: Any
     rows: torch.Tensor | None
     format: str
     images: dict[str, bool] = dataclasses.field(default_factory=dict)
+    origin: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
