@@ -5,7 +5,7 @@ gpuload never imports it) and ``table_columns`` splits the table: fixed-width co
 the array tiers whole (this source is an :class:`ArraySource` over them, so placement, tiers,
 ranks and resume are the arrays'), and each gathered batch is completed with the columns
 gathered per batch. A ``datasets.Dataset``'s index mapping (``select``, ``shuffle``,
-``filter``) is applied once, when the fixed-width columns are made.
+``filter``) is followed when rows are read (each sample's table row, in the file's chunks).
 """
 
 from __future__ import annotations
