@@ -20,6 +20,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
+from gpuload.cache.chunked_rows import ChunkedRows, gatherable
 from gpuload.cache.oom import CacheFallbackWarning, is_oom
 from gpuload.cache.plan import CachePlan, TierPlan
 from gpuload.cache.store import Store, StoreStats, StreamGuard, TierCounts
@@ -30,18 +31,6 @@ from gpuload.transfer import Staging, to_device
 
 __all__ = ["BatchRequest", "HostTier", "HostTierMaker", "StoreStats", "TierMaker", "TieredArrayStore", "gatherable",
            "private_host_tier"]
-
-# Unsigned dtypes torch has only partial kernels for (index_copy_ on the CPU, index_select
-# on CUDA): rows are moved through a signed view of the same width, bit for bit.
-_SIGNED_VIEW = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
-
-
-def gatherable(array: torch.Tensor) -> torch.Tensor:
-    """``array`` as a dtype every gather kernel supports: a same-width signed view of a
-    uint16/32/64 array (same bits), else the array itself. View the result back with
-    ``.view(array.dtype)``."""
-    signed = _SIGNED_VIEW.get(array.dtype)
-    return array if signed is None else array.view(signed)
 
 
 TierMaker = Callable[[list[torch.Tensor], int, int, int], Tier]
@@ -101,6 +90,8 @@ class TieredArrayStore(Store):
     ``disk_tier`` builds the disk tier (``gpuload.cache.disk_tier.disk_tier_maker``); without
     it a plan's disk tier stays empty.
     ``tiers`` maps further tier names to their classes (default: the registered ones).
+    An array may be a :class:`~gpuload.cache.chunked_rows.ChunkedRows` (a table column's chunks,
+    in place): the tiers copy their rows out of it, the source tier gathers the rest from it.
     ``stage_host_rows``: whether host rows go through the loader's staging (default: on any
     target but the CPU). ``staging``: the loader's route to the device for the row indices a
     batch gathers there (None: one pinned copy on the current stream, outside a loader).
@@ -122,7 +113,7 @@ class TieredArrayStore(Store):
     ) -> None:
         self.staging = staging
         leaves, self._spec = tree_flatten(data)
-        if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+        if not leaves or not all(isinstance(t, (torch.Tensor, ChunkedRows)) for t in leaves):
             kinds = ", ".join(type(t).__name__ for t in leaves) or "nothing"
             raise TypeError(
                 f"TieredArrayStore needs a tensor or a tuple/list/dict of tensors, got {kinds}; "

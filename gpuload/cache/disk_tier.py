@@ -388,12 +388,16 @@ class DiskImages:
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, images: Any, settings: CacheSettings, decode: dict[str, Any]) -> DiskImages | None:
+    def open(cls, images: Any, settings: CacheSettings, decode: dict[str, Any],
+             identify: Callable[[dict[str, Any]], Fingerprint] | None = None) -> DiskImages | None:
         """The disk tier of ``images`` in ``settings``' ``cache_dir``, or None: no folder set, or
-        one that cannot be used (warned)."""
+        one that cannot be used (warned). ``identify(settings)``: the fingerprint of images that
+        are not files (a table's column), given what shapes the pixels; by default the files'."""
         if settings.disk_dir.value is None or settings.disk_size.value.kind == "off" or not len(images):
             return None
-        fingerprint = fingerprint_for(images, {"decoded": dict(decode, whole=True)}, key=settings.disk_key)
+        shaped = {"decoded": dict(decode, whole=True)}
+        fingerprint = identify(shaped) if identify is not None else fingerprint_for(images, shaped,
+                                                                                   key=settings.disk_key)
         decoded, _ = estimate_image_bytes(images)
         spec = [ColumnSpec("image", torch.uint8, (RAGGED, RAGGED, RAGGED))]
         disk = DiskCache.from_settings(settings, fingerprint, spec, len(images), block_bytes=BLOCK_BYTES,

@@ -18,6 +18,8 @@ from typing import ClassVar
 
 import torch
 
+from gpuload.cache.chunked_rows import take_rows
+
 __all__ = ["DeviceTier", "HostTier", "SourceTier", "TIERS", "Tier", "register_tier"]
 
 
@@ -61,7 +63,7 @@ class Tier(ABC):
     def gather(self, column: int, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``slots`` (positions in this tier, on its memory's device) of one column."""
         storage = self.columns[column]
-        return storage.index_select(0, slots) if out is None else torch.index_select(storage, 0, slots, out=out)
+        return storage.index_select(0, slots) if out is None else take_rows(storage, slots, out)
 
     def close(self) -> None:
         """Drop the rows; calls ``release`` once."""
@@ -110,11 +112,14 @@ class HostTier(Tier):
 
     @classmethod
     def allocate(cls, source: list[torch.Tensor], first: int, rows: int, device: torch.device) -> HostTier:
-        return cls(first, [leaf[first : first + rows].contiguous().clone() for leaf in source] if rows else [])
+        # one copy of the rows (a source of chunks is copied out of them a piece at a time)
+        return cls(first, [leaf[first : first + rows].clone(memory_format=torch.contiguous_format)
+                           for leaf in source] if rows else [])
 
 
 class SourceTier(Tier):
-    """The source arrays themselves (host memory): every row, read where it is. Not a cache
+    """The source arrays themselves (host memory: tensors, or a table column's chunks as
+    :class:`~gpuload.cache.chunked_rows.ChunkedRows`): every row, read where it is. Not a cache
     tier (nothing is allocated), so not registered; the store's last resort."""
 
     name = "source"

@@ -155,12 +155,17 @@ class ArrowTable(Dataset):
     ``images``: columns of encoded images (binary, or datasets' Image struct of bytes and path),
     decoded in a sample to uint8 RGB ``(3, H, W)`` as ``ImageFolder`` decodes a file, and by
     gpuload.DataLoader's image path a batch at once (its ``transforms=`` apply to them).
+    ``files``: the files the table was read from (none for a table given in memory), which
+    identify its decoded images on the disk tier.
     """
 
     def __init__(self, table: Any, columns: Sequence[str] | None = None, images: Sequence[str] = ()) -> None:
         pa = import_optional("pyarrow")
+        self.files: list[str] = []
         if isinstance(table, (str, os.PathLike)):
-            tables = [_read_arrow(file) for file in _arrow_files(Path(table))]
+            paths = _arrow_files(Path(table))
+            self.files = [os.path.abspath(path) for path in paths]
+            tables = [_read_arrow(file) for file in paths]
             table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         if not isinstance(table, pa.Table):
             raise TypeError(f"{type(self).__name__} takes a pyarrow.Table or a path, not a {type(table).__name__}")
@@ -207,6 +212,7 @@ class Parquet(ArrowTable):
                 raise FileNotFoundError(f"Parquet: no such file: {file}")
         tables = [pq.read_table(file, memory_map=True, columns=columns) for file in files]
         super().__init__(pa.concat_tables(tables) if len(tables) > 1 else tables[0], columns, images)
+        self.files = [os.path.abspath(file) for file in files]
 
 
 def hugging_face_dataset(dataset: Any) -> bool:

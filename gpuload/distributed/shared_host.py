@@ -51,6 +51,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from gpuload.cache import CacheFallbackWarning, CacheSettings, format_bytes
 from gpuload.cache.array_store import HostTier, private_host_tier
+from gpuload.cache.chunked_rows import copy_rows
 from gpuload.distributed.group import (
     EXCHANGE_TIMEOUT_ENV,
     DistributedContext,
@@ -269,7 +270,7 @@ def _fill(fd: int, size: int, source: list[torch.Tensor], offsets: list[int], st
         return [_FAILED, error.errno or 0]
     segment = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
     for column, view in zip(source, _views(segment, source, offsets, rows)):
-        view.copy_(column[start : start + rows])
+        copy_rows(view, column[start : start + rows])  # a table column's chunks: a piece at a time
     return [_OK, 0]
 
 

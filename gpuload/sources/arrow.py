@@ -5,7 +5,7 @@ gpuload never imports it) and ``table_columns`` splits the table: fixed-width co
 the array tiers whole (this source is an :class:`ArraySource` over them, so placement, tiers,
 ranks and resume are the arrays'), and each gathered batch is completed with the columns
 gathered per batch. A ``datasets.Dataset``'s index mapping (``select``, ``shuffle``,
-``filter``) is applied once, when the fixed-width columns are made.
+``filter``) is followed when rows are read (each sample's table row, in the file's chunks).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def _hugging_face_view(dataset: Any) -> TableView | None:
     indices = dataset._indices
     rows = None if indices is None else torch.from_numpy(
         indices.column(0).to_numpy().astype("int64"))
-    return TableView(dataset.data.table, rows, _FORMATS[format["type"]], _image_features(dataset))
+    origin = {"datasets": dataset._fingerprint, "files": [file["filename"] for file in dataset.cache_files]}
+    return TableView(dataset.data.table, rows, _FORMATS[format["type"]], _image_features(dataset), origin)
 
 
 def _image_features(dataset: Any) -> dict[str, bool]:
@@ -58,7 +59,8 @@ def _image_features(dataset: Any) -> dict[str, bool]:
 def table_view(dataset: Any) -> TableView | None:
     """The Arrow table behind ``dataset`` and how its samples read it, or None for other datasets."""
     if isinstance(dataset, ArrowTable) and type(dataset).__getitem__ is ArrowTable.__getitem__:
-        return TableView(dataset.table, None, "arrow", dict.fromkeys(dataset.images, False))
+        return TableView(dataset.table, None, "arrow", dict.fromkeys(dataset.images, False),
+                         {"files": dataset.files} if dataset.files else None)
     return _hugging_face_view(dataset)
 
 
@@ -80,7 +82,7 @@ def detect(setup: Setup) -> ArrowSource | None:
     view = table_view(setup.dataset)
     if view is None or len(setup.dataset) == 0 or (setup.transforms and not view.images):
         return None
-    images = image_sources(setup, view.table, view.rows, view.images) if view.images else {}
+    images = image_sources(setup, view) if view.images else {}
     columns = table_columns(setup.dataset, view, lambda name: ImageLeaf(images[name]))
     if columns is None:
         for source in images.values():

@@ -22,6 +22,7 @@ from torch.utils.data import TensorDataset
 
 from gpuload.cache import CacheSettings, StoreStats, TieredArrayStore, format_bytes
 from gpuload.cache.array_store import BatchRequest, gatherable, private_host_tier
+from gpuload.cache.chunked_rows import ChunkedRows, take_rows
 from gpuload.cache.disk import fingerprint_arrays
 from gpuload.cache.disk_tier import disk_tier_maker
 from gpuload.datasets.arrays import ArrayDataset
@@ -148,7 +149,11 @@ class ArrayColumns:
         if settings.mode.value == "off":
             return ResidentColumns(self, self.columns, device, "host-gather", copies_batches=True, staging=staging)
         if device.type == "cpu":
-            return ResidentColumns(self, self.columns, device, "device-gather", copies_batches=False)
+            # A table column's chunks are joined once: host memory is this device's own tier, and a
+            # batch gathers from one tensor 9x faster than from its chunks (0.2 vs 1.8 ms for 256
+            # rows of 3 KiB from 1,000-row chunks, one core).
+            joined = [column.clone() if isinstance(column, ChunkedRows) else column for column in self.columns]
+            return ResidentColumns(self, joined, device, "device-gather", copies_batches=False)
         shared_host = node_host_tier(settings, device, batch_sampler)  # every rank must then place
         context = current_context()
         plan = settings.array_plan(
@@ -295,7 +300,7 @@ class ResidentColumns:
             targets, _ = tree_flatten(slot)
             with stage(gather_stage("host")):
                 for column, target in zip(columns, targets):
-                    torch.index_select(column, 0, flat, out=target.view(column.dtype).view(-1, *column.shape[1:]))
+                    take_rows(column, flat, target.view(column.dtype).view(-1, *column.shape[1:]))
 
         return Fill(layout, gather_into)
 

@@ -3,9 +3,10 @@
 ``table_columns`` walks a dataset's collated sample (torch's ``default_collate`` of one row)
 beside the Arrow schema and makes one leaf per column of the batch:
 
-- fixed-width columns (numbers, bools, fixed-size lists of them) become whole tensors, one
-  copy per column chunk from the Arrow buffers (none for one chunk already in its type: a
-  view of the memory-mapped file), placed by the array tiers and gathered there;
+- fixed-width columns (numbers, bools, fixed-size lists of them) become arrays the array tiers
+  place and gather from: one chunk already in its type is a view of the memory-mapped file,
+  several chunks (or a mapping) a :class:`~gpuload.cache.chunked_rows.ChunkedRows` over the
+  chunks where they lie (no host copy of the whole column);
 - variable-length lists keep their values and each row's start and length, and are gathered
   per batch (stacked when their lengths agree, as torch's collate stacks them);
 - strings and bytes are taken per batch from the Arrow column, as lists like torch's collate.
@@ -25,14 +26,14 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import default_collate
 
-from gpuload.cache.array_store import gatherable
+from gpuload.cache.chunked_rows import ChunkedRows
 from gpuload.datasets.arrow import import_optional, torch_dtype
 from gpuload.datasets.column_images import image_column_error
 from gpuload.sources.placed_arrays import ArrayColumns
@@ -51,12 +52,14 @@ class TableView:
     (``rows``; None: sample i is row i) and the format of the sample's values (``"arrow"``:
     an ArrowTable's tensors; ``datasets``' ``"python"`` (format None), ``"numpy"`` or ``"torch"``);
     ``images``: its columns of encoded images, each with whether an image must be RGB
-    (``ColumnImages.rgb_only``)."""
+    (``ColumnImages.rgb_only``); ``origin``: what identifies the table besides its contents (the
+    files it was read from, ``datasets``' fingerprint), None for a table made in memory."""
 
     table: Any
     rows: torch.Tensor | None
     format: str
     images: dict[str, bool] = dataclasses.field(default_factory=dict)
+    origin: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -238,37 +241,23 @@ def _flat_values(chunk: Any, shape: tuple[int, ...]) -> np.ndarray | None:
 
 
 def _fixed_tensor(array: Any, shape: tuple[int, ...], dtype: torch.dtype,
-                  rows: torch.Tensor | None) -> torch.Tensor | None:
-    """The column as one tensor of its samples' rows (``rows``: each sample's table row, None:
-    row i): a view of the memory-mapped file for one chunk without a mapping, else one tensor
-    filled chunk by chunk straight from the Arrow buffers, so placing takes host memory for that
-    tensor and at most one chunk's rows beyond it (not a copy in table order first)."""
-    chunks = array.chunks
-    if len(chunks) == 1 and rows is None:
-        part = _flat_values(chunks[0], shape)
-        return None if part is None else _readable(part).view(dtype).reshape(len(array), *shape)
-    whole = torch.empty((len(array) if rows is None else len(rows), *shape), dtype=dtype)
-    target = gatherable(whole)  # a signed view: the index copies have no uint16/32/64 kernels
-    if rows is not None:  # each chunk's samples found by one sort, not a scan per chunk
-        order = torch.argsort(rows, stable=True)
-        sorted_rows = rows.index_select(0, order)
-    start = 0
-    for chunk in chunks:
+                  rows: torch.Tensor | None) -> torch.Tensor | ChunkedRows | None:
+    """The column as its samples' rows (``rows``: each sample's table row, None: row i), copying
+    nothing where Arrow's layout allows: one chunk without a mapping is a view of the
+    memory-mapped file; several chunks, or a mapping, are :class:`ChunkedRows` over the chunks
+    where they lie, which the cache tiers copy their rows out of a piece at a time (no host copy
+    of the whole column first)."""
+    parts = []
+    for chunk in array.chunks:
         part = _flat_values(chunk, shape)
         if part is None:
             return None
-        values = gatherable(_readable(part).view(dtype).reshape(-1, *shape))
-        stop = start + len(values)
-        if rows is None:
-            target[start:stop].copy_(values)
-        else:
-            low, high = torch.searchsorted(sorted_rows, torch.tensor([start, stop])).tolist()
-            step = max(1, len(values))  # a select() may name one row many times: one chunk's rows at a time
-            for first in range(low, high, step):
-                last = min(first + step, high)
-                target.index_copy_(0, order[first:last], values.index_select(0, sorted_rows[first:last] - start))
-        start = stop
-    return whole
+        parts.append(_readable(part).view(dtype).reshape(-1, *shape))
+    if not parts:
+        return torch.empty((0, *shape), dtype=dtype)
+    if len(parts) == 1 and rows is None:
+        return parts[0]
+    return ChunkedRows(parts, rows)
 
 
 def _ragged(array: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -299,7 +288,7 @@ class _Walk:
     def __init__(self, dataset: Any, view: TableView) -> None:
         self.dataset = dataset
         self.view = view
-        self.arrays: list[torch.Tensor] = []
+        self.arrays: list[torch.Tensor | ChunkedRows] = []
 
     def nulls(self, name: str, array: Any, number: bool, in_struct: bool) -> Nulls | None:
         """The column's nulls; a top-level number column's batch with a null takes the dtype the
@@ -461,7 +450,8 @@ def table_columns(dataset: Any, view: TableView, image_leaf: Callable[[str], Lea
         fields[name] = leaf
     if not walk.arrays:
         return None
-    arrays = walk.arrays
+    # ChunkedRows answers the tensor questions the array path asks of its source arrays
+    arrays = cast(list[torch.Tensor], walk.arrays)
     columns = TableColumns(ArrayColumns(arrays, tree_flatten(arrays)[1], len(dataset), disk=False),
                            StructLeaf(fields, None))
     if not _made_alike(columns, torch.tensor([index]), sample):

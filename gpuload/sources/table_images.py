@@ -7,44 +7,132 @@ present, else the CPU's), its image cache (decided and booked apart from the tab
 so epoch 2 decodes nothing when the images fit) and the loader's ``transforms=``. An
 :class:`ImageLeaf` puts the column's batch of images into the table's batch. A bad image
 raises, naming its column and row: a batch cannot skip one row of a table's columns.
+
+With ``cache_dir=``, the decoded images also go to the disk tier, as an image folder's do, keyed
+by :func:`column_fingerprint`: the files the table was read from (or ``datasets``' fingerprint,
+or, for a table made in memory, the column's bytes), the column, the samples' rows, and the
+files of rows that only name a path; a later job's first epoch reads them back instead of
+decoding. The table itself is the disk tier of the encoded bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from gpuload.cache.disk import Fingerprint
+from gpuload.cache.disk.fingerprint import canonical
 from gpuload.cache.disk_tier import DiskImages
+from gpuload.cache.identity import file_identity, hash_array
+from gpuload.datasets.arrow import import_optional
 from gpuload.datasets.column_images import ColumnImages
 from gpuload.distributed.sharded_images import ShardedImages
 from gpuload.sources import Setup
 from gpuload.sources.images import ImageFileSource
-from gpuload.sources.table_columns import Leaf
+from gpuload.sources.table_columns import Leaf, TableView
 from gpuload.transfer import Staging
 
-__all__ = ["ColumnImageSource", "ImageLeaf", "image_sources"]
+__all__ = ["ColumnImageSource", "ImageLeaf", "column_fingerprint", "image_sources"]
 
 
 class ColumnImageSource(ImageFileSource):
-    """The image path over one column: cached on this rank, without a disk tier (the column has
-    no files to fingerprint; the table is its own disk tier of the encoded bytes)."""
+    """The image path over one column (``images``), cached on this rank; its disk tier keyed by
+    the table's ``origin`` (:class:`~gpuload.sources.table_columns.TableView`)."""
+
+    def __init__(self, setup: Setup, images: ColumnImages, origin: dict[str, Any] | None = None) -> None:
+        super().__init__(setup, images)
+        self.column, self.origin = images, origin
 
     def _open_disk(self) -> DiskImages | None:
-        return None
+        decode = {"backend": self.decoder.backend, "channels_last": self.decoder.channels_last}
+        key = self.setup.settings.disk_key
+        return DiskImages.open(self.images, self.setup.settings, decode,
+                               identify=lambda shaped: column_fingerprint(self.column, self.origin, shaped, key))
 
     def _shard(self) -> ShardedImages | None:
         return None
 
 
-def image_sources(setup: Setup, view_table: Any, rows: torch.Tensor | None,
-                  images: dict[str, bool]) -> dict[str, ColumnImageSource]:
-    """A :class:`ColumnImageSource` per image column of ``view_table`` (``rows``: each sample's
-    table row; ``images``: column -> RGB only). Raises for what a table's image columns cannot
-    honour: ``on_error="skip"`` (a row cannot be left out of the other columns' batch) and
-    ``transforms=`` with several image columns (which one would they apply to)."""
+def column_fingerprint(images: ColumnImages, origin: dict[str, Any] | None, settings: dict[str, Any],
+                       key: str | None = None) -> Fingerprint:
+    """What produced a column's decoded images: the column, its samples' rows and ``settings``
+    (what shapes the pixels), with ``key`` (``cache_key=``) or else the table's ``origin`` (its
+    files' identities: size, mtime, ctime, inode; ``datasets``' fingerprint), the column's bytes
+    when the table has no origin (made in memory: hashed, about a second per GB), and the
+    identity of every file a row names by path only."""
+    hasher = hashlib.blake2b(digest_size=16)
+    parts: dict[str, Any] = {"class": "ColumnImages", "column": images.column, "length": len(images),
+                             "rgb_only": images.rgb_only, "settings": settings}
+    if key is not None:
+        parts["key"] = key
+    else:
+        parts["origin"] = None if origin is None else dict(origin, files=_identified(origin.get("files", [])))
+        parts["linked"] = _identified(_linked_files(images.array))
+        if origin is None:
+            for chunk in images.array.chunks:
+                _hash_values(hasher, chunk)
+    hasher.update(canonical(parts))
+    if images.rows is not None:
+        hash_array(hasher, images.rows)
+    return Fingerprint.of("images", f"column {images.column!r} ({len(images)} images)", hasher)
+
+
+def _identified(paths: list[str]) -> list[list[Any]]:
+    identified = []
+    for path in paths:
+        try:
+            identity: list[Any] = file_identity(path)
+        except OSError as error:
+            identity = [f"unreadable: {error.strerror}"]
+        identified.append([os.path.abspath(path), *identity])
+    return identified
+
+
+def _linked_files(array: Any) -> list[str]:
+    """The distinct paths of a ``datasets.Image()`` column's rows that hold no bytes (read from
+    those files), in order."""
+    pa = import_optional("pyarrow")
+    pc = import_optional("pyarrow.compute")
+    if not pa.types.is_struct(array.type):
+        return []
+    names = [field.name for field in array.type]
+    paths: dict[str, None] = {}
+    for chunk in array.chunks:
+        fields = dict(zip(names, chunk.flatten()))
+        only_path = pc.and_(pc.is_null(fields["bytes"]), pc.is_valid(fields["path"]))
+        paths.update(dict.fromkeys(fields["path"].filter(only_path).to_pylist()))
+    return list(paths)
+
+
+def _hash_values(hasher: Any, chunk: Any) -> None:
+    """Feed a chunk of binary (or a struct of binary and string) values to ``hasher``: each row's
+    validity, length and bytes, wherever the chunk's slice of its buffers starts."""
+    pa = import_optional("pyarrow")
+    hash_array(hasher, chunk.is_valid().to_numpy(zero_copy_only=False))
+    if pa.types.is_struct(chunk.type):
+        for field in chunk.flatten():
+            _hash_values(hasher, field)
+        return
+    _, offsets_buffer, data = chunk.buffers()
+    wide = pa.types.is_large_binary(chunk.type) or pa.types.is_large_string(chunk.type)
+    offsets = np.frombuffer(offsets_buffer, dtype=np.int64 if wide else np.int32)[chunk.offset:][: len(chunk) + 1]
+    hash_array(hasher, offsets - offsets[0])
+    if data is not None:
+        hasher.update(memoryview(data)[int(offsets[0]):int(offsets[-1])])
+
+
+def image_sources(setup: Setup, view: TableView) -> dict[str, ColumnImageSource]:
+    """A :class:`ColumnImageSource` per image column of ``view`` (its table, each sample's row,
+    each column with whether it must be RGB, the table's origin). Raises for what a table's
+    image columns cannot honour: ``on_error="skip"`` (a row cannot be left out of the other
+    columns' batch) and ``transforms=`` with several image columns (which one would they apply to)."""
+    images = view.images
     if setup.on_error == "skip":
         raise ValueError(
             f"on_error='skip' cannot skip an image of a table's column ({', '.join(images)}): the batch's other "
@@ -55,10 +143,10 @@ def image_sources(setup: Setup, view_table: Any, rows: torch.Tensor | None,
                          f"{', '.join(images)}; select one with the dataset's columns")
     sources = {}
     for name, rgb_only in images.items():
-        column = ColumnImages(name, view_table.column(name), rows, rgb_only)
+        column = ColumnImages(name, view.table.column(name), view.rows, rgb_only)
         # its own cache owner: the image cache's budget then counts the arrays' device bytes
         own = dataclasses.replace(setup, dataset=column, owner=f"{setup.owner}/images:{name}", batch_sampler=None)
-        sources[name] = ColumnImageSource(own, column)
+        sources[name] = ColumnImageSource(own, column, view.origin)
     return sources
 
 

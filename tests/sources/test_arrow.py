@@ -24,6 +24,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 datasets = pytest.importorskip("datasets")
 datasets.disable_progress_bars()
 
+from gpuload.cache.chunked_rows import ChunkedRows  # noqa: E402
 from gpuload.datasets import ArrowTable, Parquet  # noqa: E402
 from gpuload.sources.arrow import ArrowSource  # noqa: E402
 
@@ -120,12 +121,15 @@ def test_a_file_s_fixed_width_columns_are_views_of_the_mapped_file(tmp_path: Pat
     assert label.data_ptr() == buffer.address  # no copy: the batch gathers from the file's pages
 
 
-def test_several_chunks_are_copied_once_into_one_column() -> None:
+@pytest.mark.parametrize("cache", ["device", "off"])
+def test_several_chunks_are_served_from_the_chunks_where_they_lie(cache: str) -> None:
     table = pa.concat_tables([hf_dataset(5).data.table, hf_dataset(7).data.table])
     assert table.column("vector").num_chunks == 2
-    ours, theirs = loaders(ArrowTable(table), batch_size=5, shuffle=True)
+    ours, theirs = loaders(ArrowTable(table), batch_size=5, shuffle=True, cache=cache)
     assert_same_batches(ours, theirs)
-    assert ours._source.columns.columns[3].shape == (12, 3)  # label, score, flag, vector
+    vector = ours._source.columns.columns[3]  # label, score, flag, vector
+    assert isinstance(vector, ChunkedRows) and vector.shape == (12, 3)
+    assert vector.chunks[1].data_ptr() == table.column("vector").chunks[1].values.buffers()[1].address  # no copy
 
 
 @pytest.mark.parametrize("mapping", ["shuffle", "select", "filter"])
@@ -140,6 +144,8 @@ def test_several_chunks_under_an_index_mapping_are_gathered_in_sample_order(mapp
 
 _PEAK_SCRIPT = """
 import sys, datasets, numpy as np, pyarrow as pa, torch
+from gpuload.cache import BudgetLedger, TieredArrayStore
+from gpuload.cache.plan import CachePlan, TierPlan
 from gpuload.sources.arrow import table_view
 from gpuload.sources.table_columns import table_columns
 
@@ -148,7 +154,10 @@ rows, width, chunks = 1 << 16, 256, 32  # a 64 MiB float32 column in 32 record b
 values = pa.array(np.arange(rows * width, dtype=np.float32))
 table = pa.Table.from_batches(pa.table({"x": pa.FixedSizeListArray.from_arrays(values, width),
                                         "y": pa.array(np.arange(rows))}).to_batches(max_chunksize=rows // chunks))
-dataset = datasets.Dataset(table).shuffle(seed=0).with_format("torch")
+dataset = datasets.Dataset(table)
+if sys.argv[1] == "shuffled":
+    dataset = dataset.shuffle(seed=0)
+dataset = dataset.with_format("torch")
 del values
 view = table_view(dataset)
 small = dataset.select(range(100))
@@ -159,29 +168,40 @@ def kib(field):
 
 open("/proc/self/clear_refs", "w").write("5")  # VmHWM, the peak resident set, starts again from now
 before = kib("VmRSS")
-columns = table_columns(dataset, view)
-x = columns.arrays.columns[0]
+columns = table_columns(dataset, view).arrays.columns
+# Placed as on a GPU whose device tier holds every row ("meta": a device with no memory of its own,
+# so the host's resident set shows only what placing took on the host).
+bps = sum(column[0].numel() * column.element_size() for column in columns)
+tier = TierPlan("device", 0, rows, bps)
+plan = CachePlan(mode="device", target="meta", bytes_per_sample=bps, num_samples=rows, tiers=(tier,),
+                 budget=tier.bytes, reserve=0, host_reserve=0, device_free=0, device_total=None, host_free=0,
+                 host_total=None)
+store = TieredArrayStore(columns, plan, "meta", ledger=BudgetLedger())
+assert store.stats.device_samples == rows
+growth = (kib("VmHWM") - before) * 1024
 expected = dataset[[0, 1, rows - 1]]["x"]
-assert torch.equal(x[[0, 1, rows - 1]], expected), "rows out of sample order"
-print((kib("VmHWM") - before) * 1024, x.numel() * x.element_size(), rows // chunks * width * 4)
+assert torch.equal(columns[0].index_select(0, torch.tensor([0, 1, rows - 1])), expected), "rows out of order"
+print(growth, rows * width * 4, rows // chunks * width * 4)
 """
 
 
 @pytest.mark.slow
-def test_placing_a_chunked_mapped_column_takes_one_copy_and_at_most_a_chunk_beyond_it() -> None:
-    """A save_to_disk-like table (many record batches) under a shuffle: the sample-order column is
-    the one host tensor made, filled chunk by chunk (it used to be copied in table order first)."""
+@pytest.mark.parametrize("order", ["table", "shuffled"])
+def test_placing_a_chunked_mapped_column_on_a_device_takes_no_host_copy_of_it(order: str) -> None:
+    """A save_to_disk-like table (many record batches), in table order or under a shuffle, placed
+    in a device tier: its rows are copied out of the chunks a piece at a time, so host memory grows
+    by about a chunk, not the column (it used to be joined into one host tensor first: 64 MiB more)."""
     if not os.access("/proc/self/clear_refs", os.W_OK):
         pytest.skip("needs Linux's /proc/self/clear_refs to measure the peak resident memory")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(gpuload.__file__).parents[1]),
                                                                     os.environ.get("PYTHONPATH")])))
-    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, order], capture_output=True, text=True, env=env,
+                         check=True)
     growth, column, chunk = map(int, out.stdout.split())
-    # The column, one chunk's rows and the mapping's sort (16 bytes a sample) take 67 MiB; the
-    # rest is the allocator's and datasets' own (measured 0-12 MiB). A copy in table order
-    # first, as before, takes 128 MiB.
-    assert chunk + 16 * (1 << 16) < column // 8
-    assert growth <= column + column // 2, (growth, column)
+    # A chunk's piece (2 MiB), the store's maps and the mapping's lookups (17 bytes a sample) take
+    # about 4 MiB; the rest is the allocator's and datasets' own (measured 0-12 MiB).
+    assert chunk + 17 * (1 << 16) < column // 16
+    assert growth <= column // 4, (growth, column)
 
 
 @pytest.mark.parametrize("format", [None, "numpy", "torch"])

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from equivalence import assert_same_epochs
+from equivalence import assert_same, assert_same_epochs
 from image_fixtures import diff_stats, encode, photo
 from PIL import Image
 from torch.utils.data import DataLoader as TorchDataLoader
@@ -27,7 +27,9 @@ datasets = pytest.importorskip("datasets")
 datasets.disable_progress_bars()
 
 from gpuload.datasets import ArrowTable  # noqa: E402
+from gpuload.datasets.column_images import ColumnImages  # noqa: E402
 from gpuload.sources.arrow import ArrowSource  # noqa: E402
+from gpuload.sources.table_images import column_fingerprint  # noqa: E402
 
 ROWS = 14
 
@@ -231,3 +233,86 @@ def test_on_cuda_the_image_column_is_decoded_on_the_device_close_to_pil_and_cach
             mean, _ = diff_stats(a["image"], b["image"])
             assert mean < 2.0 and torch.equal(a["label"].cpu(), b["label"]), f"epoch {epoch}"
     assert ours.stats.extra["image_columns"]["image"]["cache"]["mode"] == "decoded"
+
+
+# -- the disk tier (cache_dir=) ----------------------------------------------------------------
+
+
+def disk_loader(dataset: Any, **keywords: Any) -> gpuload.DataLoader:
+    """A loader whose image cache holds none of the images (they differ in size: one per batch)."""
+    return gpuload.DataLoader(dataset, batch_size=1, shuffle=True, generator=torch.Generator().manual_seed(4),
+                              device="cpu", **keywords)
+
+
+def column_disk(loader: gpuload.DataLoader, column: str = "image") -> dict[str, Any]:
+    return loader.stats.extra["image_columns"][column]["cache"]["disk"]
+
+
+@pytest.mark.parametrize("kind", ["arrow files", "parquet", "datasets"])
+def test_decoded_column_images_go_to_the_disk_tier_and_a_second_job_decodes_none(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """The first job decodes each image once and writes it to cache_dir; a second job (new
+    dataset objects over the same files) reads its first epoch from disk; batches equal a run
+    without cache_dir."""
+    datasets.Dataset(image_table()).save_to_disk(tmp_path / "saved")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(image_table(), tmp_path / "table.parquet")
+
+    def dataset() -> Any:
+        if kind == "arrow files":
+            return ArrowTable(tmp_path / "saved", images=["image"])
+        if kind == "parquet":
+            return gpuload.datasets.Parquet(tmp_path / "table.parquet", images=["image"])
+        features = datasets.Features({"image": datasets.Image(mode="RGB"), "label": datasets.Value("int64"),
+                                      "caption": datasets.Value("string")})
+        loaded = datasets.load_from_disk(str(tmp_path / "saved")).cast(features)
+        return loaded.shuffle(seed=1).with_format("torch")
+
+    plain = disk_loader(dataset(), cache="off")
+    reference = [list(plain) for _ in range(2)]
+    calls = counting_decodes(monkeypatch)
+    first = disk_loader(dataset(), cache_dir=tmp_path / "c", cache_size=1)
+    calls.clear()  # building the loader checked its leading rows' batch against torch's
+    filled = [list(first) for _ in range(2)]
+    assert sum(calls) == ROWS  # epoch 2 read every image from disk
+    assert column_disk(first)["published_rows"] == ROWS
+    first.close()
+    second = disk_loader(dataset(), cache_dir=tmp_path / "c", cache_size=1)
+    calls.clear()
+    again = [list(second) for _ in range(2)]
+    assert calls == [] and column_disk(second)["rows_written"] == 0
+    for epoch_a, epoch_b in zip([*filled, *again], [*reference, *reference], strict=True):
+        for a, b in zip(epoch_a, epoch_b, strict=True):
+            assert_same(a, b, exact=True)
+
+
+def test_the_column_fingerprint_follows_the_files_the_rows_and_the_bytes(tmp_path: Path) -> None:
+    def digest(images: ColumnImages, origin: Any = None, key: str | None = None) -> str:
+        return column_fingerprint(images, origin, {"decoded": {}}, key).digest
+
+    table = image_table(6)
+    column = table.column("image")
+    base = digest(ColumnImages("image", column))
+    assert digest(ColumnImages("image", pa.chunked_array(column.chunks))) == base  # the same bytes
+    sliced = pa.chunked_array([pa.concat_arrays([pa.array([b"x"]), column.chunk(0)]).slice(1)])
+    assert digest(ColumnImages("image", sliced)) == base  # a slice of a larger buffer: its own bytes only
+    other = pa.chunked_array([pa.array([encoded(1), *column.to_pylist()[1:]], pa.binary())])
+    assert digest(ColumnImages("image", other)) != base  # one image changed
+    assert digest(ColumnImages("image", column, torch.tensor([5, 4, 3, 2, 1, 0]))) != base  # other rows
+    assert digest(ColumnImages("image", column, rgb_only=True)) != base
+    assert digest(ColumnImages("image", column), key="v1") != base != digest(ColumnImages("image", column), key="v2")
+    # a table read from files: their identities, not the bytes
+    file = tmp_path / "t.arrow"
+    file.write_bytes(b"first")
+    origin = {"files": [str(file)]}
+    read = digest(ColumnImages("image", column), origin)
+    assert read != base and digest(ColumnImages("image", column), origin) == read
+    file.write_bytes(b"other")
+    assert digest(ColumnImages("image", column), origin) != read
+    # a row named by path only: its file's identity
+    linked = tmp_path / "row.png"
+    linked.write_bytes(encoded(1))
+    struct = pa.chunked_array([pa.array([{"bytes": encoded(0), "path": None}, {"bytes": None, "path": str(linked)}])])
+    before = digest(ColumnImages("image", struct))
+    linked.write_bytes(encoded(3))
+    assert digest(ColumnImages("image", struct)) != before
