@@ -1,19 +1,18 @@
-"""Packed documents: the flat token buffer is cached, and a batch is one gather of token positions.
+"""Packed documents: the plan's rows are made once and cached, and a batch is one gather of rows.
 
 ``detect`` recognises a :class:`gpuload.datasets.packing.PackedTokens` served with its own
-collate (``collate_fn=PackedTokens.collate``). The cache holds the flat token buffer, as for
-token windows. A batch of rows is made from its segments (``PackingPlan.segments``: a few ints
-per segment, computed on the host from the plan) by ``gather_rows``: on the device the token
-positions are expanded (``repeat_interleave`` with its output size known: no host sync) and the
-ids and next ids taken by one gather. Per step only the segment table crosses to the device
-(``5 x 8`` bytes a segment and the int32 ``cu_seqlens``, counted in ``stats.extra["packing"]``).
+collate (``collate_fn=PackedTokens.collate``). The cache holds the packing plan's rows as
+:mod:`gpuload.datasets.packed_rows` makes them (labels, ids and positions, each at the width its
+values need); a batch is one gather of its rows and one widening a field, on the device. Per step
+only the row indices and the int32 ``cu_seqlens`` (made on the host from the plan) cross to the
+device (counted in ``stats.extra["packing"]``).
 
-- on a CUDA device, the buffer in the device tier when the cache plan holds it whole (a
-  ``TieredArrayStore`` of one row: booked in the budget's ledger, given back by ``close`` and by
-  a shrink, which the batches after it see and take the host path);
-- else on the host: each batch made there from the buffer (a memmap's pages as the OS caches
-  them) and its ``(rows, seq_len)`` tensors copied through the loader's staging;
-- on a CPU device, the buffer itself, in place.
+- on a CUDA device, the rows in the device tier when the cache plan holds them (a
+  ``TieredArrayStore``: booked in the budget's ledger, given back by ``close`` and by a shrink,
+  after which the rows it let go cross from the host through the loader's staging);
+- with ``cache="off"`` on a CUDA device, each batch made on the host from the token buffer by
+  ``gather_rows`` and copied through the loader's staging;
+- on a CPU device, the rows themselves, in place.
 
 Batches are made in the loop's thread: on the device they cost a few small kernels, and the
 host path's copy overlaps the step through the loader's staging stream.
@@ -128,20 +127,15 @@ class PackedSource(Source):
             raise IndexError("list index out of range")  # torch collates an empty list, which fails so
         if packed is None:
             return self._from_source(request, rows)
-        chosen = rows.numpy()
-        edges, max_seqlen = packed.cu_seqlens(chosen)
-        fixes = packed.fixes(chosen)
-        small = [torch.from_numpy(edges), *([] if fixes is None else map(torch.from_numpy, fixes))]
+        edges, max_seqlen = packed.cu_seqlens(rows.numpy())
+        cu_seqlens = torch.from_numpy(edges)
         if store is not None:
             block = store.gather(rows, copy=staged_copier(request.copy_now))
-            small = to_device(small, device, self.setup.staging)
-            self.index_bytes += rows.numel() * 8 + sum(t.numel() * t.element_size() for t in small)
+            [cu_seqlens] = to_device([cu_seqlens], device, self.setup.staging)
+            self.index_bytes += rows.numel() * 8 + edges.nbytes
         else:
             block = packed.block.index_select(0, rows)
-        made = packed.batch(block)
-        if fixes is not None:
-            made["labels"].view(-1).index_put_((small[1],), small[2])
-        return {**made, "cu_seqlens": small[0], "max_seqlen": max_seqlen}, rows.numel()
+        return {**packed.batch(block), "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}, rows.numel()
 
     def _from_source(self, request: Indices, rows: torch.Tensor) -> tuple[dict[str, Any], int]:
         """The batch made on the host from the token buffer, copied through the loader's staging

@@ -177,14 +177,14 @@ def test_the_device_tier_path_equals_torchs_and_moves_only_row_indices_and_edges
         shard: Path, strategy: str, long_documents: str) -> None:
     """The store path (a CUDA device's) with the CPU standing in for the card: the same batches
     from the tier's packed rows, and per step only the batch's row indices and its ``cu_seqlens``
-    (and greedy truncation's few label fixes) counted as moved: nothing per token."""
+    counted as moved: nothing per token (the labels of truncated documents are in the rows)."""
     ds = PackedTokens(shard, SEQ_LEN, eot_id=0, strategy=strategy, long_documents=long_documents)
     ours, theirs = _pair(ds, batch_size=8, shuffle=True)
     source = ours._source
     assert isinstance(source, PackedSource)
     source.begin_epoch()  # places the rows in place (a CPU device)
     rows = packed_rows(ds)
-    assert rows.nbytes == len(ds) * (2 * SEQ_LEN + 1) * 2  # uint16 ids: 2 bytes each of ids and meta
+    assert rows.nbytes == len(ds) * SEQ_LEN * (4 + 4 + 2)  # ids up to 60,000: int32 labels and ids, int16 positions
     settings = CacheSettings.resolve(cache="auto")
     plan = settings.array_plan(rows.nbytes // len(ds), len(ds), MemoryInfo(free=16 << 30, total=16 << 30),
                                host_memory(), device="a pretended card", shared=False)
@@ -193,9 +193,7 @@ def test_the_device_tier_path_equals_torchs_and_moves_only_row_indices_and_edges
     batches = list(ours)
     assert_same(batches, list(theirs))
     segments = sum(len(batch["cu_seqlens"]) - 1 for batch in batches)
-    fixes = len(rows.fix_column)  # an epoch takes every row once
-    assert (long_documents == "truncate") == (fixes > 0)
-    assert ours.stats.extra["packing"]["index_bytes_h2d"] == 8 * len(ds) + 4 * (segments + len(ours)) + 16 * fixes
+    assert ours.stats.extra["packing"]["index_bytes_h2d"] == 8 * len(ds) + 4 * (segments + len(ours))
     source.store.shrink(0)  # the device tier let go: the host rows serve the same batches
     assert source.store.stats.device_samples == 0
     assert_same_epochs(ours, theirs, epochs=1)
@@ -214,3 +212,23 @@ def test_on_cuda_the_batches_equal_torchs(shard: Path, cache: str) -> None:
     assert ours.stats.path == ("device-gather" if cache == "auto" else "host-gather")
     if cache == "auto":  # the one fill of the packed rows; per step only row indices and cu_seqlens
         assert ours.stats.bytes_h2d == packed_rows(ds).nbytes
+
+
+@pytest.mark.parametrize(("high", "dtype", "token_bytes"), [
+    (30_000, np.uint16, 2 + 2 + 2),  # ids and labels (-100) fit int16
+    (60_000, np.uint16, 4 + 4 + 2),  # GPT-2-sized ids: int32 labels and ids
+    (1 << 40, np.int64, 8 + 8 + 2),
+])
+def test_rows_keep_each_field_at_the_width_its_values_need(high: int, dtype: type, token_bytes: int) -> None:
+    """A row holds labels, ids and positions at their narrowest signed width (what the docs say it
+    costs), and its batches equal torch's: three contiguous int64 tensors of their own."""
+    rng = np.random.default_rng(3)
+    documents = [np.concatenate([[0], rng.integers(1, high, size=n)]).astype(dtype) for n in rng.integers(1, 150, 60)]
+    ds = PackedTokens(documents, SEQ_LEN, strategy="greedy", long_documents="truncate")
+    ours, theirs = _pair(ds, batch_size=4, shuffle=True)
+    assert_same_epochs(ours, theirs, epochs=1)
+    assert packed_rows(ds).nbytes == len(ds) * SEQ_LEN * token_bytes
+    batch = next(iter(ours))
+    fields = [batch[name] for name in ("input_ids", "labels", "position_ids")]
+    assert all(t.dtype == torch.int64 and t.is_contiguous() for t in fields)
+    assert len({t.untyped_storage().data_ptr() for t in fields}) == 3
