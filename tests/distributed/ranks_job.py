@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
 
@@ -293,8 +294,19 @@ def others_failed_within_the_timeout(ranks: list[dict], scenario: str) -> list[d
 
 
 #: What the suite's fork server imports once, so a rank starts without importing torch (about 2 s
-#: of CPU a rank, most of a small job's time on 2 cores).
-PRELOADED = ["torch", "torch.distributed", "torch.utils.data", "gpuload", "pytest"]
+#: of CPU a rank, most of a small job's time on 2 cores), nor DCP and DDP (about 1 s more, in each
+#: rank of test_dcp.py's two jobs).
+PRELOADED = ["torch", "torch.distributed", "torch.utils.data", "gpuload", "pytest",
+             "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", "torch.nn.parallel"]
+
+
+def fork_server() -> ForkServerContext:
+    """The multiprocessing context whose processes fork from the suite's one server (a fresh
+    interpreter that imported :data:`PRELOADED`, no CUDA and no threads of the tests); a process
+    started from it runs :func:`in_environment` to take the test's environment."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)
+    return context
 
 
 def findings(run: Callable[..., None], world: int, out_dir: Path, *args: Any) -> list[dict]:
@@ -304,7 +316,7 @@ def findings(run: Callable[..., None], world: int, out_dir: Path, *args: Any) ->
     The ranks are forked from a server process that imported torch and gpuload once for the whole
     session (``forkserver``: a fresh interpreter, no CUDA and no threads of the tests), and each
     takes this process's environment as it is now (the server's is the one it started with)."""
-    mp.get_context("forkserver").set_forkserver_preload(PRELOADED)
+    fork_server()
     mp.start_processes(in_environment, args=(dict(os.environ), run, world, str(out_dir / "init"), str(out_dir), *args),
                        nprocs=world, start_method="forkserver")
     return [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(world)]
