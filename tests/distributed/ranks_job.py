@@ -173,7 +173,7 @@ def close_while_waiting(data: tud.Dataset) -> dict:
         began = time.perf_counter()
         loader.close()
         seconds = time.perf_counter() - began
-        left = sorted(t.name for t in threads.wait_threads(baseline, deadline_s=1.0))
+        left = sorted(t.name for t in threads.wait_threads(baseline, deadline_s=10.0))  # a stuck one: 60 s
         try:
             next(iterator)
         except Exception as caught:  # noqa: BLE001 - what the loop sees is the finding
