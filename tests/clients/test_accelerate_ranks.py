@@ -94,6 +94,9 @@ def resume_uneven(out_dir: str) -> dict[str, Any]:
     epoch = iter(loader)
     before = [next(epoch)[2].tolist() for _ in range(3)]
     accelerator.save_state(str(Path(out_dir, "uneven")))
+    # Every rank's position file written before any rank loads: a rank that loaded first saw one
+    # file of two, raised, and waited in a barrier the other never joined (480 s, at load 8).
+    accelerator.wait_for_everyone()
     accelerator, loader = uneven_loader()
     try:
         accelerator.load_state(str(Path(out_dir, "uneven")))

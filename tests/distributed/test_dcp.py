@@ -82,14 +82,14 @@ def run_epochs(run: Training, batches: gpuload.DataLoader, epochs: range, stop_a
     return seen
 
 
-def run_rank(rank: int, world: int, init_file: str, out_dir: str, phase: str) -> None:
-    """``phase`` "save": an uninterrupted run, then one stopped mid-epoch and saved with DCP;
-    "load": new processes load the checkpoint and finish the run."""
+def run_rank(rank: int, world: int, init_file: str, out_dir: str, phase: str, checkpoints: str) -> None:
+    """``phase`` "save": an uninterrupted run, then one stopped mid-epoch and saved with DCP into
+    ``checkpoints``; "load": new processes load the checkpoint and finish the run."""
     with ranks_job.gloo_job(rank, world, init_file, None):
         data = ranks_job.dataset()
         found: dict[str, Any] = {}
         for scope in SCOPES:
-            checkpoint = str(Path(out_dir, f"checkpoint-{scope}"))
+            checkpoint = str(Path(checkpoints, f"checkpoint-{scope}"))
             if phase == "save":
                 found[f"whole/{scope}"] = run_epochs(training(), loader(data, scope), range(EPOCHS))
                 run, batches = training(), loader(data, scope)
@@ -101,17 +101,20 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str, phase: str) ->
                 found[f"after/{scope}"] = run_epochs(run, batches, range(EPOCHS - 1, EPOCHS))
                 found[f"path/{scope}"] = batches.stats.path
             dist.barrier()
-        Path(out_dir, f"{phase}-rank{rank}.json").write_text(json.dumps(found))
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
-    """Every rank's findings, saved and then restarted (two spawns of 2 gloo processes)."""
+    """Every rank's findings, saved and then restarted (two jobs of 2 gloo processes, the second
+    new processes that know only the checkpoints)."""
     folder = tmp_path_factory.mktemp("dcp")
+    found: list[dict] = [{}, {}]
     for phase in ("save", "load"):
-        torch.multiprocessing.spawn(run_rank, args=(2, str(folder / f"init-{phase}"), str(folder), phase), nprocs=2)
-    return folder, [{**json.loads((folder / f"save-rank{r}.json").read_text()),
-                     **json.loads((folder / f"load-rank{r}.json").read_text())} for r in range(2)]
+        (folder / phase).mkdir()
+        for seen, phase_found in zip(found, ranks_job.findings(run_rank, 2, folder / phase, phase, str(folder))):
+            seen.update(phase_found)
+    return folder, found
 
 
 @pytest.mark.parametrize("scope", SCOPES)

@@ -4,14 +4,12 @@ and against the bytes a 4-process gloo job (2 nodes x 2 ranks) receives."""
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
@@ -24,6 +22,7 @@ from gpuload.distributed import Partition, every_rank_batches, plan_scopes, plan
 from gpuload.distributed.scope_plan import rows_per_rank
 
 sys.path.insert(0, str(Path(__file__).parent))
+import ranks_job
 import scope_plan_job
 
 GiB = 1 << 30
@@ -256,8 +255,7 @@ def test_expectation_matches_the_exchange_plans_over_many_shuffles(scope):
 def test_a_gloo_job_of_two_nodes_receives_what_the_plan_expects(tmp_path):
     job = scope_plan_job
     world, local = 4, 2
-    mp.spawn(job.run, args=(world, str(tmp_path / "init"), str(tmp_path), local), nprocs=world)
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
+    ranks = ranks_job.findings(job.run, world, tmp_path, local)
     plans = plan_scopes(job.NUM_SAMPLES, job.ROW_BYTES, gpus_per_node=local, nodes=world // local,
                         device_memory="1GiB", host_memory_per_node=HOST, room=job.NUM_SAMPLES * job.ROW_BYTES,
                         settings=CacheSettings.resolve(**PINNED))

@@ -137,6 +137,8 @@ def test_rank_that_stops_early_with_a_deep_prefetch_still_makes_the_others_fail(
 
 def test_closing_a_loader_abandons_an_exchange_the_other_ranks_never_join(job):
     seen = job[0][0]["close_while_waiting"]
-    assert seen["seconds"] < 1.5  # not the exchange timeout (3 s)
+    # At once: not the exchange timeout (60 s), nor the 5 s close waits for a thread that does
+    # not stop (the margin is for a busy machine: 4 ranks at load 8 on 2 cores).
+    assert seen["seconds"] < 4.5
     assert seen["threads_left"] == []
     assert seen["error"] is not None and "closed" in seen["error"]

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.utils.data import BatchSampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -26,13 +25,15 @@ from gpuload.distributed.group import DistributedContext
 from gpuload.distributed.shared_host import NodeHostTier, node_host_tier
 
 sys.path.insert(0, str(Path(__file__).parent))
+import ranks_job
 import shared_host_job as job
 
 
 def _launch(folder: Path, world: int, scenario: str, killed: set[int] = frozenset()) -> list[dict]:
     """Run ``scenario`` on ``world`` processes; ranks in ``killed`` are expected to die of SIGKILL."""
-    context = mp.get_context("spawn")
-    processes = [context.Process(target=job.run, args=(rank, world, str(folder / "init"), str(folder), scenario))
+    context = ranks_job.fork_server()
+    args = (job.run, world, str(folder / "init"), str(folder), scenario)
+    processes = [context.Process(target=ranks_job.in_environment, args=(rank, dict(os.environ), *args))
                  for rank in range(world)]
     for process in processes:
         process.start()
