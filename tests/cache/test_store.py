@@ -467,3 +467,44 @@ def test_the_sample_cache_is_a_chain_whose_tiers_serve_what_they_hold(tmp_path):
     assert again.stats()["disk"]["hits"] == 8  # the lookup above and the batch's
     assert again.tiers[0].lookup(keys)[0] is not None  # kept in memory as it was read from disk
     again.close()
+
+
+def test_decoded_images_are_a_chain_served_from_memory_once_read_and_a_toy_tier_serves_between(tmp_path):
+    """The image source's chain: the decoded-image cache, then the files decoded (kept whole in
+    the cache); a toy tier put between them in one class serves what it holds, no file read."""
+    from image_fixtures import CountingList
+
+    import gpuload
+    from gpuload import transforms as T
+    from gpuload.datasets import make_sample_image_folder
+    from gpuload.sources.image_decoding import ImageRows, _Files, _MemoryImages
+
+    folder = make_sample_image_folder(tmp_path / "images", num_images=6, num_classes=2, seed=3)
+    files = CountingList(list(folder.samples))
+    loader = gpuload.DataLoader(files, batch_size=3, device="cpu", cache="device", transforms=[T.RandomResizedCrop(8)])
+    list(loader)  # the first epoch fills the decoded-image cache
+    source = loader._source
+    assert files.reads == 6 and source.keeps == "decoded"
+    memory = _MemoryImages(source.cache)
+    keys = torch.tensor([4, 0, 2])
+    hits, missing = read_through((memory,), keys, _Files(source, epoch=1, filling=False))
+    assert [(depth, positions) for depth, positions, _ in hits] == [(0, None)] and not missing.numel()
+    assert files.reads == 6 and [image.shape[0] for image in hits[0][2].images] == [3, 3, 3]  # whole, no file read
+
+    class ImagesToy(ToyTier):  # values: ImageRows, kept per key
+        def lookup(self, keys: torch.Tensor) -> Lookup:
+            found, rows = super().lookup(keys)
+            return (None if found is None else (found[0], ImageRows(found[1]))), rows
+
+        def keep(self, keys: torch.Tensor, values: Any) -> int:
+            return super().keep(keys, values.images)
+
+    toy = ImagesToy("toy")
+    empty = _MemoryImages(source.cache)
+    source.cache.close()  # memory gives nothing now: the files, then the toy tier, serve
+    hits, _ = read_through((empty, toy), keys, _Files(source, epoch=1, filling=True))
+    assert files.reads == 9 and sorted(toy.held) == [0, 2, 4]
+    again, _ = read_through((empty, toy), keys, _Files(source, epoch=1, filling=True))
+    assert files.reads == 9 and [depth for depth, _, _ in again] == [1]
+    assert all(torch.equal(a, b) for a, b in zip(hits[0][2].images, again[0][2].images))
+    loader.close()
