@@ -23,7 +23,7 @@ from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.oom import CacheFallbackWarning, is_oom
 from gpuload.cache.plan import CachePlan, TierPlan
 from gpuload.cache.store import Store, StoreStats, StreamGuard, TierCounts
-from gpuload.cache.tiers import TIERS, HostTier, Placing, SourceTier, Tier
+from gpuload.cache.tiers import TIERS, HostTier, Placing, RowsByKey, SourceTier, Tier
 from gpuload.sampling import in_range
 from gpuload.timeline import gather_stage, stage
 from gpuload.transfer import Staging, to_device
@@ -343,6 +343,17 @@ class TieredArrayStore(Store):
         """The placed tier called ``name`` (None when the store has none)."""
         with self._lock:
             return next((tier for tier in self._tiers if tier.name == name), None)
+
+    def keyed_tiers(self) -> list[RowsByKey]:
+        """The placed tiers as they serve now, each answering the chain's keyed lookups
+        (:func:`~gpuload.cache.chain.read_through`), the source's last; each tier holds the rows
+        in its own range (a row the tiers before it serve is theirs to answer first)."""
+        with self._lock:
+            if self._copies:
+                self._streams.use()
+            tiers = [tier.snapshot() for tier in self._tiers]
+        device_slots = lambda slots: to_device([slots], self.device, self.staging)[0]  # noqa: E731
+        return [RowsByKey(tier, device_slots if tier.on_device and self._copies else None) for tier in tiers]
 
     @property
     def copies(self) -> bool:

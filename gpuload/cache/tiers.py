@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from gpuload.cache.disk import Fingerprint
     from gpuload.cache.settings import CacheSettings
 
-__all__ = ["DeviceTier", "HostTier", "Placing", "SourceTier", "TIERS", "Tier", "register_tier"]
+__all__ = ["DeviceTier", "HostTier", "Placing", "RowsByKey", "SourceTier", "TIERS", "Tier", "register_tier"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,33 @@ class Tier(ABC):
         release, self._release = self._release, None
         if release is not None:
             release()
+
+
+class RowsByKey:
+    """A placed tier as a keyed tier of the chain (:mod:`gpuload.cache.chain`): the keys (dataset
+    rows) in its range ``[first, first + rows)`` are found, their rows gathered per column (on the
+    tier's memory; ``to_slots`` moves the row positions there, e.g. the loader's staging for a
+    device tier). Nothing is kept: the plan places a tier's rows once, when the store is built."""
+
+    def __init__(self, tier: Tier, to_slots: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.tier = tier
+        self.name = tier.name
+        self._to_slots = to_slots
+
+    def lookup(self, keys: torch.Tensor) -> tuple[tuple[torch.Tensor | None, list[torch.Tensor]] | None, torch.Tensor]:
+        tier = self.tier
+        inside = (keys >= tier.first) & (keys < tier.first + tier.rows)
+        found, missing = inside.nonzero().view(-1), (~inside).nonzero().view(-1)
+        if not found.numel():
+            return None, missing
+        slots = keys.index_select(0, found) - tier.first
+        if self._to_slots is not None:
+            slots = self._to_slots(slots)
+        rows = [tier.gather(column, slots) for column in range(len(tier.columns))]
+        return (None if not missing.numel() else found, rows), missing
+
+    def keep(self, keys: torch.Tensor, values: list[torch.Tensor]) -> int:
+        return 0
 
 
 TIERS: dict[str, type[Tier]] = {}

@@ -4,7 +4,9 @@ added in one class), a map-style dataset's samples by column and one by one, and
 share of arrays or decoded images split over ranks. The ``gpu`` variants run the same checks
 with the device tier and the prefetcher's staging on CUDA. The keyed tier chain
 (``gpuload.cache.chain.read_through``) is checked with a toy tier added in one class
-(``ToyTier``) and over the sample cache's own chain (memory store, disk entry, dataset)."""
+(``ToyTier``), over the sample cache's own chain (memory store, disk entry, dataset), the
+decoded images' (image cache, files) and the array store's tiers (device, host or a toy tier,
+disk, source)."""
 
 from __future__ import annotations
 
@@ -508,3 +510,46 @@ def test_decoded_images_are_a_chain_served_from_memory_once_read_and_a_toy_tier_
     assert files.reads == 9 and [depth for depth, _, _ in again] == [1]
     assert all(torch.equal(a, b) for a, b in zip(hits[0][2].images, again[0][2].images))
     loader.close()
+
+
+def _array_values(keys: torch.Tensor, hits: list, columns_count: int) -> list[torch.Tensor]:
+    """A read of array rows put back in the order of ``keys``, per column."""
+    out = []
+    for column in range(columns_count):
+        pieces = [(torch.arange(keys.numel()) if at is None else at, rows[column]) for _, at, rows in hits]
+        order = torch.cat([at for at, _ in pieces])
+        out.append(torch.cat([rows for _, rows in pieces]).index_select(0, torch.argsort(order)))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["tiered", "toy-tier", "disk"])
+def test_array_tiers_answer_the_chain_each_for_its_own_rows(kind, tmp_path):
+    """The array store's tiers (device, host or a toy tier, disk, the source) read through the
+    one chain give the rows its own gather gives, each tier asked only for what those before it lack."""
+    from gpuload.cache.disk import fingerprint_arrays
+    from gpuload.cache.settings import CacheSettings
+
+    if kind == "disk":
+        data = columns()
+        settings = CacheSettings.resolve(cache_dir=tmp_path / "c", environ={}, cwd=tmp_path)
+        store = _arrays(data, planned(data, [("device", 40), ("host", 30), ("disk", 100)]), settings=settings,
+                        identity=lambda: fingerprint_arrays(data))
+        case = Case(store, torch.arange(N), lambda index: [column.index_select(0, index) for column in data])
+    else:
+        case = array_case(kind)
+    keyed = case.store.keyed_tiers()
+    names = [tier.name for tier in keyed]
+    assert names[-1] == "source" and names[0] == "device"
+    index = torch.tensor([0, 239, 45, 100, 169, 171, 39, 230, 60])
+    hits, missing = read_through(keyed[:-1], index, keyed[-1])
+    assert not missing.numel()
+    assert same(_array_values(index, hits, len(columns())), case.expected(index))
+    assert same(_array_values(index, hits, len(columns())), case.batch(index))
+    served = {names[depth]: (index.numel() if at is None else at.numel()) for depth, at, _ in hits}
+    rows = {name: counts.samples for name, counts in case.store.stats.tiers.items()}
+    first = 0
+    for name in names:  # each row from the tier whose range holds it
+        expected = int(((index >= first) & (index < first + rows[name])).sum())
+        assert served.get(name, 0) == expected, (name, served)
+        first += rows[name]
+    case.store.close()
