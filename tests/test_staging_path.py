@@ -326,7 +326,7 @@ def test_gpu_a_loader_with_transforms_gives_the_cpu_loaders_batches(depth) -> No
 def test_images_read_from_the_disk_tier_reach_the_device_through_the_staging(watch: Watch) -> None:
     from types import SimpleNamespace
 
-    from gpuload.sources.image_decoding import ImageDecoding
+    from gpuload.sources.image_decoding import _DiskImagesTier
 
     class Disk:
         def present(self, positions: list[int]) -> list[bool]:
@@ -335,11 +335,12 @@ def test_images_read_from_the_disk_tier_reach_the_device_through_the_staging(wat
         def read(self, positions: list[int]) -> list[torch.Tensor]:
             return [torch.zeros(5, 7, 3, dtype=torch.uint8).permute(2, 0, 1) for _ in positions]  # HWC in memory
 
-    source = ImageDecoding.__new__(ImageDecoding)
-    source.disk, source.setup = Disk(), SimpleNamespace(device=META, staging=watch.staging)
-    got = source._from_disk([4, 9, 11], {1: torch.zeros(3, 2, 2, dtype=torch.uint8)}, None)
-    assert sorted(got) == [0, 2] and all(t.device == META for t in got.values())
-    assert all(t.stride() == (1, 21, 3) for t in got.values())  # still channels-last
+    tier = _DiskImagesTier(Disk(), SimpleNamespace(device=META, staging=watch.staging))
+    found, missing = tier.lookup(torch.tensor([4, 11]))  # the chain asks for what memory lacks
+    assert found is not None and found[0] is None and not missing.numel()
+    got = found[1].images
+    assert len(got) == 2 and all(t.device == META for t in got)
+    assert all(t.stride() == (1, 21, 3) for t in got)  # still channels-last
     assert watch.bypassed == [] and len(watch.staged) == 2
 
 

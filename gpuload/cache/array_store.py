@@ -14,7 +14,7 @@ import threading
 import warnings
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -24,10 +24,14 @@ from gpuload.cache.chunked_rows import ChunkedRows, gatherable
 from gpuload.cache.oom import CacheFallbackWarning, is_oom
 from gpuload.cache.plan import CachePlan, TierPlan
 from gpuload.cache.store import Store, StoreStats, StreamGuard, TierCounts
-from gpuload.cache.tiers import TIERS, HostTier, SourceTier, Tier
+from gpuload.cache.tiers import TIERS, HostTier, Placing, RowsByKey, SourceTier, Tier
 from gpuload.sampling import in_range
 from gpuload.timeline import gather_stage, stage
 from gpuload.transfer import Staging, to_device
+
+if TYPE_CHECKING:
+    from gpuload.cache.disk import Fingerprint
+    from gpuload.cache.settings import CacheSettings
 
 __all__ = ["BatchRequest", "HostTier", "HostTierMaker", "StoreStats", "TierMaker", "TieredArrayStore", "gatherable",
            "private_host_tier"]
@@ -46,7 +50,7 @@ def private_host_tier(source: list[torch.Tensor], first: int, rows: int, budget:
     """This process's own copy of rows ``[first, first + rows)`` in pageable host memory.
 
     ``budget`` is not needed: the plan already fitted ``rows`` to it."""
-    return HostTier.allocate(source, first, rows, torch.device("cpu"))
+    return HostTier.allocate(source, first, rows, Placing(torch.device("cpu")))
 
 
 @dataclass
@@ -87,8 +91,10 @@ class TieredArrayStore(Store):
     with one :class:`CacheFallbackWarning` per store. The device bytes are booked in ``ledger``
     under ``owner`` until :meth:`close`. ``host_tier`` builds the host tier (a
     :data:`TierMaker`, e.g. a node's shared copy); by default each store keeps its own copy.
-    ``disk_tier`` builds the disk tier (``gpuload.cache.disk_tier.disk_tier_maker``); without
-    it a plan's disk tier stays empty.
+    Every other tier is built by its class (``allocate``) from the store's
+    :class:`~gpuload.cache.tiers.Placing`: the device, ``settings`` and ``identity`` (what
+    produced the arrays, the key of the disk tier's entry; without both a plan's disk tier
+    stays empty).
     ``tiers`` maps further tier names to their classes (default: the registered ones).
     An array may be a :class:`~gpuload.cache.chunked_rows.ChunkedRows` (a table column's chunks,
     in place): the tiers copy their rows out of it, the source tier gathers the rest from it.
@@ -106,7 +112,8 @@ class TieredArrayStore(Store):
         ledger: BudgetLedger = LEDGER,
         owner: Hashable | None = None,
         host_tier: HostTierMaker = private_host_tier,
-        disk_tier: TierMaker | None = None,
+        settings: CacheSettings | None = None,
+        identity: Callable[[], Fingerprint] | None = None,
         tiers: Mapping[str, type[Tier]] | None = None,
         stage_host_rows: bool | None = None,
         staging: Staging | None = None,
@@ -155,8 +162,7 @@ class TieredArrayStore(Store):
         self._hits: list[int] = []
         self._kinds = dict(TIERS if tiers is None else tiers)
         self._makers: dict[str, TierMaker] = {"host": host_tier}  # tiers built otherwise than by their class
-        if disk_tier is not None:
-            self._makers["disk"] = disk_tier
+        self._placing = Placing(self.device, settings, identity)
         self._tiers: list[Tier] = []  # the plan's tiers as placed, then the source
         self._counts: list[int] = []  # rows each tier serves (a maker's tier may hold more)
         self._streams = StreamGuard(self.device)  # orders and protects the device tier's rows
@@ -189,7 +195,7 @@ class TieredArrayStore(Store):
             self._loc[start : start + served] = position
             self._slot[start : start + served] = torch.arange(start - tier.first, start - tier.first + served)
             first = start + served
-        self._tiers.append(SourceTier.allocate(self._source, 0, self._num_samples, self.device))
+        self._tiers.append(SourceTier.allocate(self._source, 0, self._num_samples, self._placing))
         self._counts.append(self._num_samples - first)
         self._loc[first:] = len(self._tiers) - 1
         self._slot[first:] = torch.arange(first, self._num_samples)
@@ -215,7 +221,7 @@ class TieredArrayStore(Store):
             maker = self._makers.get(name)
             if maker is not None:
                 return maker(self._source, first, rows, tier_plan.most * bps)
-            return kind.allocate(self._source, first, rows, self.device)
+            return kind.allocate(self._source, first, rows, self._placing)
         except RuntimeError as error:
             if not is_oom(error):
                 raise
@@ -328,6 +334,17 @@ class TieredArrayStore(Store):
         """The placed tier called ``name`` (None when the store has none)."""
         with self._lock:
             return next((tier for tier in self._tiers if tier.name == name), None)
+
+    def keyed_tiers(self) -> list[RowsByKey]:
+        """The placed tiers as they serve now, each answering the chain's keyed lookups
+        (:func:`~gpuload.cache.chain.read_through`), the source's last; each tier holds the rows
+        in its own range (a row the tiers before it serve is theirs to answer first)."""
+        with self._lock:
+            if self._copies:
+                self._streams.use()
+            tiers = [tier.snapshot() for tier in self._tiers]
+        device_slots = lambda slots: to_device([slots], self.device, self.staging)[0]  # noqa: E731
+        return [RowsByKey(tier, device_slots if tier.on_device and self._copies else None) for tier in tiers]
 
     @property
     def copies(self) -> bool:

@@ -2,7 +2,8 @@
 
 Two users, one :class:`~gpuload.cache.disk.DiskCache` each:
 
-- :class:`DiskTier` (registered as ``"disk"``) is a tier of the array store: rows
+- :class:`DiskTier` (registered as ``"disk"``, built like every tier from the store's
+  :class:`~gpuload.cache.tiers.Placing`) is a tier of the array store: rows
   ``[first, first + rows)`` of every array, written to the folder when the store places them
   (skipped for rows a published entry already has) and gathered from the memory maps after.
 - :class:`DiskRows` is the disk tier of a sample cache (:mod:`gpuload.sources.sample_cache`):
@@ -44,10 +45,10 @@ from gpuload.cache.disk import (
 )
 from gpuload.cache.probe import estimate_image_bytes, looks_deterministic
 from gpuload.cache.settings import CacheSettings
-from gpuload.cache.tiers import Tier, register_tier
+from gpuload.cache.tiers import Placing, Tier, register_tier
 from gpuload.transfer import pinned_host_copies
 
-__all__ = ["DiskImages", "DiskRows", "DiskTier", "disk_tier_maker", "sample_fingerprint"]
+__all__ = ["DiskImages", "DiskRows", "DiskTier", "sample_fingerprint"]
 
 _FILL_ROWS = 4096  # rows written per call while the array store places a disk tier
 BLOCK_BYTES = DEFAULT_BLOCK_BYTES
@@ -74,10 +75,21 @@ class DiskTier(Tier):
         self._source = source or []  # rows of a block found damaged are read (and written) again from it
 
     @classmethod
-    def allocate(cls, source: list[torch.Tensor], first: int, rows: int, device: torch.device) -> DiskTier:
-        """No folder is known to the class alone: an empty tier (a store builds a real one
-        with :func:`disk_tier_maker`)."""
-        return cls(first, [])
+    def allocate(cls, source: list[torch.Tensor], first: int, rows: int, placing: Placing) -> DiskTier:
+        """The rows in ``placing.settings``' ``cache_dir`` (``placing.identity`` is called once,
+        when there are rows to keep); an empty tier without rows, settings or identity, or when
+        the folder cannot be used (warned by the cache)."""
+        settings, identity = placing.settings, placing.identity
+        if not rows or settings is None or identity is None:
+            return cls(first, [])
+        whole = identity()  # the tier's rows are an entry of their own: the key names them
+        rows_of = Fingerprint.of(whole.kind, f"{whole.description}, rows {first}-{first + rows - 1}",
+                                 {"data": whole.digest, "first": first})
+        disk = DiskCache.from_settings(settings, rows_of, _specs(source), rows, block_bytes=BLOCK_BYTES,
+                                       publish_behind=True)
+        if disk is None:
+            return cls(first, [])
+        return cls.fill(disk, source, first, rows)
 
     @classmethod
     def fill(cls, disk: DiskCache, source: list[torch.Tensor], first: int, rows: int) -> DiskTier:
@@ -123,26 +135,6 @@ class DiskTier(Tier):
         self._rows = 0
         self._source = []
         super().close()
-
-
-def disk_tier_maker(settings: CacheSettings, fingerprint: Callable[[], Fingerprint]) -> Callable[..., Tier]:
-    """A tier maker for :class:`~gpuload.cache.array_store.TieredArrayStore` that builds the
-    disk tier in ``settings``' ``cache_dir`` (``fingerprint`` is called once, when there are
-    rows to keep); an empty tier when the folder cannot be used (warned by the cache)."""
-
-    def make(source: list[torch.Tensor], first: int, rows: int, budget: int = 0) -> Tier:
-        if not rows:
-            return DiskTier(first, [])
-        whole = fingerprint()  # the tier's rows are an entry of their own: the key names them
-        rows_of = Fingerprint.of(whole.kind, f"{whole.description}, rows {first}-{first + rows - 1}",
-                                 {"data": whole.digest, "first": first})
-        disk = DiskCache.from_settings(settings, rows_of, _specs(source), rows, block_bytes=BLOCK_BYTES,
-                                       publish_behind=True)
-        if disk is None:
-            return DiskTier(first, [])
-        return DiskTier.fill(disk, source, first, rows)
-
-    return make
 
 
 # ---------------------------------------------------------------- the sample cache's disk tier

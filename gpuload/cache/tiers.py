@@ -5,8 +5,10 @@ builds each with the class registered under that name (:func:`register_tier`), a
 own arrays serve every row no tier holds (:class:`SourceTier`). A tier holds rows
 ``[first, first + rows)`` of every array, and says whether they live on the loader's device
 (``on_device``: gathered there) or in host memory (gathered on the host into the loader's
-staging, then copied by the prefetcher: the one host-to-device path). A new tier (e.g. a disk
-tier) is one subclass plus its registration.
+staging, then copied by the prefetcher: the one host-to-device path). Every tier is built the
+same way, by its class's ``allocate`` with the store's :class:`Placing` (the device, and for a
+tier kept outside memory the cache settings and what identifies the arrays): a new tier (the
+disk tier is one) is one subclass plus its registration.
 """
 
 from __future__ import annotations
@@ -14,13 +16,30 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from gpuload.cache.chunked_rows import take_rows
 
-__all__ = ["DeviceTier", "HostTier", "SourceTier", "TIERS", "Tier", "register_tier"]
+if TYPE_CHECKING:
+    from gpuload.cache.disk import Fingerprint
+    from gpuload.cache.settings import CacheSettings
+
+__all__ = ["DeviceTier", "HostTier", "Placing", "RowsByKey", "SourceTier", "TIERS", "Tier", "register_tier"]
+
+
+@dataclass(frozen=True)
+class Placing:
+    """What every tier is built with besides its rows: the loader's ``device``; for a tier kept
+    outside memory (the disk tier) the cache's ``settings`` (its folder, its budget) and
+    ``identity``, called once when it has rows to keep, naming what produced the arrays (the key
+    of a disk entry). None where the store has none: such a tier is then empty."""
+
+    device: torch.device
+    settings: CacheSettings | None = None
+    identity: Callable[[], Fingerprint] | None = None
 
 
 class Tier(ABC):
@@ -46,7 +65,7 @@ class Tier(ABC):
 
     @classmethod
     @abstractmethod
-    def allocate(cls, source: list[torch.Tensor], first: int, rows: int, device: torch.device) -> Tier:
+    def allocate(cls, source: list[torch.Tensor], first: int, rows: int, placing: Placing) -> Tier:
         """This tier holding rows ``[first, first + rows)`` of ``source`` (host arrays); raises
         torch's out-of-memory error when they do not fit."""
 
@@ -73,6 +92,33 @@ class Tier(ABC):
             release()
 
 
+class RowsByKey:
+    """A placed tier as a keyed tier of the chain (:mod:`gpuload.cache.chain`): the keys (dataset
+    rows) in its range ``[first, first + rows)`` are found, their rows gathered per column (on the
+    tier's memory; ``to_slots`` moves the row positions there, e.g. the loader's staging for a
+    device tier). Nothing is kept: the plan places a tier's rows once, when the store is built."""
+
+    def __init__(self, tier: Tier, to_slots: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.tier = tier
+        self.name = tier.name
+        self._to_slots = to_slots
+
+    def lookup(self, keys: torch.Tensor) -> tuple[tuple[torch.Tensor | None, list[torch.Tensor]] | None, torch.Tensor]:
+        tier = self.tier
+        inside = (keys >= tier.first) & (keys < tier.first + tier.rows)
+        found, missing = inside.nonzero().view(-1), (~inside).nonzero().view(-1)
+        if not found.numel():
+            return None, missing
+        slots = keys.index_select(0, found) - tier.first
+        if self._to_slots is not None:
+            slots = self._to_slots(slots)
+        rows = [tier.gather(column, slots) for column in range(len(tier.columns))]
+        return (None if not missing.numel() else found, rows), missing
+
+    def keep(self, keys: torch.Tensor, values: list[torch.Tensor]) -> int:
+        return 0
+
+
 TIERS: dict[str, type[Tier]] = {}
 """The tier classes by name, in the order of registration."""
 
@@ -93,7 +139,8 @@ class DeviceTier(Tier):
     on_device = True
 
     @classmethod
-    def allocate(cls, source: list[torch.Tensor], first: int, rows: int, device: torch.device) -> DeviceTier:
+    def allocate(cls, source: list[torch.Tensor], first: int, rows: int, placing: Placing) -> DeviceTier:
+        device = placing.device
         if device.type == "cpu":  # host memory is the device: a view, no copy
             return cls(first, [leaf[first : first + rows] for leaf in source] if rows else [])
         return cls(first, [leaf[first : first + rows].to(device) for leaf in source] if rows else [])
@@ -111,7 +158,7 @@ class HostTier(Tier):
     name = "host"
 
     @classmethod
-    def allocate(cls, source: list[torch.Tensor], first: int, rows: int, device: torch.device) -> HostTier:
+    def allocate(cls, source: list[torch.Tensor], first: int, rows: int, placing: Placing) -> HostTier:
         # one copy of the rows (a source of chunks is copied out of them a piece at a time)
         return cls(first, [leaf[first : first + rows].clone(memory_format=torch.contiguous_format)
                            for leaf in source] if rows else [])
@@ -125,5 +172,5 @@ class SourceTier(Tier):
     name = "source"
 
     @classmethod
-    def allocate(cls, source: list[torch.Tensor], first: int, rows: int, device: torch.device) -> SourceTier:
+    def allocate(cls, source: list[torch.Tensor], first: int, rows: int, placing: Placing) -> SourceTier:
         return cls(0, list(source))

@@ -1,7 +1,10 @@
 """The reading and decoding half of the image source: files read (from the encoded cache when it
 has them), headers read once per dataset, the transforms' windows drawn from them, a batch
 decoded at once (only the windows, when the list starts with a crop), bad files skipped or
-named, and the counters that say what ran.
+named, and the counters that say what ran. A batch's decoded images are read through one chain
+of keyed tiers (:func:`~gpuload.cache.chain.read_through`): the decoded-image cache, the disk
+tier, then the files (:class:`ImageRows` their answers); what a lower tier gives whole is kept
+above it.
 
 :class:`ImageDecoding` is a base of :class:`~gpuload.sources.images.ImageFileSource`, which
 gives it ``images``, ``decoder``, ``headers``, ``cache``, ``keeps``, ``disk``, ``augment`` and
@@ -11,10 +14,12 @@ gives it ``images``, ``decoder``, ``headers``, ``cache``, ``keeps``, ``disk``, `
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gpuload.cache.chain import NOTHING, KeyedTier, Lookup, read_through
 from gpuload.decode import Header, ImageDecodeError
 from gpuload.distributed.sharded_images import BadFile, WholeImages
 from gpuload.sampling import in_range
@@ -30,7 +35,7 @@ if TYPE_CHECKING:
     from gpuload.decode import BatchDecoder, HeaderTable
     from gpuload.sources import Setup
 
-__all__ = ["DecodedBatch", "ImageDecoding"]
+__all__ = ["DecodedBatch", "ImageDecoding", "ImageRows"]
 
 # Distinct skipped files kept with their reasons in ``stats.extra["skipped_files"]``; the
 # counts go on past it (a folder of bad files must not grow memory each epoch).
@@ -94,12 +99,19 @@ class ImageDecoding:
         """The images of ``positions`` whole, bad files listed (not raised): a share's block,
         read before its first epoch from the disk tier where it has them (on this source's
         device), the others read and decoded (and written to the disk tier)."""
-        stored = self._from_disk(positions, {}, None)  # slot -> image
-        decoded = self._decode_whole([p for slot, p in enumerate(positions) if slot not in stored])
+        stored_at: list[int] = []
+        stored: list[torch.Tensor] = []
+        if self.disk is not None and positions:
+            found, _ = _DiskImagesTier(self.disk, self.setup).lookup(torch.tensor(positions, dtype=torch.int64))
+            if found is not None:
+                at, rows = found
+                stored_at, stored = list(range(len(positions))) if at is None else at.tolist(), rows.images
+        on_disk = set(stored_at)
+        decoded = self._decode_whole([p for slot, p in enumerate(positions) if slot not in on_disk])
         if self.disk is not None and self.disk.accepting:
             self.disk.write(decoded.positions, decoded.images)
-        return WholeImages([positions[slot] for slot in stored] + decoded.positions,
-                           list(stored.values()) + decoded.images, decoded.bad)
+        return WholeImages([positions[slot] for slot in stored_at] + decoded.positions, stored + decoded.images,
+                           decoded.bad)
 
     def _decode_whole(self, positions: list[int]) -> WholeImages:
         """The files of ``positions`` read and decoded whole, bad ones listed."""
@@ -157,54 +169,29 @@ class ImageDecoding:
         return data
 
     def decode(self, indices: Any, epoch: int) -> DecodedBatch:
-        """Read and decode the files of ``indices`` (only the transforms' windows, if any)."""
-        positions = in_range(indices, len(self.images)).tolist()
-        decoded_cache = self.cache if self.keeps == "decoded" else None
-        hits: dict[int, torch.Tensor] = {}  # batch slot -> cached decoded image
-        for slot, position in enumerate(positions):
-            image = decoded_cache.get(position) if decoded_cache is not None else None
-            if image is not None:
-                hits[slot] = image
-        hits.update(self._from_disk(positions, hits, decoded_cache))
-        encoded, names, readable, slots = [], [], [], []
-        for slot, position in enumerate(positions):
-            if slot in hits:
-                continue
-            data = self._read(position, epoch)
-            if data is None:
-                continue
-            encoded.append(data)
-            names.append(self.images.path(position))
-            readable.append(position)
-            slots.append(slot)
-        disk = self.disk if self.disk is not None and self.disk.accepting else None
-        keeping = decoded_cache if decoded_cache is not None and decoded_cache.accepting else None
-        filling = keeping is not None or disk is not None  # whole images, to keep
-        with stage("decode"):
-            headers = self._headers(encoded, readable)
-        sizes, windows = (None, None) if filling else self._windows(headers, readable, epoch)
-        decoded: dict[int, tuple[torch.Tensor, Window | None, tuple[int, int] | None]] = {}
-        if encoded:
-            with stage("decode"):
-                result = self.decoder.decode(
-                    encoded, names, readable, rois=windows, on_error=self.setup.on_error, headers=headers
-                )
-            self._note_skipped(result.skipped, epoch)
-            self.fallback_decoded += result.fallback_decoded
-            self.cpu_decoded += result.cpu_decoded
-            self.roi = result.roi
-            for k, image in zip(result.kept_positions, result.images):
-                if keeping is not None:
-                    keeping.keep(readable[k], image)
-                window = None if windows is None else windows[k]
-                decoded[slots[k]] = (image, window, None if sizes is None else sizes[k])
-            if disk is not None:
-                disk.write([readable[k] for k in result.kept_positions], result.images)
-        order = sorted([*hits, *decoded])
+        """Read and decode the files of ``indices`` (only the transforms' windows, if any): read
+        through the decoded-image cache, the disk tier, then the files (:func:`read_through`)."""
+        keys = in_range(indices, len(self.images))
+        positions = keys.tolist()
+        memory = self.cache if self.keeps == "decoded" else None
+        tiers: list[KeyedTier] = [] if memory is None else [_MemoryImages(memory)]
+        if self.disk is not None:
+            tiers.append(_DiskImagesTier(self.disk, self.setup))
+        # While a tier takes images, they are decoded whole (a tier keeps the image, not one
+        # epoch's window of it).
+        filling = (memory is not None and memory.accepting) or (self.disk is not None and self.disk.accepting)
+        files = _Files(self, epoch, filling)
+        hits, _ = read_through(tiers, keys, files)
+        slots: list[tuple[torch.Tensor, Window | None, tuple[int, int] | None] | None] = [None] * len(positions)
+        for _, at, rows in hits:
+            for slot, image, window, size in zip(range(len(positions)) if at is None else at.tolist(), rows.images,
+                                                 rows.windows or repeat(None), rows.sizes or repeat(None)):
+                slots[slot] = (image, window, size)
+        order = [slot for slot, held in enumerate(slots) if held is not None]
         images, kept_windows = [], []
         kept_sizes: list[tuple[int, int]] = []
         for slot in order:
-            image, window, size = (hits[slot], None, None) if slot in hits else decoded[slot]
+            image, window, size = slots[slot]  # type: ignore[misc]
             if window is None:  # a whole image is the window (0, 0, H, W) of itself
                 size = (image.shape[-2], image.shape[-1])
                 window = (0, 0, *size)
@@ -212,7 +199,7 @@ class ImageDecoding:
             images.append(image)
             kept_windows.append(window)
             kept_sizes.append(size)
-        any_window = windows is not None
+        any_window = files.windowed
         return DecodedBatch(
             images=images,
             positions=[positions[slot] for slot in order],
@@ -228,26 +215,6 @@ class ImageDecoding:
                 "roi": self.roi,
             },
         )
-
-    def _from_disk(self, positions: list[int], hits: dict[int, torch.Tensor], cache: Any) -> dict[int, torch.Tensor]:
-        """Batch slot -> whole decoded image, on the device, for the slots not in ``hits`` that the
-        disk tier has (each also kept by the decoded image ``cache`` while it accepts)."""
-        disk = self.disk
-        wanted = [slot for slot in range(len(positions)) if slot not in hits]
-        if disk is None or not wanted:
-            return {}
-        present = disk.present([positions[slot] for slot in wanted])
-        found = [slot for slot, held in zip(wanted, present) if held]
-        with stage(gather_stage("disk")):
-            images = disk.read([positions[slot] for slot in found]) if found else None
-        if images is None:
-            return {}
-        if self.setup.device.type != "cpu":  # through the loader's staging, each image's layout kept
-            images = to_device(images, self.setup.device, self.setup.staging, keep_layout=True)
-        if cache is not None and cache.accepting:
-            for slot, image in zip(found, images):
-                cache.keep(positions[slot], image)
-        return dict(zip(found, images))
 
     def _headers(self, encoded: list[bytes], positions: list[int]) -> list[Header | None]:
         """Each file's header, read once per dataset (``HeaderTable``); None where unreadable
@@ -276,3 +243,130 @@ class ImageDecoding:
         for k, window in zip(known, drawn):
             windows[k] = window
         return sizes, windows
+
+
+# ---------------------------------------------------------------- the decoded images' chain
+
+
+@dataclass
+class ImageRows:
+    """Images a tier of the decoded-image chain gave: whole (``windows`` None), or the
+    transforms' ``windows`` of images of ``sizes`` (decoded from the files, never kept)."""
+
+    images: list[torch.Tensor]
+    windows: list[Window | None] | None = None
+    sizes: list[tuple[int, int] | None] | None = None
+
+
+class _MemoryImages:
+    """The decoded-image cache (a ``SampleCache`` by dataset index) as the chain's memory tier."""
+
+    name = "memory"
+
+    def __init__(self, cache: SampleCache) -> None:
+        self.cache = cache
+
+    def lookup(self, keys: torch.Tensor) -> Lookup:
+        found, images, missing = [], [], []
+        for at, position in enumerate(keys.tolist()):
+            image = self.cache.get(position)
+            if image is None:
+                missing.append(at)
+            else:
+                found.append(at)
+                images.append(image)
+        lacking = torch.tensor(missing, dtype=torch.int64)
+        if not found:
+            return None, lacking
+        return (None if not missing else torch.tensor(found, dtype=torch.int64), ImageRows(images)), lacking
+
+    def keep(self, keys: torch.Tensor, values: ImageRows) -> int:
+        if values.windows is not None or not self.cache.accepting:
+            return 0
+        return sum(self.cache.keep(position, image) for position, image in zip(keys.tolist(), values.images))
+
+
+class _DiskImagesTier:
+    """``cache_dir``'s disk tier of whole decoded images: those it has published, on the
+    loader's device (through its staging, each image's layout kept)."""
+
+    name = "disk"
+
+    def __init__(self, disk: DiskImages, setup: Setup) -> None:
+        self.disk = disk
+        self.setup = setup
+
+    def lookup(self, keys: torch.Tensor) -> Lookup:
+        positions = keys.tolist()
+        present = self.disk.present(positions)
+        found = [at for at, held in enumerate(present) if held]
+        with stage(gather_stage("disk")):
+            images = self.disk.read([positions[at] for at in found]) if found else None
+        if images is None:  # none published, or a block dropped (damaged) meanwhile
+            return None, torch.arange(len(positions))
+        if self.setup.device.type != "cpu":
+            images = to_device(images, self.setup.device, self.setup.staging, keep_layout=True)
+        if len(found) == len(positions):
+            return (None, ImageRows(images)), NOTHING
+        missing = [at for at, held in enumerate(present) if not held]
+        return (torch.tensor(found, dtype=torch.int64), ImageRows(images)), torch.tensor(missing, dtype=torch.int64)
+
+    def keep(self, keys: torch.Tensor, values: ImageRows) -> int:
+        if values.windows is not None or not self.disk.accepting:
+            return 0
+        return self.disk.write(keys.tolist(), values.images)
+
+
+class _Files:
+    """The end of the chain: the image files read (from the encoded cache when it has them)
+    and decoded, whole while ``filling``, else only the transforms' windows. A file skipped
+    (``on_error="skip"``) is missing; ``windowed`` says whether windows were decoded."""
+
+    name = "source"
+
+    def __init__(self, source: ImageDecoding, epoch: int, filling: bool) -> None:
+        self.source = source
+        self.epoch = epoch
+        self.filling = filling
+        self.windowed = False
+
+    def lookup(self, keys: torch.Tensor) -> Lookup:
+        source, epoch = self.source, self.epoch
+        encoded, names, readable, ats = [], [], [], []
+        for at, position in enumerate(keys.tolist()):
+            data = source._read(position, epoch)
+            if data is None:
+                continue
+            encoded.append(data)
+            names.append(source.images.path(position))
+            readable.append(position)
+            ats.append(at)
+        with stage("decode"):
+            headers = source._headers(encoded, readable)
+        sizes, windows = (None, None) if self.filling else source._windows(headers, readable, epoch)
+        self.windowed = windows is not None
+        kept: list[int] = []
+        rows = ImageRows([], None if windows is None else [], None if sizes is None else [])
+        if encoded:
+            with stage("decode"):
+                result = source.decoder.decode(
+                    encoded, names, readable, rois=windows, on_error=source.setup.on_error, headers=headers
+                )
+            source._note_skipped(result.skipped, epoch)
+            source.fallback_decoded += result.fallback_decoded
+            source.cpu_decoded += result.cpu_decoded
+            source.roi = result.roi
+            for k, image in zip(result.kept_positions, result.images):
+                kept.append(ats[k])
+                rows.images.append(image)
+                if rows.windows is not None and windows is not None:
+                    rows.windows.append(windows[k])
+                if rows.sizes is not None and sizes is not None:
+                    rows.sizes.append(sizes[k])
+        missing = torch.tensor(sorted(set(range(keys.numel())) - set(kept)), dtype=torch.int64)
+        if not kept:
+            return None, missing
+        return (torch.tensor(kept, dtype=torch.int64), rows), missing
+
+    def keep(self, keys: torch.Tensor, values: ImageRows) -> int:
+        return 0  # the files are the source: nothing is written back

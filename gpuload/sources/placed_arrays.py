@@ -23,8 +23,7 @@ from torch.utils.data import TensorDataset
 from gpuload.cache import CacheSettings, StoreStats, TieredArrayStore, format_bytes
 from gpuload.cache.array_store import BatchRequest, gatherable, private_host_tier
 from gpuload.cache.chunked_rows import ChunkedRows, take_rows
-from gpuload.cache.disk import fingerprint_arrays
-from gpuload.cache.disk_tier import disk_tier_maker
+from gpuload.cache.disk import Fingerprint, fingerprint_arrays
 from gpuload.datasets.arrays import ArrayDataset
 from gpuload.device import device_memory, host_memory
 from gpuload.distributed.group import current_context
@@ -169,10 +168,12 @@ class ArrayColumns:
                 stacklevel=3,
             )
             return ResidentColumns(self, self.columns, device, "host-gather", copies_batches=True, staging=staging)
-        disk = disk_tier_maker(settings, lambda: fingerprint_arrays(self.columns, key=settings.disk_key)) \
-            if plan.samples_in("disk") else None
+
+        def identity() -> Fingerprint:  # the disk tier's key, taken only when it keeps rows
+            return fingerprint_arrays(self.columns, key=settings.disk_key)
+
         store = TieredArrayStore(self.columns, plan, device, owner=owner, host_tier=shared_host or private_host_tier,
-                                 disk_tier=disk, staging=staging)
+                                 settings=settings, identity=identity, staging=staging)
         path = "device-gather" if plan.device_samples == self.num_samples else f"tiered ({plan.kind})"
         return ResidentColumns(self, self.columns, device, path, copies_batches=False, store=store, staging=staging)
 

@@ -2,20 +2,23 @@
 then batches built from it, calling the dataset only for what it lacks.
 
 ``decide_samples`` (in ``gpuload.cache``) chooses where the samples may be kept; a
-:class:`CachedSamples` holds the store that keeps them (by column, ``ColumnStore``) and answers
-each batch from it.
+:class:`CachedSamples` holds the store that keeps them (by column, ``ColumnStore``) and reads
+each batch through one chain of keyed tiers (:func:`~gpuload.cache.chain.read_through`): the
+store, ``cache_dir``'s disk tier, then the dataset; what a lower tier gives is kept above it.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import default_collate
 
 from gpuload.cache import CacheDecision, format_bytes
+from gpuload.cache.chain import NOTHING, Hit, KeyedTier, Lookup, read_through
 from gpuload.cache.columns import Branch, Column, ColumnStore, Part, prepare, worker_collate
 from gpuload.cache.disk_tier import DiskRows, Fingerprint, select_rows
 from gpuload.cpu_threads import own_cpu_threads
@@ -82,12 +85,25 @@ class CachedSamples:
         self._entries_seen = 0  # entries at the end of the last epoch: does an epoch still add?
         self._warned_partial = False
         self._counts_copies = decision.tier == "device" and setup.device.type != "cpu"
-        self.h2d_bytes = 0  # samples put on the device tier, and misses moved there to be collated
-        # Below the memory tiers, ``cache_dir``'s disk tier: samples read back from it instead
+        # Below the memory tier, ``cache_dir``'s disk tier: samples read back from it instead
         # of the dataset. Only deterministic samples collated by column (a frozen random epoch
         # is never written), keyed by ``fingerprint`` (``DiskRows.identify``, taken before any read).
         self.disk = DiskRows.open(setup.dataset, setup.settings, fingerprint) \
             if self.by_column and not decision.warn else None
+        # The chain a batch is read through: memory, then disk. Its memory tier in two forms,
+        # as a batch's keys are known to lie in the dataset or not (no state set per batch: two
+        # threads may each read a batch).
+        below: tuple[KeyedTier, ...] = () if self.disk is None else (_DiskTier(self.disk),)
+        self.copied = _Copied(self._counts_copies)
+        self.memory = _StoreTier(self.store, self.copied, in_range=False)
+        self.tiers = (self.memory, *below)
+        self._tiers_in_range = (_StoreTier(self.store, self.copied, in_range=True), *below)
+        self._dataset_by_key = _DatasetTier(setup.dataset, self.batched, None, NOTHING)  # tensor indices
+
+    @property
+    def h2d_bytes(self) -> int:
+        """Samples put on the device tier, and misses moved there to be collated."""
+        return self.copied.bytes
 
     @property
     def complete(self) -> bool:
@@ -138,9 +154,7 @@ class CachedSamples:
         if part is not None and indices is not None:
             keys = self._keys_of(indices)
             if keys is not None:
-                self._store(keys, part)
-                if self.disk is not None:
-                    self.disk.write(keys, part)
+                self._keep(keys, SampleRows(part, None))
         if not self.accepting and not (self.disk is not None and self.disk.accepting):
             keep.sending.value = 0
 
@@ -151,59 +165,62 @@ class CachedSamples:
             self.unkeyed = True
         return keys
 
-    def _store(self, keys: torch.Tensor, part: Part) -> int:
-        """Put a prepared batch in the store; how many of its samples were stored now."""
-        with own_cpu_threads(self.device):  # gpuload's batch-sized copies (exact at any thread count)
-            stored = self.store.put(keys, part) if self.accepting else 0
-        if stored and self._counts_copies:
-            self.h2d_bytes += _column_bytes(part)
-        return stored
-
-    def _fetch(self, indices: list[Any]) -> list[Any]:
-        return fetch(self.dataset, indices, self.batched)
+    def _keep(self, keys: torch.Tensor, rows: SampleRows) -> None:
+        """Samples read elsewhere (by workers, or by ``warm``) kept by every tier, the disk's first."""
+        for tier in reversed(self.tiers):
+            tier.keep(keys, rows)
 
     def batch(self, indices: Any, in_range: bool = False) -> Any:
         """The batch torch's fetch + collate gives for ``indices`` (device-tier leaves on the
         device; anything collated from host samples still on the host). ``in_range``: the
         indices are int64 tensors known to lie in ``[0, len(dataset))``."""
-        keys = self._keys_of(indices)
-        if keys is None or not keys.numel():  # torch's fetch and collate (and its error if empty)
-            items = list(indices) if self.batched else [indices]
-            return self._collate(self._fetch(items))
-        store = self.store
-        complete = self.store.complete  # read before the slots: complete then, they are all stored
-        slots = store.slots(keys, in_range)
-        if complete and in_range:
-            store.count(keys.numel(), 0)
-            return self._from_store(slots)
-        rows = slots.numpy()  # numpy's min/max: no thread pool to wake for a few hundred rows
-        low, high = int(rows.min()), int(rows.max())
-        if low >= 0:
-            store.count(keys.numel(), 0)
-            return self._from_store(slots)
-        items = indices.view(-1).tolist() if isinstance(indices, torch.Tensor) else (
-            list(indices) if self.batched else [indices])
-        if high < 0:  # nothing cached: the filling epoch's usual batch
-            missing, positions = keys, list(range(len(items)))
+        if in_range and not self.unkeyed:  # the loader's own epochs: int64 tensors already
+            keys = indices if indices.dim() == 1 else indices.reshape(-1)
         else:
-            where = (slots < 0).nonzero().view(-1)
-            missing, positions = keys.index_select(0, where), where.tolist()
-        store.count(keys.numel() - len(positions), len(positions))
-        with stage(gather_stage("disk")):
-            part = self.disk.read(missing) if self.disk is not None else None
-        fetched = None
-        if part is None:
-            fetched = self._fetch(items if high < 0 else [items[p] for p in positions])
-            part = prepare(fetched)
-            if self.disk is not None:
-                self.disk.write(missing, part)
-        if self.accepting and self._store(missing, part) == len(positions):
-            if high < 0 and self.by_column and not self._counts_copies:
-                return part.batch()  # every sample was read now: the columns just written
-            return self._from_store(store.slots(keys))
-        if fetched is None:
-            return self._partial_from_disk(store.slots(keys), positions, part, items)
-        return self._partial(store.slots(keys), positions, fetched)
+            keys = self._keys_of(indices)
+            if keys is None or not keys.numel():  # torch's fetch and collate (and its error if empty)
+                return self._collate(self._fetch(_items(indices, self.batched)))
+        if in_range:
+            hits, _ = read_through(self._tiers_in_range, keys, self._dataset_by_key)
+        else:
+            hits, _ = read_through(self.tiers, keys, _DatasetTier(self.dataset, self.batched, indices, keys))
+        if len(hits) == 1 and not hits[0][0]:  # every sample from memory: the steady batch
+            return self._from_store(hits[0][2])
+        return self._assemble(keys, hits[-1], indices)
+
+    def _assemble(self, keys: torch.Tensor, below: Hit, indices: Any) -> Any:
+        """A batch some of whose samples were read below memory now (``below``: the disk's or
+        the dataset's, at their positions), in order: from the store when it took them all,
+        else the stored ones and the rest of ``below`` put together."""
+        _, positions, rows = below
+        slots = self.store.slots(keys)
+        left = (slots < 0).nonzero().view(-1)  # positions the store does not hold, even now
+        if not left.numel():
+            if positions is None and self.by_column and not self._counts_copies:
+                return rows.part.batch()  # every sample was read now: the columns just read
+            return self._from_store(slots)
+        if positions is not None and not torch.equal(left, positions):  # the store took some of them
+            rows = rows.select(torch.searchsorted(positions, left))  # both ascending
+        if left.numel() == slots.numel():
+            return rows.part.batch() if rows.samples is None else self._collate(rows.samples)
+        if self.by_column:
+            if self._counts_copies:
+                self.copied.bytes += rows.nbytes()
+            with own_cpu_threads(self.device), stage(gather_stage(self.tier)):
+                batch = self.store.assemble(slots, rows.part)
+            if batch is not None:
+                return batch
+            if rows.samples is None:  # rows from disk that the stored columns do not fit: as torch reads it
+                return self._collate(self._fetch(_items(indices, self.batched)))
+        cached = iter(self.store.views(slots[slots >= 0]))
+        extra = iter(rows.samples)
+        samples = [next(extra) if s < 0 else next(cached) for s in slots.tolist()]
+        if self._counts_copies:
+            samples = move_staged(samples, self.device, self.setup.staging)
+        return self._collate(samples)
+
+    def _fetch(self, items: list[Any]) -> list[Any]:
+        return fetch(self.dataset, items, self.batched)
 
     def _from_store(self, slots: torch.Tensor) -> Any:
         """A batch of stored samples only."""
@@ -211,49 +228,6 @@ class CachedSamples:
             with own_cpu_threads(self.device), stage(gather_stage(self.tier)):
                 return self.store.gather_rows(slots)
         return self._collate(self.store.views(slots))
-
-    def _partial(self, slots: torch.Tensor, positions: list[int], fetched: list[Any]) -> Any:
-        """A batch of stored samples and samples read now (``fetched``, at ``positions``), in order."""
-        read = (slots < 0).nonzero().view(-1).tolist()
-        if read != positions:  # only some were stored just now: keep the rest
-            kept = dict(zip(positions, fetched))
-            fetched = [kept[p] for p in read]
-        if not read:  # a sample drawn twice: all were stored after all
-            return self._from_store(slots)
-        if len(read) == slots.numel():
-            return self._collate(fetched)
-        if self.by_column:
-            if self._counts_copies:
-                self.h2d_bytes += sum(batch_nbytes(sample) for sample in fetched)
-            with own_cpu_threads(self.device):
-                batch = self.store.assemble(slots, prepare(fetched))
-            if batch is not None:
-                return batch
-        cached = iter(self.store.views(slots[slots >= 0]))
-        extra = iter(fetched)
-        samples = [next(extra) if s < 0 else next(cached) for s in slots.tolist()]
-        if self._counts_copies:
-            samples = move_staged(samples, self.device, self.setup.staging)
-        return self._collate(samples)
-
-    def _partial_from_disk(self, slots: torch.Tensor, positions: list[int], part: Part, items: list[Any]) -> Any:
-        """A batch of stored samples and samples read from the disk tier (``part``, at
-        ``positions``), in order (collated by column: the disk tier needs it)."""
-        read = (slots < 0).nonzero().view(-1).tolist()
-        if not read:
-            return self._from_store(slots)
-        if read != positions:  # only some were stored just now: keep the rest
-            at = {p: k for k, p in enumerate(positions)}
-            part = select_rows(part, torch.tensor([at[p] for p in read], dtype=torch.int64))
-        if len(read) == slots.numel():
-            return part.batch()
-        if self._counts_copies:
-            self.h2d_bytes += _column_bytes(part)
-        with own_cpu_threads(self.device), stage(gather_stage(self.tier)):
-            batch = self.store.assemble(slots, part)
-        if batch is None:  # the stored columns changed structure: as torch reads it
-            batch = self._collate(self._fetch(items))
-        return batch
 
     def _collate(self, samples: list[Any]) -> Any:
         return self.collate_fn(samples) if self.batched else self.collate_fn(samples[0])
@@ -279,10 +253,7 @@ class CachedSamples:
             tqdm(total=len(todo), unit="sample", desc="gpuload warm", disable=not progress) as bar,
         ):
             for chunk, part in zip(chunks, fetched):
-                keys = torch.tensor(chunk, dtype=torch.int64)
-                self._store(keys, part)
-                if self.disk is not None:
-                    self.disk.write(keys, part)
+                self._keep(torch.tensor(chunk, dtype=torch.int64), SampleRows(part, None))
                 read += len(chunk)
                 bar.update(len(chunk))
                 if not self.accepting:
@@ -319,6 +290,128 @@ class CachedSamples:
                 stacklevel=3,
             )
         return False
+
+
+def _items(indices: Any, batched: bool) -> list[Any]:
+    """The dataset indices of one index batch as torch's fetch takes them."""
+    if isinstance(indices, torch.Tensor):
+        return indices.view(-1).tolist()
+    return list(indices) if batched else [indices]
+
+
+@dataclass
+class SampleRows:
+    """Samples read below the memory tier: prepared (``part``, what the tiers above keep) and
+    as the dataset returned them (``samples``; None: read back from the disk tier)."""
+
+    part: Part
+    samples: list[Any] | None
+
+    def select(self, positions: torch.Tensor) -> SampleRows:
+        """The samples at ``positions`` (int64) of these."""
+        if self.samples is None:  # from disk: every leaf a column
+            return SampleRows(select_rows(self.part, positions), None)
+        samples = [self.samples[p] for p in positions.tolist()]
+        return SampleRows(prepare(samples), samples)
+
+    def nbytes(self) -> int:
+        """Bytes these samples copy to a device."""
+        if self.samples is None:
+            return _column_bytes(self.part)
+        return sum(batch_nbytes(sample) for sample in self.samples)
+
+
+class _Copied:
+    """Bytes the sample cache copied host-to-device (``counts``: a device tier on a card, where
+    what it keeps and the misses it collates there cross PCIe)."""
+
+    def __init__(self, counts: bool) -> None:
+        self.counts = counts
+        self.bytes = 0
+
+
+class _StoreTier:
+    """The sample store as the chain's memory tier: its slots for the samples it holds
+    (gathered when the batch is made), each lookup counted as hits and misses."""
+
+    name = "memory"
+
+    def __init__(self, store: ColumnStore, copied: _Copied, in_range: bool) -> None:
+        self.store = store
+        self.copied = copied
+        self.in_range = in_range  # the keys it is asked are known to lie in the dataset
+
+    def lookup(self, keys: torch.Tensor) -> Lookup:
+        store = self.store
+        complete = store.complete  # read before the slots: complete then, they are all stored
+        slots = store.slots(keys, self.in_range)
+        if not (complete and self.in_range):
+            rows = slots.numpy()  # numpy's min/max: no thread pool to wake for a few hundred rows
+            if int(rows.min()) < 0:
+                missing = (slots < 0).nonzero().view(-1)
+                store.count(keys.numel() - missing.numel(), missing.numel())
+                if int(rows.max()) < 0:  # nothing stored: the filling epoch's usual batch
+                    return None, missing
+                found = (slots >= 0).nonzero().view(-1)
+                return (found, slots.index_select(0, found)), missing
+        store.count(keys.numel(), 0)
+        return (None, slots), NOTHING
+
+    def keep(self, keys: torch.Tensor, values: SampleRows) -> int:
+        if not self.store.accepting:
+            return 0
+        with own_cpu_threads(self.store.device):  # gpuload's batch-sized copies (exact at any thread count)
+            stored = self.store.put(keys, values.part)
+        if stored and self.copied.counts:
+            self.copied.bytes += _column_bytes(values.part)
+        return stored
+
+
+class _DiskTier:
+    """``cache_dir``'s disk tier of the samples: all of the keys asked, or none (``DiskRows.read``)."""
+
+    name = "disk"
+
+    def __init__(self, disk: DiskRows) -> None:
+        self.disk = disk
+
+    def lookup(self, keys: torch.Tensor) -> Lookup:
+        with stage(gather_stage("disk")):
+            part = self.disk.read(keys)
+        if part is None:
+            return None, torch.arange(keys.numel())
+        return (None, SampleRows(part, None)), NOTHING
+
+    def keep(self, keys: torch.Tensor, values: SampleRows) -> int:
+        return self.disk.write(keys, values.part)
+
+
+class _DatasetTier:
+    """The dataset at the end of the chain: every sample asked, read by torch's fetch."""
+
+    name = "source"
+
+    def __init__(self, dataset: Any, batched: bool, items: Any, keys: torch.Tensor) -> None:
+        self.dataset = dataset
+        self.batched = batched
+        # The batch's indices as the sampler gave them, and their keys: fetched as they are, as
+        # torch fetches them, not as the int64 keys made of them (None: int64 tensors, the keys).
+        self.items = items
+        self.keys = keys
+
+    def lookup(self, keys: torch.Tensor) -> Lookup:
+        if self.items is None:  # int64 tensor indices: fetched as the ints they hold
+            samples = fetch(self.dataset, keys.tolist(), self.batched)
+            return (None, SampleRows(prepare(samples), samples)), NOTHING
+        items = _items(self.items, self.batched)
+        if len(items) != keys.numel():  # the tiers above hold the others
+            by_key = dict(zip(self.keys.tolist(), items))
+            items = [by_key[key] for key in keys.tolist()]
+        samples = fetch(self.dataset, items, self.batched)
+        return (None, SampleRows(prepare(samples), samples)), NOTHING
+
+    def keep(self, keys: torch.Tensor, values: SampleRows) -> int:
+        return 0
 
 
 def _column_bytes(part: Part) -> int:

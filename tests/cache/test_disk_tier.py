@@ -18,11 +18,11 @@ import gpuload
 from gpuload.cache import TieredArrayStore
 from gpuload.cache.columns import column_rows, layout, prepare
 from gpuload.cache.disk import DiskCacheWarning, fingerprint_arrays
-from gpuload.cache.disk_tier import DiskTier, _describe, _described, disk_tier_maker, select_rows
+from gpuload.cache.disk_tier import DiskTier, _describe, _described, select_rows
 from gpuload.cache.identity import IdentityError
 from gpuload.cache.plan import make_plan
 from gpuload.cache.settings import CacheSettings
-from gpuload.cache.tiers import TIERS
+from gpuload.cache.tiers import TIERS, Placing
 from tests.cache.test_disk import _Listed
 
 GiB = 2**30
@@ -71,8 +71,8 @@ def test_settings_plan_the_disk_tier_from_cache_dir_and_disk_cache_size(tmp_path
 def _store(folder: Path, plan) -> TieredArrayStore:
     data = _arrays()
     settings = CacheSettings.resolve(cache_dir=folder, environ={}, cwd=folder.parent)
-    maker = disk_tier_maker(settings, lambda: fingerprint_arrays(data))
-    return TieredArrayStore(data, plan, "cpu", disk_tier=maker, stage_host_rows=True)
+    return TieredArrayStore(data, plan, "cpu", settings=settings, identity=lambda: fingerprint_arrays(data),
+                            stage_host_rows=True)
 
 
 def _gather(store: TieredArrayStore, indices: torch.Tensor) -> list[torch.Tensor]:
@@ -339,20 +339,21 @@ def test_the_copies_done_event_is_recorded_on_the_images_device_not_the_current_
 
 def test_an_empty_disk_tier_holds_nothing_and_refuses_to_gather(tmp_path: Path) -> None:
     data = _arrays()
-    empty = DiskTier.allocate(data, 10, 5, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    empty = DiskTier.allocate(data, 10, 5, Placing(cpu))  # no folder known: empty
     assert (empty.rows, empty.first) == (0, 10)
     with pytest.raises(RuntimeError, match="this disk tier was closed"):
         empty.gather(0, torch.arange(2))
-    no_folder = disk_tier_maker(CacheSettings.resolve(environ={}, cwd=tmp_path), lambda: fingerprint_arrays(data))
-    assert no_folder(data, 0, 10).rows == 0 and list(tmp_path.iterdir()) == []
+    no_folder = Placing(cpu, CacheSettings.resolve(environ={}, cwd=tmp_path), lambda: fingerprint_arrays(data))
+    assert DiskTier.allocate(data, 0, 10, no_folder).rows == 0 and list(tmp_path.iterdir()) == []
     settings = CacheSettings.resolve(cache_dir=tmp_path / "c", environ={}, cwd=tmp_path)
-    assert disk_tier_maker(settings, lambda: 1 / 0)(data, 0, 0).rows == 0  # no rows: not even fingerprinted
+    assert DiskTier.allocate(data, 0, 0, Placing(cpu, settings, lambda: 1 / 0)).rows == 0  # no rows: not fingerprinted
 
 
 def test_a_disk_tier_gathers_into_a_new_tensor(tmp_path: Path) -> None:
     data = _arrays()
     settings = CacheSettings.resolve(cache_dir=tmp_path / "c", environ={}, cwd=tmp_path)
-    tier = disk_tier_maker(settings, lambda: fingerprint_arrays(data))(data, 100, 50)
+    tier = DiskTier.allocate(data, 100, 50, Placing(torch.device("cpu"), settings, lambda: fingerprint_arrays(data)))
     assert tier.rows == 50
     assert torch.equal(tier.gather(1, torch.tensor([0, 49])), data[1][torch.tensor([100, 149])])
     tier.disk.close()

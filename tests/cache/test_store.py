@@ -2,7 +2,11 @@
 array rows over tiers (on the CPU in place, through the loader's staging path, with a toy tier
 added in one class), a map-style dataset's samples by column and one by one, and a rank's
 share of arrays or decoded images split over ranks. The ``gpu`` variants run the same checks
-with the device tier and the prefetcher's staging on CUDA."""
+with the device tier and the prefetcher's staging on CUDA. The keyed tier chain
+(``gpuload.cache.chain.read_through``) is checked with a toy tier added in one class
+(``ToyTier``), over the sample cache's own chain (memory store, disk entry, dataset), the
+decoded images' (image cache, files) and the array store's tiers (device, host or a toy tier,
+disk, source)."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from store_cases import (
 
 from gpuload.cache import TieredArrayStore
 from gpuload.cache.budget import BudgetLedger
+from gpuload.cache.chain import NOTHING, Lookup, read_through
 from gpuload.cache.sample_store import SampleCache
 from gpuload.cache.store import FillingStore, Store, StreamGuard
 from gpuload.cache.tiers import TIERS, HostTier, Tier, register_tier
@@ -341,3 +346,210 @@ def test_shrink_to_reserve_gives_back_what_free_memory_no_longer_allows_on_cuda_
     empty.close()
     assert empty.shrink_to_reserve(keepable) == 0 and len(seen) == 1  # holds nothing: not asked
     store.close()
+
+
+# ---------------------------------------------------------------- the keyed tier chain
+
+
+class ToyTier:
+    """A keyed tier added in one class: values by key in a dict, at most ``room`` of them (its
+    budget). Values are lists, one value per key; ``asked`` records every lookup's keys."""
+
+    def __init__(self, name: str, room: int = 1 << 30) -> None:
+        self.name, self.room = name, room
+        self.held: dict[int, Any] = {}
+        self.asked: list[list[int]] = []
+
+    def lookup(self, keys: torch.Tensor) -> Lookup:
+        asked = keys.tolist()
+        self.asked.append(asked)
+        found = [p for p, key in enumerate(asked) if key in self.held]
+        missing = torch.tensor([p for p, key in enumerate(asked) if key not in self.held], dtype=torch.int64)
+        if not found:
+            return None, missing
+        return (torch.tensor(found), [self.held[asked[p]] for p in found]), missing
+
+    def keep(self, keys: torch.Tensor, values: Any) -> int:
+        kept = 0
+        for key, value in zip(keys.tolist(), values):
+            if key not in self.held and len(self.held) < self.room:
+                self.held[key] = value
+                kept += 1
+        return kept
+
+
+class _Squares(ToyTier):
+    """A source: every key's value is its square."""
+
+    def lookup(self, keys: torch.Tensor) -> Lookup:
+        self.asked.append(keys.tolist())
+        return (None, [key * key for key in keys.tolist()]), NOTHING
+
+
+def _values(keys: torch.Tensor, hits: list) -> list[Any]:
+    """The values of a read, in the order of ``keys``."""
+    out: list[Any] = [None] * keys.numel()
+    for _, positions, values in hits:
+        for p, value in zip(range(keys.numel()) if positions is None else positions.tolist(), values):
+            out[p] = value
+    return out
+
+
+def test_read_through_asks_each_tier_only_for_what_the_ones_before_lack_and_keeps_it_above():
+    memory, disk, source = ToyTier("memory"), ToyTier("disk"), _Squares("source")
+    disk.held = {3: 9, 4: 16}
+    keys = torch.tensor([4, 7, 3, 2])
+    hits, missing = read_through((memory, disk), keys, source)
+    assert _values(keys, hits) == [16, 49, 9, 4] and not missing.numel()
+    assert [(depth, positions.tolist()) for depth, positions, _ in hits] == [(1, [0, 2]), (2, [1, 3])]
+    assert (memory.asked, disk.asked, source.asked) == ([[4, 7, 3, 2]], [[4, 7, 3, 2]], [[7, 2]])
+    assert memory.held == {4: 16, 3: 9, 7: 49, 2: 4} and disk.held == {3: 9, 4: 16, 7: 49, 2: 4}
+    hits, _ = read_through((memory, disk), keys, source)  # now all in memory: nothing else asked
+    assert [(depth, positions.tolist()) for depth, positions, _ in hits] == [(0, [0, 1, 2, 3])]
+    assert _values(keys, hits) == [16, 49, 9, 4] and len(disk.asked) == len(source.asked) == 1
+
+
+def test_a_toy_tier_between_memory_and_the_source_serves_and_fills_within_its_budget():
+    memory, toy, source = ToyTier("memory", room=1), ToyTier("toy", room=3), _Squares("source")
+    keys = torch.tensor([1, 2, 3, 4, 5])
+    read_through((memory, toy), keys, source)
+    assert len(memory.held) == 1 and len(toy.held) == 3  # each within its budget
+    hits, _ = read_through((memory, toy), keys, source)
+    assert _values(keys, hits) == [1, 4, 9, 16, 25]
+    assert [depth for depth, _, _ in hits] == [0, 1, 2] and source.asked[-1] == [4, 5]
+
+
+def test_what_no_tier_nor_the_source_has_is_returned_missing():
+    class Skips(ToyTier):  # e.g. files that cannot be read
+        def lookup(self, keys: torch.Tensor) -> Lookup:
+            return (torch.tensor([0]), ["first"]), torch.arange(1, keys.numel())
+
+    memory = ToyTier("memory")
+    keys = torch.tensor([10, 11, 12])
+    hits, missing = read_through((memory,), keys, Skips("source"))
+    assert missing.tolist() == [1, 2] and _values(keys, hits) == ["first", None, None]
+    assert memory.held == {10: "first"}
+
+
+def _sample_chain(tmp_path, **options) -> tuple[Any, list[Any]]:
+    """A sample cache (memory store, disk entry in ``tmp_path``) of the contract's samples."""
+    from torch.utils.data import default_collate
+
+    from gpuload.cache import CacheDecision, CacheSettings
+    from gpuload.sources import Setup
+    from gpuload.sources.sample_cache import CachedSamples
+    from gpuload.stats import LoaderStats
+
+    data = [(torch.full((3,), float(k)), k) for k in range(N)]
+    settings = CacheSettings.resolve(cache="host", cache_dir=tmp_path / "c", environ={}, cwd=tmp_path)
+    setup = Setup(dataset=data, map_style=True, device=torch.device("cpu"), settings=settings, batched=True,
+                  batch_size=8, collate_fn=default_collate, stats=LoaderStats(), owner=("chain", id(data)))
+    return CachedSamples(setup, CacheDecision("host", "samples", options.get("budget", 1 << 30), "test")), data
+
+
+def test_the_sample_cache_is_a_chain_whose_tiers_serve_what_they_hold(tmp_path):
+    from torch.utils.data import default_collate
+
+    cached, data = _sample_chain(tmp_path)
+    assert [tier.name for tier in cached.tiers] == ["memory", "disk"]
+    memory, disk = cached.tiers
+    keys = torch.tensor([5, 1, 9, 1])
+    found, missing = memory.lookup(keys)
+    assert found is None and missing.tolist() == [0, 1, 2, 3]
+    assert same(cached.batch(keys, in_range=True), default_collate([data[k] for k in keys.tolist()]))
+    found, missing = memory.lookup(keys)  # the dataset's samples were kept: memory has them all
+    assert found is not None and found[0] is None and not missing.numel()
+    cached.batch(torch.arange(N), in_range=True)  # every sample: each block of the disk entry complete
+    cached.close()  # the disk entry's blocks published, as at a job's end
+    again, later = _sample_chain(tmp_path)  # a later job: its memory is empty, its disk tier holds them
+    found, missing = again.tiers[1].lookup(keys)
+    assert found is not None and not missing.numel()
+    later.clear()  # nothing may be read from the dataset now
+    assert same(again.batch(keys, in_range=True), default_collate([data[k] for k in keys.tolist()]))
+    assert again.stats()["disk"]["hits"] == 8  # the lookup above and the batch's
+    assert again.tiers[0].lookup(keys)[0] is not None  # kept in memory as it was read from disk
+    again.close()
+
+
+def test_decoded_images_are_a_chain_served_from_memory_once_read_and_a_toy_tier_serves_between(tmp_path):
+    """The image source's chain: the decoded-image cache, then the files decoded (kept whole in
+    the cache); a toy tier put between them in one class serves what it holds, no file read."""
+    from image_fixtures import CountingList
+
+    import gpuload
+    from gpuload import transforms as T
+    from gpuload.datasets import make_sample_image_folder
+    from gpuload.sources.image_decoding import ImageRows, _Files, _MemoryImages
+
+    folder = make_sample_image_folder(tmp_path / "images", num_images=6, num_classes=2, seed=3)
+    files = CountingList(list(folder.samples))
+    loader = gpuload.DataLoader(files, batch_size=3, device="cpu", cache="device", transforms=[T.RandomResizedCrop(8)])
+    list(loader)  # the first epoch fills the decoded-image cache
+    source = loader._source
+    assert files.reads == 6 and source.keeps == "decoded"
+    memory = _MemoryImages(source.cache)
+    keys = torch.tensor([4, 0, 2])
+    hits, missing = read_through((memory,), keys, _Files(source, epoch=1, filling=False))
+    assert [(depth, positions) for depth, positions, _ in hits] == [(0, None)] and not missing.numel()
+    assert files.reads == 6 and [image.shape[0] for image in hits[0][2].images] == [3, 3, 3]  # whole, no file read
+
+    class ImagesToy(ToyTier):  # values: ImageRows, kept per key
+        def lookup(self, keys: torch.Tensor) -> Lookup:
+            found, rows = super().lookup(keys)
+            return (None if found is None else (found[0], ImageRows(found[1]))), rows
+
+        def keep(self, keys: torch.Tensor, values: Any) -> int:
+            return super().keep(keys, values.images)
+
+    toy = ImagesToy("toy")
+    empty = _MemoryImages(source.cache)
+    source.cache.close()  # memory gives nothing now: the files, then the toy tier, serve
+    hits, _ = read_through((empty, toy), keys, _Files(source, epoch=1, filling=True))
+    assert files.reads == 9 and sorted(toy.held) == [0, 2, 4]
+    again, _ = read_through((empty, toy), keys, _Files(source, epoch=1, filling=True))
+    assert files.reads == 9 and [depth for depth, _, _ in again] == [1]
+    assert all(torch.equal(a, b) for a, b in zip(hits[0][2].images, again[0][2].images))
+    loader.close()
+
+
+def _array_values(keys: torch.Tensor, hits: list, columns_count: int) -> list[torch.Tensor]:
+    """A read of array rows put back in the order of ``keys``, per column."""
+    out = []
+    for column in range(columns_count):
+        pieces = [(torch.arange(keys.numel()) if at is None else at, rows[column]) for _, at, rows in hits]
+        order = torch.cat([at for at, _ in pieces])
+        out.append(torch.cat([rows for _, rows in pieces]).index_select(0, torch.argsort(order)))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["tiered", "toy-tier", "disk"])
+def test_array_tiers_answer_the_chain_each_for_its_own_rows(kind, tmp_path):
+    """The array store's tiers (device, host or a toy tier, disk, the source) read through the
+    one chain give the rows its own gather gives, each tier asked only for what those before it lack."""
+    from gpuload.cache.disk import fingerprint_arrays
+    from gpuload.cache.settings import CacheSettings
+
+    if kind == "disk":
+        data = columns()
+        settings = CacheSettings.resolve(cache_dir=tmp_path / "c", environ={}, cwd=tmp_path)
+        store = _arrays(data, planned(data, [("device", 40), ("host", 30), ("disk", 100)]), settings=settings,
+                        identity=lambda: fingerprint_arrays(data))
+        case = Case(store, torch.arange(N), lambda index: [column.index_select(0, index) for column in data])
+    else:
+        case = array_case(kind)
+    keyed = case.store.keyed_tiers()
+    names = [tier.name for tier in keyed]
+    assert names[-1] == "source" and names[0] == "device"
+    index = torch.tensor([0, 239, 45, 100, 169, 171, 39, 230, 60])
+    hits, missing = read_through(keyed[:-1], index, keyed[-1])
+    assert not missing.numel()
+    assert same(_array_values(index, hits, len(columns())), case.expected(index))
+    assert same(_array_values(index, hits, len(columns())), case.batch(index))
+    served = {names[depth]: (index.numel() if at is None else at.numel()) for depth, at, _ in hits}
+    rows = {name: counts.samples for name, counts in case.store.stats.tiers.items()}
+    first = 0
+    for name in names:  # each row from the tier whose range holds it
+        expected = int(((index >= first) & (index < first + rows[name])).sum())
+        assert served.get(name, 0) == expected, (name, served)
+        first += rows[name]
+    case.store.close()
