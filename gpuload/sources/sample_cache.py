@@ -186,6 +186,8 @@ class CachedSamples:
             hits, _ = read_through(self.tiers, keys, _DatasetTier(self.dataset, self.batched, indices, keys))
         if len(hits) == 1 and not hits[0][0]:  # every sample from memory: the steady batch
             return self._from_store(hits[0][2])
+        # _assemble takes the last hit as every key memory lacked: the disk answers all or none.
+        assert len(hits) <= 2, "a sample tier below memory answered part of a batch"
         return self._assemble(keys, hits[-1], indices)
 
     def _assemble(self, keys: torch.Tensor, below: Hit, indices: Any) -> Any:
