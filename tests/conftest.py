@@ -1,5 +1,5 @@
 """Test-suite wiring: `gpu`-marked tests skip without CUDA and say so; every test sees the same
-host memory reading, whatever else runs on the machine."""
+host memory and disk space readings, whatever else runs on the machine."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import gpuload
+import gpuload.cache.budget
 import gpuload.device
 from gpuload.device import MemoryInfo
 
@@ -23,21 +24,29 @@ GiB = 2**30
 # the tests fill (a few MiB) above the host reserve of max(4 GiB, 10%), on any machine.
 PRETENDED_HOST_MEMORY = MemoryInfo(free=48 * GiB, total=64 * GiB)
 
+# And what every test sees as the disk under any path: room for the disk tiers the tests fill
+# above the default disk reserve (at most 8 GiB), whatever the machine's disk holds. CI's disk
+# had under 8 GiB free once torch was installed: every ``disk_cache_size='auto'`` tier was off.
+PRETENDED_DISK_SPACE = (200 * GiB, 256 * GiB)
+
 _REAL_HOST_MEMORY = gpuload.device.host_memory
+_REAL_DISK_SPACE = gpuload.cache.budget.disk_space
 
 
-def _modules_reading_host_memory() -> list[object]:
-    """gpuload's modules that look ``host_memory`` up by name (the private DALI/CuPy ones excluded)."""
+def _modules_reading(function: Callable[..., object]) -> list[object]:
+    """gpuload's modules that look ``function`` up by name (the private DALI/CuPy ones excluded)."""
     for info in pkgutil.walk_packages(gpuload.__path__, "gpuload."):
         if not info.name.rsplit(".", 1)[-1].startswith("_"):
             importlib.import_module(info.name)
+    name = function.__name__
     return [
-        module for name, module in list(sys.modules.items())
-        if name.startswith("gpuload.") and getattr(module, "host_memory", None) is _REAL_HOST_MEMORY
+        module for module_name, module in list(sys.modules.items())
+        if module_name.startswith("gpuload.") and getattr(module, name, None) is function
     ]
 
 
-_READERS = _modules_reading_host_memory()
+_HOST_MEMORY_READERS = _modules_reading(_REAL_HOST_MEMORY)
+_DISK_SPACE_READERS = _modules_reading(_REAL_DISK_SPACE)
 
 
 @pytest.fixture(autouse=True)
@@ -50,11 +59,31 @@ def pretend_host_memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..
     def read() -> MemoryInfo:
         return reading[0]
 
-    for module in _READERS:
+    for module in _HOST_MEMORY_READERS:
         monkeypatch.setattr(module, "host_memory", read)
 
     def pretend(free: int, total: int = PRETENDED_HOST_MEMORY.total) -> None:
         reading[0] = MemoryInfo(free=int(free), total=int(total))
+
+    yield pretend
+
+
+@pytest.fixture(autouse=True)
+def pretend_disk_space(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
+    """Pin every file system's ``(free, total)`` reading to ``PRETENDED_DISK_SPACE`` in this
+    process, as ``pretend_host_memory`` does for memory; a test of a full disk calls
+    ``pretend_disk_space(free=..., total=...)``. A child process reads the real disk: a job
+    started by a test that fills a disk tier names its ``disk_cache_size``."""
+    reading = [PRETENDED_DISK_SPACE]
+
+    def read(path: object) -> tuple[int, int]:
+        return reading[0]
+
+    for module in _DISK_SPACE_READERS:
+        monkeypatch.setattr(module, "disk_space", read)
+
+    def pretend(free: int, total: int = PRETENDED_DISK_SPACE[1]) -> None:
+        reading[0] = (int(free), int(total))
 
     yield pretend
 

@@ -38,6 +38,7 @@ __all__ = [
     "DEFAULT_RESERVE_MIN_BYTES",
     "DEFAULT_RESERVE_FRACTION",
     "default_disk_reserve",
+    "disk_space",
     "disk_budget",
 ]
 
@@ -220,6 +221,13 @@ def default_disk_reserve(total_bytes: int) -> int:
     return max(64 << 20, min(8 << 30, int(total_bytes * 0.05)))
 
 
+def disk_space(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """``(free, total)`` bytes of the file system holding ``path``; free as an unprivileged
+    writer sees it (``f_bavail``): the one reading every disk budget is resolved against."""
+    status = os.statvfs(path)
+    return status.f_bavail * status.f_frsize, status.f_blocks * status.f_frsize
+
+
 def disk_budget(path: str | os.PathLike[str], spec: SizeSpec) -> int:
     """Bytes the disk tier may hold under ``path``: ``auto``: the file system's free space less
     :func:`default_disk_reserve`; a fraction: of the free space; bytes: as given; off: 0."""
@@ -227,8 +235,7 @@ def disk_budget(path: str | os.PathLike[str], spec: SizeSpec) -> int:
         return 0
     if spec.kind == "bytes":
         return int(spec.amount)
-    status = os.statvfs(path)
-    free, total = status.f_bavail * status.f_frsize, status.f_blocks * status.f_frsize
+    free, total = disk_space(path)
     if spec.kind == "fraction":
         return int(free * spec.amount)
     return max(0, free - default_disk_reserve(total))

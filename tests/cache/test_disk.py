@@ -169,11 +169,8 @@ def test_the_loader_keeps_the_disk_settings_and_checks_them(tmp_path: Path, monk
         gpuload.DataLoader(dataset, device="cpu")
 
 
-def test_default_budget_is_the_free_space_less_a_reserve(tmp_path: Path, monkeypatch) -> None:
-    class Status:
-        f_frsize, f_bavail, f_blocks = 4096, 50 * 2**30 // 4096, 400 * 2**30 // 4096
-
-    monkeypatch.setattr(os, "statvfs", lambda path: Status)
+def test_default_budget_is_the_free_space_less_a_reserve(tmp_path: Path, pretend_disk_space) -> None:
+    pretend_disk_space(free=50 * 2**30, total=400 * 2**30)
     assert default_disk_reserve(400 * 2**30) == 8 * 2**30  # 5% of 400 GiB, at most 8 GiB
     assert disk_budget(tmp_path, SizeSpec("auto")) == 42 * 2**30
     assert disk_budget(tmp_path, SizeSpec("fraction", 0.5)) == 25 * 2**30

@@ -3,7 +3,6 @@ the reserve gives 0 bytes. The loader says so once and creates nothing in ``cach
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -22,15 +21,12 @@ class _Numbers(torch.utils.data.Dataset):
         return torch.full((3,), float(index)), index
 
 
-class _AlmostFull:
-    """``os.statvfs`` of a 100 GiB file system with 1 GiB free: under the 5 GiB reserve."""
-
-    f_frsize, f_bavail, f_blocks = 4096, 2**30 // 4096, 100 * 2**30 // 4096
+ALMOST_FULL = {"free": 2**30, "total": 100 * 2**30}  # 1 GiB free of 100 GiB: under the 5 GiB reserve
 
 
-def test_a_zero_byte_default_budget_is_said_and_creates_nothing(tmp_path: Path, monkeypatch) -> None:
+def test_a_zero_byte_default_budget_is_said_and_creates_nothing(tmp_path: Path, pretend_disk_space) -> None:
     """Before: no word, and an entry folder (with its lock and users files) in cache_dir."""
-    monkeypatch.setattr(os, "statvfs", lambda path: _AlmostFull)
+    pretend_disk_space(**ALMOST_FULL)
     cache_dir = tmp_path / "spill"
     loader = gpuload.DataLoader(_Numbers(), batch_size=4, cache="host", cache_dir=cache_dir, device="cpu")
     with pytest.warns(DiskCacheWarning) as warned:
@@ -45,7 +41,7 @@ def test_a_zero_byte_default_budget_is_said_and_creates_nothing(tmp_path: Path, 
     loader.close()
 
 
-def test_an_entry_that_exists_still_opens_when_the_disk_fills(tmp_path: Path, monkeypatch) -> None:
+def test_an_entry_that_exists_still_opens_when_the_disk_fills(tmp_path: Path, pretend_disk_space) -> None:
     """A full file system still serves what an entry published: only a new entry is refused."""
     from gpuload.cache.disk import ColumnSpec, DiskCache, Fingerprint
 
@@ -57,7 +53,7 @@ def test_an_entry_that_exists_still_opens_when_the_disk_fills(tmp_path: Path, mo
     assert cache is not None
     cache.write(torch.arange(4), [torch.ones(4, 2)])
     cache.close()
-    monkeypatch.setattr(os, "statvfs", lambda path: _AlmostFull)
+    pretend_disk_space(**ALMOST_FULL)
     again = open_entry()
     assert again is not None and torch.equal(again.read(torch.arange(4))[0], torch.ones(4, 2))
     again.close()

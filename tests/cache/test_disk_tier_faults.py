@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from child_processes import child_environment
 
 import gpuload
 
@@ -110,12 +111,8 @@ def _command(images: Path, cache: Path, mode: str = "fill") -> list[str]:
     return [sys.executable, "-c", CHILD, str(images), str(cache), mode]
 
 
-def _environment() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
 def _run(images: Path, cache: Path, mode: str = "fill") -> dict:
-    done = subprocess.run(_command(images, cache, mode), capture_output=True, text=True, env=_environment(),
+    done = subprocess.run(_command(images, cache, mode), capture_output=True, text=True, env=child_environment(),
                           timeout=300)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -124,7 +121,7 @@ def _run(images: Path, cache: Path, mode: str = "fill") -> dict:
 def _run_together(images: Path, cache: Path, modes: list[str]) -> list[dict]:
     """One child per mode, all started at once; their results."""
     children = [subprocess.Popen(_command(images, cache, mode), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, env=_environment()) for mode in modes]
+                                 text=True, env=child_environment()) for mode in modes]
     results = []
     for child in children:
         out, err = child.communicate(timeout=300)
@@ -140,7 +137,7 @@ def _entries(cache: Path) -> list[Path]:
 def test_killed_during_the_fill_then_a_new_run_gives_the_uncached_batches(images: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     child = subprocess.Popen(_command(images, cache, "slow"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             env=_environment())
+                             env=child_environment())
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline and not list(cache.glob("*/block-*.part")):
@@ -228,7 +225,7 @@ def test_a_read_only_folder_is_one_warning_and_no_disk_tier(images: Path, tmp_pa
     script = (f'mount -t tmpfs tmpfs "$0" && "$1" -c "$2" {fill} && mount -o remount,ro "$0" && '
               f'exec "$1" -c "$2" {again}')
     done = subprocess.run([unshare, "-rm", "sh", "-c", script, str(cache), sys.executable, CHILD],
-                          capture_output=True, text=True, env=_environment(), timeout=300)
+                          capture_output=True, text=True, env=child_environment(), timeout=300)
     assert done.returncode == 0, done.stderr
     filled, read_only = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
     assert filled["equal"] and filled["disk"]["published_rows"] == N

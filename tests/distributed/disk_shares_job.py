@@ -51,6 +51,12 @@ class CountedImages(ImageList):
         return super().read_encoded(index)
 
 
+def _disk_budget(cache_dir: str | None) -> dict[str, str]:
+    """A named disk budget (as ``child_processes.CHILD_DISK_CACHE_SIZE``): a rank reads the real
+    disk, where ``auto`` is no tier at all with under 8 GiB free."""
+    return {} if cache_dir is None else {"disk_cache_size": "4GiB"}
+
+
 def sample_epochs(data: tud.Dataset, scope: str, cache_dir: str | None, epochs: int = 2,
                   **options: Any) -> dict[str, Any]:
     """gpuload's epochs against torch's, the indices read from the dataset while the loader was
@@ -66,7 +72,7 @@ def sample_epochs(data: tud.Dataset, scope: str, cache_dir: str | None, epochs: 
     data.reads.clear()
     with ranks_job.recorded_warnings() as caught:
         ours = gpuload.DataLoader(data, 8, sampler=sampler(), device="cpu", cache_scope=scope, cache_dir=cache_dir,
-                                  **options)
+                                  **_disk_budget(cache_dir), **options)
         got = []
         for epoch in range(epochs):
             ours.sampler.set_epoch(epoch)
@@ -84,7 +90,8 @@ def image_epochs(samples: list, scope: str, cache_dir: str | None, epochs: int =
     data = CountedImages(samples)
     with ranks_job.recorded_warnings() as caught:
         ours = gpuload.DataLoader(data, images_job.BATCH, sampler=images_job.sampler(data), device="cpu",
-                                  transforms=images_job.OPS, cache_scope=scope, cache_dir=cache_dir)
+                                  transforms=images_job.OPS, cache_scope=scope, cache_dir=cache_dir,
+                                  **_disk_budget(cache_dir))
         batches = []
         for epoch in range(epochs):
             ours.sampler.set_epoch(epoch)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_processes import child_environment
 from equivalence import assert_same
 from image_fixtures import CountingList, assert_close_epochs
 
@@ -124,7 +124,7 @@ def test_a_new_process_reads_its_first_epoch_from_disk(samples, tmp_path) -> Non
     runs = []
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", child, json.dumps(arguments)], capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+                              env=child_environment(), timeout=600)
         assert done.returncode == 0, done.stderr
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     filled, reread = runs
@@ -158,7 +158,7 @@ def test_killed_during_the_fill_then_a_new_loader_gives_the_uncached_batches(sam
     cache = tmp_path / "c"
     arguments = [samples, str(cache), disk_tier.BLOCK_BYTES, int(image_bytes(samples) * 4.5)]
     process = subprocess.Popen([sys.executable, "-c", child, json.dumps(arguments)], stderr=subprocess.PIPE,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+                               env=child_environment())
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None:
         entries = [p for p in cache.iterdir() if p.is_dir()] if cache.exists() else []

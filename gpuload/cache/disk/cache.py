@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from gpuload.cache.budget import SizeSpec, default_disk_reserve, disk_budget, format_bytes
+from gpuload.cache.budget import SizeSpec, default_disk_reserve, disk_budget, disk_space, format_bytes
 from gpuload.cache.disk.blocks import DEFAULT_BLOCK_BYTES, ColumnSpec, parse_columns, record_bytes_of
 from gpuload.cache.disk.entry import DiskCacheWarning
 from gpuload.cache.disk.files import atomic_write, dangling_link
@@ -160,8 +160,7 @@ def _no_room(folder: Path, budget_bytes: int | SizeSpec | None) -> bool:
     if room > 0:
         return False
     if isinstance(spec, SizeSpec) and spec.kind == "auto":
-        status = os.statvfs(existing)
-        free, total = status.f_bavail * status.f_frsize, status.f_blocks * status.f_frsize
+        free, total = disk_space(existing)
         why = (f"disk_cache_size='auto' is its free space ({format_bytes(free)}) less the reserve "
                f"({format_bytes(default_disk_reserve(total))}): 0 B")
     else:

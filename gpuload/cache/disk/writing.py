@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpuload.cache.budget import default_disk_reserve
+from gpuload.cache.budget import default_disk_reserve, disk_space
 from gpuload.cache.disk.blocks import distinct, itemsize, pack_items, pack_records
 from gpuload.cache.disk.entry import Entry
 from gpuload.cache.disk.files import checksum, fsync_folder, preallocate, pwrite_all, stripe_sums
@@ -149,8 +149,8 @@ class EntryWriter(Entry):
         filled (each counts a whole block, a ragged one its estimate or more once it grew past
         it), or with the default budget the disk's free space less its reserve, checked now."""
         if self._auto_budget:
-            status = os.statvfs(self.root)
-            return status.f_bavail * status.f_frsize - default_disk_reserve(status.f_blocks * status.f_frsize)
+            free, total = disk_space(self.root)
+            return free - default_disk_reserve(total)
         parts = [e for e in os.scandir(self.root) if e.name.endswith(".part")]
         whole = self.block_rows * self.record_bytes
         held = sum(max(whole, e.stat().st_size) for e in parts) if self.ragged else len(parts) * whole
