@@ -50,7 +50,7 @@ from gpuload.distributed.sharded_store import (
 )
 
 __all__ = ["BadFile", "DecodedShare", "ExchangedImages", "ImageRows", "ReadImages", "ShardedImages", "WholeImages",
-           "image_share", "shard_images"]
+           "image_share", "read_share", "shard_images"]
 
 BadFile = tuple[int, str, str]
 """``(dataset position, backend, reason)`` of a file that could not be read (backend
@@ -306,6 +306,25 @@ def shard_images(
     if agreed is None:
         return None
     plan, groups = agreed
+    found = read_share(plan, context, groups[0], settings, device, limit=limit, read=read, chunk_size=chunk_size,
+                       on_error=on_error, name=name, failure=failure, owner=owner, ledger=ledger)
+    if found is None:
+        release_groups(groups)
+        return None
+    share, rows = found
+    return ShardedImages(ShardedStore(share, rows, plan, device, groups, shard_bytes=share.nbytes))
+
+
+def read_share(
+    plan: ShardPlan, context: DistributedContext, control: Any, settings: CacheSettings, device: torch.device, *,
+    limit: int, read: ReadImages, chunk_size: int, on_error: str, name: Callable[[int], str],
+    failure: Callable[[list[BadFile]], Exception], owner: Hashable, ledger: BudgetLedger = LEDGER,
+) -> tuple[DecodedShare, ImageRows] | None:
+    """This rank's block of ``plan``'s images read and decoded (``read``, in chunks of
+    ``chunk_size`` positions, at most ``limit`` bytes), and how every rank's images travel,
+    from one swap of every image's shape over ``control``; None when a rank's block did not fit
+    or could not be read (every rank learns it in that swap, and warns). Every rank of the
+    plan calls this at the same point; the caller owns the exchange's groups."""
     start, stop = plan.partition.rows_of(context.rank)
     on_cuda = device.type == "cuda"
     if on_cuda:
@@ -316,20 +335,18 @@ def shard_images(
     except Exception as error:  # noqa: BLE001 - the unsplit path meets it again, at that batch
         outcome, why, block = _FAILED, f"{type(error).__name__}: {error}", None
     read_s = time.perf_counter() - began
-    control = groups[0]
     table, outcomes = _swap_tables(plan, context, control, outcome, block)
     failed = [(rank, code) for rank, code in enumerate(outcomes) if code != _OK]
     if failed:
         block = None
         if on_cuda:
             ledger.release(owner, device=device)
-        release_groups(groups)
         rank, code = failed[0]
         first, end = plan.partition.rows_of(rank)
         what = (f"rank {rank}'s share of the decoded images (rows [{first}, {end})) does not fit its room "
                 f"({format_bytes(limit)})" if code == _TOO_BIG else
                 f"rank {rank} could not read its share of the images (rows [{first}, {end}))")
-        decline_split(settings, what + (f": {why}" if rank == context.rank and why else ""), stacklevel=7)
+        decline_split(settings, what + (f": {why}" if rank == context.rank and why else ""), stacklevel=8)
         return None
     assert block is not None  # every rank read its share, this one too
     chunks, views, _, bad = block
@@ -338,15 +355,16 @@ def shard_images(
         dist.all_gather_object(everyone, bad, group=control)
         for theirs in everyone:
             bad.update(theirs)
-    store = image_share(chunks, views, table, bad, plan, device, groups, on_error=on_error, name=name,
-                        failure=failure, owner=owner, ledger=ledger, read_s=read_s)
+    rows = ImageRows(table, bad, on_error=on_error, name=name, failure=failure)
+    share = DecodedShare(chunks, views, rows.shapes[start:stop], device, start=start, name=name, owner=owner,
+                         ledger=ledger, read_s=read_s)
     if on_cuda:
-        ledger.reserve(store.shard_bytes, owner, device=device)
-        ledger.set_used(owner, store.shard_bytes, device=device)
+        ledger.reserve(share.nbytes, owner, device=device)
+        ledger.set_used(owner, share.nbytes, device=device)
         # Once, before any step: the exchange reads the share on whichever stream it runs on
         # (the prefetcher's side stream), so the decoding and packing must be done by then.
         torch.cuda.current_stream(device).synchronize()
-    return ShardedImages(store)
+    return share, rows
 
 
 #: A rank's block: the packed chunks, each row's bytes (None: bad file), each row's stored

@@ -400,6 +400,20 @@ class ShardedStore(Store):
         }
 
     @property
+    def control(self) -> Any:
+        """The exchange's gloo group for what the ranks swap beside the steps (before the first)."""
+        return self._control
+
+    def carrying(self, inner: Store, rows: RowFormat, shard_bytes: int) -> ShardedStore:
+        """A store over ``inner`` and ``rows`` (this share and more, split by the same plan) that
+        takes over this one's exchange groups, before any epoch ran: one exchange per batch for
+        them all. This store is done: closing it does nothing (the new one closes ``inner``)."""
+        if self._closed or self._steps is not None:
+            raise RuntimeError("a sharded store is carried by another only before its first epoch")
+        self._closed = True
+        return ShardedStore(inner, rows, self.plan, self.device, (self._control, self._data), shard_bytes=shard_bytes)
+
+    @property
     def runs_ahead(self) -> bool:
         """Whether the exchange may run in the prefetcher's thread: gloo's, not NCCL's (see the
         module docstring)."""

@@ -6,6 +6,10 @@ the array tiers whole (this source is an :class:`ArraySource` over them, so plac
 ranks and resume are the arrays'), and each gathered batch is completed with the columns
 gathered per batch. A ``datasets.Dataset``'s index mapping (``select``, ``shuffle``,
 ``filter``) is followed when rows are read (each sample's table row, in the file's chunks).
+
+Split over ranks (``cache_scope``), the arrays' share and exchange are the arrays' as well, and
+each image column follows their partition (:meth:`ColumnImageSource.follow`): the exchange of a
+batch carries its array rows and its decoded images together.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import torch
 from torch.utils.data import default_collate
 
 from gpuload.datasets.arrow import ArrowTable, hugging_face_dataset
-from gpuload.sources import Setup
+from gpuload.distributed.joined_rows import joined
+from gpuload.distributed.sharded_store import ShardedStore
+from gpuload.sources import FromRows, Setup
 from gpuload.sources.arrays import ArraySource
 from gpuload.sources.table_columns import TableColumns, TableView, table_columns
 from gpuload.sources.table_images import ColumnImageSource, ImageLeaf, image_sources
@@ -103,6 +109,37 @@ class ArrowSource(ArraySource):
         self.table = table
         self.images = images or {}
         self.identity = _identity(setup.dataset)
+        self.carried: list[str] = []  # the image columns the arrays' exchange carries, in its order
+
+    def _place(self) -> bool:
+        """Place the arrays; when they are split over ranks, split the image columns with them."""
+        if not super()._place():
+            return False
+        store = self._placed.store
+        if isinstance(store, ShardedStore) and self.images:
+            shares = {name: share for name, source in self.images.items()
+                      if (share := source.follow(store)) is not None}
+            if shares:
+                self._placed.store = joined(store, [(s.share, s.rows, s.share.nbytes) for s in shares.values()])
+                self.carried = list(shares)
+        return True
+
+    def from_rows(self, number: int, ahead: bool) -> FromRows:
+        """Batches from an exchange's items: the arrays' rows, and each carried image column's images."""
+        if not self.carried:
+            return super().from_rows(number, ahead)
+
+        def finish(items: list[Any]) -> tuple[Any, int]:
+            (leaves, flat), *arrived = items
+            for name, images in zip(self.carried, arrived):
+                self.images[name].arrived = images
+            try:
+                return self._augmented(self.columns.build(leaves), flat, number), flat.numel()
+            finally:
+                for name in self.carried:
+                    self.images[name].arrived = None
+
+        return FromRows(finish)
 
     def begin_epoch(self) -> None:
         super().begin_epoch()
@@ -122,6 +159,7 @@ class ArrowSource(ArraySource):
 
     def close(self) -> None:
         super().close()
+        self.carried = []
         for source in self.images.values():
             source.close()
 

@@ -13,6 +13,13 @@ by :func:`column_fingerprint`: the files the table was read from (or ``datasets`
 or, for a table made in memory, the column's bytes), the column, the samples' rows, and the
 files of rows that only name a path; a later job's first epoch reads them back instead of
 decoding. The table itself is the disk tier of the encoded bytes.
+
+When ``cache_scope`` splits the table's arrays over the ranks, its image columns follow the
+same partition: each rank reads and decodes its block of each column once (through the disk
+tier, which the ranks then fill between them, each its share), holds it as a
+:class:`ColumnShare`, and the arrays' exchange carries the images beside the array rows
+(:func:`~gpuload.distributed.joined_rows.joined`: one exchange per batch); the transforms then
+run on the receiving rank, as on the unsplit path.
 """
 
 from __future__ import annotations
@@ -26,19 +33,50 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpuload.cache import format_bytes
 from gpuload.cache.disk import Fingerprint
 from gpuload.cache.disk.fingerprint import canonical
 from gpuload.cache.disk_tier import DiskImages
 from gpuload.cache.identity import file_identity, hash_array
 from gpuload.datasets.arrow import import_optional
 from gpuload.datasets.column_images import ColumnImages
-from gpuload.distributed.sharded_images import ShardedImages
+from gpuload.device import device_memory, host_memory
+from gpuload.distributed.group import current_context
+from gpuload.distributed.sharded_images import DecodedShare, ExchangedImages, ImageRows, ShardedImages, read_share
+from gpuload.distributed.sharded_store import ShardedStore
 from gpuload.sources import Setup
+from gpuload.sources.image_decoding import DecodedBatch
 from gpuload.sources.images import ImageFileSource
 from gpuload.sources.table_columns import Leaf, TableView
 from gpuload.transfer import Staging
 
-__all__ = ["ColumnImageSource", "ImageLeaf", "column_fingerprint", "image_sources"]
+__all__ = ["ColumnImageSource", "ColumnShare", "ImageLeaf", "column_fingerprint", "image_sources"]
+
+
+class ColumnShare(ShardedImages):
+    """This rank's share of an image column of a table split over ranks (``share``, its images'
+    travel: ``rows``), carried by ``store``, the table's exchange."""
+
+    def __init__(self, store: ShardedStore, share: DecodedShare, rows: ImageRows) -> None:
+        super().__init__(store)
+        self.share, self.rows = share, rows
+
+    def describe(self) -> str:
+        plan = self.store.plan
+        return f"{plan.kind}: {plan.describe()}; decoded here: {format_bytes(self.share.nbytes)}"
+
+    def summary(self) -> dict[str, Any]:
+        plan, share = self.store.plan, self.share
+        start, stop = plan.partition.rows_of(plan.rank)
+        return {"kind": "images", "mode": "decoded", "scope": plan.decision.scope,
+                "entries": share.stats.device_samples, "bytes": share.nbytes, "rows": [start, stop],
+                "num_samples": plan.partition.num_samples, "bad_files": len(self.rows.bad),
+                "read_s": share.read_s, "complete": share.stats.device_samples > 0 or start == stop}
+
+    def close(self) -> dict[str, Any]:
+        """Drop the share (the table's exchange, closed with its arrays, drops it too)."""
+        self.share.close()
+        return dict(self.summary(), released=True)
 
 
 class ColumnImageSource(ImageFileSource):
@@ -48,6 +86,8 @@ class ColumnImageSource(ImageFileSource):
     def __init__(self, setup: Setup, images: ColumnImages, origin: dict[str, Any] | None = None) -> None:
         super().__init__(setup, images)
         self.column, self.origin = images, origin
+        self.split: ShardedStore | None = None  # the table's arrays split over ranks: the images follow
+        self.arrived: ExchangedImages | None = None  # the batch's images the exchange brought
 
     def _open_disk(self) -> DiskImages | None:
         decode = {"backend": self.decoder.backend, "channels_last": self.decoder.channels_last}
@@ -55,8 +95,45 @@ class ColumnImageSource(ImageFileSource):
         return DiskImages.open(self.images, self.setup.settings, decode,
                                identify=lambda shaped: column_fingerprint(self.column, self.origin, shaped, key))
 
+    def follow(self, split: ShardedStore) -> ColumnShare | None:
+        """Decide this column's cache under the table's arrays split over ranks (``split``): this
+        rank's share of its images, read and decoded now (every rank at the same point), or None
+        when a rank's share does not fit or could not be read (each rank then keeps its own image
+        cache; all ranks warn when a split was asked for)."""
+        self.split = split
+        self._decide_cache()
+        return self.held if isinstance(self.held, ColumnShare) else None
+
     def _shard(self) -> ShardedImages | None:
-        return None
+        split, setup = self.split, self.setup
+        context = current_context()
+        if split is None or context is None:
+            return None
+        device, settings = setup.device, setup.settings
+        limit = (settings.device_room(device, device_memory(device), setup.owner) if device.type == "cuda"
+                 else settings.host_room(host_memory()))
+        found = read_share(split.plan, context, split.control, settings, device, limit=limit, read=self._read_whole,
+                           chunk_size=setup.batch_size or 1, on_error="raise", name=self.images.path,
+                           failure=self._failure, owner=setup.owner)
+        if found is None:
+            return None
+        held = ColumnShare(split, *found)
+        setup.stats.extra["image_cache_decision"] = held.describe()
+        return held
+
+    def decoded(self, flat: torch.Tensor, epoch: int) -> DecodedBatch:
+        """The images of samples ``flat``: those the table's exchange brought, else decoded here."""
+        arrived, self.arrived = self.arrived, None
+        if arrived is None:
+            return self.decode(flat, epoch)
+        if arrived.positions != flat.tolist():
+            raise RuntimeError(f"the exchange brought the images of samples {arrived.positions[:4]}... for a batch "
+                               f"of samples {flat.tolist()[:4]}...")
+        return self._gathered(arrived, epoch)
+
+    def close(self) -> None:
+        super().close()
+        self.split = None
 
 
 def column_fingerprint(images: ColumnImages, origin: dict[str, Any] | None, settings: dict[str, Any],
@@ -164,7 +241,7 @@ class ImageLeaf(Leaf):
             if whole.bad:
                 raise self.source._failure(whole.bad)
             return torch.stack(whole.images)
-        decoded = self.source.decode(flat, epoch)
+        decoded = self.source.decoded(flat, epoch)
         extra = self.source.setup.stats.extra
         extra.update(decoded.counters)
         if self.source.augment is not None:

@@ -24,6 +24,7 @@ from gpuload.distributed import (
     plan_step,
 )
 from gpuload.distributed.exchange_steps import LoaderClosedError
+from gpuload.distributed.joined_rows import joined
 from gpuload.distributed.sharded_images import image_share
 from gpuload.distributed.sharded_store import ShardedStore, ShardPlan, agree_on_split, shard_arrays, sharded_arrays
 
@@ -97,6 +98,61 @@ def test_every_rank_gets_its_whole_images_in_order_from_every_share():
         assert all(torch.equal(a, images[k]) for a, k in zip(item.images, batches[rank].tolist()))
     for store in stores:
         store.close()
+
+
+def test_one_exchange_carries_a_table_s_array_rows_and_its_images_together():
+    """Arrays and images of differing sizes joined (``joined``): each rank's item is its arrays'
+    rows and its whole images, in batch order, from one collective per step."""
+    g = torch.Generator().manual_seed(8)
+    data = [torch.rand(N, 2, generator=g), torch.arange(N, dtype=torch.int16)]
+    images = [torch.randint(0, 256, (3, 2 + k % 3, 1 + k % 4), dtype=torch.uint8, generator=g) for k in range(N)]
+    table = torch.tensor([[0, *image.shape, 0] for image in images], dtype=torch.int64)
+    stores, swaps = [], [0] * WORLD
+    for rank in range(WORLD):
+        start, stop = Partition(N, WORLD, WORLD).rows_of(rank)
+        arrays = sharded_arrays([c[start:stop].clone() for c in data], _plan(rank, 10), torch.device("cpu"),
+                                (None, None), owner=("share", rank), ledger=BudgetLedger())
+        mine = [images[k].reshape(-1) for k in range(start, stop)]
+        chunk = torch.cat(mine)
+        pictures = image_share([chunk], list(chunk.split([m.numel() for m in mine])), table, {}, _plan(rank, 50),
+                               torch.device("cpu"), (None, None), on_error="raise", name=str, failure=RuntimeError,
+                               owner=("images", rank), ledger=BudgetLedger())
+        both = joined(arrays, [(pictures.inner, pictures.rows, pictures.shard_bytes)])
+        assert arrays.closed and both.shard_bytes == arrays._shard_bytes + pictures.shard_bytes
+        stores.append(both)
+    order = torch.randperm(N, generator=g)
+    batches = [order[:11], order[11:20]]
+    wire = fake_peers.Wire(WORLD)
+    for rank, store in enumerate(stores):
+        wire.connect(store, rank)
+        swap = store._swap
+
+        def counted(*args: Any, rank: int = rank, swap: Any = swap) -> None:
+            swaps[rank] += 1
+            swap(*args)
+
+        store._swap = counted
+    found = [None] * WORLD
+
+    def step(rank: int) -> None:
+        found[rank] = stores[rank]._step(batches, (0, 0, 1, 0, 8, 0), stores[rank].exchange_stats.begin_epoch())
+
+    threads = [threading.Thread(target=step, args=(rank,)) for rank in range(WORLD)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert swaps == [1, 1]
+    for rank, ((leaves, indices), pictures) in enumerate(found):
+        assert torch.equal(indices, batches[rank])
+        assert all(torch.equal(leaf, c.index_select(0, batches[rank])) for leaf, c in zip(leaves, data))
+        assert pictures.positions == batches[rank].tolist()
+        assert all(torch.equal(a, images[k]) for a, k in zip(pictures.images, batches[rank].tolist()))
+    stats = [store.exchange_stats.as_dict() for store in stores]
+    assert stats[0]["bytes_sent"] == stats[1]["bytes_received"] > 0
+    for store in stores:
+        store.close()
+        assert store.inner.parts[1]._closed  # the images' share is closed with the arrays'
 
 
 # ---------------------------------------------------------------- rank 0 against a pretended peer
