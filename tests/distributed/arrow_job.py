@@ -34,6 +34,7 @@ from equivalence import assert_same
 NUM_SAMPLES = 103  # uneven shares, padded samplers
 NUM_IMAGES = 37  # uneven shares of the image tables too
 IMAGE_BATCH = 4
+BAD = 30  # the row whose image is cut short in the corrupt table (rank 1's share)
 OPS = [T.RandomResizedCrop(12), T.RandomHorizontalFlip(), T.ToDtype(torch.float32)]
 
 
@@ -168,7 +169,28 @@ def image_tables(folder: Path) -> dict[str, Any]:
     again = image_epochs(parquet, "node", epochs=1, **budget)
     found["disk"] = {"equal": same_epochs(again.pop("batches"), filled.pop("batches")),
                      "filled": filled, "again": again}
+    found["bad"] = bad_image()
     return found
+
+
+def bad_image() -> dict[str, Any]:
+    """Epoch 0 of a split table whose image ``BAD`` is cut short: the batches received before
+    this rank stopped, and what it raised."""
+    table = image_table()
+    images = table.column("image").to_pylist()
+    images[BAD] = images[BAD][:40]
+    data = gpuload.datasets.ArrowTable(table.set_column(0, "image", pa.array(images, pa.binary())), images=["image"])
+    ours = gpuload.DataLoader(data, IMAGE_BATCH, sampler=DistributedSampler(data, seed=ranks_job.SEED), device="cpu",
+                              cache_scope="node")
+    received, error = 0, None
+    try:
+        for _ in ours:
+            received += 1
+    except Exception as raised:  # noqa: BLE001 - the finding
+        error = [type(raised).__name__, str(raised)]
+    path = ours.stats.path
+    ours.close()
+    return {"received": received, "error": error, "path": path}
 
 
 def run(rank: int, world: int, init_file: str, out_dir: str) -> None:

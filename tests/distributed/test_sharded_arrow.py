@@ -82,3 +82,13 @@ def test_two_ranks_fill_one_disk_entry_of_an_image_column_and_a_later_job_decode
         assert filled["cache"]["disk"]["rows_written"] == len(share(rank))  # its own share only
         assert again["decoded"] == [] and again["cache"]["disk"]["rows_written"] == 0
         assert again["cache"]["disk"]["published_rows"] == arrow_job.NUM_IMAGES
+
+
+@pytest.mark.slow
+def test_a_bad_image_in_a_split_table_stops_every_rank_at_its_batch_naming_it(ranks: list[dict]) -> None:
+    found = [found["images"]["bad"] for found in ranks]
+    assert all(bad["path"] == "sharded-node" for bad in found)
+    assert found[0]["received"] == found[1]["received"] < 5  # the same batch on both ranks
+    kinds = {bad["error"][0] for bad in found}
+    assert "ImageDecodeError" in kinds and kinds <= {"ImageDecodeError", "ExchangeError"}
+    assert all(f"column 'image', row {arrow_job.BAD}" in bad["error"][1] for bad in found)
