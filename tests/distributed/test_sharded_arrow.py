@@ -92,3 +92,14 @@ def test_a_bad_image_in_a_split_table_stops_every_rank_at_its_batch_naming_it(ra
     kinds = {bad["error"][0] for bad in found}
     assert "ImageDecodeError" in kinds and kinds <= {"ImageDecodeError", "ExchangeError"}
     assert all(f"column 'image', row {arrow_job.BAD}" in bad["error"][1] for bad in found)
+
+
+@pytest.mark.slow
+def test_image_shares_that_do_not_fit_leave_each_rank_its_own_image_cache_and_the_arrays_split(
+        ranks: list[dict]) -> None:
+    for rank, found in enumerate(ranks):
+        result = found["images"]["too_big"]
+        assert result["equal"] and result["path"] == "sharded-node"
+        assert any("does not fit its room" in warning for warning in result["warnings"])
+        assert (result["cache"] or {}).get("scope") is None  # no share: its own image cache (none in 4 KiB)
+        assert set(result["decoded"]) - share(rank)  # it decoded rows of the other rank's share itself
