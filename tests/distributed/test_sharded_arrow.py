@@ -103,3 +103,10 @@ def test_image_shares_that_do_not_fit_leave_each_rank_its_own_image_cache_and_th
         assert any("does not fit its room" in warning for warning in result["warnings"])
         assert (result["cache"] or {}).get("scope") is None  # no share: its own image cache (none in 4 KiB)
         assert set(result["decoded"]) - share(rank)  # it decoded rows of the other rank's share itself
+
+
+@pytest.mark.slow
+def test_a_split_image_table_resumes_mid_epoch_as_torch_s_epoch(ranks: list[dict]) -> None:
+    for found in ranks:
+        resumed = found["images"]["resume"]
+        assert resumed["equal"] and resumed["path"] == "sharded-world" and resumed["batches"] == 5
