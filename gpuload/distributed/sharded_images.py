@@ -117,6 +117,10 @@ class DecodedShare(Store):
     def device_bytes(self) -> int:
         return self.nbytes if self.device.type == "cuda" and not self._closed else 0
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def gather(self, indices: Any) -> list[torch.Tensor]:
         """The decoded images of share rows ``indices`` (CHW views, as the decoder gave them);
         ``IndexError`` for a bad file."""

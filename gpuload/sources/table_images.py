@@ -55,7 +55,8 @@ __all__ = ["ColumnImageSource", "ColumnShare", "ImageLeaf", "column_fingerprint"
 
 class ColumnShare(ShardedImages):
     """This rank's share of an image column of a table split over ranks (``share``, its images'
-    travel: ``rows``), carried by ``store``, the table's exchange."""
+    travel: ``rows``), split by the plan of ``store``, the table's arrays split over ranks; the
+    exchange that carries it is the arrays' (:func:`~gpuload.distributed.joined_rows.joined`)."""
 
     def __init__(self, store: ShardedStore, share: DecodedShare, rows: ImageRows) -> None:
         super().__init__(store)
@@ -71,7 +72,7 @@ class ColumnShare(ShardedImages):
         return {"kind": "images", "mode": "decoded", "scope": plan.decision.scope,
                 "entries": share.stats.device_samples, "bytes": share.nbytes, "rows": [start, stop],
                 "num_samples": plan.partition.num_samples, "bad_files": len(self.rows.bad),
-                "read_s": share.read_s, "complete": share.stats.device_samples > 0 or start == stop}
+                "read_s": share.read_s, "complete": not share.closed}
 
     def close(self) -> dict[str, Any]:
         """Drop the share (the table's exchange, closed with its arrays, drops it too)."""
@@ -106,7 +107,7 @@ class ColumnImageSource(ImageFileSource):
 
     def _shard(self) -> ShardedImages | None:
         split, setup = self.split, self.setup
-        context = current_context()
+        context = current_context() if split is not None else None
         if split is None or context is None:
             return None
         device, settings = setup.device, setup.settings
