@@ -185,16 +185,7 @@ def resume(data: Any, expected: list[list[Any]]) -> dict[str, Any]:
         return gpuload.DataLoader(data, IMAGE_BATCH, sampler=DistributedSampler(data, seed=ranks_job.SEED),
                                   device="cpu", cache_scope="world")
 
-    first, got = loader(), []
-    for batch in first:
-        got.append(batch)
-        if len(got) == 2:
-            break
-    state = first.state_dict()
-    first.close()
-    second = loader()
-    second.load_state_dict(state)
-    got += list(second)
+    got, second = ranks_job.stopped_and_resumed(loader, 2)
     path = second.stats.path
     second.close()
     return {"equal": same_epochs([got], expected[:1]), "batches": len(got), "path": path}

@@ -125,6 +125,22 @@ def all_stop_together(data: tud.Dataset, prefetch_depth: int, end: str) -> dict:
             "warnings": [str(w.message) for w in caught], "exchange": exchange}
 
 
+def stopped_and_resumed(make: Callable[[], gpuload.DataLoader], batches: int) -> tuple[list[Any], gpuload.DataLoader]:
+    """``batches`` batches of epoch 0 from a loader ``make`` gives, its state saved and loaded
+    into a second one, and the rest of the epoch from that: every batch, and the second loader."""
+    first, got = make(), []
+    for batch in first:
+        got.append(batch)
+        if len(got) == batches:
+            break
+    state = first.state_dict()
+    first.close()
+    second = make()
+    second.load_state_dict(state)
+    got += list(second)
+    return got, second
+
+
 def stop_together_and_resume(data: tud.Dataset) -> dict:
     """Every rank stops at the same batch and saves its state; a new loader resumes from it,
     then runs the next epoch: the documented way to stop early, and torch's batches throughout."""
@@ -133,17 +149,7 @@ def stop_together_and_resume(data: tud.Dataset) -> dict:
                                   cache_scope="world")
 
     theirs = tud.DataLoader(data, 4, sampler=DistributedSampler(data, seed=SEED))
-    first = ours()
-    got = []
-    for step, batch in enumerate(first):
-        got.append(batch)
-        if step == 2:
-            break
-    state = first.state_dict()
-    first.close()
-    second = ours()
-    second.load_state_dict(state)
-    got += list(second)
+    got, second = stopped_and_resumed(ours, 3)
     equal = len(got) == len(theirs) and all(same(a, b) for a, b in zip(theirs, got))
     theirs.sampler.set_epoch(1)
     second.sampler.set_epoch(1)
