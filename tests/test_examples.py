@@ -19,11 +19,15 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 # What each example prints when it did its job; an example not listed must exit 0 and print.
-EXPECTED = {"train_loop.py": "epoch 1: loss", "train_images.py": "epoch 1: loss", "resume.py": "resumed exactly: True",
-            "ddp_train.py": "epoch 1: loss",  # ddp_train.py without torchrun: a job of one process
-            "train_gpt_tokens.py": "resumed with the same losses: True",
-            "train_gpt_packed.py": "resumed with the same losses: True",
-            "train_hf_dataset.py": "same batches as torch's DataLoader: True (gpuload's path: device-gather"}
+# The GPT examples, run as documented, stop in the middle of epoch 1 (a preemption) and resume.
+STOPPED_MID_EPOCH_1 = r"stopped after step \d+ \(epoch 1, batch [1-9]\d*\)"
+EXPECTED = {"train_loop.py": ["epoch 1: loss"], "train_images.py": ["epoch 1: loss"],
+            "resume.py": ["resumed exactly: True"],
+            "ddp_train.py": ["epoch 1: loss"],  # ddp_train.py without torchrun: a job of one process
+            "train_gpt_tokens.py": [STOPPED_MID_EPOCH_1, "resumed with the same losses: True"],
+            "train_gpt_packed.py": [STOPPED_MID_EPOCH_1, "resumed with the same losses: True",
+                                    "a document's logits ignore the other documents of its row: True"],
+            "train_hf_dataset.py": [r"same batches as torch's DataLoader: True \(gpuload's path: device-gather"]}
 
 
 @pytest.mark.slow
@@ -34,7 +38,9 @@ def test_example_runs_and_leaves_nothing_in_the_temporary_folder(script: str, tm
     done = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TMPDIR": str(scratch)})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert EXPECTED.get(script, "") in done.stdout and done.stdout.strip()
+    assert done.stdout.strip()
+    for expected in EXPECTED.get(script, []):
+        assert re.search(expected, done.stdout), (expected, done.stdout[-2000:])
     # torch.optim's import makes torch's own compile cache folder (torchinductor_<user>), examples or not
     assert [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")] == []
 
@@ -45,27 +51,6 @@ def test_each_example_says_what_it_shows_how_to_run_it_and_how_long_it_takes(scr
     assert docstring and len(docstring.splitlines()[0]) > 20, script
     assert "python examples/" in docstring or "examples/" + script in docstring, script
     assert re.search(r"\b(about|under) \d+(\.\d+)? (s|seconds|minutes?)\b", docstring, re.IGNORECASE), script
-
-
-@pytest.mark.slow
-def test_train_gpt_tokens_resumes_mid_epoch_with_the_same_losses() -> None:
-    """Short settings: 60 steps of 37 per epoch, stopped after step 50 (epoch 1, batch 13)."""
-    done = subprocess.run([sys.executable, str(EXAMPLES / "train_gpt_tokens.py"), "--steps", "60", "--stop-at", "50",
-                           "--sentences", "1500"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "stopped after step 50 (epoch 1, batch 13)" in done.stdout
-    assert "resumed with the same losses: True" in done.stdout
-
-
-@pytest.mark.slow
-def test_train_gpt_packed_resumes_mid_epoch_with_the_same_losses() -> None:
-    """Short settings: 30 steps of 16 per epoch, stopped after step 25 (epoch 1, batch 9)."""
-    done = subprocess.run([sys.executable, str(EXAMPLES / "train_gpt_packed.py"), "--steps", "30", "--stop-at", "25",
-                           "--documents", "150"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "stopped after step 25 (epoch 1, batch 9)" in done.stdout
-    assert "a document's logits ignore the other documents of its row: True" in done.stdout
-    assert "resumed with the same losses: True" in done.stdout
 
 
 def test_train_gpt_packed_keeps_each_documents_logits_to_itself(monkeypatch: pytest.MonkeyPatch,

@@ -196,21 +196,28 @@ def range_problems_in_files(text: str) -> list[str]:
     return problems
 
 
-def run_check(out: Path, steps: str, budget: int = 320) -> subprocess.CompletedProcess[str]:
+def run_check(out: Path, steps: str, budget: int = 320, **env: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "GPULOAD_CHECK_STEPS": steps, "GPULOAD_CHECK_PYTHON": sys.executable,
-           "GPULOAD_CHECK_BUDGET_S": str(budget)}
-    return subprocess.run(["bash", str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=240)
+           "GPULOAD_CHECK_BUDGET_S": str(budget), **env}
+    return subprocess.run(["bash", str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=480)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """One dry run of the steps that pass here, the machine's and the truth checks' (on the CPU),
+    for the tests that read it: each step costs tens of seconds on a busy 2-core machine. Its
+    budget leaves the truth step its whole CPU limit (3 x 100 s) after a slow machine step."""
+    out = tmp_path_factory.mktemp("device_check")
+    done = run_check(out, "machine truth", budget=400, GPULOAD_CHECK_DEVICE="cpu")
+    return done, json.loads((out / "summary.json").read_text())
 
 
 @pytest.mark.slow
 def test_the_script_writes_the_summary_when_a_step_fails(tmp_path: Path) -> None:
-    done = run_check(tmp_path, "machine prefetch")  # prefetch asks for CUDA: fails here
+    done = run_check(tmp_path, "prefetch")  # prefetch asks for CUDA: fails here
     assert done.returncode == 1, done.stdout + done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.tar.gz", "steps.tsv", "summary.json"]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"]["machine"]["status"] == "passed"
-    assert summary["machine"]["cuda_available"] is False
-    assert {line.split(":")[0] for line in summary["doctor"]["lines"]} >= {"OK torch", "OK launcher"}
     assert summary["steps"]["prefetch"]["status"] == "failed"
     assert "error" in summary["prefetch"]
     assert summary["totals"]["steps_not_passed"] == ["prefetch"]
@@ -238,21 +245,21 @@ def test_the_whole_check_fits_five_minutes_so_a_rerun_fits_the_lease() -> None:
 
 
 @pytest.mark.slow
-def test_the_dry_run_of_the_machine_step_passes_here(tmp_path: Path) -> None:
-    done = run_check(tmp_path, "machine")
+def test_the_dry_run_of_the_machine_step_passes_here(dry_run: tuple[subprocess.CompletedProcess[str], dict]) -> None:
+    done, summary = dry_run
     assert done.returncode == 0, done.stdout + done.stderr
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"]["machine"]["status"] == "passed"
+    assert summary["machine"]["cuda_available"] is False
+    assert {line.split(":")[0] for line in summary["doctor"]["lines"]} >= {"OK torch", "OK launcher"}
     assert summary["totals"]["steps_not_passed"] == [] and summary["doctor"]["versions"]["torch"]
 
 
 @pytest.mark.slow
-def test_the_dry_run_of_the_truth_step_runs_every_check_on_the_cpu(tmp_path: Path) -> None:
-    env = {**os.environ, "GPULOAD_CHECK_DEVICE": "cpu", "GPULOAD_CHECK_KEEP_FILES": "1"}
-    done = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=400,
-                          check=False,
-                          env={**env, "GPULOAD_CHECK_STEPS": "truth", "GPULOAD_CHECK_PYTHON": sys.executable})
+def test_the_dry_run_of_the_truth_step_runs_every_check_on_the_cpu(
+        dry_run: tuple[subprocess.CompletedProcess[str], dict]) -> None:
+    done, summary = dry_run
     assert done.returncode == 0, done.stdout + done.stderr
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"]["truth"]["status"] == "passed"
     assert summary["totals"]["truth_failed"] == []
     assert summary["totals"]["truth_passed"] == ["array-shrink", "column-oom", "epoch-shrink", "nvjpeg-stall",
                                                  "stream-guard"]

@@ -81,8 +81,10 @@ def read_records(out_dir: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank-*.json"))]
 
 
-if __name__ == "__main__":
-    fit(sys.argv[1], sys.argv[2], "ddp")
+if __name__ == "__main__":  # OUT_DIR KIND...: one fit per kind, into OUT_DIR/KIND, in one job
+    for each in sys.argv[2:]:
+        Path(sys.argv[1], each).mkdir(parents=True, exist_ok=True)
+        fit(str(Path(sys.argv[1], each)), each, "ddp")
     # End the process group before the interpreter does: left to exit, gloo's threads are torn
     # down during static destruction and the process aborts now and then ("terminate called
     # without an active exception", exit -6) after the fit has finished.

@@ -53,15 +53,23 @@ def test_ddp_spawn_fit_gives_each_rank_half_on_a_gpuload_loader(kind: str, tmp_p
     assert_disjoint_halves_on_gpuload(tmp_path)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", lightning_job.KINDS)
-def test_ddp_under_torchrun_gives_each_rank_half_on_a_gpuload_loader(kind: str, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def torchrun_fits(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One torchrun job of 2 ranks fitting each kind in turn (OUT/KIND): the ranks start once."""
+    out = tmp_path_factory.mktemp("torchrun")
     env = {name: value for name, value in os.environ.items() if name not in DISTRIBUTED_ENV}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        lightning_job.__file__, str(tmp_path), kind,
+        lightning_job.__file__, str(out), *lightning_job.KINDS,
     ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", lightning_job.KINDS)
+def test_ddp_under_torchrun_gives_each_rank_half_on_a_gpuload_loader(
+        kind: str, torchrun_fits: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    done, out = torchrun_fits
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert_disjoint_halves_on_gpuload(tmp_path)
+    assert_disjoint_halves_on_gpuload(out / kind)
