@@ -50,7 +50,8 @@ class ColumnImageSource(ImageFileSource):
         self.column, self.origin = images, origin
 
     def _open_disk(self) -> DiskImages | None:
-        decode = {"backend": self.decoder.backend, "channels_last": self.decoder.channels_last}
+        decoder = self.reader.decoder
+        decode = {"backend": decoder.backend, "channels_last": decoder.channels_last}
         key = self.setup.settings.disk_key
         return DiskImages.open(self.images, self.setup.settings, decode,
                                identify=lambda shaped: column_fingerprint(self.column, self.origin, shaped, key))
@@ -160,11 +161,11 @@ class ImageLeaf(Leaf):
     def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None,
               staging: Staging | None) -> Any:
         if epoch is None:  # the check against torch's samples: the whole images as decoded
-            whole = self.source._decode_whole(flat.tolist())
+            whole = self.source.reader.decode_whole(flat.tolist())
             if whole.bad:
-                raise self.source._failure(whole.bad)
+                raise self.source.reader.failure(whole.bad)
             return torch.stack(whole.images)
-        decoded = self.source.decode(flat, epoch)
+        decoded = self.source.reader.decode(flat, epoch)
         extra = self.source.setup.stats.extra
         extra.update(decoded.counters)
         if self.source.augment is not None:
