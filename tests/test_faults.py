@@ -317,11 +317,11 @@ def test_bad_files_are_named_or_skipped_by_every_cpu_decoder(bad_folder, backend
         pytest.skip(f"the {backend} decoder is not installed here")
     images, bad = bad_folder
     loader = gpuload.DataLoader(images, batch_size=3, device="cpu", transforms=RESIZE)
-    loader._source.decoder = BatchDecoder("cpu", backend=backend, max_batch=3)
+    loader._source.reader.decoder = BatchDecoder("cpu", backend=backend, max_batch=3)
     with pytest.raises(ImageDecodeError, match=bad[0]):
         list(loader)
     skipping = gpuload.DataLoader(images, batch_size=3, device="cpu", transforms=RESIZE, on_error="skip")
-    skipping._source.decoder = BatchDecoder("cpu", backend=backend, max_batch=3)
+    skipping._source.reader.decoder = BatchDecoder("cpu", backend=backend, max_batch=3)
     for epoch in range(3):
         labels = torch.cat([labels for _, labels in skipping]).tolist()
         assert labels == [0, len(bad)]  # the two good files, every epoch
@@ -337,7 +337,7 @@ def test_the_list_of_skipped_files_stays_bounded(tmp_path: Path) -> None:
         path.write_bytes(b"not an image")
         samples.append((str(path), 0))
     loader = gpuload.DataLoader(ImageList(samples), batch_size=26, device="cpu", transforms=RESIZE, on_error="skip")
-    loader._source.decoder = BatchDecoder("cpu", backend="pil", max_batch=26)  # fast; DALI: below
+    loader._source.reader.decoder = BatchDecoder("cpu", backend="pil", max_batch=26)  # fast; DALI: below
     for _ in range(2):
         assert list(loader) == []
     extra = loader.stats.extra

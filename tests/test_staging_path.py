@@ -324,8 +324,6 @@ def test_gpu_a_loader_with_transforms_gives_the_cpu_loaders_batches(depth) -> No
 
 
 def test_images_read_from_the_disk_tier_reach_the_device_through_the_staging(watch: Watch) -> None:
-    from types import SimpleNamespace
-
     from gpuload.sources.image_decoding import _DiskImagesTier
 
     class Disk:
@@ -335,7 +333,7 @@ def test_images_read_from_the_disk_tier_reach_the_device_through_the_staging(wat
         def read(self, positions: list[int]) -> list[torch.Tensor]:
             return [torch.zeros(5, 7, 3, dtype=torch.uint8).permute(2, 0, 1) for _ in positions]  # HWC in memory
 
-    tier = _DiskImagesTier(Disk(), SimpleNamespace(device=META, staging=watch.staging))
+    tier = _DiskImagesTier(Disk(), META, watch.staging)
     found, missing = tier.lookup(torch.tensor([4, 11]))  # the chain asks for what memory lacks
     assert found is not None and found[0] is None and not missing.numel()
     got = found[1].images

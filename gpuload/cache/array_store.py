@@ -3,9 +3,10 @@
 :class:`TieredArrayStore` holds a tuple, list or dict of tensors with one row per sample,
 placed as a :class:`~gpuload.cache.plan.CachePlan` says (``plan.tiers``, in order, each built
 by its class in :mod:`gpuload.cache.tiers`; the source arrays serve the rest). A batch is split
-by where its rows live (:meth:`TieredArrayStore.request`): rows on the device are gathered
-there, the others are gathered on the host into the loader's staging and copied by its
-prefetcher, the one host-to-device path; the store copies nothing per batch itself.
+by where its rows live (:meth:`TieredArrayStore.request`, a read through the store's keyed
+tiers, :func:`~gpuload.cache.chain.read_through`): rows on the device are gathered there, the
+others are gathered on the host into the loader's staging and copied by its prefetcher, the one
+host-to-device path; the store copies nothing per batch itself.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
+from gpuload.cache.chain import read_through
 from gpuload.cache.chunked_rows import ChunkedRows, gatherable
 from gpuload.cache.oom import CacheFallbackWarning, is_oom
 from gpuload.cache.plan import CachePlan, TierPlan
@@ -165,9 +167,8 @@ class TieredArrayStore(Store):
         self._placing = Placing(self.device, settings, identity)
         self._tiers: list[Tier] = []  # the plan's tiers as placed, then the source
         self._counts: list[int] = []  # rows each tier serves (a maker's tier may hold more)
+        self._starts: list[int] = []  # the first row each tier serves (it serves a run of rows)
         self._streams = StreamGuard(self.device)  # orders and protects the device tier's rows
-        self._loc = torch.zeros(self._num_samples, dtype=torch.int8)  # position in self._tiers
-        self._slot = torch.arange(self._num_samples, dtype=torch.long)
         self._place()
 
     # -- placement -------------------------------------------------------------------------
@@ -191,14 +192,12 @@ class TieredArrayStore(Store):
             carried = wanted - served if wanted > served else 0
             self._tiers.append(tier)
             self._counts.append(served)
-            position = len(self._tiers) - 1
-            self._loc[start : start + served] = position
-            self._slot[start : start + served] = torch.arange(start - tier.first, start - tier.first + served)
+            self._starts.append(start)
             first = start + served
+        # The source serves every row the tiers before it do not (they are asked first).
         self._tiers.append(SourceTier.allocate(self._source, 0, self._num_samples, self._placing))
         self._counts.append(self._num_samples - first)
-        self._loc[first:] = len(self._tiers) - 1
-        self._slot[first:] = torch.arange(first, self._num_samples)
+        self._starts.append(0)
         self._hits = [0] * len(self._tiers)
         device_rows = self._device_rows()
         if self._on_card and device_rows:
@@ -239,8 +238,8 @@ class TieredArrayStore(Store):
 
     def shrink(self, max_device_bytes: int) -> int:
         """Keep at most ``max_device_bytes`` on the device; the rows let go are read from the
-        source. Returns the device bytes freed. Safe while another thread gathers: maps and
-        rows are swapped together under the lock, a gather reads both under it (the tiers'
+        source. Returns the device bytes freed. Safe while another thread gathers: the rows
+        a tier serves and its columns are swapped together under the lock, a gather reads both under it (the tiers'
         snapshots), and on CUDA the old storage stays protected on every stream that gathered
         from it."""
         bps = self._plan.bytes_per_sample
@@ -279,15 +278,12 @@ class TieredArrayStore(Store):
         return (old - keep) * bps
 
     def _set_device_rows(self, position: int, columns: list[torch.Tensor], count: int) -> None:
-        """The device tier's rows and maps swapped at once: a gather sees the old rows with the
-        old maps, or the new ones after waiting for them (the guard's event is set inside the lock)."""
+        """The device tier's rows and the count it serves swapped at once: a gather sees the old
+        rows with the old count, or the new ones after waiting for them (the guard's event is set
+        inside the lock); the rows let go are the source's to serve."""
         source = len(self._tiers) - 1
         with self._lock:
             tier, old = self._tiers[position], self._counts[position]
-            if count < old:
-                rows = slice(tier.first + count, tier.first + old)
-                self._loc[rows] = source
-                self._slot[rows] = torch.arange(rows.start, rows.stop)
             self._counts[source] += old - count
             self._counts[position] = count
             previous = tier.columns
@@ -335,16 +331,28 @@ class TieredArrayStore(Store):
         with self._lock:
             return next((tier for tier in self._tiers if tier.name == name), None)
 
-    def keyed_tiers(self) -> list[RowsByKey]:
+    def keyed_tiers(self, gathers: bool = True) -> list[RowsByKey]:
         """The placed tiers as they serve now, each answering the chain's keyed lookups
-        (:func:`~gpuload.cache.chain.read_through`), the source's last; each tier holds the rows
-        in its own range (a row the tiers before it serve is theirs to answer first)."""
+        (:func:`~gpuload.cache.chain.read_through`) for the run of rows it serves, the source's
+        last (every row: it is asked only for those the tiers before it lack). Each gives its
+        rows gathered (on a device tier, its slots moved there through the loader's staging),
+        or, when not ``gathers``, its slots for :meth:`request` to gather."""
         with self._lock:
             if self._copies:
-                self._streams.use()
-            tiers = [tier.snapshot() for tier in self._tiers]
+                self._streams.use()  # after the device tier's latest rows, protected on this stream
+            # The rows as of the counts: a shrink from another thread swaps the device tier's
+            # columns for fewer rows, which a later count would index past (a device assert on CUDA).
+            placed = [(tier.snapshot(), start, start + count)
+                      for tier, start, count in zip(self._tiers, self._starts, self._counts)]
+        if not placed:
+            raise RuntimeError("this TieredArrayStore was closed while a batch was gathered")
+        *tiers, (source, _, _) = placed
+        moves = self._copies and gathers
         device_slots = lambda slots: to_device([slots], self.device, self.staging)[0]  # noqa: E731
-        return [RowsByKey(tier, device_slots if tier.on_device and self._copies else None) for tier in tiers]
+        keyed = [RowsByKey(tier, device_slots if moves and tier.on_device else None, serves=(start, stop),
+                           gathers=gathers) for tier, start, stop in tiers]
+        keyed.append(RowsByKey(source, gathers=gathers))
+        return keyed
 
     @property
     def copies(self) -> bool:
@@ -401,7 +409,8 @@ class TieredArrayStore(Store):
         return in_range(indices, self._num_samples)
 
     def request(self, indices: Any) -> BatchRequest:
-        """Rows ``indices`` split by where they live (see :class:`BatchRequest`).
+        """Rows ``indices`` split by where they live (see :class:`BatchRequest`): read through
+        the store's keyed tiers (:meth:`keyed_tiers`, each giving its rows' slots).
 
         Device rows are gathered now, on the current stream, with one ``index_select`` per
         column and tier; host rows when the loader's staging calls ``fill_staged``. Rows are
@@ -409,46 +418,38 @@ class TieredArrayStore(Store):
         rows on one CPU core, where ``index_copy_`` of 200 rows takes 1.0 ms).
         """
         flat = self._check(indices)
-        with self._lock:
-            loc = self._loc.index_select(0, flat)
-            slot = self._slot.index_select(0, flat)
-            # The rows as of these maps: a shrink from another thread swaps the device tier's
-            # columns for fewer rows, which these slots would index past (a device assert on CUDA).
-            tiers = [tier.snapshot() for tier in self._tiers]
-            if self._copies:
-                self._streams.use()  # after the device tier's latest rows, protected on this stream
-        counts = torch.bincount(loc.long(), minlength=len(tiers)).tolist()
-        if len(counts) > len(tiers):
-            raise RuntimeError("this TieredArrayStore was closed while a batch was gathered")
-        on_device = [p for p in range(len(tiers)) if counts[p] and tiers[p].on_device and self._copies]
-        staged = [p for p in range(len(tiers)) if counts[p] and p not in on_device]
-        grouped = len(on_device) + len(staged) > 1
-        order = torch.argsort(loc, stable=True) if grouped else None
-        groups: dict[int, torch.Tensor] = {}
-        start = 0
-        for position in range(len(tiers)):
-            if counts[position]:
-                stop = start + counts[position]
-                groups[position] = slot if order is None else slot.index_select(0, order[start:stop])
-                start = stop
-        device_rows = sum(counts[p] for p in on_device)
-        staged_rows = flat.numel() - device_rows
+        keyed = self.keyed_tiers(gathers=False)
+        hits, _ = read_through(keyed[:-1], flat, keyed[-1])  # the source has every row: none missing
+        # Each tier's share: (depth, tier, where in the batch, its slots, how many), gathered on
+        # the device now or on the host into the staging.
+        on_device: list[tuple[int, Tier, torch.Tensor | None, torch.Tensor, int]] = []
+        staged: list[tuple[int, Tier, torch.Tensor | None, torch.Tensor, int]] = []
+        staged_rows = 0
+        for depth, at, slots in hits:
+            tier, count = keyed[depth].tier, flat.numel() if at is None else at.numel()
+            if tier.on_device and self._copies:
+                on_device.append((depth, tier, at, slots, count))
+            else:
+                staged.append((depth, tier, at, slots, count))
+                staged_rows += count
+        # Grouped (several tiers' rows, each share's ``at`` a tensor): put back in order in ``assemble``.
+        order = torch.cat([at for _, _, at, _, _ in on_device + staged if at is not None]) if len(hits) > 1 else None
         columns = range(len(self._source))
         device_leaves: list[torch.Tensor] = []
         if on_device:
-            moved = to_device([groups[p] for p in on_device], self.device, self.staging)
+            moved = to_device([share[3] for share in on_device], self.device, self.staging)
             for c in columns:
                 with stage(gather_stage("device")):
-                    parts = [tiers[p].gather(c, rows) for p, rows in zip(on_device, moved)]
+                    parts = [share[1].gather(c, rows) for share, rows in zip(on_device, moved)]
                 device_leaves.append(parts[0] if len(parts) == 1 else torch.cat(parts))
 
         def fill_staged(views: list[torch.Tensor]) -> None:
             for c, view in zip(columns, views):
                 begin = 0
-                for position in staged:
-                    end = begin + counts[position]
-                    with stage(gather_stage(tiers[position].name)):
-                        tiers[position].gather(c, groups[position], out=view[begin:end])
+                for _, tier, _, slots, count in staged:
+                    end = begin + count
+                    with stage(gather_stage(tier.name)):
+                        tier.gather(c, slots, out=view[begin:end])
                     begin = end
 
         shapes = [((staged_rows, *source.shape[1:]), source.dtype) for source in self._source] if staged else []
@@ -472,9 +473,9 @@ class TieredArrayStore(Store):
 
         moved_bytes = staged_rows * sum(self._row_bytes) if self._on_card else 0
         with self._lock:
-            for position, count in enumerate(counts):
-                if position < len(self._hits):
-                    self._hits[position] += count
+            for depth, _, _, _, count in on_device + staged:
+                if depth < len(self._hits):
+                    self._hits[depth] += count
             self._stats.h2d_bytes += moved_bytes
         return BatchRequest(device_leaves, shapes, fill_staged, assemble)
 

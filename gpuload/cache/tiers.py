@@ -17,10 +17,11 @@ import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from gpuload.cache.chain import NOTHING
 from gpuload.cache.chunked_rows import take_rows
 
 if TYPE_CHECKING:
@@ -94,28 +95,46 @@ class Tier(ABC):
 
 class RowsByKey:
     """A placed tier as a keyed tier of the chain (:mod:`gpuload.cache.chain`): the keys (dataset
-    rows) in its range ``[first, first + rows)`` are found, their rows gathered per column (on the
-    tier's memory; ``to_slots`` moves the row positions there, e.g. the loader's staging for a
-    device tier). Nothing is kept: the plan places a tier's rows once, when the store is built."""
+    rows) it serves, ``serves = (start, stop)`` (None: every key, as the source's arrays hold
+    them), are found, their rows gathered per column (on the tier's memory; ``to_slots`` moves
+    the row positions there, e.g. the loader's staging for a device tier), or, with ``gathers``
+    false, given as their slots in the tier for the caller to gather (the store gathers host rows
+    into the loader's staging). Nothing is kept: the plan places a tier's rows once, when the
+    store is built."""
 
-    def __init__(self, tier: Tier, to_slots: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(self, tier: Tier, to_slots: Callable[[torch.Tensor], torch.Tensor] | None = None, *,
+                 serves: tuple[int, int] | None = None, gathers: bool = True) -> None:
         self.tier = tier
         self.name = tier.name
+        self.serves = serves
         self._to_slots = to_slots
+        self._gathers = gathers
 
-    def lookup(self, keys: torch.Tensor) -> tuple[tuple[torch.Tensor | None, list[torch.Tensor]] | None, torch.Tensor]:
-        tier = self.tier
-        inside = (keys >= tier.first) & (keys < tier.first + tier.rows)
-        found, missing = inside.nonzero().view(-1), (~inside).nonzero().view(-1)
-        if not found.numel():
-            return None, missing
-        slots = keys.index_select(0, found) - tier.first
+    def lookup(self, keys: torch.Tensor) -> tuple[tuple[torch.Tensor | None, Any] | None, torch.Tensor]:
+        if not keys.numel():
+            return None, NOTHING
+        found: torch.Tensor | None = None
+        missing, slots = NOTHING, keys
+        if self.serves is not None:
+            start, stop = self.serves
+            # A tier holding the whole batch (a device tier holding the dataset, on every batch)
+            # is told so by one small op (keys are host tensors: no device sync), no positions.
+            low, high = torch.aminmax(keys)
+            if int(low) < start or int(high) >= stop:
+                inside = (keys >= start) & (keys < stop)
+                found, missing = inside.nonzero().view(-1), (~inside).nonzero().view(-1)
+                if not found.numel():
+                    return None, missing
+                slots = keys.index_select(0, found) if missing.numel() else keys
+        if self.tier.first:
+            slots = slots - self.tier.first
         if self._to_slots is not None:
             slots = self._to_slots(slots)
-        rows = [tier.gather(column, slots) for column in range(len(tier.columns))]
-        return (None if not missing.numel() else found, rows), missing
+        values = [self.tier.gather(column, slots) for column in range(len(self.tier.columns))] if self._gathers \
+            else slots
+        return (found if missing.numel() else None, values), missing
 
-    def keep(self, keys: torch.Tensor, values: list[torch.Tensor]) -> int:
+    def keep(self, keys: torch.Tensor, values: Any) -> int:
         return 0
 
 

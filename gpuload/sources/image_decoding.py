@@ -6,9 +6,10 @@ of keyed tiers (:func:`~gpuload.cache.chain.read_through`): the decoded-image ca
 tier, then the files (:class:`ImageRows` their answers); what a lower tier gives whole is kept
 above it.
 
-:class:`ImageDecoding` is a base of :class:`~gpuload.sources.images.ImageFileSource`, which
-gives it ``images``, ``decoder``, ``headers``, ``cache``, ``keeps``, ``disk``, ``augment`` and
-``setup``.
+:class:`~gpuload.sources.images.ImageFileSource` holds one :class:`ImageReader`, built with the
+files (their paths and labels), the decoder, the transforms (which windows they read) and the
+device route, and told the cache tiers to read through (:meth:`ImageReader.use`) whenever the
+source decides them; the reader keeps the decode counters.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gpuload.cache.chain import NOTHING, KeyedTier, Lookup, read_through
-from gpuload.decode import Header, ImageDecodeError
+from gpuload.decode import Header, HeaderTable, ImageDecodeError
 from gpuload.distributed.sharded_images import BadFile, WholeImages
 from gpuload.sampling import in_range
 from gpuload.timeline import gather_stage, stage
@@ -32,10 +33,10 @@ if TYPE_CHECKING:
     from gpuload.cache import SampleCache
     from gpuload.cache.disk_tier import DiskImages
     from gpuload.datasets.images import ImageSource
-    from gpuload.decode import BatchDecoder, HeaderTable
-    from gpuload.sources import Setup
+    from gpuload.decode import BatchDecoder
+    from gpuload.transfer import Staging
 
-__all__ = ["DecodedBatch", "ImageDecoding", "ImageRows"]
+__all__ = ["DecodedBatch", "ImageReader", "ImageRows"]
 
 # Distinct skipped files kept with their reasons in ``stats.extra["skipped_files"]``; the
 # counts go on past it (a folder of bad files must not grow memory each epoch).
@@ -56,33 +57,41 @@ class DecodedBatch:
     counters: dict[str, Any]
 
 
-class ImageDecoding:
-    """Reading and decoding image files a batch at once (see the module docstring)."""
+class ImageReader:
+    """Reading and decoding image files a batch at once (see the module docstring): the files of
+    ``images``, decoded by ``decoder``, only the windows ``augment`` reads when it starts with a
+    crop; a bad file raised or skipped as ``on_error`` says; images read from the disk tier go
+    to ``device`` through ``staging``."""
 
-    if TYPE_CHECKING:  # given by ImageFileSource
-        setup: Setup
-        images: ImageSource
-        decoder: BatchDecoder
-        headers: HeaderTable
-        augment: BatchAugmenter | None
-        disk: DiskImages | None
-        skipped: int
-        skipped_files: dict[int, tuple[str, str]]
-        _skipped_in_epoch: tuple[int, int]
-        fallback_decoded: int
-        cpu_decoded: int
-        roi: str
+    def __init__(self, images: ImageSource, decoder: BatchDecoder, augment: BatchAugmenter | None, *,
+                 device: torch.device, staging: Staging | None, on_error: str) -> None:
+        self.images = images
+        self.decoder = decoder
+        self.augment = augment
+        self.device, self.staging, self.on_error = device, staging, on_error
+        self.headers = HeaderTable(len(images))  # each file's header read once, not per batch
+        # The tiers read through (see ``use``): none until the source decides its cache.
+        self.cache: SampleCache | None = None
+        self.keeps = ""
+        self.disk: DiskImages | None = None
+        self.skipped = 0  # files skipped over the loader's life (one file once per epoch)
+        self.skipped_files: dict[int, tuple[str, str]] = {}  # position -> (file, reason), bounded
+        self._skipped_in_epoch = (-1, 0)  # (epoch number, files skipped in it)
+        self.fallback_decoded = 0
+        self.cpu_decoded = 0  # non-JPEG files the GPU's nvjpeg backend left to the CPU
+        self.roi = "none"  # how the last batch's decode windows were honoured (DecodeResult.roi)
 
-        @property
-        def cache(self) -> SampleCache | None: ...
+    def use(self, cache: SampleCache | None, keeps: str, disk: DiskImages | None) -> None:
+        """Read through (and fill) ``cache``, which keeps ``"decoded"`` images or ``"encoded"``
+        bytes, then ``disk``'s decoded images, before the files (None: no such tier)."""
+        self.cache, self.keeps, self.disk = cache, keeps, disk
 
-        @property
-        def keeps(self) -> str: ...
+    def counters(self, epoch: int) -> dict[str, Any]:
+        """The decode counters as they stand, for ``stats.extra`` (skipped files in ``epoch``)."""
+        return {"decode_backend": self.decoder.backend, **self._skipped_counters(epoch),
+                "fallback_decoded": self.fallback_decoded, "cpu_decoded": self.cpu_decoded, "roi": self.roi}
 
-        @property
-        def _keeps_encoded(self) -> bool: ...
-
-    def _note_skipped(self, entries: list[tuple[int, str, str]], epoch: int) -> None:
+    def note_skipped(self, entries: list[tuple[int, str, str]], epoch: int) -> None:
         """Count skipped files, in total and in ``epoch``; keep the first distinct ones named."""
         number, count = self._skipped_in_epoch
         self._skipped_in_epoch = (epoch, (count if number == epoch else 0) + len(entries))
@@ -95,25 +104,26 @@ class ImageDecoding:
         number, count = self._skipped_in_epoch
         return {"skipped": self.skipped, "skipped_epoch": count if number == epoch else 0}
 
-    def _read_whole(self, positions: list[int]) -> WholeImages:
+    def read_whole(self, positions: list[int]) -> WholeImages:
         """The images of ``positions`` whole, bad files listed (not raised): a share's block,
         read before its first epoch from the disk tier where it has them (on this source's
         device), the others read and decoded (and written to the disk tier)."""
         stored_at: list[int] = []
         stored: list[torch.Tensor] = []
         if self.disk is not None and positions:
-            found, _ = _DiskImagesTier(self.disk, self.setup).lookup(torch.tensor(positions, dtype=torch.int64))
+            tier = _DiskImagesTier(self.disk, self.device, self.staging)
+            found, _ = tier.lookup(torch.tensor(positions, dtype=torch.int64))
             if found is not None:
                 at, rows = found
                 stored_at, stored = list(range(len(positions))) if at is None else at.tolist(), rows.images
         on_disk = set(stored_at)
-        decoded = self._decode_whole([p for slot, p in enumerate(positions) if slot not in on_disk])
+        decoded = self.decode_whole([p for slot, p in enumerate(positions) if slot not in on_disk])
         if self.disk is not None and self.disk.accepting:
             self.disk.write(decoded.positions, decoded.images)
         return WholeImages([positions[slot] for slot in stored_at] + decoded.positions, stored + decoded.images,
                            decoded.bad)
 
-    def _decode_whole(self, positions: list[int]) -> WholeImages:
+    def decode_whole(self, positions: list[int]) -> WholeImages:
         """The files of ``positions`` read and decoded whole, bad ones listed."""
         if not positions:
             return WholeImages([], [], [])
@@ -133,13 +143,13 @@ class ImageDecoding:
         bad += [(position, result.backend, reason) for position, _, reason in result.skipped]
         return WholeImages([readable[k] for k in result.kept_positions], result.images, bad)
 
-    def _skip_reason(self, position: int, backend: str, reason: str) -> str:
+    def skip_reason(self, position: int, backend: str, reason: str) -> str:
         """What the unsplit path lists for a skipped file: a read error's whole message."""
         if backend != "read":
             return reason
         return str(ImageDecodeError(position, self.images.path(position), "read", reason))
 
-    def _failure(self, bad: list[BadFile]) -> ImageDecodeError:
+    def failure(self, bad: list[BadFile]) -> ImageDecodeError:
         """The error the unsplit path raises for a batch holding ``bad`` (in batch order): the
         first unreadable file, else the first that did not decode, with the others counted."""
         unreadable = [entry for entry in bad if entry[1] == "read"]
@@ -149,9 +159,9 @@ class ImageDecoding:
         position, backend, reason = bad[0]
         return ImageDecodeError(position, self.images.path(position), backend, reason, len(bad) - 1)
 
-    def _read(self, position: int, epoch: int) -> bytes | None:
+    def read(self, position: int, epoch: int) -> bytes | None:
         """The file's bytes (from the encoded cache when it has them); None if skipped."""
-        cache = self.cache if self._keeps_encoded else None
+        cache = self.cache if self.keeps == "encoded" else None
         if cache is not None:
             data = cache.get(position)
             if data is not None:
@@ -160,9 +170,9 @@ class ImageDecoding:
             with stage("read"):
                 data, _ = self.images.read_encoded(position)
         except Exception as error:  # unreadable file: ImageDecodeError names it
-            if self.setup.on_error != "skip":
+            if self.on_error != "skip":
                 raise
-            self._note_skipped([(position, self.images.path(position), str(error))], epoch)
+            self.note_skipped([(position, self.images.path(position), str(error))], epoch)
             return None
         if cache is not None:
             cache.keep(position, data)
@@ -176,7 +186,7 @@ class ImageDecoding:
         memory = self.cache if self.keeps == "decoded" else None
         tiers: list[KeyedTier] = [] if memory is None else [_MemoryImages(memory)]
         if self.disk is not None:
-            tiers.append(_DiskImagesTier(self.disk, self.setup))
+            tiers.append(_DiskImagesTier(self.disk, self.device, self.staging))
         # While a tier takes images, they are decoded whole (a tier keeps the image, not one
         # epoch's window of it).
         filling = (memory is not None and memory.accepting) or (self.disk is not None and self.disk.accepting)
@@ -207,13 +217,7 @@ class ImageDecoding:
             epoch=epoch,
             windows=kept_windows if any_window else None,
             sizes=kept_sizes if any_window else None,
-            counters={
-                "decode_backend": self.decoder.backend,
-                **self._skipped_counters(epoch),
-                "fallback_decoded": self.fallback_decoded,
-                "cpu_decoded": self.cpu_decoded,
-                "roi": self.roi,
-            },
+            counters=self.counters(epoch),
         )
 
     def _headers(self, encoded: list[bytes], positions: list[int]) -> list[Header | None]:
@@ -292,9 +296,9 @@ class _DiskImagesTier:
 
     name = "disk"
 
-    def __init__(self, disk: DiskImages, setup: Setup) -> None:
+    def __init__(self, disk: DiskImages, device: torch.device, staging: Staging | None) -> None:
         self.disk = disk
-        self.setup = setup
+        self.device, self.staging = device, staging
 
     def lookup(self, keys: torch.Tensor) -> Lookup:
         positions = keys.tolist()
@@ -304,8 +308,8 @@ class _DiskImagesTier:
             images = self.disk.read([positions[at] for at in found]) if found else None
         if images is None:  # none published, or a block dropped (damaged) meanwhile
             return None, torch.arange(len(positions))
-        if self.setup.device.type != "cpu":
-            images = to_device(images, self.setup.device, self.setup.staging, keep_layout=True)
+        if self.device.type != "cpu":
+            images = to_device(images, self.device, self.staging, keep_layout=True)
         if len(found) == len(positions):
             return (None, ImageRows(images)), NOTHING
         missing = [at for at, held in enumerate(present) if not held]
@@ -324,38 +328,38 @@ class _Files:
 
     name = "source"
 
-    def __init__(self, source: ImageDecoding, epoch: int, filling: bool) -> None:
-        self.source = source
+    def __init__(self, reader: ImageReader, epoch: int, filling: bool) -> None:
+        self.reader = reader
         self.epoch = epoch
         self.filling = filling
         self.windowed = False
 
     def lookup(self, keys: torch.Tensor) -> Lookup:
-        source, epoch = self.source, self.epoch
+        reader, epoch = self.reader, self.epoch
         encoded, names, readable, ats = [], [], [], []
         for at, position in enumerate(keys.tolist()):
-            data = source._read(position, epoch)
+            data = reader.read(position, epoch)
             if data is None:
                 continue
             encoded.append(data)
-            names.append(source.images.path(position))
+            names.append(reader.images.path(position))
             readable.append(position)
             ats.append(at)
         with stage("decode"):
-            headers = source._headers(encoded, readable)
-        sizes, windows = (None, None) if self.filling else source._windows(headers, readable, epoch)
+            headers = reader._headers(encoded, readable)
+        sizes, windows = (None, None) if self.filling else reader._windows(headers, readable, epoch)
         self.windowed = windows is not None
         kept: list[int] = []
         rows = ImageRows([], None if windows is None else [], None if sizes is None else [])
         if encoded:
             with stage("decode"):
-                result = source.decoder.decode(
-                    encoded, names, readable, rois=windows, on_error=source.setup.on_error, headers=headers
+                result = reader.decoder.decode(
+                    encoded, names, readable, rois=windows, on_error=reader.on_error, headers=headers
                 )
-            source._note_skipped(result.skipped, epoch)
-            source.fallback_decoded += result.fallback_decoded
-            source.cpu_decoded += result.cpu_decoded
-            source.roi = result.roi
+            reader.note_skipped(result.skipped, epoch)
+            reader.fallback_decoded += result.fallback_decoded
+            reader.cpu_decoded += result.cpu_decoded
+            reader.roi = result.roi
             for k, image in zip(result.kept_positions, result.images):
                 kept.append(ats[k])
                 rows.images.append(image)

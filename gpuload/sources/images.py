@@ -43,12 +43,12 @@ from gpuload.augment import BatchAugmenter
 from gpuload.cache import SampleCache, Store, decide_images, estimate_image_bytes
 from gpuload.cache.disk_tier import DiskImages
 from gpuload.datasets.images import ImageSource, as_image_source
-from gpuload.decode import BatchDecoder, HeaderTable
+from gpuload.decode import BatchDecoder
 from gpuload.device import device_memory, host_memory
 from gpuload.distributed.sharded_images import ExchangedImages, ShardedImages, shard_images
 from gpuload.sources import FromRows, Indices, Schedule, Setup, Source, Work, ahead_on_device
 from gpuload.sources.image_cache import CachedImages
-from gpuload.sources.image_decoding import DecodedBatch, ImageDecoding
+from gpuload.sources.image_decoding import DecodedBatch, ImageReader
 from gpuload.transfer import to_device
 
 __all__ = ["ImageFileSource", "detect"]
@@ -75,8 +75,10 @@ def detect(setup: Setup, strict: bool) -> ImageFileSource | None:
     return ImageFileSource(setup, images) if images is not None else None
 
 
-class ImageFileSource(ImageDecoding, Source):
-    """Batches of dataset indices turned into device batches of decoded (and transformed) images."""
+class ImageFileSource(Source):
+    """Batches of dataset indices turned into device batches of decoded (and transformed) images:
+    its :class:`~gpuload.sources.image_decoding.ImageReader` (``reader``) reads and decodes them
+    through the cache tiers this source decides, then the transforms run here."""
 
     # Batches are made on the device (the prefetcher only runs the work ahead, nothing staged).
     # Ahead of the loop, DEFAULT_DEPTH batches: one being made while the loop uses the one
@@ -91,17 +93,12 @@ class ImageFileSource(ImageDecoding, Source):
         )
         # With transforms, DALI's HWC images go to them as they are (the transforms read any
         # layout); without, the batch is the images stacked, contiguous as torch's would be.
-        self.decoder = BatchDecoder(
+        decoder = BatchDecoder(
             setup.device, max_batch=setup.batch_size or 1, channels_last=self.augment is not None,
             staging=setup.staging,
         )
-        self.headers = HeaderTable(len(images))  # each file's header read once, not per batch
-        self.skipped = 0  # files skipped over the loader's life (one file once per epoch)
-        self.skipped_files: dict[int, tuple[str, str]] = {}  # position -> (file, reason), bounded
-        self._skipped_in_epoch = (-1, 0)  # (epoch number, files skipped in it)
-        self.fallback_decoded = 0
-        self.cpu_decoded = 0  # non-JPEG files the GPU's nvjpeg backend left to the CPU
-        self.roi = "none"  # how the last batch's decode windows were honoured (DecodeResult.roi)
+        self.reader = ImageReader(images, decoder, self.augment, device=setup.device, staging=setup.staging,
+                                  on_error=setup.on_error)
         # What the cache decision chose: the image cache, this rank's share of images split over
         # the ranks, or nothing.
         self.held: CachedImages | ShardedImages | None = None
@@ -121,6 +118,7 @@ class ImageFileSource(ImageDecoding, Source):
             self.disk = self._open_disk()
             if self.disk is not None:
                 weakref.finalize(self, self.disk.close)
+        self.reader.use(None, "", self.disk)
         share = self._shard()  # its block is read from the disk tier where published, and fills it
         if share is not None and self.disk is not None:
             # The share holds every image this rank serves: no file is read again, nothing more to keep.
@@ -128,10 +126,12 @@ class ImageFileSource(ImageDecoding, Source):
             self.disk.close()
             self.disk = None
         self.held = share if share is not None else self._image_cache()
+        self.reader.use(self.cache, self.keeps, self.disk)
 
     def _open_disk(self) -> DiskImages | None:
         """``cache_dir``'s disk tier of these images' decoded pixels (None: none set)."""
-        decode = {"backend": self.decoder.backend, "channels_last": self.decoder.channels_last}
+        decoder = self.reader.decoder
+        decode = {"backend": decoder.backend, "channels_last": decoder.channels_last}
         return DiskImages.open(self.images, self.setup.settings, decode)
 
     def _image_cache(self) -> CachedImages | None:
@@ -158,9 +158,9 @@ class ImageFileSource(ImageDecoding, Source):
 
         share = shard_images(
             len(self.images), settings, device, setup.batch_sampler, setup.owner,
-            estimate=lambda: estimate_image_bytes(self.images)[0], room=room, read=self._read_whole,
+            estimate=lambda: estimate_image_bytes(self.images)[0], room=room, read=self.reader.read_whole,
             chunk_size=setup.batch_size or 1, on_error=setup.on_error, name=self.images.path,
-            failure=self._failure,
+            failure=self.reader.failure,
         )
         if share is not None:
             setup.stats.extra["image_cache_decision"] = share.describe()
@@ -176,11 +176,6 @@ class ImageFileSource(ImageDecoding, Source):
         """What that cache keeps: ``"decoded"`` images or ``"encoded"`` bytes."""
         return self.held.keeps if self.held is not None else ""
 
-    @property
-    def _keeps_encoded(self) -> bool:
-        held = self.held  # read per image: no second property call
-        return held is not None and held.cache is not None and held.keeps == "encoded"
-
     def begin_epoch(self) -> None:
         self._decide_cache()
         held = self.held
@@ -190,8 +185,9 @@ class ImageFileSource(ImageDecoding, Source):
 
     def stats(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}
-        if self.skipped_files:
-            extra["skipped_files"] = [(position, *entry) for position, entry in self.skipped_files.items()]
+        skipped_files = self.reader.skipped_files
+        if skipped_files:
+            extra["skipped_files"] = [(position, *entry) for position, entry in skipped_files.items()]
         if self.held is not None:
             extra.update(self.held.entries())
         elif self._released is not None:
@@ -213,6 +209,7 @@ class ImageFileSource(ImageDecoding, Source):
         if self.disk is not None:
             self.disk.close()
             self.disk = None
+        self.reader.use(None, "", None)
         self._decided = False
 
     def warm(self, progress: bool) -> None:
@@ -231,11 +228,11 @@ class ImageFileSource(ImageDecoding, Source):
         with tqdm(total=len(todo), unit="image", desc="gpuload warm", disable=not progress) as bar:
             for start in range(0, len(todo), batch_size):
                 chunk = todo[start : start + batch_size]
-                if self._keeps_encoded and not filling_disk:
+                if cache is not None and self.keeps == "encoded" and not filling_disk:
                     for position in chunk:
-                        self._read(position, epoch=0)
+                        self.reader.read(position, epoch=0)
                 else:
-                    self.decode(chunk, epoch=0)  # decodes whole while a cache accepts
+                    self.reader.decode(chunk, epoch=0)  # decodes whole while a cache accepts
                 bar.update(len(chunk))
                 if not (cache is not None and cache.accepting) and not (disk is not None and disk.accepting):
                     break
@@ -248,7 +245,7 @@ class ImageFileSource(ImageDecoding, Source):
 
     def _work(self, request: Indices, ahead: bool) -> Work:
         number = request.number
-        decoded = (self.decode(index, number) for index in request.batches(ahead))
+        decoded = (self.reader.decode(index, number) for index in request.batches(ahead))
         if ahead_on_device(ahead, self.setup.device):
             return Work((self.finish(d) for d in decoded), self._deliver)
         return Work(decoded, lambda d: self._deliver(self.finish(d)))
@@ -262,15 +259,13 @@ class ImageFileSource(ImageDecoding, Source):
 
     def _gathered(self, item: ExchangedImages, epoch: int) -> DecodedBatch:
         """Gathered whole images as a decoded batch, its skipped files counted."""
+        reader = self.reader
         if item.skipped:
-            self._note_skipped([(p, self.images.path(p), self._skip_reason(p, backend, reason))
-                                for p, backend, reason in item.skipped], epoch)
+            reader.note_skipped([(p, self.images.path(p), reader.skip_reason(p, backend, reason))
+                                 for p, backend, reason in item.skipped], epoch)
         return DecodedBatch(
             images=item.images, positions=item.positions, labels=[self.images.label(p) for p in item.positions],
-            epoch=epoch, windows=None, sizes=None, counters={
-                "decode_backend": self.decoder.backend, **self._skipped_counters(epoch),
-                "fallback_decoded": self.fallback_decoded, "cpu_decoded": self.cpu_decoded, "roi": self.roi,
-            },
+            epoch=epoch, windows=None, sizes=None, counters=reader.counters(epoch),
         )
 
     def _deliver(self, finished: tuple[Any, int, dict[str, Any]]) -> tuple[Any, int] | None:

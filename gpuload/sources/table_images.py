@@ -91,7 +91,8 @@ class ColumnImageSource(ImageFileSource):
         self.arrived: ExchangedImages | None = None  # the batch's images the exchange brought
 
     def _open_disk(self) -> DiskImages | None:
-        decode = {"backend": self.decoder.backend, "channels_last": self.decoder.channels_last}
+        decoder = self.reader.decoder
+        decode = {"backend": decoder.backend, "channels_last": decoder.channels_last}
         key = self.setup.settings.disk_key
         return DiskImages.open(self.images, self.setup.settings, decode,
                                identify=lambda shaped: column_fingerprint(self.column, self.origin, shaped, key))
@@ -113,9 +114,10 @@ class ColumnImageSource(ImageFileSource):
         device, settings = setup.device, setup.settings
         limit = (settings.device_room(device, device_memory(device), setup.owner) if device.type == "cuda"
                  else settings.host_room(host_memory()))
-        found = read_share(split.plan, context, split.control, settings, device, limit=limit, read=self._read_whole,
-                           chunk_size=setup.batch_size or 1, on_error="raise", name=self.images.path,
-                           failure=self._failure, owner=setup.owner)
+        found = read_share(split.plan, context, split.control, settings, device, limit=limit,
+                           read=self.reader.read_whole, chunk_size=setup.batch_size or 1, on_error="raise",
+                           name=self.images.path,
+                           failure=self.reader.failure, owner=setup.owner)
         if found is None:
             return None
         held = ColumnShare(split, *found)
@@ -126,7 +128,7 @@ class ColumnImageSource(ImageFileSource):
         """The images of samples ``flat``: those the table's exchange brought, else decoded here."""
         arrived, self.arrived = self.arrived, None
         if arrived is None:
-            return self.decode(flat, epoch)
+            return self.reader.decode(flat, epoch)
         if arrived.positions != flat.tolist():
             raise RuntimeError(f"the exchange brought the images of samples {arrived.positions[:4]}... for a batch "
                                f"of samples {flat.tolist()[:4]}...")
@@ -238,9 +240,9 @@ class ImageLeaf(Leaf):
     def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None,
               staging: Staging | None) -> Any:
         if epoch is None:  # the check against torch's samples: the whole images as decoded
-            whole = self.source._decode_whole(flat.tolist())
+            whole = self.source.reader.decode_whole(flat.tolist())
             if whole.bad:
-                raise self.source._failure(whole.bad)
+                raise self.source.reader.failure(whole.bad)
             return torch.stack(whole.images)
         decoded = self.source.decoded(flat, epoch)
         extra = self.source.setup.stats.extra

@@ -372,13 +372,34 @@ def test_shrinking_without_room_for_both_copies_stages_the_kept_rows_on_the_host
     _no_room_for_a_second_copy_on_meta(monkeypatch)
     assert store.shrink(120 * bps) == 180 * bps
     assert ledger.owners("meta") == {"m": 120 * bps} and store.stats.device_samples == 120
+    monkeypatch.undo()  # the batch's own allocation (a cat of meta rows clones) is not the shrink's second copy
     assert store.gather(torch.arange(N), copy=copy_to("meta"))["label"].shape == (N,)
+    _no_room_for_a_second_copy_on_meta(monkeypatch)
     _oom_on("meta", monkeypatch)  # and no room for the smaller copy either
     with pytest.warns(CacheFallbackWarning,
                       match="out of memory while shrinking the device tier on meta; it is now empty"):
         assert store.shrink(50 * bps) == 120 * bps
     assert ledger.owners("meta") == {"m": 0}
     assert store.stats.device_samples == 0
+    store.close()
+
+
+def test_rows_a_shrink_staged_on_the_host_are_served_from_the_device_again(monkeypatch):
+    """A shrink with no room for both copies empties the device tier, then copies the kept rows
+    back: a batch gathers them there again (the index maps once stayed on the source: those rows
+    crossed from host memory every batch while the stats said 120 were on the device)."""
+    data = arrays()
+    bps = bytes_per_sample(data)
+    store = TieredArrayStore(data, forced_plan(data, 300, 200), "meta", ledger=BudgetLedger(), owner="m")
+    _no_room_for_a_second_copy_on_meta(monkeypatch)
+    assert store.shrink(120 * bps) == 180 * bps
+    monkeypatch.undo()
+    request = store.request(torch.arange(N))
+    assert [leaf.shape[0] for leaf in request.on_device] == [120, 120]  # gathered on the device
+    assert request.staged_shapes[0][0][0] == N - 120
+    stats = store.stats
+    assert (stats.device_samples, stats.device_hits, stats.host_hits, stats.source_hits) == (120, 120, 200, 680)
+    assert stats.h2d_bytes == (N - 120) * bps
     store.close()
 
 

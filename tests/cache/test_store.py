@@ -489,7 +489,7 @@ def test_decoded_images_are_a_chain_served_from_memory_once_read_and_a_toy_tier_
     assert files.reads == 6 and source.keeps == "decoded"
     memory = _MemoryImages(source.cache)
     keys = torch.tensor([4, 0, 2])
-    hits, missing = read_through((memory,), keys, _Files(source, epoch=1, filling=False))
+    hits, missing = read_through((memory,), keys, _Files(source.reader, epoch=1, filling=False))
     assert [(depth, positions) for depth, positions, _ in hits] == [(0, None)] and not missing.numel()
     assert files.reads == 6 and [image.shape[0] for image in hits[0][2].images] == [3, 3, 3]  # whole, no file read
 
@@ -504,9 +504,9 @@ def test_decoded_images_are_a_chain_served_from_memory_once_read_and_a_toy_tier_
     toy = ImagesToy("toy")
     empty = _MemoryImages(source.cache)
     source.cache.close()  # memory gives nothing now: the files, then the toy tier, serve
-    hits, _ = read_through((empty, toy), keys, _Files(source, epoch=1, filling=True))
+    hits, _ = read_through((empty, toy), keys, _Files(source.reader, epoch=1, filling=True))
     assert files.reads == 9 and sorted(toy.held) == [0, 2, 4]
-    again, _ = read_through((empty, toy), keys, _Files(source, epoch=1, filling=True))
+    again, _ = read_through((empty, toy), keys, _Files(source.reader, epoch=1, filling=True))
     assert files.reads == 9 and [depth for depth, _, _ in again] == [1]
     assert all(torch.equal(a, b) for a, b in zip(hits[0][2].images, again[0][2].images))
     loader.close()

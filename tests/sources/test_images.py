@@ -45,7 +45,7 @@ def test_batches_are_decoded_then_transformed_per_sample(folder: ImageFolder) ->
         torch.testing.assert_close(images, expected, atol=2e-3, rtol=2e-3)
     assert loader.stats.samples == 12 and loader.stats.extra["transform_backend"] == "batched"
     # The transforms take the decoder's images in any layout: DALI's stay HWC (no transpose).
-    assert loader._source.decoder.channels_last
+    assert loader._source.reader.decoder.channels_last
 
 
 def test_a_corrupt_file_names_itself_or_is_skipped(folder: ImageFolder, tmp_path: Path) -> None:

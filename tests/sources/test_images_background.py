@@ -15,7 +15,7 @@ from gpuload import transforms as T
 from gpuload.datasets import ImageFolder, ImageList, make_sample_image_folder
 from gpuload.decode import ImageDecodeError
 from gpuload.decode._dali import dali_installed
-from gpuload.sources.images import ImageFileSource
+from gpuload.sources.image_decoding import ImageReader
 
 OPS = [T.RandomResizedCrop(24), T.RandomHorizontalFlip(), T.ToDtype(torch.float16)]
 
@@ -73,13 +73,13 @@ def test_batches_are_decoded_in_a_background_thread_with_a_depth_on_the_cpu(
     folder: ImageFolder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[str] = []
-    original = ImageFileSource.decode
+    original = ImageReader.decode
 
     def recording(self, *args, **kw):
         seen.append(threading.current_thread().name)
         return original(self, *args, **kw)
 
-    monkeypatch.setattr(ImageFileSource, "decode", recording)
+    monkeypatch.setattr(ImageReader, "decode", recording)
     loop = threading.current_thread().name
     for depth, expected in ((1, "gpuload-prefetch"), (2, "gpuload-prefetch"), (0, loop), (None, loop)):
         seen.clear()

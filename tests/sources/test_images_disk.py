@@ -333,7 +333,7 @@ def test_beside_an_encoded_bytes_cache_the_disk_tier_keeps_decoded_images(sample
 
 
 def test_a_shares_block_dropped_between_its_check_and_its_read_is_decoded_again(samples, tmp_path, monkeypatch) -> None:
-    """A rank's share is read whole from the disk tier where published (``_read_whole``);
+    """A rank's share is read whole from the disk tier where published (``ImageReader.read_whole``);
     a block another process drops between the presence check and the read: all decoded again."""
     epochs(loader(CountingList(samples), samples, transforms=None, cache_dir=tmp_path / "c"), 1)  # published
     source = CountingList(samples)
@@ -350,7 +350,7 @@ def test_a_shares_block_dropped_between_its_check_and_its_read_is_decoded_again(
         return found
 
     monkeypatch.setattr(disk, "present", present_then_dropped)
-    share = images._read_whole([0, 1, 2, 3])
+    share = images.reader.read_whole([0, 1, 2, 3])
     assert share.positions == [0, 1, 2, 3] and not share.bad and source.reads == 4
     for position, image in zip(share.positions, share.images, strict=True):
         assert_same(image, ImageList(samples)[position][0])
