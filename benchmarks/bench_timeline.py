@@ -1,14 +1,15 @@
 """What ``loader.timeline`` costs: a cached in-memory epoch with the timeline on and off, alternately.
 
 Two loaders over the same arrays (the bench's CIFAR-shaped uint8 images and labels, batch 512,
-``cache="auto"``), one with ``timeline_steps=1000`` and one with ``timeline_steps=0``, each warmed
-up (its first epoch places the arrays). Then ``--pairs`` pairs of epochs, no training step (the
-worst case: the loop does nothing but ask), the order within each pair alternating so that drift
-in the machine's load falls on both alike. It prints the median epoch per step of each, and the
-paired difference per step (the mean of its medians over the pairs of each order), as a share of
-the median epoch without the timeline.
+``cache="auto"``), one with ``timeline_steps=1000`` (stages timed on one step in ``--sample-every``,
+the default 16) and one with ``timeline_steps=0``, each warmed up (its first epoch places the
+arrays). Then ``--pairs`` pairs of epochs, no training step (the worst case: the loop does nothing
+but ask), the order within each pair alternating so that drift in the machine's load falls on both
+alike. It prints the median epoch per step of each, and the paired difference per step (the mean of
+its medians over the pairs of each order), as a share of the median epoch without the timeline.
 
-Usage: python benchmarks/bench_timeline.py [--pairs 400] [--samples 10240] [--device cpu] [--json PATH]
+Usage: python benchmarks/bench_timeline.py [--pairs 400] [--samples 10240] [--sample-every 16] [--device cpu]
+       [--json PATH]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import gpuload
 from gpuload.bench.measure import synchronize
 from gpuload.bench.scenarios import BenchConfig, synthetic_cifar
 from gpuload.device import resolve_device
+from gpuload.timeline import DEFAULT_SAMPLE_EVERY
 
 
 def epoch_s(loader: gpuload.DataLoader, device: torch.device) -> float:
@@ -39,7 +41,8 @@ def epoch_s(loader: gpuload.DataLoader, device: torch.device) -> float:
     return time.perf_counter() - started
 
 
-def measure(pairs: int, samples: int, batch_size: int, device: torch.device) -> dict[str, float | int | str]:
+def measure(pairs: int, samples: int, batch_size: int, device: torch.device,
+            sample_every: int = DEFAULT_SAMPLE_EVERY) -> dict[str, float | int | str]:
     """Alternating epochs with the timeline on and off: per-step medians and the paired difference."""
     dataset: TensorDataset = synthetic_cifar(BenchConfig(num_samples=samples, batch_size=batch_size))
     loaders = {
@@ -47,6 +50,7 @@ def measure(pairs: int, samples: int, batch_size: int, device: torch.device) -> 
                                   timeline_steps=steps, generator=torch.Generator().manual_seed(0))
         for steps in (1000, 0)
     }
+    loaders[1000].timeline.sample_every = sample_every
     for loader in loaders.values():
         epoch_s(loader, device)  # places the arrays
         epoch_s(loader, device)
@@ -72,7 +76,7 @@ def measure(pairs: int, samples: int, batch_size: int, device: torch.device) -> 
     difference_step = sum(by_order) / 2
     return {
         "device": str(device), "path": path, "pairs": pairs, "steps_per_epoch": steps_per_epoch,
-        "batch_size": batch_size, "off_us_per_step": 1e6 * off_step,
+        "batch_size": batch_size, "sample_every": sample_every, "off_us_per_step": 1e6 * off_step,
         "on_us_per_step": 1e6 * statistics.median(on) / steps_per_epoch,
         "paired_difference_us_per_step": 1e6 * difference_step,
         "on_first_us_per_step": 1e6 * by_order[0], "off_first_us_per_step": 1e6 * by_order[1],
@@ -86,12 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=400)
     parser.add_argument("--samples", type=int, default=10_240)
     parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--sample-every", type=int, default=DEFAULT_SAMPLE_EVERY)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
-    found = measure(args.pairs, args.samples, args.batch_size, resolve_device(args.device))
+    found = measure(args.pairs, args.samples, args.batch_size, resolve_device(args.device), args.sample_every)
     print(f"{found['pairs']} alternating pairs of {found['steps_per_epoch']}-step epochs on {found['device']} "
-          f"(path {found['path']}, batch {found['batch_size']}), load {found['load_before']:.1f} -> "
+          f"(path {found['path']}, batch {found['batch_size']}, stages timed 1 step in {found['sample_every']}), "
+          f"load {found['load_before']:.1f} -> "
           f"{found['load_after']:.1f} on {found['cpu_count']} cores")
     print(f"timeline off: {found['off_us_per_step']:.1f} us/step; on: {found['on_us_per_step']:.1f} us/step; "
           f"paired difference {found['paired_difference_us_per_step']:.2f} us/step "

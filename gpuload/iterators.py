@@ -71,6 +71,7 @@ class EpochIterator(Iterator[Any]):
         self._on_end = on_end
         self._torch_iterator = work.torch_iterator
         self._epoch = epoch if epoch is not None else Epoch()
+        self._pulled = 0  # items pulled from _items: the index the timeline samples by, as their maker counts
 
     def __getattr__(self, name: str) -> Any:
         # torch's iterator attributes (``_workers``, ...) for code that reads them; a gpuload
@@ -100,6 +101,7 @@ class EpochIterator(Iterator[Any]):
         never delivered."""
         self._items, self._finish, self._length, self._epoch = items, work.finish, length, epoch
         self._torch_iterator = work.torch_iterator
+        self._pulled = 0
 
     def __len__(self) -> int:
         return self._length() - self._position.skipped
@@ -125,7 +127,7 @@ class EpochIterator(Iterator[Any]):
     def __next__(self) -> Any:
         started = time.perf_counter()
         epoch = self._epoch
-        asking, delivered = self._timeline.ask(), False
+        asking, delivered = self._timeline.ask(self._pulled), False
         try:
             epoch.enter()  # a stop marked before this is seen here; close() waits for the rest
             try:
@@ -134,6 +136,7 @@ class EpochIterator(Iterator[Any]):
                 finished = None
                 while finished is None:
                     item = next(self._items)
+                    self._pulled += 1
                     if epoch.cause is not None:  # stopped while it waited: never deliver, never end short
                         epoch.raise_if_stopped(self._position.batches)
                     finished = self._finish(item)
@@ -157,8 +160,9 @@ class EpochIterator(Iterator[Any]):
                 raise RuntimeError(f"{error}\n{SHAPE_HINT}") from error
             raise
         finally:
-            self._stats.wait_time_s += time.perf_counter() - started
-            self._timeline.got(asking, delivered)
+            ready = time.perf_counter()
+            self._stats.wait_time_s += ready - started
+            self._timeline.got(asking, delivered, started, ready)
         batch, count = finished
         self._stats.batches += 1
         self._stats.samples += count

@@ -416,7 +416,7 @@ class DataLoader(tud.DataLoader[T_co]):
             depth = self.prefetch_depth if self.prefetch_depth is not None else schedule.depth
             self._prefetcher = Prefetcher(None, self.device, depth, timeout=self.timeout or None,
                                           stage=schedule.staged)
-        self._prefetcher.timeline = self._timeline.enabled
+        self._prefetcher.timeline = self._timeline.sampling
         return self._prefetcher
 
     def _copies(self) -> Prefetcher:

@@ -374,8 +374,10 @@ def _work(
     out: queue.Queue,
     tokens: threading.Semaphore,
     epoch: Epoch,
+    every: int,
 ) -> None:
-    """Pull, stage and copy batches until the source ends, fails, or ``epoch`` is stopped.
+    """Pull, stage and copy batches until the source ends, fails, or ``epoch`` is stopped; the
+    stages of batch ``index`` are timed (``gpuload.timeline``) when ``every`` divides it.
 
     Holds no reference to the consuming iterator, so dropping that iterator stops this thread.
     A token is taken before each pull: the thread is never more than ``depth`` batches ahead.
@@ -399,7 +401,7 @@ def _work(
                     continue
                 if epoch.stopped.is_set():
                     break
-                made = begin_batch() if owner.timeline else None
+                made = begin_batch() if every and index % every == 0 else None
                 try:
                     item = next(source)
                 except StopIteration:
@@ -464,7 +466,7 @@ class _Handoff(Iterator[Any]):
         self._cancel_source = getattr(source, "cancel", None)
         self._thread = threading.Thread(
             target=_work,
-            args=(owner, source, ring, self._queue, self._tokens, epoch),
+            args=(owner, source, ring, self._queue, self._tokens, epoch, owner.timeline),
             name="gpuload-prefetch",
             daemon=True,
         )
@@ -627,7 +629,9 @@ class Prefetcher:
     #: The most batches in flight: each holds a whole batch in host memory, and a few already
     #: absorb the jitter of the batches' costs (``check_ring_fits`` bounds it by memory too).
     MAX_DEPTH = 1024
-    timeline = False  # its thread records each batch's stages (gpuload.timeline)
+    #: Its thread times the stages of each epoch's batches 0, N, 2N, ... (gpuload.timeline's
+    #: sampling, read when an epoch starts); 0: none.
+    timeline = 0
 
     def __init__(
         self,

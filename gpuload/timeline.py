@@ -11,6 +11,12 @@ produced; the loop's own thread opens one per step (:meth:`Timeline.ask`), which
 whatever is made in the loop's thread. A :class:`Timeline` keeps the last ``capacity`` steps and
 running totals; :mod:`gpuload.verdict` turns them into one line a person can act on.
 
+The wait is measured every step; the stages are timed on one step in ``sample_every`` (16 by
+default), which keeps the timeline's cost under 1% of a cached epoch. Both ends decide by the
+same rule, the item's index in the stream of items the loop pulls (``index % sample_every == 0``,
+from 0 at each epoch, each ``set_batch_size`` and each resume), and the stages travel with the
+batch they were timed for: a sampled step never gets another step's stages.
+
 The exposed wait is measured where the loop uses the batch: on a CPU with the clock around
 ``next()``; on CUDA with timing events recorded on the loop's current stream when it asks for a
 batch and once the batch is usable there, read only after they completed (``event.query()``),
@@ -37,14 +43,17 @@ from gpuload.environment import DEFAULT_TIMELINE_STEPS, timeline_steps
 from gpuload.verdict import STAGES, Verdict, verdict
 
 __all__ = [
-    "DEFAULT_STEPS", "Step", "Timeline", "begin_batch", "end_batch", "gather_stage", "hand_over", "resolve_steps",
-    "stage", "timeline_of",
+    "DEFAULT_SAMPLE_EVERY", "DEFAULT_STEPS", "Step", "Timeline", "begin_batch", "end_batch", "gather_stage",
+    "hand_over", "resolve_steps", "stage", "timeline_of",
 ]
 
 _OFF = "no timeline: it is off (turn it on with timeline_steps=1000 or GPULOAD_TIMELINE=on)"
 
 #: Steps a timeline keeps by default (running totals cover every step).
 DEFAULT_STEPS = DEFAULT_TIMELINE_STEPS
+
+#: One step in this many has its stages timed (the wait is measured on every step).
+DEFAULT_SAMPLE_EVERY = 16
 
 _clock = time.perf_counter
 _profiler = torch.autograd.profiler  # its ``_is_profiler_enabled`` flag is set while a profiler runs
@@ -53,12 +62,11 @@ _profiler = torch.autograd.profiler  # its ``_is_profiler_enabled`` flag is set 
 class _Batch:
     """The stage times of one batch, accumulated in the thread making it."""
 
-    __slots__ = ("seconds", "started", "outer", "asked")
+    __slots__ = ("seconds", "started", "outer")
 
     def __init__(self, outer: _Batch | None) -> None:
         self.seconds: dict[str, float] = {}
         self.outer = outer  # the record this one interrupts in the same thread (restored at its end)
-        self.asked: Any = None  # a step's: the CUDA event recorded when the loop asked for the batch
         self.started = _clock()
 
 
@@ -155,8 +163,10 @@ def end_batch(batch: _Batch, other: bool = True) -> dict[str, float]:
 
 
 def hand_over(stages: dict[str, float] | None) -> None:
-    """In the loop's thread: the stages of the batch being handed to it (made in another thread)."""
-    _here.delivered = stages
+    """In the loop's thread: the stages of the batch being handed to it (made in another thread);
+    None for a batch whose stages were not sampled."""
+    if stages is not None:
+        _here.delivered = stages
 
 
 @dataclass(slots=True)
@@ -164,11 +174,12 @@ class Step:
     """One step of the loop. ``wait_s``: how long the loop (on CUDA: its stream) waited for the
     batch; ``step_s``: from the previous batch being usable to this one being usable (the loop's
     work on the previous batch plus this wait; None for an epoch's first step); ``stages``: the
-    seconds each stage took for this batch. On CUDA both times are None until the events completed."""
+    seconds each stage took for this batch, None for a step whose stages were not sampled (one in
+    ``Timeline.sample_every`` is). On CUDA both times are None until the events completed."""
 
     wait_s: float | None
     step_s: float | None
-    stages: dict[str, float] = field(default_factory=dict)
+    stages: dict[str, float] | None = field(default_factory=dict)
 
 
 def _checked(capacity: int) -> int:
@@ -177,17 +188,29 @@ def _checked(capacity: int) -> int:
     return capacity
 
 
+def _checked_every(every: int) -> int:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"timeline sample_every={every!r} must be an int >= 1 (one step in this many has its "
+                         "stages timed; 1: every step)")
+    return every
+
+
 class Timeline:
     """The last ``capacity`` steps of a loader, and running totals over every step measured.
 
     ``capacity=0`` records nothing (``loader.timeline`` of a loader built with
     ``timeline_steps=0``, or with neither ``timeline_steps`` nor ``GPULOAD_TIMELINE=on``). Steps are
     recorded in the loop's thread; :meth:`steps`, :meth:`as_dict`, :meth:`summary` and
-    :meth:`scalars` may be read anywhere.
+    :meth:`scalars` may be read anywhere. Every step's wait is measured; its stages on one step in
+    ``sample_every`` (from the loader's next epoch), and the stage means are over those steps.
     """
 
-    def __init__(self, capacity: int = DEFAULT_STEPS, device: torch.device | str = "cpu") -> None:
+    def __init__(self, capacity: int = DEFAULT_STEPS, device: torch.device | str = "cpu",
+                 sample_every: int = DEFAULT_SAMPLE_EVERY) -> None:
         self.capacity = _checked(capacity)
+        self._sample_every = _checked_every(sample_every)
+        self._every = sample_every if capacity else 0  # the epoch's sampling (0: none), fixed at new_epoch
+        self._asked: Any = None  # CUDA: the event recorded when the loop asked for the current batch
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
         self._steps: deque[Step] = deque(maxlen=capacity or 1)
@@ -205,6 +228,22 @@ class Timeline:
     def enabled(self) -> bool:
         return self.capacity > 0
 
+    @property
+    def sample_every(self) -> int:
+        """One step in this many has its stages timed (from the loader's next epoch); 1: every step."""
+        return self._sample_every
+
+    @sample_every.setter
+    def sample_every(self, every: int) -> None:
+        self._sample_every = _checked_every(every)
+
+    @property
+    def sampling(self) -> int:
+        """This epoch's sampling, for the thread making its batches: an item whose index in the
+        epoch's stream (from 0 at each start, ``set_batch_size`` and resume) is a multiple of it has
+        its stages timed; 0: none is."""
+        return self._every
+
     def resize(self, capacity: int) -> None:
         """Keep the last ``capacity`` steps (0: off) from the loader's next epoch on, e.g. on for
         one epoch to see where it waits, at no cost in the others. The running totals stay, and
@@ -219,51 +258,60 @@ class Timeline:
         """Forget every step measured so far."""
         self._steps.clear()
         self.step_count = 0  # steps measured, over the loader's life
+        self.sampled_count = 0  # those whose stages were timed (stage_s covers them)
         self.wait_s = 0.0  # their waits, where the step time is known too
         self.step_s = 0.0  # their step times
-        self.stage_s: dict[str, float] = {}  # each stage's seconds over every step
+        self.stage_s: dict[str, float] = {}  # each stage's seconds over the sampled steps
         self._pending.clear()
 
     # -- recording, in the loop's thread ---------------------------------------------------------
 
     def new_epoch(self) -> None:
-        """The next step is an epoch's first: the time since the last one is not a step."""
+        """The next step is an epoch's first: the time since the last one is not a step. Fixes the
+        epoch's sampling (``sample_every``, or none when off)."""
         self._first = True
+        self._every = self._sample_every if self.capacity else 0
 
-    def ask(self) -> _Batch | None:
-        """The loop asks for a batch: the step's record (None when nothing is recorded)."""
+    def ask(self, index: int) -> _Batch | None:
+        """The loop asks for the item ``index`` of the epoch's stream (counted from 0 at each start,
+        ``set_batch_size`` and resume, as the thread making them counts): the step's record when
+        its stages are sampled, else None."""
         if not self.capacity:
             return None
-        asking = begin_batch()
         if self._cuda:
-            asking.asked = torch.cuda.Event(enable_timing=True)
-            asking.asked.record(torch.cuda.current_stream(self.device))
-        return asking
+            self._asked = torch.cuda.Event(enable_timing=True)
+            self._asked.record(torch.cuda.current_stream(self.device))
+        every = self._every
+        return begin_batch() if every and index % every == 0 else None
 
-    def got(self, asking: _Batch | None, delivered: bool) -> None:
-        """The batch of ``asking`` is usable on the loop's stream (``delivered``), or none came
-        (the epoch ended, or raised): then the step is not recorded."""
-        if asking is None:
+    def got(self, asking: _Batch | None, delivered: bool, asked_at: float, ready_at: float) -> None:
+        """The loop's batch is usable on its stream (``delivered``), or none came (the epoch ended,
+        or raised): then the step is not recorded. ``asking``: the step's record, if sampled;
+        ``asked_at`` and ``ready_at``: the clock when the loop asked and when it had the batch."""
+        if not self.capacity:
             return
-        made, _here.delivered = _here.delivered, None
-        # Handed over by the prefetcher: the loop's thread only waited, outside its stages.
-        stages = end_batch(asking, other=made is None)
+        made = _here.delivered
+        if made is not None:
+            _here.delivered = None
+        stages = None
+        if asking is not None:
+            # Handed over by the prefetcher: the loop's thread only waited, outside its stages.
+            stages = end_batch(asking, other=made is None)
+            if made:
+                for name, seconds in made.items():
+                    stages[name] = stages.get(name, 0.0) + seconds
         if not delivered:
             return
-        if made:
-            for name, seconds in made.items():
-                stages[name] = stages.get(name, 0.0) + seconds
         first, self._first = self._first, False
-        if asking.asked is None:
-            now = _clock()
-            step = Step(now - asking.started, None if first else now - self._last_ready, stages)
-            self._last_ready = now
+        if not self._cuda:
+            step = Step(ready_at - asked_at, None if first else ready_at - self._last_ready, stages)
+            self._last_ready = ready_at
             self._add(step)
         else:
             ready = torch.cuda.Event(enable_timing=True)
             ready.record(torch.cuda.current_stream(self.device))
             step = Step(None, None, stages)
-            self._pending.append((step, asking.asked, None if first else self._last_ready, ready))
+            self._pending.append((step, self._asked, None if first else self._last_ready, ready))
             self._last_ready = ready
             while len(self._pending) > self.capacity:  # never waited for: its times stay unknown
                 self._pending.popleft()
@@ -273,9 +321,11 @@ class Timeline:
     def _add(self, step: Step) -> None:
         self._steps.append(step)
         self.step_count += 1
-        totals = self.stage_s
-        for name, seconds in step.stages.items():
-            totals[name] = totals.get(name, 0.0) + seconds
+        if step.stages is not None:
+            self.sampled_count += 1
+            totals = self.stage_s
+            for name, seconds in step.stages.items():
+                totals[name] = totals.get(name, 0.0) + seconds
         if step.wait_s is not None and step.step_s is not None:
             self.wait_s += step.wait_s
             self.step_s += step.step_s
@@ -310,14 +360,15 @@ class Timeline:
         return self.wait_s / self.step_s if self.step_s > 0 else None
 
     def stage_seconds(self, steps: Iterable[Step] | None = None) -> dict[str, float]:
-        """Mean seconds per step of each stage, largest first: over ``steps``, else every step."""
+        """Mean seconds per step of each stage, largest first: over the sampled ones of ``steps``,
+        else of every step."""
         if steps is None:
-            totals, count = dict(self.stage_s), self.step_count  # a copy: the loop may add a stage meanwhile
+            totals, count = dict(self.stage_s), self.sampled_count  # a copy: the loop may add a stage meanwhile
         else:
-            steps = list(steps)
-            totals, count = {}, len(steps)
-            for step in steps:
-                for name, seconds in step.stages.items():
+            sampled = [step.stages for step in steps if step.stages is not None]
+            totals, count = {}, len(sampled)
+            for stages in sampled:
+                for name, seconds in stages.items():
                     totals[name] = totals.get(name, 0.0) + seconds
         if not count:
             return {}
@@ -350,8 +401,13 @@ class Timeline:
 
     def summary(self) -> str:
         """One line: data-bound or compute-bound, the stage most of the loader's time goes to, and
-        the setting that would help; under torch.distributed, once gathered, the slowest rank."""
+        the setting that would help; how many of the kept steps had their stages timed; under
+        torch.distributed, once gathered, the slowest rank."""
         line = self.verdict().line
+        steps = self.steps()
+        if steps:
+            sampled = sum(1 for step in steps if step.stages is not None)
+            line += f"; stages timed on {sampled} of {len(steps)} steps (1 in {self._sample_every})"
         return line if self.ranks is None else f"{line}; {self.ranks.line()}"
 
     def scalars(self, prefix: str = "gpuload/") -> dict[str, float]:
@@ -359,7 +415,7 @@ class Timeline:
         the wait share in percent, and each stage's mean ms per step."""
         fraction = self.wait_fraction()
         out = {f"{prefix}wait_percent": math.nan if fraction is None else 100 * fraction,
-               f"{prefix}steps": float(self.step_count)}
+               f"{prefix}steps": float(self.step_count), f"{prefix}sampled_steps": float(self.sampled_count)}
         for name, seconds in self.stage_seconds().items():
             out[f"{prefix}stage_ms/{name}"] = 1e3 * seconds
         return out
@@ -367,12 +423,12 @@ class Timeline:
     def as_dict(self) -> dict[str, Any]:
         """The running totals as plain data (for logging, JSON, or gathering over ranks)."""
         fraction = self.wait_fraction()
-        return {"steps": self.step_count, "wait_s": self.wait_s, "step_s": self.step_s,
-                "wait_fraction": fraction, "stage_s": dict(self.stage_s)}
+        return {"steps": self.step_count, "sampled_steps": self.sampled_count, "sample_every": self._sample_every,
+                "wait_s": self.wait_s, "step_s": self.step_s, "wait_fraction": fraction, "stage_s": dict(self.stage_s)}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_pending=deque(), _last_ready=None, _first=True, about=None, ranks=None)
+        state.update(_pending=deque(), _last_ready=None, _first=True, _asked=None, about=None, ranks=None)
         del state["_reading"]
         return state
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 import gpuload
 import gpuload.prefetch as prefetch
+import gpuload.timeline as timeline_module
 from gpuload import transforms as T
 from gpuload.environment import TIMELINE, timeline_steps
 from gpuload.sizes import CacheSettingError
@@ -161,6 +163,131 @@ def test_a_pickled_loader_keeps_its_steps() -> None:
     assert copy.timeline.step_count == loader.timeline.step_count == 4
     run(copy)
     assert copy.timeline.step_count == 8
+
+
+# -- sampling: stages timed on one step in N, always the step's own ----------------------------
+
+
+class _TickingClock:
+    """The timeline's clock, moved only by :class:`Ticking` reads: a stage's time is exact."""
+
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Ticking(Dataset):
+    """Reading sample i moves the clock by i + 1 s, so a batch's read time names its samples."""
+
+    def __init__(self, clock: _TickingClock, n: int = 40) -> None:
+        self.clock, self.n, self.threads = clock, n, set()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.threads.add(threading.get_ident())
+        self.clock.now += index + 1
+        return torch.tensor(index)
+
+
+@pytest.fixture
+def ticking(monkeypatch: pytest.MonkeyPatch) -> Ticking:
+    clock = _TickingClock()
+    monkeypatch.setattr(timeline_module, "_clock", clock)
+    return Ticking(clock)
+
+
+def ticking_loader(dataset: Ticking, depth: int | None, batch_size: int = 3, every: int = 4) -> gpuload.DataLoader:
+    loader = gpuload.DataLoader(dataset, batch_size=batch_size, shuffle=True, cache="off", prefetch_depth=depth,
+                                timeline_steps=1000, generator=torch.Generator().manual_seed(0))
+    loader.timeline.sample_every = every
+    return loader
+
+
+def assert_each_sampled_step_has_its_own_stages(loader: gpuload.DataLoader, batches: list[torch.Tensor],
+                                                starts: list[int], dataset: Ticking, depth: int | None) -> None:
+    """The steps sampled are those at 0, N, 2N, ... from each of ``starts`` (an epoch's first
+    batch, a new batch size, a resume), each with exactly its own batch's read time."""
+    every = loader.timeline.sample_every
+    sampled = [any((step - start) % every == 0 for start in starts if start <= step < min(
+        [later for later in starts if later > start] + [len(batches)])) for step in range(len(batches))]
+    steps = loader.timeline.steps()
+    assert len(steps) == len(batches)
+    for index, (batch, step) in enumerate(zip(batches, steps, strict=True)):
+        timed = None if step.stages is None else {name: s for name, s in step.stages.items() if s}  # a copy: 0 s
+        assert timed == ({"read": float((batch + 1).sum())} if sampled[index] else None), \
+            f"step {index} of {batch.tolist()}"
+    assert loader.timeline.sampled_count == sum(sampled)
+    assert (threading.get_ident() in dataset.threads) == (depth == 0)  # ahead: read by the prefetcher's thread
+
+
+@pytest.mark.parametrize("depth", [2, 0], ids=["ahead", "in-the-loop"])
+def test_sampled_steps_over_several_epochs_get_their_own_batchs_stages(ticking: Ticking, depth: int | None) -> None:
+    loader = ticking_loader(ticking, depth)
+    batches = [batch for _ in range(3) for batch in loader]  # 14 steps an epoch: not a multiple of 4
+    assert_each_sampled_step_has_its_own_stages(loader, batches, [0, 14, 28], ticking, depth)
+    assert loader.timeline.step_count == 42 and loader.timeline.sampled_count == 12
+
+
+@pytest.mark.parametrize("depth", [2, 0], ids=["ahead", "in-the-loop"])
+def test_sampling_after_an_early_break_starts_again_with_the_next_epoch(ticking: Ticking, depth: int | None) -> None:
+    loader = ticking_loader(ticking, depth)
+    batches = []
+    for batch in loader:
+        batches.append(batch)
+        if len(batches) == 6:  # the prefetcher's thread made (and sampled) batches beyond this one
+            break
+    batches += list(loader)
+    assert_each_sampled_step_has_its_own_stages(loader, batches, [0, 6], ticking, depth)
+
+
+@pytest.mark.parametrize("depth", [2, 0], ids=["ahead", "in-the-loop"])
+def test_sampling_follows_a_new_batch_size_mid_epoch(ticking: Ticking, depth: int | None) -> None:
+    loader = ticking_loader(ticking, depth)
+    batches = []
+    for batch in loader:
+        batches.append(batch)
+        if len(batches) == 6:
+            loader.set_batch_size(2)  # the batches made ahead at size 3 are never delivered
+    assert [len(batch) for batch in batches[5:8]] == [3, 2, 2]
+    assert_each_sampled_step_has_its_own_stages(loader, batches, [0, 6], ticking, depth)
+
+
+@pytest.mark.parametrize("depth", [2, 0], ids=["ahead", "in-the-loop"])
+def test_sampling_after_a_resume_starts_at_the_resumed_step(ticking: Ticking, depth: int | None) -> None:
+    first = ticking_loader(ticking, depth)
+    epoch = iter(first)
+    for _ in range(7):
+        next(epoch)
+    state = first.state_dict()
+    first.close()
+    loader = ticking_loader(ticking, depth)
+    loader.load_state_dict(state)
+    batches = list(loader) + list(loader)  # the rest of the epoch (7 steps), then a whole one
+    assert len(batches) == 21
+    assert_each_sampled_step_has_its_own_stages(loader, batches, [0, 7], ticking, depth)
+
+
+def test_the_summary_and_totals_say_how_many_steps_had_their_stages_timed(ticking: Ticking) -> None:
+    loader = ticking_loader(ticking, 2, every=5)
+    run(loader)
+    timeline = loader.timeline
+    assert timeline.summary().endswith("; stages timed on 3 of 14 steps (1 in 5)")
+    assert timeline.as_dict()["sampled_steps"] == 3 and timeline.as_dict()["sample_every"] == 5
+    assert timeline.scalars()["gpuload/sampled_steps"] == 3.0
+    # the means are over the sampled steps: each step's read time, not a third of it
+    sampled = [step.stages["read"] for step in timeline.steps() if step.stages is not None]
+    assert timeline.stage_seconds()["read"] == pytest.approx(sum(sampled) / 3)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_a_bad_sampling_is_named(bad: Any) -> None:
+    with pytest.raises(ValueError, match="sample_every"):
+        Timeline(10).sample_every = bad
+    with pytest.raises(ValueError, match="sample_every"):
+        Timeline(10, sample_every=bad)
 
 
 # -- truth: the verdict names the stage built to be slow ---------------------------------------
@@ -438,10 +565,10 @@ def test_on_cuda_the_wait_is_read_from_events_on_the_loops_stream_without_a_sync
     monkeypatch.setattr(torch.cuda, "Event", clock.Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: loop_stream)
     timeline = Timeline(10, "cuda")
-    for _ in range(3):
-        asking = timeline.ask()
+    for index in range(3):
+        asking = timeline.ask(index)
         clock.now_ms += 30.0  # the stream waits 30 ms for the batch
-        timeline.got(asking, delivered=True)
+        timeline.got(asking, True, 0.0, 0.0)
         clock.now_ms += 10.0  # the step's own work on the stream
     assert all(entry == ("record", loop_stream) for entry in clock.log) and len(clock.log) == 6
     assert [step.wait_s for step in timeline.steps()] == [None, None, None]  # not completed: not read

@@ -33,8 +33,8 @@ import torch
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import gpuload
-from gpuload.bench.measure import synchronize
-from gpuload.bench.report import WIDTH, busy_note, write_json
+from gpuload.bench.measure import stage_row, synchronize
+from gpuload.bench.report import WIDTH, busy_note, write_json, write_stages_chart
 from gpuload.bench.tokens import shutdown_workers
 from gpuload.cache import format_bytes
 from gpuload.datasets.arrow import Parquet, import_optional
@@ -70,6 +70,7 @@ class ArrowRow:
     name: str
     seconds: list[float] = field(default_factory=list)
     notes: dict[str, Any] = field(default_factory=dict)
+    stages: dict[str, Any] | None = None  # a gpuload loader's one more epoch, traced (stage_row)
 
     def first_per_s(self, config: ArrowConfig) -> float:
         return config.rows / self.seconds[0]
@@ -159,6 +160,7 @@ def run_arrow(config: ArrowConfig, device: torch.device, folder: Path,
         row = timed(name, _always(loader), False, _nothing)
         row.seconds[0] += made_s
         row.notes.update(path=loader.stats.path, cache_plan=loader.stats.extra.get("cache_plan"), made_s=made_s)
+        row.stages = stage_row(name, loader, device)
         loader.close()
         say(f"  {name}: {row.first_per_s(config):,.0f} samples/s in the first epoch")
     for workers in config.torch_workers:
@@ -233,7 +235,8 @@ def run_arrow_bench(quick: bool, batch_size: int | None, device: torch.device, o
                     torch_workers: tuple[int, ...] | None = None, rows: int | None = None,
                     epochs: int | None = None) -> int:
     """``gpuload bench --scenario arrow``: run, print the table and the ratios, write
-    ``bench.json``; 0. The table lives in a temporary folder, removed at the end."""
+    ``bench.json`` and ``bench.png`` (the stage panel of gpuload's loaders, from one more epoch
+    each, untimed, with the timeline on); 0. The table lives in a temporary folder, removed at the end."""
     config = ArrowConfig.quick() if quick else ArrowConfig()
     changes = {"batch_size": batch_size, "rows": rows, "epochs": epochs,
                "torch_workers": tuple(torch_workers) if torch_workers is not None else None}
@@ -255,10 +258,12 @@ def run_arrow_bench(quick: bool, batch_size: int | None, device: torch.device, o
         "targets": {"cached_vs_torch_0_workers": TORCH_TARGET, "cached_vs_dataset_iter": ITER_TARGET,
                     "first_epoch_vs_torch_2_workers": 1.0},
         "ratios": found, "results": [row.as_dict(config) for row in results],
+        "stages": (traced := [row.stages for row in results if row.stages]),
     })
+    write_stages_chart(out / "bench.png", traced, f"gpuload bench: arrow, batch {config.batch_size}, {device}")
     busy = busy_note(max(load_before[0], load_after[0]) if load_before and load_after else None, os.cpu_count())
     if busy:
         say(busy)
     print(*textwrap.wrap(arrow_headline(found, load_after), WIDTH, subsequent_indent="    "), sep="\n")
-    print(f"results: {out / 'bench.json'}")
+    print(f"results: {out / 'bench.json'}; chart: {out / 'bench.png'}")
     return 0

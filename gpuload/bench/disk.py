@@ -17,6 +17,9 @@ decoded images cached with ``cache="device"`` in host memory at a quarter of the
 size, ``RandomResizedCrop(224)`` after the cache): epoch 1 decodes and fills the disk tier,
 epoch 2 and a new loader's first epoch (same process) read what the image cache lacks from it;
 beside a loader without ``cache_dir``, whose epoch 2 decodes what its image cache lacks.
+
+After its epoch 2, each of the two disk-tier loaders runs one more epoch, untimed, with its
+timeline on: the chart (``bench.png``) is the stage panel of the main bench.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from typing import Any
 import torch
 
 import gpuload
-from gpuload.bench.report import WIDTH, write_json
+from gpuload.bench.measure import stage_row
+from gpuload.bench.report import WIDTH, write_json, write_stages_chart
 from gpuload.bench.run import steady_host_allocator
 from gpuload.bench.tokens import anonymous_bytes
 from gpuload.cache import estimate_image_bytes, format_bytes
@@ -126,6 +130,7 @@ def run_disk(root: str, batch_size: int, workers: int, cache_dir: str) -> dict[s
     epoch2_s = _epoch_s(loader)
     growth = anon_resident_bytes() - before
     stats = loader.stats.extra["cache"]
+    stages = stage_row("gpuload DataLoader (host + disk tier)", loader, torch.device("cpu"))
     loader.close()
     second = in_a_second_process(root, batch_size, cache_dir, cache_size)
     return {
@@ -134,7 +139,7 @@ def run_disk(root: str, batch_size: int, workers: int, cache_dir: str) -> dict[s
         "disk_bytes": stats["disk"]["published_bytes"], "disk_hits_epoch2": stats["disk"]["hits"],
         "torch_s": torch_s, "epoch1_s": epoch1_s, "epoch2_s": epoch2_s, "second_process_s": second["epoch_s"],
         "second_process_disk_hits": second["disk_hits"], "second_process_rows_written": second["rows_written"],
-        "anon_rss_growth_bytes": growth, "memory_limit_bytes": cache_size + MEMORY_SLACK,
+        "anon_rss_growth_bytes": growth, "memory_limit_bytes": cache_size + MEMORY_SLACK, "stages": stages,
     }
 
 
@@ -158,6 +163,7 @@ def run_own_images(root: str, batch_size: int, cache_dir: str) -> dict[str, Any]
     first = loader()
     epoch1_s, epoch2_s = _epoch_s(first), _epoch_s(first)
     disk = first.stats.extra["cache"]["disk"]
+    stages = stage_row("gpuload ImageFolder (image cache + disk tier)", first, torch.device("cpu"))
     first.close()
     second = loader()
     second_s = _epoch_s(second)
@@ -166,7 +172,7 @@ def run_own_images(root: str, batch_size: int, cache_dir: str) -> dict[str, Any]
     return {"own_decoded_bytes": decoded, "own_without_disk_epoch2_s": without_s, "own_epoch1_s": epoch1_s,
             "own_epoch2_s": epoch2_s, "own_new_loader_s": second_s, "own_disk_bytes": disk["published_bytes"],
             "own_disk_rows": disk["published_rows"], "own_new_loader_disk_hits": second_disk["hits"],
-            "own_new_loader_rows_written": second_disk["rows_written"]}
+            "own_new_loader_rows_written": second_disk["rows_written"], "own_stages": stages}
 
 
 def format_disk(run: dict[str, Any]) -> str:
@@ -212,7 +218,8 @@ def load_line(load: list[float | None], cores: int | None) -> str:
 
 def run_disk_bench(quick: bool, samples: int | None, batch_size: int | None, out: Path,
                    environment: dict[str, Any], quiet: bool = False, workers: int = 2) -> int:
-    """``gpuload bench --scenario disk``: generate the JPEGs, run, print, write ``bench.json``; 0."""
+    """``gpuload bench --scenario disk``: generate the JPEGs, run, print, write ``bench.json`` and
+    ``bench.png`` (the stage panel); 0."""
     num_images = samples or (96 if quick else 1024)
     batch_size = batch_size or 32
     say = (lambda *lines: None) if quiet else (lambda *lines: print(*lines, sep="\n", flush=True))
@@ -227,9 +234,12 @@ def run_disk_bench(quick: bool, samples: int | None, batch_size: int | None, out
         run.update(run_own_images(str(root), batch_size, str(Path(scratch) / "own-cache")))
     load = [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None]
     say("", format_disk(run), load_line(load, os.cpu_count()), "")
-    write_json(out / "bench.json", {"scenario": "disk", "environment": environment, "run": run, "load": load})
+    stages = [run.pop("stages"), run.pop("own_stages")]
+    write_json(out / "bench.json", {"scenario": "disk", "environment": environment, "run": run, "load": load,
+                                    "stages": stages})
+    write_stages_chart(out / "bench.png", stages, f"gpuload bench: disk, batch {batch_size}, cpu")
     print(f"disk tier: epoch 2 {run['epoch1_s'] / run['epoch2_s']:.1f}x faster than epoch 1 and "
           f"{run['torch_s'] / run['epoch2_s']:.1f}x torch's DataLoader; a second process's first epoch "
           f"{run['epoch1_s'] / run['second_process_s']:.1f}x faster than epoch 1")
-    print(f"results: {out / 'bench.json'}")
+    print(f"results: {out / 'bench.json'}; chart: {out / 'bench.png'}")
     return 0

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from gpuload.timeline import DEFAULT_STEPS, Timeline
+from gpuload.timeline import DEFAULT_STEPS, Timeline, timeline_of
 
-__all__ = ["EpochTimes", "time_epochs", "time_step", "trace_epoch", "synchronize", "count_samples", "HostPeak"]
+__all__ = ["EpochTimes", "time_epochs", "time_step", "trace_epoch", "stage_row", "synchronize", "count_samples",
+           "HostPeak"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -123,10 +124,12 @@ def trace_epoch(
 
     The timed epochs ran with the timeline as the loader has it (off by default), so its cost
     stays out of their times; this steady epoch, with the same step, says where the loader's time
-    goes. The timeline keeps this epoch's totals and is then as it was (on or off).
+    goes, from every step's stages (not one in ``sample_every``). The timeline keeps this epoch's
+    totals and is then as it was (on or off, its sampling).
     """
-    capacity = timeline.capacity
+    capacity, every = timeline.capacity, timeline.sample_every
     timeline.resize(max(capacity, DEFAULT_STEPS))
+    timeline.sample_every = 1
     timeline.reset_totals()
     try:
         for batch in make_epoch():
@@ -135,7 +138,33 @@ def trace_epoch(
         synchronize(device)
     finally:
         timeline.resize(capacity)
+        timeline.sample_every = every
     return {name: 1e3 * seconds for name, seconds in timeline.stage_seconds().items()}
+
+
+def stage_row(name: str, loader: Iterable[Any], device: torch.device, steps: int | None = None) -> dict[str, Any]:
+    """The stage panel's row (:func:`gpuload.bench.report.stages_panel`) of a gpuload ``loader``: one
+    more epoch (its first ``steps`` steps, if given), untimed, traced (:func:`trace_epoch`), and the
+    wait per step inside ``next()`` over it."""
+    timeline = timeline_of(loader)
+    if timeline is None:
+        raise ValueError(f"{name}: {type(loader).__name__} is not a gpuload loader: it has no timeline to trace")
+    waits: list[float] = []
+
+    def epoch() -> Iterator[Any]:
+        batches = iter(loader)
+        while steps is None or len(waits) < steps:
+            started = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            waits.append(time.perf_counter() - started)
+            yield batch
+
+    stage_ms = trace_epoch(epoch, timeline, device)
+    wait_ms = 1e3 * statistics.fmean(waits) if waits else None
+    return {"name": name, "kind": "gpuload", "wait_ms_per_step": wait_ms, "stage_ms_per_step": stage_ms}
 
 
 def time_step(step: Callable[[Any], None], batch: Any, device: torch.device, repeats: int = 5) -> float:

@@ -18,7 +18,9 @@ Served side by side in one process, rounds interleaved (the machine may be busy)
   ``datasets`` column hands them), under torch's DataLoader: one flattened row per batch.
 
 Reported: document tokens per second (what training learns from: a batch's tokens less its
-padding), the padding fraction, and seconds per step. Targets (issue 38): padding under 1%
+padding), the padding fraction, and seconds per step; after the last round, each gpuload loader
+runs as many steps more, untimed, with its timeline on: the chart (``bench.png``) is the stage
+panel of the main bench. Targets (issue 38): padding under 1%
 greedy and 0.2% best-fit, gpuload's packed step within 5% of the windows step, and at least 5x
 the collator's tokens/s.
 """
@@ -41,8 +43,8 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
 
 import gpuload
-from gpuload.bench.measure import synchronize
-from gpuload.bench.report import WIDTH, busy_note, write_json
+from gpuload.bench.measure import stage_row, synchronize
+from gpuload.bench.report import WIDTH, busy_note, write_json, write_stages_chart
 from gpuload.datasets.packing import IGNORE_INDEX
 
 __all__ = ["PackingConfig", "PackingRow", "run_packing", "run_packing_bench", "synthetic_documents",
@@ -83,6 +85,7 @@ class PackingRow:
     padding: float = 0.0
     tokens_per_step: float = 0.0
     notes: dict[str, Any] = field(default_factory=dict)
+    stages: dict[str, Any] | None = None  # a gpuload loader's traced steps after the last round (stage_row)
 
     def tokens_per_s(self, config: PackingConfig) -> float:
         return config.steps * self.tokens_per_step / statistics.median(self.seconds)
@@ -220,6 +223,7 @@ def run_packing(config: PackingConfig, device: torch.device,
     per_batch = max(1, round(batch_tokens / statistics.fmean(len(d) for d in cut)))
     rows: list[PackingRow] = []
     makers: dict[str, Maker] = {}
+    opened: dict[str, gpuload.DataLoader] = {}  # each gpuload row's latest loader, traced after the last round
 
     for strategy in ("greedy", "best_fit"):
         started = time.perf_counter()
@@ -230,18 +234,20 @@ def run_packing(config: PackingConfig, device: torch.device,
                          notes={"plan_s": time.perf_counter() - started, **stats})
         rows.append(row)
 
-        def gpuload_packed(seed: int, packed: gpuload.PackedTokens = packed) -> Started:
-            loader = gpuload.DataLoader(packed, batch_size=config.rows, shuffle=True, collate_fn=packed.collate,
-                                        generator=torch.Generator().manual_seed(seed), device=device)
+        def gpuload_packed(seed: int, packed: gpuload.PackedTokens = packed, name: str = row.name) -> Started:
+            loader = opened[name] = gpuload.DataLoader(packed, batch_size=config.rows, shuffle=True,
+                                                       collate_fn=packed.collate, device=device,
+                                                       generator=torch.Generator().manual_seed(seed))
             return iter(_forever(loader)), loader.close
         makers[row.name] = gpuload_packed
 
     windows = gpuload.TokenWindows(stream, config.seq_len)
     rows.append(PackingRow("gpuload TokenWindows (no documents)", tokens_per_step=batch_tokens))
+    windows_row = rows[-1].name
 
     def gpuload_windows(seed: int) -> Started:
-        loader = gpuload.DataLoader(windows, batch_size=config.rows, shuffle=True, device=device,
-                                    generator=torch.Generator().manual_seed(seed))
+        loader = opened[windows_row] = gpuload.DataLoader(windows, batch_size=config.rows, shuffle=True, device=device,
+                                                          generator=torch.Generator().manual_seed(seed))
         return (dict(input_ids=x, labels=y) for x, y in _forever(loader)), loader.close
     makers[rows[-1].name] = gpuload_windows
 
@@ -307,6 +313,8 @@ def run_packing(config: PackingConfig, device: torch.device,
                 if counted is not None:  # measured on the timed batches
                     row.padding = counted.padding
                     row.tokens_per_step = counted.documents / config.steps
+                if round_ == config.rounds - 1 and row.name in opened:
+                    row.stages = stage_row(row.name, opened.pop(row.name), device, config.steps)
             finally:
                 close()
                 del batches
@@ -365,7 +373,7 @@ def packing_headline(found: dict[str, float], load_average: tuple[float, ...] | 
 def run_packing_bench(quick: bool, batch_size: int | None, device: torch.device, out: Any,
                       environment: dict[str, Any], quiet: bool = False) -> int:
     """``gpuload bench --scenario packing``: run, print the table and the findings, write
-    ``bench.json``; 0."""
+    ``bench.json`` and ``bench.png`` (the stage panel); 0."""
     config = PackingConfig.quick() if quick else PackingConfig()
     if batch_size:
         config = PackingConfig(**{**config.__dict__, "rows": batch_size})
@@ -386,10 +394,12 @@ def run_packing_bench(quick: bool, batch_size: int | None, device: torch.device,
         "targets": {"padding": PADDING_TARGETS, "packed_step_over_windows_step": WINDOWS_OVERHEAD_TARGET,
                     "vs_collator_tokens_per_s": COLLATOR_TARGET},
         "findings": found, "results": [row.as_dict(config) for row in rows],
+        "stages": (traced := [row.stages for row in rows if row.stages]),
     })
+    write_stages_chart(out / "bench.png", traced, f"gpuload bench: packing, {config.rows} rows, {device}")
     busy = busy_note(max(load_before[0], load_after[0]) if load_before and load_after else None, os.cpu_count())
     if busy:
         say(busy)
     print(*textwrap.wrap(packing_headline(found, load_after), WIDTH, subsequent_indent="    "), sep="\n")
-    print(f"results: {out / 'bench.json'}")
+    print(f"results: {out / 'bench.json'}; chart: {out / 'bench.png'}")
     return 0

@@ -22,7 +22,8 @@ from gpuload.verdict import STAGES
 
 __all__ = [
     "add_ratios", "format_table", "format_details", "headline", "busy_note", "write_json", "write_chart", "draw_chart",
-    "display_name", "h2d_figures", "epoch_rates", "stage_shares", "WIDTH",
+    "display_name", "h2d_figures", "epoch_rates", "stage_shares", "stages_panel", "draw_stages_chart",
+    "write_stages_chart", "WIDTH",
 ]
 
 WIDTH = 100  # columns every printed line fits in
@@ -345,7 +346,7 @@ def draw_chart(results: list[dict[str, Any]], title: str):
     _speed_panel(speed, rows, ideals)
     _bytes_panel(moved, rows, _modelled_card(results))
     if waits:
-        _stages_panel(axes[2], rows)
+        stages_panel(axes[2], rows)
     speed.set_yticks(range(len(rows)), [display_name(r["name"]) for r in rows])
     speed.invert_yaxis()
     figure.suptitle(title, fontsize=12)
@@ -421,7 +422,10 @@ def _stage_colors() -> dict[str, Any]:
     return {name: palette((2 * k) % 20 + (2 * k) // 20) for k, name in enumerate(STAGES)}
 
 
-def _stages_panel(axis, rows: list[dict[str, Any]]) -> None:
+def stages_panel(axis, rows: list[dict[str, Any]]) -> None:
+    """Where the loop waits, on ``axis``: per row (``name``, ``wait_ms_per_step``, and for a gpuload
+    loader ``stage_ms_per_step`` from a traced epoch) the wait per step and each stage's share of the
+    loader's time. Bars carry ``gid`` "stage:STAGE:NAME", the wait text "wait:NAME"."""
     colors = _stage_colors()
     drawn: set[str] = set()
     for y, r in enumerate(rows):
@@ -448,6 +452,27 @@ def _stages_panel(axis, rows: list[dict[str, Any]]) -> None:
     if drawn:
         axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=7, frameon=False)
     axis.grid(axis="x", alpha=0.3)
+
+
+def draw_stages_chart(rows: list[dict[str, Any]], title: str) -> Any:
+    """A figure of the stage panel alone, for a scenario whose report has no other chart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(9, 0.62 * len(rows) + 2.6))
+    stages_panel(axis, rows)
+    axis.set_yticks(range(len(rows)), [display_name(r["name"]) for r in rows])
+    axis.invert_yaxis()
+    figure.suptitle(title, fontsize=12)
+    figure.tight_layout()
+    return figure
+
+
+def write_stages_chart(path: Path, rows: list[dict[str, Any]], title: str) -> None:
+    """Draw the stage panel alone (:func:`draw_stages_chart`) and write it as a PNG at ``path``."""
+    save_figure(path, draw_stages_chart(rows, title))
 
 
 def write_chart(path: Path, results: list[dict[str, Any]], title: str) -> None:

@@ -4,7 +4,9 @@ A generic map-style dataset (any ``__getitem__``, here ``(torch.full((8,), i), i
 gpuload cannot gather from directly: torch fetches and collates, and ``cache="host"`` keeps the
 samples by column. Measured side by side with torch's DataLoader in one process, interleaved
 round by round (the machine may be busy): torch's epoch, gpuload's first (filling) epoch, its
-cached epochs, and the process's resident memory growth while the cache is held. Targets
+cached epochs, and the process's resident memory growth while the cache is held; then one more
+cached epoch, untimed, with the loader's timeline on: where its time goes (the chart's stage
+panel, as the main bench draws it). Targets
 (issue 17): filling at most 1.3x torch's epoch, a cached epoch at least 5x faster than torch's,
 memory growth at most 2x the data's bytes + 64 MiB.
 """
@@ -26,8 +28,8 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
 
 import gpuload
-from gpuload.bench.measure import synchronize
-from gpuload.bench.report import WIDTH, save_figure, write_json
+from gpuload.bench.measure import stage_row, synchronize
+from gpuload.bench.report import WIDTH, display_name, save_figure, stages_panel, write_json
 from gpuload.transfer import move_to_device
 
 __all__ = ["SampleRun", "SmallSamples", "draw_samples_chart", "format_samples", "run_samples", "run_samples_bench",
@@ -76,6 +78,11 @@ class SampleRun:
     layout: str
     torch_cpu_s: list[float] = field(default_factory=list)
     fill_cpu_s: list[float] = field(default_factory=list)
+    stages: dict[str, Any] | None = None  # the last round's traced cached epoch (stage_row)
+
+    @property
+    def label(self) -> str:
+        return f"{self.num_samples:,} samples, num_workers={self.num_workers}"
 
     @property
     def data_bytes(self) -> int:
@@ -142,7 +149,8 @@ def _timed(batches: Iterable[Any], device: torch.device, move: bool, cpu: list[f
 def run_samples(num_samples: int, num_workers: int, batch_size: int, device: torch.device, rounds: int,
                 cached_epochs: int = 3, seed: int = 0) -> SampleRun:
     """Interleave, ``rounds`` times: one torch epoch, then a fresh gpuload loader's filling epoch
-    and ``cached_epochs`` cached ones, its resident memory growth read while it holds the cache."""
+    and ``cached_epochs`` cached ones, its resident memory growth read while it holds the cache;
+    after the last round, one more cached epoch traced (``stages``)."""
     dataset = SmallSamples(num_samples)
     run = SampleRun(num_samples, num_workers, batch_size, [], [], [], [], "")
     for round_ in range(rounds):
@@ -164,6 +172,8 @@ def run_samples(num_samples: int, num_workers: int, batch_size: int, device: tor
         run.layout = ours.stats.extra.get("sample_cache_decision", "")
         if not ours.stats.extra.get("cache", {}).get("complete"):
             raise RuntimeError(f"gpuload's sample cache did not fill: {ours.stats.extra}")
+        if round_ == rounds - 1:
+            run.stages = stage_row(run.label, ours, device)
         ours.close()
         del ours
     return run
@@ -215,7 +225,8 @@ def samples_headline(runs: list[dict[str, Any]]) -> str:
 
 def draw_samples_chart(runs: list[dict[str, Any]], title: str) -> Any:
     """Seconds per epoch, log scale, for each run: torch's epoch, gpuload's filling epoch and a
-    cached one (each bar's gid is ``"<kind>:<run label>"``)."""
+    cached one (each bar's gid is ``"<kind>:<run label>"``); beside them, for runs that traced a
+    cached epoch, the stage panel (:func:`gpuload.bench.report.stages_panel`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,7 +235,10 @@ def draw_samples_chart(runs: list[dict[str, Any]], title: str) -> Any:
     kinds = (("torch", "torch_s", "#8c8c8c", "torch DataLoader"),
              ("fill", "fill_s", "#9db8de", "gpuload, filling epoch"),
              ("cached", "cached_s", "#3b6fb6", "gpuload, cached epoch"))
-    figure, axis = plt.subplots(figsize=(9, 1.8 + 1.1 * len(runs)))
+    traced = [run["stages"] for run in runs if run.get("stages")]  # a document from before has none
+    figure, axes = plt.subplots(1, 2 if traced else 1, figsize=(17 if traced else 9, 1.8 + 1.1 * len(runs)),
+                                squeeze=False, gridspec_kw={"width_ratios": [9, 8] if traced else [1]})
+    axis = axes[0][0]
     labels, positions = [], []
     for row, run in enumerate(runs):
         label = f"{run['num_samples']:,} samples, num_workers={run['num_workers']}"
@@ -246,6 +260,10 @@ def draw_samples_chart(runs: list[dict[str, Any]], title: str) -> Any:
     axis.set_xlabel("seconds per epoch (log scale; whiskers: the rounds' range)")
     axis.set_title(title, fontsize=10)
     axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8, frameon=False)
+    if traced:
+        stages_panel(axes[0][1], traced)
+        axes[0][1].set_yticks(range(len(traced)), [display_name(row["name"]) for row in traced])
+        axes[0][1].invert_yaxis()
     figure.tight_layout()
     return figure
 

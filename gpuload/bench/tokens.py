@@ -9,7 +9,8 @@ of slices, ``astype(int64)``, ``torch.stack``). Each loader runs the same number
 round (a whole epoch of 100M tokens would take torch minutes on 2 cores); reported: samples/s,
 tokens/s, the process's resident memory growth (and its anonymous part, without a memmap's
 pages), and host-to-device bytes per step (measured on a GPU; on a CPU modelled for a pretended
-card). Targets (issue 26): gpuload at least 10x
+card). After the last round, gpuload's loader runs as many steps more, untimed, with its
+timeline on: the chart (``bench.png``) is the stage panel of the main bench. Targets (issue 26): gpuload at least 10x
 torch's DataLoader with 0 workers and 5x ``get_batch``.
 """
 
@@ -31,9 +32,9 @@ import torch
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import gpuload
-from gpuload.bench.measure import synchronize
+from gpuload.bench.measure import stage_row, synchronize
 from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, pretended_card
-from gpuload.bench.report import WIDTH, busy_note, write_json
+from gpuload.bench.report import WIDTH, busy_note, write_json, write_stages_chart
 from gpuload.bench.samples import resident_bytes
 from gpuload.cache import CacheSettings, format_bytes
 from gpuload.datasets.tokens import HEADER_BYTES, TokenWindows
@@ -75,6 +76,7 @@ class TokenRow:
     h2d_bytes_per_step: float = 0.0
     h2d_modelled: bool = False
     notes: dict[str, Any] = field(default_factory=dict)
+    stages: dict[str, Any] | None = None  # gpuload's: its traced steps after the last round (stage_row)
 
     def samples_per_s(self, config: TokenConfig) -> float:
         return config.steps * config.batch_size / statistics.median(self.seconds)
@@ -205,6 +207,8 @@ def run_tokens(config: TokenConfig, device: torch.device, folder: Path, card: in
                         row.notes.update(notes)
                     row.notes["path"] = loader.stats.path
                     row.notes["token_bytes"] = loader.stats.extra.get("tokens", {}).get("token_bytes")
+                    if round_ == config.rounds - 1:
+                        row.stages = stage_row(row.name, loader, device, config.steps)
                 else:
                     row.h2d_bytes_per_step, row.h2d_modelled = _batch_bytes(config), device.type != "cuda"
             finally:
@@ -279,7 +283,7 @@ def run_tokens_bench(quick: bool, batch_size: int | None, device: torch.device, 
                      environment: dict[str, Any], quiet: bool = False,
                      torch_workers: tuple[int, ...] | None = None, card: int | None = None) -> int:
     """``gpuload bench --scenario tokens``: run, print the table and the ratios, write
-    ``bench.json``; 0. The shard lives in a temporary folder, removed at the end."""
+    ``bench.json`` and ``bench.png`` (the stage panel); 0. The shard lives in a temporary folder, removed at the end."""
     config = TokenConfig.quick() if quick else TokenConfig()
     if batch_size or torch_workers is not None:
         config = TokenConfig(**{**config.__dict__, **({"batch_size": batch_size} if batch_size else {}),
@@ -300,10 +304,12 @@ def run_tokens_bench(quick: bool, batch_size: int | None, device: torch.device, 
         "load_average_before": load_before, "load_average_after": load_after,
         "targets": {"vs_torch_0_workers": TORCH_TARGET, "vs_get_batch": GET_BATCH_TARGET},
         "ratios": found, "results": [row.as_dict(config) for row in rows],
+        "stages": (traced := [row.stages for row in rows if row.stages]),
     })
+    write_stages_chart(out / "bench.png", traced, f"gpuload bench: tokens, batch {config.batch_size}, {device}")
     busy = busy_note(max(load_before[0], load_after[0]) if load_before and load_after else None, os.cpu_count())
     if busy:
         say(busy)
     print(*textwrap.wrap(tokens_headline(found, load_after), WIDTH, subsequent_indent="    "), sep="\n")
-    print(f"results: {out / 'bench.json'}")
+    print(f"results: {out / 'bench.json'}; chart: {out / 'bench.png'}")
     return 0

@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"gpuload trace: error: {error}", file=sys.stderr)
         return 2
+    loader.timeline.sample_every = 1  # a diagnosis of a few steps: every step's stages, whatever they cost
     step = _stand_in_step(loader.device, args.step_ms)
     steps = 0
     with loader:

@@ -14,6 +14,7 @@ pytest.importorskip("datasets")
 from gpuload.bench.arrow import ArrowConfig, format_arrow, ratios, run_arrow, write_synthetic_table  # noqa: E402
 from gpuload.cli.main import main  # noqa: E402
 from gpuload.datasets import ArrowTable, Parquet  # noqa: E402
+from tests.bench.stage_panel import assert_traced  # noqa: E402
 
 
 def test_the_table_holds_an_embedding_a_label_and_token_lists_in_both_files(tmp_path: Path) -> None:
@@ -38,6 +39,10 @@ def test_a_small_run_times_every_loader(tmp_path: Path) -> None:
     assert [len(row.seconds) for row in rows] == [2, 2, 1, 1]
     assert all(row.first_per_s(config) > 0 for row in rows)
     assert rows[0].notes["path"] == rows[1].notes["path"] == "device-gather"  # gpuload's columns, not torch's path
+    for row in rows[:2]:  # the stage panel's data: one more epoch of each gpuload loader, traced
+        assert row.stages is not None
+        assert_traced(row.stages, row.name)
+    assert rows[2].stages is None and rows[3].stages is None
     assert set(ratios(rows, config)) == {"cached_vs_dataset_iter", "cached_vs_torch_0_workers"}
     table = format_arrow(rows, config)
     assert all(len(line) <= 100 for line in table.splitlines()) and "1st epoch/s" in table
@@ -54,6 +59,9 @@ def test_the_command_runs_and_writes_json(tmp_path: Path, capsys, monkeypatch: p
     document = json.loads((tmp_path / "bench.json").read_text())
     assert document["scenario"] == "arrow" and document["config"]["rows"] == 2000
     assert len(document["results"]) == 4
+    assert [row["name"] for row in document["stages"]] == [
+        "gpuload DataLoader (datasets.Dataset)", "gpuload DataLoader (Parquet)"]
+    assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
     assert not list(tmp_path.glob("*.parquet"))  # the table went with its temporary folder
     assert main(["bench", "--scenario", "arrow", "--data", str(tmp_path), "--out", str(tmp_path)]) == 2
     assert "the arrow scenario makes its own table" in capsys.readouterr().err

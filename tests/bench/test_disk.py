@@ -11,6 +11,7 @@ import pytest
 
 from gpuload.bench.disk import anon_resident_bytes, in_a_second_process
 from gpuload.cli import main
+from tests.bench.stage_panel import assert_traced
 
 
 def test_the_quick_variant_serves_epoch_2_and_a_second_process_from_the_disk_tier(tmp_path: Path, capsys) -> None:
@@ -19,7 +20,8 @@ def test_the_quick_variant_serves_epoch_2_and_a_second_process_from_the_disk_tie
     printed = capsys.readouterr().out
     assert "gpuload epoch 2 (host tier + disk tier)" in printed and "second process" in printed
     assert re.search(r"load average before / after: \d+\.\d / \d+\.\d on \d+ cores\n", printed)  # not raw floats
-    run = json.loads((tmp_path / "out" / "bench.json").read_text())["run"]
+    document = json.loads((tmp_path / "out" / "bench.json").read_text())
+    run = document["run"]
     assert run["images"] == 40 and run["decoded_bytes"] == 40 * 3 * 224 * 224
     assert run["host_tier_bytes"] <= run["host_tier_budget"] < run["decoded_bytes"]  # the host tier is forced small
     assert run["disk_bytes"] == 40 * (3 * 224 * 224 + 8)  # epoch 1 wrote every decoded image and label
@@ -32,6 +34,12 @@ def test_the_quick_variant_serves_epoch_2_and_a_second_process_from_the_disk_tie
     assert run["own_new_loader_disk_hits"] == 40 and run["own_new_loader_rows_written"] == 0
     assert run["own_without_disk_epoch2_s"] > 0 and "epoch 2 without cache_dir" in printed
     assert not list(tmp_path.glob("**/block-*"))  # the scratch folders are gone
+    # the stage panel's data: one more epoch of each disk-tier loader, traced
+    ours, own = document["stages"]
+    assert_traced(ours, "gpuload DataLoader (host + disk tier)")
+    assert_traced(own, "gpuload ImageFolder (image cache + disk tier)")
+    assert "gather.disk" in ours["stage_ms_per_step"]  # a quarter in host memory: the rest from the disk tier
+    assert (tmp_path / "out" / "bench.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_data_is_refused_for_the_disk_scenario(tmp_path: Path, capsys) -> None:

@@ -22,6 +22,7 @@ from gpuload.bench.packing import (
     torchtune_style_packs,
 )
 from gpuload.cli.main import main
+from tests.bench.stage_panel import assert_traced
 
 SMALL = PackingConfig(documents=300, median_tokens=60, max_tokens=600, seq_len=256, rows=4, steps=3, rounds=1,
                       window=300)
@@ -76,6 +77,12 @@ def test_a_small_run_measures_every_loader() -> None:
     assert by_name["gpuload PackedTokens (greedy)"].padding < 0.01
     assert by_name["transformers DataCollatorWithFlattening"].padding == 0
     assert by_name["torch DataLoader, pad to longest"].padding > by_name["gpuload PackedTokens (best_fit)"].padding
+    for row in rows:  # the stage panel's data: each gpuload loader's traced steps, no other loader's
+        if row.name.startswith("gpuload"):
+            assert row.stages is not None
+            assert_traced(row.stages, row.name)
+        else:
+            assert row.stages is None
     found = findings(rows, SMALL)
     assert set(found) == {"padding_greedy", "padding_best_fit", "packed_step_over_windows_step",
                           "vs_collator_tokens_per_s", "vs_pad_to_longest_tokens_per_s"}
@@ -90,4 +97,7 @@ def test_the_command_writes_its_findings(tmp_path: Path) -> None:
     assert document["scenario"] == "packing" and document["load_average_after"]
     assert document["findings"]["padding_greedy"] < 0.01 and document["findings"]["padding_best_fit"] < 0.002
     assert len(document["results"]) == 6
+    assert [row["name"] for row in document["stages"]] == [
+        "gpuload PackedTokens (greedy)", "gpuload PackedTokens (best_fit)", "gpuload TokenWindows (no documents)"]
+    assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
 

@@ -17,6 +17,7 @@ from gpuload.bench.samples import (
     samples_headline,
     targets_met,
 )
+from tests.bench.stage_panel import assert_traced, stage_bars
 
 STORED = Path(__file__).parent / "samples-cpu.json"  # a real --quick run on the 2-core CPU machine
 
@@ -94,6 +95,15 @@ def test_the_scenario_writes_its_json_and_chart_and_prints_the_headline(tmp_path
     assert document["scenario"] == "samples" and document["environment"] == {"host": "test"}
     (run,) = document["runs"]
     assert run["num_samples"] == 2_000 and run["batch_size"] == 128 and len(run["torch_s"]) == 1
+    assert_traced(run["stages"], "2,000 samples, num_workers=0")  # the stage panel's data
+    assert "gather.host" in run["stages"]["stage_ms_per_step"]  # a cached epoch: served from the sample cache
+    figure = draw_samples_chart(document["runs"], "gpuload bench: samples")
+    try:
+        assert stage_bars(figure) == {"2,000 samples, num_workers=0"}
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
     assert "batch 128" in out and "done: 2,000 samples, num_workers=0" in out
     assert f"results: {tmp_path / 'bench.json'}; chart: {tmp_path / 'bench.png'}" in out

@@ -21,6 +21,7 @@ from gpuload.bench.tokens import (
 )
 from gpuload.cli.main import main
 from gpuload.datasets.tokens import TokenWindows
+from tests.bench.stage_panel import assert_traced
 
 
 def test_the_shard_is_a_speedrun_shard_and_get_batch_reads_it(tmp_path: Path) -> None:
@@ -47,6 +48,8 @@ def test_a_small_run_times_every_loader(tmp_path: Path) -> None:
     assert ours.notes["path"] == "device-gather" and ours.notes["token_bytes"] == 100_000
     assert ours.h2d_modelled and ours.h2d_bytes_per_step == 0  # 100 kB of tokens fit a 16 GiB card
     assert rows[1].h2d_bytes_per_step == 2 * 8 * 64 * 8
+    assert_traced(ours.stages, "gpuload DataLoader")  # the stage panel's data: its 5 traced steps
+    assert rows[1].stages is None and rows[2].stages is None
     found = ratios(rows, config)
     assert set(found) == {"vs_get_batch", "vs_torch_0_workers"}
     table = format_tokens(rows, config)
@@ -71,6 +74,9 @@ def test_the_command_runs_quick_and_writes_json(tmp_path: Path, capsys, monkeypa
     assert {row["name"] for row in document["results"]} == {
         "gpuload DataLoader", "torch DataLoader (num_workers=0)", "nanoGPT get_batch loop"}
     assert not list(Path(tmp_path).glob("*.bin"))  # the shard went with its temporary folder
+    (traced,) = document["stages"]
+    assert_traced(traced, "gpuload DataLoader")
+    assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG") and "chart: " in printed
 
 
 def test_anonymous_bytes_is_zero_where_the_kernel_does_not_say(monkeypatch: pytest.MonkeyPatch) -> None:
