@@ -11,7 +11,7 @@ mirror. Without a resize the output is one gather from the uint8 batch, its flat
 for the whole batch by broadcasting per-sample row and column offsets. A resize loops over the
 distinct source windows (one bilinear call for a batch that shares one, one per image for
 random crops, which F.interpolate runs faster than any gather-based bilinear on a CPU; on a
-CPU those calls are spread over the free cores, ``cpu_threads.spread_over_free_cpus``) and
+CPU those calls are spread over the usable cores, ``cpu_threads.spread_over_cpus``) and
 writes straight into the batch's canvas. The value ops then run once on that canvas, in place;
 on a CPU, for a random crop's batch and value ops alike for every sample, they run on each
 image's canvas as soon as it is resized instead, into the output (``_Finish``: a fifth less
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from gpuload.cpu_threads import spread_over_free_cpus
+from gpuload.cpu_threads import spread_over_cpus
 from gpuload.transfer import Staging, to_device
 from gpuload.transforms import reference
 from gpuload.transforms.geometry import crop_windows, geometry_plan
@@ -423,11 +423,11 @@ def _resized(
                                          _resize(source, canvas_size, staging, mirror))
 
     # Random crops make one small resize per image, too small for intra-op threads: spread
-    # them over the free CPUs instead (gpuload.cpu_threads).
+    # them over the usable CPUs instead (gpuload.cpu_threads).
     if finish is not None:
-        spread_over_free_cpus(resize_and_finish, groups, device)
+        spread_over_cpus(resize_and_finish, groups, device)
         return finish.out
-    spread_over_free_cpus(resize_groups, groups, device)
+    spread_over_cpus(resize_groups, groups, device)
     if batch_canvas is not None:
         if mirror_here:
             return batch_canvas

@@ -290,19 +290,19 @@ def test_value_ops_with_per_sample_parameters_still_run_on_the_batch(monkeypatch
     assert calls and torch.equal(got, apply_reference(params, images))
 
 
-@pytest.mark.parametrize("load,threads_expected", [(0.0, 2), (14.0, 1)])
-def test_per_image_resizes_spread_over_the_free_cpus(monkeypatch: pytest.MonkeyPatch, load: float,
-                                                      threads_expected: int) -> None:
-    """A random crop's one-resize-per-image runs on as many threads as CPUs are free (torch's
-    own setting 1, as the bench has it on 2 cores), in the loop's thread alone when none is
-    free, and gives the reference's result either way."""
+@pytest.mark.parametrize("load,usable,threads_expected", [(0.0, 2, 2), (14.0, 2, 2), (0.0, 1, 1)])
+def test_per_image_resizes_spread_over_the_usable_cpus(monkeypatch: pytest.MonkeyPatch, load: float, usable: int,
+                                                        threads_expected: int) -> None:
+    """A random crop's one-resize-per-image runs on as many threads as CPUs are usable (torch's
+    own setting 1, as the bench has it on 2 cores), busy or not, in the loop's thread alone on
+    one CPU, and gives the reference's result either way."""
     import os
     import threading
 
     from gpuload import cpu_threads
 
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
-    monkeypatch.setattr(cpu_threads, "usable_cpu_count", lambda: 2)
+    monkeypatch.setattr(cpu_threads, "usable_cpu_count", lambda: usable)
     monkeypatch.setattr(cpu_threads._own_use, "now", lambda: 1.0)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
