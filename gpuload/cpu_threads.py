@@ -13,11 +13,14 @@ count is the calling thread's; a thread the user starts during the call may take
 count as its first one.)
 
 Work that comes one image at a time (a random crop's resize: one small op per image, too small
-for torch to split) is spread over threads of gpuload's own instead (:func:`spread_over_free_cpus`),
-one per CPU left free and not already taken by the intra-op threads in force. Independent images
-need no barrier, so a thread that loses its core to a neighbour delays only its own images:
-with torch's setting at 1 (the bench's on 2 cores) a batch's resizes otherwise kept one core
-idle while the other did them all.
+for torch to split) is spread over threads of gpuload's own instead (:func:`spread_over_cpus`),
+one per usable CPU not already taken by the intra-op threads in force, whatever the load.
+Independent images need no barrier: the threads take small runs of images from one queue, so a
+thread that loses its core to a neighbour does fewer of them, and none spins while it waits.
+With torch's setting at 1 (the bench's on 2 cores) a batch's resizes otherwise kept one core
+idle while the other did them all; and counting the load as lost cores (as the intra-op threads
+must) left the per-image work one thread at load 2, against torch's DataLoader whose two worker
+processes each take their share of the cores at any load.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 
 from gpuload.device import usable_cpu_count
 
-__all__ = ["chosen_cpu_threads", "free_cpu_threads", "image_pool", "own_cpu_threads", "spread_over_free_cpus"]
+__all__ = ["chosen_cpu_threads", "free_cpu_threads", "image_pool", "own_cpu_threads", "spread_over_cpus"]
 
 _Item = TypeVar("_Item")
 
@@ -96,13 +99,14 @@ def own_cpu_threads(device: torch.device) -> Iterator[None]:
 
 
 def _threads_for_images() -> int:
-    """Threads for per-image work: the CPUs free now (:func:`free_cpu_threads` without torch's
-    cap: these are not intra-op threads) shared with the intra-op threads in force, so that an
-    image's op split over N intra-op threads takes N of them."""
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    usable = usable_cpu_count()
-    free = free_cpu_threads(usable, usable, load, _own_use.now())
-    return max(1, min(_MAX_IMAGE_THREADS, free // max(1, torch.get_num_threads())))
+    """Threads for per-image work: the usable CPUs shared with the intra-op threads in force, so
+    that an image's op split over N intra-op threads takes N of them (not fewer at load: see the
+    module docstring)."""
+    return max(1, min(_MAX_IMAGE_THREADS, usable_cpu_count() // max(1, torch.get_num_threads())))
+
+
+# Runs per thread that per-image work is cut into: threads that get less of a core take fewer.
+_RUNS_PER_THREAD = 4
 
 
 _MAX_IMAGE_THREADS = 8
@@ -123,21 +127,31 @@ def image_pool() -> ThreadPoolExecutor:
         return pool
 
 
-def spread_over_free_cpus(work: Callable[[Sequence[_Item]], None], items: Sequence[_Item],
+def spread_over_cpus(work: Callable[[Sequence[_Item]], None], items: Sequence[_Item],
                           device: torch.device) -> None:
-    """``work`` on consecutive runs of ``items``, one run per thread the free CPUs allow (see
-    the module docstring), the first in the calling thread; on a CPU ``device`` only (elsewhere,
-    or with one thread, ``work(items)`` here). Returns once every run is done; the first error
-    raised in any run is raised here, after the others finished."""
+    """``work`` on consecutive runs of ``items``, taken from one queue by as many threads as
+    the usable CPUs allow (see the module docstring), the calling thread one of them; on a CPU
+    ``device`` only (elsewhere, or with one thread, ``work(items)`` here). Returns once every
+    run is done; the first error raised in any run is raised here, after the others finished."""
     threads = min(len(items), _threads_for_images()) if device.type == "cpu" else 1
     if threads <= 1:
         work(items)
         return
-    bounds = [len(items) * k // threads for k in range(threads + 1)]
-    runs = [items[bounds[k] : bounds[k + 1]] for k in range(threads)]
-    others = [image_pool().submit(work, run) for run in runs[1:]]
+    size = -(-len(items) // (threads * _RUNS_PER_THREAD))
+    starts = iter(range(0, len(items), size))
+    lock = threading.Lock()
+
+    def take_runs() -> None:
+        while True:
+            with lock:
+                start = next(starts, None)
+            if start is None:
+                return
+            work(items[start : start + size])
+
+    others = [image_pool().submit(take_runs) for _ in range(threads - 1)]
     try:
-        work(runs[0])
+        take_runs()
     finally:
         errors = [future.exception() for future in others]  # waits for each
     for error in errors:

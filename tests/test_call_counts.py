@@ -9,8 +9,8 @@ Each loader has run one epoch first, so caches are filled, headers read, pipelin
 
 The calls inside ``threading`` and ``queue`` (a wait on a condition, a queue's lock) are left
 out: their number depends on whether a thread had to wait, which is timing. The machine is
-pretended busy (load average 99), so per-image work stays in the calling thread as it does at
-load (``gpuload.cpu_threads``) instead of depending on this machine's load now.
+pretended busy (load average 99) and gpuload's own threads one CPU, so per-image work stays in
+the calling thread (``gpuload.cpu_threads``) instead of depending on this machine now.
 
 The bounds are a little above what was measured (say so in the commit when one moves). Run
 with ``-s`` to see where a path's calls go.
@@ -31,6 +31,7 @@ import torch
 from counting import Counted
 
 import gpuload
+from gpuload import cpu_threads
 from gpuload import transforms as T
 from gpuload.bench.images import MEAN, STD
 
@@ -106,8 +107,10 @@ def steady_calls(make: Callable[[int], gpuload.DataLoader], batches: tuple[int, 
 
 @pytest.fixture(autouse=True)
 def busy_machine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Per-image work in the calling thread, as at load, whatever this machine's load is now."""
+    """Per-image work in the calling thread, whatever this machine's load and cores are now
+    (one usable CPU for gpuload's own threads; the load pretended high for its op threads)."""
     monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    monkeypatch.setattr(cpu_threads, "usable_cpu_count", lambda: 1)
     yield
 
 

@@ -125,12 +125,12 @@ def test_the_sample_caches_copies_run_with_the_chosen_threads_and_the_datasets_w
 
 
 @pytest.mark.parametrize("setting,load,usable,expected", [
-    (1, 0.0, 2, 2),    # quiet, torch at 1 thread: the other core takes half the images
-    (1, 14.0, 2, 1),   # busy: the caller's thread alone (no neighbour starved of its core)
+    (1, 0.0, 2, 2),    # quiet, torch at 1 thread: the other core takes its share of the images
+    (1, 14.0, 2, 2),   # busy: still both, as torch's two worker processes each take a share
     (2, 0.0, 2, 1),    # torch's 2 intra-op threads have both cores already
     (1, 0.0, 16, 8),   # at most 8 threads
 ])
-def test_per_image_work_spreads_over_the_free_cpus(monkeypatch, setting, load, usable, expected) -> None:
+def test_per_image_work_spreads_over_the_usable_cpus(monkeypatch, setting, load, usable, expected) -> None:
     import threading
 
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
@@ -147,12 +147,46 @@ def test_per_image_work_spreads_over_the_free_cpus(monkeypatch, setting, load, u
             seen.append((threading.get_ident(), list(run)))
 
     try:
-        cpu_threads.spread_over_free_cpus(work, list(range(20)), torch.device("cpu"))
+        cpu_threads.spread_over_cpus(work, list(range(20)), torch.device("cpu"))
     finally:
         torch.set_num_threads(before)
-    assert len(seen) == expected and len({ident for ident, _ in seen}) <= expected
+    assert len({ident for ident, _ in seen}) <= expected
+    runs = 1 if expected == 1 else len(range(0, 20, -(-20 // (expected * cpu_threads._RUNS_PER_THREAD))))
+    assert len(seen) == runs  # small runs from one queue, several per thread
     assert sorted(item for _, run in seen for item in run) == list(range(20))  # each item once
     assert all(run == list(range(run[0], run[0] + len(run))) for _, run in seen)  # consecutive runs
+
+
+def test_a_thread_that_loses_its_core_does_fewer_images(monkeypatch) -> None:
+    """The runs come from one queue: while the calling thread is held up (its core taken by a
+    neighbour, here a wait), the other thread does every run left, instead of the caller's
+    fixed half waiting for it."""
+    import threading
+
+    monkeypatch.setattr(cpu_threads, "usable_cpu_count", lambda: 2)
+    monkeypatch.setattr(cpu_threads, "_pools", {})
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    caller = threading.get_ident()
+    done: list[int] = []
+    lock = threading.Lock()
+    others_finished = threading.Event()
+    items = list(range(16))
+
+    def work(run):
+        if threading.get_ident() == caller and not done:
+            others_finished.wait(timeout=10)  # held up until the rest is done (10 s: a safety net)
+        with lock:
+            done.extend(run)
+            if len(done) == len(items) - len(run) and threading.get_ident() != caller:
+                others_finished.set()
+
+    try:
+        cpu_threads.spread_over_cpus(work, items, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(before)
+    assert others_finished.is_set()  # the pool thread did all but the caller's first run
+    assert sorted(done) == items
 
 
 def test_per_image_work_stays_in_the_callers_thread_off_the_cpu_and_errors_reach_it(monkeypatch) -> None:
@@ -165,7 +199,7 @@ def test_per_image_work_stays_in_the_callers_thread_off_the_cpu_and_errors_reach
     torch.set_num_threads(1)
     try:
         idents: set[int] = set()
-        cpu_threads.spread_over_free_cpus(lambda run: idents.add(threading.get_ident()), [1, 2, 3],
+        cpu_threads.spread_over_cpus(lambda run: idents.add(threading.get_ident()), [1, 2, 3],
                                           torch.device("meta"))
         assert idents == {threading.get_ident()}
 
@@ -174,6 +208,6 @@ def test_per_image_work_stays_in_the_callers_thread_off_the_cpu_and_errors_reach
                 raise ValueError("image 3 is bad")
 
         with pytest.raises(ValueError, match="image 3 is bad"):
-            cpu_threads.spread_over_free_cpus(failing, [1, 2, 3, 4], torch.device("cpu"))
+            cpu_threads.spread_over_cpus(failing, [1, 2, 3, 4], torch.device("cpu"))
     finally:
         torch.set_num_threads(before)

@@ -176,7 +176,7 @@ def apply_value_ops(
                 scaled = owned = True
         elif isinstance(op, Normalize):
             mean, std = to_device(normalize_constants(op, scaled, x.shape[1]), x.device, staging)
-            mean, std = _per_channel(mean, x), _per_channel(std, x)
+            mean, std = per_channel(mean, x), per_channel(std, x)
             x = (x.sub_(mean) if owned else x - mean).div_(std)  # same rounding as (x - m) / s
             owned = True
         elif isinstance(op, RandomErasing):
@@ -189,7 +189,7 @@ def apply_value_ops(
     return x.to(dtype, memory_format=layout)
 
 
-def _per_channel(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def per_channel(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Per-channel ``values`` shaped to broadcast over the N, C, H, W batch ``x``.
 
     For a channels-last ``x`` they are expanded to one whole image in its layout: a (1, C, 1, 1)

@@ -248,19 +248,61 @@ def test_decoded_windows_give_what_whole_images_give() -> None:
     assert backend == "batched" and torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("load,threads_expected", [(0.0, 2), (14.0, 1)])
-def test_per_image_resizes_spread_over_the_free_cpus(monkeypatch: pytest.MonkeyPatch, load: float,
-                                                      threads_expected: int) -> None:
-    """A random crop's one-resize-per-image runs on as many threads as CPUs are free (torch's
-    own setting 1, as the bench has it on 2 cores), in the loop's thread alone when none is
-    free, and gives the reference's result either way."""
+@pytest.mark.parametrize("values", [
+    [],
+    [T.ToDtype(torch.float16), T.Normalize(MEAN, STD)],
+    [T.ToDtype(torch.bfloat16), T.Normalize(MEAN, STD), T.ToChannelsLast()],
+    [T.ToDtype(torch.float32, scale=False), T.ToChannelsLast()],
+    [T.ToDtype(torch.float32, scale=False), T.Normalize((120.0, 110.0, 100.0), (60.0, 50.0, 70.0))],
+])
+@pytest.mark.parametrize("hwc", [False, True])
+def test_a_random_crops_value_ops_run_per_image_into_the_output(monkeypatch: pytest.MonkeyPatch, values,
+                                                                  hwc: bool) -> None:
+    """On a CPU, a random crop's value ops (those alike for every sample) finish each canvas
+    as it is resized, into the output: no whole-batch pass runs, and the output is the
+    reference's, bit for bit and in its layout (a uint8 output, without ToDtype, rounded)."""
+    ops = [T.RandomResizedCrop(20), T.RandomHorizontalFlip(), *values]
+    images = [_images(1, 3, 24 + 5 * k, 40 - 3 * k, seed=k)[0] for k in range(9)]
+    if hwc:  # DALI's HWC decodes, viewed as CHW
+        images = [image.permute(1, 2, 0).contiguous().permute(2, 0, 1) for image in images]
+    params = T.sample_params(ops, 4, 0, torch.arange(9), batch_sizes(images))
+    expected = apply_reference(params, images)
+
+    def batch_pass(*args, **kwargs):
+        raise AssertionError("the value ops ran on the whole batch")
+
+    monkeypatch.setattr(batched.reference, "apply_value_ops", batch_pass)
+    got = batched.run(params, images)
+    assert got.dtype == expected.dtype and got.stride() == expected.stride() and torch.equal(got, expected)
+
+
+def test_value_ops_with_per_sample_parameters_still_run_on_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ColorJitter draws parameters per sample: its batch keeps the whole-batch value pass."""
+    ops = [T.RandomResizedCrop(20), T.ColorJitter(brightness=0.4), T.ToDtype(torch.float16)]
+    images = [_images(1, 3, 24 + 5 * k, 40 - 3 * k, seed=k)[0] for k in range(5)]
+    params = T.sample_params(ops, 4, 0, torch.arange(5), batch_sizes(images))
+    calls = []
+    value_ops = batched.reference.apply_value_ops
+    monkeypatch.setattr(batched.reference, "apply_value_ops",
+                        lambda *args, **kwargs: calls.append(1) or value_ops(*args, **kwargs))
+    got = batched.run(params, images)
+    monkeypatch.undo()
+    assert calls and torch.equal(got, apply_reference(params, images))
+
+
+@pytest.mark.parametrize("load,usable,threads_expected", [(0.0, 2, 2), (14.0, 2, 2), (0.0, 1, 1)])
+def test_per_image_resizes_spread_over_the_usable_cpus(monkeypatch: pytest.MonkeyPatch, load: float, usable: int,
+                                                        threads_expected: int) -> None:
+    """A random crop's one-resize-per-image runs on as many threads as CPUs are usable (torch's
+    own setting 1, as the bench has it on 2 cores), busy or not, in the loop's thread alone on
+    one CPU, and gives the reference's result either way."""
     import os
     import threading
 
     from gpuload import cpu_threads
 
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
-    monkeypatch.setattr(cpu_threads, "usable_cpu_count", lambda: 2)
+    monkeypatch.setattr(cpu_threads, "usable_cpu_count", lambda: usable)
     monkeypatch.setattr(cpu_threads._own_use, "now", lambda: 1.0)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
