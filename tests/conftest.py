@@ -33,11 +33,13 @@ _REAL_HOST_MEMORY = gpuload.device.host_memory
 _REAL_DISK_SPACE = gpuload.cache.budget.disk_space
 
 
+for _info in pkgutil.walk_packages(gpuload.__path__, "gpuload."):  # every module that could look a reading up
+    if not _info.name.rsplit(".", 1)[-1].startswith("_"):  # the private DALI/CuPy ones excluded
+        importlib.import_module(_info.name)
+
+
 def _modules_reading(function: Callable[..., object]) -> list[object]:
-    """gpuload's modules that look ``function`` up by name (the private DALI/CuPy ones excluded)."""
-    for info in pkgutil.walk_packages(gpuload.__path__, "gpuload."):
-        if not info.name.rsplit(".", 1)[-1].startswith("_"):
-            importlib.import_module(info.name)
+    """gpuload's imported modules that look ``function`` up by name."""
     name = function.__name__
     return [
         module for module_name, module in list(sys.modules.items())
