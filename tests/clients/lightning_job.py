@@ -1,7 +1,8 @@
 """A tiny PyTorch Lightning fit over a gpuload loader; each rank writes down what it saw.
 
 Used by ``test_lightning.py``, in process (``ddp_spawn``) and as the script ``torchrun`` runs
-(``ddp``): ``torchrun --standalone --nproc_per_node 2 lightning_job.py OUT_DIR KIND``. Each
+(``ddp``): ``torchrun --standalone --nproc_per_node 2 lightning_job.py OUT_DIR KIND...``, where a
+KIND of ``scope`` is ``lightning_scope_job``'s fit (its own records: see that file). Each
 rank writes ``OUT_DIR/rank-N.json``: the sample ids of its batches, the class of
 ``trainer.train_dataloader`` and of its sampler.
 """
@@ -84,7 +85,12 @@ def read_records(out_dir: Path) -> list[dict]:
 if __name__ == "__main__":  # OUT_DIR KIND...: one fit per kind, into OUT_DIR/KIND, in one job
     for each in sys.argv[2:]:
         Path(sys.argv[1], each).mkdir(parents=True, exist_ok=True)
-        fit(str(Path(sys.argv[1], each)), each, "ddp")
+        if each == "scope":
+            import lightning_scope_job  # beside this file: sys.path[0] when run as a script
+
+            lightning_scope_job.fit(str(Path(sys.argv[1], each)))
+        else:
+            fit(str(Path(sys.argv[1], each)), each, "ddp")
     # End the process group before the interpreter does: left to exit, gloo's threads are torn
     # down during static destruction and the process aborts now and then ("terminate called
     # without an active exception", exit -6) after the fit has finished.

@@ -1,6 +1,8 @@
 """A Lightning ``ddp`` fit over a gpuload loader with ``cache_scope="world"``, under torchrun.
 
-``torchrun --standalone --nproc_per_node 2 lightning_scope_job.py OUT_DIR``: Lightning re-creates
+Run by ``lightning_job.py`` as its ``scope`` kind (one torchrun job for every Lightning ``ddp``
+fit of the tests: the ranks start and import Lightning once), or on its own:
+``torchrun --standalone --nproc_per_node 2 lightning_scope_job.py OUT_DIR``. Lightning re-creates
 the loader on each rank with a ``DistributedSampler``; each rank writes ``OUT_DIR/rank-N.json``
 (what ``lightning_job.RecordSamples`` records) and ``OUT_DIR/batches-N.json``: the sample ids
 of each epoch's batches, in order, and the scope and exchange of the loader it trained on.
@@ -49,13 +51,18 @@ class RecordBatches(RecordSamples):
         Path(self.out_dir, f"batches-{self.global_rank}.json").write_text(json.dumps(record))
 
 
-if __name__ == "__main__":
+def fit(out_dir: str) -> None:
+    """``EPOCHS`` epochs of ``LIMIT_BATCHES`` batches on each rank, the loader split over the world."""
     loader = gpuload.DataLoader(dataset(), batch_size=BATCH_SIZE, shuffle=True, device="cpu", cache_scope="world")
     trainer = pl.Trainer(
         strategy="ddp", devices=2, accelerator="cpu", max_epochs=EPOCHS, limit_train_batches=LIMIT_BATCHES,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    trainer.fit(RecordBatches(sys.argv[1]), loader)
+    trainer.fit(RecordBatches(out_dir), loader)
+
+
+if __name__ == "__main__":
+    fit(sys.argv[1])
     # End the process group before the interpreter does (gloo can abort at static destruction).
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -6,7 +6,6 @@ the same batch, epoch after epoch."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +21,6 @@ pytest.importorskip("pytorch_lightning", reason="PyTorch Lightning is a test dep
 sys.path.insert(0, str(Path(__file__).parent))
 import lightning_scope_job as job
 
-REPO = Path(__file__).resolve().parents[2]
-TORCHRUN_ENV = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                "GROUP_RANK"}
-
 
 def torchs_batches(rank: int, epoch: int) -> list[list[int]]:
     """What torch's DataLoader with Lightning's DistributedSampler (seed 0) gives ``rank``."""
@@ -35,15 +30,13 @@ def torchs_batches(rank: int, epoch: int) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_ddp_fit_shards_the_arrays_and_gives_each_rank_torchs_batches(tmp_path: Path) -> None:
-    env = {name: value for name, value in os.environ.items() if name not in TORCHRUN_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               job.__file__, str(tmp_path)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+def test_ddp_fit_shards_the_arrays_and_gives_each_rank_torchs_batches(
+        lightning_ddp_fits: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    done, out = lightning_ddp_fits  # lightning_job.py's torchrun job runs this file's fit too (conftest.py)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    records = [{**json.loads((tmp_path / f"rank-{rank}.json").read_text()),
-                **json.loads((tmp_path / f"batches-{rank}.json").read_text())} for rank in range(2)]
+    fitted = out / "scope"
+    records = [{**json.loads((fitted / f"rank-{rank}.json").read_text()),
+                **json.loads((fitted / f"batches-{rank}.json").read_text())} for rank in range(2)]
     sample_bytes = 4 + 8  # float32 feature, int64 id
     for rank, record in enumerate(records):
         assert record["loader"] == "gpuload.loader.DataLoader" and record["sampler"] == "DistributedSampler"
