@@ -331,13 +331,16 @@ def findings(run: Callable[..., None], world: int, out_dir: Path, *args: Any) ->
 
 
 def spawned(run: Callable[..., None], world: int, out_dir: Path, deadline_s: float) -> list[dict]:
-    """Every rank's findings from ``run(rank, world, port, out_dir)`` spawned as ``world``
+    """Every rank's findings from ``run(rank, world, port, out_dir)`` started as ``world``
     processes that set up their group themselves (Accelerate, from ``MASTER_PORT``: a free port),
-    each writing ``rank<r>.json``; a job not done in ``deadline_s`` is killed and fails the test."""
+    each writing ``rank<r>.json``; a job not done in ``deadline_s`` is killed and fails the test.
+    The ranks fork from the suite's fork server, as :func:`findings`' do (torch imported once)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    ranks = mp.spawn(run, args=(world, port, str(out_dir)), nprocs=world, join=False)
+    fork_server()
+    ranks = mp.start_processes(in_environment, args=(dict(os.environ), run, world, port, str(out_dir)),
+                               nprocs=world, join=False, start_method="forkserver")
     deadline = time.monotonic() + deadline_s
     while not ranks.join(timeout=2):
         if time.monotonic() > deadline:  # a rank waits in a collective the other never joins
