@@ -94,7 +94,7 @@ def _open(folder: Path, n: int, budget: int = 1 << 30) -> DiskCache:
 
 
 def _child(script: str, folder: Path, n: int, *, prefix: list[str] | None = None, cwd: Path | None = None,
-           env: dict[str, str] | None = None, wait: bool = True, timeout: float = 120):
+           env: dict[str, str] | None = None, wait: bool = True, timeout: float = 600):
     """Run CHILD + ``script`` in a new interpreter; its last stdout line is JSON."""
     environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     command = [*(prefix or []), sys.executable, "-c", CHILD + textwrap.dedent(script), str(folder), str(n)]
@@ -707,7 +707,7 @@ def test_two_processes_starting_at_once_make_one_copy_and_both_read_correct_rows
     children = [_child(script, tmp_path, n, wait=False, env={"SEED": str(seed)}) for seed in (1, 2)]
     results = []
     for child in children:
-        out, err = child.communicate(timeout=120)
+        out, err = child.communicate(timeout=600)
         assert child.returncode == 0, err
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert all(r["same"] and r["complete"] for r in results)
@@ -768,7 +768,7 @@ def test_full_tmpfs_the_tier_stops_growing_and_the_epoch_completes(tmp_path: Pat
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = (f'mount -t tmpfs -o size=64k tmpfs "$0" && exec {sys.executable} -c "$1" "$0" 200')
     done = subprocess.run([*prefix, command, str(tmp_path), CHILD + textwrap.dedent(script)],
-                          capture_output=True, text=True, env=environment, timeout=120)
+                          capture_output=True, text=True, env=environment, timeout=600)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["first"] and result["second"] and result["full"]
@@ -788,7 +788,7 @@ def test_read_only_folder_one_warning_and_no_disk_tier(tmp_path: Path) -> None:
     command = (f'mount -t tmpfs tmpfs "$0" && {sys.executable} -c "$2" "$0" 16 && mount -o remount,ro "$0" && '
                f'exec {sys.executable} -c "$1" "$0" 16')
     done = subprocess.run([*prefix, command, str(tmp_path), CHILD + textwrap.dedent(script), CHILD + fill],
-                          capture_output=True, text=True, env=environment, timeout=120)
+                          capture_output=True, text=True, env=environment, timeout=600)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert lines[0] == "true"

@@ -113,7 +113,7 @@ def _command(images: Path, cache: Path, mode: str = "fill") -> list[str]:
 
 def _run(images: Path, cache: Path, mode: str = "fill") -> dict:
     done = subprocess.run(_command(images, cache, mode), capture_output=True, text=True, env=child_environment(),
-                          timeout=300)
+                          timeout=900)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -124,7 +124,7 @@ def _run_together(images: Path, cache: Path, modes: list[str]) -> list[dict]:
                                  text=True, env=child_environment()) for mode in modes]
     results = []
     for child in children:
-        out, err = child.communicate(timeout=300)
+        out, err = child.communicate(timeout=900)
         assert child.returncode == 0, err
         results.append(json.loads(out.strip().splitlines()[-1]))
     return results
@@ -225,7 +225,7 @@ def test_a_read_only_folder_is_one_warning_and_no_disk_tier(images: Path, tmp_pa
     script = (f'mount -t tmpfs tmpfs "$0" && "$1" -c "$2" {fill} && mount -o remount,ro "$0" && '
               f'exec "$1" -c "$2" {again}')
     done = subprocess.run([unshare, "-rm", "sh", "-c", script, str(cache), sys.executable, CHILD],
-                          capture_output=True, text=True, env=child_environment(), timeout=300)
+                          capture_output=True, text=True, env=child_environment(), timeout=900)
     assert done.returncode == 0, done.stderr
     filled, read_only = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
     assert filled["equal"] and filled["disk"]["published_rows"] == N

@@ -32,7 +32,7 @@ def run_pytest_without_dali(args: list[str], pretend_cuda: bool) -> subprocess.C
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-c", child], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=900)
 
 
 def test_on_a_gpu_without_dali_the_dali_gpu_tests_skip_saying_why() -> None:
