@@ -22,6 +22,8 @@ toml block above, saved under that name), combined with ``;``.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shlex
@@ -147,11 +149,27 @@ def _commands(block: Block) -> list[tuple[str, list[str]]]:
     return found
 
 
+def _run_gpuload(argv: list[str], command: str) -> str:
+    """``gpuload ARGV`` in this process, where torch is imported already (seconds of CPU a command
+    in a new one): its exit status and stdout, as a shell would see them. tests/cli/ checks the
+    command's own process (torch not imported, the exit status of each error)."""
+    from gpuload.cli.main import main
+
+    printed, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        try:
+            code = main(argv)
+        except SystemExit as exit:
+            code = exit.code
+    assert code in (0, None), f"{command}\nexit {code}\n{printed.getvalue()[-3000:]}\n{errors.getvalue()[-3000:]}"
+    return printed.getvalue()
+
+
 def _run_command(command: str, cwd: Path) -> str:
     argv = shlex.split(command)
     if argv[0] == "gpuload":
-        argv = [sys.executable, "-m", "gpuload.cli", *argv[1:]]
-    elif argv[0] in ("python", "python3"):
+        return _run_gpuload(argv[1:], command)
+    if argv[0] in ("python", "python3"):
         argv = [sys.executable, *argv[1:]]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("GPULOAD_CONFIG", None)
