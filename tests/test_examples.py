@@ -15,7 +15,11 @@ import torch
 
 import gpuload
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
+import ranks_job  # noqa: E402
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+HANG_S = 1200  # an example takes seconds quiet, minutes at load 10: past this it hangs
 
 
 # What each example prints when it did its job; an example not listed must exit 0 and print.
@@ -30,13 +34,57 @@ EXPECTED = {"train_loop.py": ["epoch 1: loss"], "train_images.py": ["epoch 1: lo
             "train_hf_dataset.py": [r"same batches as torch's DataLoader: True \(gpuload's path: device-gather"]}
 
 
+def _python(script: str, argv: list[str], environ: dict[str, str], out: str, err: str) -> None:
+    """``python SCRIPT ARGV`` in this process, forked from the suite's fork server: the
+    environment ``environ``, stdout and stderr into the files ``out`` and ``err``."""
+    import atexit
+    import runpy
+    import tempfile
+    import traceback
+
+    os.environ.clear()
+    os.environ.update(environ)
+    tempfile.tempdir = None  # found again, from TMPDIR
+    for fd, path in ((1, out), (2, err)):
+        with open(path, "w") as file:
+            os.dup2(file.fileno(), fd)
+    sys.argv = [script, *argv]
+    sys.path.insert(0, str(Path(script).parent))  # as ``python SCRIPT`` puts it first
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else (exit.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()  # what the interpreter runs at its exit, which a forked process skips
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_example(script: str, *args: str, env: dict[str, str] | None = None,
+                out_dir: Path) -> subprocess.CompletedProcess[str]:
+    """``python examples/SCRIPT ARGS``, as a process forked from the suite's fork server, which
+    imported torch and gpuload once (seconds of CPU an example); its output kept in ``out_dir``."""
+    out, err = out_dir / f"{script}.out", out_dir / f"{script}.err"
+    process = ranks_job.fork_server().Process(
+        target=_python, args=(str(EXAMPLES / script), list(args), dict(env or os.environ), str(out), str(err)))
+    process.start()
+    process.join(HANG_S)
+    if process.exitcode is None:
+        process.kill()
+        pytest.fail(f"{script} {' '.join(args)} did not end in {HANG_S} s")
+    return subprocess.CompletedProcess([script, *args], process.exitcode, out.read_text(), err.read_text())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "plan_job.py"))
 def test_example_runs_and_leaves_nothing_in_the_temporary_folder(script: str, tmp_path: Path) -> None:
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    done = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TMPDIR": str(scratch)})
+    done = run_example(script, env={**os.environ, "TMPDIR": str(scratch)}, out_dir=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip()
     for expected in EXPECTED.get(script, []):
@@ -68,9 +116,8 @@ def test_train_gpt_packed_keeps_each_documents_logits_to_itself(monkeypatch: pyt
     assert not example.logits_ignore_other_documents(unmasked, batch)
 
 
-def _run_plan_example(*args: str) -> str:
-    done = subprocess.run([sys.executable, str(EXAMPLES / "plan_job.py"), *args], capture_output=True, text=True,
-                          timeout=300)
+def _run_plan_example(out_dir: Path, *args: str) -> str:
+    done = run_example("plan_job.py", *args, out_dir=out_dir)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "job plan for a pretended 80.00 GiB card" in done.stdout
     assert "batch size: 256 (your batch size)" in done.stdout and "(largest that fits, a multiple of 8)" in done.stdout
@@ -78,14 +125,14 @@ def _run_plan_example(*args: str) -> str:
     return done.stdout
 
 
-def test_plan_job_example_with_its_own_model() -> None:
-    assert "a small CNN (defined in this example)" in _run_plan_example("--small")
+def test_plan_job_example_with_its_own_model(tmp_path: Path) -> None:
+    assert "a small CNN (defined in this example)" in _run_plan_example(tmp_path, "--small")
 
 
 @pytest.mark.slow
-def test_plan_job_example_with_resnet50_when_torchvision_is_installed() -> None:
+def test_plan_job_example_with_resnet50_when_torchvision_is_installed(tmp_path: Path) -> None:
     pytest.importorskip("torchvision", reason="torchvision is not installed: the example plans its own model")
-    assert "torchvision ResNet-50" in _run_plan_example()
+    assert "torchvision ResNet-50" in _run_plan_example(tmp_path)
 
 
 def _torchrun_ddp_train(*args: str) -> str:
@@ -95,7 +142,7 @@ def _torchrun_ddp_train(*args: str) -> str:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLES.parent), os.environ.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(EXAMPLES / "ddp_train.py"), "--samples", "2048", "--batch-size", "64", *args]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
