@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -209,12 +210,14 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comple
     budget leaves the truth step its whole CPU limit (3 x 100 s) after a slow machine step."""
     out = tmp_path_factory.mktemp("device_check")
     done = run_check(out, "machine truth", budget=400, GPULOAD_CHECK_DEVICE="cpu")
-    return done, json.loads((out / "summary.json").read_text())
+    return done, {**json.loads((out / "summary.json").read_text()), "out": out}
 
 
 @pytest.mark.slow
 def test_the_script_writes_the_summary_when_a_step_fails(tmp_path: Path) -> None:
-    done = run_check(tmp_path, "prefetch")  # prefetch asks for CUDA: fails here
+    # prefetch asks for CUDA: fails here; under the CPU dry run's limits (105 s, not 35), which a
+    # busy machine's start of the step does not reach (it did at load 14: 'timeout', not 'failed')
+    done = run_check(tmp_path, "prefetch", GPULOAD_CHECK_DEVICE="cpu")
     assert done.returncode == 1, done.stdout + done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.tar.gz", "steps.tsv", "summary.json"]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -264,6 +267,17 @@ def test_the_dry_run_of_the_truth_step_runs_every_check_on_the_cpu(
     assert summary["totals"]["truth_passed"] == ["array-shrink", "column-oom", "epoch-shrink", "nvjpeg-stall",
                                                  "stream-guard"]
     assert {verdict["details"].get("decode_backend") for verdict in summary["truth"].values()} >= {"nvjpeg"}
+    # What each check wrote, run by device_truth.py each in its own process (test_device_truth.py
+    # checks the verdicts on data a defect would give): passed on the CPU, naming its defects.
+    defects = {"nvjpeg-stall": [1], "stream-guard": [3], "array-shrink": [2], "column-oom": [4, 5], "epoch-shrink": [6]}
+    with tarfile.open(summary["out"] / "logs.tar.gz") as logs:  # where the script packs truth/
+        written = {Path(member.name).stem: json.load(logs.extractfile(member)) for member in logs.getmembers()
+                   if member.name.startswith("truth/") and member.name.endswith(".json")}
+    assert sorted(written) == sorted(defects)
+    for name, verdict in written.items():
+        assert verdict["passed"] and verdict["defects"] == defects[name] and verdict["device"] == "cpu", verdict
+        assert (verdict["details"]["cuda_only"] if name != "nvjpeg-stall"
+                else verdict["details"]["decode_backend"] == "nvjpeg"), verdict
 
 
 # -------------------------------------------------- cuda_only_lines.md: what runs each range on the device check
