@@ -4,8 +4,8 @@ unnoticed. Each test's id is the block's ``file:line``.
 - ``python`` blocks are executed in a fresh namespace, in a temporary working directory, after
   the prelude below (``dataset``, ``model``, ``images_uint8``, ... of a few kilobytes), so a
   snippet can stay as short as the page wants it.
-- ``console`` blocks run each ``$ command`` line (``gpuload`` and ``python`` are this
-  interpreter's) and check the output shown under it: each shown line, in order, must start a
+- ``console`` blocks run each ``$ command`` line (``gpuload`` in this process, ``python`` this
+  interpreter in a new one) and check the output shown under it: each shown line, in order, must start a
   line of the real output (a trailing ``...`` marks a line shortened).
 - ``bash``/``sh`` blocks run each line as a command, as console blocks do, without output.
 - ``toml`` blocks must parse.
