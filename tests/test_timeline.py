@@ -165,6 +165,31 @@ def test_a_pickled_loader_keeps_its_steps() -> None:
     assert copy.timeline.step_count == 8
 
 
+def test_recording_a_step_keeps_no_object_alive() -> None:
+    """The loop pays for the timeline on every step: an unsampled step writes floats into a ring
+    kept from the start, and the Step objects are made only when someone reads them."""
+    import gc
+    import sys
+
+    timeline = Timeline(1000, sample_every=10**6)
+    timeline.new_epoch()
+    timeline.got(timeline.ask(0), True, 0.0, 0.5)  # the sampled first step
+    gc.disable()
+    try:
+        before = sys.getallocatedblocks()
+        for index in range(1, 501):
+            timeline.got(timeline.ask(index), True, index - 0.25, index + 0.5)
+        grown = sys.getallocatedblocks() - before
+    finally:
+        gc.enable()
+    assert grown < 100, f"{grown} blocks kept by 500 steps"
+    steps = timeline.steps()
+    assert len(steps) == 501 and steps[0].step_s is None and steps[0].stages is not None
+    assert all(step.wait_s == pytest.approx(0.75) and step.step_s == pytest.approx(1.0) and step.stages is None
+               for step in steps[1:])
+    assert timeline.wait_fraction() == pytest.approx(0.75)
+
+
 # -- sampling: stages timed on one step in N, always the step's own ----------------------------
 
 
