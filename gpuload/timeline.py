@@ -301,6 +301,10 @@ class Timeline:
         self.sampled_count = 0  # those whose stages were timed (stage_s covers them)
         self.wait_s = 0.0  # their waits, where the step time is known too
         self.step_s = 0.0  # their step times
+        # An epoch's first step has no step time: its wait (the epoch's start, also a scheduler
+        # stall after the work of iter(), or workers starting) is kept apart from the share.
+        self.starts = 0  # epochs' first steps measured
+        self.start_wait_s = 0.0  # their waits
         self.stage_s: dict[str, float] = {}  # each stage's seconds over the sampled steps
         self._pending.clear()
 
@@ -346,6 +350,8 @@ class Timeline:
         last, self._last_ready = self._last_ready, ready_at
         if last is None:
             ring.times[slot] = math.nan
+            self.starts += 1
+            self.start_wait_s += wait
         else:
             ring.times[slot] = step = ready_at - last
             self.wait_s += wait
@@ -401,7 +407,10 @@ class Timeline:
                 self._pending.popleft()
                 wait = asked.elapsed_time(ready) / 1000
                 step = math.nan
-                if previous is not None and previous.query():  # done before ready, unless streams changed
+                if previous is None:
+                    self.starts += 1
+                    self.start_wait_s += wait
+                elif previous.query():  # done before ready, unless streams changed
                     step = previous.elapsed_time(ready) / 1000
                     self.wait_s += wait
                     self.step_s += step
@@ -476,9 +485,11 @@ class Timeline:
 
     def scalars(self, prefix: str = "gpuload/") -> dict[str, float]:
         """A flat dict for a logger (TensorBoard's ``add_scalars``, Lightning's ``log_dict``):
-        the wait share in percent, and each stage's mean ms per step."""
+        the wait share in percent, each epoch's start (its first step's wait, outside the share)
+        in mean ms, and each stage's mean ms per step."""
         fraction = self.wait_fraction()
         out = {f"{prefix}wait_percent": math.nan if fraction is None else 100 * fraction,
+               f"{prefix}start_wait_ms": 1e3 * self.start_wait_s / self.starts if self.starts else math.nan,
                f"{prefix}steps": float(self.step_count), f"{prefix}sampled_steps": float(self.sampled_count)}
         for name, seconds in self.stage_seconds().items():
             out[f"{prefix}stage_ms/{name}"] = 1e3 * seconds
@@ -488,7 +499,8 @@ class Timeline:
         """The running totals as plain data (for logging, JSON, or gathering over ranks)."""
         fraction = self.wait_fraction()
         return {"steps": self.step_count, "sampled_steps": self.sampled_count, "sample_every": self._sample_every,
-                "wait_s": self.wait_s, "step_s": self.step_s, "wait_fraction": fraction, "stage_s": dict(self.stage_s)}
+                "wait_s": self.wait_s, "step_s": self.step_s, "wait_fraction": fraction, "starts": self.starts,
+                "start_wait_s": self.start_wait_s, "stage_s": dict(self.stage_s)}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
