@@ -370,6 +370,30 @@ def test_a_step_longer_than_the_data_is_compute_bound() -> None:
     assert loader.timeline.summary().startswith("compute-bound")
 
 
+@pytest.mark.parametrize(("kind", "options", "tier"), [
+    ("windows", {}, "device"),  # the token buffer served in place
+    ("windows", {"cache": "off"}, "source"),
+    ("windows", {"cache": "off", "prefetch_depth": 2}, "source"),  # gathered ahead, in the prefetcher's thread
+    ("packed", {}, "device"),
+], ids=["windows", "windows-uncached", "windows-ahead", "packed"])
+def test_token_batches_time_their_gather(kind: str, options: dict[str, Any], tier: str) -> None:
+    """TokenWindows and PackedTokens batches show their gather as a stage, as arrays do."""
+    from gpuload.datasets.packing import PackedTokens
+    from gpuload.datasets.tokens import TokenWindows
+
+    ids = torch.randint(1, 1000, (4096,), dtype=torch.int32)
+    if kind == "windows":
+        dataset: Any = TokenWindows(ids, 31)
+    else:
+        dataset = PackedTokens(ids, 32, eot_id=0)
+        options = {**options, "collate_fn": dataset.collate}
+    loader = gpuload.DataLoader(dataset, batch_size=8, shuffle=True, **options)
+    loader.timeline.sample_every = 1
+    run(loader, epochs=2)
+    sampled = [step.stages for step in loader.timeline.steps() if step.stages is not None]
+    assert sampled and all(f"gather.{tier}" in stages for stages in sampled), loader.timeline.table()
+
+
 def test_a_heavy_transform_is_named() -> None:
     images = torch.randint(0, 256, (16, 3, 96, 96), dtype=torch.uint8)
     heavy = [T.Resize((256, 256)), T.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.4),
