@@ -1,15 +1,23 @@
 """What ``loader.timeline`` costs: a cached in-memory epoch with the timeline on and off, alternately.
 
-Two loaders over the same arrays (the bench's CIFAR-shaped uint8 images and labels, batch 512,
-``cache="auto"``), one with ``timeline_steps=1000`` (stages timed on one step in ``--sample-every``,
-the default 16) and one with ``timeline_steps=0``, each warmed up (its first epoch places the
-arrays). Then ``--pairs`` pairs of epochs, no training step (the worst case: the loop does nothing
-but ask), the order within each pair alternating so that drift in the machine's load falls on both
-alike. It prints the median epoch per step of each, and the paired difference per step (the mean of
-its medians over the pairs of each order), as a share of the median epoch without the timeline.
+One loader over the bench's CIFAR-shaped uint8 images and labels (batch 512, ``cache="auto"``),
+warmed up (its first epoch places the arrays), its timeline switched between epochs
+(``timeline.resize``: 1000 steps kept, stages timed on one step in ``--sample-every``, the default
+16; or 0, off). One loader, not one of each: two loaders place two copies of the arrays, and which
+copy gathers faster (where its memory landed) differs by about 2% from one process to the next,
+ten times the timeline's cost. Then ``--pairs`` pairs of epochs, no training step (the worst
+case: the loop does nothing but ask), the order within each pair alternating so that drift in the
+machine's load falls on both alike. It prints the median epoch per step of each, and the paired
+difference per step (the mean of its medians over the pairs of each order), as a share of the
+median epoch without the timeline.
+
+``--clock thread`` times each epoch with the loop thread's CPU time instead of the wall clock: on
+a shared machine the wall clock also counts the time other processes held the CPU, noise tens of
+times the timeline's cost, while the CPU path (in memory, on a CPU device) runs every batch in the
+loop's thread. The wall clock (the default) is what a training loop sees.
 
 Usage: python benchmarks/bench_timeline.py [--pairs 400] [--samples 10240] [--sample-every 16] [--device cpu]
-       [--json PATH]
+       [--clock wall|thread] [--json PATH]
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from torch.utils.data import TensorDataset
@@ -30,44 +39,47 @@ from gpuload.bench.scenarios import BenchConfig, synthetic_cifar
 from gpuload.device import resolve_device
 from gpuload.timeline import DEFAULT_SAMPLE_EVERY
 
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
-def epoch_s(loader: gpuload.DataLoader, device: torch.device) -> float:
-    """Seconds of one epoch of ``loader`` with nothing done per batch (device work finished)."""
+
+def epoch_s(loader: gpuload.DataLoader, device: torch.device, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds of one epoch of ``loader`` by ``clock``, with nothing done per batch (device work finished)."""
     synchronize(device)
-    started = time.perf_counter()
+    started = clock()
     for _batch in loader:
         pass
     synchronize(device)
-    return time.perf_counter() - started
+    return clock() - started
 
 
 def measure(pairs: int, samples: int, batch_size: int, device: torch.device,
-            sample_every: int = DEFAULT_SAMPLE_EVERY) -> dict[str, float | int | str]:
+            sample_every: int = DEFAULT_SAMPLE_EVERY, clock: str = "wall") -> dict[str, float | int | str]:
     """Alternating epochs with the timeline on and off: per-step medians and the paired difference."""
     dataset: TensorDataset = synthetic_cifar(BenchConfig(num_samples=samples, batch_size=batch_size))
-    loaders = {
-        steps: gpuload.DataLoader(dataset, batch_size=batch_size, shuffle=True, device=device, cache="auto",
-                                  timeline_steps=steps, generator=torch.Generator().manual_seed(0))
-        for steps in (1000, 0)
-    }
-    loaders[1000].timeline.sample_every = sample_every
-    for loader in loaders.values():
-        epoch_s(loader, device)  # places the arrays
-        epoch_s(loader, device)
-    steps_per_epoch = len(loaders[0])
+    loader = gpuload.DataLoader(dataset, batch_size=batch_size, shuffle=True, device=device, cache="auto",
+                                timeline_steps=1000, generator=torch.Generator().manual_seed(0))
+    loader.timeline.sample_every = sample_every
+    for steps in (1000, 0):
+        loader.timeline.resize(steps)  # from the next epoch
+        epoch_s(loader, device)  # the first places the arrays
+    steps_per_epoch = len(loader)
+
+    def epoch_with(steps: int) -> float:
+        loader.timeline.resize(steps)
+        return epoch_s(loader, device, CLOCKS[clock])
+
     on: list[float] = []
     off: list[float] = []
     differences: dict[bool, list[float]] = {True: [], False: []}  # by whether the timeline ran first
     load_before = os.getloadavg()[0]
     for pair in range(pairs):
         first_on = pair % 2 == 0
-        took = {steps: epoch_s(loaders[steps], device) for steps in ((1000, 0) if first_on else (0, 1000))}
+        took = {steps: epoch_with(steps) for steps in ((1000, 0) if first_on else (0, 1000))}
         on.append(took[1000])
         off.append(took[0])
         differences[first_on].append(took[1000] - took[0])
-    path = loaders[0].stats.path
-    for loader in loaders.values():
-        loader.close()
+    path = loader.stats.path
+    loader.close()
     off_step = statistics.median(off) / steps_per_epoch
     # The epoch run second in a pair can be faster or slower for the order alone (caches, the
     # allocator): the median of each order, averaged, cancels that; one median over both orders
@@ -76,7 +88,7 @@ def measure(pairs: int, samples: int, batch_size: int, device: torch.device,
     difference_step = sum(by_order) / 2
     return {
         "device": str(device), "path": path, "pairs": pairs, "steps_per_epoch": steps_per_epoch,
-        "batch_size": batch_size, "sample_every": sample_every, "off_us_per_step": 1e6 * off_step,
+        "batch_size": batch_size, "sample_every": sample_every, "clock": clock, "off_us_per_step": 1e6 * off_step,
         "on_us_per_step": 1e6 * statistics.median(on) / steps_per_epoch,
         "paired_difference_us_per_step": 1e6 * difference_step,
         "on_first_us_per_step": 1e6 * by_order[0], "off_first_us_per_step": 1e6 * by_order[1],
@@ -92,11 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--sample-every", type=int, default=DEFAULT_SAMPLE_EVERY)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall: the wall clock; thread: the loop thread's CPU time (see above)")
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
-    found = measure(args.pairs, args.samples, args.batch_size, resolve_device(args.device), args.sample_every)
+    found = measure(args.pairs, args.samples, args.batch_size, resolve_device(args.device), args.sample_every,
+                    args.clock)
     print(f"{found['pairs']} alternating pairs of {found['steps_per_epoch']}-step epochs on {found['device']} "
-          f"(path {found['path']}, batch {found['batch_size']}, stages timed 1 step in {found['sample_every']}), "
+          f"(path {found['path']}, batch {found['batch_size']}, stages timed 1 step in {found['sample_every']}, "
+          f"{found['clock']} clock), "
           f"load {found['load_before']:.1f} -> "
           f"{found['load_after']:.1f} on {found['cpu_count']} cores")
     print(f"timeline off: {found['off_us_per_step']:.1f} us/step; on: {found['on_us_per_step']:.1f} us/step; "

@@ -61,8 +61,8 @@ class EpochIterator(Iterator[Any]):
         epoch: Epoch | None = None,
         timeline: Timeline | None = None,
     ) -> None:
-        # as it is when the epoch begins (Timeline.resize takes effect from the next epoch)
-        self._timeline = timeline if timeline is not None and timeline.enabled else Timeline(0)
+        # as it is when the epoch begins (Timeline.resize takes effect from the next epoch); None: off
+        self._timeline = timeline if timeline is not None and timeline.enabled else None
         self._items = items
         self._finish = work.finish
         self._stats = stats
@@ -127,7 +127,8 @@ class EpochIterator(Iterator[Any]):
     def __next__(self) -> Any:
         started = time.perf_counter()
         epoch = self._epoch
-        asking, delivered = self._timeline.ask(self._pulled), False
+        timeline, delivered = self._timeline, False
+        asking = timeline.ask(self._pulled) if timeline is not None else None
         try:
             epoch.enter()  # a stop marked before this is seen here; close() waits for the rest
             try:
@@ -162,7 +163,8 @@ class EpochIterator(Iterator[Any]):
         finally:
             ready = time.perf_counter()
             self._stats.wait_time_s += ready - started
-            self._timeline.got(asking, delivered, started, ready)
+            if timeline is not None:
+                timeline.got(asking, delivered, started, ready)
         batch, count = finished
         self._stats.batches += 1
         self._stats.samples += count

@@ -514,7 +514,8 @@ class _Handoff(Iterator[Any]):
                 stream.wait_event(item.event)  # ordered: the batch's work is done first
                 for tensor in item.device_tensors:
                     tensor.record_stream(stream)  # protected: not reused while the loop uses it
-            hand_over(item.stages)
+            if item.stages is not None:  # a sampled batch (gpuload.timeline)
+                hand_over(item.stages)
             self._tokens.release()
         finally:
             self._stats.wait_time_s += time.perf_counter() - started

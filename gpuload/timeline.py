@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -182,6 +183,39 @@ class Step:
     stages: dict[str, float] | None = field(default_factory=dict)
 
 
+def _known(seconds: float) -> float | None:
+    return None if seconds != seconds else seconds  # NaN: not known
+
+
+class _Ring:
+    """The last ``capacity`` steps as plain floats (NaN: unknown) and their stages (None: not
+    sampled); ``written`` steps so far, step n at slot n % capacity."""
+
+    __slots__ = ("capacity", "waits", "times", "stages", "written")
+
+    def __init__(self, capacity: int, newest_of: _Ring | None = None) -> None:
+        self.capacity = capacity
+        self.waits = array("d", [math.nan]) * capacity
+        self.times = array("d", [math.nan]) * capacity
+        self.stages: list[dict[str, float] | None] = [None] * capacity
+        self.written = 0
+        if newest_of is not None:
+            for step in newest_of.steps()[-capacity:] if capacity else ():
+                self.put(self.written, math.nan if step.wait_s is None else step.wait_s,
+                         math.nan if step.step_s is None else step.step_s, step.stages)
+
+    def put(self, index: int, wait_s: float, step_s: float, stages: dict[str, float] | None) -> None:
+        slot = index % self.capacity
+        self.waits[slot], self.times[slot], self.stages[slot] = wait_s, step_s, stages
+        self.written = max(self.written, index + 1)
+
+    def steps(self) -> list[Step]:
+        """The kept steps, oldest first, as :class:`Step` objects (made now)."""
+        capacity = self.capacity
+        return [Step(_known(self.waits[slot]), _known(self.times[slot]), self.stages[slot])
+                for slot in (index % capacity for index in range(max(0, self.written - capacity), self.written))]
+
+
 def _checked(capacity: int) -> int:
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
         raise ValueError(f"timeline capacity={capacity!r} must be a non-negative int (steps kept)")
@@ -213,11 +247,12 @@ class Timeline:
         self._asked: Any = None  # CUDA: the event recorded when the loop asked for the current batch
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
-        self._steps: deque[Step] = deque(maxlen=capacity or 1)
-        self._pending: deque[tuple[Step, Any, Any, Any]] = deque()  # CUDA steps whose events may not be done
+        # The kept steps, a ring of plain floats (NaN: unknown) written in place: recording a step
+        # allocates nothing; steps() builds Step objects when read. Step n is at slot n % capacity.
+        self._ring = _Ring(capacity)
+        self._pending: deque[tuple[int, Any, Any, Any]] = deque()  # CUDA: steps whose events may not be done
         self._reading = threading.Lock()  # _read_events runs in the loop's thread and in readers'
-        self._last_ready: Any = None  # CUDA: the previous step's "usable" event; CPU: its clock time
-        self._first = True  # the next step begins an epoch (no step time)
+        self._last_ready: Any = None  # the previous step's "usable" event (CUDA) or clock time; None: epoch start
         self.reset_totals()
         # the loader (a weak reference: a cycle would keep its cache memory until the garbage
         # collector runs), for the verdict's suggestions; set by loader.timeline
@@ -249,18 +284,27 @@ class Timeline:
         one epoch to see where it waits, at no cost in the others. The running totals stay, and
         the steps kept so far up to ``capacity`` (the newest)."""
         self.capacity = _checked(capacity)
-        self._steps = deque(self._steps, maxlen=capacity or 1)
+        if self._pending:
+            self._read_events()
+        old = self._ring
+        self._ring = _Ring(capacity, old)
         if not capacity:
-            self._steps.clear()
             self._pending.clear()  # off: their events are never read
+        moved = old.written - self._ring.written  # a pending step's index in the new ring is this much lower
+        self._pending = deque((index - moved, *events) for index, *events in self._pending
+                              if index - moved >= self._ring.written - capacity)
 
     def reset_totals(self) -> None:
         """Forget every step measured so far."""
-        self._steps.clear()
+        self._ring = _Ring(self.capacity)
         self.step_count = 0  # steps measured, over the loader's life
         self.sampled_count = 0  # those whose stages were timed (stage_s covers them)
         self.wait_s = 0.0  # their waits, where the step time is known too
         self.step_s = 0.0  # their step times
+        # An epoch's first step has no step time: its wait (the epoch's start, also a scheduler
+        # stall after the work of iter(), or workers starting) is kept apart from the share.
+        self.starts = 0  # epochs' first steps measured
+        self.start_wait_s = 0.0  # their waits
         self.stage_s: dict[str, float] = {}  # each stage's seconds over the sampled steps
         self._pending.clear()
 
@@ -269,81 +313,110 @@ class Timeline:
     def new_epoch(self) -> None:
         """The next step is an epoch's first: the time since the last one is not a step. Fixes the
         epoch's sampling (``sample_every``, or none when off)."""
-        self._first = True
+        self._last_ready = None
         self._every = self._sample_every if self.capacity else 0
 
     def ask(self, index: int) -> _Batch | None:
         """The loop asks for the item ``index`` of the epoch's stream (counted from 0 at each start,
         ``set_batch_size`` and resume, as the thread making them counts): the step's record when
         its stages are sampled, else None."""
-        if not self.capacity:
-            return None
-        if self._cuda:
+        if self._cuda and self.capacity:
             self._asked = torch.cuda.Event(enable_timing=True)
             self._asked.record(torch.cuda.current_stream(self.device))
         every = self._every
-        return begin_batch() if every and index % every == 0 else None
+        if every and index % every == 0:
+            _here.delivered = None  # only this step's batch hands its stages over from now on
+            return begin_batch()
+        return None
 
     def got(self, asking: _Batch | None, delivered: bool, asked_at: float, ready_at: float) -> None:
         """The loop's batch is usable on its stream (``delivered``), or none came (the epoch ended,
         or raised): then the step is not recorded. ``asking``: the step's record, if sampled;
-        ``asked_at`` and ``ready_at``: the clock when the loop asked and when it had the batch."""
-        if not self.capacity:
+        ``asked_at`` and ``ready_at``: the clock when the loop asked and when it had the batch.
+
+        An unsampled step on the CPU writes two floats and adds two (the loop pays this per step)."""
+        stages = self._stages_of(asking) if asking is not None else None
+        capacity = self.capacity
+        if not delivered or not capacity:
             return
-        made = _here.delivered
-        if made is not None:
-            _here.delivered = None
-        stages = None
-        if asking is not None:
-            # Handed over by the prefetcher: the loop's thread only waited, outside its stages.
-            stages = end_batch(asking, other=made is None)
-            if made:
-                for name, seconds in made.items():
-                    stages[name] = stages.get(name, 0.0) + seconds
-        if not delivered:
+        if self._cuda:
+            self._got_on_stream(stages)
             return
-        first, self._first = self._first, False
-        if not self._cuda:
-            step = Step(ready_at - asked_at, None if first else ready_at - self._last_ready, stages)
-            self._last_ready = ready_at
-            self._add(step)
+        ring = self._ring
+        slot = ring.written % capacity
+        ring.written += 1
+        self.step_count += 1
+        ring.waits[slot] = wait = ready_at - asked_at
+        last, self._last_ready = self._last_ready, ready_at
+        if last is None:
+            ring.times[slot] = math.nan
+            self.starts += 1
+            self.start_wait_s += wait
         else:
-            ready = torch.cuda.Event(enable_timing=True)
-            ready.record(torch.cuda.current_stream(self.device))
-            step = Step(None, None, stages)
-            self._pending.append((step, self._asked, None if first else self._last_ready, ready))
-            self._last_ready = ready
+            ring.times[slot] = step = ready_at - last
+            self.wait_s += wait
+            self.step_s += step
+        ring.stages[slot] = stages
+        if stages is not None:
+            self._add_stages(stages)
+
+    def _stages_of(self, asking: _Batch) -> dict[str, float]:
+        """A sampled step's stages: those of its record in the loop's thread, and those of the
+        batch handed over to it (made in the prefetcher's thread)."""
+        made = _here.delivered
+        _here.delivered = None
+        # Handed over by the prefetcher: the loop's thread only waited, outside its stages.
+        stages = end_batch(asking, other=made is None)
+        if made:
+            for name, seconds in made.items():
+                stages[name] = stages.get(name, 0.0) + seconds
+        return stages
+
+    def _add_stages(self, stages: dict[str, float]) -> None:
+        self.sampled_count += 1
+        totals = self.stage_s
+        for name, seconds in stages.items():
+            totals[name] = totals.get(name, 0.0) + seconds
+
+    def _got_on_stream(self, stages: dict[str, float] | None) -> None:
+        """CUDA: the step's times come from its events once they completed (read without a sync)."""
+        ready = torch.cuda.Event(enable_timing=True)
+        ready.record(torch.cuda.current_stream(self.device))
+        ring = self._ring
+        index = ring.written
+        ring.put(index, math.nan, math.nan, stages)
+        self.step_count += 1
+        if stages is not None:
+            self._add_stages(stages)
+        with self._reading:
+            self._pending.append((index, self._asked, self._last_ready, ready))
             while len(self._pending) > self.capacity:  # never waited for: its times stay unknown
                 self._pending.popleft()
-            self._add(step)
-            self._read_events()
-
-    def _add(self, step: Step) -> None:
-        self._steps.append(step)
-        self.step_count += 1
-        if step.stages is not None:
-            self.sampled_count += 1
-            totals = self.stage_s
-            for name, seconds in step.stages.items():
-                totals[name] = totals.get(name, 0.0) + seconds
-        if step.wait_s is not None and step.step_s is not None:
-            self.wait_s += step.wait_s
-            self.step_s += step.step_s
+        self._last_ready = ready
+        self._read_events()
 
     def _read_events(self) -> None:
         """Fill in the times of the CUDA steps whose events completed, oldest first (no sync); also
         from a thread reading the timeline while the loop records."""
         with self._reading:
+            ring = self._ring
             while self._pending:
-                step, asked, previous, ready = self._pending[0]
+                index, asked, previous, ready = self._pending[0]
                 if not ready.query():
                     return
                 self._pending.popleft()
-                step.wait_s = asked.elapsed_time(ready) / 1000
-                if previous is not None and previous.query():  # done before ready, unless streams changed
-                    step.step_s = previous.elapsed_time(ready) / 1000
-                    self.wait_s += step.wait_s
-                    self.step_s += step.step_s
+                wait = asked.elapsed_time(ready) / 1000
+                step = math.nan
+                if previous is None:
+                    self.starts += 1
+                    self.start_wait_s += wait
+                elif previous.query():  # done before ready, unless streams changed
+                    step = previous.elapsed_time(ready) / 1000
+                    self.wait_s += wait
+                    self.step_s += step
+                if index >= ring.written - ring.capacity:  # still kept
+                    slot = index % ring.capacity
+                    ring.waits[slot], ring.times[slot] = wait, step
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -351,7 +424,7 @@ class Timeline:
         """The last ``capacity`` steps, oldest first."""
         if self._pending:
             self._read_events()
-        return list(self._steps) if self.capacity else []
+        return self._ring.steps()
 
     def wait_fraction(self) -> float | None:
         """The share of step time the loop waited, over every step with both times (None: none yet)."""
@@ -412,9 +485,11 @@ class Timeline:
 
     def scalars(self, prefix: str = "gpuload/") -> dict[str, float]:
         """A flat dict for a logger (TensorBoard's ``add_scalars``, Lightning's ``log_dict``):
-        the wait share in percent, and each stage's mean ms per step."""
+        the wait share in percent, each epoch's start (its first step's wait, outside the share)
+        in mean ms, and each stage's mean ms per step."""
         fraction = self.wait_fraction()
         out = {f"{prefix}wait_percent": math.nan if fraction is None else 100 * fraction,
+               f"{prefix}start_wait_ms": 1e3 * self.start_wait_s / self.starts if self.starts else math.nan,
                f"{prefix}steps": float(self.step_count), f"{prefix}sampled_steps": float(self.sampled_count)}
         for name, seconds in self.stage_seconds().items():
             out[f"{prefix}stage_ms/{name}"] = 1e3 * seconds
@@ -424,11 +499,12 @@ class Timeline:
         """The running totals as plain data (for logging, JSON, or gathering over ranks)."""
         fraction = self.wait_fraction()
         return {"steps": self.step_count, "sampled_steps": self.sampled_count, "sample_every": self._sample_every,
-                "wait_s": self.wait_s, "step_s": self.step_s, "wait_fraction": fraction, "stage_s": dict(self.stage_s)}
+                "wait_s": self.wait_s, "step_s": self.step_s, "wait_fraction": fraction, "starts": self.starts,
+                "start_wait_s": self.start_wait_s, "stage_s": dict(self.stage_s)}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_pending=deque(), _last_ready=None, _first=True, _asked=None, about=None, ranks=None)
+        state.update(_pending=deque(), _last_ready=None, _asked=None, about=None, ranks=None)
         del state["_reading"]
         return state
 

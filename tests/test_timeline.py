@@ -26,7 +26,7 @@ from gpuload import transforms as T
 from gpuload.environment import TIMELINE, timeline_steps
 from gpuload.sizes import CacheSettingError
 from gpuload.timeline import Timeline, begin_batch, end_batch, stage
-from gpuload.verdict import DATA_BOUND, STAGES, SUGGESTIONS, LoaderSettings, suggestions, verdict
+from gpuload.verdict import STAGES, SUGGESTIONS, LoaderSettings, suggestions, verdict
 
 SLOW_S = 0.05  # the slow stage, per batch: thousands of times the others on any machine
 
@@ -163,6 +163,31 @@ def test_a_pickled_loader_keeps_its_steps() -> None:
     assert copy.timeline.step_count == loader.timeline.step_count == 4
     run(copy)
     assert copy.timeline.step_count == 8
+
+
+def test_recording_a_step_keeps_no_object_alive() -> None:
+    """The loop pays for the timeline on every step: an unsampled step writes floats into a ring
+    kept from the start, and the Step objects are made only when someone reads them."""
+    import gc
+    import sys
+
+    timeline = Timeline(1000, sample_every=10**6)
+    timeline.new_epoch()
+    timeline.got(timeline.ask(0), True, 0.0, 0.5)  # the sampled first step
+    gc.disable()
+    try:
+        before = sys.getallocatedblocks()
+        for index in range(1, 501):
+            timeline.got(timeline.ask(index), True, index - 0.25, index + 0.5)
+        grown = sys.getallocatedblocks() - before
+    finally:
+        gc.enable()
+    assert grown < 100, f"{grown} blocks kept by 500 steps"
+    steps = timeline.steps()
+    assert len(steps) == 501 and steps[0].step_s is None and steps[0].stages is not None
+    assert all(step.wait_s == pytest.approx(0.75) and step.step_s == pytest.approx(1.0) and step.stages is None
+               for step in steps[1:])
+    assert timeline.wait_fraction() == pytest.approx(0.75)
 
 
 # -- sampling: stages timed on one step in N, always the step's own ----------------------------
@@ -307,17 +332,66 @@ def test_sleeping_reads_are_named_with_a_setting_that_helps(depth: int | None) -
     assert any("num_workers=" in tip for tip in found.suggestions)  # read in this process
 
 
+class SlowStart(Dataset):
+    """A dataset whose first read of each epoch sleeps (as workers starting would): the epoch's start."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == 0:
+            time.sleep(SLOW_S)
+        return torch.full((4,), float(index))
+
+
+def test_an_epochs_start_is_reported_apart_from_the_share_of_step_time() -> None:
+    loader = gpuload.DataLoader(SlowStart(), batch_size=2, cache="off")
+    run(loader, epochs=2, step_s=SLOW_S)
+    timeline = loader.timeline
+    assert timeline.as_dict()["starts"] == 2 and timeline.as_dict()["start_wait_s"] >= 2 * SLOW_S
+    assert timeline.scalars()["gpuload/start_wait_ms"] >= 1e3 * SLOW_S
+    assert timeline.wait_fraction() is not None and timeline.wait_fraction() < 0.5  # its 14 other steps
+    assert timeline.verdict().bound == "compute", timeline.summary()
+
+
 def test_a_step_longer_than_the_data_is_compute_bound() -> None:
-    data = torch.randint(0, 256, (128, 3, 8, 8), dtype=torch.uint8)
+    """The issue's truth case: wait under 1%. The loop's own work in next() (about 0.2 ms here)
+    is all it waits; at load 8-14 on 2 cores the scheduler stalled it up to 10 ms on a later step
+    (30 ms on an epoch's first, which is kept apart: its start), so 24 steps of 150 ms keep even
+    three such stalls under 1%."""
+    data = torch.randint(0, 256, (192, 3, 8, 8), dtype=torch.uint8)
     loader = gpuload.DataLoader(TensorDataset(data), batch_size=8)
     run(loader)  # the first epoch places the arrays
     loader.timeline.reset_totals()
-    # 16 steps of 150 ms: the epoch's start and the scheduler's stalls at load 11 (up to 55 ms in
-    # all, measured) stay under 5% of 2.4 s; 8 steps of 100 ms went over once in 15 runs there
     run(loader, step_s=3 * SLOW_S)
     found = loader.timeline.verdict()
-    assert found.bound == "compute" and found.wait_fraction is not None and found.wait_fraction < DATA_BOUND
+    assert found.bound == "compute" and found.wait_fraction is not None, loader.timeline.summary()
+    assert found.wait_fraction < 0.01, [step.wait_s for step in loader.timeline.steps()]
     assert loader.timeline.summary().startswith("compute-bound")
+
+
+@pytest.mark.parametrize(("kind", "options", "tier"), [
+    ("windows", {}, "device"),  # the token buffer served in place
+    ("windows", {"cache": "off"}, "source"),
+    ("windows", {"cache": "off", "prefetch_depth": 2}, "source"),  # gathered ahead, in the prefetcher's thread
+    ("packed", {}, "device"),
+], ids=["windows", "windows-uncached", "windows-ahead", "packed"])
+def test_token_batches_time_their_gather(kind: str, options: dict[str, Any], tier: str) -> None:
+    """TokenWindows and PackedTokens batches show their gather as a stage, as arrays do."""
+    from gpuload.datasets.packing import PackedTokens
+    from gpuload.datasets.tokens import TokenWindows
+
+    ids = torch.randint(1, 1000, (4096,), dtype=torch.int32)
+    if kind == "windows":
+        dataset: Any = TokenWindows(ids, 31)
+    else:
+        dataset = PackedTokens(ids, 32, eot_id=0)
+        options = {**options, "collate_fn": dataset.collate}
+    loader = gpuload.DataLoader(dataset, batch_size=8, shuffle=True, **options)
+    loader.timeline.sample_every = 1
+    run(loader, epochs=2)
+    sampled = [step.stages for step in loader.timeline.steps() if step.stages is not None]
+    assert sampled and all(f"gather.{tier}" in stages for stages in sampled), loader.timeline.table()
 
 
 def test_a_heavy_transform_is_named() -> None:

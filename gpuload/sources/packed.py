@@ -34,6 +34,7 @@ from gpuload.sampling import in_range
 from gpuload.sources import Indices, Schedule, Setup, Source, Work
 from gpuload.sources.placed_arrays import staged_copier
 from gpuload.sources.tokens import buffer_stats
+from gpuload.timeline import gather_stage, stage
 from gpuload.transfer import to_device
 
 __all__ = ["PER_RANK_REASON", "PackedSource", "detect"]
@@ -134,7 +135,8 @@ class PackedSource(Source):
             [cu_seqlens] = to_device([cu_seqlens], device, self.setup.staging)
             self.index_bytes += rows.numel() * 8 + edges.nbytes
         else:
-            block = packed.block.index_select(0, rows)
+            with stage(gather_stage("device")):  # the rows in place on a CPU device
+                block = packed.block.index_select(0, rows)
         return {**packed.batch(block), "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}, rows.numel()
 
     def _from_source(self, request: Indices, rows: torch.Tensor) -> tuple[dict[str, Any], int]:
@@ -145,8 +147,9 @@ class PackedSource(Source):
             raise RuntimeError(_CLOSED)
         segments = dataset.plan.segments(rows.numpy())
         table, cu_seqlens = torch.from_numpy(segments.table), torch.from_numpy(segments.cu_seqlens)
-        made = gather_rows(host, dataset.token_dtype, table, cu_seqlens, segments.rows, dataset.seq_len,
-                           dataset.pad_id)
+        with stage(gather_stage("source")):
+            made = gather_rows(host, dataset.token_dtype, table, cu_seqlens, segments.rows, dataset.seq_len,
+                               dataset.pad_id)
         copy = request.copy_now or (lambda tensors: to_device(tensors, device, self.setup.staging))
         moved = copy([*made.values(), cu_seqlens])
         batch = {**dict(zip(made, moved[:-1])), "cu_seqlens": moved[-1], "max_seqlen": segments.max_seqlen}

@@ -42,6 +42,7 @@ from gpuload.prefetch import Fill, TensorSpec, default_depth
 from gpuload.sampling import in_range
 from gpuload.sources import Indices, Schedule, Setup, Source, Work
 from gpuload.sources.placed_arrays import staged_copier
+from gpuload.timeline import gather_stage, stage
 from gpuload.transfer import to_device
 
 __all__ = ["PER_RANK_REASON", "TokenRows", "TokenSource", "buffer_stats", "detect", "row_tokens"]
@@ -130,6 +131,7 @@ class TokenSource(Source):
         self.window_device: torch.Tensor | None = None
         self.buffer: torch.Tensor | None = None  # host or in-place buffer (signed view)
         self.staged = False  # batches go through the prefetcher's pinned slots
+        self.gather = gather_stage("device")  # the timeline's stage of a gather from ``buffer``
         self.notes: dict[str, Any] = {}
 
     # -- placement ---------------------------------------------------------------------
@@ -148,6 +150,7 @@ class TokenSource(Source):
             self.notes["cache_scope"] = "rank: " + PER_RANK_REASON
         if settings.mode.value == "off":  # batches gathered from the source (on a CPU device too)
             self.buffer, self.staged, self.path = gatherable(tokens), True, "host-gather"
+            self.gather = gather_stage("source")
             return
         if device.type == "cpu":
             self.buffer, self.staged, self.path = gatherable(tokens), False, "device-gather"
@@ -164,9 +167,9 @@ class TokenSource(Source):
             return
         if plan.host_samples >= rows.full_rows and len(dataset.shards) == 1 and dataset.shards[0].path is not None:
             tokens = tokens.clone()  # the file read once into the host tier (several shards are joined already)
-            self.path = "host-gather (host tier)"
+            self.path, self.gather = "host-gather (host tier)", gather_stage("host")
         else:
-            self.path = "host-gather"
+            self.path, self.gather = "host-gather", gather_stage("source")
             if plan.host_samples < rows.full_rows:
                 self.notes["cache"] = (
                     f"the token buffer ({format_bytes(nbytes)}) fits no cache tier; read from the source"
@@ -253,17 +256,19 @@ class TokenSource(Source):
             buffer = self.buffer
             if buffer is None:  # closed by another thread after _flat's check
                 raise RuntimeError(_CLOSED)
-            ids = buffer.index_select(0, flat)
+            with stage(self.gather):
+                ids = buffer.index_select(0, flat)
         return self._batch(ids, count), count
 
     def _fill(self, indices: Any) -> Fill:
         flat, count = self._flat(indices, False)
-        buffer = self.buffer
+        buffer, gather = self.buffer, self.gather
         if buffer is None:  # closed after _flat's check
             raise RuntimeError(_CLOSED)
 
         def gather_into(slot: torch.Tensor) -> None:
-            torch.index_select(buffer, 0, flat, out=slot)
+            with stage(gather):
+                torch.index_select(buffer, 0, flat, out=slot)
 
         return Fill(TensorSpec((flat.numel(),), buffer.dtype), gather_into)
 
