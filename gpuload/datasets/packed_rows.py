@@ -41,7 +41,9 @@ class PackedRows:
     """What every row of a packing plan holds (see the module docstring). ``layout``: each field's
     name, stored dtype and first column in ``block`` viewed as that dtype; ``segments``: each
     row's segment starts within the row (int32, as many columns as the row with the most
-    segments has, -1 past a row's last), then its longest segment."""
+    segments has, -1 past a row's last), then its longest segment: 4 bytes a column a row, 56
+    for the bench's corpus (documents of median 400 tokens in rows of 2048), against 10 a token
+    in ``block``; one row of very short documents widens every row."""
 
     seq_len: int
     block: torch.Tensor
