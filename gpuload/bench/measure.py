@@ -13,7 +13,7 @@ import torch
 from gpuload.timeline import DEFAULT_STEPS, Timeline, timeline_of
 
 __all__ = ["EpochTimes", "time_epochs", "time_step", "trace_epoch", "stage_row", "synchronize", "count_samples",
-           "HostPeak"]
+           "HostPeak", "paired_overhead", "time_pairs"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -178,6 +178,36 @@ def time_step(step: Callable[[Any], None], batch: Any, device: torch.device, rep
         synchronize(device)
         durations.append(time.perf_counter() - started)
     return statistics.median(durations)
+
+
+def time_pairs(first: Callable[[], Any], second: Callable[[], Any], pairs: int,
+               device: torch.device) -> tuple[list[float], list[float]]:
+    """Seconds of one call of ``first`` and of ``second`` in each of ``pairs`` pairs, ``first``
+    leading in the even pairs and ``second`` in the odd ones, so that drift in the machine's load
+    falls on both alike (device work finished before each timer reads)."""
+    timed: dict[bool, list[float]] = {True: [], False: []}  # by whether it is ``first``'s time
+    for pair in range(pairs):
+        for is_first in (True, False) if pair % 2 == 0 else (False, True):
+            synchronize(device)
+            started = time.perf_counter()
+            (first if is_first else second)()
+            synchronize(device)
+            timed[is_first].append(time.perf_counter() - started)
+    return timed[True], timed[False]
+
+
+def paired_overhead(new: list[float], base: list[float]) -> float:
+    """What ``new`` costs over ``base``, as a share of ``base``'s median, from pairs timed by
+    :func:`time_pairs` (``new`` leading in the even pairs): the median paired difference of each
+    order, averaged. The call run second in a pair can be faster or slower for the order alone
+    (caches, the allocator); averaging the orders cancels that, where one median over both could
+    land anywhere between their two humps."""
+    if len(new) != len(base) or len(new) < 2:
+        raise ValueError(f"paired_overhead needs as many times of each, at least 2 pairs; got {len(new)} and "
+                         f"{len(base)}")
+    differences = [a - b for a, b in zip(new, base)]
+    by_order = [statistics.median(differences[leading::2]) for leading in (0, 1)]
+    return statistics.fmean(by_order) / statistics.median(base)
 
 
 class HostPeak:

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from gpuload.bench.measure import paired_overhead, time_pairs
 from gpuload.bench.packing import (
     EOT,
     PackingConfig,
+    PackingCost,
     _Tally,
     findings,
     format_packing,
@@ -25,7 +27,7 @@ from gpuload.cli.main import main
 from tests.bench.stage_panel import assert_traced
 
 SMALL = PackingConfig(documents=300, median_tokens=60, max_tokens=600, seq_len=256, rows=4, steps=3, rounds=1,
-                      window=300)
+                      window=300, pairs=6)
 
 
 def test_the_corpus_is_log_normal_documents_each_begun_by_the_end_of_text_id() -> None:
@@ -67,7 +69,7 @@ def test_pad_to_longest_counts_its_padding() -> None:
 
 
 def test_a_small_run_measures_every_loader() -> None:
-    rows = run_packing(SMALL, torch.device("cpu"))
+    rows, cost = run_packing(SMALL, torch.device("cpu"))
     names = [row.name for row in rows]
     assert names == ["gpuload PackedTokens (greedy)", "gpuload PackedTokens (best_fit)",
                      "gpuload TokenWindows (no documents)", "torch DataLoader, pad to longest",
@@ -83,18 +85,49 @@ def test_a_small_run_measures_every_loader() -> None:
             assert_traced(row.stages, row.name)
         else:
             assert row.stages is None
-    found = findings(rows, SMALL)
+    assert cost.pairs == SMALL.pairs and len(cost.windows_s) == SMALL.pairs
+    assert all(seconds > 0 for seconds in cost.packed_s + cost.windows_s)
+    found = findings(rows, SMALL, cost)
+    assert found["packed_step_over_windows_step"] == paired_overhead(cost.packed_s, cost.windows_s)
     assert set(found) == {"padding_greedy", "padding_best_fit", "packed_step_over_windows_step",
                           "vs_collator_tokens_per_s", "vs_pad_to_longest_tokens_per_s"}
     table = format_packing(rows, SMALL)
     assert all(len(line) <= 100 for line in table.splitlines()) and "doc tokens/s" in table
 
 
+def test_pairs_alternate_which_call_leads() -> None:
+    calls: list[str] = []
+    first, second = time_pairs(lambda: calls.append("a"), lambda: calls.append("b"), 4, torch.device("cpu"))
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"] and len(first) == len(second) == 4
+
+
+def test_the_paired_overhead_averages_the_median_difference_of_each_order() -> None:
+    # the step run second is 1 faster for the order alone: packed leads in the even pairs
+    packed = [12.0, 10.0, 12.0, 10.0, 12.0, 10.0]
+    windows = [9.0, 11.0, 9.0, 11.0, 9.0, 11.0]
+    assert paired_overhead(packed, windows) == pytest.approx(1 / 10)  # (3 + -1) / 2 over the median, 10
+    assert paired_overhead(windows, windows) == 0
+    with pytest.raises(ValueError, match="at least 2 pairs"):
+        paired_overhead([1.0], [1.0])
+
+
+def test_the_packing_cost_line_reads_the_measured_pairs() -> None:
+    cost = PackingCost(packed_s=[0.0012, 0.0010, 0.0012, 0.0010], windows_s=[0.0009, 0.0011, 0.0009, 0.0011])
+    assert cost.line() == "packing cost: +10.0% of a windows step (median of 4 pairs)"
+    assert cost.as_dict()["overhead"] == pytest.approx(0.1) and cost.as_dict()["pairs"] == 4
+
+
 @pytest.mark.slow
-def test_the_command_writes_its_findings(tmp_path: Path) -> None:
+def test_the_command_writes_its_findings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--scenario", "packing", "--quick", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
     document = json.loads((tmp_path / "bench.json").read_text())
     assert document["scenario"] == "packing" and document["load_average_after"]
+    paired = document["packing_cost"]
+    assert paired["pairs"] == PackingConfig.quick().pairs == len(paired["packed_s"]) == len(paired["windows_s"])
+    assert document["findings"]["packed_step_over_windows_step"] == paired["overhead"] == pytest.approx(
+        paired_overhead(paired["packed_s"], paired["windows_s"]))
+    assert f"packing cost: {paired['overhead']:+.1%} of a windows step (median of {paired['pairs']} pairs)" in printed
     assert document["findings"]["padding_greedy"] < 0.01 and document["findings"]["padding_best_fit"] < 0.002
     assert len(document["results"]) == 6
     assert [row["name"] for row in document["stages"]] == [

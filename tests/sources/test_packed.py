@@ -232,3 +232,22 @@ def test_rows_keep_each_field_at_the_width_its_values_need(high: int, dtype: typ
     fields = [batch[name] for name in ("input_ids", "labels", "position_ids")]
     assert all(t.dtype == torch.int64 and t.is_contiguous() for t in fields)
     assert len({t.untyped_storage().data_ptr() for t in fields}) == 3
+
+
+@pytest.mark.parametrize(("strategy", "long_documents"), [("greedy", "split"), ("best_fit", "truncate")])
+def test_a_batchs_cu_seqlens_come_from_a_table_of_each_rows_segments(shard: Path, strategy: str,
+                                                                    long_documents: str) -> None:
+    """The host side of a batch: one int32 table row per packed row (its segment starts, -1 past
+    its last, then its longest segment), from which any batch's ``cu_seqlens`` and ``max_seqlen``
+    equal the plan's segments."""
+    ds = PackedTokens(shard, SEQ_LEN, eot_id=0, strategy=strategy, long_documents=long_documents, window=64)
+    rows = packed_rows(ds)
+    widest = max(len(ds.plan.segments(np.array([row])).cu_seqlens) - 1 for row in range(len(ds)))
+    assert rows.segments.dtype == np.int32 and rows.segments.shape == (len(ds), widest + 1)
+    rng = np.random.default_rng(5)
+    for count in (1, 3, 8, len(ds)):
+        batch = rng.permutation(len(ds))[:count]
+        edges, max_seqlen = rows.cu_seqlens(batch)
+        expected = ds.plan.segments(batch)
+        assert edges.dtype == np.int32 and np.array_equal(edges, expected.cu_seqlens)
+        assert max_seqlen == expected.max_seqlen
