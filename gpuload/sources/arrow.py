@@ -27,7 +27,7 @@ from gpuload.distributed.sharded_store import ShardedStore
 from gpuload.sources import FromRows, Setup
 from gpuload.sources.arrays import ArraySource
 from gpuload.sources.table_columns import TableColumns, TableView, table_columns
-from gpuload.sources.table_images import ColumnImageSource, ImageLeaf, image_sources
+from gpuload.sources.table_images import ColumnImageSource, ImageLeaf, decoded_bytes_per_row, image_sources
 
 __all__ = ["ArrowSource", "detect", "table_view"]
 
@@ -51,11 +51,10 @@ def _hugging_face_view(dataset: Any) -> TableView | None:
 
 
 def _image_features(dataset: Any) -> dict[str, bool]:
-    """A ``datasets.Dataset``'s decoded ``Image()`` columns in format ``"torch"`` (which gives
-    each as a uint8 (C, H, W) tensor in the image's own mode, or in the feature's ``mode``), each
-    with whether its images must be RGB (no ``mode``: gpuload's decoders give RGB)."""
-    if dataset.format["type"] != "torch":
-        return {}
+    """A ``datasets.Dataset``'s decoded ``Image()`` columns that gpuload's decoders can give as
+    ``datasets`` does (the image's own mode, or the feature's ``mode``: format ``"torch"`` a uint8
+    (C, H, W) tensor, ``"numpy"`` an (H, W, C) array, None a PIL image), each with whether its
+    images must be RGB (no ``mode``: gpuload's decoders give RGB)."""
     image, served = sys.modules["datasets"].Image, dataset.format["columns"]
     return {name: feature.mode is None for name, feature in dataset.features.items()
             if isinstance(feature, image) and feature.decode and feature.mode in (None, "RGB")
@@ -88,8 +87,11 @@ def detect(setup: Setup) -> ArrowSource | None:
     view = table_view(setup.dataset)
     if view is None or len(setup.dataset) == 0 or (setup.transforms and not view.images):
         return None
+    if view.format == "python" and view.images and not setup.transforms:
+        return None  # PIL images: torch's collate has no batch of them, and raises its TypeError
     images = image_sources(setup, view) if view.images else {}
-    columns = table_columns(setup.dataset, view, lambda name: ImageLeaf(images[name]))
+    hwc = view.format == "numpy"  # datasets gives (H, W, C) arrays
+    columns = table_columns(setup.dataset, view, lambda name: ImageLeaf(images[name], hwc))
     if columns is None:
         for source in images.values():
             source.close()
@@ -105,9 +107,13 @@ class ArrowSource(ArraySource):
     completes_batches = True
 
     def __init__(self, setup: Setup, table: TableColumns, images: dict[str, ColumnImageSource] | None = None) -> None:
-        super().__init__(dataclasses.replace(setup, transforms=None), table.arrays)  # transforms: the images'
+        images = images or {}
+        # the image columns split with the arrays: the ranks decide the split on both's bytes
+        arrays = dataclasses.replace(table.arrays, split_beside=(lambda: decoded_bytes_per_row(images)) if images
+                                     else None)
+        super().__init__(dataclasses.replace(setup, transforms=None), arrays)  # transforms: the images'
         self.table = table
-        self.images = images or {}
+        self.images = images
         self.identity = _identity(setup.dataset)
         self.carried: list[str] = []  # the image columns the arrays' exchange carries, in its order
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpuload.cache import format_bytes
+from gpuload.cache import estimate_image_bytes, format_bytes
 from gpuload.cache.disk import Fingerprint
 from gpuload.cache.disk.fingerprint import canonical
 from gpuload.cache.disk_tier import DiskImages
@@ -50,7 +50,8 @@ from gpuload.sources.images import ImageFileSource
 from gpuload.sources.table_columns import Leaf, TableView
 from gpuload.transfer import Staging
 
-__all__ = ["ColumnImageSource", "ColumnShare", "ImageLeaf", "column_fingerprint", "image_sources"]
+__all__ = ["ColumnImageSource", "ColumnShare", "ImageLeaf", "column_fingerprint", "decoded_bytes_per_row",
+           "image_sources"]
 
 
 class ColumnShare(ShardedImages):
@@ -207,6 +208,13 @@ def _hash_values(hasher: Any, chunk: Any) -> None:
         hasher.update(memoryview(data)[int(offsets[0]):int(offsets[-1])])
 
 
+def decoded_bytes_per_row(sources: dict[str, ColumnImageSource]) -> int:
+    """The decoded bytes of a table row's images in ``sources``' columns, estimated from a few
+    rows' headers per column (as an image folder's split estimates its files)."""
+    return sum(-(-estimate_image_bytes(source.images)[0] // max(len(source.images), 1))
+               for source in sources.values())
+
+
 def image_sources(setup: Setup, view: TableView) -> dict[str, ColumnImageSource]:
     """A :class:`ColumnImageSource` per image column of ``view`` (its table, each sample's row,
     each column with whether it must be RGB, the table's origin). Raises for what a table's
@@ -233,9 +241,15 @@ def image_sources(setup: Setup, view: TableView) -> dict[str, ColumnImageSource]
 @dataclass
 class ImageLeaf(Leaf):
     """An image column of the batch: its images decoded (from the image cache once there) and
-    transformed, or stacked as torch's collate stacks them."""
+    transformed (the transforms give (B, C, H, W)), or stacked as torch's collate stacks them:
+    (B, C, H, W), or (B, H, W, C) when ``hwc`` (``datasets``' format ``"numpy"`` gives an image
+    as an (H, W, C) array)."""
 
     source: ColumnImageSource
+    hwc: bool = False
+
+    def _laid_out(self, images: torch.Tensor) -> torch.Tensor:
+        return images.permute(0, 2, 3, 1).contiguous() if self.hwc else images
 
     def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None,
               staging: Staging | None) -> Any:
@@ -243,10 +257,11 @@ class ImageLeaf(Leaf):
             whole = self.source.reader.decode_whole(flat.tolist())
             if whole.bad:
                 raise self.source.reader.failure(whole.bad)
-            return torch.stack(whole.images)
+            return self._laid_out(torch.stack(whole.images))
         decoded = self.source.decoded(flat, epoch)
         extra = self.source.setup.stats.extra
         extra.update(decoded.counters)
         if self.source.augment is not None:
             extra["transform_backend"] = self.source.augment.backend
-        return self.source.batch_images(decoded)
+        images = self.source.batch_images(decoded)
+        return images if self.source.augment is not None else self._laid_out(images)

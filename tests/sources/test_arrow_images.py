@@ -204,6 +204,52 @@ def test_an_image_datasets_gives_in_other_channels_is_refused_naming_the_cast(tm
                        epochs=1)
 
 
+@pytest.mark.parametrize("mode", [None, "RGB"])
+def test_a_datasets_image_feature_in_format_numpy_is_decoded_as_datasets_arrays(tmp_path: Path,
+                                                                                 mode: str | None) -> None:
+    """Format "numpy" gives each image as an (H, W, C) uint8 array, which torch's collate stacks:
+    gpuload decodes the column and gives the same (B, H, W, C) batches."""
+    hf = hf_images(tmp_path, mode).shuffle(seed=4).with_format("numpy")
+    ours = gpuload.DataLoader(hf, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0),
+                              device="cpu")
+    theirs = TorchDataLoader(hf, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
+    assert isinstance(ours._source, ArrowSource) and list(ours._source.images) == ["image"]
+    assert_same_epochs(ours, theirs)
+    assert next(iter(ours))["image"].shape == (4, 32, 40, 3)
+    gray = hf_images(tmp_path, None, gray_row=7).with_format("numpy")
+    with pytest.raises(ImageDecodeError, match=r"row 7.*is L.*cast_column\('image', datasets.Image\(mode='RGB'\)\)"):
+        list(gpuload.DataLoader(gray, batch_size=4, device="cpu"))
+
+
+@pytest.mark.parametrize("format", [None, "numpy"])
+def test_transforms_decode_a_datasets_image_feature_in_formats_none_and_numpy(tmp_path: Path,
+                                                                              format: str | None) -> None:
+    """With transforms=, an Image() column in format None (PIL images) or "numpy" is decoded by
+    gpuload's image path and transformed as in format "torch": (B, C, h, w)."""
+    hf = hf_images(tmp_path, "RGB").with_format(format)
+    ops = [T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToDtype(torch.float32)]
+    g = torch.Generator().manual_seed(5)
+    loader = gpuload.DataLoader(hf, batch_size=5, shuffle=True, generator=g, device="cpu", transforms=ops)
+    assert isinstance(loader._source, ArrowSource)
+    order = TorchDataLoader(range(ROWS), batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(5))
+    for batch, indices in zip(loader, order, strict=True):
+        decoded = [pil_decoded(encoded(i)) for i in indices.tolist()]
+        expected = apply_transforms(ops, decoded, g.initial_seed(), 0, indices)
+        torch.testing.assert_close(batch["image"], expected, atol=2e-3, rtol=2e-3)
+        assert torch.equal(batch["label"], torch.tensor([i % 5 for i in indices.tolist()]))
+
+
+def test_a_datasets_image_feature_in_format_none_fails_as_torchs_collate_does(tmp_path: Path) -> None:
+    """Format None gives PIL images, which torch's collate cannot batch: without transforms= gpuload
+    raises torch's TypeError, as torch's DataLoader does."""
+    hf = hf_images(tmp_path, "RGB")
+    with pytest.raises(TypeError, match="default_collate: batch must contain tensors.*PIL") as theirs:
+        next(iter(TorchDataLoader(hf, batch_size=4)))
+    with pytest.raises(TypeError, match="default_collate: batch must contain tensors.*PIL") as ours:
+        next(iter(gpuload.DataLoader(hf, batch_size=4, device="cpu")))
+    assert str(ours.value) == str(theirs.value)
+
+
 def test_image_columns_asked_for_wrongly_fail_clearly() -> None:
     table = image_table(4)
     with pytest.raises(KeyError, match=r"images= names 'picture'.*it has image, label, caption"):
