@@ -187,7 +187,7 @@ def test_joined_rows_pack_each_row_s_kinds_together_in_one_gather():
     in turn: the bytes a loop over rows and kinds makes (whatever word the sizes allow moving
     them by), and decoded back into each kind's bytes."""
     g = torch.Generator().manual_seed(3)
-    for word in (1, 2, 4, 8, 24):
+    for word in (1, 2, 4, 8, 24, 999):  # 999: rows of kilobytes, joined rather than gathered
         sizes = torch.randint(0, 5, (12, 3), generator=g) * word
         sizes[4] = 0
         parts = [_Ragged(k, sizes[:, k]) for k in range(3)]
