@@ -24,10 +24,16 @@ from torch.utils.data import default_collate
 from gpuload.datasets.arrow import ArrowTable, hugging_face_dataset
 from gpuload.distributed.joined_rows import joined
 from gpuload.distributed.sharded_store import ShardedStore
-from gpuload.sources import FromRows, Setup
+from gpuload.sources import FromRows, Indices, Schedule, Setup, Work
 from gpuload.sources.arrays import ArraySource
 from gpuload.sources.table_columns import TableColumns, TableView, table_columns
-from gpuload.sources.table_images import ColumnImageSource, ImageLeaf, decoded_bytes_per_row, image_sources
+from gpuload.sources.table_images import (
+    AheadImages,
+    ColumnImageSource,
+    ImageLeaf,
+    decoded_bytes_per_row,
+    image_sources,
+)
 
 __all__ = ["ArrowSource", "detect", "table_view"]
 
@@ -129,6 +135,39 @@ class ArrowSource(ArraySource):
                 self._placed.store = joined(store, [(s.share, s.rows, s.share.nbytes) for s in shares.values()])
                 self.carried = list(shares)
         return True
+
+    def schedule(self, indices: Indices) -> Schedule:
+        """The arrays' schedule; with image columns, their images are read and decoded ahead of
+        the loop, in the prefetcher's thread, as an image folder's are (on a GPU transformed
+        there too, on its side stream; on a CPU device only when ``prefetch_depth`` asks), and
+        the arrays gathered where they lie, in the loop's thread."""
+        if not self.images:
+            return super().schedule(indices)
+        return Schedule(lambda ahead: self._work_with_images(indices, ahead), staged=False)
+
+    def _work_with_images(self, request: Indices, ahead: bool) -> Work:
+        if not ahead:
+            return self._work(request, False)
+        number = request.number
+
+        def made(index: Any) -> tuple[Any, list[torch.Tensor | None], list[AheadImages]]:  # the prefetcher's thread
+            flat = self._placed.checked_index(index)
+            images = [source.made_ahead(flat, number) for source in self.images.values()]
+            # the batches made on the device stand in the item itself: the prefetcher orders and
+            # protects the item's tensors on the loop's stream
+            return index, [ready.images for ready in images], images
+
+        def finish(item: tuple[Any, list[torch.Tensor | None], list[AheadImages]]) -> tuple[Any, int]:
+            index, _, images = item
+            for source, ready in zip(self.images.values(), images):
+                source.ready = ready
+            try:
+                return self._gather_now(request, index)
+            finally:
+                for source in self.images.values():
+                    source.ready = None
+
+        return Work((made(index) for index in request.batches(True)), finish)
 
     def from_rows(self, number: int, ahead: bool) -> FromRows:
         """Batches from an exchange's items: the arrays' rows, and each carried image column's images."""

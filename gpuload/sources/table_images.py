@@ -44,14 +44,14 @@ from gpuload.device import device_memory, host_memory
 from gpuload.distributed.group import current_context
 from gpuload.distributed.sharded_images import DecodedShare, ExchangedImages, ImageRows, ShardedImages, read_share
 from gpuload.distributed.sharded_store import ShardedStore
-from gpuload.sources import Setup
+from gpuload.sources import Setup, ahead_on_device
 from gpuload.sources.image_decoding import DecodedBatch
 from gpuload.sources.images import ImageFileSource
 from gpuload.sources.table_columns import Leaf, TableView
 from gpuload.transfer import Staging
 
-__all__ = ["ColumnImageSource", "ColumnShare", "ImageLeaf", "column_fingerprint", "decoded_bytes_per_row",
-           "image_sources"]
+__all__ = ["AheadImages", "ColumnImageSource", "ColumnShare", "ImageLeaf", "column_fingerprint",
+           "decoded_bytes_per_row", "image_sources"]
 
 
 class ColumnShare(ShardedImages):
@@ -81,6 +81,17 @@ class ColumnShare(ShardedImages):
         return dict(self.summary(), released=True)
 
 
+@dataclass
+class AheadImages:
+    """A batch's images of one column made ahead of the loop: ``decoded`` (its positions, its
+    decode counters), and on a GPU ``images``, the column's batch itself (transformed, or
+    stacked), made on the prefetcher's side stream; None on a CPU device, where the transforms
+    run in the loop's thread (see :func:`~gpuload.sources.ahead_on_device`)."""
+
+    decoded: DecodedBatch
+    images: torch.Tensor | None
+
+
 class ColumnImageSource(ImageFileSource):
     """The image path over one column (``images``), cached on this rank; its disk tier keyed by
     the table's ``origin`` (:class:`~gpuload.sources.table_columns.TableView`)."""
@@ -90,6 +101,7 @@ class ColumnImageSource(ImageFileSource):
         self.column, self.origin = images, origin
         self.split: ShardedStore | None = None  # the table's arrays split over ranks: the images follow
         self.arrived: ExchangedImages | None = None  # the batch's images the exchange brought
+        self.ready: AheadImages | None = None  # the batch's images made ahead of the loop
 
     def _open_disk(self) -> DiskImages | None:
         decoder = self.reader.decoder
@@ -124,6 +136,19 @@ class ColumnImageSource(ImageFileSource):
         held = ColumnShare(split, *found)
         setup.stats.extra["image_cache_decision"] = held.describe()
         return held
+
+    def made_ahead(self, flat: torch.Tensor, epoch: int) -> AheadImages:
+        """The images of samples ``flat`` decoded (and on a GPU batched) in the prefetcher's thread."""
+        decoded = self.reader.decode(flat, epoch)
+        return AheadImages(decoded, self.batch_images(decoded) if ahead_on_device(True, self.setup.device) else None)
+
+    def take_ready(self, flat: torch.Tensor) -> AheadImages | None:
+        """The images made ahead for the batch of samples ``flat`` (None: none were)."""
+        ready, self.ready = self.ready, None
+        if ready is not None and ready.decoded.positions != flat.tolist():
+            raise RuntimeError(f"the images made ahead are of samples {ready.decoded.positions[:4]}... for a batch "
+                               f"of samples {flat.tolist()[:4]}...")
+        return ready
 
     def decoded(self, flat: torch.Tensor, epoch: int) -> DecodedBatch:
         """The images of samples ``flat``: those the table's exchange brought, else decoded here."""
@@ -258,10 +283,11 @@ class ImageLeaf(Leaf):
             if whole.bad:
                 raise self.source.reader.failure(whole.bad)
             return self._laid_out(torch.stack(whole.images))
-        decoded = self.source.decoded(flat, epoch)
+        ready = self.source.take_ready(flat)
+        decoded = ready.decoded if ready is not None else self.source.decoded(flat, epoch)
         extra = self.source.setup.stats.extra
         extra.update(decoded.counters)
         if self.source.augment is not None:
             extra["transform_backend"] = self.source.augment.backend
-        images = self.source.batch_images(decoded)
+        images = ready.images if ready is not None and ready.images is not None else self.source.batch_images(decoded)
         return images if self.source.augment is not None else self._laid_out(images)

@@ -5,6 +5,7 @@ by column and row, and datasets' ``Image()`` feature recognised."""
 from __future__ import annotations
 
 import io
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ from torch.utils.data import Dataset
 
 import gpuload
 from gpuload import transforms as T
+from gpuload.augment import BatchAugmenter
 from gpuload.decode import BatchDecoder, ImageDecodeError
+from gpuload.sources.image_decoding import ImageReader
 from gpuload.transforms import apply_transforms
 
 pa = pytest.importorskip("pyarrow")
@@ -129,6 +132,51 @@ def test_transforms_apply_to_the_image_column_per_sample() -> None:
             assert batch["label"].tolist() == [i % 5 for i in indices.tolist()]
             assert batch["caption"] == [f"photo {i}" for i in indices.tolist()]
     assert loader.stats.extra["transform_backend"] == "batched"
+
+
+def threads_calling(monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> list[str]:
+    """The name of the thread of every call of ``owner.name`` from now on, recorded."""
+    seen: list[str] = []
+    method = getattr(owner, name)
+
+    def recording(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(threading.current_thread().name)
+        return method(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recording)
+    return seen
+
+
+@pytest.mark.parametrize("cache", ["off", "device"])
+def test_with_a_prefetch_depth_a_table_s_images_are_decoded_ahead_in_the_prefetch_thread(
+        monkeypatch: pytest.MonkeyPatch, cache: str) -> None:
+    """As an image folder's: with ``prefetch_depth`` on a CPU device the image column is read and
+    decoded in the prefetcher's thread (without it, in the loop's), and the batches are those
+    made in the loop's thread, transformed, epoch after epoch."""
+    table = image_table()
+    ops = [T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToDtype(torch.float32)]
+    def loader(depth: int | None) -> gpuload.DataLoader:
+        return gpuload.DataLoader(ArrowTable(table, images=["image"]), batch_size=4, shuffle=True, device="cpu",
+                                  generator=torch.Generator().manual_seed(2), transforms=ops, prefetch_depth=depth,
+                                  cache=cache)
+
+    seen = threads_calling(monkeypatch, ImageReader, "decode")
+    inline, ahead = loader(0), loader(2)
+    for epoch in range(2):
+        seen.clear()
+        expected = list(inline)
+        assert seen == [threading.current_thread().name] * 4
+        seen.clear()
+        assert_same(list(ahead), expected, f"epoch {epoch}")
+        assert seen == ["gpuload-prefetch"] * 4, seen
+    seen.clear()
+    assert len(list(loader(None))) == 4 and seen == [threading.current_thread().name] * 4
+    bad = image_table().set_column(0, "image", pa.array([encoded(r)[:60] if r == 9 else encoded(r)
+                                                         for r in range(ROWS)], pa.binary()))
+    broken = iter(gpuload.DataLoader(ArrowTable(bad, images=["image"]), batch_size=4, device="cpu", prefetch_depth=2))
+    assert len(next(broken)["label"]) == 4 and len(next(broken)["label"]) == 4  # the batches before it
+    with pytest.raises(ImageDecodeError, match=r"column 'image', row 9"):
+        next(broken)
 
 
 def test_a_corrupt_image_names_its_column_and_row() -> None:
@@ -279,6 +327,32 @@ def test_on_cuda_the_image_column_is_decoded_on_the_device_close_to_pil_and_cach
             mean, _ = diff_stats(a["image"], b["image"])
             assert mean < 2.0 and torch.equal(a["label"].cpu(), b["label"]), f"epoch {epoch}"
     assert ours.stats.extra["image_columns"]["image"]["cache"]["mode"] == "decoded"
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_table_s_images_are_decoded_and_transformed_in_the_prefetch_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the image column is decoded and transformed ahead, in the prefetcher's thread on
+    its side stream (ordered by its event, protected by record_stream): the batches equal those
+    made in the loop's thread (``prefetch_depth=0``)."""
+    table = image_table()
+    ops = [T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToDtype(torch.float32)]
+    def loader(depth: int | None) -> gpuload.DataLoader:
+        return gpuload.DataLoader(ArrowTable(table, images=["image"]), batch_size=4, shuffle=True, device="cuda",
+                                  generator=torch.Generator().manual_seed(2), transforms=ops, prefetch_depth=depth)
+
+    seen = threads_calling(monkeypatch, BatchAugmenter, "apply_list")
+    inline, ahead = loader(0), loader(None)
+    for epoch in range(2):
+        seen.clear()
+        expected = list(inline)
+        assert seen == [threading.current_thread().name] * 4
+        seen.clear()
+        got = list(ahead)
+        assert seen == ["gpuload-prefetch"] * 4, seen
+        for a, b in zip(got, expected, strict=True):
+            assert a["image"].is_cuda and torch.equal(a["image"], b["image"]), f"epoch {epoch}"
+            assert torch.equal(a["label"], b["label"]) and a["caption"] == b["caption"]
 
 
 # -- the disk tier (cache_dir=) ----------------------------------------------------------------
