@@ -7,9 +7,12 @@ ranks and resume are the arrays'), and each gathered batch is completed with the
 gathered per batch. A ``datasets.Dataset``'s index mapping (``select``, ``shuffle``,
 ``filter``) is followed when rows are read (each sample's table row, in the file's chunks).
 
-Split over ranks (``cache_scope``), the arrays' share and exchange are the arrays' as well, and
-each image column follows their partition (:meth:`ColumnImageSource.follow`): the exchange of a
-batch carries its array rows and its decoded images together.
+A table's image columns are decoded by the image path (``table_images``), a batch's images ahead
+of the loop in the prefetcher's thread as an image folder's are. Split over ranks
+(``cache_scope``, decided on a row's array and decoded image bytes together), the arrays' share
+and exchange are the arrays' as well, and each image column follows their partition
+(:meth:`ColumnImageSource.follow`): the exchange of a batch carries its array rows and its
+decoded images together.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ feature) gets its own :class:`ColumnImageSource`: the image source over
 present, else the CPU's), its image cache (decided and booked apart from the table's arrays,
 so epoch 2 decodes nothing when the images fit) and the loader's ``transforms=``. An
 :class:`ImageLeaf` puts the column's batch of images into the table's batch. A bad image
-raises, naming its column and row: a batch cannot skip one row of a table's columns.
+raises, naming its column and row: a batch cannot skip one row of a table's columns. Ahead of
+the loop, a batch's images are made in the prefetcher's thread (:class:`AheadImages`: decoded,
+and on a GPU batched and transformed there) and picked up by the leaf in the loop's thread.
 
 With ``cache_dir=``, the decoded images also go to the disk tier, as an image folder's do, keyed
 by :func:`column_fingerprint`: the files the table was read from (or ``datasets``' fingerprint,
