@@ -29,7 +29,7 @@ import threading
 import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,9 +163,12 @@ def shard_arrays(
     owner: Hashable,
     context: DistributedContext | None = None,
     staging: Staging | None = None,
+    beside: Callable[[], int] | None = None,
 ) -> ShardedStore | None:
     """This rank's share of ``columns`` when the scope splits them, else None (today's path);
-    ``staging``: the loader's route to the device for the indices a step moves there.
+    ``staging``: the loader's route to the device for the indices a step moves there;
+    ``beside()``: the bytes per sample of what splits with them (a table's decoded images), which
+    the scope's decision counts with the arrays' own.
 
     None without an initialized process group, for ``cache_scope="rank"``, for caches that keep
     no device tier (``cache="off"``/``"host"``), for ``auto`` on a CPU device, and when the
@@ -181,7 +184,7 @@ def shard_arrays(
     if why_not is not None:
         decline_split(settings, why_not)
         return None
-    bytes_per_sample = sum(c[0].numel() * c.element_size() for c in columns)
+    bytes_per_sample = sum(c[0].numel() * c.element_size() for c in columns) + (beside() if beside else 0)
     agreed = agree_on_split(settings, device, batch_sampler, owner, context, num_samples, bytes_per_sample)
     if agreed is None:
         return None

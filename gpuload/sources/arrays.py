@@ -118,15 +118,7 @@ class ArraySource(Source):
         resident, batched = self._placed, self.setup.batched
         indices = request.batches(ahead)
         if not ahead:
-            checked = request.in_range
-
-            def gather(index: Any) -> tuple[Any, int]:
-                with own_cpu_threads(self.setup.device):  # batch-sized ops: the free CPUs' threads
-                    batch, flat, moved_bytes = resident.gather(index, batched, checked, copy=request.copy_now)
-                    self.h2d_bytes += moved_bytes
-                    return self._augmented(batch, flat, request.number), flat.numel()
-
-            return Work(indices, gather)
+            return Work(indices, lambda index: self._gather_now(request, index))
         # The check runs once in the prefetcher's thread (the gather needs it) and once here,
         # in order, for the transforms' per-sample randomness: a bad index fails after the
         # batches before it either way.
@@ -145,6 +137,14 @@ class ArraySource(Source):
             return batch, batch_length(batch) if batched else 1
 
         return Work(fills, finish)
+
+    def _gather_now(self, request: Indices, index: Any) -> tuple[Any, int]:
+        """The batch of ``index`` gathered in the caller's thread (the loop's), and its length."""
+        with own_cpu_threads(self.setup.device):  # batch-sized ops: the free CPUs' threads
+            batch, flat, moved_bytes = self._placed.gather(index, self.setup.batched, request.in_range,
+                                                           copy=request.copy_now)
+            self.h2d_bytes += moved_bytes
+            return self._augmented(batch, flat, request.number), flat.numel()
 
     def from_rows(self, number: int, ahead: bool) -> FromRows:
         """Each item's arrays (``(leaves, dataset indices)``) built into the batch (and

@@ -7,9 +7,12 @@ ranks and resume are the arrays'), and each gathered batch is completed with the
 gathered per batch. A ``datasets.Dataset``'s index mapping (``select``, ``shuffle``,
 ``filter``) is followed when rows are read (each sample's table row, in the file's chunks).
 
-Split over ranks (``cache_scope``), the arrays' share and exchange are the arrays' as well, and
-each image column follows their partition (:meth:`ColumnImageSource.follow`): the exchange of a
-batch carries its array rows and its decoded images together.
+A table's image columns are decoded by the image path (``table_images``), a batch's images ahead
+of the loop in the prefetcher's thread as an image folder's are. Split over ranks
+(``cache_scope``, decided on a row's array and decoded image bytes together), the arrays' share
+and exchange are the arrays' as well, and each image column follows their partition
+(:meth:`ColumnImageSource.follow`): the exchange of a batch carries its array rows and its
+decoded images together.
 """
 
 from __future__ import annotations
@@ -24,10 +27,16 @@ from torch.utils.data import default_collate
 from gpuload.datasets.arrow import ArrowTable, hugging_face_dataset
 from gpuload.distributed.joined_rows import joined
 from gpuload.distributed.sharded_store import ShardedStore
-from gpuload.sources import FromRows, Setup
+from gpuload.sources import FromRows, Indices, Schedule, Setup, Work
 from gpuload.sources.arrays import ArraySource
 from gpuload.sources.table_columns import TableColumns, TableView, table_columns
-from gpuload.sources.table_images import ColumnImageSource, ImageLeaf, image_sources
+from gpuload.sources.table_images import (
+    AheadImages,
+    ColumnImageSource,
+    ImageLeaf,
+    decoded_bytes_per_row,
+    image_sources,
+)
 
 __all__ = ["ArrowSource", "detect", "table_view"]
 
@@ -51,11 +60,10 @@ def _hugging_face_view(dataset: Any) -> TableView | None:
 
 
 def _image_features(dataset: Any) -> dict[str, bool]:
-    """A ``datasets.Dataset``'s decoded ``Image()`` columns in format ``"torch"`` (which gives
-    each as a uint8 (C, H, W) tensor in the image's own mode, or in the feature's ``mode``), each
-    with whether its images must be RGB (no ``mode``: gpuload's decoders give RGB)."""
-    if dataset.format["type"] != "torch":
-        return {}
+    """A ``datasets.Dataset``'s decoded ``Image()`` columns that gpuload's decoders can give as
+    ``datasets`` does (the image's own mode, or the feature's ``mode``: format ``"torch"`` a uint8
+    (C, H, W) tensor, ``"numpy"`` an (H, W, C) array, None a PIL image), each with whether its
+    images must be RGB (no ``mode``: gpuload's decoders give RGB)."""
     image, served = sys.modules["datasets"].Image, dataset.format["columns"]
     return {name: feature.mode is None for name, feature in dataset.features.items()
             if isinstance(feature, image) and feature.decode and feature.mode in (None, "RGB")
@@ -88,8 +96,11 @@ def detect(setup: Setup) -> ArrowSource | None:
     view = table_view(setup.dataset)
     if view is None or len(setup.dataset) == 0 or (setup.transforms and not view.images):
         return None
+    if view.format == "python" and view.images and not setup.transforms:
+        return None  # PIL images: torch's collate has no batch of them, and raises its TypeError
     images = image_sources(setup, view) if view.images else {}
-    columns = table_columns(setup.dataset, view, lambda name: ImageLeaf(images[name]))
+    hwc = view.format == "numpy"  # datasets gives (H, W, C) arrays
+    columns = table_columns(setup.dataset, view, lambda name: ImageLeaf(images[name], hwc))
     if columns is None:
         for source in images.values():
             source.close()
@@ -105,9 +116,13 @@ class ArrowSource(ArraySource):
     completes_batches = True
 
     def __init__(self, setup: Setup, table: TableColumns, images: dict[str, ColumnImageSource] | None = None) -> None:
-        super().__init__(dataclasses.replace(setup, transforms=None), table.arrays)  # transforms: the images'
+        images = images or {}
+        # the image columns split with the arrays: the ranks decide the split on both's bytes
+        arrays = dataclasses.replace(table.arrays, split_beside=(lambda: decoded_bytes_per_row(images)) if images
+                                     else None)
+        super().__init__(dataclasses.replace(setup, transforms=None), arrays)  # transforms: the images'
         self.table = table
-        self.images = images or {}
+        self.images = images
         self.identity = _identity(setup.dataset)
         self.carried: list[str] = []  # the image columns the arrays' exchange carries, in its order
 
@@ -123,6 +138,39 @@ class ArrowSource(ArraySource):
                 self._placed.store = joined(store, [(s.share, s.rows, s.share.nbytes) for s in shares.values()])
                 self.carried = list(shares)
         return True
+
+    def schedule(self, indices: Indices) -> Schedule:
+        """The arrays' schedule; with image columns, their images are read and decoded ahead of
+        the loop, in the prefetcher's thread, as an image folder's are (on a GPU transformed
+        there too, on its side stream; on a CPU device only when ``prefetch_depth`` asks), and
+        the arrays gathered where they lie, in the loop's thread."""
+        if not self.images:
+            return super().schedule(indices)
+        return Schedule(lambda ahead: self._work_with_images(indices, ahead), staged=False)
+
+    def _work_with_images(self, request: Indices, ahead: bool) -> Work:
+        if not ahead:
+            return self._work(request, False)
+        number = request.number
+
+        def made(index: Any) -> tuple[Any, list[torch.Tensor | None], list[AheadImages]]:  # the prefetcher's thread
+            flat = self._placed.checked_index(index)
+            images = [source.made_ahead(flat, number) for source in self.images.values()]
+            # the batches made on the device stand in the item itself: the prefetcher orders and
+            # protects the item's tensors on the loop's stream
+            return index, [ready.images for ready in images], images
+
+        def finish(item: tuple[Any, list[torch.Tensor | None], list[AheadImages]]) -> tuple[Any, int]:
+            index, _, images = item
+            for source, ready in zip(self.images.values(), images):
+                source.ready = ready
+            try:
+                return self._gather_now(request, index)
+            finally:
+                for source in self.images.values():
+                    source.ready = None
+
+        return Work((made(index) for index in request.batches(True)), finish)
 
     def from_rows(self, number: int, ahead: bool) -> FromRows:
         """Batches from an exchange's items: the arrays' rows, and each carried image column's images."""

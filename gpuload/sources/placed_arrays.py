@@ -111,12 +111,14 @@ def _batch_builder(spec: TreeSpec) -> Callable[[list[torch.Tensor]], Any]:
 class ArrayColumns:
     """Host arrays with one row per sample, and the tree structure a batch of them takes;
     ``disk``: the cache's disk tier may keep them (False for arrays read from a local file,
-    which is its own disk tier)."""
+    which is its own disk tier); ``split_beside()``: the bytes per sample of what splits over the
+    ranks with them (a table's decoded images), counted when the ranks decide the split."""
 
     columns: list[torch.Tensor]
     spec: TreeSpec
     num_samples: int
     disk: bool = True
+    split_beside: Callable[[], int] | None = None
 
     def __post_init__(self) -> None:
         self.build = _batch_builder(self.spec)
@@ -141,7 +143,8 @@ class ArrayColumns:
         its share of the node's host budget. ``staging``: the loader's route to the device, which
         the indices a batch gathers there take.
         """
-        sharded = shard_arrays(self.columns, settings, device, batch_sampler, owner, staging=staging)
+        sharded = shard_arrays(self.columns, settings, device, batch_sampler, owner, staging=staging,
+                               beside=self.split_beside)
         if sharded is not None:
             return ResidentColumns(self, self.columns, device, sharded.plan.kind, copies_batches=False, store=sharded,
                                    staging=staging)

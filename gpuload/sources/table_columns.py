@@ -407,6 +407,22 @@ def _valid(array: Any) -> np.ndarray:
     return valid
 
 
+def _collated(dataset: Any, view: TableView, indices: list[int]) -> Any:
+    """torch's collate of the samples at ``indices``, each PIL image of an image column (format
+    None) taken as the uint8 (C, H, W) tensor it holds, as torchvision's ``PILToTensor`` takes it:
+    what gpuload's decoders give, to compare with."""
+    samples = fetch(dataset, indices)
+    if view.format == "python" and view.images:
+        samples = [dict(sample, **{name: _pil_tensor(sample[name]) for name in view.images if name in sample})
+                   for sample in samples]
+    return default_collate(samples)
+
+
+def _pil_tensor(image: Any) -> torch.Tensor:
+    pixels = torch.from_numpy(np.array(image))
+    return (pixels.unsqueeze(-1) if pixels.dim() == 2 else pixels).permute(2, 0, 1).contiguous()
+
+
 def _template_row(dataset: Any, view: TableView) -> tuple[int, dict[str, Any]] | None:
     """The first of the leading samples with no null in any column whose collated sample is a dict
     with no None in it."""
@@ -418,7 +434,7 @@ def _template_row(dataset: Any, view: TableView) -> tuple[int, dict[str, Any]] |
     in_order = _in_sample_order(torch.from_numpy(valid), view.rows)
     for index in torch.nonzero(in_order).flatten()[:_TEMPLATE_ROWS].tolist():
         try:
-            sample = default_collate(fetch(dataset, [index]))
+            sample = _collated(dataset, view, [index])
         except Exception:  # torch's fetch of this row fails as it would in torch's loader
             continue
         if isinstance(sample, dict) and None not in tree_flatten(sample)[0]:
@@ -458,7 +474,7 @@ def table_columns(dataset: Any, view: TableView, image_leaf: Callable[[str], Lea
         return None
     leading = list(range(min(len(dataset), _TEMPLATE_ROWS)))
     try:
-        batch = default_collate(fetch(dataset, leading))
+        batch = _collated(dataset, view, leading)
     except Exception:  # nulls (datasets' formatters raise AttributeError on some), lists of
         # other lengths: each batch is checked as it is made
         return columns

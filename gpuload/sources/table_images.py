@@ -6,7 +6,9 @@ feature) gets its own :class:`ColumnImageSource`: the image source over
 present, else the CPU's), its image cache (decided and booked apart from the table's arrays,
 so epoch 2 decodes nothing when the images fit) and the loader's ``transforms=``. An
 :class:`ImageLeaf` puts the column's batch of images into the table's batch. A bad image
-raises, naming its column and row: a batch cannot skip one row of a table's columns.
+raises, naming its column and row: a batch cannot skip one row of a table's columns. Ahead of
+the loop, a batch's images are made in the prefetcher's thread (:class:`AheadImages`: decoded,
+and on a GPU batched and transformed there) and picked up by the leaf in the loop's thread.
 
 With ``cache_dir=``, the decoded images also go to the disk tier, as an image folder's do, keyed
 by :func:`column_fingerprint`: the files the table was read from (or ``datasets``' fingerprint,
@@ -33,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpuload.cache import format_bytes
+from gpuload.cache import estimate_image_bytes, format_bytes
 from gpuload.cache.disk import Fingerprint
 from gpuload.cache.disk.fingerprint import canonical
 from gpuload.cache.disk_tier import DiskImages
@@ -44,13 +46,14 @@ from gpuload.device import device_memory, host_memory
 from gpuload.distributed.group import current_context
 from gpuload.distributed.sharded_images import DecodedShare, ExchangedImages, ImageRows, ShardedImages, read_share
 from gpuload.distributed.sharded_store import ShardedStore
-from gpuload.sources import Setup
+from gpuload.sources import Setup, ahead_on_device
 from gpuload.sources.image_decoding import DecodedBatch
 from gpuload.sources.images import ImageFileSource
 from gpuload.sources.table_columns import Leaf, TableView
 from gpuload.transfer import Staging
 
-__all__ = ["ColumnImageSource", "ColumnShare", "ImageLeaf", "column_fingerprint", "image_sources"]
+__all__ = ["AheadImages", "ColumnImageSource", "ColumnShare", "ImageLeaf", "column_fingerprint",
+           "decoded_bytes_per_row", "image_sources"]
 
 
 class ColumnShare(ShardedImages):
@@ -80,6 +83,17 @@ class ColumnShare(ShardedImages):
         return dict(self.summary(), released=True)
 
 
+@dataclass
+class AheadImages:
+    """A batch's images of one column made ahead of the loop: ``decoded`` (its positions, its
+    decode counters), and on a GPU ``images``, the column's batch itself (transformed, or
+    stacked), made on the prefetcher's side stream; None on a CPU device, where the transforms
+    run in the loop's thread (see :func:`~gpuload.sources.ahead_on_device`)."""
+
+    decoded: DecodedBatch
+    images: torch.Tensor | None
+
+
 class ColumnImageSource(ImageFileSource):
     """The image path over one column (``images``), cached on this rank; its disk tier keyed by
     the table's ``origin`` (:class:`~gpuload.sources.table_columns.TableView`)."""
@@ -89,6 +103,7 @@ class ColumnImageSource(ImageFileSource):
         self.column, self.origin = images, origin
         self.split: ShardedStore | None = None  # the table's arrays split over ranks: the images follow
         self.arrived: ExchangedImages | None = None  # the batch's images the exchange brought
+        self.ready: AheadImages | None = None  # the batch's images made ahead of the loop
 
     def _open_disk(self) -> DiskImages | None:
         decoder = self.reader.decoder
@@ -123,6 +138,19 @@ class ColumnImageSource(ImageFileSource):
         held = ColumnShare(split, *found)
         setup.stats.extra["image_cache_decision"] = held.describe()
         return held
+
+    def made_ahead(self, flat: torch.Tensor, epoch: int) -> AheadImages:
+        """The images of samples ``flat`` decoded (and on a GPU batched) in the prefetcher's thread."""
+        decoded = self.reader.decode(flat, epoch)
+        return AheadImages(decoded, self.batch_images(decoded) if ahead_on_device(True, self.setup.device) else None)
+
+    def take_ready(self, flat: torch.Tensor) -> AheadImages | None:
+        """The images made ahead for the batch of samples ``flat`` (None: none were)."""
+        ready, self.ready = self.ready, None
+        if ready is not None and ready.decoded.positions != flat.tolist():
+            raise RuntimeError(f"the images made ahead are of samples {ready.decoded.positions[:4]}... for a batch "
+                               f"of samples {flat.tolist()[:4]}...")
+        return ready
 
     def decoded(self, flat: torch.Tensor, epoch: int) -> DecodedBatch:
         """The images of samples ``flat``: those the table's exchange brought, else decoded here."""
@@ -207,6 +235,13 @@ def _hash_values(hasher: Any, chunk: Any) -> None:
         hasher.update(memoryview(data)[int(offsets[0]):int(offsets[-1])])
 
 
+def decoded_bytes_per_row(sources: dict[str, ColumnImageSource]) -> int:
+    """The decoded bytes of a table row's images in ``sources``' columns, estimated from a few
+    rows' headers per column (as an image folder's split estimates its files)."""
+    return sum(-(-estimate_image_bytes(source.images)[0] // max(len(source.images), 1))
+               for source in sources.values())
+
+
 def image_sources(setup: Setup, view: TableView) -> dict[str, ColumnImageSource]:
     """A :class:`ColumnImageSource` per image column of ``view`` (its table, each sample's row,
     each column with whether it must be RGB, the table's origin). Raises for what a table's
@@ -233,9 +268,15 @@ def image_sources(setup: Setup, view: TableView) -> dict[str, ColumnImageSource]
 @dataclass
 class ImageLeaf(Leaf):
     """An image column of the batch: its images decoded (from the image cache once there) and
-    transformed, or stacked as torch's collate stacks them."""
+    transformed (the transforms give (B, C, H, W)), or stacked as torch's collate stacks them:
+    (B, C, H, W), or (B, H, W, C) when ``hwc`` (``datasets``' format ``"numpy"`` gives an image
+    as an (H, W, C) array)."""
 
     source: ColumnImageSource
+    hwc: bool = False
+
+    def _laid_out(self, images: torch.Tensor) -> torch.Tensor:
+        return images.permute(0, 2, 3, 1).contiguous() if self.hwc else images
 
     def batch(self, fixed: list[torch.Tensor], flat: torch.Tensor, device: torch.device, epoch: int | None,
               staging: Staging | None) -> Any:
@@ -243,10 +284,12 @@ class ImageLeaf(Leaf):
             whole = self.source.reader.decode_whole(flat.tolist())
             if whole.bad:
                 raise self.source.reader.failure(whole.bad)
-            return torch.stack(whole.images)
-        decoded = self.source.decoded(flat, epoch)
+            return self._laid_out(torch.stack(whole.images))
+        ready = self.source.take_ready(flat)
+        decoded = ready.decoded if ready is not None else self.source.decoded(flat, epoch)
         extra = self.source.setup.stats.extra
         extra.update(decoded.counters)
         if self.source.augment is not None:
             extra["transform_backend"] = self.source.augment.backend
-        return self.source.batch_images(decoded)
+        images = ready.images if ready is not None and ready.images is not None else self.source.batch_images(decoded)
+        return images if self.source.augment is not None else self._laid_out(images)

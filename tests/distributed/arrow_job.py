@@ -127,7 +127,8 @@ def image_epochs(data: Any, scope: str, epochs: int = 2, **options: Any) -> dict
                 batches.append(list(ours))
     column = ours.stats.extra["image_columns"]["image"]
     result = {"batches": batches, "decoded": decoded, "path": ours.stats.path, "cache": column.get("cache"),
-              "exchange": ours.stats.extra.get("exchange"), "warnings": [str(w.message) for w in caught]}
+              "exchange": ours.stats.extra.get("exchange"), "plan": ours.stats.extra.get("cache_plan"),
+              "warnings": [str(w.message) for w in caught]}
     ours.close()
     return result
 
@@ -222,6 +223,9 @@ def run(rank: int, world: int, init_file: str, out_dir: str) -> None:
         dist.barrier()
         found["images"] = image_tables(folder)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))
+
+
+IMAGE_ROW_BYTES = 2 * 4 + 8 + 16 * 16 * 3  # an image table's row: embedding, label, decoded image
 
 
 def whole_bytes() -> int:

@@ -63,6 +63,18 @@ def test_an_image_column_split_over_ranks_gives_torch_s_batches_each_rank_decodi
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_split_of_an_image_table_is_decided_on_its_arrays_and_decoded_images_bytes(
+        ranks: list[dict], kind: str) -> None:
+    """The ranks decide the split (cache_scope: which fits the room) on a row's array bytes and its
+    decoded image's bytes, from the images' headers: not on the arrays' few bytes alone."""
+    for rank, found in enumerate(ranks):
+        rows = len(share(rank))
+        row_bytes = arrow_job.IMAGE_ROW_BYTES - (8 if kind == "datasets" else 0)  # that one has no embedding
+        assert f"({rows * row_bytes} bytes)" in found["images"][kind]["plan"], found["images"][kind]["plan"]
+
+
+@pytest.mark.slow
 def test_transforms_apply_to_exchanged_images_as_on_the_unsplit_path(ranks: list[dict]) -> None:
     for rank, found in enumerate(ranks):
         result = found["images"]["transforms"]

@@ -24,9 +24,16 @@ from gpuload.distributed import (
     plan_step,
 )
 from gpuload.distributed.exchange_steps import LoaderClosedError
-from gpuload.distributed.joined_rows import joined
+from gpuload.distributed.joined_rows import JoinedGather, JoinedRows, interleaving, joined
 from gpuload.distributed.sharded_images import image_share
-from gpuload.distributed.sharded_store import ShardedStore, ShardPlan, agree_on_split, shard_arrays, sharded_arrays
+from gpuload.distributed.sharded_store import (
+    RowFormat,
+    ShardedStore,
+    ShardPlan,
+    agree_on_split,
+    shard_arrays,
+    sharded_arrays,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_peers
@@ -153,6 +160,48 @@ def test_one_exchange_carries_a_table_s_array_rows_and_its_images_together():
     for store in stores:
         store.close()
         assert store.inner.parts[1]._closed  # the images' share is closed with the arrays'
+
+
+class _Ragged(RowFormat):
+    """Rows of given byte sizes, each row's bytes its own value (row r, kind k: byte 16 k + r)."""
+
+    def __init__(self, kind: int, sizes: torch.Tensor) -> None:
+        self.kind, self._sizes = kind, sizes
+
+    def sizes(self, positions: torch.Tensor) -> torch.Tensor:
+        return self._sizes[positions]
+
+    def encode(self, rows: Any) -> torch.Tensor:
+        return torch.cat([torch.full((int(self._sizes[p]),), 16 * self.kind + p, dtype=torch.uint8)
+                          for p in rows.tolist()])
+
+    def decode(self, data: torch.Tensor, positions: torch.Tensor, sizes: torch.Tensor) -> Any:
+        return data
+
+    def in_order(self, arrived: Any, local: Any, inverse: torch.Tensor) -> Any:
+        return arrived
+
+
+def test_joined_rows_pack_each_row_s_kinds_together_in_one_gather():
+    """Three kinds of rows of ragged sizes (empty rows too) packed row after row, each row's kinds
+    in turn: the bytes a loop over rows and kinds makes (whatever word the sizes allow moving
+    them by), and decoded back into each kind's bytes."""
+    g = torch.Generator().manual_seed(3)
+    for word in (1, 2, 4, 8, 24, 999):  # 999: rows of kilobytes, joined rather than gathered
+        sizes = torch.randint(0, 5, (12, 3), generator=g) * word
+        sizes[4] = 0
+        parts = [_Ragged(k, sizes[:, k]) for k in range(3)]
+        rows = JoinedRows(parts)
+        positions = torch.tensor([7, 0, 11, 4, 3, 9])
+        gathered = JoinedGather([positions, positions, positions], positions)
+        expected = torch.cat([torch.full((int(sizes[p, k]),), 16 * k + p, dtype=torch.uint8)
+                              for p in positions.tolist() for k in range(3)])
+        packed = rows.encode(gathered)
+        assert packed.dtype == torch.uint8 and torch.equal(packed, expected)
+        decoded = rows.decode(packed, positions, sizes[positions].sum(dim=1))
+        assert all(torch.equal(d, part.encode(positions)) for d, part in zip(decoded, parts))
+    assert torch.equal(interleaving(torch.tensor([[2, 1], [0, 3]])), torch.tensor([0, 1, 2, 3, 4, 5]))
+    assert torch.equal(interleaving(torch.tensor([[1, 2], [1, 0]])), torch.tensor([0, 2, 3, 1]))
 
 
 # ---------------------------------------------------------------- rank 0 against a pretended peer

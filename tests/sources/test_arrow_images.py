@@ -5,6 +5,7 @@ by column and row, and datasets' ``Image()`` feature recognised."""
 from __future__ import annotations
 
 import io
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ from torch.utils.data import Dataset
 
 import gpuload
 from gpuload import transforms as T
+from gpuload.augment import BatchAugmenter
 from gpuload.decode import BatchDecoder, ImageDecodeError
+from gpuload.sources.image_decoding import ImageReader
 from gpuload.transforms import apply_transforms
 
 pa = pytest.importorskip("pyarrow")
@@ -131,6 +134,51 @@ def test_transforms_apply_to_the_image_column_per_sample() -> None:
     assert loader.stats.extra["transform_backend"] == "batched"
 
 
+def threads_calling(monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> list[str]:
+    """The name of the thread of every call of ``owner.name`` from now on, recorded."""
+    seen: list[str] = []
+    method = getattr(owner, name)
+
+    def recording(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(threading.current_thread().name)
+        return method(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recording)
+    return seen
+
+
+@pytest.mark.parametrize("cache", ["off", "device"])
+def test_with_a_prefetch_depth_a_table_s_images_are_decoded_ahead_in_the_prefetch_thread(
+        monkeypatch: pytest.MonkeyPatch, cache: str) -> None:
+    """As an image folder's: with ``prefetch_depth`` on a CPU device the image column is read and
+    decoded in the prefetcher's thread (without it, in the loop's), and the batches are those
+    made in the loop's thread, transformed, epoch after epoch."""
+    table = image_table()
+    ops = [T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToDtype(torch.float32)]
+    def loader(depth: int | None) -> gpuload.DataLoader:
+        return gpuload.DataLoader(ArrowTable(table, images=["image"]), batch_size=4, shuffle=True, device="cpu",
+                                  generator=torch.Generator().manual_seed(2), transforms=ops, prefetch_depth=depth,
+                                  cache=cache)
+
+    seen = threads_calling(monkeypatch, ImageReader, "decode")
+    inline, ahead = loader(0), loader(2)
+    for epoch in range(2):
+        seen.clear()
+        expected = list(inline)
+        assert seen == [threading.current_thread().name] * 4
+        seen.clear()
+        assert_same(list(ahead), expected, f"epoch {epoch}")
+        assert seen == ["gpuload-prefetch"] * 4, seen
+    seen.clear()
+    assert len(list(loader(None))) == 4 and seen == [threading.current_thread().name] * 4
+    bad = image_table().set_column(0, "image", pa.array([encoded(r)[:60] if r == 9 else encoded(r)
+                                                         for r in range(ROWS)], pa.binary()))
+    broken = iter(gpuload.DataLoader(ArrowTable(bad, images=["image"]), batch_size=4, device="cpu", prefetch_depth=2))
+    assert len(next(broken)["label"]) == 4 and len(next(broken)["label"]) == 4  # the batches before it
+    with pytest.raises(ImageDecodeError, match=r"column 'image', row 9"):
+        next(broken)
+
+
 def test_a_corrupt_image_names_its_column_and_row() -> None:
     table = image_table()
     images = table.column("image").to_pylist()
@@ -204,6 +252,52 @@ def test_an_image_datasets_gives_in_other_channels_is_refused_naming_the_cast(tm
                        epochs=1)
 
 
+@pytest.mark.parametrize("mode", [None, "RGB"])
+def test_a_datasets_image_feature_in_format_numpy_is_decoded_as_datasets_arrays(tmp_path: Path,
+                                                                                 mode: str | None) -> None:
+    """Format "numpy" gives each image as an (H, W, C) uint8 array, which torch's collate stacks:
+    gpuload decodes the column and gives the same (B, H, W, C) batches."""
+    hf = hf_images(tmp_path, mode).shuffle(seed=4).with_format("numpy")
+    ours = gpuload.DataLoader(hf, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0),
+                              device="cpu")
+    theirs = TorchDataLoader(hf, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
+    assert isinstance(ours._source, ArrowSource) and list(ours._source.images) == ["image"]
+    assert_same_epochs(ours, theirs)
+    assert next(iter(ours))["image"].shape == (4, 32, 40, 3)
+    gray = hf_images(tmp_path, None, gray_row=7).with_format("numpy")
+    with pytest.raises(ImageDecodeError, match=r"row 7.*is L.*cast_column\('image', datasets.Image\(mode='RGB'\)\)"):
+        list(gpuload.DataLoader(gray, batch_size=4, device="cpu"))
+
+
+@pytest.mark.parametrize("format", [None, "numpy"])
+def test_transforms_decode_a_datasets_image_feature_in_formats_none_and_numpy(tmp_path: Path,
+                                                                              format: str | None) -> None:
+    """With transforms=, an Image() column in format None (PIL images) or "numpy" is decoded by
+    gpuload's image path and transformed as in format "torch": (B, C, h, w)."""
+    hf = hf_images(tmp_path, "RGB").with_format(format)
+    ops = [T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToDtype(torch.float32)]
+    g = torch.Generator().manual_seed(5)
+    loader = gpuload.DataLoader(hf, batch_size=5, shuffle=True, generator=g, device="cpu", transforms=ops)
+    assert isinstance(loader._source, ArrowSource)
+    order = TorchDataLoader(range(ROWS), batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(5))
+    for batch, indices in zip(loader, order, strict=True):
+        decoded = [pil_decoded(encoded(i)) for i in indices.tolist()]
+        expected = apply_transforms(ops, decoded, g.initial_seed(), 0, indices)
+        torch.testing.assert_close(batch["image"], expected, atol=2e-3, rtol=2e-3)
+        assert torch.equal(batch["label"], torch.tensor([i % 5 for i in indices.tolist()]))
+
+
+def test_a_datasets_image_feature_in_format_none_fails_as_torchs_collate_does(tmp_path: Path) -> None:
+    """Format None gives PIL images, which torch's collate cannot batch: without transforms= gpuload
+    raises torch's TypeError, as torch's DataLoader does."""
+    hf = hf_images(tmp_path, "RGB")
+    with pytest.raises(TypeError, match="default_collate: batch must contain tensors.*PIL") as theirs:
+        next(iter(TorchDataLoader(hf, batch_size=4)))
+    with pytest.raises(TypeError, match="default_collate: batch must contain tensors.*PIL") as ours:
+        next(iter(gpuload.DataLoader(hf, batch_size=4, device="cpu")))
+    assert str(ours.value) == str(theirs.value)
+
+
 def test_image_columns_asked_for_wrongly_fail_clearly() -> None:
     table = image_table(4)
     with pytest.raises(KeyError, match=r"images= names 'picture'.*it has image, label, caption"):
@@ -233,6 +327,32 @@ def test_on_cuda_the_image_column_is_decoded_on_the_device_close_to_pil_and_cach
             mean, _ = diff_stats(a["image"], b["image"])
             assert mean < 2.0 and torch.equal(a["label"].cpu(), b["label"]), f"epoch {epoch}"
     assert ours.stats.extra["image_columns"]["image"]["cache"]["mode"] == "decoded"
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_table_s_images_are_decoded_and_transformed_in_the_prefetch_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the image column is decoded and transformed ahead, in the prefetcher's thread on
+    its side stream (ordered by its event, protected by record_stream): the batches equal those
+    made in the loop's thread (``prefetch_depth=0``)."""
+    table = image_table()
+    ops = [T.RandomResizedCrop(16), T.RandomHorizontalFlip(), T.ToDtype(torch.float32)]
+    def loader(depth: int | None) -> gpuload.DataLoader:
+        return gpuload.DataLoader(ArrowTable(table, images=["image"]), batch_size=4, shuffle=True, device="cuda",
+                                  generator=torch.Generator().manual_seed(2), transforms=ops, prefetch_depth=depth)
+
+    seen = threads_calling(monkeypatch, BatchAugmenter, "apply_list")
+    inline, ahead = loader(0), loader(None)
+    for epoch in range(2):
+        seen.clear()
+        expected = list(inline)
+        assert seen == [threading.current_thread().name] * 4
+        seen.clear()
+        got = list(ahead)
+        assert seen == ["gpuload-prefetch"] * 4, seen
+        for a, b in zip(got, expected, strict=True):
+            assert a["image"].is_cuda and torch.equal(a["image"], b["image"]), f"epoch {epoch}"
+            assert torch.equal(a["label"], b["label"]) and a["caption"] == b["caption"]
 
 
 # -- the disk tier (cache_dir=) ----------------------------------------------------------------
