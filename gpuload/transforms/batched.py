@@ -344,7 +344,12 @@ def _resized(
     device = _device_of(images)
     canvases: list[torch.Tensor | None] = [None] * n
     batch_canvas = None
-    groups = _window_groups(images, table)
+    # A list's images share a bilinear call only through a stacked copy of their windows: when
+    # each canvas is its sample's output, each sample gets a group of its own, so that two decoded
+    # crops of one shape (their windows the same (0, 0, h, w): common in a batch of 128) do not
+    # send the whole batch to the batch canvas.
+    own_groups = finish is not None and post_identity and uniform_canvas and not isinstance(images, torch.Tensor)
+    groups = _window_groups(images, table, shared=not own_groups)
     if finish is not None and not (post_identity and uniform_canvas and len(groups) == n):
         finish = None
     if finish is not None:
@@ -438,24 +443,27 @@ def _resized(
 
 
 def _window_groups(
-    images: torch.Tensor | Sequence[torch.Tensor], table: torch.Tensor
+    images: torch.Tensor | Sequence[torch.Tensor], table: torch.Tensor, shared: bool = True
 ) -> list[tuple[list[int], tuple[int, ...], tuple[int, ...]]]:
     """(sample ids, window (y0, x0, h, w), canvas (h, w)) per distinct source window (and,
-    for a list, per image: different images cannot share a call unless they have one shape)."""
+    for a list, per image: different images cannot share a call unless they have one shape);
+    one group per sample when not ``shared``."""
     key = table[:, :6]
-    if not isinstance(images, torch.Tensor):
-        shapes = torch.tensor([tuple(image.shape[-2:]) for image in images], dtype=torch.int64)
-        key = torch.cat([key, shapes], 1)
-    if len(key) > 1 and bool((key == key[0]).all()):
-        row = key[0].tolist()
-        return [(list(range(len(key))), tuple(row[:4]), tuple(row[4:6]))]
-    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
-    if len(distinct) == len(key):  # every sample its own window: no sorting needed
-        return [([k], tuple(row[:4]), tuple(row[4:6])) for k, row in enumerate(key.tolist())]
-    order = torch.argsort(inverse, stable=True)
-    counts = torch.bincount(inverse, minlength=len(distinct)).tolist()
-    return [(ids.tolist(), tuple(row[:4]), tuple(row[4:6]))
-            for row, ids in zip(distinct.tolist(), order.split(counts))]
+    if shared:
+        if not isinstance(images, torch.Tensor):
+            shapes = torch.tensor([tuple(image.shape[-2:]) for image in images], dtype=torch.int64)
+            key = torch.cat([key, shapes], 1)
+        if len(key) > 1 and bool((key == key[0]).all()):
+            row = key[0].tolist()
+            return [(list(range(len(key))), tuple(row[:4]), tuple(row[4:6]))]
+        distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+        if len(distinct) < len(key):
+            order = torch.argsort(inverse, stable=True)
+            counts = torch.bincount(inverse, minlength=len(distinct)).tolist()
+            return [(ids.tolist(), tuple(row[:4]), tuple(row[4:6]))
+                    for row, ids in zip(distinct.tolist(), order.split(counts))]
+    # every sample its own window (or its own group): no sorting needed
+    return [([k], tuple(row[:4]), tuple(row[4:6])) for k, row in enumerate(key.tolist())]
 
 
 def _resize(
