@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from gpuload.distributed.joined_rows import JoinedGather, JoinedRows
-from gpuload.distributed.sharded_store import RowFormat
+from gpuload.distributed.split_store import RowFormat
 
 REPEATS = 7
 # (rows in a step, array bytes per row, image bytes per row)

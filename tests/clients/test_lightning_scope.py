@@ -30,7 +30,7 @@ def torchs_batches(rank: int, epoch: int) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_ddp_fit_shards_the_arrays_and_gives_each_rank_torchs_batches(
+def test_ddp_fit_splits_the_arrays_and_gives_each_rank_torchs_batches(
         lightning_ddp_fits: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     done, out = lightning_ddp_fits  # lightning_job.py's torchrun job runs this file's fit too (conftest.py)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
