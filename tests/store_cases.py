@@ -13,13 +13,13 @@ from gpuload.cache import TieredArrayStore
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.columns import ColumnStore, prepare
 from gpuload.cache.plan import CachePlan, TierPlan, make_plan
-from gpuload.cache.sample_store import SampleCache
+from gpuload.cache.sample_store import SampleStore
 from gpuload.cache.store import Store
 from gpuload.cache.tiers import TIERS, HostTier
+from gpuload.distributed.image_shares import image_share
 from gpuload.distributed.partition import Partition
 from gpuload.distributed.scope import ScopeDecision
-from gpuload.distributed.sharded_images import image_share
-from gpuload.distributed.sharded_store import ShardPlan, sharded_arrays
+from gpuload.distributed.split_store import SplitPlan, split_array_store
 from gpuload.prefetch import Prefetcher
 from gpuload.sources.placed_arrays import staged_copier
 
@@ -112,27 +112,27 @@ def columns_case(device: str = "cpu") -> Case:
 
 def sample_cache_case(device: str = "cpu") -> Case:
     data = samples()
-    cache = SampleCache(1 << 30, device, ledger=BudgetLedger(), num_samples=N)
+    cache = SampleStore(1 << 30, device, ledger=BudgetLedger(), num_samples=N)
     held = torch.arange(1, N, 3)
     assert cache.put(held, [data[k] for k in held.tolist()]) == held.numel()
     return Case(cache, held, lambda index: [data[k] for k in index.tolist()])
 
 
-def _share_plan(data_bytes: int) -> ShardPlan:
+def _share_plan(data_bytes: int) -> SplitPlan:
     decision = ScopeDecision("world", "world", 2, "a test's share")
-    return ShardPlan(decision, Partition(N, 2, 2), 1, data_bytes, "cpu")
+    return SplitPlan(decision, Partition(N, 2, 2), 1, data_bytes, "cpu")
 
 
-def sharded_arrays_case(device: str = "cpu") -> Case:
+def split_arrays_case(device: str = "cpu") -> Case:
     data = columns()
     plan = _share_plan(bytes_per_sample(data))
     start, stop = plan.partition.rows_of(1)
     block = [column[start:stop].clone() for column in data]
-    store = sharded_arrays(block, plan, torch.device(device), (None, None), owner="share", ledger=BudgetLedger())
+    store = split_array_store(block, plan, torch.device(device), (None, None), owner="share", ledger=BudgetLedger())
     return Case(store, torch.arange(start, stop), lambda index: [column.index_select(0, index) for column in data])
 
 
-def sharded_images_case() -> Case:
+def split_images_case() -> Case:
     g = torch.Generator().manual_seed(9)
     images = [torch.randint(0, 256, (3, 4 + k % 3, 5), dtype=torch.uint8, generator=g) for k in range(N)]
     plan = _share_plan(60)
@@ -155,6 +155,6 @@ CASES = {
     "arrays-toy-tier": lambda: array_case("toy-tier"),
     "sample-columns": columns_case,
     "samples": sample_cache_case,
-    "sharded-arrays": sharded_arrays_case,
-    "sharded-images": sharded_images_case,
+    "sharded-arrays": split_arrays_case,
+    "sharded-images": split_images_case,
 }

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from gpuload.cache.oom import CacheFallbackWarning
     from gpuload.cache.plan import MODES, CachePlan, TierPlan, default_host_reserve, make_plan
     from gpuload.cache.probe import estimate_image_bytes, looks_deterministic
-    from gpuload.cache.sample_store import SampleCache, SampleCacheStats
+    from gpuload.cache.sample_store import SampleStore, SampleStoreStats
     from gpuload.cache.settings import CacheSettings, Setting
     from gpuload.cache.store import FillingStore, Store, StoreStats
     from gpuload.cache.tiers import TIERS, Tier, register_tier
@@ -54,8 +54,8 @@ __all__ = [
     "CacheSettings",
     "FillingStore",
     "IdentityError",
-    "SampleCache",
-    "SampleCacheStats",
+    "SampleStore",
+    "SampleStoreStats",
     "Setting",
     "SizeSpec",
     "Store",
@@ -92,8 +92,8 @@ _LAZY = {
     "IdentityError": "gpuload.cache.identity",
     "LEDGER": "gpuload.cache.budget",
     "MODES": "gpuload.cache.plan",
-    "SampleCache": "gpuload.cache.sample_store",
-    "SampleCacheStats": "gpuload.cache.sample_store",
+    "SampleStore": "gpuload.cache.sample_store",
+    "SampleStoreStats": "gpuload.cache.sample_store",
     "Setting": "gpuload.cache.settings",
     "SizeSpec": "gpuload.cache.budget",
     "Store": "gpuload.cache.store",

@@ -32,7 +32,7 @@ from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_
 
 from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.oom import CacheFallbackWarning, is_oom
-from gpuload.cache.sample_store import BudgetedCache, Uncacheable, copy_value
+from gpuload.cache.sample_store import BudgetedStore, Uncacheable, copy_value
 from gpuload.transfer import Staging, move_staged, to_device
 
 __all__ = ["Branch", "Column", "ColumnStore", "Objects", "Part", "column_rows", "layout", "prepare", "rebuild",
@@ -350,7 +350,7 @@ class _Write:
         self.objects = [(node, values, sizes) for (node, _, sizes), values in zip(self.objects, moved)]
 
 
-class ColumnStore(BudgetedCache):
+class ColumnStore(BudgetedStore):
     """A map-style dataset's samples by column (see the module docstring), up to ``budget_bytes``.
 
     The first batch put shows the structure; the columns are then allocated for all

@@ -22,7 +22,7 @@ from gpuload.cache.budget import format_bytes
 from gpuload.cache.identity import IdentityError
 from gpuload.cache.probe import estimate_image_bytes, looks_deterministic
 from gpuload.cache.settings import CacheSettings
-from gpuload.datasets.images import ImageSource
+from gpuload.datasets.images import ImageFiles
 from gpuload.device import MemoryInfo, device_memory, host_memory
 
 __all__ = ["CacheDecision", "decide_samples", "decide_images"]
@@ -119,7 +119,7 @@ def decide_samples(
 
 
 def decide_images(
-    source: ImageSource,
+    source: ImageFiles,
     settings: CacheSettings,
     device: torch.device,
     *,

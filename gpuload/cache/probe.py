@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from gpuload.cache.allocator import reserved_bytes
-from gpuload.datasets.images import ImageSource
+from gpuload.datasets.images import ImageFiles
 from gpuload.decode.cpu import describe_error
 from gpuload.decode.headers import PixelLimitError, check_pixels, peek_header
 
@@ -165,7 +165,7 @@ class ImageProbe:
         return len(self.sizes) + len(self.bad)
 
 
-def probe_images(source: ImageSource, probe: int = _PROBE_FILES) -> ImageProbe:
+def probe_images(source: ImageFiles, probe: int = _PROBE_FILES) -> ImageProbe:
     """Read the headers of up to ``probe`` files spread evenly over the source.
 
     Only each file's first 64 KiB is read (the whole file when its header reaches further);
@@ -191,7 +191,7 @@ def probe_images(source: ImageSource, probe: int = _PROBE_FILES) -> ImageProbe:
     return ImageProbe(sizes, bad)
 
 
-def estimate_image_bytes(source: ImageSource, probe: int = _PROBE_FILES, on_device: bool = False) -> tuple[int, int]:
+def estimate_image_bytes(source: ImageFiles, probe: int = _PROBE_FILES, on_device: bool = False) -> tuple[int, int]:
     """(decoded, encoded) bytes of the whole source, from the headers and sizes of a few files;
     ``on_device``: decoded images as a device's caching allocator takes them, one tensor each."""
     sizes = probe_images(source, probe).sizes
@@ -202,7 +202,7 @@ def estimate_image_bytes(source: ImageSource, probe: int = _PROBE_FILES, on_devi
     return sum(decoded) * count // len(sizes), sum(e for _, e in sizes) * count // len(sizes)
 
 
-def _header(source: ImageSource, index: int) -> tuple[int, int, int]:
+def _header(source: ImageFiles, index: int) -> tuple[int, int, int]:
     """(height, width, file bytes) of one sample, reading as little of its file as it can."""
     path = source.path(index)
     try:

@@ -1,9 +1,9 @@
 """Samples kept by dataset index as they pass, within a byte budget: any map-style dataset's
 samples, decoded images, or image files' bytes.
 
-:class:`SampleCache` copies what it is given (tensors to its device), books its bytes in the
+:class:`SampleStore` copies what it is given (tensors to its device), books its bytes in the
 ledger, stops at the budget or when free memory reaches the reserve, and knows how many
-samples the dataset has, so it can say when it is complete. :class:`BudgetedCache` is what it
+samples the dataset has, so it can say when it is complete. :class:`BudgetedStore` is what it
 shares with the column store (``gpuload.cache.columns``): the budget, the ledger booking, the
 room check, the counters, ``settle`` and ``close``; both are filling stores
 (:class:`~gpuload.cache.store.FillingStore`).
@@ -27,14 +27,14 @@ from gpuload.cache.budget import LEDGER, BudgetLedger, format_bytes
 from gpuload.cache.oom import CacheFallbackWarning, is_oom
 from gpuload.cache.store import FillingStore, StreamGuard
 
-__all__ = ["MISSING", "BudgetedCache", "SampleCache", "SampleCacheStats", "Uncacheable", "copy_value"]
+__all__ = ["MISSING", "BudgetedStore", "SampleStore", "SampleStoreStats", "Uncacheable", "copy_value"]
 
 
 _ROOM_CHECK_BYTES = 256 << 20
 
 
 @dataclass
-class SampleCacheStats:
+class SampleStoreStats:
     """Entries and bytes held, lookups that hit or missed, samples not stored (full/uncacheable)."""
 
     entries: int = 0
@@ -117,7 +117,7 @@ def _copy_tensor(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     return copied.requires_grad_() if value.requires_grad else copied
 
 
-class BudgetedCache(FillingStore):
+class BudgetedStore(FillingStore):
     """What every sample-keyed cache shares: a byte budget (booked in ``ledger`` on a CUDA
     ``device``), a ``room`` check against free memory, counters, and giving memory back.
 
@@ -149,7 +149,7 @@ class BudgetedCache(FillingStore):
         )
         self._lock = threading.Lock()
         self._streams = StreamGuard(self._device)  # orders and protects device memory across streams
-        self._stats = SampleCacheStats(budget=self._budget)
+        self._stats = SampleStoreStats(budget=self._budget)
         self._warned = False
         self._closed = False
 
@@ -209,9 +209,9 @@ class BudgetedCache(FillingStore):
         return self.stats.bytes
 
     @property
-    def stats(self) -> SampleCacheStats:
+    def stats(self) -> SampleStoreStats:
         with self._lock:
-            return SampleCacheStats(**self._stats.as_dict())
+            return SampleStoreStats(**self._stats.as_dict())
 
     def summary(self, **labels: Any) -> dict[str, Any]:
         """The counters as a dict for ``loader.stats.extra["cache"]``, with the caller's labels."""
@@ -250,7 +250,7 @@ class BudgetedCache(FillingStore):
             self._ledger.release(self._owner)
 
 
-class SampleCache(BudgetedCache):
+class SampleStore(BudgetedStore):
     """Samples of a map-style dataset kept as they pass, one object per sample, up to ``budget_bytes``.
 
     A sample is a tensor, numpy array, number, string, bytes or a nested tuple/list/dict of them;

@@ -2,7 +2,7 @@
 
 A column of images is ``binary`` (the encoded bytes of each row) or a Hugging Face
 ``datasets.Image()`` column: a struct of ``bytes`` and ``path``, where a row without bytes is
-the local file at ``path``. :class:`ColumnImages` is an :class:`ImageSource` over one such column,
+the local file at ``path``. :class:`ColumnImages` is an :class:`ImageFiles` over one such column,
 so the image source decodes it a batch at once (DALI/nvJPEG on the GPU, PIL/torchvision on the
 CPU) and its image cache keeps the decoded images; sample ``i`` is named by its column and table
 row (``column 'image', row 7``) wherever a bad image is reported.
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gpuload.datasets.images import ImageSource
+from gpuload.datasets.images import ImageFiles
 from gpuload.decode import ImageDecodeError
 
 __all__ = ["ColumnImages", "image_column_error"]
@@ -33,7 +33,7 @@ def image_column_error(arrow_type: Any) -> str | None:
             "path (datasets' Image feature)")
 
 
-class ColumnImages(ImageSource):
+class ColumnImages(ImageFiles):
     """The encoded images of ``array`` (a ``pyarrow.ChunkedArray``), sample ``i`` being table row
     ``rows[i]`` (``rows`` None: row ``i``); ``column`` names it in errors. ``rgb_only``: refuse an
     image whose own mode is not RGB (datasets gives such an image in its own channels, gpuload's

@@ -1,6 +1,6 @@
 """Image-file sources: a class-per-folder tree, a list of (path, label), or a torchvision one.
 
-gpuload reads these as encoded bytes (:meth:`ImageSource.read_encoded`) and decodes whole
+gpuload reads these as encoded bytes (:meth:`ImageFiles.read_encoded`) and decodes whole
 batches itself (``gpuload.decode``, DALI on the GPU). As map-style torch Datasets they also
 decode one sample at a time on the CPU, to what ``torchvision.io.decode_image`` gives (uint8
 RGB (3, H, W), EXIF-upright), so a plain ``torch.utils.data.DataLoader`` works on them too.
@@ -27,7 +27,7 @@ from gpuload.decode import ImageDecodeError, check_pixels, cpu
 
 __all__ = [
     "IMG_EXTENSIONS",
-    "ImageSource",
+    "ImageFiles",
     "ImageFolder",
     "ImageList",
     "as_image_source",
@@ -58,7 +58,7 @@ def _folder_identity(path: str) -> tuple[int, int] | None:
     return status.st_dev, status.st_ino
 
 
-class ImageSource(Dataset):
+class ImageFiles(Dataset):
     """Samples that are encoded image files with integer labels.
 
     Subclasses fill ``samples`` (a list of ``(path, label)``); ``classes`` and ``class_to_idx``
@@ -112,7 +112,7 @@ class ImageSource(Dataset):
         return f"{type(self).__name__}({len(self)} images{classes})"
 
 
-class ImageFolder(ImageSource):
+class ImageFolder(ImageFiles):
     """``root/<class>/**/<image>``, indexed exactly like ``torchvision.datasets.ImageFolder``.
 
     Classes are the sorted sub-folder names of ``root`` (label = position); files are walked
@@ -165,7 +165,7 @@ class ImageFolder(ImageSource):
             )
 
 
-class ImageList(ImageSource):
+class ImageList(ImageFiles):
     """Samples from a list of ``(path, label)`` pairs; relative paths are taken under ``root``."""
 
     def __init__(
@@ -199,8 +199,8 @@ class ImageList(ImageSource):
 _IMAGE_LOADERS = ("default_loader", "pil_loader", "accimage_loader")
 
 
-def as_image_source(dataset: Any, ignore_transforms: bool = False) -> ImageSource | None:
-    """The :class:`ImageSource` to read ``dataset`` from, or None if it is not image files.
+def as_image_source(dataset: Any, ignore_transforms: bool = False) -> ImageFiles | None:
+    """The :class:`ImageFiles` to read ``dataset`` from, or None if it is not image files.
 
     gpuload sources come back as they are; anything else with a torchvision-style
     ``samples`` list of ``(path, label)`` (torchvision's ImageFolder / DatasetFolder) becomes an
@@ -209,7 +209,7 @@ def as_image_source(dataset: Any, ignore_transforms: bool = False) -> ImageSourc
     ``ignore_transforms=True``; one with a custom ``loader`` (files that are not plain images)
     always does.
     """
-    if isinstance(dataset, ImageSource):
+    if isinstance(dataset, ImageFiles):
         return dataset
     samples = getattr(dataset, "samples", None)
     if not isinstance(samples, Sequence) or isinstance(samples, str | bytes):

@@ -3,7 +3,7 @@
 Both give what ``torchvision.io.decode_image(data, mode=ImageReadMode.RGB,
 apply_exif_orientation=True)`` gives: a uint8 RGB tensor shaped (3, H, W), with the EXIF
 orientation applied, grey images spread to three channels and alpha dropped. This module is
-also the decoder behind ``ImageSource.__getitem__`` (plain torch DataLoader workers) and the
+also the decoder behind ``ImageFiles.__getitem__`` (plain torch DataLoader workers) and the
 second opinion when DALI rejects a sample.
 """
 

@@ -17,12 +17,12 @@ negotiated.
   stop at the same batch stay in step;
 - ``scope``: the ``auto`` decision (rank, node, world or today's tiers) from the cache budget;
 - ``scope_plan``: what each scope would hold and move on a pretended cluster (``gpuload plan``);
-- ``sharded_store``: a sharded store wraps any store holding a rank's share and owns the
-  exchange (:class:`ShardedStore`: steps, header check, collective, batch order, counters,
+- ``split_store``: a split store wraps any store holding a rank's share and owns the
+  exchange (:class:`SplitStore`: steps, header check, collective, batch order, counters,
   close; how rows travel as bytes: a :class:`RowFormat`), and a rank's share of the arrays;
-- ``sharded_samples``: a rank's share of a map-style dataset's samples, read once by column and
+- ``sample_shares``: a rank's share of a map-style dataset's samples, read once by column and
   served through the same exchange;
-- ``sharded_images``: a rank's share of an image dataset's decoded images, decoded once, each
+- ``image_shares``: a rank's share of an image dataset's decoded images, decoded once, each
   batch's images exchanged as ragged bytes sized from the shape table;
 - ``shared_host``: one host tier per node, mapped by its ranks from shared memory.
 - ``rank_waits``: every rank's wait share and top stage (``loader.timeline``), gathered every N
@@ -37,10 +37,10 @@ from gpuload.distributed.group import (
     current_context,
 )
 from gpuload.distributed.partition import Partition
-from gpuload.distributed.rank_batches import every_rank_batches, shardable_sampler
+from gpuload.distributed.rank_batches import every_rank_batches, splittable_sampler
 from gpuload.distributed.scope import ScopeDecision, decide_scope
 from gpuload.distributed.scope_plan import EpochBytes, ScopePlan, ScopePlans, plan_scopes
-from gpuload.distributed.sharded_store import RowFormat, ShardedStore
+from gpuload.distributed.split_store import RowFormat, SplitStore
 
 __all__ = [
     "EXCHANGE_TIMEOUT_ENV",
@@ -52,12 +52,12 @@ __all__ = [
     "ScopePlan",
     "ScopePlans",
     "RowFormat",
-    "ShardedStore",
+    "SplitStore",
     "StepPlan",
     "current_context",
     "decide_scope",
     "every_rank_batches",
     "plan_scopes",
     "plan_step",
-    "shardable_sampler",
+    "splittable_sampler",
 ]

@@ -1,4 +1,4 @@
-"""One epoch of a sharded store's exchange steps, made in order by one thread at a time, possibly
+"""One epoch of a split store's exchange steps, made in order by one thread at a time, possibly
 ahead of the training loop.
 
 Every step is a collective, so every rank must make the same steps in the same order. Running

@@ -1,6 +1,6 @@
 """The process group as gpuload sees it: rank, world and node size, the exchange's own groups.
 
-The exchange runs on groups of its own, made once per sharded store by every rank together:
+The exchange runs on groups of its own, made once per split store by every rank together:
 a gloo group for the small per-step header (checked on the host, so a GPU stream is never
 synchronized for it) and, on CUDA, an NCCL group for the rows. Both carry the exchange timeout
 (``GPULOAD_EXCHANGE_TIMEOUT`` seconds, default 600), so a rank whose peers stopped iterating

@@ -4,7 +4,7 @@ the ranks by one partition, travel in the same ``all_to_all_single`` of each ste
 :class:`JoinedShare` holds this rank's share of each kind (one :class:`~gpuload.cache.Store`
 each, by share row) and :class:`JoinedRows` packs a row as the bytes of each kind's row in turn
 (array bytes, then each image), so a destination rank's part of the step holds exactly its
-rows, whatever each kind's row sizes are. A :class:`~gpuload.distributed.sharded_store.ShardedStore`
+rows, whatever each kind's row sizes are. A :class:`~gpuload.distributed.split_store.SplitStore`
 over them (:func:`joined`) then runs one header check and one collective per batch,
 not one per kind.
 """
@@ -18,7 +18,7 @@ import torch
 
 from gpuload.cache import StoreStats
 from gpuload.cache.store import Store
-from gpuload.distributed.sharded_store import RowFormat, ShardedStore
+from gpuload.distributed.split_store import RowFormat, SplitStore
 
 __all__ = ["JoinedGather", "JoinedRows", "JoinedShare", "joined"]
 
@@ -55,7 +55,7 @@ class JoinedShare(Store):
         return JoinedGather([part.gather(rows) for part in self.parts], rows + self.start)
 
     def shrink(self, max_device_bytes: int) -> int:
-        return 0  # a share cannot shrink on one rank (ShardedStore.shrink says why)
+        return 0  # a share cannot shrink on one rank (SplitStore.shrink says why)
 
     def close(self) -> None:
         for part in self.parts:
@@ -109,11 +109,11 @@ class JoinedRows(RowFormat):
         return [part.item(r, kept, drawn) for part, r in zip(self.parts, rows)]
 
 
-def joined(store: ShardedStore, shares: list[tuple[Store, RowFormat, int]]) -> ShardedStore:
+def joined(store: SplitStore, shares: list[tuple[Store, RowFormat, int]]) -> SplitStore:
     """``store``'s exchange carrying, beside its rows, each of ``shares`` (this rank's share of
     another kind of rows, split by ``store``'s plan: its store by share row, its rows' format,
     its bytes); ``store`` is handed over to the result."""
     start = store.plan.partition.rows_of(store.plan.rank)[0]
     inner = JoinedShare([store.inner, *(share for share, _, _ in shares)], start)
     rows = JoinedRows([store.rows, *(rows for _, rows, _ in shares)])
-    return store.carrying(inner, rows, store.shard_bytes + sum(nbytes for _, _, nbytes in shares))
+    return store.carrying(inner, rows, store.share_bytes + sum(nbytes for _, _, nbytes in shares))

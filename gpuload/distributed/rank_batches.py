@@ -19,10 +19,10 @@ from torch.utils.data.distributed import DistributedSampler
 
 from gpuload.sampling import cut_order, epoch_batches, epoch_order
 
-__all__ = ["every_rank_batches", "sampler_fingerprint", "shardable_sampler"]
+__all__ = ["every_rank_batches", "sampler_fingerprint", "splittable_sampler"]
 
 
-def shardable_sampler(batch_sampler: Any, num_samples: int, world_size: int, rank: int) -> str | None:
+def splittable_sampler(batch_sampler: Any, num_samples: int, world_size: int, rank: int) -> str | None:
     """None when every rank's batches can be computed here, else why not (for a warning).
 
     That needs torch's own ``BatchSampler`` over torch's own ``DistributedSampler`` of this
@@ -58,7 +58,7 @@ def every_rank_batches(
 ) -> list[list[torch.Tensor]]:
     """This epoch's batches (int64 tensors) of every rank, in rank order.
 
-    ``batch_sampler`` is this rank's (checked by :func:`shardable_sampler`), after the loop's
+    ``batch_sampler`` is this rank's (checked by :func:`splittable_sampler`), after the loop's
     ``set_epoch``. ``rest``: ``(samples done, batch size)`` after a ``set_batch_size``: only
     the batches of the rest of each rank's sample order, from that position, cut at that size
     (as ``BatchSampler`` cuts: ``drop_last`` leaves out a shorter last batch).
@@ -82,5 +82,5 @@ def every_rank_batches(
 
 
 def _distributed(batch_sampler: BatchSampler) -> DistributedSampler[Any]:
-    """The ``DistributedSampler`` under ``batch_sampler``, as :func:`shardable_sampler` checked."""
+    """The ``DistributedSampler`` under ``batch_sampler``, as :func:`splittable_sampler` checked."""
     return cast("DistributedSampler[Any]", batch_sampler.sampler)

@@ -25,7 +25,7 @@ class ScopeDecision:
     reason: str
 
     @property
-    def sharded(self) -> bool:
+    def split(self) -> bool:
         return self.scope != "rank"
 
 

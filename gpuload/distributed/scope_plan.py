@@ -285,7 +285,7 @@ def plan_scopes(
 
 
 def _decision(requested: str, n: int, bps: int, room: int, local: int, nodes: int, mode: str) -> ScopeDecision:
-    """The loader's decision: :func:`decide_scope`, after ``shard_arrays``' own refusal of a
+    """The loader's decision: :func:`decide_scope`, after ``split_arrays``' own refusal of a
     cache without a device tier."""
     if mode not in ("auto", "device") and requested != "rank":
         return ScopeDecision(requested, "rank", 1, f"cache={mode!r} keeps no device tier to split: each rank "

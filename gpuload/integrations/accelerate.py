@@ -12,7 +12,7 @@ gpuload loader over the same dataset and batch sampler, with the original loader
 options, and marks it prepared. A later ``accelerator.prepare(model, optimizer, loader)`` keeps it.
 
 One exception to Accelerate's sharding: a loader whose sampler is torch's ``DistributedSampler``
-over exactly this Accelerator's processes is sharded already (Accelerate would deal its batches
+over exactly this Accelerator's processes is split already (Accelerate would deal its batches
 out a second time, each rank seeing a 1/N² slice); it is kept, and with it ``cache_scope="node"``
 or ``"world"`` splits one copy of the data over the ranks as under torchrun. With Accelerate's
 own sharding (any other sampler) each rank caches what it reads, and a ``node``/``world`` scope
@@ -147,7 +147,7 @@ def prepare_data_loader(
             "read as one shard of the stream per rank)"
         )
     num_processes, process_index = accelerator.num_processes, accelerator.process_index
-    if _sharded_by_its_sampler(loader, num_processes, process_index):
+    if _split_by_its_sampler(loader, num_processes, process_index):
         num_processes, process_index = 1, 0  # Accelerate would deal the rank's batches out again
     shard = _accelerate_prepare_data_loader(
         loader,
@@ -209,7 +209,7 @@ def _position_file(folder: Path, number: int, loader: GpuloadShard, process: int
     if saved == processes and own.is_file():
         return own
     if saved and distributed_layout(loader.base_dataloader) is not None:
-        # sharded by its DistributedSampler: every process saved the same point of the epoch's
+        # split by its DistributedSampler: every process saved the same point of the epoch's
         # order, which gpuload.elastic takes up at this number of processes
         return folder / POSITION_FILE.format(loader=number, process=0)
     if saved:
@@ -306,7 +306,7 @@ def _give_seedable_samplers_their_generator(loader: gpuload.DataLoader) -> None:
         sampler = getattr(sampler, "sampler", None) or getattr(sampler, "batch_sampler", None)
 
 
-def _sharded_by_its_sampler(loader: gpuload.DataLoader, num_processes: int, process_index: int) -> bool:
+def _split_by_its_sampler(loader: gpuload.DataLoader, num_processes: int, process_index: int) -> bool:
     """Whether ``loader``'s sampler is torch's DistributedSampler over exactly these processes."""
     sampler = loader.sampler
     return (

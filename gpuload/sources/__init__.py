@@ -19,7 +19,7 @@ how this epoch's work runs (``schedule``), report counters (``stats``), give mem
 (``close``, or part of the device cache: ``shrink_cache``). The loader owns the epochs.
 
 A source knows nothing of ranks. When its store is split over ranks
-(``distributed.sharded_store.ShardedStore``, decided where the source makes its store), the
+(``distributed.split_store.SplitStore``, decided where the source makes its store), the
 loader serves it through :class:`~gpuload.sources.exchanged.Exchanged`, a wrapper source that
 runs the exchange and hands the rows it gathers to the source, which makes its batches of them
 (:meth:`Source.from_rows`) as of rows gathered anywhere. A source keeps whatever its decision
@@ -68,7 +68,7 @@ class Setup:
     ``worker_code``: the user gave a ``worker_init_fn`` for worker processes, which only
     torch's path (SampleSource) runs: the array and image paths serve batches in this process;
     ``batch_sampler``: the loader's (None without auto-collation), for sources that must know
-    every rank's indices ahead (a sharded cache over torch.distributed ranks); ``staging``: the
+    every rank's indices ahead (a split cache over torch.distributed ranks); ``staging``: the
     loader's copy route to the device (its prefetcher's pinned slots and side stream; None on a
     CPU device), which every host-to-device copy made inside a batch names (``transfer.to_device``)."""
 

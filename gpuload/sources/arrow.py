@@ -23,7 +23,7 @@ from torch.utils.data import default_collate
 
 from gpuload.datasets.arrow import ArrowTable, hugging_face_dataset
 from gpuload.distributed.joined_rows import joined
-from gpuload.distributed.sharded_store import ShardedStore
+from gpuload.distributed.split_store import SplitStore
 from gpuload.sources import FromRows, Setup
 from gpuload.sources.arrays import ArraySource
 from gpuload.sources.table_columns import TableColumns, TableView, table_columns
@@ -116,7 +116,7 @@ class ArrowSource(ArraySource):
         if not super()._place():
             return False
         store = self._placed.store
-        if isinstance(store, ShardedStore) and self.images:
+        if isinstance(store, SplitStore) and self.images:
             shares = {name: share for name, source in self.images.items()
                       if (share := source.follow(store)) is not None}
             if shares:

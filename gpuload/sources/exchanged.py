@@ -1,7 +1,7 @@
 """Sharding as a wrapper source: :class:`Exchanged` serves any source whose store is split over
 ranks, so that no source knows it is split.
 
-A store split over ranks (:class:`~gpuload.distributed.sharded_store.ShardedStore`, made where a
+A store split over ranks (:class:`~gpuload.distributed.split_store.SplitStore`, made where a
 source decides its cache, from ``cache_scope``) holds this rank's share and owns the exchange:
 each batch's rows come from every rank's share, in collectives every rank makes in step. The
 wrapper runs that exchange for the epoch's batch indices (the rest of a resumed epoch cut as the
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gpuload.cache import Store
-from gpuload.distributed.sharded_store import ShardedStore
+from gpuload.distributed.split_store import SplitStore
 from gpuload.sources import Indices, Schedule, Source, Work
 
 __all__ = ["Exchanged", "serving"]
@@ -46,10 +46,10 @@ class Exchanged(Source):
     def h2d_bytes(self) -> int:  # type: ignore[override]  # the inner source's running total
         return self.inner.h2d_bytes
 
-    def share(self) -> ShardedStore:
+    def share(self) -> SplitStore:
         """The store split over ranks the wrapped source holds now."""
         store = self.inner.cache_store()
-        if not isinstance(store, ShardedStore):
+        if not isinstance(store, SplitStore):
             raise RuntimeError(f"{type(self.inner).__name__} holds no store split over ranks to exchange "
                                f"(its store: {type(store).__name__})")
         return store
@@ -85,7 +85,7 @@ class Exchanged(Source):
         """The wrapped source's entries, and ``"exchange"``: the exchange's counters once it ran."""
         entries = self.inner.stats()
         store = self.inner.cache_store()
-        if isinstance(store, ShardedStore) and store.exchange_stats.wait_s_per_epoch:
+        if isinstance(store, SplitStore) and store.exchange_stats.wait_s_per_epoch:
             loop_wait_s = self.setup.stats.wait_time_s if self.inner.rows_ahead else None
             entries["exchange"] = store.describe_exchange(loop_wait_s=loop_wait_s)
         return entries
@@ -102,6 +102,6 @@ def serving(source: Source) -> Source:
     wrapped in :class:`Exchanged` when its store is split over ranks, else ``source`` itself
     (unwrapped, when a source decided its store again and kept it whole)."""
     inner = source.inner if isinstance(source, Exchanged) else source
-    if not isinstance(inner.cache_store(), ShardedStore):
+    if not isinstance(inner.cache_store(), SplitStore):
         return inner
     return source if isinstance(source, Exchanged) else Exchanged(inner)

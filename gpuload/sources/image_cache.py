@@ -2,7 +2,7 @@
 
 ``decide_images`` (in ``gpuload.cache``) chooses what may be kept (decoded images on the
 device, or encoded bytes in host memory) and why; a :class:`CachedImages` holds the
-``SampleCache`` that keeps them as the epochs read them, and says what the source reports of it.
+``SampleStore`` that keeps them as the epochs read them, and says what the source reports of it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from gpuload.cache import CacheDecision, SampleCache, Store
+from gpuload.cache import CacheDecision, SampleStore, Store
 from gpuload.sources import Setup
 
 __all__ = ["CachedImages"]
@@ -22,7 +22,7 @@ class CachedImages:
 
     def __init__(self, setup: Setup, decision: CacheDecision, num_images: int) -> None:
         where = setup.device if decision.holds == "decoded" else torch.device("cpu")
-        self.cache = SampleCache(
+        self.cache = SampleStore(
             decision.budget, where, owner=setup.owner, room=setup.settings.room_check(where), num_samples=num_images,
         )
         self.keeps, self.reason = decision.holds, decision.reason

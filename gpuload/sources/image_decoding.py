@@ -22,7 +22,7 @@ import torch
 
 from gpuload.cache.chain import NOTHING, KeyedTier, Lookup, read_through
 from gpuload.decode import Header, HeaderTable, ImageDecodeError
-from gpuload.distributed.sharded_images import BadFile, WholeImages
+from gpuload.distributed.image_shares import BadFile, WholeImages
 from gpuload.sampling import in_range
 from gpuload.timeline import gather_stage, stage
 from gpuload.transfer import to_device
@@ -30,9 +30,9 @@ from gpuload.transforms.windows import Window
 
 if TYPE_CHECKING:
     from gpuload.augment import BatchAugmenter
-    from gpuload.cache import SampleCache
+    from gpuload.cache import SampleStore
     from gpuload.cache.disk_tier import DiskImages
-    from gpuload.datasets.images import ImageSource
+    from gpuload.datasets.images import ImageFiles
     from gpuload.decode import BatchDecoder
     from gpuload.transfer import Staging
 
@@ -63,7 +63,7 @@ class ImageReader:
     crop; a bad file raised or skipped as ``on_error`` says; images read from the disk tier go
     to ``device`` through ``staging``."""
 
-    def __init__(self, images: ImageSource, decoder: BatchDecoder, augment: BatchAugmenter | None, *,
+    def __init__(self, images: ImageFiles, decoder: BatchDecoder, augment: BatchAugmenter | None, *,
                  device: torch.device, staging: Staging | None, on_error: str) -> None:
         self.images = images
         self.decoder = decoder
@@ -71,7 +71,7 @@ class ImageReader:
         self.device, self.staging, self.on_error = device, staging, on_error
         self.headers = HeaderTable(len(images))  # each file's header read once, not per batch
         # The tiers read through (see ``use``): none until the source decides its cache.
-        self.cache: SampleCache | None = None
+        self.cache: SampleStore | None = None
         self.keeps = ""
         self.disk: DiskImages | None = None
         self.skipped = 0  # files skipped over the loader's life (one file once per epoch)
@@ -81,7 +81,7 @@ class ImageReader:
         self.cpu_decoded = 0  # non-JPEG files the GPU's nvjpeg backend left to the CPU
         self.roi = "none"  # how the last batch's decode windows were honoured (DecodeResult.roi)
 
-    def use(self, cache: SampleCache | None, keeps: str, disk: DiskImages | None) -> None:
+    def use(self, cache: SampleStore | None, keeps: str, disk: DiskImages | None) -> None:
         """Read through (and fill) ``cache``, which keeps ``"decoded"`` images or ``"encoded"``
         bytes, then ``disk``'s decoded images, before the files (None: no such tier)."""
         self.cache, self.keeps, self.disk = cache, keeps, disk
@@ -263,11 +263,11 @@ class ImageRows:
 
 
 class _MemoryImages:
-    """The decoded-image cache (a ``SampleCache`` by dataset index) as the chain's memory tier."""
+    """The decoded-image cache (a ``SampleStore`` by dataset index) as the chain's memory tier."""
 
     name = "memory"
 
-    def __init__(self, cache: SampleCache) -> None:
+    def __init__(self, cache: SampleStore) -> None:
         self.cache = cache
 
     def lookup(self, keys: torch.Tensor) -> Lookup:

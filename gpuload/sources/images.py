@@ -13,7 +13,7 @@ pageable memory: DALI's ``external_source`` copies every input into its own stag
 so a pinned copy of ours would add a pinned allocation per image without saving a transfer.
 
 In a torch.distributed job whose ``cache_scope`` splits the dataset, the decoded images are
-split over the ranks instead (``shard_images`` in ``gpuload.distributed``): each rank decodes its
+split over the ranks instead (``split_images`` in ``gpuload.distributed``): each rank decodes its
 block once, and each batch's images held by other ranks come over the exchange, whole; the
 transforms then run here as above. Either is the one store the source holds (``held``), and
 says itself what the source reports of it.
@@ -40,12 +40,12 @@ import torch
 from torch.utils.data import default_collate, default_convert
 
 from gpuload.augment import BatchAugmenter
-from gpuload.cache import SampleCache, Store, decide_images, estimate_image_bytes
+from gpuload.cache import SampleStore, Store, decide_images, estimate_image_bytes
 from gpuload.cache.disk_tier import DiskImages
-from gpuload.datasets.images import ImageSource, as_image_source
+from gpuload.datasets.images import ImageFiles, as_image_source
 from gpuload.decode import BatchDecoder
 from gpuload.device import device_memory, host_memory
-from gpuload.distributed.sharded_images import ExchangedImages, ShardedImages, shard_images
+from gpuload.distributed.image_shares import ExchangedImages, SplitImages, split_images
 from gpuload.sources import FromRows, Indices, Schedule, Setup, Source, Work, ahead_on_device
 from gpuload.sources.image_cache import CachedImages
 from gpuload.sources.image_decoding import DecodedBatch, ImageReader
@@ -85,7 +85,7 @@ class ImageFileSource(Source):
     # before, one more to absorb jitter in file sizes. Each holds a finished batch (38 MiB at
     # 128 x 224^2 float16), so more buys nothing but memory.
 
-    def __init__(self, setup: Setup, images: ImageSource) -> None:
+    def __init__(self, setup: Setup, images: ImageFiles) -> None:
         super().__init__(setup)
         self.images = images
         self.augment = (
@@ -101,7 +101,7 @@ class ImageFileSource(Source):
                                   on_error=setup.on_error)
         # What the cache decision chose: the image cache, this rank's share of images split over
         # the ranks, or nothing.
-        self.held: CachedImages | ShardedImages | None = None
+        self.held: CachedImages | SplitImages | None = None
         self.disk: DiskImages | None = None  # cache_dir's disk tier of whole decoded images
         self._disk_summary: dict[str, Any] | None = None  # the tier's stats once a share was read
         self._decided = False
@@ -119,7 +119,7 @@ class ImageFileSource(Source):
             if self.disk is not None:
                 weakref.finalize(self, self.disk.close)
         self.reader.use(None, "", self.disk)
-        share = self._shard()  # its block is read from the disk tier where published, and fills it
+        share = self._split()  # its block is read from the disk tier where published, and fills it
         if share is not None and self.disk is not None:
             # The share holds every image this rank serves: no file is read again, nothing more to keep.
             self._disk_summary = self.disk.stats()
@@ -145,7 +145,7 @@ class ImageFileSource(Source):
         weakref.finalize(self, cached.store.close)
         return cached
 
-    def _shard(self) -> ShardedImages | None:
+    def _split(self) -> SplitImages | None:
         """This rank's share of the decoded images when ``cache_scope`` splits them over the
         ranks of torch.distributed (decoded now), else None."""
         setup = self.setup
@@ -156,7 +156,7 @@ class ImageFileSource(Source):
                 return settings.device_room(device, device_memory(device), setup.owner)
             return settings.host_room(host_memory())
 
-        share = shard_images(
+        share = split_images(
             len(self.images), settings, device, setup.batch_sampler, setup.owner,
             estimate=lambda: estimate_image_bytes(self.images)[0], room=room, read=self.reader.read_whole,
             chunk_size=setup.batch_size or 1, on_error=setup.on_error, name=self.images.path,
@@ -167,7 +167,7 @@ class ImageFileSource(Source):
         return share
 
     @property
-    def cache(self) -> SampleCache | None:
+    def cache(self) -> SampleStore | None:
         """The image cache decoding reads from and fills (None: none here)."""
         return self.held.cache if self.held is not None else None
 

@@ -29,7 +29,7 @@ from gpuload.datasets.packed_rows import PackedRows, packed_rows
 from gpuload.datasets.packing import PackedTokens, collate_packed, gather_rows
 from gpuload.datasets.tokens import signed_view
 from gpuload.device import device_memory, host_memory
-from gpuload.distributed.sharded_store import decline_split, split_context
+from gpuload.distributed.split_store import decline_split, split_context
 from gpuload.sampling import in_range
 from gpuload.sources import Indices, Schedule, Setup, Source, Work
 from gpuload.sources.placed_arrays import staged_copier

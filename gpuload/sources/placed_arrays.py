@@ -27,8 +27,8 @@ from gpuload.cache.disk import Fingerprint, fingerprint_arrays
 from gpuload.datasets.arrays import ArrayDataset
 from gpuload.device import device_memory, host_memory
 from gpuload.distributed.group import current_context
-from gpuload.distributed.sharded_store import ShardedStore, shard_arrays
 from gpuload.distributed.shared_host import node_host_tier
+from gpuload.distributed.split_store import SplitStore, split_arrays
 from gpuload.prefetch import Fill, TensorSpec
 from gpuload.sampling import in_range
 from gpuload.timeline import gather_stage, stage
@@ -133,7 +133,7 @@ class ArrayColumns:
 
         In a torch.distributed job whose ``cache_scope`` splits the dataset over ranks (and
         whose ``batch_sampler`` is torch's over a ``DistributedSampler``), a
-        ``ShardedStore`` over a store of this rank's rows holds its share. ``cache="off"`` (or a plan that caches
+        ``SplitStore`` over a store of this rank's rows holds its share. ``cache="off"`` (or a plan that caches
         nothing) keeps the arrays where they are and streams every batch through the
         prefetcher's pinned slots. On a CPU device the arrays are served in place. Otherwise a
         ``TieredArrayStore`` holds the plan's tiers (device, host); in a torch.distributed job the
@@ -141,9 +141,9 @@ class ArrayColumns:
         its share of the node's host budget. ``staging``: the loader's route to the device, which
         the indices a batch gathers there take.
         """
-        sharded = shard_arrays(self.columns, settings, device, batch_sampler, owner, staging=staging)
-        if sharded is not None:
-            return ResidentColumns(self, self.columns, device, sharded.plan.kind, copies_batches=False, store=sharded,
+        split = split_arrays(self.columns, settings, device, batch_sampler, owner, staging=staging)
+        if split is not None:
+            return ResidentColumns(self, self.columns, device, split.plan.kind, copies_batches=False, store=split,
                                    staging=staging)
         if settings.mode.value == "off":
             return ResidentColumns(self, self.columns, device, "host-gather", copies_batches=True, staging=staging)
@@ -188,7 +188,7 @@ class ResidentColumns:
         device: torch.device,
         path: str,
         copies_batches: bool,
-        store: TieredArrayStore | ShardedStore | None = None,
+        store: TieredArrayStore | SplitStore | None = None,
         staging: Staging | None = None,
     ) -> None:
         self.source = source

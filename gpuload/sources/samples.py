@@ -6,7 +6,7 @@ may be kept (the device, host memory, or nowhere) and why; ``CachedSamples`` fil
 ``ColumnStore`` while the first epoch runs and then builds batches from it, calling the dataset
 only for what it lacks. Without a cache (an IterableDataset, ``cache="off"``, auto declining),
 torch's own iterator makes every batch, workers included, and the loader moves it. In a
-torch.distributed job whose ``cache_scope`` splits the dataset, ``shard_samples`` (in
+torch.distributed job whose ``cache_scope`` splits the dataset, ``split_samples`` (in
 ``gpuload.distributed``) reads this rank's share of the samples instead, once, and each batch
 comes from every rank's share over the exchange. Either is the one store the source holds
 (``held``), and says itself what the source reports of it.
@@ -34,7 +34,7 @@ from torch.utils.data.dataloader import DataLoader as TorchDataLoader
 from gpuload.cache import Store, decide_samples
 from gpuload.cache.disk import Fingerprint
 from gpuload.cache.disk_tier import DiskRows
-from gpuload.distributed.sharded_samples import ShardedSamples, shard_samples
+from gpuload.distributed.sample_shares import SplitSamples, split_samples
 from gpuload.resume import stateful
 from gpuload.sources import FromRows, Indices, Schedule, Setup, Source, Work
 from gpuload.sources.sample_cache import CachedSamples
@@ -65,7 +65,7 @@ class SampleSource(Source):
         self.torch = torch_loading
         # What the cache decision chose: the sample cache, this rank's share of samples split over
         # the ranks, or nothing.
-        self.held: CachedSamples | ShardedSamples | None = None
+        self.held: CachedSamples | SplitSamples | None = None
         self._decided = False
         self._released: dict[str, Any] | None = None
         self._fill_loader: TorchDataLoader | None = None
@@ -77,13 +77,13 @@ class SampleSource(Source):
     def h2d_bytes(self) -> int:  # type: ignore[override]
         return self._moved_bytes + (self.held.h2d_bytes if self.held is not None else 0)
 
-    def _decide_cache(self) -> CachedSamples | ShardedSamples | None:
+    def _decide_cache(self) -> CachedSamples | SplitSamples | None:
         """The store held, decided at the first epoch (again after ``close``); None: no cache."""
         setup = self.setup
         if self._decided or not setup.map_style:
             return self.held
         self._decided = True
-        share = self._shard()
+        share = self._split()
         self.held = share if share is not None else self._sample_cache()
         return self.held
 
@@ -112,12 +112,12 @@ class SampleSource(Source):
         weakref.finalize(self, cached.store.close)
         return cached
 
-    def _shard(self) -> ShardedSamples | None:
+    def _split(self) -> SplitSamples | None:
         """This rank's share of the samples when ``cache_scope`` splits them over the ranks of
         torch.distributed (read now, with the loader's workers when it has them), else None."""
         setup = self.setup
         options = self._reader_options()
-        share = shard_samples(
+        share = split_samples(
             setup.dataset, setup.settings, setup.device, setup.batch_sampler, setup.owner,
             default_collate=setup.batched and setup.collate_fn is default_collate,
             read=lambda chunks: read_prepared(setup.dataset, chunks, self.torch.num_workers, options),
@@ -148,7 +148,7 @@ class SampleSource(Source):
 
     def _work(self, request: Indices, ahead: bool) -> Work:
         cached = self.held
-        assert not isinstance(cached, ShardedSamples)  # a share's batches are made from_rows()
+        assert not isinstance(cached, SplitSamples)  # a share's batches are made from_rows()
         finish: Callable[[Any], Any] = self._passed if ahead else (lambda batch: self._moved(batch, request.copy_now))
         if not self.setup.map_style:
             batches = self.torch.iterate()  # an iterable dataset: torch's own iterator, workers included
@@ -186,7 +186,7 @@ class SampleSource(Source):
     def from_rows(self, number: int, ahead: bool) -> FromRows:
         """Batches of columns gathered from the share held, rebuilt as ``default_collate`` gives them."""
         share = self.held
-        if not isinstance(share, ShardedSamples):
+        if not isinstance(share, SplitSamples):
             raise TypeError(f"{type(self).__name__} holds no share of samples to make batches of rows from")
 
         def finish(item: tuple[list[torch.Tensor], torch.Tensor]) -> tuple[Any, int]:

@@ -42,8 +42,8 @@ from gpuload.datasets.arrow import import_optional
 from gpuload.datasets.column_images import ColumnImages
 from gpuload.device import device_memory, host_memory
 from gpuload.distributed.group import current_context
-from gpuload.distributed.sharded_images import DecodedShare, ExchangedImages, ImageRows, ShardedImages, read_share
-from gpuload.distributed.sharded_store import ShardedStore
+from gpuload.distributed.image_shares import DecodedShare, ExchangedImages, ImageRows, SplitImages, read_share
+from gpuload.distributed.split_store import SplitStore
 from gpuload.sources import Setup
 from gpuload.sources.image_decoding import DecodedBatch
 from gpuload.sources.images import ImageFileSource
@@ -53,12 +53,12 @@ from gpuload.transfer import Staging
 __all__ = ["ColumnImageSource", "ColumnShare", "ImageLeaf", "column_fingerprint", "image_sources"]
 
 
-class ColumnShare(ShardedImages):
+class ColumnShare(SplitImages):
     """This rank's share of an image column of a table split over ranks (``share``, its images'
     travel: ``rows``), split by the plan of ``store``, the table's arrays split over ranks; the
     exchange that carries it is the arrays' (:func:`~gpuload.distributed.joined_rows.joined`)."""
 
-    def __init__(self, store: ShardedStore, share: DecodedShare, rows: ImageRows) -> None:
+    def __init__(self, store: SplitStore, share: DecodedShare, rows: ImageRows) -> None:
         super().__init__(store)
         self.share, self.rows = share, rows
 
@@ -87,7 +87,7 @@ class ColumnImageSource(ImageFileSource):
     def __init__(self, setup: Setup, images: ColumnImages, origin: dict[str, Any] | None = None) -> None:
         super().__init__(setup, images)
         self.column, self.origin = images, origin
-        self.split: ShardedStore | None = None  # the table's arrays split over ranks: the images follow
+        self.split: SplitStore | None = None  # the table's arrays split over ranks: the images follow
         self.arrived: ExchangedImages | None = None  # the batch's images the exchange brought
 
     def _open_disk(self) -> DiskImages | None:
@@ -97,7 +97,7 @@ class ColumnImageSource(ImageFileSource):
         return DiskImages.open(self.images, self.setup.settings, decode,
                                identify=lambda shaped: column_fingerprint(self.column, self.origin, shaped, key))
 
-    def follow(self, split: ShardedStore) -> ColumnShare | None:
+    def follow(self, split: SplitStore) -> ColumnShare | None:
         """Decide this column's cache under the table's arrays split over ranks (``split``): this
         rank's share of its images, read and decoded now (every rank at the same point), or None
         when a rank's share does not fit or could not be read (each rank then keeps its own image
@@ -106,7 +106,7 @@ class ColumnImageSource(ImageFileSource):
         self._decide_cache()
         return self.held if isinstance(self.held, ColumnShare) else None
 
-    def _shard(self) -> ShardedImages | None:
+    def _split(self) -> SplitImages | None:
         split, setup = self.split, self.setup
         context = current_context() if split is not None else None
         if split is None or context is None:

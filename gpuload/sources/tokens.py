@@ -37,7 +37,7 @@ from gpuload.cache import CachePlan, Store, TieredArrayStore, format_bytes
 from gpuload.cache.array_store import gatherable
 from gpuload.datasets.tokens import TokenWindows, widen
 from gpuload.device import device_memory, host_memory
-from gpuload.distributed.sharded_store import decline_split, split_context
+from gpuload.distributed.split_store import decline_split, split_context
 from gpuload.prefetch import Fill, TensorSpec, default_depth
 from gpuload.sampling import in_range
 from gpuload.sources import Indices, Schedule, Setup, Source, Work

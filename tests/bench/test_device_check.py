@@ -370,7 +370,7 @@ def test_every_listed_range_names_the_device_check_step_that_runs_it() -> None:
 def test_a_range_run_by_a_test_that_skips_on_the_device_image_is_named() -> None:
     dali = ("tests/sources/test_images_background.py::"
             "test_on_cuda_batches_are_decoded_and_transformed_ahead_on_the_side_stream")
-    two_gpus = "tests/distributed/test_sharded_images.py::test_nccl_ranks_get_the_per_rank_caches_batches"
+    two_gpus = "tests/distributed/test_image_shares.py::test_nccl_ranks_get_the_per_rank_caches_batches"
     runs_there = "tests/test_sampling.py::test_indices_on_the_gpu_come_back_on_the_host_in_range"
     not_gpu = "tests/sources/test_images.py::test_batches_are_decoded_then_transformed_per_sample"
     table = "\n".join([

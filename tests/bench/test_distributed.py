@@ -28,7 +28,7 @@ from gpuload.device import DeviceError, cuda_available
 STORED = Path(__file__).parent / "distributed-cpu.json"  # a real default run, 2 CPU ranks
 
 
-def test_two_ranks_get_torchs_batches_and_the_sharded_scopes_hold_half(tmp_path: Path, capsys, monkeypatch) -> None:
+def test_two_ranks_get_torchs_batches_and_the_split_scopes_hold_half(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setattr(os, "getloadavg", lambda: (10_000.0, 0.0, 0.0))  # the run notes a busy machine
     args = ["bench", "--scenario", "distributed", "--samples", "1000", "--batch-size", "100", "--epochs", "1",
             "--device", "cpu", "--out", str(tmp_path)]

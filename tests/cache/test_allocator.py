@@ -7,7 +7,7 @@ import torch
 
 from gpuload.cache.allocator import reserved_bytes
 from gpuload.cache.budget import BudgetLedger
-from gpuload.cache.sample_store import SampleCache
+from gpuload.cache.sample_store import SampleStore
 
 MiB = 1 << 20
 IMAGENET = 3 * 400 * 350  # an ImageNet image decoded at its own size, uint8: 420,000 bytes
@@ -34,11 +34,11 @@ def test_decoded_images_kept_one_tensor_each_on_a_device_count_what_the_allocato
     1.25 N. META stands in for CUDA (the count is arithmetic); host memory counts sizes."""
     image = torch.zeros(3, 400, 350, dtype=torch.uint8)
     ledger = BudgetLedger()
-    on_device = SampleCache(16 * (2 * MiB // 4 + 8), "meta", ledger=ledger, owner="images")
+    on_device = SampleStore(16 * (2 * MiB // 4 + 8), "meta", ledger=ledger, owner="images")
     kept = sum(on_device.keep(i, (image, i)) for i in range(20))
     assert kept == 16 and on_device.full  # four images to each 2 MiB segment
     assert on_device.stats.bytes == ledger.used("meta") == 16 * (2 * MiB // 4 + 8)
-    on_host = SampleCache(1 << 30)
+    on_host = SampleStore(1 << 30)
     on_host.keep(0, (image, 0))
     assert on_host.stats.bytes == IMAGENET + 8
     on_device.close()
@@ -60,7 +60,7 @@ def test_an_image_cache_on_cuda_counts_at_least_what_the_allocator_reserves_for_
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_stats()["reserved_bytes.all.current"]
-    cache = SampleCache(1 << 40, "cuda", ledger=BudgetLedger(), owner="images")
+    cache = SampleStore(1 << 40, "cuda", ledger=BudgetLedger(), owner="images")
     assert all(cache.keep(i, image) for i, image in enumerate(images))
     torch.cuda.synchronize()
     reserved = torch.cuda.memory_stats()["reserved_bytes.all.current"] - before

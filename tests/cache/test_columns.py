@@ -85,7 +85,7 @@ def test_prepared_and_gathered_batches_equal_default_collate(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("dict", "string")])
 def test_columns_of_batches_of_one_layout_join_and_rebuild_as_default_collate(kind: str) -> None:
-    """What a sharded sample cache relies on: batches of one layout, joined column by column and
+    """What a split sample cache relies on: batches of one layout, joined column by column and
     rebuilt in the template's structure, are default_collate of all their samples."""
     samples = [_sample(kind, i) for i in range(9)]
     first, second = prepare(samples[:3]), prepare(samples[3:])

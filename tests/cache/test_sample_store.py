@@ -1,4 +1,4 @@
-"""SampleCache: samples kept by index within a budget, complete, settled, shrunk, closed."""
+"""SampleStore: samples kept by index within a budget, complete, settled, shrunk, closed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpuload.cache import CacheFallbackWarning, SampleCache
+from gpuload.cache import CacheFallbackWarning, SampleStore
 from gpuload.cache.allocator import reserved_bytes
 from gpuload.cache.budget import BudgetLedger
 
@@ -21,7 +21,7 @@ gpu = pytest.mark.gpu
 def test_sample_cache_budget_and_counts():
     sample = {"image": torch.zeros(10, dtype=torch.uint8), "label": 3, "name": "a"}
     per_sample = 10 + 8 + 1
-    cache = SampleCache(per_sample * 3 + 5)
+    cache = SampleStore(per_sample * 3 + 5)
     for i in range(5):
         cache.keep(i, sample)
     assert len(cache) == 3 and cache.full
@@ -37,7 +37,7 @@ def test_sample_cache_budget_and_counts():
 def test_sample_cache_copies_and_keeps_structure():
     tensor = torch.arange(4)
     array = np.arange(3)
-    cache = SampleCache(10**6)
+    cache = SampleStore(10**6)
     assert cache.keep(0, (tensor, [array, 1.5], {"k": tensor}))
     tensor += 100  # the dataset reuses its buffer
     array += 100
@@ -50,7 +50,7 @@ def test_sample_cache_copies_and_keeps_structure():
 
 def test_sample_cache_close():
     ledger = BudgetLedger()
-    cache = SampleCache(100, ledger=ledger)
+    cache = SampleStore(100, ledger=ledger)
     cache.keep(0, torch.zeros(4))
     stored = weakref.ref(cache.get(0))
     cache.close()
@@ -63,7 +63,7 @@ def test_sample_cache_close():
 @gpu
 def test_cuda_sample_cache_books_ledger():
     ledger = BudgetLedger()
-    cache = SampleCache(1000, "cuda", ledger=ledger, owner="s")
+    cache = SampleStore(1000, "cuda", ledger=ledger, owner="s")
     cache.keep(0, torch.zeros(100, dtype=torch.uint8))
     assert cache.get(0).device.type == "cuda"
     assert ledger.used("cuda:0") == reserved_bytes(100) == 512  # the allocator's block, not the 100 bytes
@@ -72,7 +72,7 @@ def test_cuda_sample_cache_books_ledger():
 
 
 def test_sample_cache_settle_stops_adding_and_shrinks_the_budget():
-    cache = SampleCache(1000)
+    cache = SampleStore(1000)
     assert cache.keep(0, torch.zeros(100, dtype=torch.uint8))
     cache.settle()
     assert cache.stats.budget == 100 and cache.full
@@ -83,7 +83,7 @@ def test_sample_cache_settle_stops_adding_and_shrinks_the_budget():
 @gpu
 def test_cuda_sample_cache_settle_gives_the_unused_booking_back():
     ledger = BudgetLedger()
-    cache = SampleCache(1000, "cuda", ledger=ledger, owner="s")
+    cache = SampleStore(1000, "cuda", ledger=ledger, owner="s")
     cache.keep(0, torch.zeros(100, dtype=torch.uint8))
     assert ledger.reserved("cuda:0") == 1000
     cache.settle()
@@ -93,7 +93,7 @@ def test_cuda_sample_cache_settle_gives_the_unused_booking_back():
 
 
 def test_sample_cache_shrink_drops_the_newest_and_stops_adding():
-    cache = SampleCache(1000)
+    cache = SampleStore(1000)
     for index in range(5):
         cache.keep(index, torch.zeros(100, dtype=torch.uint8))
     assert cache.shrink(250) == 300
@@ -110,7 +110,7 @@ def test_sample_cache_asks_for_room_before_adding_and_stops_with_one_warning():
         calls.append(1)
         return 250 if len(calls) == 1 else 50
 
-    cache = SampleCache(10_000, room=ask)
+    cache = SampleStore(10_000, room=ask)
     assert cache.keep(0, torch.zeros(100, dtype=torch.uint8))
     assert cache.keep(1, torch.zeros(100, dtype=torch.uint8))
     assert len(calls) == 1  # the first answer covered both
@@ -124,7 +124,7 @@ def test_sample_cache_asks_for_room_before_adding_and_stops_with_one_warning():
 
 def test_keeps_decoded_images_until_the_budget() -> None:
     image = torch.randint(0, 256, (3, 8, 6), dtype=torch.uint8)
-    cache = SampleCache(2 * image.numel(), num_samples=3, ledger=BudgetLedger())
+    cache = SampleStore(2 * image.numel(), num_samples=3, ledger=BudgetLedger())
     assert cache.keep(0, image) and cache.keep(1, image)
     assert not cache.keep(2, image)  # over the budget
     assert torch.equal(cache.get(0), image) and cache.get(2) is None
@@ -137,7 +137,7 @@ def test_keeps_decoded_images_until_the_budget() -> None:
 
 def test_keeps_encoded_bytes_completes_and_settles() -> None:
     blobs = [b"\xff\xd8" + bytes(10), b"\xff\xd8" + bytes(20)]
-    cache = SampleCache(GiB, num_samples=2, ledger=BudgetLedger())
+    cache = SampleStore(GiB, num_samples=2, ledger=BudgetLedger())
     for index, data in enumerate(blobs):
         assert cache.accepting and cache.keep(index, data)
     assert cache.complete and not cache.accepting and cache.get(1) == blobs[1]
@@ -183,8 +183,8 @@ def test_copies_keep_container_and_tensor_subclasses_and_name_what_they_cannot_c
 
 def test_a_negative_budget_is_refused_and_a_closed_cache_settles_to_nothing():
     with pytest.raises(ValueError, match="budget_bytes must be >= 0, got -1"):
-        SampleCache(-1)
-    cache = SampleCache(100)
+        SampleStore(-1)
+    cache = SampleStore(100)
     assert cache.keep(0, 1) and cache.keep(0, 1) and len(cache) == 1  # kept once
     cache.close()
     cache.settle()
@@ -194,7 +194,7 @@ def test_a_negative_budget_is_refused_and_a_closed_cache_settles_to_nothing():
 def test_a_cache_closed_while_a_sample_is_copied_does_not_keep_it(monkeypatch):
     import gpuload.cache.sample_store as sample_store
 
-    cache = SampleCache(10**6)
+    cache = SampleStore(10**6)
     copy = sample_store.copy_value
 
     def copied_while_closed(value, device):
@@ -210,7 +210,7 @@ def test_a_cache_closed_while_a_sample_is_copied_does_not_keep_it(monkeypatch):
 def test_out_of_memory_while_copying_stops_filling_with_one_warning_and_other_errors_surface(monkeypatch):
     import gpuload.cache.sample_store as sample_store
 
-    cache = SampleCache(10**6)
+    cache = SampleStore(10**6)
     assert cache.keep(0, torch.zeros(2))
 
     def failing(value, device):

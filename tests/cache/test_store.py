@@ -27,13 +27,13 @@ from store_cases import (
     columns_case,
     planned,
     sample_cache_case,
-    sharded_arrays_case,
+    split_arrays_case,
 )
 
 from gpuload.cache import TieredArrayStore
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.chain import NOTHING, Lookup, read_through
-from gpuload.cache.sample_store import SampleCache
+from gpuload.cache.sample_store import SampleStore
 from gpuload.cache.store import FillingStore, Store, StreamGuard
 from gpuload.cache.tiers import TIERS, HostTier, Tier, register_tier
 
@@ -105,7 +105,7 @@ def test_stats_and_close(case):
 
 
 def test_filling_stores_say_when_they_are_complete():
-    cache = SampleCache(1 << 30, ledger=BudgetLedger(), num_samples=4)
+    cache = SampleStore(1 << 30, ledger=BudgetLedger(), num_samples=4)
     assert isinstance(cache, FillingStore) and not cache.complete
     cache.put(torch.arange(4), ["a", "b", "c", "d"])
     assert cache.complete and cache.gather(torch.tensor([3, 0])) == ["d", "a"]
@@ -174,7 +174,7 @@ def test_the_contract_on_cuda(kind):
 
 @pytest.mark.gpu
 def test_a_share_split_over_ranks_on_cuda_is_held_whole_and_given_back_on_close():
-    case = sharded_arrays_case("cuda")
+    case = split_arrays_case("cuda")
     index = case.held[torch.randperm(case.held.numel())[:50]]
     assert same(case.batch(index), case.expected(index))
     held = case.store.device_bytes

@@ -152,7 +152,7 @@ def test_a_checkpoint_without_this_processs_position_is_refused(tmp_path) -> Non
 
 
 def test_positions_of_a_distributed_sampler_are_taken_up_at_another_number_of_processes(tmp_path) -> None:
-    """A loader sharded by torch's DistributedSampler saved the same point of the epoch's order on
+    """A loader split by torch's DistributedSampler saved the same point of the epoch's order on
     every process (pretended: 2 processes' files, the sampler over 2 replicas): one process takes
     it up (gpuload.elastic) from sample 2 batches x 4 x 2 replicas = 16 of the epoch's order."""
     from torch.utils.data.distributed import DistributedSampler

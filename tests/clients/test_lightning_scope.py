@@ -35,7 +35,7 @@ def torchs_batches(rank: int, epoch: int) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_ddp_fit_shards_the_arrays_and_gives_each_rank_torchs_batches(tmp_path: Path) -> None:
+def test_ddp_fit_splits_the_arrays_and_gives_each_rank_torchs_batches(tmp_path: Path) -> None:
     env = {name: value for name, value in os.environ.items() if name not in TORCHRUN_ENV}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

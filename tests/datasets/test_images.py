@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from gpuload.datasets.images import (
     IMG_EXTENSIONS,
     SAMPLE_PHOTOS,
+    ImageFiles,
     ImageFolder,
     ImageList,
-    ImageSource,
     as_image_source,
     make_sample_image_folder,
 )
@@ -135,7 +135,7 @@ def test_image_list_with_root_and_labels(tree: Path) -> None:
     ds = ImageList([("dog/b.jpg", 4), (Path("cat/z.png"), torch.tensor(7))], root=tree,
                    classes=[f"c{i}" for i in range(8)])
     assert ds.samples == [(os.path.join(tree, "dog/b.jpg"), 4), (os.path.join(tree, "cat/z.png"), 7)]
-    assert isinstance(ds, ImageSource) and ds[1][1] == 7 and ds[1][0].shape == (3, F.HEIGHT, F.WIDTH)
+    assert isinstance(ds, ImageFiles) and ds[1][1] == 7 and ds[1][0].shape == (3, F.HEIGHT, F.WIDTH)
     assert ds.read_encoded(0)[0] == (tree / "dog/b.jpg").read_bytes()
 
 

@@ -1,4 +1,4 @@
-"""What each rank of tests/distributed/test_sharded_arrow.py runs: tables over 2 gloo processes, each
+"""What each rank of tests/distributed/test_split_arrow.py runs: tables over 2 gloo processes, each
 scope beside torch's loader, the findings written to ``rank<r>.json``: a datasets.Dataset of
 fixed-width, token and text columns, then tables with an image column (an ArrowTable, a Parquet
 file, a datasets.Dataset with an ``Image()`` feature), each rank counting the images it decodes."""

@@ -267,7 +267,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
 
 def run_nccl(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """Every rank changing the size together over NCCL, one GPU per rank, the exchange issued
-    from the loop's thread whatever ``prefetch_depth`` (ShardedStore.runs_ahead)."""
+    from the loop's thread whatever ``prefetch_depth`` (SplitStore.runs_ahead)."""
     with ranks_job.nccl_job(rank, world, init_file):
         device = f"cuda:{rank}"
         found: dict = {"every_rank": {}, "resume": {}}

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from gpuload.distributed import DistributedContext, sharded_store
-from gpuload.distributed.sharded_store import ShardedStore
+from gpuload.distributed import DistributedContext, split_store
+from gpuload.distributed.split_store import SplitStore
 
 WORLD = 2
 CONTEXT = DistributedContext(rank=0, world_size=WORLD, local_world_size=WORLD, backend="gloo")
@@ -43,7 +43,7 @@ class FakePeers:
         assert not dist.is_initialized()
         self.answers = list(answers or [])
         self.calls = 0
-        monkeypatch.setattr(sharded_store, "exchange_groups", lambda device, timeout: GROUPS)
+        monkeypatch.setattr(split_store, "exchange_groups", lambda device, timeout: GROUPS)
         monkeypatch.setattr(dist, "all_gather", self._all_gather)
 
     def _all_gather(self, everyone: list[torch.Tensor], mine: torch.Tensor, group: Any = None) -> None:
@@ -66,7 +66,7 @@ class Wire:
         self.posted: dict[int, tuple[torch.Tensor, list[int]]] = {}
         self.barrier = threading.Barrier(world)
 
-    def connect(self, store: ShardedStore, rank: int) -> None:
+    def connect(self, store: SplitStore, rank: int) -> None:
         def swap(received, outgoing, recv_splits, send_splits, header) -> None:
             self.posted[rank] = (outgoing, send_splits)
             self.barrier.wait(timeout=10)

@@ -224,7 +224,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
 
 def run_nccl(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """The split image cache over NCCL, one GPU per rank, decoded and exchanged on the devices,
-    from the loop's thread whatever ``prefetch_depth`` (ShardedStore.runs_ahead)."""
+    from the loop's thread whatever ``prefetch_depth`` (SplitStore.runs_ahead)."""
     files = json.loads(Path(out_dir, "files.json").read_text())
     with ranks_job.nccl_job(rank, world, init_file):
         found = {f"{scope}/depth={depth}": compare(files["samples"], scope, device=f"cuda:{rank}", prefetch_depth=depth)

@@ -358,7 +358,7 @@ def in_environment(rank: int, environ: dict[str, str], run: Callable[..., None],
 
 
 def run_nccl(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    """The sharded scopes over NCCL, one GPU per rank."""
+    """The split scopes over NCCL, one GPU per rank."""
     with nccl_job(rank, world, init_file):
         data = dataset()
         found = {key: compare(data, scope, True, drop_last, batch_size=8, device=f"cuda:{rank}")

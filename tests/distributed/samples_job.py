@@ -157,7 +157,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
 
 
 def run_nccl(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    """The sharded scopes over NCCL, one GPU per rank, the share on each rank's device."""
+    """The split scopes over NCCL, one GPU per rank, the share on each rank's device."""
     with ranks_job.nccl_job(rank, world, init_file):
         found = {scope: compare(Records(), scope, device=f"cuda:{rank}") for scope in ("world", "node")}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(found))

@@ -79,7 +79,7 @@ def test_partition_blocks_and_errors():
 def test_array_rows_come_back_whole_from_their_bytes_for_any_count_and_alignment():
     """A row of 75 uint8 bytes puts the next array's float64 at an odd offset: each decoded
     array is its own aligned allocation, also for one row (no copy a slice would skip)."""
-    from gpuload.distributed.sharded_store import ArrayRows
+    from gpuload.distributed.split_store import ArrayRows
 
     g = torch.Generator().manual_seed(2)
     columns = [torch.randint(0, 256, (5, 75), dtype=torch.uint8, generator=g),
@@ -101,13 +101,13 @@ def test_a_share_that_does_not_fit_its_device_is_the_exchanges_error_not_a_fallb
     from gpuload.cache.budget import BudgetLedger
     from gpuload.cache.tiers import DeviceTier
     from gpuload.distributed import ExchangeError, ScopeDecision
-    from gpuload.distributed.sharded_store import ShardPlan, array_share
+    from gpuload.distributed.split_store import SplitPlan, array_share
 
     def no_room(cls, source, first, rows, device):
         raise RuntimeError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
     monkeypatch.setattr(DeviceTier, "allocate", classmethod(no_room))
-    plan = ShardPlan(ScopeDecision("world", "world", 2, "a test's share"), Partition(8, 2, 2), 0, 8, "cpu")
+    plan = SplitPlan(ScopeDecision("world", "world", 2, "a test's share"), Partition(8, 2, 2), 0, 8, "cpu")
     ledger = BudgetLedger()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -195,9 +195,9 @@ def test_device_wait_is_the_streams_not_the_hosts():
 
 def test_only_gloos_exchange_runs_ahead_of_the_loop():
     """NCCL forbids two threads issuing on two communicators of one GPU at once (DDP's and ours)."""
-    from gpuload.distributed.sharded_store import ShardedStore
+    from gpuload.distributed.split_store import SplitStore
 
-    store = ShardedStore.__new__(ShardedStore)
+    store = SplitStore.__new__(SplitStore)
     store.device = torch.device("cpu")
     assert store.runs_ahead
     store.device = torch.device("cuda", 0)

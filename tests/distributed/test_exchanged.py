@@ -15,10 +15,10 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from gpuload.cache import CacheSettings, SampleCache, Store
+from gpuload.cache import CacheSettings, SampleStore, Store
 from gpuload.cache.budget import BudgetLedger
 from gpuload.distributed import Partition, ScopeDecision
-from gpuload.distributed.sharded_store import ShardedStore, ShardPlan, sharded_arrays
+from gpuload.distributed.split_store import SplitPlan, SplitStore, split_array_store
 from gpuload.sources import FromRows, Indices, Schedule, Setup, Source, Work
 from gpuload.sources.exchanged import Exchanged, serving
 from gpuload.stats import LoaderStats
@@ -70,10 +70,10 @@ def _setup(rank: int) -> Setup:
                  owner=("exchanged", rank), batch_sampler=_batch_sampler(rank))
 
 
-def _share(rank: int) -> ShardedStore:
+def _share(rank: int) -> SplitStore:
     start, stop = Partition(N, WORLD, WORLD).rows_of(rank)
-    plan = ShardPlan(ScopeDecision("world", "world", WORLD, "a test"), Partition(N, WORLD, WORLD), rank, 12, "cpu")
-    return sharded_arrays([DATA[start:stop].clone()], plan, torch.device("cpu"), (None, None),
+    plan = SplitPlan(ScopeDecision("world", "world", WORLD, "a test"), Partition(N, WORLD, WORLD), rank, 12, "cpu")
+    return split_array_store([DATA[start:stop].clone()], plan, torch.device("cpu"), (None, None),
                           owner=("exchanged", rank), ledger=BudgetLedger())
 
 
@@ -124,7 +124,7 @@ def test_a_source_serves_itself_while_its_store_is_whole_and_is_unwrapped_when_i
     wrapped = serving(source)
     assert isinstance(wrapped, Exchanged) and serving(wrapped) is wrapped
     source.close()
-    source.store = SampleCache(1 << 20, "cpu", ledger=BudgetLedger(), num_samples=N)  # its cache decided again
+    source.store = SampleStore(1 << 20, "cpu", ledger=BudgetLedger(), num_samples=N)  # its cache decided again
     assert serving(wrapped) is source and serving(source) is source
     with pytest.raises(RuntimeError, match="Doubled holds no store split over ranks"):
         wrapped.schedule(Indices(0, lambda: iter([])))

@@ -1,26 +1,26 @@
-"""A rank's share as a source holds it (``ShardedImages``, ``ShardedSamples``): what it reports,
+"""A rank's share as a source holds it (``SplitImages``, ``SplitSamples``): what it reports,
 with no rank's process group (the share's groups are none)."""
 
 from __future__ import annotations
 
 import warnings
 
-from store_cases import N, sharded_arrays_case, sharded_images_case
+from store_cases import N, split_arrays_case, split_images_case
 
 from gpuload.cache import format_bytes
-from gpuload.distributed.sharded_images import ShardedImages
-from gpuload.distributed.sharded_samples import ShardedSamples
+from gpuload.distributed.image_shares import SplitImages
+from gpuload.distributed.sample_shares import SplitSamples
 
 
 def test_an_image_share_reports_its_rows_and_after_close_says_it_was_released():
-    share = ShardedImages(sharded_images_case().store)
+    share = SplitImages(split_images_case().store)
     start, stop = share.store.plan.partition.rows_of(1)
     assert share.path == "sharded-world" and share.cache is None and share.keeps == ""
     assert share.describe() == (f"sharded-world: {share.store.plan.describe()}; decoded here: "
-                                f"{format_bytes(share.store.shard_bytes)}")
+                                f"{format_bytes(share.store.share_bytes)}")
     held = share.entries()["cache"]
     assert held == {"kind": "images", "mode": "decoded", "scope": "world", "entries": stop - start,
-                    "bytes": share.store.shard_bytes, "rows": [start, stop], "num_samples": N, "bad_files": 0,
+                    "bytes": share.store.share_bytes, "rows": [start, stop], "num_samples": N, "bad_files": 0,
                     "hits": 0, "read_s": 0.0, "complete": True}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -31,8 +31,8 @@ def test_an_image_share_reports_its_rows_and_after_close_says_it_was_released():
 
 
 def test_a_sample_share_counts_its_copy_once_and_reports_nothing_once_closed():
-    store = sharded_arrays_case().store
-    share = ShardedSamples(store, template=None)
+    store = split_arrays_case().store
+    share = SplitSamples(store, template=None)
     assert share.path == "sharded-world" and share.h2d_bytes == store.stats.device_bytes
     assert set(share.entries()) == {"cache", "cache_plan", "sample_cache_decision"}
     assert share.entries()["sample_cache_decision"] == store.plan.describe()

@@ -1,4 +1,4 @@
-"""The cache_scope decision from sizes, and when the sharded path is not taken at all."""
+"""The cache_scope decision from sizes, and when the split path is not taken at all."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from torch.utils.data import BatchSampler, RandomSampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from gpuload.cache import CacheSettings
-from gpuload.distributed import decide_scope, every_rank_batches, shardable_sampler
+from gpuload.distributed import decide_scope, every_rank_batches, splittable_sampler
 from gpuload.distributed.scope import share_bytes
-from gpuload.distributed.sharded_store import shard_arrays
+from gpuload.distributed.split_store import split_arrays
 
 GiB = 1 << 30
 
@@ -64,17 +64,17 @@ def test_every_rank_batches_after_a_batch_size_change_cut_the_rest_of_each_order
             assert [b.tolist() for b in everyone[rank]] == [b for b in cut if len(b) == 3 or not drop_last]
 
 
-def test_only_torchs_distributed_sampler_over_all_ranks_is_shardable():
+def test_only_torchs_distributed_sampler_over_all_ranks_is_splittable():
     data = TensorDataset(torch.arange(20))
     good = BatchSampler(DistributedSampler(data, num_replicas=2, rank=1), 4, False)
-    assert shardable_sampler(good, 20, 2, 1) is None
-    assert "RandomSampler" in shardable_sampler(BatchSampler(RandomSampler(data), 4, False), 20, 2, 1)
-    assert "num_replicas=2" in shardable_sampler(good, 20, 4, 1)
-    assert "20 samples" in shardable_sampler(good, 21, 2, 1)
-    assert "BatchSampler" in shardable_sampler(None, 20, 2, 1)
+    assert splittable_sampler(good, 20, 2, 1) is None
+    assert "RandomSampler" in splittable_sampler(BatchSampler(RandomSampler(data), 4, False), 20, 2, 1)
+    assert "num_replicas=2" in splittable_sampler(good, 20, 4, 1)
+    assert "20 samples" in splittable_sampler(good, 21, 2, 1)
+    assert "BatchSampler" in splittable_sampler(None, 20, 2, 1)
 
 
-def test_without_a_process_group_nothing_is_sharded():
+def test_without_a_process_group_nothing_is_split():
     settings = CacheSettings.resolve(cache_scope="world", environ={})
     sampler = BatchSampler(DistributedSampler(TensorDataset(torch.arange(8)), num_replicas=2, rank=0), 2, False)
-    assert shard_arrays([torch.arange(8)], settings, torch.device("cpu"), sampler, "owner") is None
+    assert split_arrays([torch.arange(8)], settings, torch.device("cpu"), sampler, "owner") is None

@@ -6,7 +6,7 @@ changed the batch size on one rank only)."""
 from __future__ import annotations
 
 import torch
-from store_cases import sample_cache_case, sharded_images_case
+from store_cases import sample_cache_case, split_images_case
 
 from gpuload.sources import Indices, Schedule, Source
 from gpuload.sources.arrays import ArraySource
@@ -52,7 +52,7 @@ class _Serving(Source):
 
 
 def test_a_share_of_decoded_images_is_split_over_ranks():
-    case = sharded_images_case()
+    case = split_images_case()
     source = _Serving(case.store)
     assert source.split_over_ranks()
     assert source.shrink_cache(0) == 0  # a share frees nothing on one rank
@@ -72,7 +72,7 @@ def test_a_cache_on_the_loaders_device_counts_and_shrinks():
 
 def test_a_share_is_served_by_the_exchange_and_any_other_store_by_the_sources_own_epoch():
     indices = Indices(0, lambda: iter([]))
-    case = sharded_images_case()
+    case = split_images_case()
     exchange = serving(_Serving(case.store))
     assert isinstance(exchange, Exchanged)
     schedule = exchange.schedule(indices)

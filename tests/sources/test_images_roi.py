@@ -1,6 +1,6 @@
 """Decode windows: a transform list that starts with a crop decodes only the crop's window.
 
-The oracle is the whole image decoded by PIL (``ImageSource.__getitem__``) and the full list
+The oracle is the whole image decoded by PIL (``ImageFiles.__getitem__``) and the full list
 applied to it. The windowed path must give the same output within the decoders' rounding:
 the CPU decoders are libjpeg-turbo like PIL (test_decode.py: mean |diff| <= 0.5, max <= 4 per
 pixel, measured bit-exact), so after a bilinear resize and /255 the float outputs agree to

@@ -18,7 +18,7 @@ import torch
 from gpuload.cache.entries import FORMAT_VERSION
 from gpuload.cache.identity import IdentityError, file_identity, hash_array, hash_state
 from gpuload.datasets.arrays import ArrayDataset
-from gpuload.datasets.images import ImageSource
+from gpuload.datasets.images import ImageFiles
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def fingerprint_for(dataset: Any, settings: Mapping[str, Any] | None = None, *, 
     cache and are never part of it. ``key``: a string the caller changes whenever the data
     does, used instead of looking at the files, contents or state.
     """
-    if isinstance(dataset, ImageSource) or _has_image_samples(dataset):
+    if isinstance(dataset, ImageFiles) or _has_image_samples(dataset):
         return fingerprint_images(dataset, settings, key=key)
     parts = dataset.values() if isinstance(dataset, Mapping) else dataset
     if isinstance(dataset, (ArrayDataset, torch.Tensor, np.ndarray)) or (

@@ -1,4 +1,4 @@
-"""gpuload.DataLoader over 2 and 4 gloo processes on the CPU: the sharded cache gives each rank
+"""gpuload.DataLoader over 2 and 4 gloo processes on the CPU: the split cache gives each rank
 exactly torch's batches, holds about 1/N of the dataset per rank, and fails clearly (never
 hangs) when a rank stops an epoch early."""
 
@@ -96,7 +96,7 @@ def test_nccl_ranks_get_torchs_batches(tmp_path):
             assert result["equal"], f"rank {rank}, {key}"
             assert result["path"] == f"sharded-{key.split('/')[0]}"
             assert result["exchange"]["shard_bytes"] > 0
-            # NCCL's exchange is issued from the loop's thread whatever the depth (ShardedStore.runs_ahead)
+            # NCCL's exchange is issued from the loop's thread whatever the depth (SplitStore.runs_ahead)
             assert result["exchange"]["ahead"] is False
 
 

@@ -2,12 +2,12 @@
 
 When ``cache_scope`` splits the dataset (the same partition and decision as for arrays, from
 the decoded size the headers of a few files estimate), each rank reads and decodes its block of
-images once, whole, before its first epoch (:func:`shard_images`), and keeps them packed as
+images once, whole, before its first epoch (:func:`split_images`), and keeps them packed as
 bytes, in their decoded memory layout. The ranks then swap one table, once: every image's
 decoded shape and whether its file was bad. From it and the epoch's index order every rank
 computes, for each step, how many bytes it sends to and receives from each rank (images differ
 in size), so no message is spent deciding who sends what; the step itself is one
-``all_to_all_single`` of bytes (a :class:`~gpuload.distributed.sharded_store.ShardedStore` over
+``all_to_all_single`` of bytes (a :class:`~gpuload.distributed.split_store.SplitStore` over
 the :class:`DecodedShare`, rows as :class:`ImageRows`). The transforms then run on the
 receiving rank as on the unsplit path.
 
@@ -39,18 +39,18 @@ from gpuload.cache import LEDGER, CacheSettings, StoreStats, format_bytes
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.store import Store, StreamGuard
 from gpuload.distributed.group import DistributedContext, ExchangeError, loader_identity, release_groups
-from gpuload.distributed.sharded_store import (
+from gpuload.distributed.split_store import (
     RowFormat,
-    ShardedStore,
-    ShardPlan,
+    SplitPlan,
+    SplitStore,
     agree_on_split,
     decline_split,
     split_context,
     split_obstacle,
 )
 
-__all__ = ["BadFile", "DecodedShare", "ExchangedImages", "ImageRows", "ReadImages", "ShardedImages", "WholeImages",
-           "image_share", "read_share", "shard_images"]
+__all__ = ["BadFile", "DecodedShare", "ExchangedImages", "ImageRows", "ReadImages", "SplitImages", "WholeImages",
+           "image_share", "read_share", "split_images"]
 
 BadFile = tuple[int, str, str]
 """``(dataset position, backend, reason)`` of a file that could not be read (backend
@@ -91,7 +91,7 @@ class DecodedShare(Store):
     ``views[k]``: the bytes of block row ``k`` (None for a bad file); ``shapes[k]``: its
     stored shape and layout; ``start``: the dataset position of row 0 and ``name(position)``
     the file, for messages; ``read_s``: the time the block took to decode. On CUDA the block is
-    booked in ``ledger`` under ``owner`` (by :func:`shard_images`) until :meth:`close`.
+    booked in ``ledger`` under ``owner`` (by :func:`split_images`) until :meth:`close`.
     """
 
     def __init__(
@@ -216,14 +216,14 @@ class ImageRows(RowFormat):
         return ExchangedImages(rows, kept.tolist(), skipped)
 
 
-class ShardedImages:
+class SplitImages:
     """This rank's share of the decoded images (``store``) as the image source holds it: what
     it reports of it, as :class:`~gpuload.sources.image_cache.CachedImages` does of a cache."""
 
     cache = None  # no image cache to read from or fill: a batch's images come over the exchange
     keeps = ""
 
-    def __init__(self, store: ShardedStore) -> None:
+    def __init__(self, store: SplitStore) -> None:
         self.store = store
 
     @property
@@ -233,10 +233,10 @@ class ShardedImages:
     def describe(self) -> str:
         """For ``loader.stats.extra["image_cache_decision"]``."""
         plan = self.store.plan
-        return f"{plan.kind}: {plan.describe()}; decoded here: {format_bytes(self.store.shard_bytes)}"
+        return f"{plan.kind}: {plan.describe()}; decoded here: {format_bytes(self.store.share_bytes)}"
 
     def begin_epoch(self, keepable: Any) -> None:
-        """Nothing to give back: a share cannot shrink on one rank (``ShardedStore.shrink``)."""
+        """Nothing to give back: a share cannot shrink on one rank (``SplitStore.shrink``)."""
 
     def summary(self) -> dict[str, Any]:
         """For ``loader.stats.extra["cache"]``: this rank's share of the decoded images."""
@@ -244,7 +244,7 @@ class ShardedImages:
         start, stop = store.plan.partition.rows_of(store.plan.rank)
         share, rows = store.inner, store.rows
         return {"kind": "images", "mode": "decoded", "scope": store.plan.decision.scope,
-                "entries": store.stats.device_samples, "bytes": store.shard_bytes, "rows": [start, stop],
+                "entries": store.stats.device_samples, "bytes": store.share_bytes, "rows": [start, stop],
                 "num_samples": store.plan.partition.num_samples, "bad_files": len(getattr(rows, "bad", ())),
                 "hits": store.stats.device_hits, "read_s": getattr(share, "read_s", 0.0),
                 "complete": not store.closed}
@@ -260,19 +260,19 @@ class ShardedImages:
 
 def image_share(
     chunks: list[torch.Tensor], views: list[torch.Tensor | None], table: torch.Tensor, bad: dict[int, tuple[str, str]],
-    plan: ShardPlan, device: torch.device, groups: tuple[Any, Any], *, on_error: str, name: Callable[[int], str],
+    plan: SplitPlan, device: torch.device, groups: tuple[Any, Any], *, on_error: str, name: Callable[[int], str],
     failure: Callable[[list[BadFile]], Exception], owner: Hashable, ledger: BudgetLedger = LEDGER, read_s: float = 0.0,
-) -> ShardedStore:
+) -> SplitStore:
     """The exchange over this rank's block of decoded images (``views``: each share row's bytes
     in ``chunks``, None for a bad file; ``table``: every image's status, stored shape, layout)."""
     rows = ImageRows(table, bad, on_error=on_error, name=name, failure=failure)
     start, stop = plan.partition.rows_of(plan.rank)
     inner = DecodedShare(chunks, views, rows.shapes[start:stop], device, start=start, name=name, owner=owner,
                          ledger=ledger, read_s=read_s)
-    return ShardedStore(inner, rows, plan, device, groups, shard_bytes=inner.nbytes)
+    return SplitStore(inner, rows, plan, device, groups, share_bytes=inner.nbytes)
 
 
-def shard_images(
+def split_images(
     num_images: int,
     settings: CacheSettings,
     device: torch.device,
@@ -288,7 +288,7 @@ def shard_images(
     failure: Callable[[list[BadFile]], Exception],
     context: DistributedContext | None = None,
     ledger: BudgetLedger = LEDGER,
-) -> ShardedImages | None:
+) -> SplitImages | None:
     """This rank's share of the decoded images when the scope splits them, else None.
 
     ``estimate()``: the decoded bytes of the whole dataset (from a few headers); ``room()``: the
@@ -316,11 +316,11 @@ def shard_images(
         release_groups(groups)
         return None
     share, rows = found
-    return ShardedImages(ShardedStore(share, rows, plan, device, groups, shard_bytes=share.nbytes))
+    return SplitImages(SplitStore(share, rows, plan, device, groups, share_bytes=share.nbytes))
 
 
 def read_share(
-    plan: ShardPlan, context: DistributedContext, control: Any, settings: CacheSettings, device: torch.device, *,
+    plan: SplitPlan, context: DistributedContext, control: Any, settings: CacheSettings, device: torch.device, *,
     limit: int, read: ReadImages, chunk_size: int, on_error: str, name: Callable[[int], str],
     failure: Callable[[list[BadFile]], Exception], owner: Hashable, ledger: BudgetLedger = LEDGER,
 ) -> tuple[DecodedShare, ImageRows] | None:
@@ -418,7 +418,7 @@ def _stored(image: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _swap_tables(
-    plan: ShardPlan, context: DistributedContext, control: Any, outcome: int, block: _Block | None
+    plan: SplitPlan, context: DistributedContext, control: Any, outcome: int, block: _Block | None
 ) -> tuple[torch.Tensor, list[int]]:
     """Every image's (status, stored shape, layout) row and every rank's read outcome, from one
     gloo ``all_gather`` of each rank's block (padded to the largest block)."""

@@ -3,7 +3,7 @@
 When ``cache_scope`` splits the dataset (the same decision as for arrays, from the sample's
 bytes as the probe read them) and the samples read the same twice and collate to fixed-shape
 tensor columns (``gpuload.cache.columns``), each rank reads only its partition's rows, once,
-and keeps them by column in a store the arrays' exchange wraps (``sharded_store.sharded_arrays``).
+and keeps them by column in a store the arrays' exchange wraps (``split_store.split_array_store``).
 Every batch then comes over the arrays' exchange and is rebuilt in the structure torch's
 ``default_collate`` gives. Otherwise (random samples, leaves that are not fixed-shape columns,
 a custom ``collate_fn``, whatever stops arrays from splitting) each rank keeps its own sample
@@ -33,17 +33,17 @@ from gpuload.cache import CacheSettings, looks_deterministic
 from gpuload.cache.columns import Part, column_rows, layout, prepare, rebuild
 from gpuload.cache.disk_tier import DiskRows
 from gpuload.distributed.group import DistributedContext, ExchangeError, loader_identity, release_groups
-from gpuload.distributed.sharded_store import (
-    ShardedStore,
+from gpuload.distributed.split_store import (
+    SplitStore,
     agree_on_split,
     decline_split,
-    sharded_arrays,
+    split_array_store,
     split_context,
     split_obstacle,
 )
 from gpuload.transfer import Staging
 
-__all__ = ["ReadBlock", "ShardedSamples", "shard_samples"]
+__all__ = ["ReadBlock", "SplitSamples", "split_samples"]
 
 #: Reads chunks of dataset indices; yields each chunk's samples prepared for the column store.
 ReadBlock = Callable[[list[list[int]]], AbstractContextManager[Iterable[Part]]]
@@ -51,11 +51,11 @@ ReadBlock = Callable[[list[list[int]]], AbstractContextManager[Iterable[Part]]]
 _READ_OK, _LAYOUT_DIFFERS, _READ_FAILED = 0, 1, 2
 
 
-class ShardedSamples:
+class SplitSamples:
     """This rank's share of the samples (``store``) and the structure their batches take, as the
     sample source holds it: what it reports of it, as ``CachedSamples`` does of a cache."""
 
-    def __init__(self, store: ShardedStore, template: Part, disk: dict[str, Any] | None = None) -> None:
+    def __init__(self, store: SplitStore, template: Part, disk: dict[str, Any] | None = None) -> None:
         self.store = store
         self._template = template
         self._disk = disk  # cache_dir's disk tier as the share's read left it, or None
@@ -70,7 +70,7 @@ class ShardedSamples:
         return self.store.plan.describe()
 
     def begin_epoch(self, keepable: Any) -> None:
-        """Nothing to give back: a share cannot shrink on one rank (``ShardedStore.shrink``)."""
+        """Nothing to give back: a share cannot shrink on one rank (``SplitStore.shrink``)."""
 
     def warm(self, progress: bool, num_workers: int, worker_options: dict[str, Any]) -> int:
         """Nothing to fill: the share was read whole when it was made."""
@@ -92,7 +92,7 @@ class ShardedSamples:
         self.store.close()
 
 
-def shard_samples(
+def split_samples(
     dataset: Any,
     settings: CacheSettings,
     device: torch.device,
@@ -105,7 +105,7 @@ def shard_samples(
     context: DistributedContext | None = None,
     probe: Callable[[Any], tuple[bool, str]] = looks_deterministic,
     staging: Staging | None = None,
-) -> ShardedSamples | None:
+) -> SplitSamples | None:
     """This rank's share of ``dataset``'s samples when the scope splits them, else None.
 
     ``default_collate``: the loader collates with torch's ``default_collate`` (auto-collation);
@@ -155,7 +155,7 @@ def shard_samples(
         decline_split(settings, f"rank {rank} {what} (among rows [{first}, {end}))", stacklevel=6)
         return None
     assert block is not None  # every rank read its share, this one too
-    return ShardedSamples(sharded_arrays(block, plan, device, groups, owner=owner, staging=staging), template,
+    return SplitSamples(split_array_store(block, plan, device, groups, owner=owner, staging=staging), template,
                           disk_stats)
 
 

@@ -18,7 +18,7 @@ from torch.utils.data.distributed import DistributedSampler
 from gpuload.cache import CacheSettings
 from gpuload.cache.columns import prepare
 from gpuload.distributed import DistributedContext, ExchangeError
-from gpuload.distributed.sharded_samples import _read_block, shard_samples
+from gpuload.distributed.sample_shares import _read_block, split_samples
 from gpuload.sources.torch_fetch import read_prepared
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -122,7 +122,7 @@ def test_without_a_process_group_nothing_is_split():
     batches = BatchSampler(DistributedSampler(data, num_replicas=2, rank=0), 8, False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        found = shard_samples(data, _settings("world"), torch.device("cpu"), batches, "t",
+        found = split_samples(data, _settings("world"), torch.device("cpu"), batches, "t",
                               default_collate=True, read=None, chunk_size=8)
     assert found is None
 
@@ -133,7 +133,7 @@ def test_a_reason_found_before_any_collective_warns_on_its_own():
     batches = BatchSampler(DistributedSampler(data, num_replicas=2, rank=0), 8, False)
     context = DistributedContext(rank=0, world_size=2, local_world_size=2, backend="gloo")
     with pytest.warns(UserWarning, match="randomly augmented"):
-        found = shard_samples(data, _settings("node"), torch.device("cpu"), batches, "t",
+        found = split_samples(data, _settings("node"), torch.device("cpu"), batches, "t",
                               default_collate=True, read=None, chunk_size=8, context=context)
     assert found is None
 
@@ -167,7 +167,7 @@ def test_what_this_rank_sees_alone_declines_the_split_before_any_collective(data
     context = DistributedContext(rank=0, world_size=2, local_world_size=2, backend="gloo")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        found = shard_samples(data, CacheSettings.resolve(cache_scope="world", environ={}, **settings),
+        found = split_samples(data, CacheSettings.resolve(cache_scope="world", environ={}, **settings),
                               torch.device("cpu"), batches, "t", default_collate=True, read=None, chunk_size=8,
                               context=context)
     assert found is None
@@ -176,14 +176,14 @@ def test_what_this_rank_sees_alone_declines_the_split_before_any_collective(data
 
 
 def _split(monkeypatch, answers, scope: str = "world", local_world_size: int = 2) -> tuple[object, list[str], int]:
-    """``shard_samples`` of Pairs on rank 0 of two (``fake_peers``): what it returned, the
+    """``split_samples`` of Pairs on rank 0 of two (``fake_peers``): what it returned, the
     warnings, the collectives it made."""
     data = samples_job.Pairs()
     peers = fake_peers.FakePeers(monkeypatch, answers)
     context = DistributedContext(rank=0, world_size=2, local_world_size=local_world_size, backend="gloo")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        found = shard_samples(data, _settings(scope), torch.device("cpu"), fake_peers.batches(len(data), 8), "t",
+        found = split_samples(data, _settings(scope), torch.device("cpu"), fake_peers.batches(len(data), 8), "t",
                               default_collate=True, read=lambda chunks: read_prepared(data, chunks, 0, {}),
                               chunk_size=8, context=context)
     return found, [str(w.message) for w in caught], peers.calls

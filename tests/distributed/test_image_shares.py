@@ -150,7 +150,7 @@ def test_set_batch_size_on_every_rank_at_the_same_batch_cuts_the_rest_of_the_epo
 def test_a_rank_reads_its_block_in_chunks_and_stops_at_its_room_or_a_bad_decoder():
     import torch
 
-    from gpuload.distributed.sharded_images import _OK, _TOO_BIG, DecodedShare, WholeImages, _read_block
+    from gpuload.distributed.image_shares import _OK, _TOO_BIG, DecodedShare, WholeImages, _read_block
 
     def read(positions):  # position 2 is a bad file; the chunk [4, 6) has only bad files
         kept = [p for p in positions if p not in (2, 4, 5)]
@@ -183,7 +183,7 @@ def test_a_rank_reads_its_block_in_chunks_and_stops_at_its_room_or_a_bad_decoder
 
 
 def _split(monkeypatch, read, answers=(), num_images: int = 8):
-    """``shard_images`` on rank 0 of two (``fake_peers``), images of 12 bytes, room for all of
+    """``split_images`` on rank 0 of two (``fake_peers``), images of 12 bytes, room for all of
     them; returns (what it returned, the warnings, the collectives it made)."""
     import warnings
 
@@ -191,13 +191,13 @@ def _split(monkeypatch, read, answers=(), num_images: int = 8):
 
     from gpuload.cache import CacheSettings
     from gpuload.cache.budget import BudgetLedger
-    from gpuload.distributed.sharded_images import shard_images
+    from gpuload.distributed.image_shares import split_images
 
     peers = fake_peers.FakePeers(monkeypatch, list(answers))
     settings = CacheSettings.resolve(cache_scope="world", environ={})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        found = shard_images(num_images, settings, torch.device("cpu"), fake_peers.batches(num_images), "t",
+        found = split_images(num_images, settings, torch.device("cpu"), fake_peers.batches(num_images), "t",
                              estimate=lambda: 12 * num_images, room=lambda: 1 << 20, read=read, chunk_size=2,
                              on_error="raise", name=str, failure=RuntimeError, context=fake_peers.CONTEXT,
                              ledger=BudgetLedger())
@@ -207,7 +207,7 @@ def _split(monkeypatch, read, answers=(), num_images: int = 8):
 def _read_all(positions):
     import torch
 
-    from gpuload.distributed.sharded_images import WholeImages
+    from gpuload.distributed.image_shares import WholeImages
 
     return WholeImages(positions, [torch.full((3, 2, 2), p, dtype=torch.uint8) for p in positions])
 
@@ -224,7 +224,7 @@ def test_a_rank_whose_read_raised_makes_both_fall_back_saying_what_it_was(monkey
 
 
 def test_a_peer_whose_share_does_not_fit_its_room_makes_both_fall_back(monkeypatch):
-    from gpuload.distributed.sharded_images import _TOO_BIG
+    from gpuload.distributed.image_shares import _TOO_BIG
 
     def too_big(mine):
         mine[0] = _TOO_BIG  # its outcome; its rows stay empty

@@ -1,10 +1,10 @@
 """A store split over ranks: any store holding a rank's share, wrapped by the exchange that
-assembles each of its batches (:class:`ShardedStore`), and the share of in-memory arrays.
+assembles each of its batches (:class:`SplitStore`), and the share of in-memory arrays.
 
-:func:`shard_arrays` decides, with every rank together, whether the dataset is split (the
+:func:`split_arrays` decides, with every rank together, whether the dataset is split (the
 scope), and wraps a store holding this rank's contiguous block of rows on its device
 (:func:`array_share`: a :class:`~gpuload.cache.TieredArrayStore` whose device tier holds it
-whole). :meth:`ShardedStore.epoch` then makes each batch of the epoch with two collectives on
+whole). :meth:`SplitStore.epoch` then makes each batch of the epoch with two collectives on
 the exchange's own groups: a small header over gloo (epoch, step, batch size, position in the
 epoch's order, row counts: ranks that ran different numbers of batches, or changed the batch
 size at different batches, fail here, with an :class:`ExchangeError`, never a wrong batch) and
@@ -63,14 +63,14 @@ from gpuload.distributed.partition import Partition
 from gpuload.distributed.rank_batches import (
     every_rank_batches,
     sampler_fingerprint,
-    shardable_sampler,
+    splittable_sampler,
 )
 from gpuload.distributed.scope import ScopeDecision, decide_scope
 from gpuload.transfer import Staging, to_device
 
 __all__ = [
-    "ArrayRows", "ExchangeStats", "RowFormat", "ShardPlan", "ShardedStore", "agree_on_split", "array_share",
-    "decline_split", "shard_arrays", "sharded_arrays", "split_context", "split_obstacle",
+    "ArrayRows", "ExchangeStats", "RowFormat", "SplitPlan", "SplitStore", "agree_on_split", "array_share",
+    "decline_split", "split_arrays", "split_array_store", "split_context", "split_obstacle",
 ]
 
 _LET_GO_S = 2.0  # how long close() waits for a thread inside the exchange to abandon it
@@ -133,7 +133,7 @@ class ExchangeStats:
 
 
 @dataclass(frozen=True)
-class ShardPlan:
+class SplitPlan:
     """The decision and the partition, printable like a :class:`~gpuload.cache.CachePlan`."""
 
     decision: ScopeDecision
@@ -155,7 +155,7 @@ class ShardPlan:
     __str__ = describe
 
 
-def shard_arrays(
+def split_arrays(
     columns: list[torch.Tensor],
     settings: CacheSettings,
     device: torch.device,
@@ -163,7 +163,7 @@ def shard_arrays(
     owner: Hashable,
     context: DistributedContext | None = None,
     staging: Staging | None = None,
-) -> ShardedStore | None:
+) -> SplitStore | None:
     """This rank's share of ``columns`` when the scope splits them, else None (today's path);
     ``staging``: the loader's route to the device for the indices a step moves there.
 
@@ -188,7 +188,7 @@ def shard_arrays(
     plan, groups = agreed
     start, stop = plan.partition.rows_of(plan.rank)
     block = [column[start:stop] if device.type == "cuda" else column[start:stop].clone() for column in columns]
-    return sharded_arrays(block, plan, device, groups, owner=owner, staging=staging)
+    return split_array_store(block, plan, device, groups, owner=owner, staging=staging)
 
 
 def split_context(
@@ -215,7 +215,7 @@ def split_obstacle(settings: CacheSettings, batch_sampler: Any, num_samples: int
     keeps no device tier, or a sampler whose every rank's batches cannot be computed here."""
     if settings.mode.value not in ("auto", "device"):
         return f"cache={settings.mode.value!r} keeps no device tier to split"
-    return shardable_sampler(batch_sampler, num_samples, context.world_size, context.rank)
+    return splittable_sampler(batch_sampler, num_samples, context.world_size, context.rank)
 
 
 def decline_split(settings: CacheSettings, why_not: str, stacklevel: int = 5) -> None:
@@ -237,7 +237,7 @@ def agree_on_split(
     num_samples: int,
     bytes_per_sample: int,
     room: int | None = None,
-) -> tuple[ShardPlan, tuple[Any, Any]] | None:
+) -> tuple[SplitPlan, tuple[Any, Any]] | None:
     """The plan and the exchange's ``(control, data)`` groups when the ranks split the dataset,
     else None (the groups released). Every rank must call this at the same point: the ranks
     check they agree (sizes, sampler, scope) and decide the scope from the smallest room.
@@ -257,14 +257,14 @@ def agree_on_split(
         dist.all_gather(everyone, torch.tensor(mine, dtype=torch.int64), group=control)
     except RuntimeError as error:
         raise ExchangeError(
-            f"gpuload: rank {context.rank} could not agree on the sharded cache with the other ranks "
+            f"gpuload: rank {context.rank} could not agree on the split cache with the other ranks "
             f"(cache_scope={requested!r}): a rank did not build its loader the same way, or died. Cause: {error}"
         ) from error
     rows = [row.tolist() for row in everyone]
     differ = [rank for rank, row in enumerate(rows) if row[:1] + row[2:] != mine[:1] + mine[2:]]
     if differ:
         raise ExchangeError(
-            f"gpuload: ranks disagree on the sharded cache: (scope, room, samples, bytes per sample, "
+            f"gpuload: ranks disagree on the split cache: (scope, room, samples, bytes per sample, "
             f"node size, sampler seed/shuffle/drop_last/length, batch size, drop_last) is {mine} on rank "
             f"{context.rank} but {rows[differ[0]]} on rank {differ[0]}; every rank must build the "
             "loader with the same dataset, sampler and cache_scope"
@@ -272,18 +272,18 @@ def agree_on_split(
     smallest_room = min(row[1] for row in rows) if limited else None
     decision = decide_scope(requested, num_samples, bytes_per_sample, smallest_room,
                             context.local_world_size, context.world_size)
-    if not decision.sharded or decision.group_size == 1:
+    if not decision.split or decision.group_size == 1:
         if requested != "auto" and requested != decision.scope:
             warnings.warn(f"gpuload: {decision.reason}", stacklevel=5)
         release_groups((control, data))
         return None
     partition = Partition(num_samples, context.world_size, decision.group_size)
-    return ShardPlan(decision, partition, context.rank, bytes_per_sample, str(device)), (control, data)
+    return SplitPlan(decision, partition, context.rank, bytes_per_sample, str(device)), (control, data)
 
 
 class RowFormat(ABC):
     """How one kind of share's rows travel between ranks as bytes: the one thing a
-    :class:`ShardedStore` asks of what it wraps besides the :class:`Store` interface.
+    :class:`SplitStore` asks of what it wraps besides the :class:`Store` interface.
 
     Rows are named by dataset position; each row's size is known on every rank (fixed for
     arrays, from the table of decoded shapes for images), so a step's byte counts are planned,
@@ -316,7 +316,7 @@ class RowFormat(ABC):
         return rows, drawn
 
 
-class ShardedStore(Store):
+class SplitStore(Store):
     """A rank's share of a dataset split over ranks (any :class:`Store` holding the share's rows,
     by share row), and the exchange that assembles each of its batches from every rank's share.
 
@@ -332,8 +332,8 @@ class ShardedStore(Store):
     split_over_ranks = True
 
     def __init__(
-        self, inner: Store, rows: RowFormat, plan: ShardPlan, device: torch.device, groups: tuple[Any, Any],
-        *, shard_bytes: int,
+        self, inner: Store, rows: RowFormat, plan: SplitPlan, device: torch.device, groups: tuple[Any, Any],
+        *, share_bytes: int,
     ) -> None:
         self.inner = inner
         self.rows = rows
@@ -342,7 +342,7 @@ class ShardedStore(Store):
         self._control, self._data = groups
         self._rank = plan.rank
         self._start = plan.partition.rows_of(plan.rank)[0]
-        self._shard_bytes = shard_bytes
+        self._share_bytes = share_bytes
         self._closed = False
         self._hits = 0
         self.exchange_stats = ExchangeStats()
@@ -350,9 +350,9 @@ class ShardedStore(Store):
         self._steps: ExchangeSteps | None = None  # the latest epoch's
 
     @property
-    def shard_bytes(self) -> int:
+    def share_bytes(self) -> int:
         """Bytes of the dataset this rank holds (0 once closed)."""
-        return self._shard_bytes if not self._closed else 0
+        return self._share_bytes if not self._closed else 0
 
     @property
     def stats(self) -> StoreStats:
@@ -395,7 +395,7 @@ class ShardedStore(Store):
             "scope": self.plan.decision.scope,
             "ranks_per_copy": self.plan.decision.group_size,
             "shard_rows": self.stats.device_samples,
-            "shard_bytes": self.shard_bytes,
+            "shard_bytes": self.share_bytes,
             **self.exchange_stats.as_dict(loop_wait_s),
         }
 
@@ -404,14 +404,14 @@ class ShardedStore(Store):
         """The exchange's gloo group for what the ranks swap beside the steps (before the first)."""
         return self._control
 
-    def carrying(self, inner: Store, rows: RowFormat, shard_bytes: int) -> ShardedStore:
+    def carrying(self, inner: Store, rows: RowFormat, share_bytes: int) -> SplitStore:
         """A store over ``inner`` and ``rows`` (this share and more, split by the same plan) that
         takes over this one's exchange groups, before any epoch ran: one exchange per batch for
         them all. This store is done: closing it does nothing (the new one closes ``inner``)."""
         if self._closed or self._steps is not None:
-            raise RuntimeError("a sharded store is carried by another only before its first epoch")
+            raise RuntimeError("a split store is carried by another only before its first epoch")
         self._closed = True
-        return ShardedStore(inner, rows, self.plan, self.device, (self._control, self._data), shard_bytes=shard_bytes)
+        return SplitStore(inner, rows, self.plan, self.device, (self._control, self._data), share_bytes=share_bytes)
 
     @property
     def runs_ahead(self) -> bool:
@@ -422,10 +422,10 @@ class ShardedStore(Store):
     def shrink(self, max_bytes: int) -> int:
         """A share cannot shrink on one rank alone (every rank's exchange plan reads rows from it
         there): frees nothing, and warns when less than the share was asked for."""
-        if max_bytes < self.shard_bytes and not self._closed:
+        if max_bytes < self.share_bytes and not self._closed:
             warnings.warn(
                 f"gpuload: shrink_cache({max_bytes}) freed nothing: rank {self._rank} holds "
-                f"{format_bytes(self.shard_bytes)} of a dataset split over ranks "
+                f"{format_bytes(self.share_bytes)} of a dataset split over ranks "
                 f"(cache_scope={self.plan.decision.scope!r}), and every rank's exchange reads its rows "
                 "from that share, so it cannot shrink on one rank. For less device memory per rank, build "
                 "the loaders with cache_scope='world' (smaller shares) or let each rank keep its own "
@@ -491,7 +491,7 @@ class ShardedStore(Store):
         if skipped < 0 or any(not torch.equal(a, b) for a, b in zip(mine[skipped:], drawn)):
             raise ExchangeError(
                 f"gpuload: rank {self._rank}'s batches differ from the ones its DistributedSampler "
-                "gives; the sharded cache needs torch's BatchSampler over torch's DistributedSampler, "
+                "gives; the split cache needs torch's BatchSampler over torch's DistributedSampler, "
                 "unchanged during the epoch (change the batch size with loader.set_batch_size)"
             )
         if self._closed:
@@ -597,7 +597,7 @@ class ShardedStore(Store):
                     f"size {header[4]} (from sample {header[5]} of its epoch order) but rank {peer} makes "
                     f"batch {theirs[1] + 1} at batch size {theirs[4]} (from sample {theirs[5]}): "
                     "set_batch_size was called on some ranks only, at different batches or with different "
-                    "sizes. With a sharded cache, call loader.set_batch_size(n) on every rank at the same "
+                    "sizes. With a split cache, call loader.set_batch_size(n) on every rank at the same "
                     "batch with the same n (agree on n with dist.all_reduce first; README: Multi-GPU and "
                     "multi-node)"
                 )
@@ -607,7 +607,7 @@ class ShardedStore(Store):
                     f"{header[0]} (seed {header[3]}) but rank {peer} is at batch {theirs[1] + 1} of "
                     f"{theirs[2]} of epoch {theirs[0]} (seed {theirs[3]}): the ranks ran different numbers "
                     "of batches (one stopped an epoch early) or their samplers differ (set_epoch on every "
-                    "rank). With a sharded cache every rank runs every batch of each epoch; to stop early, "
+                    "rank). With a split cache every rank runs every batch of each epoch; to stop early, "
                     "stop all ranks at the same batch (README: Multi-GPU and multi-node)" + (
                         f". Rank {self._rank} cuts its batches at batch size {header[4]}, rank {peer} at batch "
                         f"size {theirs[4]}: set_batch_size must be called on every rank at the same batch"
@@ -669,7 +669,7 @@ class ArrayRows(RowFormat):
 
 
 def array_share(
-    block: list[torch.Tensor], plan: ShardPlan, device: torch.device, *, owner: Hashable, ledger: BudgetLedger = LEDGER,
+    block: list[torch.Tensor], plan: SplitPlan, device: torch.device, *, owner: Hashable, ledger: BudgetLedger = LEDGER,
     staging: Staging | None = None,
 ) -> TieredArrayStore:
     """This rank's rows of every array (``block``: rows ``plan.partition.rows_of(rank)``, in
@@ -696,17 +696,17 @@ def array_share(
     return store
 
 
-def sharded_arrays(
-    block: list[torch.Tensor], plan: ShardPlan, device: torch.device, groups: tuple[Any, Any], *,
+def split_array_store(
+    block: list[torch.Tensor], plan: SplitPlan, device: torch.device, groups: tuple[Any, Any], *,
     owner: Hashable, ledger: BudgetLedger = LEDGER, staging: Staging | None = None,
-) -> ShardedStore:
+) -> SplitStore:
     """The exchange over this rank's ``block`` of every array (rows ``plan.partition.rows_of``,
     in row order, read by the caller or sliced from whole arrays); ``staging``: the loader's
     route to the device for the indices each step moves there."""
     start, stop = plan.partition.rows_of(plan.rank)
     inner = array_share(block, plan, device, owner=owner, ledger=ledger, staging=staging)
     rows = ArrayRows(block, staging)
-    return ShardedStore(inner, rows, plan, device, groups, shard_bytes=(stop - start) * rows.width)
+    return SplitStore(inner, rows, plan, device, groups, share_bytes=(stop - start) * rows.width)
 
 
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,9 @@ from gpuload.distributed import (
     plan_step,
 )
 from gpuload.distributed.exchange_steps import LoaderClosedError
+from gpuload.distributed.image_shares import image_share
 from gpuload.distributed.joined_rows import joined
-from gpuload.distributed.sharded_images import image_share
-from gpuload.distributed.sharded_store import ShardedStore, ShardPlan, agree_on_split, shard_arrays, sharded_arrays
+from gpuload.distributed.split_store import SplitPlan, SplitStore, agree_on_split, split_array_store, split_arrays
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_peers
@@ -34,12 +34,12 @@ import fake_peers
 N, WORLD = 37, 2
 
 
-def _plan(rank: int, bytes_per_sample: int) -> ShardPlan:
-    return ShardPlan(ScopeDecision("world", "world", WORLD, "a test"), Partition(N, WORLD, WORLD), rank,
+def _plan(rank: int, bytes_per_sample: int) -> SplitPlan:
+    return SplitPlan(ScopeDecision("world", "world", WORLD, "a test"), Partition(N, WORLD, WORLD), rank,
                      bytes_per_sample, "cpu")
 
 
-def _run(stores: list[ShardedStore], batches: list[torch.Tensor]) -> list[Any]:
+def _run(stores: list[SplitStore], batches: list[torch.Tensor]) -> list[Any]:
     wire, found = fake_peers.Wire(WORLD), [None] * WORLD
     for rank, store in enumerate(stores):
         wire.connect(store, rank)
@@ -63,7 +63,7 @@ def test_every_rank_gets_its_batch_of_arrays_in_order_from_every_share():
     stores = []
     for rank in range(WORLD):
         start, stop = Partition(N, WORLD, WORLD).rows_of(rank)
-        stores.append(sharded_arrays([c[start:stop].clone() for c in data], _plan(rank, 13), torch.device("cpu"),
+        stores.append(split_array_store([c[start:stop].clone() for c in data], _plan(rank, 13), torch.device("cpu"),
                                      (None, None), owner=("share", rank), ledger=BudgetLedger()))
     order = torch.randperm(N, generator=g)
     batches = [order[:9], order[9:20]]
@@ -110,15 +110,15 @@ def test_one_exchange_carries_a_table_s_array_rows_and_its_images_together():
     stores, swaps = [], [0] * WORLD
     for rank in range(WORLD):
         start, stop = Partition(N, WORLD, WORLD).rows_of(rank)
-        arrays = sharded_arrays([c[start:stop].clone() for c in data], _plan(rank, 10), torch.device("cpu"),
+        arrays = split_array_store([c[start:stop].clone() for c in data], _plan(rank, 10), torch.device("cpu"),
                                 (None, None), owner=("share", rank), ledger=BudgetLedger())
         mine = [images[k].reshape(-1) for k in range(start, stop)]
         chunk = torch.cat(mine)
         pictures = image_share([chunk], list(chunk.split([m.numel() for m in mine])), table, {}, _plan(rank, 50),
                                torch.device("cpu"), (None, None), on_error="raise", name=str, failure=RuntimeError,
                                owner=("images", rank), ledger=BudgetLedger())
-        both = joined(arrays, [(pictures.inner, pictures.rows, pictures.shard_bytes)])
-        assert arrays.closed and both.shard_bytes == arrays._shard_bytes + pictures.shard_bytes
+        both = joined(arrays, [(pictures.inner, pictures.rows, pictures.share_bytes)])
+        assert arrays.closed and both.share_bytes == arrays._share_bytes + pictures.share_bytes
         stores.append(both)
     order = torch.randperm(N, generator=g)
     batches = [order[:11], order[11:20]]
@@ -169,10 +169,10 @@ def test_ranks_that_built_their_loaders_otherwise_or_died_fail_the_agreement(mon
         return mine
 
     fake_peers.FakePeers(monkeypatch, [longer_dataset, RuntimeError("Connection closed by peer")])
-    with pytest.raises(ExchangeError, match=r"ranks disagree on the sharded cache: .* is \[3, -1, 37, 13, .* on rank 0 "
+    with pytest.raises(ExchangeError, match=r"ranks disagree on the split cache: .* is \[3, -1, 37, 13, .* on rank 0 "
                                             r"but \[3, -1, 38, 13, .* on rank 1; every rank must build the loader"):
         agree()
-    with pytest.raises(ExchangeError, match=r"rank 0 could not agree on the sharded cache with the other ranks "
+    with pytest.raises(ExchangeError, match=r"rank 0 could not agree on the split cache with the other ranks "
                                             r"\(cache_scope='world'\): .* or died. Cause: Connection closed by peer"):
         agree()
 
@@ -184,15 +184,15 @@ def test_node_scope_on_nodes_of_one_rank_keeps_the_arrays_whole_on_each_rank(mon
     settings = CacheSettings.resolve(cache_scope="node", environ={})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert shard_arrays([torch.arange(N)], settings, torch.device("cpu"), fake_peers.batches(N), "t",
+        assert split_arrays([torch.arange(N)], settings, torch.device("cpu"), fake_peers.batches(N), "t",
                             context) is None
     assert peers.calls == 1
 
 
-def _store(groups: tuple[Any, Any] = (None, None)) -> ShardedStore:
+def _store(groups: tuple[Any, Any] = (None, None)) -> SplitStore:
     """Rank 0's share of 37 rows of one int64 array."""
     start, stop = Partition(N, WORLD, WORLD).rows_of(0)
-    return sharded_arrays([torch.arange(start, stop)], _plan(0, 8), torch.device("cpu"), groups, owner="t",
+    return split_array_store([torch.arange(start, stop)], _plan(0, 8), torch.device("cpu"), groups, owner="t",
                           ledger=BudgetLedger())
 
 
@@ -247,7 +247,7 @@ class _NeverDone:
         raise RuntimeError("Operation timed out!")
 
 
-def _first_step(monkeypatch, peer: _Peer) -> tuple[ShardedStore, Any]:
+def _first_step(monkeypatch, peer: _Peer) -> tuple[SplitStore, Any]:
     """Rank 0's store and the steps of epoch 0, collectives by ``peer``."""
     monkeypatch.setattr(torch.distributed, "all_to_all_single", peer.all_to_all_single)
     store, sampler = _store(fake_peers.GROUPS), fake_peers.batches(N)
