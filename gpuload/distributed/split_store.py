@@ -628,7 +628,7 @@ class SplitStore(Store):
             f"at batch size {header[4]} (cache_scope={self.plan.decision.scope}) and they did not come: a "
             "rank stopped this epoch early (a break, an exception) or died, or the ranks' set_batch_size "
             "calls differ (a rank that did not make this one may have ended the epoch already). With a "
-            "sharded cache every rank runs every batch of each epoch; to stop early or change the batch "
+            "split cache every rank runs every batch of each epoch; to stop early or change the batch "
             "size, do it on all ranks at the same batch (README: Multi-GPU and multi-node). "
             f"Cause: {error}"
         )

@@ -124,6 +124,7 @@ def test_the_reader_sees_each_kind_of_use(source: str, expected: set[str]) -> No
     assert uses(source) == expected
 
 
+# vocab: keep-start (the rename script leaves the old names below as they are)
 #: Any name with these in it says "shard" for the split over ranks (the page's "Words": a split,
 #: a rank's share; "shard" is the token files' word, and Accelerate's).
 RETIRED_PATTERN = re.compile(r"sharded|shardable", re.IGNORECASE)
@@ -183,3 +184,4 @@ def test_the_words_page_s_retired_names_stay_out_of_the_code() -> None:
 ])
 def test_the_words_check_reads_names_not_strings(source: str, expected: list[tuple[int, str]]) -> None:
     assert retired_in(source, {"ShardedStore", "shard_bytes", "ImageSource"}) == expected
+# vocab: keep-end
