@@ -369,7 +369,7 @@ class _Failure:
 
 def _work(
     owner: Prefetcher,
-    source: Iterator[Any],
+    batches: Iterator[Any],
     ring: _Ring | _PassThrough,
     out: queue.Queue,
     tokens: threading.Semaphore,
@@ -403,7 +403,7 @@ def _work(
                     break
                 made = begin_batch() if every and index % every == 0 else None
                 try:
-                    item = next(source)
+                    item = next(batches)
                 except StopIteration:
                     break
                 except BaseException as exc:
@@ -429,14 +429,14 @@ def _work(
         except BaseException as exc:  # e.g. set_device failing: still tell the consumer
             outcome = _Failure(index, "copy", exc)
         finally:
-            close = getattr(source, "close", None)
+            close = getattr(batches, "close", None)
             if close is not None:
                 try:
                     close()  # runs a generator's cleanup in the thread that ran it
                 except BaseException as exc:
                     if outcome is _END:
                         outcome = _Failure(index, "source", exc)
-            del source
+            del batches
             on_side_stream.close()
             out.put(outcome)
             del outcome  # a failure's traceback holds this frame: no reference cycle through it
@@ -446,7 +446,7 @@ class _Handoff(Iterator[Any]):
     """One pass over a source: the consuming side of the hand-off, asking ``epoch`` (the stop
     token it shares with its thread, and with the loader's iterator over it)."""
 
-    def __init__(self, owner: Prefetcher, source: Iterator[Any], ring: _Ring | _PassThrough, epoch: Epoch) -> None:
+    def __init__(self, owner: Prefetcher, batches: Iterator[Any], ring: _Ring | _PassThrough, epoch: Epoch) -> None:
         self._owner = owner  # keeps the prefetcher (its stream, its ring) alive while iterating
         self._device = owner.device
         self._stats = owner.stats
@@ -463,10 +463,10 @@ class _Handoff(Iterator[Any]):
         self._next_index = 0
         # A source that may wait for the consumer (a collective exchange running ahead) is told
         # when the consumer stops, from the consumer's thread.
-        self._cancel_source = getattr(source, "cancel", None)
+        self._cancel_source = getattr(batches, "cancel", None)
         self._thread = threading.Thread(
             target=_work,
-            args=(owner, source, ring, self._queue, self._tokens, epoch, owner.timeline),
+            args=(owner, batches, ring, self._queue, self._tokens, epoch, owner.timeline),
             name="gpuload-prefetch",
             daemon=True,
         )
@@ -599,10 +599,10 @@ class _Handoff(Iterator[Any]):
 
 
 class Prefetcher:
-    """Iterate ``source`` with its batches' tensors delivered on ``device``, ``depth`` ahead.
+    """Iterate ``batches`` with their tensors delivered on ``device``, ``depth`` ahead.
 
-    Each ``iter()`` is one epoch: ``iter(source)`` is called in the caller's thread, then a
-    background thread pulls batches (running the source on the prefetcher's side stream on
+    Each ``iter()`` is one epoch: ``iter(batches)`` is called in the caller's thread, then a
+    background thread pulls batches (running their source on the prefetcher's side stream on
     CUDA), packs each into one of ``depth`` reusable host slots (pinned on CUDA), and copies it
     to the device on that stream. Batches keep
     their structure (tensors in tuples, lists, namedtuples, dicts; other leaves pass through),
@@ -621,6 +621,7 @@ class Prefetcher:
     and transforming images): the background thread only runs the source ahead of the loop,
     on the side stream on CUDA, nothing is staged or copied, and a source's exception is
     re-raised as it was raised (such sources name the failing sample themselves).
+    ``source=`` is the former name of ``batches``, still taken.
     Starting a new epoch stops the previous one: its iterator raises :class:`EpochStoppedError`
     at its next ``next()``, in whatever thread it runs, rather than end short. ``close()`` (or
     leaving a ``with`` block, or dropping the object) stops the thread and frees the slots; a
@@ -636,7 +637,7 @@ class Prefetcher:
 
     def __init__(
         self,
-        source: Iterable[Any] | None = None,
+        batches: Iterable[Any] | None = None,
         device: str | int | torch.device | None = None,
         depth: int = 2,
         stats: PrefetchStats | None = None,
@@ -644,7 +645,12 @@ class Prefetcher:
         timeout: float | None = None,
         join_timeout: float = 5.0,
         stage: bool = True,
+        source: Iterable[Any] | None = None,
     ) -> None:
+        if source is not None:
+            if batches is not None:
+                raise TypeError("Prefetcher takes batches or source= (its former name), not both")
+            batches = source
         if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= self.MAX_DEPTH:
             raise ValueError(
                 f"depth={depth!r} must be an int from 1 to {self.MAX_DEPTH} (the number of batches "
@@ -652,7 +658,7 @@ class Prefetcher:
             )
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout={timeout!r} must be positive seconds, or None")
-        self.source = source
+        self.batches = batches
         self.device = resolve_device(device)
         self.depth = depth
         self.stats = stats if stats is not None else PrefetchStats()
@@ -713,20 +719,20 @@ class Prefetcher:
         return delivery.batch
 
     def __iter__(self) -> Iterator[Any]:
-        if self.source is None:
+        if self.batches is None:
             raise TypeError(
-                "this Prefetcher was made without a source; call prefetcher.epoch(source)"
+                "this Prefetcher was made without batches; call prefetcher.epoch(batches)"
             )
-        return self.epoch(self.source)
+        return self.epoch(self.batches)
 
-    def epoch(self, source: Iterable[Any], epoch: Epoch | None = None) -> Iterator[Any]:
-        """One pass over ``source`` (for callers that make a new source iterator each epoch),
+    def epoch(self, batches: Iterable[Any], epoch: Epoch | None = None) -> Iterator[Any]:
+        """One pass over ``batches`` (for callers that make a new iterator of them each epoch),
         stopped by ``epoch`` (the loader's stop token for it; a new one if not given)."""
         self.stop_epoch("a newer epoch on the same Prefetcher")
         if self._ring is None or (self._ring_thread is not None and self._ring_thread.is_alive()):
             # A thread that would not stop may still write its slots: never share them.
             self._ring = _Ring(self.depth, self.device, self._stream, self.stats)
-        iterator = iter(source)
+        iterator = iter(batches)
         if self._stream is not None:
             # The source may read device memory the caller wrote (a cache filled, a dataset
             # placed): the side stream starts after everything the caller has queued so far.

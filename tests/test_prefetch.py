@@ -56,6 +56,15 @@ def test_order_and_values_preserved(depth):
         assert torch.equal(got, want)
 
 
+def test_batches_is_the_first_argument_and_source_its_former_keyword_still_taken():
+    data = batches(3)
+    for prefetcher in (Prefetcher(batches=data, device="cpu"), Prefetcher(source=data, device="cpu")):
+        assert prefetcher.batches is data
+        assert [got.tolist() for got in prefetcher] == [want.tolist() for want in data]
+    with pytest.raises(TypeError, match="batches or source="):
+        Prefetcher(data, "cpu", source=data)
+
+
 def test_nested_structures_dtypes_and_non_tensor_leaves_pass_through():
     image = torch.randint(0, 255, (2, 3, 4, 5), dtype=torch.uint8)
     batch = {

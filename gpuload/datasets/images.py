@@ -1,11 +1,11 @@
-"""Image-file sources: a class-per-folder tree, a list of (path, label), or a torchvision one.
+"""Image-file datasets: a class-per-folder tree, a list of (path, label), or a torchvision one.
 
 gpuload reads these as encoded bytes (:meth:`ImageFiles.read_encoded`) and decodes whole
 batches itself (``gpuload.decode``, DALI on the GPU). As map-style torch Datasets they also
 decode one sample at a time on the CPU, to what ``torchvision.io.decode_image`` gives (uint8
 RGB (3, H, W), EXIF-upright), so a plain ``torch.utils.data.DataLoader`` works on them too.
 
-Depending on ``gpuload.decode`` from a source is deliberate: ``__getitem__`` must decode to be
+Depending on ``gpuload.decode`` from a dataset is deliberate: ``__getitem__`` must decode to be
 a torch Dataset, and the decode package does not import the sources back.
 """
 
@@ -30,6 +30,7 @@ __all__ = [
     "ImageFiles",
     "ImageFolder",
     "ImageList",
+    "ImageSource",  # vocab: keep (the public alias)
     "as_image_source",
     "SAMPLE_PHOTOS",
     "make_sample_image_folder",
@@ -110,6 +111,11 @@ class ImageFiles(Dataset):
     def __repr__(self) -> str:
         classes = f", {len(self.classes)} classes" if getattr(self, "classes", None) else ""
         return f"{type(self).__name__}({len(self)} images{classes})"
+
+
+#: ``ImageFiles``' public name before issue #35's vocabulary (a source is a ``gpuload.sources.Source``),
+#: kept so that code and pickles naming it go on working.
+ImageSource = ImageFiles  # vocab: keep (the public alias)
 
 
 class ImageFolder(ImageFiles):
@@ -202,7 +208,7 @@ _IMAGE_LOADERS = ("default_loader", "pil_loader", "accimage_loader")
 def as_image_source(dataset: Any, ignore_transforms: bool = False) -> ImageFiles | None:
     """The :class:`ImageFiles` to read ``dataset`` from, or None if it is not image files.
 
-    gpuload sources come back as they are; anything else with a torchvision-style
+    gpuload's image datasets come back as they are; anything else with a torchvision-style
     ``samples`` list of ``(path, label)`` (torchvision's ImageFolder / DatasetFolder) becomes an
     :class:`ImageList` with its ``classes``. Its own ``transform`` would be bypassed, so one
     that has a ``transform`` or ``target_transform`` raises ValueError unless

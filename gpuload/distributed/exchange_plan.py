@@ -24,9 +24,9 @@ __all__ = ["StepPlan", "plan_step"]
 class StepPlan:
     """Rank ``me``'s part of one step's exchange.
 
-    ``send_rows``: offsets into ``me``'s shard, grouped by reader in rank order, with
+    ``send_rows``: offsets into ``me``'s share, grouped by reader in rank order, with
     ``send_splits[r]`` of them for rank ``r``; ``recv_splits[r]``: rows ``me`` receives from
-    ``r`` (0 for itself); ``local_rows``: shard offsets of the batch rows ``me`` holds, in the
+    ``r`` (0 for itself); ``local_rows``: share offsets of the batch rows ``me`` holds, in the
     order they follow the received ones; ``inverse``: grouped position of each batch position.
     """
 

@@ -1,4 +1,4 @@
-"""Sharding as a wrapper source: :class:`Exchanged` serves any source whose store is split over
+"""The split over ranks as a wrapper source: :class:`Exchanged` serves any source whose store is split over
 ranks, so that no source knows it is split.
 
 A store split over ranks (:class:`~gpuload.distributed.split_store.SplitStore`, made where a

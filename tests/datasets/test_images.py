@@ -1,8 +1,9 @@
-"""Image-file sources: ImageFolder indexing, ImageList, torchvision-style datasets, the sample folder."""
+"""Image-file datasets: ImageFolder indexing, ImageList, torchvision-style datasets, the sample folder."""
 
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -137,6 +138,20 @@ def test_image_list_with_root_and_labels(tree: Path) -> None:
     assert ds.samples == [(os.path.join(tree, "dog/b.jpg"), 4), (os.path.join(tree, "cat/z.png"), 7)]
     assert isinstance(ds, ImageFiles) and ds[1][1] == 7 and ds[1][0].shape == (3, F.HEIGHT, F.WIDTH)
     assert ds.read_encoded(0)[0] == (tree / "dog/b.jpg").read_bytes()
+
+
+# vocab: keep-start (the rename script leaves the public alias's name below as it is)
+def test_image_source_is_still_the_public_name_of_image_files(tree: Path) -> None:
+    """``ImageSource`` (the name before the vocabulary of issue #35) imports, subclasses and
+    unpickles as ``ImageFiles``, from both public modules."""
+    import gpuload.datasets
+    from gpuload.datasets import images
+
+    assert gpuload.datasets.ImageSource is images.ImageSource is ImageFiles  # vocab: keep (the alias)
+    assert "ImageSource" in gpuload.datasets.__all__ and "ImageSource" in images.__all__
+    assert pickle.loads(b"cgpuload.datasets.images\nImageSource\n.") is ImageFiles  # a pickle made before
+    assert isinstance(ImageFolder(tree, extensions=[".png", ".jpeg"]), gpuload.datasets.ImageSource)  # vocab: keep
+# vocab: keep-end
 
 
 def test_image_list_rejects_bad_entries() -> None:

@@ -1,10 +1,14 @@
 """The structural claims of ``gpuload/docs/architecture.md`` against the code: its module table
-names every module of the package once, and its table of who touches CUDA, DALI and CuPy says
-exactly what each module's source does (read with ``ast``, imports inside functions included)."""
+names every module of the package once, its table of who touches CUDA, DALI and CuPy says
+exactly what each module's source does (read with ``ast``, imports inside functions included),
+and the names its Words retired stay out of the code."""
 
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -118,3 +122,66 @@ def test_the_page_says_device_py_is_the_loader_s_place_for_cuda_and_dali_cupy_ar
 ])
 def test_the_reader_sees_each_kind_of_use(source: str, expected: set[str]) -> None:
     assert uses(source) == expected
+
+
+# vocab: keep-start (the rename script leaves the old names below as they are)
+#: Any name with these in it says "shard" for the split over ranks (the page's "Words": a split,
+#: a rank's share; "shard" is the token files' word, and Accelerate's).
+RETIRED_PATTERN = re.compile(r"sharded|shardable", re.IGNORECASE)
+KEEP = "vocab: keep"
+
+
+def retired_names() -> set[str]:
+    """The names in the last column of the page's "Words" table."""
+    section = PAGE.read_text().split("\n## Words\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    return {name for row in rows[1:] for name in re.findall(r"`([A-Za-z_]\w*)`", row.strip().strip("|").split("|")[-1])}
+
+
+def retired_in(source: str, retired: set[str]) -> list[tuple[int, str]]:
+    """Each (line, name) of ``source`` that is a retired name or says "sharded"/"shardable", in
+    the code and in f-strings' fields, not in plain strings and comments (public strings such as
+    ``"sharded-node"`` stay), and not on a line marked ``vocab: keep``."""
+    lines = source.splitlines()
+    found = []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.NAME:
+            names = [token.string]
+        elif token.type == tokenize.STRING and re.match(r"[rRbB]*[fF]", token.string):
+            fields = re.findall(r"\{([^{}]*)\}", token.string)
+            code = [re.sub(r"'[^']*'|\"[^\"]*\"", "", field) for field in fields]  # a key in a field is a string
+            names = [name for field in code for name in re.findall(r"[A-Za-z_]\w*", field)]
+        else:
+            continue
+        for name in names:
+            if (name in retired or RETIRED_PATTERN.search(name)) and KEEP not in lines[token.start[0] - 1]:
+                found.append((token.start[0], name))
+    return found
+
+
+def test_the_words_page_s_retired_names_stay_out_of_the_code() -> None:
+    retired = retired_names()
+    assert {"ShardedStore", "ImageSource", "SampleCache", "shard_bytes"} <= retired, "the Words table was not read"
+    found = []
+    for top in ("gpuload", "tests", "benchmarks", "examples"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            where = path.relative_to(ROOT)
+            if RETIRED_PATTERN.search(str(where)):
+                found.append(f"{where}: its name")
+            found += [f"{where}:{line}: {name}" for line, name in retired_in(path.read_text(), retired)]
+    assert not found, (f"{len(found)} names the page's Words retired are back (its table says the word to use): "
+                       + ", ".join(found[:40]))
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    ("x = ShardedStore()", [(1, "ShardedStore")]),
+    ("def _sharded_by(a): pass", [(1, "_sharded_by")]),
+    ("y = f'{store.shard_bytes} bytes'", [(1, "shard_bytes")]),
+    ("y = f\"{stats['shard_bytes'] / 2**20:.1f} MiB\"", []),
+    ("z = {'shard_bytes': 1, 'path': 'sharded-node'}  # a sharded cache", []),
+    ("ImageSource = ImageFiles  # vocab: keep (the public alias)", []),
+    ("shards = write_shard(path)", []),
+])
+def test_the_words_check_reads_names_not_strings(source: str, expected: list[tuple[int, str]]) -> None:
+    assert retired_in(source, {"ShardedStore", "shard_bytes", "ImageSource"}) == expected
+# vocab: keep-end
