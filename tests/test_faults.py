@@ -9,7 +9,6 @@ leaks threads.
 
 from __future__ import annotations
 
-import _thread
 import gc
 import os
 import signal
@@ -238,6 +237,16 @@ def test_a_killed_worker_is_reported_at_once_without_a_stall() -> None:
         closed_after = time.monotonic() - killed_at
     assert raised_after < 3.0 and closed_after < 3.0, (raised_after, closed_after)
     assert not [w for w in caught if "did not stop" in str(w.message)]
+    # On a busy machine torch's worker iterator can finish ending its other worker after close()
+    # returned; that worker's SIGCHLD then makes torch's handler report the killed worker once more,
+    # in whatever this process runs next (it once broke the pytest session): let it land here.
+    deadline = time.monotonic() + 120
+    while torch.multiprocessing.active_children() and time.monotonic() < deadline:
+        try:
+            time.sleep(0.05)
+        except RuntimeError as late:
+            assert "DataLoader worker" in str(late), late
+    assert not torch.multiprocessing.active_children()
 
 
 class Gated(Slow):
@@ -259,9 +268,13 @@ def test_ctrl_c_in_the_loop_stops_at_once_and_the_loader_runs_again() -> None:
     loader = gpuload.DataLoader(data, batch_size=2, device="cpu", prefetch_depth=2)
     iterator = iter(loader)
     next(iterator)
-    timer = threading.Timer(0.02, _thread.interrupt_main)  # the loop waits in next(): batch 1 is held back
-    timer.start()
+    main = threading.main_thread().ident
+    assert main is not None
     with pytest.raises(KeyboardInterrupt):
+        # a real SIGINT, as Ctrl-C sends: it wakes a thread blocked on a lock, which
+        # _thread.interrupt_main() (a flag checked between bytecodes) does not; started in here, so
+        # that it cannot land before the loop waits in next() (batch 1 is held back)
+        threading.Timer(0.02, signal.pthread_kill, (main, signal.SIGINT)).start()
         while True:
             next(iterator)
     # at once: the loop did not wait for the read it was waiting for (it is still held back), on
