@@ -262,7 +262,7 @@ class Gated(Slow):
         return super().__getitem__(index)
 
 
-def test_ctrl_c_in_the_loop_stops_at_once_and_the_loader_runs_again() -> None:
+def test_ctrl_c_in_the_loop_stops_at_once_and_the_loader_runs_again(request: pytest.FixtureRequest) -> None:
     baseline = snapshot()
     data = Gated(n=40)
     loader = gpuload.DataLoader(data, batch_size=2, device="cpu", prefetch_depth=2)
@@ -270,6 +270,10 @@ def test_ctrl_c_in_the_loop_stops_at_once_and_the_loader_runs_again() -> None:
     next(iterator)
     main = threading.main_thread().ident
     assert main is not None
+    # Python's own Ctrl-C handler, whatever started the suite: a shell's background job ignores
+    # SIGINT, and a Python started so keeps ignoring it (the loop would then never be interrupted)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     with pytest.raises(KeyboardInterrupt):
         # a real SIGINT, as Ctrl-C sends: it wakes a thread blocked on a lock, which
         # _thread.interrupt_main() (a flag checked between bytecodes) does not; started in here, so
