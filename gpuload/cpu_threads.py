@@ -37,7 +37,8 @@ import torch
 
 from gpuload.device import usable_cpu_count
 
-__all__ = ["chosen_cpu_threads", "free_cpu_threads", "image_pool", "own_cpu_threads", "spread_over_cpus"]
+__all__ = ["chosen_cpu_threads", "free_cpu_threads", "give_back_cpu_threads", "image_pool", "own_cpu_threads",
+           "spread_over_cpus", "take_cpu_threads"]
 
 _Item = TypeVar("_Item")
 
@@ -79,23 +80,47 @@ def chosen_cpu_threads() -> int:
     return free_cpu_threads(torch.get_num_threads(), usable_cpu_count(), load, _own_use.now())
 
 
+# The last choice, kept a second: the load average it follows moves every 5 s, and a batch
+# should not pay for reading it again. (until, torch's setting it was made for, threads)
+_KEEP_CHOICE_S = 1.0
+_clock = time.monotonic
+_kept_choice: tuple[float, int, int] = (float("-inf"), 0, 0)
+
+
+def take_cpu_threads(device: torch.device) -> int | None:
+    """Set :func:`free_cpu_threads` threads for gpuload's own batch ops on a CPU ``device``;
+    returns torch's setting to give back with :func:`give_back_cpu_threads` (None: nothing was
+    changed). The hot paths' form of :func:`own_cpu_threads` (a try/finally, no generator)."""
+    global _kept_choice
+    if device.type != "cpu":
+        return None
+    current = torch.get_num_threads()
+    until, made_for, wanted = _kept_choice
+    now = _clock()
+    if now >= until or made_for != current:
+        wanted = chosen_cpu_threads()
+        _kept_choice = (now + _KEEP_CHOICE_S, current, wanted)
+    if wanted == current:
+        return None
+    torch.set_num_threads(wanted)
+    return current
+
+
+def give_back_cpu_threads(taken: int | None) -> None:
+    """Put back torch's setting that :func:`take_cpu_threads` returned."""
+    if taken is not None:
+        torch.set_num_threads(taken)
+
+
 @contextlib.contextmanager
 def own_cpu_threads(device: torch.device) -> Iterator[None]:
     """Run the block's CPU ops with :func:`free_cpu_threads` threads (on a CPU ``device``;
     elsewhere, and when that is torch's setting already, nothing changes)."""
-    if device.type != "cpu":
-        yield
-        return
-    current = torch.get_num_threads()
-    wanted = chosen_cpu_threads()
-    if wanted == current:
-        yield
-        return
-    torch.set_num_threads(wanted)
+    taken = take_cpu_threads(device)
     try:
         yield
     finally:
-        torch.set_num_threads(current)
+        give_back_cpu_threads(taken)
 
 
 def _threads_for_images() -> int:

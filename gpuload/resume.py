@@ -28,6 +28,7 @@ machine and on another device type.
 from __future__ import annotations
 
 import base64
+import itertools
 import random
 import warnings
 import weakref
@@ -250,16 +251,16 @@ class Position:
         self.cuts.append((self.batches, self.samples_done(), batch_size))
 
 
-class _NotesFirstPull(Iterator[Any]):
+def _notes_first_pull(inner: Iterator[Any], position: Position) -> Iterator[Any]:
     """``inner``, noting on ``position`` when the sampler begins to draw (its first pull)."""
+    position.sampler_started = False
+    return itertools.chain(_note_started(position), inner)  # after the first pull, inner's own pace
 
-    def __init__(self, inner: Iterator[Any], position: Position) -> None:
-        self._inner, self._position = inner, position
-        position.sampler_started = False
 
-    def __next__(self) -> Any:
-        self._position.sampler_started = True
-        return next(self._inner)
+def _note_started(position: Position) -> Iterator[Any]:
+    """Nothing, noting ``position.sampler_started`` when asked for its (absent) first item."""
+    position.sampler_started = True
+    yield from ()
 
 
 def begin_epoch(
@@ -271,7 +272,7 @@ def begin_epoch(
     the epoch or before the save, the rest of its sample order cut at the new size)."""
     if resume is None:
         position = Position(number, RandomStates.capture(draw), batch_size=draw.batch_size)
-        return position, lambda: _NotesFirstPull(draw_epoch(draw), position), None
+        return position, lambda: _notes_first_pull(draw_epoch(draw), position), None
     if not draw.map_style:
         return resume, lambda: draw_epoch(draw), None  # an iterable dataset continues from its own state
     if resume.cuts:
@@ -283,7 +284,7 @@ def begin_epoch(
             # from the saved global state, the sampler's own draws from the live generator, as
             # in the uninterrupted run, which made them after the save.
             drawn = resume.states.with_global(lambda: draw_epoch(draw))
-            return resume, lambda: _NotesFirstPull(drawn, resume), None
+            return resume, lambda: _notes_first_pull(drawn, resume), None
         epoch_draws = resume.states.draw_with_global(lambda: draw_epoch(draw))
         if resume.delivered is None:
             resume.places = list(range(resume.batches, len(epoch_draws)))

@@ -15,6 +15,7 @@ the real iterator is used instead if they ever disagree (a different torch relea
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
 from numbers import Integral
@@ -231,6 +232,12 @@ def epoch_batches(batch_sampler: BatchSampler) -> Iterator[torch.Tensor]:
     runs while producing the batch that pulls ``p`` (a batch pulls its ``batch_size`` positions,
     and the one that finds the end pulls position ``len(sampler)``).
     """
+    return itertools.chain.from_iterable(_batch_runs(batch_sampler))  # no Python frame per batch
+
+
+def _batch_runs(batch_sampler: BatchSampler) -> Iterator[tuple[torch.Tensor, ...]]:
+    """:func:`epoch_batches`' batches in runs, each cut in one go from the draws made so far:
+    the next run is made (and its draws with it) when the batch after the last run is asked."""
     sampler = batch_sampler.sampler
     total = len(cast(Sized, sampler))  # torch's BatchSampler takes len() of it too
     size = batch_sampler.batch_size
@@ -253,7 +260,7 @@ def epoch_batches(batch_sampler: BatchSampler) -> Iterator[torch.Tensor]:
         run = max(1, min((next_draw - start) // size, remaining // size))
         chunk, buffered = buffered[: run * size], buffered[run * size :]
         start += run * size
-        yield from chunk.split(size)
+        yield chunk.split(size)
 
 
 def epoch_order(sampler: Iterable[Any]) -> torch.Tensor | list[Any]:

@@ -39,11 +39,16 @@ class Staging:
     copy: Callable[[Any], Any]
 
 
+_PLAIN = frozenset({str, bytes, int, float, bool, type(None)})  # leaves map_leaves passes as they are
+
+
 def map_leaves(data: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool] | None = None) -> Any:
     """``data`` with ``fn`` applied to every tensor (or ``is_leaf`` object); containers keep types.
 
     Walks a batch the way torch's ``pin_memory`` does (mappings, namedtuples, sequences), except
-    that tuples stay tuples. Other leaves (strings, numbers, None) pass through unchanged.
+    that tuples stay tuples. Other leaves (strings, numbers, None) pass through unchanged; a
+    tuple's or list's plain items (exactly str, bytes, int, float, bool or None, such as a
+    batch's list of names) without a call each, nor a question to ``is_leaf``.
     """
     if isinstance(data, torch.Tensor) or (is_leaf is not None and is_leaf(data)):
         return fn(data)
@@ -63,9 +68,9 @@ def map_leaves(data: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], boo
     if isinstance(data, tuple) and hasattr(data, "_fields"):
         return type(data)(*(map_leaves(value, fn, is_leaf) for value in data))
     if isinstance(data, tuple):
-        return tuple(map_leaves(value, fn, is_leaf) for value in data)
+        return tuple([value if type(value) in _PLAIN else map_leaves(value, fn, is_leaf) for value in data])
     if isinstance(data, collections.abc.Sequence):
-        items = [map_leaves(value, fn, is_leaf) for value in data]
+        items = [value if type(value) in _PLAIN else map_leaves(value, fn, is_leaf) for value in data]
         sequence_type: Any = type(data)  # a Sequence subclass, rebuilt from a list as torch's collate does
         try:
             return sequence_type(items)
@@ -102,6 +107,11 @@ def batch_length(data: Any) -> int:
 
     A 0-d leaf (a step counter, a loss scale) says nothing about the batch, so it is passed over.
     """
+    # The usual batch (a tensor first in a list, tuple or dict) is told without the walk.
+    first = data[0] if type(data) in (list, tuple) and data else (
+        next(iter(data.values())) if type(data) is dict and data else data)
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        return first.size(0)
     scalars_only = False
     for tensor in _tensors(data):
         if tensor.dim() > 0:

@@ -14,6 +14,7 @@ import torch
 
 import gpuload
 import gpuload.cache.budget
+import gpuload.cpu_threads
 import gpuload.device
 from gpuload.device import MemoryInfo
 
@@ -88,6 +89,13 @@ def pretend_disk_space(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[...
         reading[0] = (int(free), int(total))
 
     yield pretend
+
+
+@pytest.fixture(autouse=True)
+def fresh_cpu_thread_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's batch ops choose their threads from the load it pretends (or the machine's),
+    not from a choice an earlier test left kept (``gpuload.cpu_threads.take_cpu_threads``)."""
+    monkeypatch.setattr(gpuload.cpu_threads, "_kept_choice", (float("-inf"), 0, 0))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpuload import cpu_threads
-from gpuload.cpu_threads import free_cpu_threads, own_cpu_threads
+from gpuload.cpu_threads import free_cpu_threads, give_back_cpu_threads, own_cpu_threads, take_cpu_threads
 
 
 @pytest.mark.parametrize("current,usable,load,own,expected", [
@@ -50,6 +50,40 @@ def test_untouched_off_the_cpu_and_when_free(two_threads, monkeypatch) -> None:
     monkeypatch.setattr(cpu_threads, "usable_cpu_count", lambda: 2)
     with own_cpu_threads(torch.device("cpu")):
         assert torch.get_num_threads() == 2
+
+
+def test_the_choice_is_kept_a_second_unless_torchs_setting_changed(two_threads, monkeypatch) -> None:
+    """A batch does not read the load again within a second of the last choice (it moves every
+    5 s); a choice made for another torch setting, or an older one, is made again."""
+    now = [100.0]
+    load = [14.0]
+    monkeypatch.setattr(cpu_threads, "_clock", lambda: now[0])
+    monkeypatch.setattr(os, "getloadavg", lambda: (load[0], load[0], load[0]))
+    monkeypatch.setattr(cpu_threads, "usable_cpu_count", lambda: 4)
+    cpu = torch.device("cpu")
+
+    def threads_inside() -> int:
+        taken = take_cpu_threads(cpu)
+        try:
+            return torch.get_num_threads()
+        finally:
+            give_back_cpu_threads(taken)
+            assert torch.get_num_threads() == before
+
+    before = 2
+    assert threads_inside() == 1  # 4 CPUs at load 14
+    load[0] = 0.0
+    now[0] += 0.5
+    assert threads_inside() == 1  # kept: the load is not read again yet
+    torch.set_num_threads(before := 3)
+    assert threads_inside() == 3  # another setting: chosen again, from the quiet load
+    torch.set_num_threads(before := 2)
+    load[0] = 14.0
+    now[0] += 0.2
+    assert threads_inside() == 1  # chosen again for 2 (the kept one was for 3)
+    load[0] = 0.0
+    now[0] += 1.0
+    assert threads_inside() == 2  # a second later: the load is read again
 
 
 def test_the_loaders_transforms_run_with_the_chosen_threads(two_threads, monkeypatch) -> None:

@@ -45,6 +45,26 @@ def test_map_leaves_keeps_each_container_type_where_it_can() -> None:
     assert moved["x"][0].device == torch.device("cpu") and moved["x"][0].tolist() == [1.0, 1.0]
 
 
+def test_map_leaves_passes_plain_items_without_a_walk_each() -> None:
+    """A batch's list of names (plain str, numbers, None) comes back equal, and ``is_leaf`` is
+    asked only about the rest; tensors beside and below them are still mapped."""
+    from gpuload.transfer import map_leaves
+
+    asked: list[object] = []
+
+    def is_leaf(value: object) -> bool:
+        asked.append(value)
+        return False
+
+    names = [f"s{i}" for i in range(4)]
+    batch = {"x": torch.ones(2), "name": names, "mixed": (1, 2.5, None, True, b"b", [torch.ones(1)])}
+    out = map_leaves(batch, lambda tensor: tensor * 2, is_leaf=is_leaf)
+    assert out["name"] == names and type(out["name"]) is list
+    assert out["mixed"][:5] == (1, 2.5, None, True, b"b") and type(out["mixed"]) is tuple
+    assert out["x"].tolist() == [2.0, 2.0] and out["mixed"][5][0].tolist() == [2.0]
+    assert not any(isinstance(value, (str, bytes, int, float)) or value is None for value in asked)
+
+
 def test_host_tensors_need_no_host_copy():
     from gpuload.transfer import pinned_host_copies
 

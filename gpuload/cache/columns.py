@@ -257,7 +257,7 @@ class _StoredColumn(_Stored):
         return self.rows.numel() * self.rows.element_size()
 
     def gather(self, slots: torch.Tensor, where: torch.Tensor, collate: Callable[[Any], Any]) -> torch.Tensor:
-        return self._select(slots, where)
+        return self.rows.index_select(0, slots if self.rows.device == slots.device else where)  # as _select
 
     def views(self, slots: torch.Tensor, where: torch.Tensor) -> list[Any]:
         return _values_of(self._select(slots, where), self.kind, self.dtype)
@@ -292,7 +292,7 @@ class _StoredObjects(_Stored):
 
     def gather(self, slots: torch.Tensor, where: torch.Tensor, collate: Callable[[Any], Any]) -> Any:
         values = self.values
-        return collate(self.sequence(values[s] for s in slots.tolist()))
+        return collate(self.sequence([values[s] for s in slots.tolist()]))
 
     def views(self, slots: torch.Tensor, where: torch.Tensor) -> list[Any]:
         return [copy_value(self.values[s], self.device)[0] for s in slots.tolist()]

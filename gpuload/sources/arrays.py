@@ -8,6 +8,7 @@ where they live; rows in host memory are gathered straight into the prefetcher's
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch.utils.data import default_collate, default_convert
 
 from gpuload.augment import BatchAugmenter, image_column
 from gpuload.cache import Store, TieredArrayStore
-from gpuload.cpu_threads import own_cpu_threads
+from gpuload.cpu_threads import give_back_cpu_threads, take_cpu_threads
 from gpuload.prefetch import default_depth
 from gpuload.sources import FromRows, Indices, Schedule, Setup, Source, Work
 from gpuload.sources.placed_arrays import ArrayColumns, ResidentColumns, find_columns, raw_columns, same_arrays
@@ -118,7 +119,7 @@ class ArraySource(Source):
         resident, batched = self._placed, self.setup.batched
         indices = request.batches(ahead)
         if not ahead:
-            return Work(indices, lambda index: self._gather_now(request, index))
+            return Work(indices, functools.partial(self._gather_now, resident, request))
         # The check runs once in the prefetcher's thread (the gather needs it) and once here,
         # in order, for the transforms' per-sample randomness: a bad index fails after the
         # batches before it either way.
@@ -138,13 +139,18 @@ class ArraySource(Source):
 
         return Work(fills, finish)
 
-    def _gather_now(self, request: Indices, index: Any) -> tuple[Any, int]:
-        """The batch of ``index`` gathered in the caller's thread (the loop's), and its length."""
-        with own_cpu_threads(self.setup.device):  # batch-sized ops: the free CPUs' threads
-            batch, flat, moved_bytes = self._placed.gather(index, self.setup.batched, request.in_range,
-                                                           copy=request.copy_now)
+    def _gather_now(self, resident: ResidentColumns, request: Indices, index: Any) -> tuple[Any, int]:
+        """The batch of ``index`` gathered from ``resident`` in the caller's thread (the loop's), and its length."""
+        threads = take_cpu_threads(self.setup.device)  # batch-sized ops: the free CPUs' threads
+        try:
+            batch, flat, moved_bytes = resident.gather(index, self.setup.batched, request.in_range,
+                                                       copy=request.copy_now)
             self.h2d_bytes += moved_bytes
-            return self._augmented(batch, flat, request.number), flat.numel()
+            if self.augment is not None or self.completes_batches:
+                batch = self._augmented(batch, flat, request.number)
+            return batch, flat.numel()
+        finally:
+            give_back_cpu_threads(threads)
 
     def from_rows(self, number: int, ahead: bool) -> FromRows:
         """Each item's arrays (``(leaves, dataset indices)``) built into the batch (and

@@ -165,7 +165,7 @@ class ArrowSource(ArraySource):
             for source, ready in zip(self.images.values(), images):
                 source.ready = ready
             try:
-                return self._gather_now(request, index)
+                return self._gather_now(self._placed, request, index)
             finally:
                 for source in self.images.values():
                     source.ready = None

@@ -91,6 +91,9 @@ def find_columns(
     return ArrayColumns(columns, spec, columns[0].shape[0])
 
 
+_DEVICE_GATHER = gather_stage("device")  # the timeline's stage of a gather in place
+
+
 def _batch_builder(spec: TreeSpec) -> Callable[[list[torch.Tensor]], Any]:
     """A function from leaves to the batch structure; direct for a flat list, tuple or dict."""
     if spec.is_leaf():
@@ -98,7 +101,7 @@ def _batch_builder(spec: TreeSpec) -> Callable[[list[torch.Tensor]], Any]:
     children = spec.children() if hasattr(spec, "children") else spec.children_specs
     flat = all(child.is_leaf() for child in children)
     if flat and spec.type is list:
-        return lambda leaves: leaves
+        return list
     if flat and spec.type is tuple:
         return tuple
     if flat and spec.type is dict:
@@ -268,7 +271,7 @@ class ResidentColumns:
             if copy is None:
                 raise RuntimeError(f"host arrays reach {self.device} only through the loader's staging")
             return copy(self.fill(flat, batched)), flat, moved_bytes
-        with stage(gather_stage("device")):
+        with stage(_DEVICE_GATHER):
             leaves = [column.index_select(0, where).view(dtype) for column, dtype in zip(self.columns, self.dtypes)]
         return self._built(leaves, batched), flat, moved_bytes
 

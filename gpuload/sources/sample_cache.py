@@ -9,6 +9,7 @@ store, ``cache_dir``'s disk tier, then the dataset; what a lower tier gives is k
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,9 +22,9 @@ from gpuload.cache import CacheDecision, format_bytes
 from gpuload.cache.chain import NOTHING, Hit, KeyedTier, Lookup, read_through
 from gpuload.cache.columns import Branch, Column, ColumnStore, Part, prepare, worker_collate
 from gpuload.cache.disk_tier import DiskRows, Fingerprint, select_rows
-from gpuload.cpu_threads import own_cpu_threads
+from gpuload.cpu_threads import give_back_cpu_threads, own_cpu_threads, take_cpu_threads
 from gpuload.sources import Setup
-from gpuload.sources.torch_fetch import KeepSamples, PerBatch, fetch, read_prepared
+from gpuload.sources.torch_fetch import KeepSamples, fetch, per_batch, read_prepared
 from gpuload.timeline import gather_stage, stage
 from gpuload.transfer import batch_nbytes, move_staged
 
@@ -68,6 +69,7 @@ class CachedSamples:
         self.dataset = setup.dataset
         self.setup = setup
         self.tier = decision.tier
+        self._gather_stage = gather_stage(self.tier)  # the timeline's stage of a gather from the store
         self.reason = decision.reason
         self.device = setup.device
         self.collate_fn = setup.collate_fn
@@ -208,7 +210,7 @@ class CachedSamples:
         if self.by_column:
             if self._counts_copies:
                 self.copied.bytes += rows.nbytes()
-            with own_cpu_threads(self.device), stage(gather_stage(self.tier)):
+            with own_cpu_threads(self.device), stage(self._gather_stage):
                 batch = self.store.assemble(slots, rows.part)
             if batch is not None:
                 return batch
@@ -227,8 +229,12 @@ class CachedSamples:
     def _from_store(self, slots: torch.Tensor) -> Any:
         """A batch of stored samples only."""
         if self.by_column:
-            with own_cpu_threads(self.device), stage(gather_stage(self.tier)):
-                return self.store.gather_rows(slots)
+            threads = take_cpu_threads(self.device)
+            try:
+                with stage(self._gather_stage):
+                    return self.store.gather_rows(slots)
+            finally:
+                give_back_cpu_threads(threads)
         return self._collate(self.store.views(slots))
 
     def _collate(self, samples: list[Any]) -> Any:
@@ -237,7 +243,8 @@ class CachedSamples:
     def batches(self, indices: Iterator[Any], in_range: bool = False, whole: bool = True) -> Iterator[Any]:
         """An epoch's batches from the cache (and the dataset for what it lacks); ``whole``: not
         the rest of a resumed epoch, which cannot have filled the cache."""
-        return PerBatch(indices, lambda index: self.batch(index, in_range), self.end_of_epoch if whole else None)
+        return per_batch(indices, functools.partial(self.batch, in_range=in_range),
+                         self.end_of_epoch if whole else None)
 
     def warm(self, progress: bool, num_workers: int, worker_options: dict[str, Any]) -> int:
         """Read every sample not cached yet into the cache, in index order; returns how many."""

@@ -41,13 +41,13 @@ from gpuload.sources.sample_cache import CachedSamples
 from gpuload.sources.torch_fetch import (
     HandedOver,
     KeepSamples,
-    PerBatch,
     RecordingSampler,
     TorchBatches,
     TorchLoading,
     WorkerBatches,
     fetch,
     is_default_collate,
+    per_batch,
     read_prepared,
 )
 from gpuload.transfer import batch_length, batch_nbytes
@@ -149,7 +149,7 @@ class SampleSource(Source):
     def _work(self, request: Indices, ahead: bool) -> Work:
         cached = self.held
         assert not isinstance(cached, SplitSamples)  # a share's batches are made from_rows()
-        finish: Callable[[Any], Any] = self._passed if ahead else (lambda batch: self._moved(batch, request.copy_now))
+        finish: Callable[[Any], Any] = self._passed if ahead else functools.partial(self._moved, copy=request.copy_now)
         if not self.setup.map_style:
             batches = self.torch.iterate()  # an iterable dataset: torch's own iterator, workers included
             return Work(batches, finish, length=cast(Sized, batches).__len__, from_torch=True, torch_iterator=batches)
@@ -196,7 +196,7 @@ class SampleSource(Source):
         return FromRows(finish)
 
     def _fetched(self, indices: Iterator[Any]) -> Iterator[Any]:
-        return PerBatch(indices, self._read_batch)
+        return per_batch(indices, self._read_batch)
 
     def _read_batch(self, index: Any) -> Any:
         """One batch read as torch's fetcher reads it (``dataset[i]`` with Python ints)."""

@@ -11,6 +11,7 @@ drawn (``in_order=True``), so the k-th batch belongs to the k-th recorded index 
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -25,8 +26,8 @@ from torch.utils.data.dataloader import DataLoader as TorchDataLoader
 from gpuload.cache.columns import Part, prepare
 from gpuload.timeline import stage
 
-__all__ = ["EpochPlaces", "HandedOver", "KeepSamples", "PerBatch", "RecordingSampler", "TorchBatches", "TorchLoading",
-           "WorkerBatches", "add_note", "fetch", "is_default_collate", "read_prepared"]
+__all__ = ["EpochPlaces", "HandedOver", "KeepSamples", "RecordingSampler", "TorchBatches", "TorchLoading",
+           "WorkerBatches", "add_note", "fetch", "is_default_collate", "per_batch", "read_prepared"]
 
 
 class KeepSamples:
@@ -172,24 +173,20 @@ def add_note(error: BaseException, note: str) -> None:
         error.add_note(note)
 
 
-class PerBatch(Iterator[Any]):
+def per_batch(items: Iterator[Any], make: Callable[[Any], Any],
+              at_end: Callable[[], object] | None = None) -> Iterator[Any]:
     """``make(item)`` for each of ``items``, going on after a batch that raised, as torch's
     iterators do (the failed batch is consumed; the next ``next()`` makes the one after), and
-    ``at_end()`` once when the items run out."""
+    ``at_end()`` once when the items run out. (``map``: no Python frame of its own per batch.)"""
+    if at_end is None:
+        return map(make, items)
+    return map(make, itertools.chain(items, _calls_at_end(at_end)))
 
-    def __init__(self, items: Iterator[Any], make: Callable[[Any], Any],
-                 at_end: Callable[[], object] | None = None) -> None:
-        self._items, self._make, self._at_end = items, make, at_end
 
-    def __next__(self) -> Any:
-        try:
-            item = next(self._items)
-        except StopIteration:
-            at_end, self._at_end = self._at_end, None
-            if at_end is not None:
-                at_end()
-            raise
-        return self._make(item)
+def _calls_at_end(at_end: Callable[[], object]) -> Iterator[Any]:
+    """Nothing, calling ``at_end()`` when asked for its (absent) first item."""
+    at_end()
+    yield from ()
 
 
 class HandedOver(Iterator[Any]):

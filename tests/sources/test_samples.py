@@ -14,7 +14,7 @@ from equivalence import assert_same, assert_same_epochs
 import gpuload
 from gpuload.cache import CacheSettings
 from gpuload.device import MemoryInfo
-from gpuload.sources.torch_fetch import RecordingSampler
+from gpuload.sources.torch_fetch import RecordingSampler, per_batch
 
 GiB = 1 << 30
 
@@ -490,3 +490,25 @@ def test_with_workers_a_cache_whose_epochs_add_nothing_is_dropped_saying_why() -
         assert_same_epochs(ours, theirs, epochs=2)
     assert ours.stats.path == "torch" and ours.stats.extra["cache"]["entries"] == 0
     ours.close()
+
+
+def test_per_batch_goes_on_after_a_batch_that_raised_and_ends_once() -> None:
+    """As torch's iterators: the failed batch is consumed, the next ``next()`` makes the one
+    after; ``at_end`` runs once, when the items run out (not again on a later ``next()``)."""
+    ended = []
+
+    def make(item: int) -> int:
+        if item == 1:
+            raise ValueError("bad batch 1")
+        return item * 10
+
+    batches = per_batch(iter(range(3)), make, lambda: ended.append(True))
+    assert next(batches) == 0
+    with pytest.raises(ValueError, match="bad batch 1"):
+        next(batches)
+    assert next(batches) == 20
+    assert not ended
+    for _ in range(2):
+        with pytest.raises(StopIteration):
+            next(batches)
+    assert ended == [True]
