@@ -702,3 +702,27 @@ def test_on_cuda_a_spin_longer_than_the_data_is_compute_bound_and_slow_reads_are
     torch.cuda.synchronize()
     found = slow.timeline.verdict()
     assert found.bound == "data" and found.stage == "read", slow.timeline.summary()
+
+
+def test_an_image_files_batch_records_one_read_stage_for_its_files(tmp_path) -> None:
+    """The files of a batch are read inside one ``read`` stage (not one per file), decoded inside ``decode``."""
+    from gpuload import transforms as T
+    from gpuload.timeline import _Stage
+
+    folder = gpuload.datasets.make_sample_image_folder(tmp_path / "f", num_images=8, num_classes=2, seed=0)
+    loader = gpuload.DataLoader(gpuload.datasets.ImageFolder(folder.root), batch_size=4, cache="off",
+                                transforms=[T.RandomResizedCrop(32)], timeline_steps=4)
+    entered: list[str] = []
+    real_enter = _Stage.__enter__
+
+    def entering(self: _Stage) -> None:
+        entered.append(self.name)
+        real_enter(self)
+
+    run(loader)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_Stage, "__enter__", entering)
+        run(loader)
+    sampled = [step.stages for step in loader.timeline.steps() if step.stages is not None]
+    assert sampled and all(stages["read"] > 0 and stages["decode"] > 0 for stages in sampled)
+    assert entered.count("transform") >= 1 and entered.count("read") == entered.count("transform")  # one a batch

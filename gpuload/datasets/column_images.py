@@ -11,6 +11,7 @@ row (``column 'image', row 7``) wherever a bad image is reported.
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -59,6 +60,12 @@ class ColumnImages(ImageFiles):
 
     def label(self, index: int) -> int:
         return 0  # the table's other columns carry the labels
+
+    def paths(self, indices: Sequence[int]) -> list[str]:
+        return [self.path(index) for index in indices]
+
+    def labels(self, indices: Sequence[int]) -> list[int]:
+        return [0] * len(indices)
 
     def read_encoded(self, index: int) -> tuple[bytes, int]:
         """The row's encoded bytes (read from its file where the struct names only a path)."""

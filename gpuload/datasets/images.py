@@ -86,6 +86,16 @@ class ImageFiles(Dataset):
         """The label of sample ``index``, without reading its file."""
         return self.samples[index][1]
 
+    def paths(self, indices: Sequence[int]) -> list[str]:
+        """:meth:`path` of each of a batch's ``indices`` (a subclass overriding one overrides both)."""
+        samples = self.samples
+        return [samples[index][0] for index in indices]
+
+    def labels(self, indices: Sequence[int]) -> list[int]:
+        """:meth:`label` of each of a batch's ``indices`` (a subclass overriding one overrides both)."""
+        samples = self.samples
+        return [samples[index][1] for index in indices]
+
     def read_encoded(self, index: int) -> tuple[bytes, int]:
         """The file's bytes, undecoded, and the label; ImageDecodeError if it cannot be read."""
         path, label = self.samples[index]

@@ -103,6 +103,15 @@ class HeaderTable:
                 self._shared[row] = header
         return header
 
+    def kept(self, positions: list[int]) -> list[Header | None]:
+        """:meth:`get` of each of a batch's ``positions``: the shared headers found by one
+        gather of their rows, the others as :meth:`get` finds them."""
+        if not positions or min(positions) < 0 or max(positions) >= len(self._rows):
+            return [self.get(position) for position in positions]
+        shared = self._shared
+        rows = self._rows[positions].tolist()
+        return [shared.get(tuple(row)) or self.get(position) for position, row in zip(positions, rows)]
+
     def read(self, position: int, data: bytes) -> Header:
         """``position``'s header: the kept one, else read from ``data`` (its file) and kept.
 

@@ -136,7 +136,7 @@ class ImageReader:
                 continue
             encoded.append(data)
             readable.append(position)
-        result = self.decoder.decode(encoded, [self.images.path(p) for p in readable], readable,
+        result = self.decoder.decode(encoded, self.images.paths(readable), readable,
                                      on_error="skip", headers=self._headers(encoded, readable))
         self.fallback_decoded += result.fallback_decoded
         self.cpu_decoded += result.cpu_decoded
@@ -159,24 +159,27 @@ class ImageReader:
         position, backend, reason = bad[0]
         return ImageDecodeError(position, self.images.path(position), backend, reason, len(bad) - 1)
 
-    def read(self, position: int, epoch: int) -> bytes | None:
-        """The file's bytes (from the encoded cache when it has them); None if skipped."""
+    def read(self, positions: list[int], epoch: int) -> list[bytes | None]:
+        """The files' bytes (from the encoded cache when it has them); None for a file skipped.
+        One ``read`` stage for the batch's files (none when the cache had them all)."""
         cache = self.cache if self.keeps == "encoded" else None
-        if cache is not None:
-            data = cache.get(position)
-            if data is not None:
-                return data
-        try:
-            with stage("read"):
-                data, _ = self.images.read_encoded(position)
-        except Exception as error:  # unreadable file: ImageDecodeError names it
-            if self.on_error != "skip":
-                raise
-            self.note_skipped([(position, self.images.path(position), str(error))], epoch)
-            return None
-        if cache is not None:
-            cache.keep(position, data)
-        return data
+        files: list[bytes | None] = [None] * len(positions) if cache is None else [cache.get(p) for p in positions]
+        unread = [k for k, data in enumerate(files) if data is None]
+        if not unread:
+            return files
+        with stage("read"):
+            for k in unread:
+                position = positions[k]
+                try:
+                    files[k], _ = self.images.read_encoded(position)
+                except Exception as error:  # unreadable file: ImageDecodeError names it
+                    if self.on_error != "skip":
+                        raise
+                    self.note_skipped([(position, self.images.path(position), str(error))], epoch)
+                    continue
+                if cache is not None:
+                    cache.keep(position, files[k])
+        return files
 
     def decode(self, indices: Any, epoch: int) -> DecodedBatch:
         """Read and decode the files of ``indices`` (only the transforms' windows, if any): read
@@ -213,7 +216,7 @@ class ImageReader:
         return DecodedBatch(
             images=images,
             positions=[positions[slot] for slot in order],
-            labels=[self.images.label(positions[slot]) for slot in order],
+            labels=self.images.labels([positions[slot] for slot in order]),
             epoch=epoch,
             windows=kept_windows if any_window else None,
             sizes=kept_sizes if any_window else None,
@@ -223,12 +226,13 @@ class ImageReader:
     def _headers(self, encoded: list[bytes], positions: list[int]) -> list[Header | None]:
         """Each file's header, read once per dataset (``HeaderTable``); None where unreadable
         (the decoder reads it again and reports the file)."""
-        headers: list[Header | None] = []
-        for position, data in zip(positions, encoded):
-            try:
-                headers.append(self.headers.read(position, data))
-            except Exception:  # PIL raises many types for garbage
-                headers.append(None)
+        headers = self.headers.kept(positions)
+        for k, header in enumerate(headers):
+            if header is None:
+                try:
+                    headers[k] = self.headers.read(positions[k], encoded[k])
+                except Exception:  # PIL raises many types for garbage
+                    pass
         return headers
 
     def _windows(
@@ -336,15 +340,12 @@ class _Files:
 
     def lookup(self, keys: torch.Tensor) -> Lookup:
         reader, epoch = self.reader, self.epoch
-        encoded, names, readable, ats = [], [], [], []
-        for at, position in enumerate(keys.tolist()):
-            data = reader.read(position, epoch)
-            if data is None:
-                continue
-            encoded.append(data)
-            names.append(reader.images.path(position))
-            readable.append(position)
-            ats.append(at)
+        positions = keys.tolist()
+        files = reader.read(positions, epoch)
+        ats = [at for at, data in enumerate(files) if data is not None]  # the files not skipped
+        encoded = [data for data in files if data is not None]
+        readable = [positions[at] for at in ats]
+        names = reader.images.paths(readable)
         with stage("decode"):
             headers = reader._headers(encoded, readable)
         sizes, windows = (None, None) if self.filling else reader._windows(headers, readable, epoch)

@@ -229,8 +229,7 @@ class ImageFileSource(Source):
             for start in range(0, len(todo), batch_size):
                 chunk = todo[start : start + batch_size]
                 if cache is not None and self.keeps == "encoded" and not filling_disk:
-                    for position in chunk:
-                        self.reader.read(position, epoch=0)
+                    self.reader.read(chunk, epoch=0)
                 else:
                     self.reader.decode(chunk, epoch=0)  # decodes whole while a cache accepts
                 bar.update(len(chunk))

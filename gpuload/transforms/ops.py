@@ -335,12 +335,21 @@ GEOMETRIC_OPS = (RandomResizedCrop, Resize, CenterCrop, RandomCrop, RandomHorizo
 _VALUE_ORDER = (ColorJitter, ToDtype, Normalize, RandomErasing, ToChannelsLast)
 
 
+class _CheckedOps(tuple):
+    """An op tuple :func:`validate_pipeline` checked: ops are frozen, so it stays valid, and a
+    batch's transforms, which pass it on to each step, need not check it again."""
+
+    __slots__ = ()
+
+
 def validate_pipeline(ops: Sequence[Op]) -> tuple[Op, ...]:
     """Check an op list and return it as a tuple, or raise saying what to change.
 
     Geometry comes first; then at most one ``ToDtype``, which must come before ``Normalize``;
     ``ColorJitter`` comes before ``ToDtype``/``Normalize``/``RandomErasing``.
     """
+    if type(ops) is _CheckedOps:
+        return ops
     if isinstance(ops, Op):
         ops = [ops]
     if isinstance(ops, (str, bytes, Mapping)) or not isinstance(ops, Iterable):
@@ -387,7 +396,7 @@ def validate_pipeline(ops: Sequence[Op]) -> tuple[Op, ...]:
                 )
         if isinstance(op, Normalize):
             _check_normalize_scale(op, dtypes[0])
-    return ops
+    return _CheckedOps(ops)
 
 
 def _check_normalize_scale(op: Normalize, to_dtype: ToDtype) -> None:

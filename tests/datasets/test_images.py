@@ -107,6 +107,13 @@ def test_read_encoded_returns_the_file_bytes_and_label(tree: Path) -> None:
         assert data == Path(ds.path(i)).read_bytes() and label == ds.targets[i]
 
 
+def test_a_batchs_paths_and_labels_are_each_samples(tree: Path) -> None:
+    ds = ImageFolder(tree)
+    batch = [len(ds) - 1, 0, 1, 0]
+    assert ds.paths(batch) == [ds.path(i) for i in batch] and ds.labels(batch) == [ds.label(i) for i in batch]
+    assert ds.paths([]) == [] and ds.labels([]) == []
+
+
 def test_getitem_decodes_like_torchvision_io(tree: Path) -> None:
     ds = ImageFolder(tree)
     for i in range(len(ds)):

@@ -136,6 +136,15 @@ def test_the_header_table_keeps_no_unreadable_header_and_no_stray_position() -> 
     assert table.read(5, data) == peek_header(data) and table.get(5) is None  # outside: read, not kept
 
 
+def test_the_header_tables_batch_lookup_finds_what_get_finds() -> None:
+    table = HeaderTable(3)
+    table.read(0, F.jpeg_with_orientation(6))
+    table.read(2, F.png("RGB"))
+    for positions in ([2, 1, 0, 2], [0, 5], [-1, 0], []):
+        assert table.kept(positions) == [table.get(p) for p in positions]
+    assert table.kept([2, 1, 0])[1] is None and table.kept([0])[0].format == "JPEG"
+
+
 def test_jpeg_fill_bytes_and_markers_without_a_length_are_stepped_over() -> None:
     jpeg = F.jpeg_with_orientation(6)
     expected = peek_header(jpeg)

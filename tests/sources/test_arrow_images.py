@@ -406,6 +406,13 @@ def test_decoded_column_images_go_to_the_disk_tier_and_a_second_job_decodes_none
             assert_same(a, b, exact=True)
 
 
+def test_a_columns_batch_paths_and_labels_are_each_rows() -> None:
+    images = ColumnImages("image", image_table(6).column("image"), rows=torch.tensor([5, 3, 1]))
+    assert images.paths([2, 0]) == [images.path(2), images.path(0)] == ["column 'image', row 1",
+                                                                       "column 'image', row 5"]
+    assert images.labels([2, 0]) == [images.label(2), images.label(0)] == [0, 0]
+
+
 def test_the_column_fingerprint_follows_the_files_the_rows_and_the_bytes(tmp_path: Path) -> None:
     def digest(images: ColumnImages, origin: Any = None, key: str | None = None) -> str:
         return column_fingerprint(images, origin, {"decoded": {}}, key).digest

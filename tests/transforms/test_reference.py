@@ -78,6 +78,20 @@ def test_ops_repr_and_normalisation():
     assert T.validate_pipeline(T.RandomHorizontalFlip()) == (T.RandomHorizontalFlip(),)  # one op is a list of one
 
 
+def test_a_checked_pipeline_is_not_checked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's steps each validate the list they are given: the loader's, checked once."""
+    from gpuload.transforms import ops as ops_module
+
+    checks = []
+    real = ops_module._check_normalize_scale
+    monkeypatch.setattr(ops_module, "_check_normalize_scale", lambda *args: checks.append(1) or real(*args))
+    checked = T.validate_pipeline([T.RandomHorizontalFlip(), T.ToDtype(), T.Normalize((0.5,), (0.5,))])
+    assert len(checks) == 1
+    assert T.validate_pipeline(checked) is checked and len(checks) == 1
+    assert checked == (T.RandomHorizontalFlip(), T.ToDtype(), T.Normalize((0.5,), (0.5,)))
+    assert T.validate_pipeline(list(checked)) == checked and len(checks) == 2  # a list of the user's: checked
+
+
 @pytest.mark.parametrize(
     "ops, message",
     [
