@@ -10,7 +10,8 @@ left free by other processes (the 1-minute load average less the cores this proc
 kept busy lately; never below 1, never above torch's setting), and puts torch's setting back
 after each call: the user's own ops keep the thread count the user chose. (OpenMP's thread
 count is the calling thread's; a thread the user starts during the call may take the lower
-count as its first one.)
+count as its first one.) The choice is kept for a second (the load average moves every 5 s),
+so that a batch does not read the load again (:func:`take_cpu_threads`).
 
 Work that comes one image at a time (a random crop's resize: one small op per image, too small
 for torch to split) is spread over threads of gpuload's own instead (:func:`spread_over_cpus`),
