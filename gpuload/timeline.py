@@ -326,7 +326,7 @@ class Timeline:
     def ask(self, index: int) -> _Batch | None:
         """The loop asks for the item ``index`` of the epoch's stream (counted from 0 at each start,
         ``set_batch_size`` and resume, as the thread making them counts): the step's record when
-        its stages are sampled, else None."""
+        its stages are sampled (by :attr:`sampling`), else None."""
         if self._cuda and self.capacity:
             self._asked = torch.cuda.Event(enable_timing=True)
             self._asked.record(torch.cuda.current_stream(self.device))
