@@ -633,8 +633,8 @@ class Prefetcher:
     #: The most batches in flight: each holds a whole batch in host memory, and a few already
     #: absorb the jitter of the batches' costs (``check_ring_fits`` bounds it by memory too).
     MAX_DEPTH = 1024
-    #: Its thread times the stages of each epoch's batches -K, N - K, 2N - K, ... from 0 (``(N, K)``:
-    #: gpuload.timeline's sampling, read when an epoch starts); N 0: none.
+    #: Its thread times the stages of each epoch's batches whose index plus K is a multiple of N
+    #: (``(N, K)``: gpuload.timeline's sampling, read when an epoch starts); N 0: none.
     timeline: tuple[int, int] = (0, 0)
 
     def __init__(
