@@ -6,10 +6,11 @@ warmed up (its first epoch places the arrays), its timeline switched between epo
 16; or 0, off). One loader, not one of each: two loaders place two copies of the arrays, and which
 copy gathers faster (where its memory landed) differs by about 2% from one process to the next,
 ten times the timeline's cost. Then ``--pairs`` pairs of epochs, no training step (the worst
-case: the loop does nothing but ask), the order within each pair alternating so that drift in the
-machine's load falls on both alike. It prints the median epoch per step of each, and the paired
-difference per step (the mean of its medians over the pairs of each order), as a share of the
-median epoch without the timeline.
+case: the loop does nothing but ask), timed by :func:`gpuload.bench.measure.time_pairs` (the
+order within each pair alternating so that drift in the machine's load falls on both alike; the
+switch untimed between epochs). It prints the median epoch per step of each, and the paired
+difference per step (:func:`gpuload.bench.measure.paired_overhead`: the mean of its medians over
+the pairs of each order), as a share of the median epoch without the timeline.
 
 ``--clock thread`` times each epoch with the loop thread's CPU time instead of the wall clock: on
 a shared machine the wall clock also counts the time other processes held the CPU, noise tens of
@@ -28,71 +29,59 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 from torch.utils.data import TensorDataset
 
 import gpuload
-from gpuload.bench.measure import synchronize
+from gpuload.bench.measure import order_differences, paired_overhead, time_pairs
 from gpuload.bench.scenarios import BenchConfig, synthetic_cifar
 from gpuload.device import resolve_device
 from gpuload.timeline import DEFAULT_SAMPLE_EVERY
 
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+ON_STEPS = 1000  # steps the timeline keeps when on
 
 
-def epoch_s(loader: gpuload.DataLoader, device: torch.device, clock: Callable[[], float] = time.perf_counter) -> float:
-    """Seconds of one epoch of ``loader`` by ``clock``, with nothing done per batch (device work finished)."""
-    synchronize(device)
-    started = clock()
+def one_epoch(loader: gpuload.DataLoader) -> None:
+    """One epoch of ``loader`` with nothing done per batch."""
     for _batch in loader:
         pass
-    synchronize(device)
-    return clock() - started
 
 
 def measure(pairs: int, samples: int, batch_size: int, device: torch.device,
             sample_every: int = DEFAULT_SAMPLE_EVERY, clock: str = "wall") -> dict[str, float | int | str]:
-    """Alternating epochs with the timeline on and off: per-step medians and the paired difference."""
+    """Alternating epochs with the timeline on and off (:func:`~gpuload.bench.measure.time_pairs`):
+    per-step medians, the paired difference and its share
+    (:func:`~gpuload.bench.measure.paired_overhead`)."""
     dataset: TensorDataset = synthetic_cifar(BenchConfig(num_samples=samples, batch_size=batch_size))
     loader = gpuload.DataLoader(dataset, batch_size=batch_size, shuffle=True, device=device, cache="auto",
-                                timeline_steps=1000, generator=torch.Generator().manual_seed(0))
-    loader.timeline.sample_every = sample_every
-    for steps in (1000, 0):
-        loader.timeline.resize(steps)  # from the next epoch
-        epoch_s(loader, device)  # the first places the arrays
+                                timeline_steps=ON_STEPS, generator=torch.Generator().manual_seed(0))
+    timeline = loader.timeline
+    timeline.sample_every = sample_every
+
+    def switch(on: bool) -> None:  # untimed, before each epoch: it takes effect from the next one
+        timeline.resize(ON_STEPS if on else 0)
+
+    for on in (True, False):
+        switch(on)
+        one_epoch(loader)  # the first places the arrays
     steps_per_epoch = len(loader)
-
-    def epoch_with(steps: int) -> float:
-        loader.timeline.resize(steps)
-        return epoch_s(loader, device, CLOCKS[clock])
-
-    on: list[float] = []
-    off: list[float] = []
-    differences: dict[bool, list[float]] = {True: [], False: []}  # by whether the timeline ran first
     load_before = os.getloadavg()[0]
-    for pair in range(pairs):
-        first_on = pair % 2 == 0
-        took = {steps: epoch_with(steps) for steps in ((1000, 0) if first_on else (0, 1000))}
-        on.append(took[1000])
-        off.append(took[0])
-        differences[first_on].append(took[1000] - took[0])
+    on_s, off_s = time_pairs(lambda: one_epoch(loader), lambda: one_epoch(loader), pairs, device,
+                             clock=CLOCKS[clock], prepare=switch)
     path = loader.stats.path
     loader.close()
-    off_step = statistics.median(off) / steps_per_epoch
-    # The epoch run second in a pair can be faster or slower for the order alone (caches, the
-    # allocator): the median of each order, averaged, cancels that; one median over both orders
-    # of a two-humped distribution could land anywhere between the humps.
-    by_order = [statistics.median(differences[first_on]) / steps_per_epoch for first_on in (True, False)]
-    difference_step = sum(by_order) / 2
+    off_step = statistics.median(off_s) / steps_per_epoch
+    overhead = paired_overhead(on_s, off_s)
+    on_first, off_first = (difference / steps_per_epoch for difference in order_differences(on_s, off_s))
     return {
         "device": str(device), "path": path, "pairs": pairs, "steps_per_epoch": steps_per_epoch,
         "batch_size": batch_size, "sample_every": sample_every, "clock": clock, "off_us_per_step": 1e6 * off_step,
-        "on_us_per_step": 1e6 * statistics.median(on) / steps_per_epoch,
-        "paired_difference_us_per_step": 1e6 * difference_step,
-        "on_first_us_per_step": 1e6 * by_order[0], "off_first_us_per_step": 1e6 * by_order[1],
-        "overhead_percent": 100 * difference_step / off_step,
+        "on_us_per_step": 1e6 * statistics.median(on_s) / steps_per_epoch,
+        "paired_difference_us_per_step": 1e6 * overhead * off_step,
+        "on_first_us_per_step": 1e6 * on_first, "off_first_us_per_step": 1e6 * off_first,
+        "overhead_percent": 100 * overhead,
         "load_before": load_before, "load_after": os.getloadavg()[0], "cpu_count": os.cpu_count() or 0,
     }
 

@@ -374,10 +374,11 @@ def _work(
     out: queue.Queue,
     tokens: threading.Semaphore,
     epoch: Epoch,
-    every: int,
+    sampling: tuple[int, int],
 ) -> None:
     """Pull, stage and copy batches until the source ends, fails, or ``epoch`` is stopped; the
-    stages of batch ``index`` are timed (``gpuload.timeline``) when ``every`` divides it.
+    stages of batch ``index`` are timed (``gpuload.timeline``) when ``every`` divides it plus
+    ``offset`` (``sampling``: ``(every, offset)``; every 0: none).
 
     Holds no reference to the consuming iterator, so dropping that iterator stops this thread.
     A token is taken before each pull: the thread is never more than ``depth`` batches ahead.
@@ -391,6 +392,7 @@ def _work(
     with epoch.inside():  # the last of the epoch's threads to leave closes what close() left to it
         outcome: Any = _END
         index = 0
+        every, offset = sampling
         on_side_stream = contextlib.ExitStack()
         try:
             if ring.cuda:
@@ -401,7 +403,7 @@ def _work(
                     continue
                 if epoch.stopped.is_set():
                     break
-                made = begin_batch() if every and index % every == 0 else None
+                made = begin_batch() if every and (index + offset) % every == 0 else None
                 try:
                     item = next(batches)
                 except StopIteration:
@@ -631,9 +633,9 @@ class Prefetcher:
     #: The most batches in flight: each holds a whole batch in host memory, and a few already
     #: absorb the jitter of the batches' costs (``check_ring_fits`` bounds it by memory too).
     MAX_DEPTH = 1024
-    #: Its thread times the stages of each epoch's batches 0, N, 2N, ... (gpuload.timeline's
-    #: sampling, read when an epoch starts); 0: none.
-    timeline = 0
+    #: Its thread times the stages of each epoch's batches whose index plus K is a multiple of N
+    #: (``(N, K)``: gpuload.timeline's sampling, read when an epoch starts); N 0: none.
+    timeline: tuple[int, int] = (0, 0)
 
     def __init__(
         self,

@@ -12,10 +12,14 @@ whatever is made in the loop's thread. A :class:`Timeline` keeps the last ``capa
 running totals; :mod:`gpuload.verdict` turns them into one line a person can act on.
 
 The wait is measured every step; the stages are timed on one step in ``sample_every`` (16 by
-default), which keeps the timeline's cost under 1% of a cached epoch. Both ends decide by the
-same rule, the item's index in the stream of items the loop pulls (``index % sample_every == 0``,
-from 0 at each epoch, each ``set_batch_size`` and each resume), and the stages travel with the
-batch they were timed for: a sampled step never gets another step's stages.
+default): a sampled step costs tens of times an unsampled one (its code runs cold, after the
+batch's work evicted it from the CPU's caches). Both ends decide by the same rule, the item's
+index in the stream of items the loop pulls, counted from 0 at each epoch, each
+``set_batch_size`` and each resume, plus the epoch's offset (``(index + offset) % sample_every
+== 0``), and the stages travel with the batch they were timed for: a sampled step never gets
+another step's stages. The offset (the steps recorded before the epoch) carries the cadence
+over from one epoch to the next, so that an epoch shorter than ``sample_every`` steps, or not a
+multiple of it, does not have its first step sampled every time.
 
 The exposed wait is measured where the loop uses the batch: on a CPU with the clock around
 ``next()``; on CUDA with timing events recorded on the loop's current stream when it asks for a
@@ -244,6 +248,7 @@ class Timeline:
         self.capacity = _checked(capacity)
         self._sample_every = _checked_every(sample_every)
         self._every = sample_every if capacity else 0  # the epoch's sampling (0: none), fixed at new_epoch
+        self._offset = 0  # the epoch's first item is its step _offset of the cadence (fixed at new_epoch)
         self._asked: Any = None  # CUDA: the event recorded when the loop asked for the current batch
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
@@ -273,11 +278,11 @@ class Timeline:
         self._sample_every = _checked_every(every)
 
     @property
-    def sampling(self) -> int:
-        """This epoch's sampling, for the thread making its batches: an item whose index in the
-        epoch's stream (from 0 at each start, ``set_batch_size`` and resume) is a multiple of it has
-        its stages timed; 0: none is."""
-        return self._every
+    def sampling(self) -> tuple[int, int]:
+        """This epoch's sampling, for the thread making its batches, as ``(every, offset)``: an item
+        whose index in the epoch's stream (from 0 at each start, ``set_batch_size`` and resume)
+        plus ``offset`` is a multiple of ``every`` has its stages timed; ``every`` 0: none is."""
+        return self._every, self._offset
 
     def resize(self, capacity: int) -> None:
         """Keep the last ``capacity`` steps (0: off) from the loader's next epoch on, e.g. on for
@@ -312,19 +317,21 @@ class Timeline:
 
     def new_epoch(self) -> None:
         """The next step is an epoch's first: the time since the last one is not a step. Fixes the
-        epoch's sampling (``sample_every``, or none when off)."""
+        epoch's sampling (``sample_every``, or none when off), going on from the steps recorded
+        before it."""
         self._last_ready = None
         self._every = self._sample_every if self.capacity else 0
+        self._offset = self.step_count % self._every if self._every else 0
 
     def ask(self, index: int) -> _Batch | None:
         """The loop asks for the item ``index`` of the epoch's stream (counted from 0 at each start,
         ``set_batch_size`` and resume, as the thread making them counts): the step's record when
-        its stages are sampled, else None."""
+        its stages are sampled (by :attr:`sampling`), else None."""
         if self._cuda and self.capacity:
             self._asked = torch.cuda.Event(enable_timing=True)
             self._asked.record(torch.cuda.current_stream(self.device))
         every = self._every
-        if every and index % every == 0:
+        if every and (index + self._offset) % every == 0:
             _here.delivered = None  # only this step's batch hands its stages over from now on
             return begin_batch()
         return None
@@ -509,7 +516,7 @@ class Timeline:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"_offset": 0, **state})  # pickled before the offset: 0
         self._reading = threading.Lock()
 
     def __repr__(self) -> str:

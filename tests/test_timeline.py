@@ -232,12 +232,15 @@ def ticking_loader(dataset: Ticking, depth: int | None, batch_size: int = 3, eve
 
 
 def assert_each_sampled_step_has_its_own_stages(loader: gpuload.DataLoader, batches: list[torch.Tensor],
-                                                starts: list[int], dataset: Ticking, depth: int | None) -> None:
-    """The steps sampled are those at 0, N, 2N, ... from each of ``starts`` (an epoch's first
-    batch, a new batch size, a resume), each with exactly its own batch's read time."""
+                                                starts: list[tuple[int, int]], dataset: Ticking,
+                                                depth: int | None) -> None:
+    """The steps sampled are those at -K, N - K, 2N - K, ... from each ``(start, K)`` of ``starts``
+    (an epoch's first batch, a new batch size, a resume; K: the steps recorded before the epoch),
+    each with exactly its own batch's read time."""
     every = loader.timeline.sample_every
-    sampled = [any((step - start) % every == 0 for start in starts if start <= step < min(
-        [later for later in starts if later > start] + [len(batches)])) for step in range(len(batches))]
+    begins = [start for start, _ in starts]
+    sampled = [any((step - start + offset) % every == 0 for start, offset in starts if start <= step < min(
+        [later for later in begins if later > start] + [len(batches)])) for step in range(len(batches))]
     steps = loader.timeline.steps()
     assert len(steps) == len(batches)
     for index, (batch, step) in enumerate(zip(batches, steps, strict=True)):
@@ -252,12 +255,23 @@ def assert_each_sampled_step_has_its_own_stages(loader: gpuload.DataLoader, batc
 def test_sampled_steps_over_several_epochs_get_their_own_batchs_stages(ticking: Ticking, depth: int | None) -> None:
     loader = ticking_loader(ticking, depth)
     batches = [batch for _ in range(3) for batch in loader]  # 14 steps an epoch: not a multiple of 4
-    assert_each_sampled_step_has_its_own_stages(loader, batches, [0, 14, 28], ticking, depth)
-    assert loader.timeline.step_count == 42 and loader.timeline.sampled_count == 12
+    assert_each_sampled_step_has_its_own_stages(loader, batches, [(0, 0), (14, 14), (28, 28)], ticking, depth)
+    assert loader.timeline.step_count == 42 and loader.timeline.sampled_count == 11  # 0, 4, ..., 40
 
 
 @pytest.mark.parametrize("depth", [2, 0], ids=["ahead", "in-the-loop"])
-def test_sampling_after_an_early_break_starts_again_with_the_next_epoch(ticking: Ticking, depth: int | None) -> None:
+def test_epochs_shorter_than_the_sampling_go_on_with_its_cadence(ticking: Ticking, depth: int | None) -> None:
+    """One step in N over the loader's life: an epoch's first step is not sampled every epoch
+    (a sampled step costs tens of unsampled ones)."""
+    loader = ticking_loader(ticking, depth, batch_size=12, every=5)  # 4 steps an epoch (40 samples)
+    batches = [batch for _ in range(5) for batch in loader]
+    assert_each_sampled_step_has_its_own_stages(loader, batches, [(start, start) for start in range(0, 20, 4)],
+                                                ticking, depth)
+    assert [index for index, step in enumerate(loader.timeline.steps()) if step.stages is not None] == [0, 5, 10, 15]
+
+
+@pytest.mark.parametrize("depth", [2, 0], ids=["ahead", "in-the-loop"])
+def test_sampling_after_an_early_break_goes_on_with_the_next_epoch(ticking: Ticking, depth: int | None) -> None:
     loader = ticking_loader(ticking, depth)
     batches = []
     for batch in loader:
@@ -265,7 +279,7 @@ def test_sampling_after_an_early_break_starts_again_with_the_next_epoch(ticking:
         if len(batches) == 6:  # the prefetcher's thread made (and sampled) batches beyond this one
             break
     batches += list(loader)
-    assert_each_sampled_step_has_its_own_stages(loader, batches, [0, 6], ticking, depth)
+    assert_each_sampled_step_has_its_own_stages(loader, batches, [(0, 0), (6, 6)], ticking, depth)
 
 
 @pytest.mark.parametrize("depth", [2, 0], ids=["ahead", "in-the-loop"])
@@ -277,7 +291,7 @@ def test_sampling_follows_a_new_batch_size_mid_epoch(ticking: Ticking, depth: in
         if len(batches) == 6:
             loader.set_batch_size(2)  # the batches made ahead at size 3 are never delivered
     assert [len(batch) for batch in batches[5:8]] == [3, 2, 2]
-    assert_each_sampled_step_has_its_own_stages(loader, batches, [0, 6], ticking, depth)
+    assert_each_sampled_step_has_its_own_stages(loader, batches, [(0, 0), (6, 0)], ticking, depth)
 
 
 @pytest.mark.parametrize("depth", [2, 0], ids=["ahead", "in-the-loop"])
@@ -292,7 +306,7 @@ def test_sampling_after_a_resume_starts_at_the_resumed_step(ticking: Ticking, de
     loader.load_state_dict(state)
     batches = list(loader) + list(loader)  # the rest of the epoch (7 steps), then a whole one
     assert len(batches) == 21
-    assert_each_sampled_step_has_its_own_stages(loader, batches, [0, 7], ticking, depth)
+    assert_each_sampled_step_has_its_own_stages(loader, batches, [(0, 0), (7, 7)], ticking, depth)
 
 
 def test_the_summary_and_totals_say_how_many_steps_had_their_stages_timed(ticking: Ticking) -> None:

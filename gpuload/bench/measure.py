@@ -13,7 +13,7 @@ import torch
 from gpuload.timeline import DEFAULT_STEPS, Timeline, timeline_of
 
 __all__ = ["EpochTimes", "time_epochs", "time_step", "trace_epoch", "stage_row", "synchronize", "count_samples",
-           "HostPeak", "paired_overhead", "time_pairs"]
+           "HostPeak", "order_differences", "paired_overhead", "time_pairs"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -180,34 +180,44 @@ def time_step(step: Callable[[Any], None], batch: Any, device: torch.device, rep
     return statistics.median(durations)
 
 
-def time_pairs(first: Callable[[], Any], second: Callable[[], Any], pairs: int,
-               device: torch.device) -> tuple[list[float], list[float]]:
+def time_pairs(first: Callable[[], Any], second: Callable[[], Any], pairs: int, device: torch.device,
+               clock: Callable[[], float] = time.perf_counter,
+               prepare: Callable[[bool], None] | None = None) -> tuple[list[float], list[float]]:
     """Seconds of one call of ``first`` and of ``second`` in each of ``pairs`` pairs, ``first``
     leading in the even pairs and ``second`` in the odd ones, so that drift in the machine's load
-    falls on both alike (device work finished before each timer reads)."""
+    falls on both alike (device work finished before each timer reads). ``clock``: what a second
+    is read from (``time.thread_time``: this thread's CPU time); ``prepare(is_first)`` runs
+    untimed before each call (switching a setting between the two)."""
     timed: dict[bool, list[float]] = {True: [], False: []}  # by whether it is ``first``'s time
     for pair in range(pairs):
         for is_first in (True, False) if pair % 2 == 0 else (False, True):
+            if prepare is not None:
+                prepare(is_first)
             synchronize(device)
-            started = time.perf_counter()
+            started = clock()
             (first if is_first else second)()
             synchronize(device)
-            timed[is_first].append(time.perf_counter() - started)
+            timed[is_first].append(clock() - started)
     return timed[True], timed[False]
+
+
+def order_differences(new: list[float], base: list[float]) -> tuple[float, float]:
+    """The median paired difference ``new - base`` of the pairs ``new`` led (the even ones, as
+    :func:`time_pairs` runs them) and of those ``base`` led."""
+    if len(new) != len(base) or len(new) < 2:
+        raise ValueError(f"paired_overhead needs as many times of each, at least 2 pairs; got {len(new)} and "
+                         f"{len(base)}")
+    differences = [a - b for a, b in zip(new, base)]
+    return statistics.median(differences[0::2]), statistics.median(differences[1::2])
 
 
 def paired_overhead(new: list[float], base: list[float]) -> float:
     """What ``new`` costs over ``base``, as a share of ``base``'s median, from pairs timed by
     :func:`time_pairs` (``new`` leading in the even pairs): the median paired difference of each
-    order, averaged. The call run second in a pair can be faster or slower for the order alone
-    (caches, the allocator); averaging the orders cancels that, where one median over both could
-    land anywhere between their two humps."""
-    if len(new) != len(base) or len(new) < 2:
-        raise ValueError(f"paired_overhead needs as many times of each, at least 2 pairs; got {len(new)} and "
-                         f"{len(base)}")
-    differences = [a - b for a, b in zip(new, base)]
-    by_order = [statistics.median(differences[leading::2]) for leading in (0, 1)]
-    return statistics.fmean(by_order) / statistics.median(base)
+    order (:func:`order_differences`), averaged. The call run second in a pair can be faster or
+    slower for the order alone (caches, the allocator); averaging the orders cancels that, where
+    one median over both could land anywhere between their two humps."""
+    return statistics.fmean(order_differences(new, base)) / statistics.median(base)
 
 
 class HostPeak:

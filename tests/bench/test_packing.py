@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpuload.bench.measure import paired_overhead, time_pairs
+from gpuload.bench.measure import order_differences, paired_overhead, time_pairs
 from gpuload.bench.packing import (
     EOT,
     PackingConfig,
@@ -99,6 +99,28 @@ def test_pairs_alternate_which_call_leads() -> None:
     calls: list[str] = []
     first, second = time_pairs(lambda: calls.append("a"), lambda: calls.append("b"), 4, torch.device("cpu"))
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"] and len(first) == len(second) == 4
+
+
+def test_pairs_read_the_given_clock_and_prepare_each_call_untimed() -> None:
+    ticks = iter(range(100))
+    prepared: list[bool] = []
+
+    def prepare(is_first: bool) -> None:
+        prepared.append(is_first)
+        next(ticks)  # a tick of the preparation would show in the times if it were timed
+
+    first, second = time_pairs(lambda: next(ticks), lambda: None, 2, torch.device("cpu"),
+                               clock=lambda: float(next(ticks)), prepare=prepare)
+    assert prepared == [True, False, False, True]
+    assert first == [2.0, 2.0] and second == [1.0, 1.0]  # the clock's ticks: first's call took one more
+
+
+def test_the_order_differences_are_the_median_of_the_pairs_each_side_led() -> None:
+    new = [12.0, 10.0, 14.0, 10.0, 12.0, 11.0]
+    base = [9.0, 11.0, 9.0, 11.0, 9.0, 11.0]
+    assert order_differences(new, base) == (3.0, -1.0)
+    with pytest.raises(ValueError, match="at least 2 pairs"):
+        order_differences([1.0], [1.0])
 
 
 def test_the_paired_overhead_averages_the_median_difference_of_each_order() -> None:
