@@ -733,8 +733,7 @@ def test_an_image_files_batch_records_one_read_stage_for_its_files(tmp_path) -> 
         entered.append(self.name)
         real_enter(self)
 
-    run(loader)
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch:  # the first epoch: its first step is the loader's first, sampled
         patch.setattr(_Stage, "__enter__", entering)
         run(loader)
     sampled = [step.stages for step in loader.timeline.steps() if step.stages is not None]
