@@ -93,6 +93,10 @@ class _StatePickler(pickle.Pickler):
         self.files: dict[str, list[Any]] = {}
         self.seen: set[str] = set()
         self.skip = skip
+        # Each file's identity as this pass stat'ed it (a folder's listing, or the file named
+        # itself), by absolute path: a file both listed and named is stat'ed once. Never kept
+        # past the pass, so a file changed before the next fingerprint changes that one.
+        self.stated: dict[str, list[int]] = {}
 
     def persistent_id(self, obj: Any) -> Any:
         kind = type(obj)
@@ -125,6 +129,7 @@ class _StatePickler(pickle.Pickler):
         digest = hashlib.blake2b(digest_size=16)
         inner = _StatePickler(digest, self.skip)
         inner.seen = self.seen
+        inner.stated = self.stated
         inner.dump(item)
         self.files.update(inner.files)
         return digest.hexdigest()
@@ -134,6 +139,11 @@ class _StatePickler(pickle.Pickler):
         if not isinstance(text, str) or text in self.seen or not text or len(text) > _MAX_PATH or "\0" in text:
             return
         self.seen.add(text)
+        listed = self.stated.get(text)  # an absolute path a folder's listing has just stat'ed
+        if listed is not None:
+            if text not in self.files and not self._skipped(text):
+                self.files[text] = listed
+            return
         try:
             status = os.stat(text)
         except (OSError, ValueError):  # names no file: most strings
@@ -145,7 +155,7 @@ class _StatePickler(pickle.Pickler):
             if stat.S_ISDIR(status.st_mode):
                 self.files[path] = ["folder", *self._folder(path)]
             else:
-                self.files[path] = file_identity(path, status)
+                self.files[path] = self.stated[path] = file_identity(path, status)
         except OSError as error:
             self.files[path] = [f"unreadable: {error.strerror}"]
 
@@ -159,10 +169,13 @@ class _StatePickler(pickle.Pickler):
         for folder, folders, names in os.walk(root):
             folders[:] = sorted(f for f in folders if not self._skipped(os.path.join(folder, f)))
             under = os.path.relpath(folder, root)  # once a folder: relpath of each file took a third of a fingerprint
+            # os.path.join's prefixes once a folder: joining each name took a third of what was left
+            above, inside = ("" if under == os.curdir else os.path.join(under, "")), os.path.join(folder, "")
             for name in sorted(names):
-                relative = name if under == os.curdir else os.path.join(under, name)
+                relative, path = above + name, inside + name
                 try:
-                    listed.append([relative, *file_identity(os.path.join(folder, name))])
+                    identity = self.stated.get(path) or self.stated.setdefault(path, file_identity(path))
+                    listed.append([relative, *identity])
                 except OSError as error:  # a dangling link, a file removed meanwhile
                     listed.append([relative, f"unreadable: {error.strerror}"])
                 if len(listed) > FOLDER_FILES:

@@ -200,8 +200,11 @@ class CachedSamples:
         slots = self.store.slots(keys)
         left = (slots < 0).nonzero().view(-1)  # positions the store does not hold, even now
         if not left.numel():
-            if positions is None and self.by_column and not self._counts_copies:
-                return rows.part.batch()  # every sample was read now: the columns just read
+            # Every sample read now (``positions``, ascending, then covers every key): the columns
+            # just read are the batch, not a third copy gathered back from the store that took them.
+            read_all = positions is None or positions.numel() == keys.numel()
+            if read_all and self.by_column and not self._counts_copies:
+                return rows.part.batch()
             return self._from_store(slots)
         if positions is not None and not torch.equal(left, positions):  # the store took some of them
             rows = rows.select(torch.searchsorted(positions, left))  # both ascending

@@ -7,7 +7,9 @@ in memory: what it reads, it reads from the folder.
 
 from __future__ import annotations
 
+import collections
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -473,6 +475,53 @@ def test_a_file_under_a_folder_the_dataset_names_changes_the_fingerprint(tmp_pat
     keyed = fingerprint_for(_InFolder(str(root)), skip=[cache])
     (cache / "entry").write_bytes(b"filling")
     assert fingerprint_for(_InFolder(str(root)), skip=[cache]) == keyed
+
+
+class _FolderAndFiles(torch.utils.data.Dataset):
+    """Names its folder and, in a list, each file under it (as torchvision's ImageFolder does):
+    ``files_first`` puts the list before the folder in its state."""
+
+    def __init__(self, root: Path, files_first: bool) -> None:
+        paths = [str(path) for path in sorted(root.rglob("*.bin"))]
+        if files_first:
+            self.paths = paths
+        self.root = str(root)
+        self.samples = [(path, 0) for path in paths]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.frombuffer(bytearray(Path(self.samples[index][0]).read_bytes()), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("files_first", [False, True])
+def test_a_file_both_listed_and_named_is_stated_once_per_fingerprint_and_keys_as_before(
+        tmp_path: Path, monkeypatch, files_first: bool) -> None:
+    """Issue #40: a dataset naming its folder and each file in it had every file stat'ed twice
+    by each fingerprint (a second job's start). Once now, in the same pass, so the identity is
+    as fresh as it was: the files named keep their own entries (the digest an entry was keyed
+    by is unchanged) and a file rewritten between two fingerprints changes the second."""
+    from gpuload.cache import identity
+
+    root = tmp_path / "data"
+    for index in range(4):
+        (root / f"class_{index % 2}").mkdir(parents=True, exist_ok=True)
+        (root / f"class_{index % 2}" / f"{index}.bin").write_bytes(bytes([index]) * 4)
+    dataset = _FolderAndFiles(root, files_first)
+    files = sorted(root.rglob("*.bin"))
+    expected = {str(root): ["folder", *[[str(f.relative_to(root)), *identity.file_identity(str(f))] for f in files]],
+                **{str(f): identity.file_identity(str(f)) for f in files}}
+    stats: collections.Counter[str] = collections.Counter()
+    stat = os.stat
+    monkeypatch.setattr(identity.os, "stat", lambda path, *a, **k: stats.update([os.fspath(path)]) or stat(
+        path, *a, **k))
+    assert identity.hash_state(dataset, hashlib.blake2b()) == dict(sorted(expected.items()))
+    assert {str(f): stats[str(f)] for f in files} == {str(f): 1 for f in files}
+    monkeypatch.undo()
+    before = fingerprint_for(dataset)
+    _rewritten_in_place(files[2], b"\7" * 4)
+    assert fingerprint_for(dataset).digest != before.digest
 
 
 def test_a_folder_too_large_to_list_is_refused_naming_it(tmp_path: Path, monkeypatch) -> None:

@@ -90,6 +90,36 @@ def test_a_sample_drawn_twice_in_a_batch_is_stored_once_and_batches_equal_torch(
     assert cache["disk"]["hits"] == 8 if from_disk else "disk" not in cache  # the first epoch, from disk
 
 
+@pytest.mark.parametrize("from_disk", [False, True])
+def test_a_batch_read_now_and_stored_whole_is_the_columns_read_not_gathered_back(tmp_path, monkeypatch,
+                                                                               from_disk: bool) -> None:
+    """Issue #40: a batch every sample of which was read now (from the dataset, or from a disk
+    tier a first job filled) and that the store took whole is served as the columns read, not
+    gathered back out of the store (a third copy of every row of the filling epoch). Changing
+    such a batch in place leaves the stored samples as they were."""
+    from gpuload.cache.columns import ColumnStore
+
+    options = {"cache_dir": tmp_path / "c"} if from_disk else {}
+    if from_disk:
+        _a_job_that_ends(gpuload.DataLoader(_Numbers(), batch_size=4, cache="host", **options))
+    gathered = []
+    gather_rows = ColumnStore.gather_rows
+    monkeypatch.setattr(ColumnStore, "gather_rows", lambda store, slots: gathered.append(slots) or gather_rows(
+        store, slots))
+
+    def loader_of(kind, **more):
+        return kind(_Numbers(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2), **more)
+
+    loader, reference = loader_of(gpuload.DataLoader, cache="host", **options), loader_of(torch.utils.data.DataLoader)
+    for got, want in zip(loader, reference, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        got[0].fill_(-1)  # the caller's batch: the store's copy stays
+    assert gathered == [] and loader.stats.extra["cache"]["entries"] == 8
+    _assert_same_epochs(loader, reference, epochs=1)  # from the store
+    assert len(gathered) == 2
+    loader.close()
+
+
 def test_a_partial_cache_with_a_custom_collate_merges_stored_and_read_samples_in_order() -> None:
     def collate(batch):
         return [sample[0] for sample in batch]
