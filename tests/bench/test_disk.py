@@ -19,6 +19,8 @@ def test_the_quick_variant_serves_epoch_2_and_a_second_process_from_the_disk_tie
                  "--out", str(tmp_path / "out")]) == 0
     printed = capsys.readouterr().out
     assert "gpuload epoch 2 (host tier + disk tier)" in printed and "second process" in printed
+    rate = re.search(r"second process's rate / epoch 2's: (\d+\.\d\d)x \(target 0\.9x\)", printed)
+    assert rate, printed  # a rate against the issue's target, not a time ratio
     assert re.search(r"load average before / after: \d+\.\d / \d+\.\d on \d+ cores\n", printed)  # not raw floats
     document = json.loads((tmp_path / "out" / "bench.json").read_text())
     run = document["run"]
