@@ -44,8 +44,8 @@ from gpuload.bench.tokens import anonymous_bytes
 from gpuload.cache import estimate_image_bytes, format_bytes
 
 __all__ = [
-    "DISK_TARGET", "SECOND_JOB_TARGET", "TORCH_TARGET", "anon_resident_bytes", "decoded_folder", "load_line", "run_disk", "run_disk_bench",
-    "run_own_images",
+    "DISK_TARGET", "SECOND_JOB_TARGET", "TORCH_TARGET", "anon_resident_bytes", "decoded_folder", "load_line",
+    "run_disk", "run_disk_bench", "run_own_images",
 ]
 
 DISK_TARGET = 5.0  # epoch 1 / epoch 2, at least
