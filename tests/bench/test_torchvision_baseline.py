@@ -13,6 +13,7 @@ from PIL import Image
 import gpuload
 from gpuload import transforms as T
 from gpuload.bench.images import MEAN, STD, image_loaders, open_image_folder
+from gpuload.bench.report import display_name
 from gpuload.bench.scenarios import BenchConfig
 from gpuload.bench.torchvision_baseline import EncodedFiles, TorchvisionOnDevice, encoded_batch, torchvision_spec
 
@@ -108,3 +109,8 @@ def test_it_is_left_out_with_a_line_on_png_files_or_without_torchvision(tmp_path
     names = [spec.name for spec in image_loaders(config(2), CPU, jpegs, 8, say=lines.append)]
     assert TORCHVISION_ROW not in names and len(names) == 3
     assert lines[-1] == "  torchvision is not installed: its decode_jpeg + v2 transforms baseline is left out"
+
+
+def test_its_name_fits_the_table_whole_on_either_device() -> None:
+    assert display_name(TORCHVISION_ROW) == "torchvision decode_jpeg + v2 (on cpu)"
+    assert display_name(TORCHVISION_ROW.replace("cpu", "cuda")) == "torchvision decode_jpeg + v2 (on cuda)"
