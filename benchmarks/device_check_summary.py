@@ -145,7 +145,8 @@ def _rate(loader: dict[str, Any]) -> float | None:
 def headline(summary: dict[str, Any]) -> dict[str, Any]:
     """The numbers a reader wants first: host-to-device GB/s pinned against pageable, the loop's
     wait with and without prefetching, the timeline's cost in percent of a cached step, each truth
-    check's verdict, and gpuload's samples/s against torch's best per scenario."""
+    check's verdict, and gpuload's samples/s against torch's best DataLoader per scenario and, where
+    the scenario has it (images), against torchvision decoding and transforming on the device."""
     numbers: dict[str, Any] = {}
     prefetch = summary.get("prefetch") or {}
     h2d = prefetch.get("h2d") or {}
@@ -167,16 +168,20 @@ def headline(summary: dict[str, Any]) -> dict[str, Any]:
                             for name, verdict in truth.items()}
     for name, bench in (summary.get("bench") or {}).items():
         loaders = bench.get("loaders", []) if isinstance(bench, dict) else []
-        torch_rates = [r for r in (_rate(row) for row in loaders if str(row.get("name", "")).startswith("torch")) if r]
+        torch_rates = [r for r in (_rate(row) for row in loaders
+                                   if str(row.get("name", "")).startswith("torch DataLoader")) if r]
         best = max(torch_rates) if torch_rates else None
+        on_device = next((_rate(row) for row in loaders if str(row.get("name", "")).startswith("torchvision ")), None)
         rows = {}
         for row in loaders:
             rate = _rate(row)
             if str(row.get("name", "")).startswith("gpuload") and rate is not None:
                 rows[row["name"]] = {"samples_per_s": rate, "x_torch": rate / best if best else None,
+                                     **({"x_torchvision_on_device": rate / on_device} if on_device else {}),
                                      **({"decode_backend": row["decode_backend"]} if row.get("decode_backend") else {})}
         if rows or best:
-            numbers[f"{name}_samples_per_s"] = {"torch_best": best, "gpuload": rows}
+            numbers[f"{name}_samples_per_s"] = {
+                "torch_best": best, **({"torchvision_on_device": on_device} if on_device else {}), "gpuload": rows}
     return numbers
 
 

@@ -2,7 +2,10 @@
 
 torch's DataLoader runs the usual per-sample PIL pipeline in its workers (open, crop, resize,
 flip, to tensor, normalize); gpuload decodes each batch at once (DALI, or PIL) and runs the same
-augmentation as batched transforms on the device. The folder is the user's (never written to)
+augmentation as batched transforms on the device. Where torchvision imports, a DALI-free
+baseline does the same work the way a torchvision user would on the device: workers read the
+files' bytes, ``torchvision.io.decode_jpeg`` decodes each batch on the device (nvJPEG on CUDA)
+and ``torchvision.transforms.v2`` crops, flips and normalizes there. The folder is the user's (never written to)
 or one made from real photographs (``make_sample_image_folder``) in a temporary folder that is
 removed afterwards, unless the user names a folder to keep it in.
 
@@ -19,7 +22,7 @@ import math
 import os
 import random
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ import gpuload
 from gpuload import transforms as T
 from gpuload.bench.modelled import DEFAULT_PRETENDED_CARD, modelled_h2d, pretended_card
 from gpuload.bench.scenarios import BenchConfig, CountingEpochs, LoaderEpochs, LoaderSpec, not_opened, top_stage
+from gpuload.bench.torchvision_baseline import torchvision_spec
 from gpuload.cache import CacheSettings, decide_images, estimate_image_bytes
 from gpuload.datasets import ImageFolder
 from gpuload.device import MemoryInfo, host_memory
@@ -108,10 +112,12 @@ def sample_image_folder(num_images: int, seed: int, keep: Path | None = None) ->
 
 def image_loaders(
     config: BenchConfig, device: torch.device, folder: ImageFolder, size: int = 224,
-    device_memory: int = DEFAULT_PRETENDED_CARD,
+    device_memory: int = DEFAULT_PRETENDED_CARD, say: Callable[[str], object] = print,
 ) -> list[LoaderSpec]:
-    """torch (per-sample PIL, each worker count) vs gpuload (batch decode + device transforms)."""
+    """torch (per-sample PIL, each worker count), torchvision on the device where it imports, and
+    gpuload (batch decode + device transforms); ``say`` gets a line for a baseline left out."""
     specs = [_torch_spec(workers, folder, config, device, size) for workers in config.torch_workers]
+    specs += torchvision_spec(folder, config, device, size, MEAN, STD, say)
     for cache, label in (("off", "decode + transforms"), ("device", "decoded image cache")):
         spec = _gpuload_spec(f"gpuload DataLoader ({label})", folder, config, device, size, cache)
         # Also on a GPU: the image path does not count the bytes DALI's decoder copies.

@@ -32,7 +32,8 @@ NAME_WIDTH = 38
 
 def display_name(name: str) -> str:
     """A loader's name as the table and the chart show it: short, at most ``NAME_WIDTH`` wide."""
-    short = name.replace("torch DataLoader", "torch").replace("gpuload DataLoader", "gpuload")
+    short = name.replace("torch DataLoader", "torch").replace("gpuload DataLoader", "gpuload") \
+        .replace(" + v2 transforms", " + v2")
     return short if len(short) <= NAME_WIDTH else short[: NAME_WIDTH - 1] + "~"
 
 

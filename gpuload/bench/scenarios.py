@@ -76,8 +76,10 @@ class CountingEpochs:
     """torch's DataLoader with the copy a tuned loop does, counting the bytes it copies.
 
     On a CPU nothing is copied; the bytes of each epoch's batches are still counted and, at
-    ``close()``, put in ``notes`` as the modelled copy (``h2d_modelled``).
+    ``close()``, put in ``notes`` as the modelled copy (``h2d_modelled``), on ``modelled_basis``.
     """
+
+    modelled_basis = "its batches, copied to the device by the loop"
 
     def __init__(self, loader: TorchDataLoader, device: torch.device, notes: dict[str, Any]) -> None:
         self.loader, self.device, self.notes = loader, device, notes
@@ -101,9 +103,7 @@ class CountingEpochs:
             iterator._shutdown_workers()  # type: ignore[attr-defined]  # torch's iterators have it; its stub does not
         if self.device.type != "cuda" and self.batch_bytes_per_epoch:
             per_epoch = self.batch_bytes_per_epoch
-            self.notes["h2d_modelled"] = modelled_h2d(
-                per_epoch[0], per_epoch[-1], "its batches, copied to the device by the loop"
-            )
+            self.notes["h2d_modelled"] = modelled_h2d(per_epoch[0], per_epoch[-1], self.modelled_basis)
 
 
 def torch_spec(dataset: TensorDataset, config: BenchConfig, workers: int, device: torch.device) -> LoaderSpec:

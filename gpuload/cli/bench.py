@@ -314,7 +314,8 @@ def _scenario_loaders(
             num_images = args.samples or (256 if args.quick else 1024)
             folder = _checked(lambda: cleanup.enter_context(sample_image_folder(num_images, config.seed, keep)),
                               "--save-images")
-        specs = image_loaders(config, device, folder, args.image_size, card)
+        specs = image_loaders(config, device, folder, args.image_size, card,
+                              say=(lambda line: None) if args.quiet else print)
         where = args.data or args.save_images or f"{len(folder)} generated photographs (temporary)"
         described = f"image folder {where} -> RandomResizedCrop({args.image_size}) + flip + float16 normalize"
     else:

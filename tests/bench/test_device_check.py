@@ -92,6 +92,8 @@ def fake_check(out: Path) -> None:
         "scenario": "images", "ceilings_gbps": {"h2d": 50.0},
         "results": [
             {"name": "torch DataLoader + PIL (num_workers=4)", "samples_per_s": 900.0, "x_baseline": 1.0},
+            {"name": "torchvision decode_jpeg + v2 transforms (on cuda)", "samples_per_s": 2700.0,
+             "x_baseline": 3.0},
             {"name": "gpuload DataLoader", "samples_per_s": 5400.0, "x_baseline": 6.0,
              "decode_backend": "nvjpeg", "transform_backend": "cupy"},
         ],
@@ -115,7 +117,7 @@ def test_the_summary_reads_every_part_and_reports_broken_ones(tmp_path: Path) ->
     assert summary["prefetch"]["prefetcher_share_of_pinned_peak"] == pytest.approx(0.9)
     assert summary["timeline"]["on_us_per_step"] == 86.0 and summary["timeline"]["path"] == "device-gather"
     assert "JSONDecodeError" in summary["bench"]["cache-device"]["error"]
-    assert summary["bench"]["images"]["loaders"][1]["samples_per_s"] == 5400.0
+    assert summary["bench"]["images"]["loaders"][2]["samples_per_s"] == 5400.0
     assert summary["images_decode_backends"] == ["nvjpeg"]
     assert summary["doctor"]["not_ok"] == ["WARN dali: pip install 'gpuload[cuda13]'"]
     assert summary["headline"] == {
@@ -128,8 +130,9 @@ def test_the_summary_reads_every_part_and_reports_broken_ones(tmp_path: Path) ->
         "truth": {"array-shrink": "passed",
                   "epoch-shrink":
                       "FAILED: the cache drains epoch by epoch: held [268566528, 134217728, 0, 0, 0] bytes"},
-        "images_samples_per_s": {"torch_best": 900.0, "gpuload": {
-            "gpuload DataLoader": {"samples_per_s": 5400.0, "x_torch": 6.0, "decode_backend": "nvjpeg"}}},
+        "images_samples_per_s": {"torch_best": 900.0, "torchvision_on_device": 2700.0, "gpuload": {
+            "gpuload DataLoader": {"samples_per_s": 5400.0, "x_torch": 6.0, "x_torchvision_on_device": 2.0,
+                                   "decode_backend": "nvjpeg"}}},
     }
     assert "cache-partial" not in summary["bench"] or "error" in summary["bench"]["cache-partial"]
     assert summary["totals"] == {
@@ -156,9 +159,9 @@ def test_the_summary_names_the_list_of_cuda_only_lines_and_every_listed_range_ex
 
 def test_a_range_that_no_longer_starts_at_the_line_it_names_is_caught() -> None:
     text = (ROOT / "benchmarks" / "cuda_only_lines.md").read_text()
-    shifted = text.replace("`gpuload/cli/bench.py:447`", "`gpuload/cli/bench.py:446`", 1)
+    shifted = text.replace("`gpuload/cli/bench.py:448`", "`gpuload/cli/bench.py:447`", 1)
     assert shifted != text
-    assert any("gpuload/cli/bench.py:446" in problem and "not at line 446" in problem
+    assert any("gpuload/cli/bench.py:447" in problem and "not at line 447" in problem
                for problem in range_problems_in_files(shifted))
 
 

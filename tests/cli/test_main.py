@@ -74,16 +74,21 @@ def test_bench_images_scenario_on_generated_photos(tmp_path: Path, capsys, monke
     names = [r["name"] for r in document["results"]]
     assert names == [
         "torch DataLoader + PIL (num_workers=0)",
+        "torchvision decode_jpeg + v2 transforms (on cpu)",
         "gpuload DataLoader (decode + transforms)",
         "gpuload DataLoader (decoded image cache)",
     ]
-    gpuload_row, cached_row = document["results"][1:]
+    torchvision_row = document["results"][1]
+    assert torchvision_row["batches_per_epoch"] == 2 and torchvision_row["num_workers"] == 0
+    gpuload_row, cached_row = document["results"][2:]
     assert gpuload_row["batches_per_epoch"] == 2 and gpuload_row["decode_backend"] in ("dali-cpu", "torchvision", "pil")
     assert gpuload_row["of_ideal"] is None and "image_cache" not in gpuload_row
     assert cached_row["image_cache"] == "decoded" and cached_row["cached_images"] == 12
     torch_bytes = 12 * 3 * 32 * 32 * 2 + 12 * 8  # float16 crops and int64 labels, copied every epoch
     assert document["results"][0]["h2d_modelled"]["per_epoch"] == torch_bytes
     files = gpuload_row["h2d_modelled"]["per_epoch"]
+    # torchvision's loop hands the device the files' bytes and the labels, every epoch
+    assert torchvision_row["h2d_modelled"]["per_epoch"] == files + 12 * 8
     assert files > 0 and cached_row["h2d_modelled"] == {**cached_row["h2d_modelled"], "first_epoch": files,
                                                         "per_epoch": 0}
 
