@@ -205,7 +205,7 @@ def order_differences(new: list[float], base: list[float]) -> tuple[float, float
     """The median paired difference ``new - base`` of the pairs ``new`` led (the even ones, as
     :func:`time_pairs` runs them) and of those ``base`` led."""
     if len(new) != len(base) or len(new) < 2:
-        raise ValueError(f"paired_overhead needs as many times of each, at least 2 pairs; got {len(new)} and "
+        raise ValueError(f"paired times need as many of each, at least 2 pairs; got {len(new)} and "
                          f"{len(base)}")
     differences = [a - b for a, b in zip(new, base)]
     return statistics.median(differences[0::2]), statistics.median(differences[1::2])
