@@ -5,7 +5,8 @@ runs in about the same time whatever its batch size and allocates nothing. torch
 ``MemTracker`` (``torch.distributed._tools.mem_tracker``) watches every storage the step
 creates and keeps the peak, by kind: parameters, buffers, gradients, optimizer state,
 activations, temporaries, inputs. Two steps run; the second is traced: it runs beside the
-optimizer state made by the first, the steady state of a training job.
+optimizer state made by the first, the steady state of a training job. A tracer keeps its fake
+model and optimizer in that state, so a later batch size runs only the traced step.
 
 The peak as a function of batch size is ``fixed + per_sample * b``, fitted through the two
 largest traced batch sizes. A small batch may peak in the optimizer step instead (its
@@ -257,33 +258,43 @@ class StepTracer:
             raise ValueError(f"autocast={autocast!r}: use torch.bfloat16, torch.float16 or None")
         self.autocast = autocast
         self.device = _trace_device()
+        # The fake mode, model and optimizer after a finished step (the steady state), for the next trace.
+        self._steady: tuple[Any, nn.Module, torch.optim.Optimizer | None] | None = None
 
     def trace(self, batch_size: int) -> StepTrace:
-        """Run two training steps at ``batch_size`` on fake tensors; return the second's peak."""
+        """Trace a training step at ``batch_size`` on fake tensors and return its peak; the first
+        trace runs one untraced step before it, to make the optimizer state it runs beside."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         started = time.perf_counter()
-        mode = self._fake_mode_type(allow_non_fake_inputs=True)
         with warnings.catch_warnings():  # deepcopy of a fake module (nn.TransformerEncoder does one) asks for data_ptr
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-            return self._trace(batch_size, mode, started)
+            return self._trace(batch_size, started)
 
-    def _trace(self, batch_size: int, mode: Any, started: float) -> StepTrace:
-        model, fakes = _fake_module(self.model, mode, self.device)
+    def _trace(self, batch_size: int, started: float) -> StepTrace:
+        steady, self._steady = self._steady, None  # kept again only once this trace's steps finish
+        if steady is None:
+            mode = self._fake_mode_type(allow_non_fake_inputs=True)
+            model, fakes = _fake_module(self.model, mode, self.device)
+            with mode:
+                optimizer = _fake_optimizer(self.optimizer, model, fakes, self.device)
+        else:
+            mode, model, optimizer = steady
         with mode:
-            optimizer = _fake_optimizer(self.optimizer, model, fakes, self.device)
             batch = tree_map_only(
                 torch.Tensor, lambda t: torch.empty((batch_size, *t.shape), dtype=t.dtype, device=self.device),
                 self.sample,
             )
             state: dict[str, int] = {}
-            self._step(model, batch, optimizer)  # untraced: it makes the optimizer state of the steady state
+            if steady is None:
+                self._step(model, batch, optimizer)  # untraced: it makes the optimizer state of the steady state
             tracker = self._tracker_type()
             tracker.track_external(model, *([optimizer] if optimizer is not None else []), *tree_leaves(batch))
             with tracker:
                 self._step(model, batch, optimizer, after_update=lambda: state.update(
                     _kinds(tracker.get_tracker_snapshot("current"), self.device)))
             at_peak = _kinds(tracker.get_tracker_snapshot("peak"), self.device)
+        self._steady = (mode, model, optimizer)
         peak = at_peak.pop("total", sum(at_peak.values()))
         state = {kind: state.get(kind, 0) for kind in STATE_KINDS}
         return StepTrace(batch_size, peak, at_peak, state, time.perf_counter() - started)

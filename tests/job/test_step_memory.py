@@ -87,6 +87,20 @@ def test_factory_and_instance_trace_the_same() -> None:
     assert built.peak == copied.peak and built.state == copied.state
 
 
+def test_a_later_batch_size_runs_only_the_traced_step_and_traces_what_a_fresh_tracer_does() -> None:
+    """The tracer keeps its fake model and optimizer in the steady state: a second batch size
+    costs one step, not two, and its trace is the one a new tracer makes at that size."""
+    steps: list[int] = []
+    model = M.cnn()
+    model.register_forward_pre_hook(lambda module, args: steps.append(args[0].shape[0]))
+    tracer = StepTracer(model, M.SAMPLES["cnn"](), optimizer="adamw")
+    tracer.trace(4)
+    later = tracer.trace(16)
+    assert steps == [4, 4, 16]
+    fresh = StepTracer(M.cnn(), M.SAMPLES["cnn"](), optimizer="adamw").trace(16)
+    assert (later.peak, later.at_peak, later.state) == (fresh.peak, fresh.at_peak, fresh.state)
+
+
 def test_token_inputs_and_a_transformer() -> None:
     memory = estimate_step_memory(M.transformer, M.SAMPLES["transformer"](), optimizer="adamw", batch_sizes=(4, 8))
     assert memory.traces[1].peak > memory.traces[0].peak
