@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
 
 _PROBE_FILES = 32
 _HEADER_BYTES = 64 << 10  # JPEG/PNG headers, EXIF included, sit well within this
+_CONFIRMATIONS = 2  # reads again of a sample whose read moved a global generator (looks_deterministic)
 
 
 def _difference(a: Any, b: Any, where: str) -> str | None:
@@ -83,8 +85,8 @@ PROBE_COMPARISONS = 20
 changes a sample with probability ``p`` at each read passes all of them with probability
 ``(1 - p) ** 20``: for a flip with ``p = 1/2``, ``2 ** -20`` = 9.5e-7, below one in a million
 (4 samples read 6 times each: 24 reads). A transform drawing from torch's, NumPy's or Python's
-global random generator is caught at its first read, whatever its ``p``: the probe sees the
-generator's state move."""
+global random generator is caught whatever its ``p``, by the generator's state (see
+:func:`looks_deterministic`)."""
 
 
 def probed_indices(length: int) -> list[int]:
@@ -95,14 +97,27 @@ def probed_indices(length: int) -> list[int]:
 
 def looks_deterministic(dataset: Any, probe_indices: Sequence[int] | None = None) -> tuple[bool, str]:
     """Read a few samples several times; (True, reason) when every read of a sample equals its
-    first and no read moved a global random generator, else (False, reason).
+    first and no read drew from a global random generator, else (False, reason).
 
     Caching a dataset that augments at random would freeze its first epoch's augmentation, so
     ``cache="auto"`` caches only datasets that pass, and the disk tier stores only their samples.
     ``probe_indices`` (default: :data:`PROBE_SAMPLES` spread over the dataset) are read until
     :data:`PROBE_COMPARISONS` reads have been compared, stopping at the first difference.
-    Random number generator states (torch, numpy, python) are restored afterwards, so probing
-    does not shift the training's randomness.
+
+    Draws from torch's, NumPy's or Python's global generator are seen as a move of its state
+    across a read. Another thread of the process may move it too (a loader starting an epoch
+    draws its seed there), so a move counts only when two more reads of that sample, each from
+    the state the first started at, move the generator to the same state again: a dataset that
+    draws from it always does, whatever its ``p``, and is called random at that read. A thread
+    that drew during one of the three reads leaves the move unconfirmed and the next read tries
+    again, so a drawing dataset is missed only if every one of its (up to 24) reads overlaps
+    another thread's draws. A deterministic dataset is called random only if another thread
+    drew from the generator during all three reads, equally often each time (the second and
+    third reads start after letting other threads run, which puts a thread drawing in step with
+    this one's reads out of step): a one-off draw (a seed taken) never does; a thread drawing
+    from all three generators in a tight loop did in 2 of 2,800 probes on 2 cores at load 8.
+    The generators' states are restored afterwards, so probing does not shift the training's
+    randomness.
     """
     if probe_indices is None:
         probe_indices = probed_indices(len(dataset))
@@ -112,14 +127,15 @@ def looks_deterministic(dataset: Any, probe_indices: Sequence[int] | None = None
     before = _global_rng_states()
     try:
         for index in probe_indices:
-            first = dataset[index]
+            first, first_drew = _read(dataset, index)
             for _ in range(reads - 1):
-                found = _difference(first, dataset[index], f"dataset[{index}]")
+                sample, drew = _read(dataset, index)
+                found = _difference(first, sample, f"dataset[{index}]")
                 if found:
                     return False, f"two reads of dataset[{index}] differ ({found}): it looks randomly augmented"
-                moved = _moved(before)
-                if moved:
-                    return False, (f"reading dataset[{index}] draws from {moved}'s global random generator: it looks "
+                drawn = first_drew or drew
+                if drawn:
+                    return False, (f"reading dataset[{index}] draws from {drawn}'s global random generator: it looks "
                                    "randomly augmented")
     finally:
         _restore(before)
@@ -127,22 +143,34 @@ def looks_deterministic(dataset: Any, probe_indices: Sequence[int] | None = None
     return True, f"{reads} reads each of dataset[{shown}] were equal and drew no random numbers"
 
 
+def _read(dataset: Any, index: int) -> tuple[Any, str]:
+    """``dataset[index]`` and the global generators the read is confirmed to draw from ("" when
+    none): those it moved that :data:`_CONFIRMATIONS` more reads, each from the same states, move
+    to the same state again."""
+    start = _global_rng_states()
+    sample = dataset[index]
+    after = _global_rng_states()
+    drawn = [name for name in start if not _same_state(start[name], after[name])]
+    for _ in range(_CONFIRMATIONS if drawn else 0):
+        time.sleep(0)  # lets a thread that draws in step with this one's reads draw a different count
+        _restore(start)
+        dataset[index]
+        again = _global_rng_states()
+        drawn = [name for name in drawn if _same_state(after[name], again[name])]
+    return sample, " and ".join(drawn)
+
+
 def _global_rng_states() -> dict[str, Any]:
     return {"torch": torch.get_rng_state(), "NumPy": np.random.get_state(), "Python's random": random.getstate()}
 
 
-def _moved(before: dict[str, Any]) -> str:
-    """The global generators whose state is no longer ``before``'s ("" when none moved)."""
-    now = _global_rng_states()
-    moved = []
-    if not torch.equal(now["torch"], before["torch"]):
-        moved.append("torch")
-    old, new = before["NumPy"], now["NumPy"]
-    if old[0] != new[0] or not np.array_equal(old[1], new[1]) or old[2:] != new[2:]:
-        moved.append("NumPy")
-    if now["Python's random"] != before["Python's random"]:
-        moved.append("Python's random")
-    return " and ".join(moved)
+def _same_state(a: Any, b: Any) -> bool:
+    """Whether two states of one global generator (as :func:`_global_rng_states` gives) are equal."""
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, tuple) and len(a) == 5 and isinstance(a[1], np.ndarray):  # NumPy's legacy state
+        return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+    return bool(a == b)
 
 
 def _restore(states: dict[str, Any]) -> None:

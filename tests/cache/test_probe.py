@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
+import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -187,3 +190,46 @@ def test_a_dataset_drawing_from_a_global_generator_is_random_even_when_its_reads
     assert not deterministic
     assert reason == f"reading dataset[0] draws from {name}'s global random generator: it looks randomly augmented"
     assert (torch.rand(1), np.random.rand(), random.random()) == expected  # put back as they were
+
+
+@contextlib.contextmanager
+def _drawing_beside(draw) -> Iterator[None]:
+    """Another thread calling ``draw`` in a tight loop meanwhile (as a loader starting an epoch
+    in its prefetch thread draws its seed from torch's global generator)."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            draw()
+
+    thread = threading.Thread(target=loop, name="test-draws-beside")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+_EVERY_GENERATOR = [lambda: torch.rand(1), lambda: np.random.rand(), lambda: random.random()]
+
+
+@pytest.mark.parametrize("draw", [*_EVERY_GENERATOR, lambda: (torch.rand(1), np.random.rand(), random.random())],
+                         ids=["torch", "NumPy", "random", "all three"])
+def test_another_threads_draws_do_not_make_a_deterministic_dataset_random(draw) -> None:
+    """Eight probes while another thread draws without pause: the probe that took any move of a
+    generator for the dataset's called about half of them random."""
+    with _drawing_beside(draw):
+        found = [looks_deterministic(Fixed()) for _ in range(8)]
+    assert [reason for deterministic, reason in found if not deterministic] == []
+
+
+@pytest.mark.parametrize(("draw", "name"), [
+    (_EVERY_GENERATOR[0], "torch"), (_EVERY_GENERATOR[1], "NumPy"), (_EVERY_GENERATOR[2], "Python's random"),
+])
+def test_a_dataset_drawing_from_a_global_generator_is_caught_while_another_thread_draws(draw, name: str) -> None:
+    with _drawing_beside(lambda: (torch.rand(1), np.random.rand(), random.random())):
+        found = [looks_deterministic(_DrawsButReturnsTheSame(draw)) for _ in range(5)]
+    for deterministic, reason in found:
+        assert not deterministic and f"draws from {name}" in reason, reason
