@@ -219,10 +219,13 @@ _EVERY_GENERATOR = [lambda: torch.rand(1), lambda: np.random.rand(), lambda: ran
                          ids=["torch", "NumPy", "random", "all three"])
 def test_another_threads_draws_do_not_make_a_deterministic_dataset_random(draw) -> None:
     """Eight probes while another thread draws without pause: the probe that took any move of a
-    generator for the dataset's called about half of them random."""
+    generator for the dataset's called about three in four of them random. One is allowed: the
+    probe's docstring states the rare case (the thread drawing equally often during all three
+    reads, 2 in 2,800 probes at load 8), and this test must hold on a busy machine."""
     with _drawing_beside(draw):
         found = [looks_deterministic(Fixed()) for _ in range(8)]
-    assert [reason for deterministic, reason in found if not deterministic] == []
+    called_random = [reason for deterministic, reason in found if not deterministic]
+    assert len(called_random) <= 1, called_random
 
 
 @pytest.mark.parametrize(("draw", "name"), [
