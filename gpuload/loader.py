@@ -46,6 +46,7 @@ from gpuload.state_format import check_format
 from gpuload.stats import LoaderStats, Tally
 from gpuload.timeline import Timeline, resolve_steps
 from gpuload.transfer import Staging
+from gpuload.worker_start import start_workers
 
 __all__ = ["OPTIONS", "DataLoader"]
 
@@ -384,9 +385,12 @@ class DataLoader(tud.DataLoader[T_co]):
         """torch's own iterator for one epoch (fetch, collate, worker processes); for an iterable
         dataset's resumed epoch, taken up where it was saved (``gpuload.resume.take_up_iterable``)."""
         resume, self._iterable_resume = self._iterable_resume, None
+        torch_iter = super().__iter__
+        if self.num_workers > 0:
+            torch_iter = functools.partial(start_workers, torch_iter)
         if resume is not None:
-            return take_up_iterable(self._draw, resume, super().__iter__)
-        return super().__iter__()
+            return take_up_iterable(self._draw, resume, torch_iter)
+        return torch_iter()
 
     def _start(self, schedule: Schedule, stopping: str) -> tuple[Work, Iterator[Any], Epoch]:
         """Start ``schedule``'s work in the thread :func:`runs_ahead` picks (ahead: through this

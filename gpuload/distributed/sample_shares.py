@@ -117,18 +117,19 @@ def split_samples(
     if context is None:
         return None
     why_not = split_obstacle(settings, batch_sampler, num_samples, context)
-    template = fingerprint = None
-    if why_not is None:  # the disk tier's key first: taken before any read, as a rank's own cache takes it
-        fingerprint = DiskRows.identify(dataset, settings) if default_collate else None
-        why_not, template = _columns_of(dataset, settings, default_collate, probe)
-    if why_not is not None:
+    if why_not is not None:  # from the settings and the sampler: every rank finds it alike
         decline_split(settings, why_not, stacklevel=6)
         return None
-    assert template is not None  # _columns_of gives the template whenever it finds no obstacle
-    bytes_per_sample = sum(rows[0].numel() * rows.element_size() for rows in column_rows(template))
-    agreed = agree_on_split(settings, device, batch_sampler, owner, context, num_samples, bytes_per_sample)
+    # The disk tier's key first: taken before any read, as a rank's own cache takes it.
+    fingerprint = DiskRows.identify(dataset, settings) if default_collate else None
+    declined, template = _columns_of(dataset, settings, default_collate, probe)
+    bytes_per_sample = 0 if template is None else sum(
+        rows[0].numel() * rows.element_size() for rows in column_rows(template))
+    agreed = agree_on_split(settings, device, batch_sampler, owner, context, num_samples, bytes_per_sample,
+                            declined=declined)
     if agreed is None:
         return None
+    assert template is not None  # the ranks agreed to split: none declined, this one included
     plan, groups = agreed
     start, stop = plan.partition.rows_of(context.rank)
     chunks = [list(range(first, min(first + chunk_size, stop))) for first in range(start, stop, chunk_size)]

@@ -240,12 +240,18 @@ def agree_on_split(
     num_samples: int,
     bytes_per_sample: int,
     room: int | None = None,
+    declined: str | None = None,
 ) -> tuple[SplitPlan, tuple[Any, Any]] | None:
     """The plan and the exchange's ``(control, data)`` groups when the ranks split the dataset,
     else None (the groups released). Every rank must call this at the same point: the ranks
     check they agree (sizes, sampler, scope) and decide the scope from the smallest room.
     ``room``: the bytes a share may take on this rank; None: the device cache room on CUDA,
     no limit on a CPU device (arrays are served in place there).
+
+    ``declined``: why this rank found its samples cannot be split (what it read of them: a
+    random probe, a failed read), else None. A rank that declines still comes here, so that
+    every rank declines with it and says why, rather than the others waiting for it in the
+    exchange until the timeout.
     """
     requested = settings.scope.value
     if room is None and device.type == "cuda":
@@ -254,7 +260,7 @@ def agree_on_split(
     room = room if room is not None else -1
     control, data = exchange_groups(device, exchange_timeout())
     mine = [_SCOPE_CODES[requested], room, num_samples, bytes_per_sample, context.local_world_size,
-            *[v for i, v in enumerate(sampler_fingerprint(batch_sampler)) if i != 1]]
+            *[v for i, v in enumerate(sampler_fingerprint(batch_sampler)) if i != 1], int(declined is not None)]
     everyone = [torch.empty(len(mine), dtype=torch.int64) for _ in range(context.world_size)]
     try:
         dist.all_gather(everyone, torch.tensor(mine, dtype=torch.int64), group=control)
@@ -263,8 +269,14 @@ def agree_on_split(
             f"gpuload: rank {context.rank} could not agree on the split cache with the other ranks "
             f"(cache_scope={requested!r}): a rank did not build its loader the same way, or died. Cause: {error}"
         ) from error
-    rows = [row.tolist() for row in everyone]
-    differ = [rank for rank, row in enumerate(rows) if row[:1] + row[2:] != mine[:1] + mine[2:]]
+    rows = [row.tolist()[:-1] for row in everyone]
+    decliners = [rank for rank, row in enumerate(everyone) if int(row[-1])]
+    mine = mine[:-1]
+
+    def compared(row: list[int]) -> list[int]:  # room may differ; a rank that declined knows no sample size
+        return row[:1] + row[2:3] + ([] if decliners else row[3:4]) + row[4:]
+
+    differ = [rank for rank, row in enumerate(rows) if compared(row) != compared(mine)]
     if differ:
         raise ExchangeError(
             f"gpuload: ranks disagree on the split cache: (scope, room, samples, bytes per sample, "
@@ -272,6 +284,19 @@ def agree_on_split(
             f"{context.rank} but {rows[differ[0]]} on rank {differ[0]}; every rank must build the "
             "loader with the same dataset, sampler and cache_scope"
         )
+    if decliners:
+        reasons: list[Any] = [None] * context.world_size
+        try:
+            dist.all_gather_object(reasons, declined, group=control)
+        except RuntimeError as error:
+            raise ExchangeError(
+                f"gpuload: rank {context.rank} could not learn why rank {decliners[0]} declined the split "
+                f"cache (cache_scope={requested!r}): a rank died. Cause: {error}"
+            ) from error
+        release_groups((control, data))
+        decline_split(settings, declined if declined is not None
+                      else f"on rank {decliners[0]}, {reasons[decliners[0]]}", stacklevel=6)
+        return None
     smallest_room = min(row[1] for row in rows) if limited else None
     decision = decide_scope(requested, num_samples, bytes_per_sample, smallest_room,
                             context.local_world_size, context.world_size)

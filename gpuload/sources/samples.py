@@ -51,6 +51,7 @@ from gpuload.sources.torch_fetch import (
     read_prepared,
 )
 from gpuload.transfer import batch_length, batch_nbytes
+from gpuload.worker_start import start_workers
 
 __all__ = ["SampleSource", "TorchLoading"]
 
@@ -241,11 +242,11 @@ class SampleSource(Source):
             # before the sampler's own draws; here that draw was made in the run being resumed.
             generator, reader.generator = reader.generator, torch.Generator()
             try:
-                pairs = iter(reader)
+                pairs = start_workers(iter, reader)
             finally:
                 reader.generator = generator
         else:
-            pairs = iter(reader)
+            pairs = start_workers(iter, reader)
         at_end = functools.partial(self._end_of_worker_epoch, cached) if cached is not None and remaining is None \
             else None
         handing = pairs if handed is None else HandedOver(pairs, places, handed.append)

@@ -25,6 +25,7 @@ from torch.utils.data.dataloader import DataLoader as TorchDataLoader
 
 from gpuload.cache.columns import Part, prepare
 from gpuload.timeline import stage
+from gpuload.worker_start import start_workers
 
 __all__ = ["EpochPlaces", "HandedOver", "KeepSamples", "RecordingSampler", "TorchBatches", "TorchLoading",
            "WorkerBatches", "add_note", "fetch", "is_default_collate", "per_batch", "read_prepared"]
@@ -86,7 +87,7 @@ def read_prepared(
     if num_workers == 0:
         yield (prepare(fetch(dataset, chunk, batched)) for chunk in chunks)
         return
-    reader = iter(TorchDataLoader(
+    reader: Iterator[Part] = start_workers(iter, TorchDataLoader(
         dataset, batch_sampler=chunks, num_workers=num_workers, collate_fn=prepare,
         generator=torch.Generator(), **worker_options,
     ))

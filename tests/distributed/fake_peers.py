@@ -36,15 +36,25 @@ def batches(num_samples: int, batch_size: int = 4) -> BatchSampler:
 
 class FakePeers:
     """Answers this process's ``all_gather`` calls in turn from ``answers``; past them, the other
-    rank sends what this one sent (it agrees, and read its share as this one did). ``calls``:
-    the collectives made."""
+    rank sends what this one sent (it agrees, and read its share as this one did). Its
+    ``all_gather_object`` calls get the other rank's object from ``objects`` in turn; past
+    them, what this rank sent. ``calls``: the collectives made."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, answers: list[Answer] | None = None) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, answers: list[Answer] | None = None,
+                 objects: list[Any] | None = None) -> None:
         assert not dist.is_initialized()
         self.answers = list(answers or [])
+        self.objects = list(objects or [])
         self.calls = 0
         monkeypatch.setattr(split_store, "exchange_groups", lambda device, timeout: GROUPS)
         monkeypatch.setattr(dist, "all_gather", self._all_gather)
+        monkeypatch.setattr(dist, "all_gather_object", self._all_gather_object)
+
+    def _all_gather_object(self, everyone: list[Any], mine: Any, group: Any = None) -> None:
+        assert group == GROUPS[0]
+        self.calls += 1
+        everyone[0] = mine
+        everyone[1] = self.objects.pop(0) if self.objects else mine
 
     def _all_gather(self, everyone: list[torch.Tensor], mine: torch.Tensor, group: Any = None) -> None:
         assert group == GROUPS[0]

@@ -13,6 +13,7 @@ from typing import Any
 
 import ranks_job
 import torch
+import torch.distributed as dist
 import torch.utils.data as tud
 from torch.utils.data.distributed import DistributedSampler
 
@@ -49,6 +50,14 @@ class Random(Pairs):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         return self.features[index] + torch.rand(3, 4), index
+
+
+class RandomOnLastRank(Pairs):
+    """Augmented at random on the last rank only: that rank alone finds it random."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        noise = torch.rand(3, 4) if dist.get_rank() == dist.get_world_size() - 1 else torch.zeros(3, 4)
+        return self.features[index] + noise, index
 
 
 class Named(Pairs):
@@ -145,6 +154,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str, local_world_size: i
         found["workers"] = compare(pairs, "node", num_workers=2, epochs=2, multiprocessing_context="fork")
         found["warm"] = compare(pairs, "world", epochs=1, warm=True)
         found["random"] = compare(Random(), "node", epochs=1)
+        found["random_on_one"] = compare(RandomOnLastRank(), "world", epochs=1)
         found["strings"] = compare(Named(), "world", epochs=1)
         found["odd_one"] = compare(OddOne(), "world", batch_size=1, epochs=1)
         found["broken"] = compare(Broken(), "world", epochs=1)

@@ -9,6 +9,7 @@ import contextlib
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -108,6 +109,17 @@ def test_what_cannot_be_split_stays_per_rank_and_says_why(job, scenario, says):
         assert any("KeyError" in w and "row 5 is missing" in w for w in job[0][0]["broken"]["warnings"])
 
 
+def test_a_rank_alone_finding_its_samples_random_makes_every_rank_decline_at_once(job):
+    """Before, the other ranks waited for it in the exchange until the timeout."""
+    ranks, world, _ = job
+    for rank, found in enumerate(ranks):
+        seen = found["random_on_one"]
+        assert seen["path"] != "sharded-world" and len(seen["warnings"]) == 1, (rank, seen)
+        assert "it looks randomly augmented" in seen["warnings"][0], (rank, seen["warnings"])
+        if rank != world - 1:
+            assert f"on rank {world - 1}, " in seen["warnings"][0] and seen["equal"], (rank, seen)
+
+
 def test_rank_that_stops_early_makes_the_others_fail_within_the_timeout(job):
     ranks, _, _ = job
     ranks_job.others_failed_within_the_timeout(ranks, "stop_early")
@@ -127,15 +139,29 @@ def test_without_a_process_group_nothing_is_split():
     assert found is None
 
 
-def test_a_reason_found_before_any_collective_warns_on_its_own():
-    """Decided from this rank's own view (the probe), before the ranks talk: no process group needed."""
-    data = samples_job.Random()
-    batches = BatchSampler(DistributedSampler(data, num_replicas=2, rank=0), 8, False)
-    context = DistributedContext(rank=0, world_size=2, local_world_size=2, backend="gloo")
-    with pytest.warns(UserWarning, match="randomly augmented"):
-        found = split_samples(data, _settings("node"), torch.device("cpu"), batches, "t",
-                              default_collate=True, read=None, chunk_size=8, context=context)
-    assert found is None
+def test_a_random_dataset_declines_the_split_on_every_rank_with_its_reason(monkeypatch):
+    """Found from what this rank read (the probe), so said to the others: they decline with it."""
+    found, said, calls = _split(monkeypatch, [], data=samples_job.Random())
+    assert found is None and calls == 2  # the agreement, then why
+    assert len(said) == 1 and "it looks randomly augmented; each rank caches the whole dataset" in said[0]
+
+
+def test_a_rank_that_declines_alone_makes_every_rank_decline_with_its_reason_not_wait(monkeypatch):
+    """Rank 1's probe found its samples random (a dataset random on that rank only, or a read
+    that failed there): rank 0 reads nothing, waits for nothing, and says why."""
+    why = "two reads of dataset[51] differ (tensor values): it looks randomly augmented"
+
+    def declined(mine: torch.Tensor) -> torch.Tensor:
+        mine[3], mine[-1] = 0, 1  # a rank that declined knows no sample size
+        return mine
+
+    def no_read(chunks):
+        raise AssertionError("a declined split reads nothing")
+
+    found, said, calls = _split(monkeypatch, [declined], objects=[why], read=no_read)
+    assert found is None and calls == 2
+    assert said == [f"gpuload: cache_scope='world' (keyword cache_scope=) is not used: on rank 1, {why}; "
+                    "each rank caches the whole dataset"]
 
 
 @pytest.mark.gpu
@@ -162,29 +188,28 @@ class _Unreadable(samples_job.Pairs):
     (_Empty(), {}, "the dataset is empty"),
     (_Unreadable(), {}, "reading its samples for the determinism probe failed (KeyError: 'row 0 is not there')"),
 ])
-def test_what_this_rank_sees_alone_declines_the_split_before_any_collective(data, settings, says):
-    batches = BatchSampler(DistributedSampler(data, num_replicas=2, rank=0), 8, False)
-    context = DistributedContext(rank=0, world_size=2, local_world_size=2, backend="gloo")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        found = split_samples(data, CacheSettings.resolve(cache_scope="world", environ={}, **settings),
-                              torch.device("cpu"), batches, "t", default_collate=True, read=None, chunk_size=8,
-                              context=context)
-    assert found is None
-    assert [str(w.message) for w in caught] == [
+def test_what_this_rank_finds_declines_the_split_on_every_rank_and_says_why(monkeypatch, data, settings, says):
+    """Told to the other ranks (one agreement, then the reasons) so that they decline with it."""
+    found, said, calls = _split(monkeypatch, [], data=data,
+                                settings=CacheSettings.resolve(cache_scope="world", environ={}, **settings))
+    assert found is None and calls == 2
+    assert said == [
         f"gpuload: cache_scope='world' (keyword cache_scope=) is not used: {says}; each rank caches the whole dataset"]
 
 
-def _split(monkeypatch, answers, scope: str = "world", local_world_size: int = 2) -> tuple[object, list[str], int]:
-    """``split_samples`` of Pairs on rank 0 of two (``fake_peers``): what it returned, the
-    warnings, the collectives it made."""
-    data = samples_job.Pairs()
-    peers = fake_peers.FakePeers(monkeypatch, answers)
+def _split(monkeypatch, answers, scope: str = "world", local_world_size: int = 2, *, data: Any = None,
+           settings: CacheSettings | None = None, objects: list[Any] | None = None,
+           read: Any = None) -> tuple[object, list[str], int]:
+    """``split_samples`` of ``data`` (default Pairs) on rank 0 of two (``fake_peers``): what it
+    returned, the warnings, the collectives it made."""
+    data = samples_job.Pairs() if data is None else data
+    peers = fake_peers.FakePeers(monkeypatch, answers, objects)
     context = DistributedContext(rank=0, world_size=2, local_world_size=local_world_size, backend="gloo")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        found = split_samples(data, _settings(scope), torch.device("cpu"), fake_peers.batches(len(data), 8), "t",
-                              default_collate=True, read=lambda chunks: read_prepared(data, chunks, 0, {}),
+        found = split_samples(data, settings or _settings(scope), torch.device("cpu"),
+                              fake_peers.batches(len(data), 8), "t", default_collate=True,
+                              read=read or (lambda chunks: read_prepared(data, chunks, 0, {})),
                               chunk_size=8, context=context)
     return found, [str(w.message) for w in caught], peers.calls
 
