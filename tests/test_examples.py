@@ -12,11 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_processes import start_script
 
 import gpuload
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
-import ranks_job  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 HANG_S = 1200  # an example takes seconds quiet, minutes at load 10: past this it hangs
@@ -34,44 +32,12 @@ EXPECTED = {"train_loop.py": ["epoch 1: loss"], "train_images.py": ["epoch 1: lo
             "train_hf_dataset.py": [r"same batches as torch's DataLoader: True \(gpuload's path: device-gather"]}
 
 
-def _python(script: str, argv: list[str], environ: dict[str, str], out: str, err: str) -> None:
-    """``python SCRIPT ARGV`` in this process, forked from the suite's fork server: the
-    environment ``environ``, stdout and stderr into the files ``out`` and ``err``."""
-    import atexit
-    import runpy
-    import tempfile
-    import traceback
-
-    os.environ.clear()
-    os.environ.update(environ)
-    tempfile.tempdir = None  # found again, from TMPDIR
-    for fd, path in ((1, out), (2, err)):
-        with open(path, "w") as file:
-            os.dup2(file.fileno(), fd)
-    sys.argv = [script, *argv]
-    sys.path.insert(0, str(Path(script).parent))  # as ``python SCRIPT`` puts it first
-    code = 0
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exit:
-        code = exit.code if isinstance(exit.code, int) else (exit.code is not None)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    atexit._run_exitfuncs()  # what the interpreter runs at its exit, which a forked process skips
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def run_example(script: str, *args: str, env: dict[str, str] | None = None,
                 out_dir: Path) -> subprocess.CompletedProcess[str]:
     """``python examples/SCRIPT ARGS``, as a process forked from the suite's fork server, which
     imported torch and gpuload once (seconds of CPU an example); its output kept in ``out_dir``."""
     out, err = out_dir / f"{script}.out", out_dir / f"{script}.err"
-    process = ranks_job.fork_server().Process(
-        target=_python, args=(str(EXAMPLES / script), list(args), dict(env or os.environ), str(out), str(err)))
-    process.start()
+    process = start_script(EXAMPLES / script, list(args), dict(env or os.environ), out, err)
     process.join(HANG_S)
     if process.exitcode is None:
         process.kill()

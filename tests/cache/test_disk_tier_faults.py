@@ -1,5 +1,6 @@
-"""The disk tier's faults through the loader, each run in a subprocess (nothing in memory: what
-a run reads, it reads from the folder): a real-photo JPEG folder read by torchvision's
+"""The disk tier's faults through the loader, each run in a new process (nothing in memory: what
+a run reads, it reads from the folder; forked from the suite's fork server, or a fresh
+interpreter for the read-only folder's namespace): a real-photo JPEG folder read by torchvision's
 ImageFolder at 32x32, gpuload's sample cache with a 3-sample host tier and ``cache_dir=``,
 blocks of 4 samples; every run's batches are compared with torch's DataLoader's (uncached)."""
 
@@ -11,93 +12,20 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
-from child_processes import child_environment
+from child_processes import child_environment, start_script
 
 import gpuload
 
-ROOT = Path(__file__).resolve().parents[2]
 N = 20
+HANG_S = 900  # a run takes seconds quiet, a minute at load 10: past this it hangs
 
-CHILD = textwrap.dedent(
-    """
-    import json, os, sys, time, warnings
-    import torch, gpuload
-    import gpuload.cache.disk_tier as disk_tier
-    from gpuload.cache.disk import DiskCacheWarning
-    from torchvision import datasets, transforms
-
-    IMAGES, CACHE, MODE = sys.argv[1], sys.argv[2], sys.argv[3]
-    ROW = 3 * 32 * 32 + 8  # a decoded image and its label
-    disk_tier.BLOCK_BYTES = 4 * ROW
-
-    class Folder(datasets.ImageFolder):
-        delay = 0.0
-
-        def __getitem__(self, index):
-            time.sleep(self.delay)
-            return super().__getitem__(index)
-
-    def dataset(delay=0.0):
-        folder = Folder(IMAGES, transform=transforms.Compose(
-            [transforms.Resize(32), transforms.CenterCrop(32), transforms.PILToTensor()]))
-        Folder.delay = delay  # the class's: an instance attribute is the dataset's state, part of its fingerprint
-        return folder
-
-    def batches(loader, epochs):
-        got = []
-        for epoch in range(epochs):
-            if loader.sampler is not None and hasattr(loader.sampler, "set_epoch"):
-                loader.sampler.set_epoch(epoch)
-            got.append([(images.clone(), labels.clone()) for images, labels in loader])
-        return got
-
-    def order(data):
-        # A rank's share (rank0, rank1: torch's DistributedSampler of 2), else shuffled.
-        if MODE.startswith("rank"):
-            sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=int(MODE[4]), seed=0)
-            return {"sampler": sampler}
-        return {"shuffle": True, "generator": torch.Generator().manual_seed(2)}
-
-    def same(a, b):
-        return len(a) == len(b) and all(
-            len(x) == len(y) and all(torch.equal(i, j) and torch.equal(k, l) for (i, k), (j, l) in zip(x, y))
-            for x, y in zip(a, b))
-
-    def run(epochs=2, delay=0.0):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            data = dataset(delay)
-            loader = gpuload.DataLoader(data, batch_size=5, cache="host", cache_size=3 * ROW, cache_dir=CACHE,
-                                        **order(data))
-            got = batches(loader, epochs)
-            if MODE.startswith("rank"):  # both ranks keep the entry open until both are done, as a job's do
-                done = os.path.join(os.path.dirname(CACHE), "done-")
-                open(done + MODE, "w").close()
-                deadline = time.monotonic() + 120
-                while not os.path.exists(done + ("rank1" if MODE == "rank0" else "rank0")):
-                    assert time.monotonic() < deadline, "the other rank never finished"
-                    time.sleep(0.05)
-        reference = torch.utils.data.DataLoader(dataset(), batch_size=5, **order(data))
-        return {"equal": same(got, batches(reference, epochs)), "disk": loader.stats.extra["cache"].get("disk"),
-                "warnings": [str(w.message) for w in caught if issubclass(w.category, DiskCacheWarning)]}
-
-    if MODE == "enospc":
-        import errno
-        real, calls = os.posix_fallocate, []
-        def fill_up(fd, offset, length):
-            calls.append(1)
-            if len(calls) > 2:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            real(fd, offset, length)
-        os.posix_fallocate = fill_up
-    print(json.dumps(run(epochs=3 if MODE.startswith("rank") else 2, delay=0.15 if MODE == "slow" else 0.0)))
-    """
-)
+#: A run of the loader (and its reference): see its docstring.
+CHILD_SCRIPT = Path(__file__).resolve().parent / "disk_tier_child.py"
+CHILD = CHILD_SCRIPT.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -111,23 +39,39 @@ def _command(images: Path, cache: Path, mode: str = "fill") -> list[str]:
     return [sys.executable, "-c", CHILD, str(images), str(cache), mode]
 
 
+class _Child:
+    """One run of :data:`CHILD_SCRIPT` on ``images`` and ``cache``, started now as a new process
+    forked from the suite's fork server (torch and gpuload imported, nothing of an earlier run in
+    memory), in :func:`child_environment`; its stdout and stderr kept in files beside ``cache``."""
+
+    def __init__(self, images: Path, cache: Path, mode: str) -> None:
+        logs = cache.parent / "children"
+        logs.mkdir(exist_ok=True)
+        index = len(list(logs.glob("*.out")))
+        self.out, self.err = logs / f"{index}-{mode}.out", logs / f"{index}-{mode}.err"
+        self.out.touch()
+        self.process = start_script(CHILD_SCRIPT, [str(images), str(cache), mode], child_environment(), self.out,
+                                    self.err)
+
+    def result(self) -> dict:
+        """What the run printed, once it ended with status 0; a run not over in :data:`HANG_S` is killed."""
+        self.process.join(HANG_S)
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join()
+            pytest.fail(f"the child did not end in {HANG_S} s: {self.err.read_text()[-2000:]}")
+        assert self.process.exitcode == 0, self.err.read_text()
+        return json.loads(self.out.read_text().strip().splitlines()[-1])
+
+
 def _run(images: Path, cache: Path, mode: str = "fill") -> dict:
-    done = subprocess.run(_command(images, cache, mode), capture_output=True, text=True, env=child_environment(),
-                          timeout=900)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _Child(images, cache, mode).result()
 
 
 def _run_together(images: Path, cache: Path, modes: list[str]) -> list[dict]:
     """One child per mode, all started at once; their results."""
-    children = [subprocess.Popen(_command(images, cache, mode), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, env=child_environment()) for mode in modes]
-    results = []
-    for child in children:
-        out, err = child.communicate(timeout=900)
-        assert child.returncode == 0, err
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
+    children = [_Child(images, cache, mode) for mode in modes]
+    return [child.result() for child in children]
 
 
 def _entries(cache: Path) -> list[Path]:
@@ -136,19 +80,18 @@ def _entries(cache: Path) -> list[Path]:
 
 def test_killed_during_the_fill_then_a_new_run_gives_the_uncached_batches(images: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    child = subprocess.Popen(_command(images, cache, "slow"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             env=child_environment())
+    child = _Child(images, cache, "slow")
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline and not list(cache.glob("*/block-*.part")):
-            assert child.poll() is None, child.stderr.read().decode()
+            assert child.process.exitcode is None, child.err.read_text()
             time.sleep(0.02)
         time.sleep(0.3)  # a few rows into the fill
-        assert child.poll() is None, "the fill ended before it could be killed"
+        assert child.process.exitcode is None, "the fill ended before it could be killed"
     finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
-        child.stderr.close()
+        child.process.kill()
+        child.process.join()
+    assert child.process.exitcode == -signal.SIGKILL
     (entry,) = _entries(cache)
     assert list(entry.glob("block-*.part"))  # killed mid-fill: unpublished parts left behind
     result = _run(images, cache)
