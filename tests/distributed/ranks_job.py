@@ -303,17 +303,22 @@ def others_failed_within_the_timeout(ranks: list[dict], scenario: str) -> list[d
 
 #: What the suite's fork server imports once, so a rank starts without importing torch (about 2 s
 #: of CPU a rank, most of a small job's time on 2 cores), nor DCP and DDP (about 1 s more, in each
-#: rank of test_dcp.py's two jobs).
+#: rank of test_dcp.py's two jobs), nor gpuload's loader and disk tier (about 0.5 s at load 9).
 PRELOADED = ["torch", "torch.distributed", "torch.utils.data", "gpuload", "pytest",
-             "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", "torch.nn.parallel"]
+             "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", "torch.nn.parallel",
+             "gpuload.loader", "gpuload.cache.disk_tier"]
+#: And torchvision's datasets and transforms (about 1.3 s at load 9 in each child that reads images:
+#: test_disk_tier_faults.py's 11, a disk_shares_job rank), which the suite's fork server alone
+#: imports, not the server a rank starts for its DataLoader workers (:func:`in_environment`).
+SERVER_PRELOADED = [*PRELOADED, "torchvision.datasets", "torchvision.transforms"]
 
 
 def fork_server() -> ForkServerContext:
     """The multiprocessing context whose processes fork from the suite's one server (a fresh
-    interpreter that imported :data:`PRELOADED`, no CUDA and no threads of the tests); a process
+    interpreter that imported :data:`SERVER_PRELOADED`, no CUDA and no threads of the tests); a process
     started from it runs :func:`in_environment` to take the test's environment."""
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(PRELOADED)
+    context.set_forkserver_preload(SERVER_PRELOADED)
     return context
 
 
