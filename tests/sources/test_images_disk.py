@@ -18,6 +18,7 @@ import pytest
 import torch
 from child_processes import child_environment
 from equivalence import assert_same
+from full_disk import filling_up
 from image_fixtures import CountingList, assert_close_epochs
 
 import gpuload
@@ -241,15 +242,7 @@ def test_the_decoder_settings_are_part_of_the_entry(samples, tmp_path) -> None:
 
 
 def test_a_full_disk_stops_the_tier_with_one_warning_and_the_epochs_complete(samples, tmp_path, monkeypatch) -> None:
-    real, calls = disk_writing.pwrite_all, []
-
-    def fill_up(fd, data, offset):
-        calls.append(1)
-        if len(calls) > 5:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(fd, data, offset)
-
-    monkeypatch.setattr(disk_writing, "pwrite_all", fill_up)
+    monkeypatch.setattr(disk_writing, "pwrite_all", filling_up(disk_writing.pwrite_all, calls_allowed=5))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         spilling = loader(CountingList(samples), samples, transforms=None, cache_dir=tmp_path / "c")
