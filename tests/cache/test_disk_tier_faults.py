@@ -69,9 +69,16 @@ def _run(images: Path, cache: Path, mode: str = "fill") -> dict:
 
 
 def _run_together(images: Path, cache: Path, modes: list[str]) -> list[dict]:
-    """One child per mode, all started at once; their results."""
+    """One child per mode, all started at once; their results. A child still running when another
+    failed is killed, not left behind."""
     children = [_Child(images, cache, mode) for mode in modes]
-    return [child.result() for child in children]
+    try:
+        return [child.result() for child in children]
+    finally:
+        for child in children:
+            if child.process.exitcode is None:
+                child.process.kill()
+                child.process.join()
 
 
 def _entries(cache: Path) -> list[Path]:
