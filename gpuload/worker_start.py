@@ -23,19 +23,24 @@ T = TypeVar("T")
 
 _lock = threading.Lock()
 _starting = 0  # threads inside start_workers: the heap stays frozen until the last one leaves
+_froze = False  # whether the first of them froze it (not when the user had frozen it already)
 
 
 def start_workers(start: Callable[..., T], *args: Any) -> T:
     """``start(*args)`` (``iter()`` of a torch DataLoader, which forks or spawns its workers) with
-    this process's objects frozen out of the workers' garbage collection (see the module)."""
-    global _starting
+    this process's objects frozen out of the workers' garbage collection (see the module). A
+    heap the user froze (their own :func:`gc.freeze` before forking) is left as they made it."""
+    global _starting, _froze
     with _lock:
+        if _starting == 0:
+            _froze = gc.get_freeze_count() == 0
+            if _froze:
+                gc.freeze()
         _starting += 1
-        gc.freeze()
     try:
         return start(*args)
     finally:
         with _lock:
             _starting -= 1
-            if _starting == 0:
+            if _starting == 0 and _froze:
                 gc.unfreeze()

@@ -66,3 +66,15 @@ def test_a_forked_worker_leaves_what_its_parent_left_unreachable_to_the_parent(t
     gc.collect()
     assert batches == [[0, 1], [2, 3]]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["collected-in-parent"]
+
+
+def test_a_heap_the_user_froze_stays_frozen_as_they_left_it():
+    """Users freeze their heap before forking workers (Python's recipe against copy-on-write):
+    starting gpuload's workers must not thaw it."""
+    gc.freeze()
+    try:
+        assert _loader("off")(_Collecting()) == [[0, 1], [2, 3]]
+        assert gc.get_freeze_count() > 0  # thawed: 0 (objects freed meanwhile leave it a little lower)
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0
