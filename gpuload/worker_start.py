@@ -5,9 +5,10 @@ garbage collection destroys them there. Some cannot be destroyed in a copy: a re
 process group (a distributed cache's exchange groups, destroyed but not yet collected) waits in
 its destructor for threads that exist only in the parent, so the worker hung for good and the
 ranks waiting on it timed out (a rank reading its share of a ``cache_scope='node'`` cache with
-forked workers: 2 runs in 3 at load 8). Python's documented remedy (:func:`gc.freeze`) is
-applied while the workers start: what the parent holds then is left out of every worker's
-collections, and given back to the parent's as soon as they are started.
+forked workers: 2 runs in 3 at load 9, every run started from a git worktree). Python's
+documented remedy (:func:`gc.freeze`) is applied while the workers start: what the parent holds
+then is left out of every worker's collections, and given back to the parent's as soon as they
+are started.
 """
 
 from __future__ import annotations
