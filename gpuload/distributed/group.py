@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -28,6 +30,7 @@ __all__ = [
     "ExchangeError",
     "agree_on_scope",
     "loader_identity",
+    "peers_answer",
     "current_context",
     "exchange_groups",
     "exchange_timeout",
@@ -39,6 +42,17 @@ EXCHANGE_TIMEOUT_ENV = EXCHANGE_TIMEOUT
 
 class ExchangeError(RuntimeError):
     """The batch exchange between ranks failed: a rank stopped early, died, or disagrees."""
+
+
+@contextmanager
+def peers_answer(failure: str) -> Iterator[None]:
+    """Around a collective of the ranks: the ``RuntimeError`` torch.distributed raises when a
+    peer stopped or died (gloo's timeout, a closed connection) becomes an :class:`ExchangeError`
+    saying ``failure`` (what this rank was doing, and who did not answer) and its cause."""
+    try:
+        yield
+    except RuntimeError as error:
+        raise ExchangeError(f"{failure} Cause: {error}") from error
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from gpuload.cache import LEDGER, CacheSettings, StoreStats, format_bytes
 from gpuload.cache.budget import BudgetLedger
 from gpuload.cache.store import Store, StreamGuard
-from gpuload.distributed.group import DistributedContext, ExchangeError, loader_identity, release_groups
+from gpuload.distributed.group import DistributedContext, ExchangeError, loader_identity, peers_answer, release_groups
 from gpuload.distributed.split_store import (
     RowFormat,
     SplitPlan,
@@ -433,13 +433,9 @@ def _swap_tables(
                 rows[row] = torch.tensor([_GOOD, *shape])
     mine = torch.cat([torch.tensor([outcome], dtype=torch.int64), rows.reshape(-1)])
     everyone = [torch.empty_like(mine) for _ in range(context.world_size)]
-    try:
+    with peers_answer(f"gpuload: rank {context.rank} read its share of the images but another rank did not report "
+                      "its own (it stopped or died)."):
         dist.all_gather(everyone, mine, group=control)
-    except RuntimeError as error:
-        raise ExchangeError(
-            f"gpuload: rank {context.rank} read its share of the images but another rank did not report "
-            f"its own (it stopped or died). Cause: {error}"
-        ) from error
     table = torch.zeros((partition.num_samples, _COLUMNS), dtype=torch.int64)
     for rank, theirs in enumerate(everyone):
         first, end = partition.rows_of(rank)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from gpuload.cache import CacheSettings, looks_deterministic
 from gpuload.cache.columns import Part, column_rows, layout, prepare, rebuild
 from gpuload.cache.disk_tier import DiskRows
-from gpuload.distributed.group import DistributedContext, ExchangeError, loader_identity, release_groups
+from gpuload.distributed.group import DistributedContext, loader_identity, peers_answer, release_groups
 from gpuload.distributed.split_store import (
     SplitStore,
     agree_on_split,
@@ -241,12 +241,8 @@ def _read_block(
 def _failed_ranks(outcome: int, control: Any, context: DistributedContext) -> list[tuple[int, int]]:
     """Every rank's read outcome (gloo), as ``(rank, outcome)`` of the ranks whose read failed."""
     everyone = [torch.empty(1, dtype=torch.int64) for _ in range(context.world_size)]
-    try:
+    with peers_answer(f"gpuload: rank {context.rank} read its share of the samples but another rank did not "
+                      "report its own (it stopped or died)."):
         dist.all_gather(everyone, torch.tensor([outcome], dtype=torch.int64), group=control)
-    except RuntimeError as error:
-        raise ExchangeError(
-            f"gpuload: rank {context.rank} read its share of the samples but another rank did not "
-            f"report its own (it stopped or died). Cause: {error}"
-        ) from error
     return [(rank, int(code)) for rank, code in enumerate(everyone) if int(code) != _READ_OK]
 

@@ -55,9 +55,9 @@ from gpuload.cache.chunked_rows import copy_rows
 from gpuload.distributed.group import (
     EXCHANGE_TIMEOUT_ENV,
     DistributedContext,
-    ExchangeError,
     current_context,
     exchange_timeout,
+    peers_answer,
     release_groups,
 )
 
@@ -144,15 +144,12 @@ class _Setup:
         """Every rank's ``values`` (the same length on every rank), in rank order."""
         mine = torch.tensor(values, dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(self.context.world_size)]
-        try:
+        with peers_answer(
+            f"gpuload: rank {self.context.rank} could not set up the node's shared host tier with "
+            f"the other ranks ({step}; waited up to {exchange_timeout().total_seconds():g} s, "
+            f"{EXCHANGE_TIMEOUT_ENV}): a rank did not build its loader at the same point, or died."
+        ):
             dist.all_gather(everyone, mine, group=self.group)
-        except RuntimeError as error:
-            raise ExchangeError(
-                f"gpuload: rank {self.context.rank} could not set up the node's shared host tier with "
-                f"the other ranks ({step}; waited up to {exchange_timeout().total_seconds():g} s, "
-                f"{EXCHANGE_TIMEOUT_ENV}): a rank did not build its loader at the same point, or died. "
-                f"Cause: {error}"
-            ) from error
         return [row.tolist() for row in everyone]
 
 

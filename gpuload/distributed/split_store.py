@@ -57,6 +57,7 @@ from gpuload.distributed.group import (
     exchange_groups,
     exchange_timeout,
     loader_identity,
+    peers_answer,
     release_groups,
 )
 from gpuload.distributed.partition import Partition
@@ -262,13 +263,9 @@ def agree_on_split(
     mine = [_SCOPE_CODES[requested], room, num_samples, bytes_per_sample, context.local_world_size,
             *[v for i, v in enumerate(sampler_fingerprint(batch_sampler)) if i != 1], int(declined is not None)]
     everyone = [torch.empty(len(mine), dtype=torch.int64) for _ in range(context.world_size)]
-    try:
+    with peers_answer(f"gpuload: rank {context.rank} could not agree on the split cache with the other ranks "
+                      f"(cache_scope={requested!r}): a rank did not build its loader the same way, or died."):
         dist.all_gather(everyone, torch.tensor(mine, dtype=torch.int64), group=control)
-    except RuntimeError as error:
-        raise ExchangeError(
-            f"gpuload: rank {context.rank} could not agree on the split cache with the other ranks "
-            f"(cache_scope={requested!r}): a rank did not build its loader the same way, or died. Cause: {error}"
-        ) from error
     rows = [row.tolist()[:-1] for row in everyone]
     decliners = [rank for rank, row in enumerate(everyone) if int(row[-1])]
     mine = mine[:-1]
@@ -286,13 +283,9 @@ def agree_on_split(
         )
     if decliners:
         reasons: list[Any] = [None] * context.world_size
-        try:
+        with peers_answer(f"gpuload: rank {context.rank} could not learn why rank {decliners[0]} declined the "
+                          f"split cache (cache_scope={requested!r}): a rank died."):
             dist.all_gather_object(reasons, declined, group=control)
-        except RuntimeError as error:
-            raise ExchangeError(
-                f"gpuload: rank {context.rank} could not learn why rank {decliners[0]} declined the split "
-                f"cache (cache_scope={requested!r}): a rank died. Cause: {error}"
-            ) from error
         release_groups((control, data))
         decline_split(settings, declined if declined is not None
                       else f"on rank {decliners[0]}, {reasons[decliners[0]]}", stacklevel=6)
