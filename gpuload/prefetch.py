@@ -41,6 +41,7 @@ import torch
 from gpuload.cache.budget import format_bytes
 from gpuload.device import host_memory, new_side_stream, resolve_device
 from gpuload.epoch import Epoch, EpochStoppedError, one_epoch_at_a_time
+from gpuload.exit_threads import start_stoppable
 from gpuload.timeline import begin_batch, end_batch, hand_over, stage
 from gpuload.transfer import Staging, map_leaves
 
@@ -444,6 +445,17 @@ def _work(
             del outcome  # a failure's traceback holds this frame: no reference cycle through it
 
 
+def _stop_at_exit(
+    epoch: Epoch, cancel_source: Callable[[], None] | None, tokens: threading.Semaphore, depth: int,
+) -> None:
+    """Stop a prefetch thread the interpreter's exit found running (``gpuload.exit_threads``);
+    holds nothing of the consuming iterator, which the thread must not keep alive."""
+    epoch.stop("the interpreter is exiting")
+    if cancel_source is not None:
+        cancel_source()
+    tokens.release(depth + 1)
+
+
 class _Handoff(Iterator[Any]):
     """One pass over a source: the consuming side of the hand-off, asking ``epoch`` (the stop
     token it shares with its thread, and with the loader's iterator over it)."""
@@ -466,13 +478,11 @@ class _Handoff(Iterator[Any]):
         # A source that may wait for the consumer (a collective exchange running ahead) is told
         # when the consumer stops, from the consumer's thread.
         self._cancel_source = getattr(batches, "cancel", None)
-        self._thread = threading.Thread(
-            target=_work,
-            args=(owner, batches, ring, self._queue, self._tokens, epoch, owner.timeline),
-            name="gpuload-prefetch",
-            daemon=True,
+        self._thread = start_stoppable(
+            _work, (owner, batches, ring, self._queue, self._tokens, epoch, owner.timeline), "gpuload-prefetch",
+            functools.partial(_stop_at_exit, epoch, self._cancel_source, self._tokens, owner.depth),
+            owner.join_timeout,
         )
-        self._thread.start()
 
     @property
     def thread(self) -> threading.Thread:
@@ -753,19 +763,21 @@ class Prefetcher:
         ``join_timeout``) for a thread left running by an abandoned epoch, since the source
         it is inside may be reused now.
         """
-        waited = self._stop_active(one_epoch_at_a_time(reason))
+        self._stop_active(one_epoch_at_a_time(reason))
+
+    def _stop_active(self, cause: str) -> None:
+        """Stop the epoch in progress for ``cause`` and wait (up to ``join_timeout``) for its
+        thread, also one its iterator no longer waited for: abandoned, or dropped while the
+        thread ran (the iterator's ``__del__`` in that thread cannot wait for itself)."""
+        active = self._active() if self._active is not None else None
+        self._active = None
+        waited = active.stop(cause) if active is not None else False
         thread = self._ring_thread
         if not waited and thread is not None and thread.is_alive() and thread is not threading.current_thread():
             thread.join(self.join_timeout)
 
-    def _stop_active(self, cause: str) -> bool:
-        """Stop the epoch in progress for ``cause``; whether that waited for its thread."""
-        active = self._active() if self._active is not None else None
-        self._active = None
-        return active.stop(cause) if active is not None else False
-
     def close(self) -> None:
-        """Stop the running epoch, if any, and free the host slots; idempotent."""
+        """Stop the running epoch, if any, wait for its thread, and free the host slots; idempotent."""
         self._stop_active("the loader was closed (Prefetcher.close()); iterate it again for a new epoch")
         self._ring = self._inline_ring = None
 

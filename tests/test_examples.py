@@ -106,10 +106,11 @@ def _torchrun_ddp_train(*args: str) -> str:
     env = {name: value for name, value in os.environ.items()
            if name not in {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLES.parent), os.environ.get("PYTHONPATH")]))
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank that aborts prints its Python threads' stacks
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(EXAMPLES / "ddp_train.py"), "--samples", "2048", "--batch-size", "64", *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=HANG_S)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-8000:]
     return done.stdout
 
 

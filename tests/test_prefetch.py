@@ -31,6 +31,15 @@ def batches(n: int, size: int = 4) -> list[torch.Tensor]:
     return [torch.full((size, 3), i, dtype=torch.int64) for i in range(n)]
 
 
+def held_after_one(inside: threading.Event, release: threading.Event):
+    """Yields one batch, then says it is inside its source and waits there for ``release``
+    (60 s at most) before the second."""
+    yield torch.zeros(1)
+    inside.set()
+    release.wait(60)
+    yield torch.zeros(1)
+
+
 class RecordingSource:
     """Yields batch i on the i-th pull and records how many pulls have started."""
 
@@ -222,6 +231,22 @@ def test_timeout_names_the_batch_and_stops_the_thread():
     assert not wait_threads(baseline)
 
 
+def test_close_waits_for_the_thread_a_timed_out_epoch_left_inside_its_source():
+    """A timeout abandons the epoch without waiting for its thread; close() then waits for it
+    (up to join_timeout): no thread of a closed prefetcher is left inside its source."""
+    inside, release = threading.Event(), threading.Event()
+    prefetcher = Prefetcher(held_after_one(inside, release), "cpu", timeout=2.0, join_timeout=60)
+    it = iter(prefetcher)
+    next(it)
+    assert inside.wait(60)
+    with pytest.raises(TimeoutError, match="batch 1"):
+        next(it)
+    assert it.thread.is_alive()
+    threading.Timer(0.2, release.set).start()
+    prefetcher.close()
+    assert not it.thread.is_alive()
+
+
 def test_invalid_arguments_name_the_value():
     with pytest.raises(ValueError, match="depth=0"):
         Prefetcher([], "cpu", depth=0)
@@ -357,14 +382,7 @@ def test_dropping_an_iterator_whose_thread_will_not_stop_raises_nothing(monkeypa
     unraisable: list[object] = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     inside, release = threading.Event(), threading.Event()
-
-    def stuck():
-        yield torch.zeros(1)
-        inside.set()
-        release.wait(5)
-        yield torch.zeros(1)
-
-    prefetcher = Prefetcher(stuck(), "cpu", depth=1, join_timeout=0.05)
+    prefetcher = Prefetcher(held_after_one(inside, release), "cpu", depth=1, join_timeout=0.05)
     it = iter(prefetcher)
     next(it)
     thread = it.thread
