@@ -23,6 +23,8 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
+from gpuload.exit_threads import running, stop_and_wait
+
 PENDING_BLOCKS = 4
 """Complete blocks that may wait for publication at once (their bytes are on disk, not in memory)."""
 
@@ -111,7 +113,9 @@ _LIVE: weakref.WeakSet[BlockPublisher] = weakref.WeakSet()
 
 @atexit.register
 def _publish_before_exit() -> None:
-    """At interpreter exit (before daemon threads stop): every queued block published."""
+    """At interpreter exit (before daemon threads stop): every queued block published, once the
+    prefetch threads that could queue more have stopped (whichever exit hook runs first)."""
+    stop_and_wait(running())
     for publisher in list(_LIVE):
         publisher.wait()
 
