@@ -27,6 +27,7 @@ def lightning_ddp_fits(tmp_path_factory: pytest.TempPathFactory) -> tuple[subpro
     out = tmp_path_factory.mktemp("lightning_ddp")
     env = {name: value for name, value in os.environ.items() if name not in TORCHRUN_ENV}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank that aborts prints its Python threads' stacks
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(HERE / "lightning_job.py"), str(out), *LIGHTNING_DDP_FITS]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900), out

@@ -54,5 +54,5 @@ def test_ddp_spawn_fit_gives_each_rank_half_on_a_gpuload_loader(kind: str, tmp_p
 def test_ddp_under_torchrun_gives_each_rank_half_on_a_gpuload_loader(
         kind: str, lightning_ddp_fits: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     done, out = lightning_ddp_fits  # one torchrun job, shared with test_lightning_scope.py (conftest.py)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-8000:]
     assert_disjoint_halves_on_gpuload(out / kind)

@@ -33,7 +33,7 @@ def torchs_batches(rank: int, epoch: int) -> list[list[int]]:
 def test_ddp_fit_splits_the_arrays_and_gives_each_rank_torchs_batches(
         lightning_ddp_fits: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     done, out = lightning_ddp_fits  # lightning_job.py's torchrun job runs this file's fit too (conftest.py)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-8000:]
     fitted = out / "scope"
     records = [{**json.loads((fitted / f"rank-{rank}.json").read_text()),
                 **json.loads((fitted / f"batches-{rank}.json").read_text())} for rank in range(2)]
