@@ -1,8 +1,10 @@
 """The disk tier (gpuload/cache/disk/): settings, identity, round trips, and its faults.
 
-Fault tests run the process that fills or reads the cache as a subprocess (killed with
+Fault tests run the process that fills or reads the cache as a new process (killed with
 SIGKILL, on a full or read-only file system, with a chosen umask), so each starts with nothing
-in memory: what it reads, it reads from the folder.
+in memory: what it reads, it reads from the folder. Each is forked from the suite's fork server
+(torch and gpuload imported once), or is a fresh interpreter where it runs inside a mount
+namespace (``unshare``).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from child_processes import Child, results_of
 
 import gpuload
 from gpuload.cache.budget import CacheSettingError, SizeSpec
@@ -46,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHAPE = (16, 16, 3)
 RECORD = 16 * 16 * 3 + 8  # image bytes, then an int64 label (aligned to 8)
 BLOCK_ROWS = 8
+HANG_S = 600  # a child takes seconds quiet, a minute at load 10: past this it hangs
 
 # What every child process shares: the dataset (seeded), its fingerprint, the columns.
 CHILD = textwrap.dedent(
@@ -95,18 +100,19 @@ def _open(folder: Path, n: int, budget: int = 1 << 30) -> DiskCache:
     return cache
 
 
-def _child(script: str, folder: Path, n: int, *, prefix: list[str] | None = None, cwd: Path | None = None,
-           env: dict[str, str] | None = None, wait: bool = True, timeout: float = 600):
-    """Run CHILD + ``script`` in a new interpreter; its last stdout line is JSON."""
+def _start(script: str, folder: Path, n: int, *, cwd: Path | None = None,
+           env: dict[str, str] | None = None) -> Child:
+    """CHILD + ``script`` on ``folder`` and ``n`` rows, as ``python -c`` runs it, started now as a
+    new process forked from the suite's fork server (nothing of an earlier child in memory); its
+    code, stdout and stderr kept in a folder beside ``folder``."""
     environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    command = [*(prefix or []), sys.executable, "-c", CHILD + textwrap.dedent(script), str(folder), str(n)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
-                               cwd=cwd)
-    if not wait:
-        return process
-    out, err = process.communicate(timeout=timeout)
-    assert process.returncode == 0, f"child failed ({process.returncode}):\n{err}"
-    return json.loads(out.strip().splitlines()[-1])
+    return Child([str(folder), str(n)], environment, folder.parent / f"{folder.name}-children", "child",
+                 code=CHILD + textwrap.dedent(script), cwd=cwd)
+
+
+def _child(script: str, folder: Path, n: int, *, cwd: Path | None = None, env: dict[str, str] | None = None) -> Any:
+    """What :func:`_start`'s child printed as JSON on its last stdout line, once it ended with status 0."""
+    return _start(script, folder, n, cwd=cwd, env=env).result(HANG_S)
 
 
 def _entry(folder: Path) -> Path:
@@ -580,12 +586,12 @@ def test_an_image_rewritten_with_its_size_and_mtime_kept_changes_the_image_finge
     assert fingerprint_for(ImageFolder(tmp_path / "data"), {"size": [8, 8]}).digest != before.digest
 
 
-# ---------------------------------------------------------------- faults, each in a subprocess
+# ---------------------------------------------------------------- faults, each in a new process
 
 
 def test_killed_mid_fill_leaves_nothing_read_as_valid(tmp_path: Path) -> None:
     n = 200
-    child = _child(
+    child = _start(
         """
         cache = open_cache()
         for start in range(0, N, 5):  # 5 rows a batch, 8 a block: a block is always half written
@@ -594,23 +600,25 @@ def test_killed_mid_fill_leaves_nothing_read_as_valid(tmp_path: Path) -> None:
             time.sleep(0.03)
         print("finished")
         """,
-        tmp_path, n, wait=False,
+        tmp_path, n,
     )
     deadline = time.monotonic() + 60
     published = 0
-    while time.monotonic() < deadline and child.poll() is None:
-        entries = [p for p in tmp_path.iterdir() if p.is_dir()]
-        if entries and (entries[0] / "manifest.json").exists():
-            try:
-                published = len(json.loads((entries[0] / "manifest.json").read_bytes())["blocks"])
-            except ValueError:
-                published = 0
-            if published >= 3 and any(p.suffix == ".part" for p in entries[0].iterdir()):
-                break
-        time.sleep(0.005)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
-    assert child.returncode == -signal.SIGKILL and published >= 3
+    try:
+        while time.monotonic() < deadline and child.process.exitcode is None:
+            entries = [p for p in tmp_path.iterdir() if p.is_dir()]
+            if entries and (entries[0] / "manifest.json").exists():
+                try:
+                    published = len(json.loads((entries[0] / "manifest.json").read_bytes())["blocks"])
+                except ValueError:
+                    published = 0
+                if published >= 3 and any(p.suffix == ".part" for p in entries[0].iterdir()):
+                    break
+            time.sleep(0.005)
+    finally:
+        child.process.kill()
+        child.process.join()
+    assert child.process.exitcode == -signal.SIGKILL and published >= 3, child.err.read_text()
     entry = _entry(tmp_path)
     assert any(p.suffix == ".part" for p in entry.iterdir())  # killed halfway through a block
     result = _child(
@@ -634,7 +642,7 @@ def test_killed_mid_fill_leaves_nothing_read_as_valid(tmp_path: Path) -> None:
 
 def test_killed_between_rename_and_manifest_the_block_is_not_read(tmp_path: Path) -> None:
     n = 64
-    crashed = _child(
+    crashed = _start(
         """
         import signal
         from gpuload.cache import disk
@@ -649,10 +657,9 @@ def test_killed_between_rename_and_manifest_the_block_is_not_read(tmp_path: Path
         cache = open_cache()
         cache.write(torch.arange(N), [images, labels])
         """,
-        tmp_path, n, wait=False,
+        tmp_path, n,
     )
-    crashed.wait(timeout=120)
-    assert crashed.returncode == -signal.SIGKILL, crashed.stderr.read()
+    assert crashed.wait(HANG_S) == -signal.SIGKILL, crashed.err.read_text()
     entry = _entry(tmp_path)
     assert (entry / "block-000002.bin").exists()
     result = _child(
@@ -753,12 +760,7 @@ def test_two_processes_starting_at_once_make_one_copy_and_both_read_correct_rows
         same &= torch.equal(read[0], images[order]) and torch.equal(read[1], labels[order])
         print(json.dumps({{"same": same, "written": cache.stats().rows_written, "complete": cache.complete}}))
     """
-    children = [_child(script, tmp_path, n, wait=False, env={"SEED": str(seed)}) for seed in (1, 2)]
-    results = []
-    for child in children:
-        out, err = child.communicate(timeout=600)
-        assert child.returncode == 0, err
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = results_of([_start(script, tmp_path, n, env={"SEED": str(seed)}) for seed in (1, 2)], HANG_S)
     assert all(r["same"] and r["complete"] for r in results)
     assert sum(r["written"] for r in results) == n  # each row written once, by one of them
     entry = _entry(tmp_path)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from child_processes import child_environment, start_script
+from child_processes import Child, child_environment, results_of
 
 import gpuload
 
@@ -39,46 +39,21 @@ def _command(images: Path, cache: Path, mode: str = "fill") -> list[str]:
     return [sys.executable, "-c", CHILD, str(images), str(cache), mode]
 
 
-class _Child:
+def _child(images: Path, cache: Path, mode: str) -> Child:
     """One run of :data:`CHILD_SCRIPT` on ``images`` and ``cache``, started now as a new process
     forked from the suite's fork server (torch and gpuload imported, nothing of an earlier run in
     memory), in :func:`child_environment`; its stdout and stderr kept in files beside ``cache``."""
-
-    def __init__(self, images: Path, cache: Path, mode: str) -> None:
-        logs = cache.parent / "children"
-        logs.mkdir(exist_ok=True)
-        index = len(list(logs.glob("*.out")))
-        self.out, self.err = logs / f"{index}-{mode}.out", logs / f"{index}-{mode}.err"
-        self.out.touch()
-        self.process = start_script(CHILD_SCRIPT, [str(images), str(cache), mode], child_environment(), self.out,
-                                    self.err)
-
-    def result(self) -> dict:
-        """What the run printed, once it ended with status 0; a run not over in :data:`HANG_S` is killed."""
-        self.process.join(HANG_S)
-        if self.process.exitcode is None:
-            self.process.kill()
-            self.process.join()
-            pytest.fail(f"the child did not end in {HANG_S} s: {self.err.read_text()[-2000:]}")
-        assert self.process.exitcode == 0, self.err.read_text()
-        return json.loads(self.out.read_text().strip().splitlines()[-1])
+    return Child([str(images), str(cache), mode], child_environment(), cache.parent / "children", mode,
+                 script=CHILD_SCRIPT)
 
 
 def _run(images: Path, cache: Path, mode: str = "fill") -> dict:
-    return _Child(images, cache, mode).result()
+    return _child(images, cache, mode).result(HANG_S)
 
 
 def _run_together(images: Path, cache: Path, modes: list[str]) -> list[dict]:
-    """One child per mode, all started at once; their results. A child still running when another
-    failed is killed, not left behind."""
-    children = [_Child(images, cache, mode) for mode in modes]
-    try:
-        return [child.result() for child in children]
-    finally:
-        for child in children:
-            if child.process.exitcode is None:
-                child.process.kill()
-                child.process.join()
+    """One child per mode, all started at once; their results."""
+    return results_of([_child(images, cache, mode) for mode in modes], HANG_S)
 
 
 def _entries(cache: Path) -> list[Path]:
@@ -87,7 +62,7 @@ def _entries(cache: Path) -> list[Path]:
 
 def test_killed_during_the_fill_then_a_new_run_gives_the_uncached_batches(images: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    child = _Child(images, cache, "slow")
+    child = _child(images, cache, "slow")
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline and not list(cache.glob("*/block-*.part")):
