@@ -100,13 +100,17 @@ def _open(folder: Path, n: int, budget: int = 1 << 30) -> DiskCache:
     return cache
 
 
+def _environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """What a child's environment is: this one, this checkout on ``PYTHONPATH``, and ``env``."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+
+
 def _start(script: str, folder: Path, n: int, *, cwd: Path | None = None,
            env: dict[str, str] | None = None) -> Child:
     """CHILD + ``script`` on ``folder`` and ``n`` rows, as ``python -c`` runs it, started now as a
     new process forked from the suite's fork server (nothing of an earlier child in memory); its
     code, stdout and stderr kept in a folder beside ``folder``."""
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return Child([str(folder), str(n)], environment, folder.parent / f"{folder.name}-children", "child",
+    return Child([str(folder), str(n)], _environment(env), folder.parent / f"{folder.name}-children", "child",
                  code=CHILD + textwrap.dedent(script), cwd=cwd)
 
 
@@ -816,7 +820,7 @@ def test_full_tmpfs_the_tier_stops_growing_and_the_epoch_completes(tmp_path: Pat
         print(json.dumps({"warnings": [str(w.message) for w in caught], "first": first, "second": second,
                           "published": stats.published_rows, "hits": stats.hits, "full": stats.full}))
     """
-    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    environment = _environment()
     command = (f'mount -t tmpfs -o size=64k tmpfs "$0" && exec {sys.executable} -c "$1" "$0" 200')
     done = subprocess.run([*prefix, command, str(tmp_path), CHILD + textwrap.dedent(script)],
                           capture_output=True, text=True, env=environment, timeout=600)
@@ -835,7 +839,7 @@ def test_read_only_folder_one_warning_and_no_disk_tier(tmp_path: Path) -> None:
         print(json.dumps({"none": cache is None, "warnings": [str(w.message) for w in caught]}))
     """
     fill = "cache = open_cache(); epoch(cache, list(range(N))); print(json.dumps(cache.complete))"
-    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    environment = _environment()
     command = (f'mount -t tmpfs tmpfs "$0" && {sys.executable} -c "$2" "$0" 16 && mount -o remount,ro "$0" && '
                f'exec {sys.executable} -c "$1" "$0" 16')
     done = subprocess.run([*prefix, command, str(tmp_path), CHILD + textwrap.dedent(script), CHILD + fill],

@@ -7,10 +7,14 @@ caller's thread and leaves the block unpublished; a crash mid-publication leaves
 from __future__ import annotations
 
 import errno
+import json
 import signal
+import subprocess
+import sys
 import textwrap
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +23,18 @@ import gpuload
 import gpuload.cache.disk.publishing as publishing
 import gpuload.cache.disk.writing as writing
 from gpuload.cache.disk import ColumnSpec, DiskCache, DiskCacheWarning, Fingerprint
-from tests.cache.test_disk import BLOCK_ROWS, RECORD, SHAPE, _child, _data, _open
+from tests.cache.test_disk import (
+    BLOCK_ROWS,
+    CHILD,
+    HANG_S,
+    RECORD,
+    SHAPE,
+    _child,
+    _data,
+    _environment,
+    _open,
+    _start,
+)
 from tests.cache.test_disk_tier import Pictures, _same, _torch_epochs
 
 PUBLISHER = "gpuload-disk-publish"
@@ -27,6 +42,16 @@ OPEN_BEHIND = f"""
 def open_behind():
     return DiskCache.open(FOLDER, FP, COLUMNS, N, 1 << 30, block_bytes={BLOCK_ROWS * RECORD}, publish_behind=True)
 """
+
+
+def _fresh_child(script: str, folder: Path, n: int) -> Any:
+    """test_disk's ``_child`` in a fresh interpreter (``python -c``), which exits as Python does
+    (non-daemon threads joined, then atexit's functions, then finalization); a forked child ends
+    by calling atexit's functions itself (child_processes.start_script)."""
+    command = [sys.executable, "-c", CHILD + textwrap.dedent(script), str(folder), str(n)]
+    done = subprocess.run(command, capture_output=True, text=True, env=_environment(), timeout=HANG_S)
+    assert done.returncode == 0, f"child failed ({done.returncode}):\n{done.stderr}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _behind(folder: Path, n: int) -> DiskCache:
@@ -163,7 +188,7 @@ def test_an_unexpected_error_while_publishing_is_raised_in_the_callers_thread(tm
 
 def test_blocks_queued_at_interpreter_exit_are_published(tmp_path: Path) -> None:
     n = 32
-    _child(
+    _fresh_child(
         OPEN_BEHIND + textwrap.dedent("""
         from gpuload.cache.disk import writing
         real = writing.os.fsync
@@ -183,7 +208,7 @@ def test_blocks_queued_at_interpreter_exit_are_published(tmp_path: Path) -> None
 
 def test_killed_while_publishing_the_block_is_not_read_and_is_filled_again(tmp_path: Path) -> None:
     n = 32
-    crashed = _child(
+    crashed = _start(
         OPEN_BEHIND + textwrap.dedent("""
         import signal, threading
         from gpuload.cache.disk import writing
@@ -197,10 +222,9 @@ def test_killed_while_publishing_the_block_is_not_read_and_is_filled_again(tmp_p
         cache.write(torch.arange(N), [images, labels])
         cache.close()
         """),
-        tmp_path, n, wait=False,
+        tmp_path, n,
     )
-    crashed.wait(timeout=120)
-    assert crashed.returncode == -signal.SIGKILL, crashed.stderr.read()
+    assert crashed.wait(HANG_S) == -signal.SIGKILL, crashed.err.read_text()
     result = _child(
         """
         cache = open_cache()
