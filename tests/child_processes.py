@@ -44,8 +44,8 @@ def start_script(script: Path | str, argv: list[str], environ: dict[str, str], o
 class Child:
     """One ``python SCRIPT ARGV`` started now by :func:`start_script`; its stdout and stderr kept in
     the folder ``logs`` as ``<index>-<name>.out`` and ``.err`` (``index``: the runs before it there).
-    ``code``, instead of ``script``: the script's text (as ``python -c CODE`` runs it), kept there
-    as ``<index>-<name>.py``."""
+    ``code``, instead of ``script``: the script's text (what ``python -c CODE`` would run), kept
+    there as ``<index>-<name>.py``."""
 
     def __init__(self, argv: list[str], environ: dict[str, str], logs: Path, name: str, *,
                  script: Path | None = None, code: str | None = None, cwd: Path | None = None) -> None:
@@ -67,7 +67,6 @@ class Child:
         if self.process.exitcode is None:
             self.kill()
             pytest.fail(f"the child did not end in {hang_s} s: {self.err.read_text()[-2000:]}")
-        assert self.process.exitcode is not None
         return self.process.exitcode
 
     def result(self, hang_s: float) -> Any:
