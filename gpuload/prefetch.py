@@ -445,15 +445,6 @@ def _work(
             del outcome  # a failure's traceback holds this frame: no reference cycle through it
 
 
-def _warn_still_running(join_timeout: float, stacklevel: int) -> None:
-    warnings.warn(
-        f"the prefetch thread did not stop within {join_timeout} s (its source is still producing a "
-        "batch); it will exit when that batch is done",
-        RuntimeWarning,
-        stacklevel=stacklevel,
-    )
-
-
 def _stop_at_exit(
     epoch: Epoch, cancel_source: Callable[[], None] | None, tokens: threading.Semaphore, depth: int,
 ) -> None:
@@ -597,7 +588,12 @@ class _Handoff(Iterator[Any]):
             self._thread.join(self._join_timeout)
         self._drain()
         if self._thread.is_alive():
-            _warn_still_running(self._join_timeout, stacklevel=3)
+            warnings.warn(
+                f"the prefetch thread did not stop within {self._join_timeout} s (its source "
+                "is still producing a batch); it will exit when that batch is done",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return True
 
     def stop(self, cause: str) -> bool:
@@ -767,25 +763,20 @@ class Prefetcher:
         ``join_timeout``) for a thread left running by an abandoned epoch, since the source
         it is inside may be reused now.
         """
-        self._stop_active(one_epoch_at_a_time(reason), warn=False)
-
-    def _stop_active(self, cause: str, warn: bool) -> None:
-        """Stop the epoch in progress for ``cause`` and wait (up to ``join_timeout``) for its
-        thread, also one its iterator no longer waited for: abandoned, or dropped while the
-        thread ran (the iterator's ``__del__`` in that thread cannot wait for itself); with
-        ``warn``, a RuntimeWarning if it is still running then."""
-        active = self._active() if self._active is not None else None
-        self._active = None
-        waited = active.stop(cause) if active is not None else False
+        waited = self._stop_active(one_epoch_at_a_time(reason))
         thread = self._ring_thread
         if not waited and thread is not None and thread.is_alive() and thread is not threading.current_thread():
             thread.join(self.join_timeout)
-            if warn and thread.is_alive():
-                _warn_still_running(self.join_timeout, stacklevel=4)
+
+    def _stop_active(self, cause: str) -> bool:
+        """Stop the epoch in progress for ``cause``; whether that waited for its thread."""
+        active = self._active() if self._active is not None else None
+        self._active = None
+        return active.stop(cause) if active is not None else False
 
     def close(self) -> None:
-        """Stop the running epoch, if any, wait for its thread, and free the host slots; idempotent."""
-        self._stop_active("the loader was closed (Prefetcher.close()); iterate it again for a new epoch", warn=True)
+        """Stop the running epoch, if any, and free the host slots; idempotent."""
+        self._stop_active("the loader was closed (Prefetcher.close()); iterate it again for a new epoch")
         self._ring = self._inline_ring = None
 
     def __enter__(self) -> Prefetcher:

@@ -9,7 +9,6 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any
 
 import pytest
 import torch
@@ -230,42 +229,6 @@ def test_timeout_names_the_batch_and_stops_the_thread():
     with pytest.raises(TimeoutError, match="batch 1"):
         next(it)
     assert not wait_threads(baseline)
-
-
-def timed_out_inside_its_source(release: threading.Event, join_timeout: float) -> tuple[Prefetcher, Any]:
-    """A prefetcher (and its iterator) whose epoch timed out at batch 1 while its thread waits
-    inside the source for ``release``: abandoned, the thread still running."""
-    inside = threading.Event()
-    prefetcher = Prefetcher(held_after_one(inside, release), "cpu", timeout=2.0, join_timeout=join_timeout)
-    it = iter(prefetcher)
-    next(it)
-    assert inside.wait(60)
-    with pytest.raises(TimeoutError, match="batch 1"):
-        next(it)
-    assert it.thread.is_alive()
-    return prefetcher, it
-
-
-def test_close_waits_for_the_thread_a_timed_out_epoch_left_inside_its_source():
-    """A timeout abandons the epoch without waiting for its thread; close() then waits for it
-    (up to join_timeout): no thread of a closed prefetcher is left inside its source."""
-    release = threading.Event()
-    prefetcher, it = timed_out_inside_its_source(release, join_timeout=60)
-    threading.Timer(0.2, release.set).start()
-    prefetcher.close()
-    assert not it.thread.is_alive()
-
-
-def test_close_says_when_the_thread_a_timed_out_epoch_left_does_not_stop_in_time():
-    release = threading.Event()
-    prefetcher, it = timed_out_inside_its_source(release, join_timeout=0.1)
-    try:
-        with pytest.warns(RuntimeWarning, match=r"did not stop within 0\.1 s"):
-            prefetcher.close()
-    finally:
-        release.set()
-        it.thread.join(60)
-    assert not it.thread.is_alive()
 
 
 def test_invalid_arguments_name_the_value():
