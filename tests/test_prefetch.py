@@ -31,15 +31,6 @@ def batches(n: int, size: int = 4) -> list[torch.Tensor]:
     return [torch.full((size, 3), i, dtype=torch.int64) for i in range(n)]
 
 
-def held_after_one(inside: threading.Event, release: threading.Event):
-    """Yields one batch, then says it is inside its source and waits there for ``release``
-    (60 s at most) before the second."""
-    yield torch.zeros(1)
-    inside.set()
-    release.wait(60)
-    yield torch.zeros(1)
-
-
 class RecordingSource:
     """Yields batch i on the i-th pull and records how many pulls have started."""
 
@@ -366,7 +357,14 @@ def test_dropping_an_iterator_whose_thread_will_not_stop_raises_nothing(monkeypa
     unraisable: list[object] = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     inside, release = threading.Event(), threading.Event()
-    prefetcher = Prefetcher(held_after_one(inside, release), "cpu", depth=1, join_timeout=0.05)
+
+    def stuck():
+        yield torch.zeros(1)
+        inside.set()
+        release.wait(5)
+        yield torch.zeros(1)
+
+    prefetcher = Prefetcher(stuck(), "cpu", depth=1, join_timeout=0.05)
     it = iter(prefetcher)
     next(it)
     thread = it.thread

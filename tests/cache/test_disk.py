@@ -620,8 +620,7 @@ def test_killed_mid_fill_leaves_nothing_read_as_valid(tmp_path: Path) -> None:
                     break
             time.sleep(0.005)
     finally:
-        child.process.kill()
-        child.process.join()
+        child.kill()
     assert child.process.exitcode == -signal.SIGKILL and published >= 3, child.err.read_text()
     entry = _entry(tmp_path)
     assert any(p.suffix == ".part" for p in entry.iterdir())  # killed halfway through a block

@@ -71,8 +71,7 @@ def test_killed_during_the_fill_then_a_new_run_gives_the_uncached_batches(images
         time.sleep(0.3)  # a few rows into the fill
         assert child.process.exitcode is None, "the fill ended before it could be killed"
     finally:
-        child.process.kill()
-        child.process.join()
+        child.kill()
     assert child.process.exitcode == -signal.SIGKILL
     (entry,) = _entries(cache)
     assert list(entry.glob("block-*.part"))  # killed mid-fill: unpublished parts left behind

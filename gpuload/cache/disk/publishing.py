@@ -23,7 +23,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from gpuload.exit_threads import running, stop_and_wait
+from gpuload.exit_threads import stop_all_before_exit
 
 PENDING_BLOCKS = 4
 """Complete blocks that may wait for publication at once (their bytes are on disk, not in memory)."""
@@ -115,7 +115,7 @@ _LIVE: weakref.WeakSet[BlockPublisher] = weakref.WeakSet()
 def _publish_before_exit() -> None:
     """At interpreter exit (before daemon threads stop): every queued block published, once the
     prefetch threads that could queue more have stopped (whichever exit hook runs first)."""
-    stop_and_wait(running())
+    stop_all_before_exit()
     for publisher in list(_LIVE):
         publisher.wait()
 
