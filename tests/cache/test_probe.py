@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import random
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -206,12 +207,19 @@ def _drawing_beside(draw, pause_s: float = 0.0) -> Iterator[None]:
                 time.sleep(pause_s)
 
     thread = threading.Thread(target=loop, name="test-draws-beside")
+    # Each time the probing thread lets go of the GIL (a torch call, a sleep), a thread drawing in
+    # a tight loop keeps it for the switch interval: at the default 5 ms the eight probes took
+    # 9-11 s on a quiet machine (0.5 s at load 8, where the drawing thread waits for a core).
+    # Finer switching interleaves the two threads' draws more, not less.
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
     thread.start()
     try:
         yield
     finally:
         stop.set()
         thread.join(timeout=30)
+        sys.setswitchinterval(switch)
     assert not thread.is_alive()
 
 
