@@ -101,6 +101,23 @@ def test_a_later_batch_size_runs_only_the_traced_step_and_traces_what_a_fresh_tr
     assert (later.peak, later.at_peak, later.state) == (fresh.peak, fresh.at_peak, fresh.state)
 
 
+@pytest.mark.parametrize("name", ["cnn", "transformer"])
+def test_the_whole_step_tracker_finds_memtrackers_peak_and_its_kinds(name: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tracer skips MemTracker's per-module peaks (half a ResNet-50 trace's time): the step's
+    peak and its kinds at the peak and after the update are MemTracker's own."""
+    import gpuload.job.step_memory as step_memory
+
+    def traces() -> list[StepTrace]:
+        tracer = StepTracer(getattr(M, name), M.SAMPLES[name](), optimizer="adamw", autocast=torch.bfloat16)
+        return [tracer.trace(b) for b in (2, 8)]
+
+    ours = traces()
+    monkeypatch.setattr(step_memory, "_whole_step_tracker", lambda tracker: tracker)
+    theirs = traces()
+    assert [(t.peak, t.at_peak, t.state) for t in ours] == [(t.peak, t.at_peak, t.state) for t in theirs]
+
+
 def test_token_inputs_and_a_transformer() -> None:
     memory = estimate_step_memory(M.transformer, M.SAMPLES["transformer"](), optimizer="adamw", batch_sizes=(4, 8))
     assert memory.traces[1].peak > memory.traces[0].peak
