@@ -6,8 +6,9 @@ Run: python examples/plan_job.py          (torchvision's ResNet-50 when it is in
 It prints three plans from one trace: the batch size recommended for ImageNet, a fixed batch of
 256, and ImageNet-100. Runs on any machine: the card is pretended (device_memory="80GiB") and the
 training step is traced on fake tensors, so nothing is allocated and no GPU is needed. On the
-shared 2-core CPU machine the tests run on (load average 8 to 13 when measured) it takes 14 to
-25 s for ResNet-50 (8 to 9 s of it tracing four batch sizes) and 10 to 14 s with --small.
+shared 2-core CPU machine the tests run on (load average 8 to 13 when measured) it takes about
+20 s for ResNet-50 (14 to 25 s; 8 to 9 s of it tracing four batch sizes) and about 12 s with
+--small (10 to 14 s).
 """
 
 import sys
