@@ -34,6 +34,7 @@ from gpuload.datasets import ImageFolder, ImageList, make_sample_image_folder
 from gpuload.decode import BatchDecoder, ImageDecodeError
 from gpuload.decode.batch import resolve_backend
 from gpuload.device import DeviceError
+from gpuload.iterators import shut_down_workers
 from gpuload.prefetch import EpochStoppedError
 
 N = 12
@@ -196,7 +197,7 @@ def test_out_of_range_indices_raise_torchs_error_type_naming_the_index(folder: I
         list(reference)
     # torch's iterator, held by the error's traceback, would end its worker when a garbage
     # collection frees it, waiting 5 s for it then: it ends it now
-    getattr(reference, "_shutdown_workers", lambda: None)()
+    shut_down_workers([reference])
     with ours, pytest.raises(type(expected.value)) as got:
         list(ours)
     assert isinstance(got.value, IndexError)
