@@ -9,8 +9,10 @@ rank writes ``OUT_DIR/rank-N.json``: the sample ids of its batches, the class of
 
 from __future__ import annotations
 
+import atexit
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -20,6 +22,7 @@ from torch.utils.data import Dataset, TensorDataset
 import gpuload
 
 NUM_SAMPLES = 32
+EXIT_PAUSE_S = 0.5  # end_process_group: 0.2 s sufficed in 40 of 40 runs (benchmarks/exit_abort.py)
 KINDS = ("arrays", "generic")  # gpuload's array fast path; torch's fetching (any __getitem__)
 
 
@@ -48,6 +51,10 @@ class RecordSamples(pl.LightningModule):
         self.layer = torch.nn.Linear(1, 1)
         self.seen: list[int] = []
 
+    def setup(self, stage: str) -> None:
+        atexit.unregister(end_process_group)  # once per process, whatever the fits it runs
+        atexit.register(end_process_group)
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         features, ids = batch
         self.seen += ids.tolist()
@@ -66,6 +73,25 @@ class RecordSamples(pl.LightningModule):
             "sampler": type(loader.sampler).__name__,
         }
         Path(self.out_dir, f"rank-{self.global_rank}.json").write_text(json.dumps(record))
+
+
+def end_process_group() -> None:
+    """End the rank's process group, then let gloo's worker threads drop the collectives they
+    finished, before the interpreter finalizes. A worker thread frees a finished collective's
+    thread state (it holds Python objects) just after the waiting thread moved on; if the
+    interpreter is finalizing by then, taking the GIL ends that thread by unwinding through C++,
+    and the process aborts after the fit has finished ("terminate called without an active
+    exception", SIGABRT; seen in a core dump: ``ProcessGroupGloo::runLoop`` ->
+    ``~AsyncAllreduceWork`` -> ``gil_scoped_acquire`` -> ``pthread_exit``). The group's worker
+    threads outlive ``destroy_process_group`` while DDP holds the group (here: Lightning's), so the
+    pause, which releases the GIL, is what lets them finish (``benchmarks/exit_abort.py``: a
+    2-rank DDP job aborted in 4 of 20 runs, 5 of 20 with the group destroyed, none of 20 with a
+    0.2 s pause). Lightning ends the group at exit for NCCL only, and a
+    ``ddp_spawn`` rank runs no code of ours after the fit, so each rank registers this at exit
+    when Lightning sets the module up (``setup``)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    time.sleep(EXIT_PAUSE_S)
 
 
 def fit(out_dir: str, kind: str, strategy: str) -> None:
@@ -91,8 +117,4 @@ if __name__ == "__main__":  # OUT_DIR KIND...: one fit per kind, into OUT_DIR/KI
             lightning_scope_job.fit(str(Path(sys.argv[1], each)))
         else:
             fit(str(Path(sys.argv[1], each)), each, "ddp")
-    # End the process group before the interpreter does: left to exit, gloo's threads are torn
-    # down during static destruction and the process aborts now and then ("terminate called
-    # without an active exception", exit -6) after the fit has finished.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_process_group()  # the scope kind's module registers none
