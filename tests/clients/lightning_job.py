@@ -109,6 +109,7 @@ def read_records(out_dir: Path) -> list[dict]:
 
 
 if __name__ == "__main__":  # OUT_DIR KIND...: one fit per kind, into OUT_DIR/KIND, in one job
+    atexit.register(end_process_group)  # the scope kind's module registers none (setup keeps it to one)
     for each in sys.argv[2:]:
         Path(sys.argv[1], each).mkdir(parents=True, exist_ok=True)
         if each == "scope":
@@ -117,4 +118,3 @@ if __name__ == "__main__":  # OUT_DIR KIND...: one fit per kind, into OUT_DIR/KI
             lightning_scope_job.fit(str(Path(sys.argv[1], each)))
         else:
             fit(str(Path(sys.argv[1], each)), each, "ddp")
-    end_process_group()  # the scope kind's module registers none
