@@ -56,7 +56,9 @@ def aborted(ending: str, pause_s: float) -> bool:
     try:
         mp.start_processes(rank_job, args=(port, ending, pause_s), nprocs=2, start_method="spawn")
     except ProcessExitedException as error:
-        return error.signal_name is not None
+        if error.signal_name is None:  # a non-zero exit status is a failed job, not an abort
+            raise
+        return True
     return False
 
 
