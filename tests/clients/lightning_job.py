@@ -52,7 +52,7 @@ class RecordSamples(pl.LightningModule):
         self.seen: list[int] = []
 
     def setup(self, stage: str) -> None:
-        atexit.unregister(end_process_group)  # once per process, whatever the fits it runs
+        atexit.unregister(end_process_group)  # once per process, whatever the fits it runs (RecordBatches too)
         atexit.register(end_process_group)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -109,7 +109,6 @@ def read_records(out_dir: Path) -> list[dict]:
 
 
 if __name__ == "__main__":  # OUT_DIR KIND...: one fit per kind, into OUT_DIR/KIND, in one job
-    atexit.register(end_process_group)  # the scope kind's module registers none (setup keeps it to one)
     for each in sys.argv[2:]:
         Path(sys.argv[1], each).mkdir(parents=True, exist_ok=True)
         if each == "scope":
