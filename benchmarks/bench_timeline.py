@@ -5,7 +5,10 @@ warmed up (its first epoch places the arrays), its timeline switched between epo
 (``timeline.resize``: 1000 steps kept, stages timed on one step in ``--sample-every``, the default
 16; or 0, off). One loader, not one of each: two loaders place two copies of the arrays, and which
 copy gathers faster (where its memory landed) differs by about 2% from one process to the next,
-ten times the timeline's cost. Then ``--pairs`` pairs of epochs, no training step (the worst
+ten times the timeline's cost. glibc's malloc thresholds are fixed first, as ``gpuload bench``
+fixes them (:func:`gpuload.bench.run.steady_host_allocator`): left to adapt, they made some
+epochs' 1.5 MB batches fresh mappings that page-fault, and the two orders of a pair disagreed by
+more than the cost. Then ``--pairs`` pairs of epochs, no training step (the worst
 case: the loop does nothing but ask), timed by :func:`gpuload.bench.measure.time_pairs` (the
 order within each pair alternating so that drift in the machine's load falls on both alike; the
 switch untimed between epochs). It prints the median epoch per step of each, and the paired
@@ -35,6 +38,7 @@ from torch.utils.data import TensorDataset
 
 import gpuload
 from gpuload.bench.measure import order_differences, paired_overhead, time_pairs
+from gpuload.bench.run import steady_host_allocator
 from gpuload.bench.scenarios import BenchConfig, synthetic_cifar
 from gpuload.device import resolve_device
 from gpuload.timeline import DEFAULT_SAMPLE_EVERY
@@ -54,6 +58,7 @@ def measure(pairs: int, samples: int, batch_size: int, device: torch.device,
     """Alternating epochs with the timeline on and off (:func:`~gpuload.bench.measure.time_pairs`):
     per-step medians, the paired difference and its share
     (:func:`~gpuload.bench.measure.paired_overhead`)."""
+    steady_host_allocator()  # as gpuload bench does; see the module's docstring
     dataset: TensorDataset = synthetic_cifar(BenchConfig(num_samples=samples, batch_size=batch_size))
     loader = gpuload.DataLoader(dataset, batch_size=batch_size, shuffle=True, device=device, cache="auto",
                                 timeline_steps=ON_STEPS, generator=torch.Generator().manual_seed(0))

@@ -122,9 +122,9 @@ def exchange_timeout_seconds(environ: Mapping[str, str] | None = None) -> float:
 
 def timeline_steps(environ: Mapping[str, str] | None = None) -> int:
     """``GPULOAD_TIMELINE``: the steps ``loader.timeline`` keeps (0, the default: off; ``on``: 1000).
-    Off by default: timing every step's stages cost over 1% of a cached in-memory epoch's step,
-    and with them sampled (one step in 16) it measured 0.91-1.00%, not clearly under 1% (the
-    waiting page of the docs gives the measurements)."""
+    Off by default: with the stages sampled (one step in 16) it costs 1.2-2.3% of a cached
+    in-memory epoch's step with no training step, over the 1% bar (the waiting page of the docs
+    gives the measurements)."""
     env = os.environ if environ is None else environ
     text = env.get(TIMELINE, "").strip().lower()
     if not text or text == "off":

@@ -256,6 +256,7 @@ class Timeline:
         # allocates nothing; steps() builds Step objects when read. Step n is at slot n % capacity.
         self._ring = _Ring(capacity)
         self._pending: deque[tuple[int, Any, Any, Any]] = deque()  # CUDA: steps whose events may not be done
+        self._spare: list[Any] = []  # CUDA: events no step reads any more, recorded again (_event)
         self._reading = threading.Lock()  # _read_events runs in the loop's thread and in readers'
         self._last_ready: Any = None  # the previous step's "usable" event (CUDA) or clock time; None: epoch start
         self.reset_totals()
@@ -328,7 +329,7 @@ class Timeline:
         ``set_batch_size`` and resume, as the thread making them counts): the step's record when
         its stages are sampled (by :attr:`sampling`), else None."""
         if self._cuda and self.capacity:
-            self._asked = torch.cuda.Event(enable_timing=True)
+            self._asked = self._event()
             self._asked.record(torch.cuda.current_stream(self.device))
         every = self._every
         if every and (index + self._offset) % every == 0:
@@ -385,9 +386,16 @@ class Timeline:
         for name, seconds in stages.items():
             totals[name] = totals.get(name, 0.0) + seconds
 
+    def _event(self) -> Any:
+        """A timing event to record: one no step reads any more (:meth:`_read_events`), or a new one."""
+        return self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
+
     def _got_on_stream(self, stages: dict[str, float] | None) -> None:
         """CUDA: the step's times come from its events once they completed (read without a sync)."""
-        ready = torch.cuda.Event(enable_timing=True)
+        asked, self._asked = self._asked, None
+        if asked is None:  # asked while the timeline was off: nothing to measure from
+            return
+        ready = self._event()
         ready.record(torch.cuda.current_stream(self.device))
         ring = self._ring
         index = ring.written
@@ -396,7 +404,7 @@ class Timeline:
         if stages is not None:
             self._add_stages(stages)
         with self._reading:
-            self._pending.append((index, self._asked, self._last_ready, ready))
+            self._pending.append((index, asked, self._last_ready, ready))
             while len(self._pending) > self.capacity:  # never waited for: its times stay unknown
                 self._pending.popleft()
         self._last_ready = ready
@@ -404,7 +412,12 @@ class Timeline:
 
     def _read_events(self) -> None:
         """Fill in the times of the CUDA steps whose events completed, oldest first (no sync); also
-        from a thread reading the timeline while the loop records."""
+        from a thread reading the timeline while the loop records.
+
+        A step's events are recorded again for later steps (:meth:`_event`) once nothing reads
+        them: its ``asked`` event when the step is read, its ``previous`` (the step before's
+        ``ready``, read when that step was) when this one is, and only once completed. The
+        events of a step dropped unread are freed, not reused."""
         with self._reading:
             ring = self._ring
             while self._pending:
@@ -413,6 +426,7 @@ class Timeline:
                     return
                 self._pending.popleft()
                 wait = asked.elapsed_time(ready) / 1000
+                self._spare.append(asked)
                 step = math.nan
                 if previous is None:
                     self.starts += 1
@@ -421,6 +435,7 @@ class Timeline:
                     step = previous.elapsed_time(ready) / 1000
                     self.wait_s += wait
                     self.step_s += step
+                    self._spare.append(previous)
                 if index >= ring.written - ring.capacity:  # still kept
                     slot = index % ring.capacity
                     ring.waits[slot], ring.times[slot] = wait, step
@@ -511,12 +526,12 @@ class Timeline:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_pending=deque(), _last_ready=None, _asked=None, about=None, ranks=None)
+        state.update(_pending=deque(), _spare=[], _last_ready=None, _asked=None, about=None, ranks=None)
         del state["_reading"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"_offset": 0, **state})  # pickled before the offset: 0
+        self.__dict__.update({"_offset": 0, "_spare": [], **state})  # pickled before these: their defaults
         self._reading = threading.Lock()
 
     def __repr__(self) -> str:

@@ -621,7 +621,9 @@ class _Clock:
 
     def __init__(self) -> None:
         self.now_ms = 0.0
-        self.done = False
+        self.done = False  # every event recorded so far has completed
+        self.completed = 0  # else those among the first this many records
+        self.made = 0  # events made
         self.log: list[tuple[str, Any]] = []
         clock = self
 
@@ -629,16 +631,19 @@ class _Clock:
             def __init__(self, enable_timing: bool = False) -> None:
                 assert enable_timing
                 self.at: float | None = None
+                self.record_number = 0
+                clock.made += 1
 
             def record(self, stream: Any) -> None:
                 clock.log.append(("record", stream))
                 self.at = clock.now_ms
+                self.record_number = len(clock.log)
 
             def query(self) -> bool:
-                return clock.done
+                return clock.done or self.record_number <= clock.completed
 
             def elapsed_time(self, end: Event) -> float:
-                assert clock.done, "elapsed_time before the events completed would sync the host"
+                assert self.query() and end.query(), "elapsed_time before the events completed would sync the host"
                 assert self.at is not None and end.at is not None
                 return end.at - self.at
 
@@ -669,6 +674,29 @@ def test_on_cuda_the_wait_is_read_from_events_on_the_loops_stream_without_a_sync
     assert [step.step_s for step in steps] == pytest.approx([None, 0.04, 0.04])
     assert timeline.wait_fraction() == pytest.approx(0.75)
     assert timeline.verdict().bound == "data"
+
+
+def test_on_cuda_events_are_recorded_again_only_once_no_step_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Events are reused, never re-recorded while a step not yet read needs them: the stream
+    lags the loop by a few steps, each step's times stay its own, and a few events serve them all."""
+    clock = _Clock()
+    monkeypatch.setattr(torch.cuda, "Event", clock.Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    timeline = Timeline(100, "cuda")
+    for _epoch in range(3):
+        timeline.new_epoch()
+        for index in range(20):
+            asking = timeline.ask(index)
+            clock.now_ms += 1.0 + index  # step index waits 1 + index ms
+            timeline.got(asking, True, 0.0, 0.0)
+            clock.now_ms += 5.0  # and works 5 ms
+            clock.completed = len(clock.log) - 6  # the stream is three steps behind the loop
+    clock.done = True
+    steps = timeline.steps()
+    assert [step.wait_s for step in steps] == pytest.approx([(1 + index) / 1000 for index in range(20)] * 3)
+    assert [step.step_s for step in steps] == pytest.approx(
+        ([None] + [(6 + index) / 1000 for index in range(1, 20)]) * 3)
+    assert clock.made <= 16, f"{clock.made} events made for 60 steps"  # 120 without reuse
 
 
 def test_reading_the_timeline_does_not_keep_the_loader_alive() -> None:
