@@ -403,11 +403,11 @@ class Timeline:
         self.step_count += 1
         if stages is not None:
             self._add_stages(stages)
-        with self._reading:
+        with self._reading:  # with the step, its previous "ready" passes to it (read, then reused, with it)
             self._pending.append((index, asked, self._last_ready, ready))
+            self._last_ready = ready
             while len(self._pending) > self.capacity:  # never waited for: its times stay unknown
                 self._pending.popleft()
-        self._last_ready = ready
         self._read_events()
 
     def _read_events(self) -> None:
