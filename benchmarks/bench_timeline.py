@@ -58,7 +58,7 @@ def measure(pairs: int, samples: int, batch_size: int, device: torch.device,
     """Alternating epochs with the timeline on and off (:func:`~gpuload.bench.measure.time_pairs`):
     per-step medians, the paired difference and its share
     (:func:`~gpuload.bench.measure.paired_overhead`)."""
-    steady_host_allocator()  # as gpuload bench does; see the module's docstring
+    fixed_thresholds = steady_host_allocator()  # as gpuload bench does; see the module's docstring
     dataset: TensorDataset = synthetic_cifar(BenchConfig(num_samples=samples, batch_size=batch_size))
     loader = gpuload.DataLoader(dataset, batch_size=batch_size, shuffle=True, device=device, cache="auto",
                                 timeline_steps=ON_STEPS, generator=torch.Generator().manual_seed(0))
@@ -87,6 +87,7 @@ def measure(pairs: int, samples: int, batch_size: int, device: torch.device,
         "paired_difference_us_per_step": 1e6 * overhead * off_step,
         "on_first_us_per_step": 1e6 * on_first, "off_first_us_per_step": 1e6 * off_first,
         "overhead_percent": 100 * overhead,
+        "fixed_malloc_thresholds": fixed_thresholds,
         "load_before": load_before, "load_after": os.getloadavg()[0], "cpu_count": os.cpu_count() or 0,
     }
 
