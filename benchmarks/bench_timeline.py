@@ -1,9 +1,10 @@
 """What ``loader.timeline`` costs: a cached in-memory epoch with the timeline on and off, alternately.
 
-One loader over the bench's CIFAR-shaped uint8 images and labels (batch 512, ``cache="auto"``),
+One loader over the bench's CIFAR-shaped uint8 images and labels (50,000 of them, as ``gpuload
+bench`` makes: 98 steps an epoch; batch 512, ``cache="auto"``),
 warmed up (its first epoch places the arrays), its timeline switched between epochs
 (``timeline.resize``: 1000 steps kept, stages timed on one step in ``--sample-every``, the default
-16; or 0, off). One loader, not one of each: two loaders place two copies of the arrays, and which
+64; or 0, off). One loader, not one of each: two loaders place two copies of the arrays, and which
 copy gathers faster (where its memory landed) differs by about 2% from one process to the next,
 ten times the timeline's cost. glibc's malloc thresholds are fixed first, as ``gpuload bench``
 fixes them (:func:`gpuload.bench.run.steady_host_allocator`): left to adapt, they made some
@@ -20,7 +21,7 @@ a shared machine the wall clock also counts the time other processes held the CP
 times the timeline's cost, while the CPU path (in memory, on a CPU device) runs every batch in the
 loop's thread. The wall clock (the default) is what a training loop sees.
 
-Usage: python benchmarks/bench_timeline.py [--pairs 400] [--samples 10240] [--sample-every 16] [--device cpu]
+Usage: python benchmarks/bench_timeline.py [--pairs 400] [--samples 50000] [--sample-every 64] [--device cpu]
        [--clock wall|thread] [--json PATH]
 """
 
@@ -95,7 +96,7 @@ def measure(pairs: int, samples: int, batch_size: int, device: torch.device,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=400)
-    parser.add_argument("--samples", type=int, default=10_240)
+    parser.add_argument("--samples", type=int, default=BenchConfig().num_samples)
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--sample-every", type=int, default=DEFAULT_SAMPLE_EVERY)
     parser.add_argument("--device", default="cpu")

@@ -119,7 +119,7 @@ step gpu-tests 110 "$python" -m pytest "${pytest_args[@]}" --durations=25 --juni
   --ignore=tests/transforms tests
 step kernel-parity 50 "$python" -m pytest "${pytest_args[@]}" --junitxml="$out/kernel-parity.xml" tests/transforms
 step prefetch 35 "$python" benchmarks/bench_prefetch.py --quick --device cuda --json "$out/prefetch.json"
-step timeline 25 "$python" benchmarks/bench_timeline.py --pairs 400 --device "$device" --json "$out/timeline.json"
+step timeline 30 "$python" benchmarks/bench_timeline.py --pairs 400 --device "$device" --json "$out/timeline.json"
 step cache-device 35 "$python" -m gpuload.cli bench --quick --step sleep --step-ms 2 --epochs 2 \
   --out "$out/cache-device"
 step cache-partial 30 "$python" -m gpuload.cli bench --quick --scenario partial --step sleep --step-ms 2 \

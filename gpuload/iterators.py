@@ -72,6 +72,8 @@ class EpochIterator(Iterator[Any]):
         self._torch_iterator = work.torch_iterator
         self._epoch = epoch if epoch is not None else Epoch()
         self._pulled = 0  # items pulled from _items: the index the timeline samples by, as their maker counts
+        self._full_from = self._first_in_full()  # the next item whose step the timeline records in full
+        self._log_step = self._timeline.log.append if self._timeline is not None else None  # the others
 
     def __getattr__(self, name: str) -> Any:
         # torch's iterator attributes (``_workers``, ...) for code that reads them; a gpuload
@@ -102,9 +104,13 @@ class EpochIterator(Iterator[Any]):
         self._items, self._finish, self._length, self._epoch = items, work.finish, length, epoch
         self._torch_iterator = work.torch_iterator
         self._pulled = 0
+        self._full_from = self._first_in_full()
 
     def __len__(self) -> int:
         return self._length() - self._position.skipped
+
+    def _first_in_full(self) -> int:
+        return self._timeline.full_from(0) if self._timeline is not None else 0
 
     def reads_from(self, torch_iterator: Any) -> bool:
         """Whether this epoch's batches come from ``torch_iterator``."""
@@ -127,8 +133,10 @@ class EpochIterator(Iterator[Any]):
     def __next__(self) -> Any:
         started = time.perf_counter()
         epoch = self._epoch
-        timeline, delivered = self._timeline, False
-        asking = timeline.ask(self._pulled) if timeline is not None else None
+        delivered, asking = False, None
+        timeline = self._timeline if self._pulled >= self._full_from else None  # this step recorded in full
+        if timeline is not None:
+            asking = timeline.ask(self._pulled)
         try:
             epoch.enter()  # a stop marked before this is seen here; close() waits for the rest
             try:
@@ -162,9 +170,13 @@ class EpochIterator(Iterator[Any]):
             raise
         finally:
             ready = time.perf_counter()
-            self._stats.wait_time_s += ready - started
+            wait = ready - started
+            self._stats.wait_time_s += wait
             if timeline is not None:
                 timeline.got(asking, delivered, started, ready)
+                self._full_from = timeline.full_from(self._pulled)
+            elif delivered and self._log_step is not None:
+                self._log_step((wait, ready))  # recorded with the next step in full
         batch, count = finished
         self._stats.batches += 1
         self._stats.samples += count

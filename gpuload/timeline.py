@@ -11,9 +11,14 @@ produced; the loop's own thread opens one per step (:meth:`Timeline.ask`), which
 whatever is made in the loop's thread. A :class:`Timeline` keeps the last ``capacity`` steps and
 running totals; :mod:`gpuload.verdict` turns them into one line a person can act on.
 
-The wait is measured every step; the stages are timed on one step in ``sample_every`` (16 by
-default): a sampled step costs tens of times an unsampled one (its code runs cold, after the
-batch's work evicted it from the CPU's caches). Both ends decide by the same rule, the item's
+The wait is measured every step. On a CPU the loop only appends most steps' wait and clock time
+to a list (:attr:`Timeline.log`, one C call: code run after the batch's work runs cold, evicted
+from the CPU's caches by it, so every line the loop runs per step shows in its cost); the
+timeline records them with the next step it records in full (a sampled one, at most
+:data:`FOLD_STEPS` steps on), or when read. On CUDA every step goes in full (its events).
+
+The stages are timed on one step in ``sample_every`` (64 by default): a sampled step costs tens
+of times an unsampled one, run cold. Both ends decide by the same rule, the item's
 index in the stream of items the loop pulls, counted from 0 at each epoch, each
 ``set_batch_size`` and each resume, plus the epoch's offset (``(index + offset) % sample_every
 == 0``), and the stages travel with the batch they were timed for: a sampled step never gets
@@ -48,8 +53,8 @@ from gpuload.environment import DEFAULT_TIMELINE_STEPS, timeline_steps
 from gpuload.verdict import STAGES, Verdict, verdict
 
 __all__ = [
-    "DEFAULT_SAMPLE_EVERY", "DEFAULT_STEPS", "Step", "Timeline", "begin_batch", "end_batch", "gather_stage",
-    "hand_over", "resolve_steps", "stage", "timeline_of",
+    "DEFAULT_SAMPLE_EVERY", "DEFAULT_STEPS", "FOLD_STEPS", "Step", "Timeline", "begin_batch", "end_batch",
+    "gather_stage", "hand_over", "resolve_steps", "stage", "timeline_of",
 ]
 
 _OFF = "no timeline: it is off (turn it on with timeline_steps=1000 or GPULOAD_TIMELINE=on)"
@@ -57,8 +62,13 @@ _OFF = "no timeline: it is off (turn it on with timeline_steps=1000 or GPULOAD_T
 #: Steps a timeline keeps by default (running totals cover every step).
 DEFAULT_STEPS = DEFAULT_TIMELINE_STEPS
 
-#: One step in this many has its stages timed (the wait is measured on every step).
-DEFAULT_SAMPLE_EVERY = 16
+#: One step in this many has its stages timed (the wait is measured on every step). A sampled
+#: step costs 15 to 30 µs on a CPU run cold: one in 16 cost 0.9% of a cached 180 µs step alone.
+DEFAULT_SAMPLE_EVERY = 64
+
+#: The CPU loop records a step in full at least once in this many (the steps between wait in
+#: ``Timeline.log``, so that it stays short).
+FOLD_STEPS = 64
 
 _clock = time.perf_counter
 _profiler = torch.autograd.profiler  # its ``_is_profiler_enabled`` flag is set while a profiler runs
@@ -213,11 +223,29 @@ class _Ring:
         self.waits[slot], self.times[slot], self.stages[slot] = wait_s, step_s, stages
         self.written = max(self.written, index + 1)
 
+    def extend(self, waits: list[float], times: list[float]) -> None:
+        """Unsampled steps (no stages) from step ``written`` on; only the last ``capacity`` are kept."""
+        capacity, count = self.capacity, len(waits)
+        first = count - min(count, capacity)  # the first of them kept
+        index, end = self.written + first, self.written + count
+        while index < end:
+            slot = index % capacity
+            run = min(capacity - slot, end - index)  # up to the ring's end
+            taken = slice(index - self.written, index - self.written + run)
+            self.waits[slot:slot + run] = array("d", waits[taken])
+            self.times[slot:slot + run] = array("d", times[taken])
+            self.stages[slot:slot + run] = [None] * run
+            index += run
+        self.written = end
+
     def steps(self) -> list[Step]:
         """The kept steps, oldest first, as :class:`Step` objects (made now)."""
         capacity = self.capacity
         return [Step(_known(self.waits[slot]), _known(self.times[slot]), self.stages[slot])
                 for slot in (index % capacity for index in range(max(0, self.written - capacity), self.written))]
+
+
+_TOTALS = ("step_count", "sampled_count", "wait_s", "step_s", "starts", "start_wait_s")
 
 
 def _checked(capacity: int) -> int:
@@ -241,6 +269,8 @@ class Timeline:
     recorded in the loop's thread; :meth:`steps`, :meth:`as_dict`, :meth:`summary` and
     :meth:`scalars` may be read anywhere. Every step's wait is measured; its stages on one step in
     ``sample_every`` (from the loader's next epoch), and the stage means are over those steps.
+    The running totals (``step_count``, ``wait_s``, ...) are read-only and include the steps the
+    loop logged but did not record yet.
     """
 
     def __init__(self, capacity: int = DEFAULT_STEPS, device: torch.device | str = "cpu",
@@ -259,6 +289,9 @@ class Timeline:
         self._spare: list[Any] = []  # CUDA: events no step reads any more, recorded again (_event)
         self._reading = threading.Lock()  # _read_events runs in the loop's thread and in readers'
         self._last_ready: Any = None  # the previous step's "usable" event (CUDA) or clock time; None: epoch start
+        #: CPU: ``(wait, ready)`` clock times of the steps the loop logged, not recorded yet (the
+        #: loop appends; recording under ``_reading`` takes them). One list for the timeline's life.
+        self.log: list[tuple[float, float]] = []
         self.reset_totals()
         # the loader (a weak reference: a cycle would keep its cache memory until the garbage
         # collector runs), for the verdict's suggestions; set by loader.timeline
@@ -289,9 +322,8 @@ class Timeline:
         """Keep the last ``capacity`` steps (0: off) from the loader's next epoch on, e.g. on for
         one epoch to see where it waits, at no cost in the others. The running totals stay, and
         the steps kept so far up to ``capacity`` (the newest)."""
+        self._settle()  # under the old capacity
         self.capacity = _checked(capacity)
-        if self._pending:
-            self._read_events()
         old = self._ring
         self._ring = _Ring(capacity, old)
         if not capacity:
@@ -302,17 +334,53 @@ class Timeline:
 
     def reset_totals(self) -> None:
         """Forget every step measured so far."""
+        self.log.clear()
         self._ring = _Ring(self.capacity)
-        self.step_count = 0  # steps measured, over the loader's life
-        self.sampled_count = 0  # those whose stages were timed (stage_s covers them)
-        self.wait_s = 0.0  # their waits, where the step time is known too
-        self.step_s = 0.0  # their step times
-        # An epoch's first step has no step time: its wait (the epoch's start, also a scheduler
-        # stall after the work of iter(), or workers starting) is kept apart from the share.
-        self.starts = 0  # epochs' first steps measured
-        self.start_wait_s = 0.0  # their waits
+        self._step_count = 0
+        self._sampled_count = 0
+        self._wait_s = 0.0
+        self._step_s = 0.0
+        self._starts = 0
+        self._start_wait_s = 0.0
         self.stage_s: dict[str, float] = {}  # each stage's seconds over the sampled steps
         self._pending.clear()
+
+    @property
+    def step_count(self) -> int:
+        """Steps measured, over the loader's life (since :meth:`reset_totals`)."""
+        self._settle()
+        return self._step_count
+
+    @property
+    def sampled_count(self) -> int:
+        """Those of them whose stages were timed (``stage_s`` covers them)."""
+        return self._sampled_count
+
+    @property
+    def wait_s(self) -> float:
+        """Their waits, where the step time is known too."""
+        self._settle()
+        return self._wait_s
+
+    @property
+    def step_s(self) -> float:
+        """Their step times."""
+        self._settle()
+        return self._step_s
+
+    @property
+    def starts(self) -> int:
+        """Epochs' first steps measured. An epoch's first step has no step time: its wait (the
+        epoch's start, also a scheduler stall after the work of iter(), or workers starting) is
+        kept apart from the share."""
+        self._settle()
+        return self._starts
+
+    @property
+    def start_wait_s(self) -> float:
+        """Their waits."""
+        self._settle()
+        return self._start_wait_s
 
     # -- recording, in the loop's thread ---------------------------------------------------------
 
@@ -320,9 +388,19 @@ class Timeline:
         """The next step is an epoch's first: the time since the last one is not a step. Fixes the
         epoch's sampling (``sample_every``, or none when off), going on from the steps recorded
         before it."""
+        self._settle()  # the last epoch's logged steps follow its last ready
         self._last_ready = None
         self._every = self._sample_every if self.capacity else 0
-        self._offset = self.step_count % self._every if self._every else 0
+        self._offset = self._step_count % self._every if self._every else 0
+
+    def full_from(self, index: int) -> int:
+        """The first item index from ``index`` on whose step the loop records in full
+        (:meth:`ask` and :meth:`got`) rather than appending it to :attr:`log`: every step on CUDA
+        (its events), else the next sampled one, at most :data:`FOLD_STEPS` on."""
+        if self._cuda:
+            return index
+        every, latest = self._every, index + FOLD_STEPS - 1
+        return min(index + -(index + self._offset) % every, latest) if every else latest
 
     def ask(self, index: int) -> _Batch | None:
         """The loop asks for the item ``index`` of the epoch's stream (counted from 0 at each start,
@@ -340,33 +418,70 @@ class Timeline:
     def got(self, asking: _Batch | None, delivered: bool, asked_at: float, ready_at: float) -> None:
         """The loop's batch is usable on its stream (``delivered``), or none came (the epoch ended,
         or raised): then the step is not recorded. ``asking``: the step's record, if sampled;
-        ``asked_at`` and ``ready_at``: the clock when the loop asked and when it had the batch.
-
-        An unsampled step on the CPU writes two floats and adds two (the loop pays this per step)."""
+        ``asked_at`` and ``ready_at``: the clock when the loop asked and when it had the batch. The
+        steps logged before it (:attr:`log`) are recorded first."""
         stages = self._stages_of(asking) if asking is not None else None
-        capacity = self.capacity
-        if not delivered or not capacity:
-            return
+        recorded = delivered and self.capacity > 0
         if self._cuda:
-            self._got_on_stream(stages)
+            if recorded:
+                self._got_on_stream(stages)
             return
+        with self._reading:
+            self._record_log()  # also once turned off mid-epoch (dropped): the log stays short
+            if recorded:
+                self._record(ready_at - asked_at, ready_at, stages)
+
+    def _record(self, wait: float, ready_at: float, stages: dict[str, float] | None) -> None:
+        """One CPU step into the ring and the totals (``capacity`` > 0; under ``_reading``)."""
         ring = self._ring
-        slot = ring.written % capacity
+        slot = ring.written % self.capacity
         ring.written += 1
-        self.step_count += 1
-        ring.waits[slot] = wait = ready_at - asked_at
+        self._step_count += 1
+        ring.waits[slot] = wait
         last, self._last_ready = self._last_ready, ready_at
         if last is None:
             ring.times[slot] = math.nan
-            self.starts += 1
-            self.start_wait_s += wait
+            self._starts += 1
+            self._start_wait_s += wait
         else:
             ring.times[slot] = step = ready_at - last
-            self.wait_s += wait
-            self.step_s += step
+            self._wait_s += wait
+            self._step_s += step
         ring.stages[slot] = stages
         if stages is not None:
             self._add_stages(stages)
+
+    def _record_log(self) -> None:
+        """Record the steps the loop logged, oldest first (dropped when off; under ``_reading``)."""
+        log = self.log
+        count = len(log)
+        if not count:
+            return
+        logged = log[:count]
+        del log[:count]  # the loop may append meanwhile: after these
+        if not self.capacity:
+            return
+        if self._last_ready is None:  # an epoch's first step: its wait is the epoch's start
+            self._record(*logged.pop(0), None)
+        if not logged:
+            return
+        # in whole lists rather than one _record each: this runs in the loop's thread
+        waits = [wait for wait, _ in logged]
+        readies = [ready_at for _, ready_at in logged]
+        times = [ready_at - before for before, ready_at in zip([self._last_ready, *readies], readies)]
+        self._last_ready = readies[-1]
+        self._step_count += len(logged)
+        self._wait_s += sum(waits)
+        self._step_s += sum(times)
+        self._ring.extend(waits, times)
+
+    def _settle(self) -> None:
+        """Bring the ring and totals up to date: the logged steps, the CUDA steps whose events completed."""
+        if self.log:
+            with self._reading:
+                self._record_log()
+        if self._pending:
+            self._read_events()
 
     def _stages_of(self, asking: _Batch) -> dict[str, float]:
         """A sampled step's stages: those of its record in the loop's thread, and those of the
@@ -381,7 +496,7 @@ class Timeline:
         return stages
 
     def _add_stages(self, stages: dict[str, float]) -> None:
-        self.sampled_count += 1
+        self._sampled_count += 1
         totals = self.stage_s
         for name, seconds in stages.items():
             totals[name] = totals.get(name, 0.0) + seconds
@@ -400,7 +515,7 @@ class Timeline:
         ring = self._ring
         index = ring.written
         ring.put(index, math.nan, math.nan, stages)
-        self.step_count += 1
+        self._step_count += 1
         if stages is not None:
             self._add_stages(stages)
         with self._reading:  # with the step, its previous "ready" passes to it (read, then reused, with it)
@@ -429,12 +544,12 @@ class Timeline:
                 self._spare.append(asked)
                 step = math.nan
                 if previous is None:
-                    self.starts += 1
-                    self.start_wait_s += wait
+                    self._starts += 1
+                    self._start_wait_s += wait
                 elif previous.query():  # done before ready, unless streams changed
                     step = previous.elapsed_time(ready) / 1000
-                    self.wait_s += wait
-                    self.step_s += step
+                    self._wait_s += wait
+                    self._step_s += step
                     self._spare.append(previous)
                 if index >= ring.written - ring.capacity:  # still kept
                     slot = index % ring.capacity
@@ -444,15 +559,13 @@ class Timeline:
 
     def steps(self) -> list[Step]:
         """The last ``capacity`` steps, oldest first."""
-        if self._pending:
-            self._read_events()
+        self._settle()
         return self._ring.steps()
 
     def wait_fraction(self) -> float | None:
         """The share of step time the loop waited, over every step with both times (None: none yet)."""
-        if self._pending:
-            self._read_events()
-        return self.wait_s / self.step_s if self.step_s > 0 else None
+        self._settle()
+        return self._wait_s / self._step_s if self._step_s > 0 else None
 
     def stage_seconds(self, steps: Iterable[Step] | None = None) -> dict[str, float]:
         """Mean seconds per step of each stage, largest first: over the sampled ones of ``steps``,
@@ -525,13 +638,17 @@ class Timeline:
                 "start_wait_s": self.start_wait_s, "stage_s": dict(self.stage_s)}
 
     def __getstate__(self) -> dict[str, Any]:
+        self._settle()
         state = dict(self.__dict__)
-        state.update(_pending=deque(), _spare=[], _last_ready=None, _asked=None, about=None, ranks=None)
+        state.update(_pending=deque(), _spare=[], _last_ready=None, _asked=None, about=None, ranks=None, log=[])
         del state["_reading"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"_offset": 0, "_spare": [], **state})  # pickled before these: their defaults
+        for total in _TOTALS:  # pickled when the totals were attributes
+            if total in state:
+                state[f"_{total}"] = state.pop(total)
+        self.__dict__.update({"_offset": 0, "_spare": [], "log": [], **state})  # pickled before these: their defaults
         self._reading = threading.Lock()
 
     def __repr__(self) -> str:

@@ -190,6 +190,95 @@ def test_recording_a_step_keeps_no_object_alive() -> None:
     assert timeline.wait_fraction() == pytest.approx(0.75)
 
 
+
+class _ScriptedClock:
+    """``time`` for gpuload.iterators: its perf_counter moves 1 s a read and, on each ask, a
+    further wait that grows with the step, so that every step's wait and step time differ."""
+
+    def __init__(self) -> None:
+        self.now, self.reads = 0.0, 0
+
+    def perf_counter(self) -> float:
+        self.reads += 1
+        self.now += 1.0 + (self.reads % 7) / 8
+        return self.now
+
+
+def scripted_run(monkeypatch: pytest.MonkeyPatch, fold_steps: int, logged: list[int], kept: int) -> Timeline:
+    """Three epochs of 100 steps (and 3 of a new batch size) under the scripted clock, each step
+    logged or recorded in full as ``fold_steps`` says (1: every step in full), the last ``kept``
+    kept; ``logged``: how many steps waited in the log at each step."""
+    import gpuload.iterators as iterators
+
+    monkeypatch.setattr(iterators, "time", _ScriptedClock())
+    monkeypatch.setattr(timeline_module, "_clock", _ScriptedClock().perf_counter)  # the stages' times
+    monkeypatch.setattr(timeline_module, "FOLD_STEPS", fold_steps)
+    loader = gpuload.DataLoader(TensorDataset(torch.arange(400.0)), batch_size=4, timeline_steps=kept)
+    loader.timeline.sample_every = 37
+    for epoch in range(3):
+        batches = iter(loader)
+        for step, _batch in enumerate(batches):
+            logged.append(len(loader.timeline.log))
+            if epoch == 2 and step == 50:
+                loader.set_batch_size(2)  # the rest of the epoch: item indices from 0 again
+    return loader.timeline
+
+
+@pytest.mark.parametrize("kept", [250, 5, 100])
+def test_steps_the_loop_logs_are_recorded_as_if_each_were_recorded_in_full(monkeypatch: pytest.MonkeyPatch,
+                                                                          kept: int) -> None:
+    """On the CPU the loop appends most steps to a log, recorded with the next step it records in
+    full: the ring (also one shorter than the log, or wrapping within it) and every total come
+    out as when every step is recorded in full."""
+    fold_steps, in_full, logged = timeline_module.FOLD_STEPS, [], []
+    expected = scripted_run(monkeypatch, 1, in_full, kept)
+    found = scripted_run(monkeypatch, fold_steps, logged, kept)
+    assert max(in_full) == 0 and 0 < max(logged) < fold_steps  # bounded by the full steps
+    assert found.steps() == expected.steps() and len(found.steps()) == kept
+    totals, expected_totals = found.as_dict(), expected.as_dict()
+    assert totals.pop("stage_s") == expected_totals.pop("stage_s")
+    assert totals == pytest.approx(expected_totals, rel=1e-12) and totals["starts"] == 3  # sums in another order
+    assert found.step_count == 349 and found.sampled_count == expected.sampled_count > 0
+
+
+def test_the_log_stays_short_once_the_timeline_is_turned_off_mid_epoch() -> None:
+    """resize(0) takes effect from the next epoch: the rest of this one (here a long one) goes on
+    being logged, and dropped at each step recorded in full, never kept until the epoch ends."""
+    loader = gpuload.DataLoader(TensorDataset(torch.arange(2000.0)), batch_size=1, timeline_steps=100)
+    longest = 0
+    for step, _batch in enumerate(loader):
+        if step == 10:
+            loader.timeline.resize(0)
+        longest = max(longest, len(loader.timeline.log))
+    assert 0 < longest < timeline_module.FOLD_STEPS and loader.timeline.step_count == 11  # steps 0 to 10
+
+
+def test_a_reader_in_another_thread_loses_no_logged_step() -> None:
+    """Reading the timeline from another thread records the logged steps while the loop appends."""
+    loader = gpuload.DataLoader(TensorDataset(torch.arange(1000.0)), batch_size=1, timeline_steps=2000)
+    loader.timeline.sample_every = 10**6
+    timeline, done, seen = loader.timeline, threading.Event(), []
+
+    def read() -> None:
+        while not done.wait(0.002):
+            seen.append(timeline.step_count)
+            timeline.steps()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(2):
+            run(loader)
+    finally:
+        done.set()
+        reader.join()
+    steps = timeline.steps()
+    assert timeline.step_count == len(steps) == 2000 and len(seen) > 1
+    assert [index for index, step in enumerate(steps) if step.step_s is None] == [0, 1000]  # each epoch's first
+    assert all(step.wait_s is not None and step.wait_s >= 0 and (step.step_s is None or step.step_s >= step.wait_s)
+               for step in steps)
+
+
 # -- sampling: stages timed on one step in N, always the step's own ----------------------------
 
 
