@@ -266,9 +266,10 @@ class Timeline:
 
     ``capacity=0`` records nothing (``loader.timeline`` of a loader built with
     ``timeline_steps=0``, or with neither ``timeline_steps`` nor ``GPULOAD_TIMELINE=on``). Steps are
-    recorded in the loop's thread; :meth:`steps`, :meth:`as_dict`, :meth:`summary` and
-    :meth:`scalars` may be read anywhere. Every step's wait is measured; its stages on one step in
-    ``sample_every`` (from the loader's next epoch), and the stage means are over those steps.
+    recorded in the loop's thread (those it logged by whichever thread reads first); :meth:`steps`,
+    :meth:`as_dict`, :meth:`summary` and :meth:`scalars` may be read anywhere. Every step's wait is
+    measured; its stages on one step in ``sample_every`` (from the loader's next epoch), and the
+    stage means are over those steps.
     The running totals (``step_count``, ``wait_s``, ...) are read-only and include the steps the
     loop logged but did not record yet.
     """

@@ -165,6 +165,19 @@ def test_a_pickled_loader_keeps_its_steps() -> None:
     assert copy.timeline.step_count == 8
 
 
+def test_a_timeline_pickled_when_its_totals_were_attributes_keeps_them() -> None:
+    loader = gpuload.DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)
+    run(loader)
+    state = loader.timeline.__getstate__()
+    old = {(name[1:] if name[1:] in timeline_module._TOTALS else name): value for name, value in state.items()}
+    assert "step_count" in old and "log" in old
+    del old["log"]  # not in an old pickle either
+    restored = Timeline.__new__(Timeline)
+    restored.__setstate__(old)
+    assert restored.as_dict() == loader.timeline.as_dict() and restored.step_count == 4
+    assert restored.log == []
+
+
 def test_recording_a_step_keeps_no_object_alive() -> None:
     """The loop pays for the timeline on every step: an unsampled step writes floats into a ring
     kept from the start, and the Step objects are made only when someone reads them."""
