@@ -9,7 +9,10 @@ copy gathers faster (where its memory landed) differs by about 2% from one proce
 ten times the timeline's cost. glibc's malloc thresholds are fixed first, as ``gpuload bench``
 fixes them (:func:`gpuload.bench.run.steady_host_allocator`): left to adapt, they made some
 epochs' 1.5 MB batches fresh mappings that page-fault, and the two orders of a pair disagreed by
-more than the cost. Then ``--pairs`` pairs of epochs, no training step (the worst
+more than the cost. torch's intra-op threads are set as ``gpuload bench`` sets them
+(:func:`gpuload.cli.bench.default_threads`: one on a machine of two cores; with two there, on
+2026-12-07, the step was about half the bench's and so was the timeline's cost in µs, its share
+about the same). Then ``--pairs`` pairs of epochs, no training step (the worst
 case: the loop does nothing but ask), timed by :func:`gpuload.bench.measure.time_pairs` (the
 order within each pair alternating so that drift in the machine's load falls on both alike; the
 switch untimed between epochs). It prints the median epoch per step of each, and the paired
@@ -41,6 +44,7 @@ import gpuload
 from gpuload.bench.measure import order_differences, paired_overhead, time_pairs
 from gpuload.bench.run import steady_host_allocator
 from gpuload.bench.scenarios import BenchConfig, synthetic_cifar
+from gpuload.cli.bench import default_threads
 from gpuload.device import resolve_device
 from gpuload.timeline import DEFAULT_SAMPLE_EVERY
 
@@ -60,6 +64,9 @@ def measure(pairs: int, samples: int, batch_size: int, device: torch.device,
     per-step medians, the paired difference and its share
     (:func:`~gpuload.bench.measure.paired_overhead`)."""
     fixed_thresholds = steady_host_allocator()  # as gpuload bench does; see the module's docstring
+    threads = default_threads()  # as gpuload bench does: 1 on a machine of 2 cores
+    if threads is not None:
+        torch.set_num_threads(threads)
     dataset: TensorDataset = synthetic_cifar(BenchConfig(num_samples=samples, batch_size=batch_size))
     loader = gpuload.DataLoader(dataset, batch_size=batch_size, shuffle=True, device=device, cache="auto",
                                 timeline_steps=ON_STEPS, generator=torch.Generator().manual_seed(0))
@@ -88,7 +95,7 @@ def measure(pairs: int, samples: int, batch_size: int, device: torch.device,
         "paired_difference_us_per_step": 1e6 * overhead * off_step,
         "on_first_us_per_step": 1e6 * on_first, "off_first_us_per_step": 1e6 * off_first,
         "overhead_percent": 100 * overhead,
-        "fixed_malloc_thresholds": fixed_thresholds,
+        "fixed_malloc_thresholds": fixed_thresholds, "torch_threads": torch.get_num_threads(),
         "load_before": load_before, "load_after": os.getloadavg()[0], "cpu_count": os.cpu_count() or 0,
     }
 
