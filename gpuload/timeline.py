@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from gpuload.environment import DEFAULT_TIMELINE_STEPS, timeline_steps
+from gpuload.environment import DEFAULT_TIMELINE_STEPS, MAX_TIMELINE_STEPS, timeline_steps
 from gpuload.verdict import STAGES, Verdict, verdict
 
 __all__ = [
@@ -154,9 +154,10 @@ def resolve_steps(steps: int | None) -> int:
     or for None ``GPULOAD_TIMELINE`` (default off)."""
     if steps is None:
         return timeline_steps()
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"timeline_steps={steps!r} must be an int >= 0 (recent steps loader.timeline keeps; "
-                         "0 turns it off), or None for GPULOAD_TIMELINE (default off)")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= MAX_TIMELINE_STEPS:
+        raise ValueError(f"timeline_steps={steps!r} must be an int from 0 to {MAX_TIMELINE_STEPS:,} (recent steps "
+                         "loader.timeline keeps, 24 bytes each; 0 turns it off; the totals cover every step), or "
+                         "None for GPULOAD_TIMELINE (default off)")
     return steps
 
 
@@ -249,8 +250,9 @@ _TOTALS = ("step_count", "sampled_count", "wait_s", "step_s", "starts", "start_w
 
 
 def _checked(capacity: int) -> int:
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-        raise ValueError(f"timeline capacity={capacity!r} must be a non-negative int (steps kept)")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or not 0 <= capacity <= MAX_TIMELINE_STEPS:
+        raise ValueError(f"timeline capacity={capacity!r} must be an int from 0 to {MAX_TIMELINE_STEPS:,} (steps "
+                         "kept, 24 bytes each; the totals cover every step)")
     return capacity
 
 

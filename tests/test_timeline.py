@@ -150,10 +150,19 @@ def test_the_environment_variable_takes_on_off_or_a_number_and_names_a_bad_value
         timeline_steps({TIMELINE: "sometimes"})
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True, "10"])
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "10", 10**12])
 def test_a_bad_keyword_is_named(bad: Any) -> None:
     with pytest.raises(ValueError, match="timeline_steps"):
         gpuload.DataLoader(TensorDataset(torch.arange(4.0)), timeline_steps=bad)
+
+
+def test_a_huge_number_of_steps_is_refused_with_its_bound_not_a_memory_error() -> None:
+    loader = gpuload.DataLoader(TensorDataset(torch.arange(4.0)), timeline_steps=10)
+    with pytest.raises(ValueError, match="from 0 to 10,000,000"):
+        loader.timeline.resize(10**12)
+    assert loader.timeline.capacity == 10  # unchanged
+    with pytest.raises(CacheSettingError, match="0 to 10,000,000"):
+        timeline_steps({TIMELINE: str(10**12)})
 
 
 def test_a_pickled_loader_keeps_its_steps() -> None:
@@ -201,7 +210,6 @@ def test_recording_a_step_keeps_no_object_alive() -> None:
     assert all(step.wait_s == pytest.approx(0.75) and step.step_s == pytest.approx(1.0) and step.stages is None
                for step in steps[1:])
     assert timeline.wait_fraction() == pytest.approx(0.75)
-
 
 
 class _ScriptedClock:
