@@ -64,9 +64,6 @@ def measure(pairs: int, samples: int, batch_size: int, device: torch.device,
     per-step medians, the paired difference and its share
     (:func:`~gpuload.bench.measure.paired_overhead`)."""
     fixed_thresholds = steady_host_allocator()  # as gpuload bench does; see the module's docstring
-    threads = default_threads()  # as gpuload bench does: 1 on a machine of 2 cores
-    if threads is not None:
-        torch.set_num_threads(threads)
     dataset: TensorDataset = synthetic_cifar(BenchConfig(num_samples=samples, batch_size=batch_size))
     loader = gpuload.DataLoader(dataset, batch_size=batch_size, shuffle=True, device=device, cache="auto",
                                 timeline_steps=ON_STEPS, generator=torch.Generator().manual_seed(0))
@@ -111,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="wall: the wall clock; thread: the loop thread's CPU time (see above)")
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
+    threads = default_threads()  # as gpuload bench does (1 on a machine of 2 cores): for the process, as a CLI
+    if threads is not None:
+        torch.set_num_threads(threads)
     found = measure(args.pairs, args.samples, args.batch_size, resolve_device(args.device), args.sample_every,
                     args.clock)
     print(f"{found['pairs']} alternating pairs of {found['steps_per_epoch']}-step epochs on {found['device']} "
