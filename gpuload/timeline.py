@@ -11,11 +11,13 @@ produced; the loop's own thread opens one per step (:meth:`Timeline.ask`), which
 whatever is made in the loop's thread. A :class:`Timeline` keeps the last ``capacity`` steps and
 running totals; :mod:`gpuload.verdict` turns them into one line a person can act on.
 
-The wait is measured every step. On a CPU the loop only appends most steps' wait and clock time
-to a list (:attr:`Timeline.log`, one C call: code run after the batch's work runs cold, evicted
-from the CPU's caches by it, so every line the loop runs per step shows in its cost); the
-timeline records them with the next step it records in full (a sampled one, at most
-:data:`FOLD_STEPS` steps on), or when read. On CUDA every step goes in full (its events).
+The wait is measured every step. On a CPU the loop appends each step's wait and clock time to a
+list (:attr:`Timeline.log`, one C call: code run after the batch's work runs cold, evicted from
+the CPU's caches by it, so every line the loop runs per step shows in its cost); a sampled
+step's stages and an epoch's start are marked beside it. The timeline records the log in one
+pass once it holds half :data:`FOLD_STEPS` steps, or when read: each pass pays that cold start once
+(30-50 µs), so passes are few, not one per sampled step or epoch. On CUDA every step goes in
+full (its events).
 
 The stages are timed on one step in ``sample_every`` (64 by default): a sampled step costs tens
 of times an unsampled one, run cold. Both ends decide by the same rule, the item's
@@ -66,9 +68,9 @@ DEFAULT_STEPS = DEFAULT_TIMELINE_STEPS
 #: step costs 15 to 30 µs on a CPU run cold: one in 16 cost 0.9% of a cached 180 µs step alone.
 DEFAULT_SAMPLE_EVERY = 64
 
-#: The CPU loop records a step in full at least once in this many (the steps between wait in
-#: ``Timeline.log``, so that it stays short).
-FOLD_STEPS = 64
+#: The CPU loop's log never holds this many steps: the timeline records it once it holds half as
+#: many (or when read), checked at the loop's full steps (sampled ones, at least one in half as many).
+FOLD_STEPS = 1024
 
 _clock = time.perf_counter
 _profiler = torch.autograd.profiler  # its ``_is_profiler_enabled`` flag is set while a profiler runs
@@ -295,6 +297,10 @@ class Timeline:
         #: CPU: ``(wait, ready)`` clock times of the steps the loop logged, not recorded yet (the
         #: loop appends; recording under ``_reading`` takes them). One list for the timeline's life.
         self.log: list[tuple[float, float]] = []
+        self._folded = 0  # CPU: steps taken from the log so far (log[0] is step _folded of it)
+        # CPU: (step of the log, whether an epoch starts there, its stages if sampled), in order;
+        # made under _reading by the loop, for a logged step or the next one it logs
+        self._marks: deque[tuple[int, bool, dict[str, float] | None]] = deque()
         self.reset_totals()
         # the loader (a weak reference: a cycle would keep its cache memory until the garbage
         # collector runs), for the verdict's suggestions; set by loader.timeline
@@ -337,7 +343,11 @@ class Timeline:
 
     def reset_totals(self) -> None:
         """Forget every step measured so far."""
-        self.log.clear()
+        with self._reading:
+            self._folded += len(self.log)
+            self.log.clear()
+            while self._marks and self._marks[0][0] < self._folded:  # an epoch's start to come stays
+                self._marks.popleft()
         self._ring = _Ring(self.capacity)
         self._step_count = 0
         self._sampled_count = 0
@@ -356,7 +366,7 @@ class Timeline:
 
     @property
     def sampled_count(self) -> int:
-        """Those of them whose stages were timed (``stage_s`` covers them)."""
+        """Those of them whose stages were timed (``stage_s`` covers them; both counted when timed)."""
         return self._sampled_count
 
     @property
@@ -391,18 +401,22 @@ class Timeline:
         """The next step is an epoch's first: the time since the last one is not a step. Fixes the
         epoch's sampling (``sample_every``, or none when off), going on from the steps recorded
         before it."""
-        self._settle()  # the last epoch's logged steps follow its last ready
-        self._last_ready = None
+        with self._reading:
+            if self._cuda:
+                self._last_ready = None
+            elif self.capacity:  # the steps still logged follow the last epoch's last ready
+                self._mark(self._folded + len(self.log), start=True)
+            counted = self._step_count + len(self.log)
         self._every = self._sample_every if self.capacity else 0
-        self._offset = self._step_count % self._every if self._every else 0
+        self._offset = counted % self._every if self._every else 0
 
     def full_from(self, index: int) -> int:
-        """The first item index from ``index`` on whose step the loop records in full
-        (:meth:`ask` and :meth:`got`) rather than appending it to :attr:`log`: every step on CUDA
-        (its events), else the next sampled one, at most :data:`FOLD_STEPS` on."""
+        """The first item index from ``index`` on whose step the loop passes to :meth:`ask` and
+        :meth:`got` rather than appending it to :attr:`log` itself: every step on CUDA (its
+        events), else the next sampled one, at most half :data:`FOLD_STEPS` on (to record the log)."""
         if self._cuda:
             return index
-        every, latest = self._every, index + FOLD_STEPS - 1
+        every, latest = self._every, index + (FOLD_STEPS + 1) // 2 - 1
         return min(index + -(index + self._offset) % every, latest) if every else latest
 
     def ask(self, index: int) -> _Batch | None:
@@ -421,8 +435,9 @@ class Timeline:
     def got(self, asking: _Batch | None, delivered: bool, asked_at: float, ready_at: float) -> None:
         """The loop's batch is usable on its stream (``delivered``), or none came (the epoch ended,
         or raised): then the step is not recorded. ``asking``: the step's record, if sampled;
-        ``asked_at`` and ``ready_at``: the clock when the loop asked and when it had the batch. The
-        steps logged before it (:attr:`log`) are recorded first."""
+        ``asked_at`` and ``ready_at``: the clock when the loop asked and when it had the batch. On
+        a CPU the step joins the log (its stages counted now, marked for its place in the ring),
+        recorded with it once it holds half :data:`FOLD_STEPS` steps."""
         stages = self._stages_of(asking) if asking is not None else None
         recorded = delivered and self.capacity > 0
         if self._cuda:
@@ -430,12 +445,26 @@ class Timeline:
                 self._got_on_stream(stages)
             return
         with self._reading:
-            self._record_log()  # also once turned off mid-epoch (dropped): the log stays short
+            log = self.log
             if recorded:
-                self._record(ready_at - asked_at, ready_at, stages)
+                if stages is not None:
+                    self._add_stages(stages)
+                    self._mark(self._folded + len(log), stages=stages)
+                log.append((ready_at - asked_at, ready_at))
+            if 2 * len(log) >= FOLD_STEPS or not self.capacity:  # also once turned off mid-epoch (dropped)
+                self._record_log()
+
+    def _mark(self, step: int, start: bool = False, stages: dict[str, float] | None = None) -> None:
+        """Mark the log's ``step`` as an epoch's start, or sampled (under ``_reading``)."""
+        marks = self._marks
+        if marks and marks[-1][0] == step:  # an epoch's first step, sampled
+            _, started, timed = marks.pop()
+            start, stages = start or started, stages or timed
+        marks.append((step, start, stages))
 
     def _record(self, wait: float, ready_at: float, stages: dict[str, float] | None) -> None:
-        """One CPU step into the ring and the totals (``capacity`` > 0; under ``_reading``)."""
+        """One CPU step into the ring and the totals (``capacity`` > 0; under ``_reading``); its
+        stages, if sampled, were counted when it was timed."""
         ring = self._ring
         slot = ring.written % self.capacity
         ring.written += 1
@@ -451,18 +480,35 @@ class Timeline:
             self._wait_s += wait
             self._step_s += step
         ring.stages[slot] = stages
-        if stages is not None:
-            self._add_stages(stages)
 
     def _record_log(self) -> None:
-        """Record the steps the loop logged, oldest first (dropped when off; under ``_reading``)."""
+        """Record the steps the loop logged, oldest first, runs of unmarked steps in whole lists
+        (dropped when off; under ``_reading``)."""
         log = self.log
         count = len(log)
         if not count:
             return
         logged = log[:count]
         del log[:count]  # the loop may append meanwhile: after these
-        if not self.capacity:
+        first = self._folded
+        self._folded += count
+        marks = self._marks
+        done = 0
+        while marks and marks[0][0] < first + count:
+            step, start, stages = marks.popleft()
+            if self.capacity:
+                at = step - first
+                self._record_run(logged[done:at])
+                if start:
+                    self._last_ready = None
+                self._record(*logged[at], stages)
+                done = at + 1
+        if self.capacity:
+            self._record_run(logged[done:])
+
+    def _record_run(self, logged: list[tuple[float, float]]) -> None:
+        """Steps of one epoch, none sampled, into the ring and the totals (under ``_reading``)."""
+        if not logged:
             return
         if self._last_ready is None:  # an epoch's first step: its wait is the epoch's start
             self._record(*logged.pop(0), None)
@@ -643,7 +689,8 @@ class Timeline:
     def __getstate__(self) -> dict[str, Any]:
         self._settle()
         state = dict(self.__dict__)
-        state.update(_pending=deque(), _spare=[], _last_ready=None, _asked=None, about=None, ranks=None, log=[])
+        state.update(_pending=deque(), _spare=[], _last_ready=None, _asked=None, about=None, ranks=None, log=[],
+                     _folded=0, _marks=deque())
         del state["_reading"]
         return state
 
@@ -651,7 +698,8 @@ class Timeline:
         for total in _TOTALS:  # pickled when the totals were attributes
             if total in state:
                 state[f"_{total}"] = state.pop(total)
-        self.__dict__.update({"_offset": 0, "_spare": [], "log": [], **state})  # pickled before these: their defaults
+        # pickled before these: their defaults
+        self.__dict__.update({"_offset": 0, "_spare": [], "log": [], "_folded": 0, "_marks": deque(), **state})
         self._reading = threading.Lock()
 
     def __repr__(self) -> str:
