@@ -31,9 +31,9 @@ multiple of it, does not have its first step sampled every time.
 The exposed wait is measured where the loop uses the batch: on a CPU with the clock around
 ``next()``; on CUDA with timing events recorded on the loop's current stream when it asks for a
 batch and once the batch is usable there, read only after they completed (``event.query()``),
-never with a host sync. A stage's time is host time in the thread that ran it: asynchronous
-device work shows where the host waits for it (a slot whose copy is not done, a decode that
-returns device memory).
+never with a host sync, and by the loop only once :data:`READ_EVERY` steps wait to be read. A
+stage's time is host time in the thread that ran it: asynchronous device work shows where the
+host waits for it (a slot whose copy is not done, a decode that returns device memory).
 
 Each stage is also a ``torch.profiler`` range (``gpuload.<stage>``) while a profiler runs.
 """
@@ -55,7 +55,7 @@ from gpuload.environment import DEFAULT_TIMELINE_STEPS, MAX_TIMELINE_STEPS, time
 from gpuload.verdict import STAGES, Verdict, verdict
 
 __all__ = [
-    "DEFAULT_SAMPLE_EVERY", "DEFAULT_STEPS", "FOLD_STEPS", "Step", "Timeline", "begin_batch", "end_batch",
+    "DEFAULT_SAMPLE_EVERY", "DEFAULT_STEPS", "FOLD_STEPS", "READ_EVERY", "Step", "Timeline", "begin_batch", "end_batch",
     "gather_stage", "hand_over", "resolve_steps", "stage", "timeline_of",
 ]
 
@@ -67,6 +67,10 @@ DEFAULT_STEPS = DEFAULT_TIMELINE_STEPS
 #: One step in this many has its stages timed (the wait is measured on every step). A sampled
 #: step costs 15 to 30 µs on a CPU run cold: one in 16 cost 0.9% of a cached 180 µs step alone.
 DEFAULT_SAMPLE_EVERY = 64
+
+#: CUDA: the loop reads its steps' completed events once this many wait (or the ring's capacity,
+#: if less), not every step; readers read them all.
+READ_EVERY = 16
 
 #: The CPU loop's log never holds this many steps: the timeline records it once it holds half as
 #: many (or when read), checked at the loop's full steps (sampled ones, at least one in half as many).
@@ -285,6 +289,7 @@ class Timeline:
         self._every = sample_every if capacity else 0  # the epoch's sampling (0: none), fixed at new_epoch
         self._offset = 0  # the epoch's first item is its step _offset of the cadence (fixed at new_epoch)
         self._asked: Any = None  # CUDA: the event recorded when the loop asked for the current batch
+        self._stream: Any = None  # CUDA: the loop's stream when it asked (its batch is usable there)
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
         # The kept steps, a ring of plain floats (NaN: unknown) written in place: recording a step
@@ -425,7 +430,8 @@ class Timeline:
         its stages are sampled (by :attr:`sampling`), else None."""
         if self._cuda and self.capacity:
             self._asked = self._event()
-            self._asked.record(torch.cuda.current_stream(self.device))
+            self._stream = torch.cuda.current_stream(self.device)
+            self._asked.record(self._stream)
         every = self._every
         if every and (index + self._offset) % every == 0:
             _here.delivered = None  # only this step's batch hands its stages over from now on
@@ -557,10 +563,11 @@ class Timeline:
     def _got_on_stream(self, stages: dict[str, float] | None) -> None:
         """CUDA: the step's times come from its events once they completed (read without a sync)."""
         asked, self._asked = self._asked, None
+        stream, self._stream = self._stream, None
         if asked is None:  # asked while the timeline was off: nothing to measure from
             return
         ready = self._event()
-        ready.record(torch.cuda.current_stream(self.device))
+        ready.record(stream)
         ring = self._ring
         index = ring.written
         ring.put(index, math.nan, math.nan, stages)
@@ -572,7 +579,9 @@ class Timeline:
             self._last_ready = ready
             while len(self._pending) > self.capacity:  # never waited for: its times stay unknown
                 self._pending.popleft()
-        self._read_events()
+            waiting = len(self._pending)
+        if waiting >= min(READ_EVERY, self.capacity):
+            self._read_events()
 
     def _read_events(self) -> None:
         """Fill in the times of the CUDA steps whose events completed, oldest first (no sync); also
@@ -689,8 +698,8 @@ class Timeline:
     def __getstate__(self) -> dict[str, Any]:
         self._settle()
         state = dict(self.__dict__)
-        state.update(_pending=deque(), _spare=[], _last_ready=None, _asked=None, about=None, ranks=None, log=[],
-                     _folded=0, _marks=deque())
+        state.update(_pending=deque(), _spare=[], _last_ready=None, _asked=None, _stream=None, about=None, ranks=None,
+                     log=[], _folded=0, _marks=deque())
         del state["_reading"]
         return state
 
@@ -699,7 +708,8 @@ class Timeline:
             if total in state:
                 state[f"_{total}"] = state.pop(total)
         # pickled before these: their defaults
-        self.__dict__.update({"_offset": 0, "_spare": [], "log": [], "_folded": 0, "_marks": deque(), **state})
+        self.__dict__.update({"_offset": 0, "_spare": [], "log": [], "_folded": 0, "_marks": deque(), "_stream": None,
+                              **state})
         self._reading = threading.Lock()
 
     def __repr__(self) -> str:

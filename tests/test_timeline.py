@@ -25,7 +25,7 @@ import gpuload.timeline as timeline_module
 from gpuload import transforms as T
 from gpuload.environment import TIMELINE, timeline_steps
 from gpuload.sizes import CacheSettingError
-from gpuload.timeline import FOLD_STEPS, Timeline, begin_batch, end_batch, stage
+from gpuload.timeline import FOLD_STEPS, READ_EVERY, Timeline, begin_batch, end_batch, stage
 from gpuload.verdict import STAGES, SUGGESTIONS, LoaderSettings, suggestions, verdict
 
 SLOW_S = 0.05  # the slow stage, per batch: thousands of times the others on any machine
@@ -848,7 +848,28 @@ def test_on_cuda_events_are_recorded_again_only_once_no_step_reads_them(monkeypa
     assert [step.wait_s for step in steps] == pytest.approx([(1 + index) / 1000 for index in range(20)] * 3)
     assert [step.step_s for step in steps] == pytest.approx(
         ([None] + [(6 + index) / 1000 for index in range(1, 20)]) * 3)
-    assert clock.made <= 16, f"{clock.made} events made for 60 steps"  # 120 without reuse
+    # read once READ_EVERY steps wait: two events each, and the step being asked; 120 without reuse
+    assert clock.made <= 2 * READ_EVERY + 2, f"{clock.made} events made for 60 steps"
+
+
+def test_on_cuda_a_ring_shorter_than_read_every_has_each_step_read_before_it_is_dropped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop reads the events once a ring's worth of steps wait, when that is fewer than
+    READ_EVERY: a step whose events would wait longer than the ring keeps it is never read."""
+    clock = _Clock()
+    monkeypatch.setattr(torch.cuda, "Event", clock.Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    timeline = Timeline(5, "cuda")
+    timeline.new_epoch()
+    for index in range(40):
+        asking = timeline.ask(index)
+        clock.now_ms += 2.0  # each step waits 2 ms
+        timeline.got(asking, True, 0.0, 0.0)
+        clock.now_ms += 6.0  # and works 6 ms
+        clock.completed = len(clock.log) - 6  # the stream is three steps behind the loop
+    clock.done = True
+    assert timeline.step_count == 40 and timeline.starts == 1
+    assert timeline.wait_s == pytest.approx(39 * 0.002) and timeline.step_s == pytest.approx(39 * 0.008)
 
 
 def test_reading_the_timeline_does_not_keep_the_loader_alive() -> None:
