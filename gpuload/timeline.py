@@ -15,8 +15,8 @@ The wait is measured every step. On a CPU the loop appends each step's wait and 
 list (:attr:`Timeline.log`, one C call: code run after the batch's work runs cold, evicted from
 the CPU's caches by it, so every line the loop runs per step shows in its cost); a sampled
 step's stages and an epoch's start are marked beside it. The timeline records the log in one
-pass once it holds half :data:`FOLD_STEPS` steps, or when read: each pass pays that cold start once
-(30-50 µs), so passes are few, not one per sampled step or epoch. On CUDA every step goes in
+pass once it holds half :data:`FOLD_STEPS` steps, or when read: a pass costs 30-60 µs run cold,
+mostly for its code, so passes are few, not one per sampled step or epoch. On CUDA every step goes in
 full (its events).
 
 The stages are timed on one step in ``sample_every`` (64 by default): a sampled step costs tens
