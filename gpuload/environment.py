@@ -123,9 +123,9 @@ def exchange_timeout_seconds(environ: Mapping[str, str] | None = None) -> float:
 
 def timeline_steps(environ: Mapping[str, str] | None = None) -> int:
     """``GPULOAD_TIMELINE``: the steps ``loader.timeline`` keeps (0, the default: off; ``on``: 1000;
-    at most :data:`MAX_TIMELINE_STEPS`). Off by default: it costs about 1% (0.4-1.5%) of a cached
-    in-memory epoch's step with no training step on a CPU, not under the 1% bar, and has not been
-    measured on a GPU (the waiting page of the docs gives the measurements)."""
+    at most :data:`MAX_TIMELINE_STEPS`). Off by default: it costs 0.3-1.3% (median 0.65%) of a cached
+    in-memory epoch's step with no training step on a CPU, not safely under the 1% bar, and has not
+    been measured on a GPU (the waiting page of the docs gives the measurements)."""
     env = os.environ if environ is None else environ
     text = env.get(TIMELINE, "").strip().lower()
     if not text or text == "off":
